@@ -1,0 +1,150 @@
+//! How ranks talk: one [`Communicator`] abstraction over candle [`Tensor`]s, with backends.
+//!
+//! Contract shared by every backend:
+//! - Collectives (`all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `broadcast`,
+//!   `barrier`, `split`) must be called by every rank of the communicator, in the same order,
+//!   with tensors of the same shape and dtype (except where a method says otherwise). A mismatch
+//!   is reported as [`Error::Mismatch`] instead of corrupting data.
+//! - dtype and shape are preserved; inputs may be non-contiguous; outputs are contiguous.
+//! - Point-to-point messages between one pair of ranks arrive in the order they were sent.
+//!   A receiver names the shape and dtype it expects, as NCCL needs preallocated buffers.
+//! - [`Communicator::exchange`] posts a batch of sends and receives at once (NCCL's grouped
+//!   send/recv) and returns a [`Pending`] handle, so a ring step can compute while its next
+//!   block is in flight.
+//! - Every backend records, per rank and per [`OpKind`], the calls and the payload bytes sent to
+//!   and received from *other* ranks (see [`traffic`] for the exact counting rules).
+//! - If a rank fails, the other ranks' pending or next operation returns [`Error::PeerFailed`]
+//!   naming it (local backend), instead of hanging.
+//!
+//! Backends: [`local`] (ranks as threads of one process; the default on CPU and in tests) and,
+//! behind the `mpi` feature, `mpi` (one process per rank through OpenMPI).
+
+pub mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+pub mod traffic;
+
+use std::sync::Arc;
+
+use candle_core::{DType, Shape, Tensor};
+
+pub use local::{LocalWorld, DEFAULT_TIMEOUT};
+pub use traffic::{OpKind, OpStats, Traffic, TrafficSnapshot};
+
+use crate::error::Result;
+
+/// The reduction applied by `all_reduce` and `reduce_scatter`.
+///
+/// Reductions accumulate in f32 for bf16/f16 inputs and combine the ranks' contributions in rank
+/// order, so every rank obtains bit-identical results and runs are deterministic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    Avg,
+    Max,
+}
+
+/// A communicator shared by the code of one rank.
+pub type Comm = Arc<dyn Communicator>;
+
+/// A group of ranks that exchange candle tensors.
+pub trait Communicator: Send + Sync {
+    /// This rank's index in the communicator, `0..size`.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks in the communicator.
+    fn size(&self) -> usize;
+
+    /// Element-wise reduction over all ranks; every rank receives the full result.
+    fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor>;
+
+    /// Concatenates every rank's `x` along `dim`, in rank order. All inputs share one shape.
+    fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor>;
+
+    /// Reduces over ranks, then rank `r` keeps the `r`-th of `size` equal chunks along `dim`.
+    /// `x.dim(dim)` must be divisible by `size`.
+    fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor>;
+
+    /// Splits `x` into `size` equal chunks along `split_dim`, sends chunk `j` to rank `j`, and
+    /// concatenates the chunks received from every rank along `concat_dim`, in rank order.
+    /// With (batch, seq/P, heads, d) input, `split_dim = 2, concat_dim = 1` is Ulysses'
+    /// sequence-to-head exchange; the inverse is `split_dim = 1, concat_dim = 2`.
+    fn all_to_all(&self, x: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor>;
+
+    /// Every rank receives `root`'s tensor. Other ranks pass a tensor of the same shape and
+    /// dtype (its values are ignored), which is how NCCL sizes its buffers.
+    fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor>;
+
+    /// Blocking send of `x` to `dst`. It may return before `dst` has received the message.
+    fn send(&self, x: &Tensor, dst: usize) -> Result<()>;
+
+    /// Blocking receive of a tensor of `shape` and `dtype` from `src`.
+    fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor>;
+
+    /// Posts all `sends` and `recvs` as one group and returns at once; [`Pending::wait`] returns
+    /// the received tensors in the order of `recvs`. Deadlock-free whatever the order in which
+    /// ranks post their groups, as with NCCL's `groupStart`/`groupEnd`.
+    fn exchange(&self, sends: Vec<(usize, Tensor)>, recvs: Vec<RecvSpec>) -> Result<Pending>;
+
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&self) -> Result<()>;
+
+    /// Collective: ranks passing the same `color` form a new communicator, ordered by `key`
+    /// then by rank in this communicator.
+    fn split(&self, color: usize, key: usize) -> Result<Comm>;
+
+    /// The per-rank traffic accounting; shared by every communicator split from the same rank.
+    fn traffic(&self) -> &Traffic;
+
+    /// This rank's index in the world this communicator was split from.
+    fn world_rank(&self) -> usize;
+}
+
+/// What one receive of an [`Communicator::exchange`] expects.
+#[derive(Debug, Clone)]
+pub struct RecvSpec {
+    pub src: usize,
+    pub shape: Shape,
+    pub dtype: DType,
+}
+
+impl RecvSpec {
+    pub fn new(src: usize, shape: impl Into<Shape>, dtype: DType) -> Self {
+        Self {
+            src,
+            shape: shape.into(),
+            dtype,
+        }
+    }
+
+    /// Expects a tensor shaped like `t` from `src`.
+    pub fn like(src: usize, t: &Tensor) -> Self {
+        Self::new(src, t.shape().clone(), t.dtype())
+    }
+}
+
+/// A backend's in-flight exchange.
+pub trait PendingOp: Send {
+    fn wait(self: Box<Self>) -> Result<Vec<Tensor>>;
+}
+
+/// Handle of an in-flight [`Communicator::exchange`]. Dropping it without waiting leaves the
+/// received messages queued; always call [`Pending::wait`].
+#[must_use = "an exchange completes only when waited on"]
+pub struct Pending(Box<dyn PendingOp>);
+
+impl Pending {
+    pub fn new(op: Box<dyn PendingOp>) -> Self {
+        Self(op)
+    }
+
+    /// Blocks until every receive of the exchange has arrived; returns them in order.
+    pub fn wait(self) -> Result<Vec<Tensor>> {
+        self.0.wait()
+    }
+}
+
+/// Size in bytes of a tensor's elements.
+pub fn payload_bytes(x: &Tensor) -> u64 {
+    (x.elem_count() * x.dtype().size_in_bytes()) as u64
+}
