@@ -1,0 +1,14 @@
+//! candle-parallel: the distributed runtime of the project.
+//!
+//! Data flows through the modules in this order and never back:
+//! `comm` (how ranks talk) → `mesh` (who talks to whom) → `collectives` (differentiable
+//! communication inside candle graphs) → attention strategies and parallel layers (later issues).
+
+pub mod collectives;
+pub mod comm;
+pub mod error;
+pub mod mesh;
+
+pub use comm::{Comm, Communicator, LocalWorld, ReduceOp};
+pub use error::{Error, Result};
+pub use mesh::{DeviceMesh, MeshConfig};
