@@ -8,7 +8,9 @@ pub enum Error {
     PeerFailed { rank: usize, reason: String },
 
     /// A peer rank finished its work while this rank still waited for a message from it.
-    #[error("{op} on rank {me}: rank {peer} exited without sending the message this rank waits for")]
+    #[error(
+        "{op} on rank {me}: rank {peer} exited without sending the message this rank waits for"
+    )]
     PeerExited {
         op: &'static str,
         me: usize,

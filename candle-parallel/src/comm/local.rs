@@ -5,6 +5,12 @@
 //! the work of building its output (concatenation, reduction). Reductions are split across ranks
 //! (reduce-scatter then all-gather), so every rank's thread reduces `1/P` of the data.
 //!
+//! Results that are the same on every rank are built once and shared rather than once per rank:
+//! `all_gather`'s concatenation is done by a leader rank (rotating with each call), and on CPU
+//! (f32, f64, bf16, f16) every rank reduces its `1/P` of an `all_reduce` straight into one shared
+//! output. Ranks then hold the same tensor storage, like a received message: never write into a
+//! collective's output in place (`Var::from_tensor` copies, so making a variable of it is safe).
+//!
 //! ```
 //! use candle_core::{Device, Tensor};
 //! use candle_parallel::comm::{LocalWorld, ReduceOp};
@@ -125,7 +131,9 @@ impl LocalWorld {
         F: Fn(Comm) -> std::result::Result<T, E> + Sync,
     {
         if self.size == 0 {
-            return Err(Error::Layout("a local world needs at least one rank".into()));
+            return Err(Error::Layout(
+                "a local world needs at least one rank".into(),
+            ));
         }
         let shared = Arc::new(Shared::new(self.size, self.timeout));
         let f = &f;
@@ -199,6 +207,8 @@ struct Msg {
     /// Scalar arguments of the call (dim, root, reduce op, split color/key, ...).
     args: Vec<usize>,
     tensor: Option<Tensor>,
+    /// The output buffer of an all_reduce, sent by the round's leader with its chunks.
+    shared: Option<Arc<fused::SharedOut>>,
 }
 
 #[derive(Default)]
@@ -358,7 +368,10 @@ impl LocalComm {
         if r >= self.size_() {
             return Err(Error::invalid(
                 op,
-                format!("{what} {r} is out of range for a communicator of {} ranks", self.size_()),
+                format!(
+                    "{what} {r} is out of range for a communicator of {} ranks",
+                    self.size_()
+                ),
             ));
         }
         Ok(())
@@ -368,7 +381,10 @@ impl LocalComm {
         if dim >= x.rank() {
             return Err(Error::invalid(
                 op,
-                format!("dim {dim} is out of range for a tensor of shape {:?}", x.dims()),
+                format!(
+                    "dim {dim} is out of range for a tensor of shape {:?}",
+                    x.dims()
+                ),
             ));
         }
         Ok(())
@@ -390,7 +406,13 @@ impl LocalComm {
     }
 
     /// Sends one message of the current collective to every other rank.
-    fn post_all(&self, seq: u64, kind: OpKind, args: &[usize], tensor: impl Fn(usize) -> Option<Tensor>) -> Result<()> {
+    fn post_all(
+        &self,
+        seq: u64,
+        kind: OpKind,
+        args: &[usize],
+        tensor: impl Fn(usize) -> Option<Tensor>,
+    ) -> Result<()> {
         for dst in 0..self.size_() {
             if dst != self.ep.rank {
                 self.ep.post(
@@ -401,6 +423,7 @@ impl LocalComm {
                         kind,
                         args: args.to_vec(),
                         tensor: tensor(dst),
+                        shared: None,
                     },
                 )?;
             }
@@ -452,6 +475,57 @@ impl LocalComm {
         Ok(m)
     }
 
+    /// Records an all_reduce: reduce-scatter then all-gather of the chunks in `bounds`.
+    fn record_all_reduce(&self, bounds: &[(usize, usize)], el: u64) {
+        let (me, p) = (self.ep.rank, self.size_() as u64);
+        let others: u64 = bounds
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != me)
+            .map(|(_, &(_, l))| l as u64)
+            .sum();
+        let mine = bounds[me].1 as u64 * (p - 1);
+        let b = (others + mine) * el;
+        self.traffic.record(OpKind::AllReduce, b, b);
+    }
+
+    /// Sends one tensor-less message of the current collective to `dst`.
+    fn post_signal(&self, dst: usize, seq: u64, kind: OpKind, args: &[usize]) -> Result<()> {
+        self.ep.post(
+            dst,
+            false,
+            Msg {
+                seq,
+                kind,
+                args: args.to_vec(),
+                tensor: None,
+                shared: None,
+            },
+        )
+    }
+
+    /// Sends one message of the current collective to `dst`.
+    fn post_to(&self, dst: usize, seq: u64, kind: OpKind, args: &[usize], t: Tensor) -> Result<()> {
+        self.ep.post(
+            dst,
+            false,
+            Msg {
+                seq,
+                kind,
+                args: args.to_vec(),
+                tensor: Some(t),
+                shared: None,
+            },
+        )
+    }
+
+    /// The rank that builds the result of collective `seq` when every rank gets the same tensor
+    /// (all_gather, all_reduce): building it once and sharing it (candle tensors are immutable)
+    /// saves `P - 1` allocations and copies of the output. The role rotates to spread the work.
+    fn leader(&self, seq: u64) -> usize {
+        (seq % self.size_() as u64) as usize
+    }
+
     fn next_seq(&self) -> u64 {
         self.seq.fetch_add(1, Ordering::Relaxed)
     }
@@ -463,7 +537,28 @@ impl LocalComm {
 
     /// Reduce-scatter over explicit element ranges of a flat tensor; returns this rank's reduced
     /// chunk. Used by `all_reduce` (uneven chunks) and `reduce_scatter` (via narrow views).
-    fn reduce_chunks(&self, chunks: Vec<Tensor>, kind: OpKind, seq: u64, args: &[usize], op: ReduceOp) -> Result<Tensor> {
+    fn reduce_chunks(
+        &self,
+        chunks: Vec<Tensor>,
+        kind: OpKind,
+        seq: u64,
+        args: &[usize],
+        op: ReduceOp,
+    ) -> Result<Tensor> {
+        let (parts, _) = self.exchange_chunks(chunks, kind, seq, args, None)?;
+        reduce_in_rank_order(&parts, op, self.size_())
+    }
+
+    /// Sends chunk `j` to rank `j` (with `attach`, if any) and returns this rank's chunk as held
+    /// by every rank, in rank order, with the shared output a peer attached, if any.
+    fn exchange_chunks(
+        &self,
+        chunks: Vec<Tensor>,
+        kind: OpKind,
+        seq: u64,
+        args: &[usize],
+        attach: Option<&Arc<fused::SharedOut>>,
+    ) -> Result<(Vec<Tensor>, Option<Arc<fused::SharedOut>>)> {
         let me = self.ep.rank;
         for (dst, c) in chunks.iter().enumerate() {
             if dst != me {
@@ -475,21 +570,25 @@ impl LocalComm {
                         kind,
                         args: args.to_vec(),
                         tensor: Some(c.detach()),
+                        shared: attach.cloned(),
                     },
                 )?;
             }
         }
         let mine = &chunks[me];
         let mut parts = Vec::with_capacity(self.size_());
+        let mut shared = None;
         for src in 0..self.size_() {
             if src == me {
                 parts.push(mine.clone());
             } else {
-                let m = self.take_checked(src, seq, kind, args, Some((mine.shape(), mine.dtype())))?;
+                let mut m =
+                    self.take_checked(src, seq, kind, args, Some((mine.shape(), mine.dtype())))?;
+                shared = shared.or(m.shared.take());
                 parts.push(Self::tensor_of(m, kind.name())?);
             }
         }
-        reduce_in_rank_order(&parts, op, self.size_())
+        Ok((parts, shared))
     }
 }
 
@@ -503,6 +602,9 @@ fn op_code(op: ReduceOp) -> usize {
 
 /// Combines the ranks' contributions in rank order, in f32 for half-precision inputs.
 fn reduce_in_rank_order(parts: &[Tensor], op: ReduceOp, world: usize) -> Result<Tensor> {
+    if let Some(out) = fused::reduce(parts, op, world)? {
+        return Ok(out);
+    }
     let dtype = parts[0].dtype();
     let acc_dtype = match dtype {
         DType::BF16 | DType::F16 => DType::F32,
@@ -556,35 +658,74 @@ impl Communicator for LocalComm {
             .collect();
         let chunks = bounds
             .iter()
-            .map(|&(s, l)| flat.narrow(0, s, l))
+            // Empty chunks (fewer elements than ranks) start at 0: candle places an empty view
+            // of a strided tensor past the end of its storage, and its copies then panic.
+            .map(|&(s, l)| flat.narrow(0, if l == 0 { 0 } else { s }, l))
             .collect::<candle_core::Result<Vec<_>>>()?;
         // The shape is part of the arguments: chunks alone would not tell [2, 3] from [3, 2].
         let mut args = vec![op_code(op), 0];
         args.extend_from_slice(x.dims());
-        let reduced = self.reduce_chunks(chunks, kind, seq, &args, op)?;
-        // All-gather the reduced chunks (second round of the same collective).
-        args[1] = 1;
-        let args2 = args;
-        self.post_all(seq, kind, &args2, |_| Some(reduced.clone()))?;
-        let mut parts = Vec::with_capacity(p);
-        for (src, &(_, len)) in bounds.iter().enumerate() {
-            if src == me {
-                parts.push(reduced.clone());
+        let leader = self.leader(seq);
+        // On CPU, the leader allocates the output, sends it with its chunks, and every rank
+        // reduces its chunk straight into it (see `fused::SharedOut`).
+        let own = if me == leader && p > 1 {
+            fused::SharedOut::new(x.dtype(), x.device(), n).map(Arc::new)
+        } else {
+            None
+        };
+        let (parts, from_leader) = self.exchange_chunks(chunks, kind, seq, &args, own.as_ref())?;
+        if let Some(shared) = own.or(from_leader) {
+            let (start, len) = bounds[me];
+            shared.reduce_into(&parts, op, p, start, len)?;
+            drop(parts);
+            args[1] = 1;
+            let out = if me == leader {
+                for src in (0..p).filter(|&src| src != me) {
+                    self.take_checked(src, seq, kind, &args, None)?;
+                }
+                let out = shared.finish(x.shape())?;
+                args[1] = 2;
+                self.post_all(seq, kind, &args, |_| Some(out.clone()))?;
+                out
             } else {
-                let shape = Shape::from(len);
-                let m = self.take_checked(src, seq, kind, &args2, Some((&shape, x.dtype())))?;
-                parts.push(Self::tensor_of(m, kind.name())?);
-            }
+                // Our chunk is written; the leader wraps the buffer once every chunk is.
+                self.post_signal(leader, seq, kind, &args)?;
+                drop(shared);
+                args[1] = 2;
+                let m =
+                    self.take_checked(leader, seq, kind, &args, Some((x.shape(), x.dtype())))?;
+                Self::tensor_of(m, kind.name())?
+            };
+            self.record_all_reduce(&bounds, el);
+            return Ok(out);
         }
-        let out = Tensor::cat(&parts, 0)?.reshape(x.shape())?;
-        let others: u64 = bounds
-            .iter()
-            .enumerate()
-            .filter(|(j, _)| *j != me)
-            .map(|(_, &(_, l))| l as u64)
-            .sum();
-        let mine = bounds[me].1 as u64 * (p as u64 - 1);
-        self.traffic.record(kind, (others + mine) * el, (others + mine) * el);
+        let reduced = reduce_in_rank_order(&parts, op, p)?;
+        drop(parts);
+        // All-gather the reduced chunks (second round of the same collective): the round's
+        // leader concatenates them once and every rank receives that same tensor.
+        args[1] = 1;
+        let out = if me == leader {
+            let mut parts = Vec::with_capacity(p);
+            for (src, &(_, len)) in bounds.iter().enumerate() {
+                if src == me {
+                    parts.push(reduced.clone());
+                } else {
+                    let shape = Shape::from(len);
+                    let m = self.take_checked(src, seq, kind, &args, Some((&shape, x.dtype())))?;
+                    parts.push(Self::tensor_of(m, kind.name())?);
+                }
+            }
+            let out = Tensor::cat(&parts, 0)?.reshape(x.shape())?;
+            args[1] = 2;
+            self.post_all(seq, kind, &args, |_| Some(out.clone()))?;
+            out
+        } else {
+            self.post_to(leader, seq, kind, &args, reduced)?;
+            args[1] = 2;
+            let m = self.take_checked(leader, seq, kind, &args, Some((x.shape(), x.dtype())))?;
+            Self::tensor_of(m, kind.name())?
+        };
+        self.record_all_reduce(&bounds, el);
         Ok(out)
     }
 
@@ -604,8 +745,22 @@ impl Communicator for LocalComm {
                 parts.push(Self::tensor_of(m, kind.name())?);
             }
         }
-        // `cat` returns its only input as is, and a strided result for some strided inputs.
-        let out = Tensor::cat(&parts, dim)?.contiguous()?;
+        // Every rank has checked every input; the round's leader concatenates them once and every
+        // rank receives that same tensor.
+        let leader = self.leader(seq);
+        let out = if self.ep.rank == leader {
+            // `cat` returns its only input as is, and a strided result for some strided inputs.
+            let out = Tensor::cat(&parts, dim)?.contiguous()?;
+            self.post_all(seq, kind, &[dim, 1], |_| Some(out.clone()))?;
+            out
+        } else {
+            drop(parts);
+            let mut dims = x.dims().to_vec();
+            dims[dim] *= self.size_();
+            let shape = Shape::from(dims);
+            let m = self.take_checked(leader, seq, kind, &[dim, 1], Some((&shape, x.dtype())))?;
+            Self::tensor_of(m, kind.name())?
+        };
         let b = payload_bytes(&x) * (self.size_() as u64 - 1);
         self.traffic.record(kind, b, b);
         Ok(out)
@@ -662,10 +817,11 @@ impl Communicator for LocalComm {
         let args = [root];
         let b = payload_bytes(x);
         if self.ep.rank == root {
-            let x = x.detach();
+            // Made contiguous once here rather than by every receiver.
+            let x = x.detach().contiguous()?;
             self.post_all(seq, kind, &args, |_| Some(x.clone()))?;
             self.traffic.record(kind, b * (self.size_() as u64 - 1), 0);
-            Ok(x.contiguous()?)
+            Ok(x)
         } else {
             let m = self.take_checked(root, seq, kind, &args, Some((x.shape(), x.dtype())))?;
             self.traffic.record(kind, 0, b);
@@ -684,9 +840,14 @@ impl Communicator for LocalComm {
                 kind,
                 args: vec![],
                 tensor: Some(x.detach()),
+                shared: None,
             },
         )?;
-        let b = if dst == self.ep.rank { 0 } else { payload_bytes(x) };
+        let b = if dst == self.ep.rank {
+            0
+        } else {
+            payload_bytes(x)
+        };
         self.traffic.record(kind, b, 0);
         Ok(())
     }
@@ -695,7 +856,11 @@ impl Communicator for LocalComm {
         let kind = OpKind::Recv;
         self.check_rank(kind.name(), "source", src)?;
         let t = recv_p2p(&self.ep, src, shape, dtype, kind.name())?;
-        let b = if src == self.ep.rank { 0 } else { payload_bytes(&t) };
+        let b = if src == self.ep.rank {
+            0
+        } else {
+            payload_bytes(&t)
+        };
         self.traffic.record(kind, 0, b);
         Ok(t)
     }
@@ -722,6 +887,7 @@ impl Communicator for LocalComm {
                     kind: OpKind::Send,
                     args: vec![],
                     tensor: Some(t.detach()),
+                    shared: None,
                 },
             )?;
         }
@@ -765,6 +931,7 @@ impl Communicator for LocalComm {
                         kind,
                         args: vec![color, key],
                         tensor: None,
+                        shared: None,
                     },
                 )?;
             }
@@ -827,11 +994,17 @@ impl Communicator for LocalComm {
     }
 }
 
-fn recv_p2p(ep: &Endpoint, src: usize, shape: &Shape, dtype: DType, op: &'static str) -> Result<Tensor> {
+fn recv_p2p(
+    ep: &Endpoint,
+    src: usize,
+    shape: &Shape,
+    dtype: DType,
+    op: &'static str,
+) -> Result<Tensor> {
     let m = ep.take(src, true, op)?;
-    let t = m
-        .tensor
-        .ok_or_else(|| Error::invalid(op, "internal: a point-to-point message carried no tensor"))?;
+    let t = m.tensor.ok_or_else(|| {
+        Error::invalid(op, "internal: a point-to-point message carried no tensor")
+    })?;
     if t.dtype() != dtype || t.shape() != shape {
         return Err(Error::Mismatch {
             op,
@@ -860,5 +1033,485 @@ impl PendingOp for LocalPending {
             .iter()
             .map(|r| recv_p2p(&self.ep, r.src, &r.shape, r.dtype, OpKind::Exchange.name()))
             .collect()
+    }
+}
+
+/// One-pass reductions of CPU tensors: every contribution is read once and only the output is
+/// allocated, where the generic path allocates a temporary per rank (and an f32 copy of every
+/// contribution for half types). The arithmetic is the generic path's, bit for bit: accumulation
+/// in rank order, in f32 for bf16/f16, `Avg` as candle's `affine(1/world, 0)`, rounded once.
+mod fused {
+    use std::mem::MaybeUninit;
+    use std::sync::Mutex;
+
+    use candle_core::{DType, Device, Shape, Storage, StridedBlocks, Tensor, WithDType};
+    use half::{bf16, f16};
+
+    use super::ReduceOp;
+    use crate::error::{Error, Result};
+
+    /// Elements combined per pass over the contributions (16 KiB of f32 accumulators).
+    const SEGMENT: usize = 4096;
+    /// Contiguous reductions of at least this many elements run on candle's CPU thread pool,
+    /// in units of `PAR_UNIT` elements, like candle's own element-wise ops.
+    const PAR_MIN: usize = 64 * 1024;
+    const PAR_UNIT: usize = 4 * SEGMENT;
+    /// Strided contributions with shorter contiguous runs are copied to contiguous first.
+    const MIN_RUN: usize = 16;
+
+    fn supported(device: &Device, dtype: DType) -> bool {
+        device.is_cpu() && matches!(dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+    }
+
+    fn internal(msg: &str) -> Error {
+        Error::invalid("all_reduce", format!("internal: {msg}"))
+    }
+
+    /// The reduction, or `None` where the generic path must do it (other devices or dtypes).
+    pub(super) fn reduce(parts: &[Tensor], op: ReduceOp, world: usize) -> Result<Option<Tensor>> {
+        let first = &parts[0];
+        let n = first.elem_count();
+        if n == 0 || !supported(first.device(), first.dtype()) {
+            return Ok(None);
+        }
+        let parts = prepare(parts)?;
+        let out = match first.dtype() {
+            DType::F32 => new_vec::<f32>(n, |dst| {
+                run::<f32, f32>(&parts, op, world, |v| v, |a| a, dst)
+            })?,
+            DType::F64 => new_vec::<f64>(n, |dst| {
+                run::<f64, f64>(&parts, op, world, |v| v, |a| a, dst)
+            })?,
+            DType::BF16 => new_vec::<bf16>(n, |dst| {
+                run::<bf16, f32>(&parts, op, world, bf16::to_f32, bf16::from_f32, dst)
+            })?,
+            DType::F16 => new_vec::<f16>(n, |dst| {
+                run::<f16, f32>(&parts, op, world, f16::to_f32, f16::from_f32, dst)
+            })?,
+            _ => return Ok(None),
+        };
+        Ok(Some(out.into_tensor(first.shape(), first.device())?))
+    }
+
+    /// A typed CPU buffer.
+    enum Buf {
+        F32(Vec<f32>),
+        F64(Vec<f64>),
+        BF16(Vec<bf16>),
+        F16(Vec<f16>),
+    }
+
+    impl Buf {
+        fn into_tensor(self, shape: &Shape, device: &Device) -> Result<Tensor> {
+            Ok(match self {
+                Buf::F32(v) => Tensor::from_vec(v, shape, device)?,
+                Buf::F64(v) => Tensor::from_vec(v, shape, device)?,
+                Buf::BF16(v) => Tensor::from_vec(v, shape, device)?,
+                Buf::F16(v) => Tensor::from_vec(v, shape, device)?,
+            })
+        }
+    }
+
+    /// Types that `Buf` holds.
+    trait BufElem: WithDType {
+        fn buf(v: Vec<Self>) -> Buf;
+    }
+    impl BufElem for f32 {
+        fn buf(v: Vec<Self>) -> Buf {
+            Buf::F32(v)
+        }
+    }
+    impl BufElem for f64 {
+        fn buf(v: Vec<Self>) -> Buf {
+            Buf::F64(v)
+        }
+    }
+    impl BufElem for bf16 {
+        fn buf(v: Vec<Self>) -> Buf {
+            Buf::BF16(v)
+        }
+    }
+    impl BufElem for f16 {
+        fn buf(v: Vec<Self>) -> Buf {
+            Buf::F16(v)
+        }
+    }
+
+    /// A vector of `n` elements, every one of which `fill` writes.
+    fn new_vec<T: BufElem>(
+        n: usize,
+        fill: impl FnOnce(&mut [MaybeUninit<T>]) -> Result<()>,
+    ) -> Result<Buf> {
+        let mut v = Vec::<T>::with_capacity(n);
+        fill(&mut v.spare_capacity_mut()[..n])?;
+        // SAFETY: `fill` (`run`) initialised all `n` elements, or returned an error.
+        unsafe { v.set_len(n) };
+        Ok(T::buf(v))
+    }
+
+    /// The output of one all_reduce, which the ranks fill in place: each rank reduces its chunk
+    /// straight into its own range of elements, then the round's leader wraps the whole buffer
+    /// in a tensor that every rank receives. This replaces `P` chunk allocations and the
+    /// leader's concatenation of the chunks by one allocation and no copy.
+    pub(super) struct SharedOut {
+        /// The buffer (length 0 until [`SharedOut::finish`], which takes it).
+        buf: Mutex<Option<Buf>>,
+        /// Start of the buffer's allocation, for the ranks' writes.
+        base: *mut u8,
+        dtype: DType,
+        n: usize,
+        device: Device,
+    }
+
+    // SAFETY: `base` points into the allocation owned by `buf`, which lives as long as `self`
+    // (it is only taken by `finish`, after every write). The ranks write through it in disjoint
+    // ranges (`reduce_into`), and `finish` reads only after every rank has reported its write
+    // done through the world's mutex-protected queues, which orders the writes before the read.
+    unsafe impl Send for SharedOut {}
+    unsafe impl Sync for SharedOut {}
+
+    impl SharedOut {
+        /// A buffer for `n` elements of `dtype`, or `None` where the generic path must be used.
+        pub(super) fn new(dtype: DType, device: &Device, n: usize) -> Option<Self> {
+            if n == 0 || !supported(device, dtype) {
+                return None;
+            }
+            fn alloc<T: BufElem>(n: usize) -> (Buf, *mut u8) {
+                let mut v = Vec::<T>::with_capacity(n);
+                let base = v.as_mut_ptr() as *mut u8;
+                (T::buf(v), base)
+            }
+            let (buf, base) = match dtype {
+                DType::F32 => alloc::<f32>(n),
+                DType::F64 => alloc::<f64>(n),
+                DType::BF16 => alloc::<bf16>(n),
+                DType::F16 => alloc::<f16>(n),
+                _ => return None,
+            };
+            Some(Self {
+                buf: Mutex::new(Some(buf)),
+                base,
+                dtype,
+                n,
+                device: device.clone(),
+            })
+        }
+
+        /// Reduces `parts` (this rank's chunk as held by every rank, in rank order) into elements
+        /// `start..start + len` of the buffer. Each rank calls this once, for its own chunk; the
+        /// chunks of the ranks are disjoint and cover the buffer.
+        pub(super) fn reduce_into(
+            &self,
+            parts: &[Tensor],
+            op: ReduceOp,
+            world: usize,
+            start: usize,
+            len: usize,
+        ) -> Result<()> {
+            if start.checked_add(len).is_none_or(|end| end > self.n)
+                || parts.iter().any(|p| {
+                    p.dtype() != self.dtype || p.elem_count() != len || !p.device().is_cpu()
+                })
+            {
+                return Err(internal("chunk does not fit the shared output"));
+            }
+            if len == 0 {
+                return Ok(());
+            }
+            let parts = prepare(parts)?;
+            let (p, w) = (&parts[..], world);
+            match self.dtype {
+                DType::F32 => {
+                    self.with_range(start, len, |d| run::<f32, f32>(p, op, w, |v| v, |a| a, d))
+                }
+                DType::F64 => {
+                    self.with_range(start, len, |d| run::<f64, f64>(p, op, w, |v| v, |a| a, d))
+                }
+                DType::BF16 => self.with_range(start, len, |d| {
+                    run::<bf16, f32>(p, op, w, bf16::to_f32, bf16::from_f32, d)
+                }),
+                DType::F16 => self.with_range(start, len, |d| {
+                    run::<f16, f32>(p, op, w, f16::to_f32, f16::from_f32, d)
+                }),
+                _ => Err(internal("unsupported dtype")),
+            }
+        }
+
+        /// Runs `f` on elements `start..start + len` of the buffer, which must hold `T`s.
+        fn with_range<T: WithDType, R>(
+            &self,
+            start: usize,
+            len: usize,
+            f: impl FnOnce(&mut [MaybeUninit<T>]) -> R,
+        ) -> R {
+            assert!(start + len <= self.n && T::DTYPE == self.dtype);
+            // SAFETY: these `len` elements of `T` (the buffer's dtype) lie in the allocation,
+            // which `self` owns and keeps alive during the call. No one else touches the range:
+            // each rank writes only its own chunk, the ranks' chunks are disjoint, and the buffer
+            // is read only after every write is done (see `SharedOut`'s Send/Sync).
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut((self.base as *mut MaybeUninit<T>).add(start), len)
+            };
+            f(dst)
+        }
+
+        /// The buffer as a tensor of `shape`. Call once, after every rank's `reduce_into` is done.
+        pub(super) fn finish(&self, shape: &Shape) -> Result<Tensor> {
+            if shape.elem_count() != self.n {
+                return Err(internal("shape does not fit the shared output"));
+            }
+            let buf = self
+                .buf
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take()
+                .ok_or_else(|| internal("shared output finished twice"))?;
+            // SAFETY: every rank wrote its chunk, and the chunks cover all `n` elements.
+            let buf = unsafe {
+                match buf {
+                    Buf::F32(mut v) => {
+                        v.set_len(self.n);
+                        Buf::F32(v)
+                    }
+                    Buf::F64(mut v) => {
+                        v.set_len(self.n);
+                        Buf::F64(v)
+                    }
+                    Buf::BF16(mut v) => {
+                        v.set_len(self.n);
+                        Buf::BF16(v)
+                    }
+                    Buf::F16(mut v) => {
+                        v.set_len(self.n);
+                        Buf::F16(v)
+                    }
+                }
+            };
+            buf.into_tensor(shape, &self.device)
+        }
+    }
+
+    /// The contributions, with those whose contiguous runs are too short copied to contiguous.
+    fn prepare(parts: &[Tensor]) -> Result<Vec<Tensor>> {
+        let n = parts[0].elem_count();
+        Ok(parts
+            .iter()
+            .map(|t| {
+                if min_run(t) < MIN_RUN.min(n) {
+                    t.contiguous()
+                } else {
+                    Ok(t.clone())
+                }
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?)
+    }
+
+    fn min_run(t: &Tensor) -> usize {
+        match t.strided_blocks() {
+            StridedBlocks::SingleBlock { len, .. } => len,
+            StridedBlocks::UniformBlocks { block_len, .. }
+            | StridedBlocks::MultipleBlocks { block_len, .. } => block_len,
+        }
+    }
+
+    /// The `(start, len)` runs of contiguous elements of `t` in its storage, in logical order.
+    fn runs(t: &Tensor) -> Box<dyn Iterator<Item = (usize, usize)> + '_> {
+        match t.strided_blocks() {
+            StridedBlocks::SingleBlock { start_offset, len } => {
+                Box::new(std::iter::once((start_offset, len)))
+            }
+            StridedBlocks::UniformBlocks {
+                start_offset,
+                block_len,
+                count,
+                src_stride,
+            } => Box::new((0..count).map(move |i| (start_offset + i * src_stride, block_len))),
+            StridedBlocks::MultipleBlocks {
+                block_start_index,
+                block_len,
+            } => Box::new(block_start_index.map(move |s| (s, block_len))),
+        }
+    }
+
+    /// Accumulator arithmetic, as candle's binary ops and `affine` compute it.
+    trait Acc:
+        Copy
+        + Send
+        + Sync
+        + std::ops::Add<Output = Self>
+        + std::ops::Mul<Output = Self>
+        + PartialOrd
+    {
+        const ZERO: Self;
+        fn from_f64(v: f64) -> Self;
+    }
+    impl Acc for f32 {
+        const ZERO: Self = 0.0;
+        fn from_f64(v: f64) -> Self {
+            v as f32
+        }
+    }
+    impl Acc for f64 {
+        const ZERO: Self = 0.0;
+        fn from_f64(v: f64) -> Self {
+            v
+        }
+    }
+
+    /// Reduces `parts` into `dst` (as many elements as each part), writing every element.
+    fn run<T: WithDType, A: Acc>(
+        parts: &[Tensor],
+        op: ReduceOp,
+        world: usize,
+        load: impl Fn(T) -> A + Copy + Sync,
+        store: impl Fn(A) -> T + Copy + Sync,
+        dst: &mut [MaybeUninit<T>],
+    ) -> Result<()> {
+        let guards: Vec<_> = parts.iter().map(|t| t.storage_and_layout().0).collect();
+        let srcs = guards
+            .iter()
+            .map(|g| match &**g {
+                Storage::Cpu(c) => Ok(Some(c.as_slice::<T>()?)),
+                _ => Ok(None),
+            })
+            .collect::<candle_core::Result<Option<Vec<&[T]>>>>()?
+            .ok_or_else(|| internal("not a CPU tensor"))?;
+        let (mul, add) = (A::from_f64(1.0 / world as f64), A::ZERO);
+        match op {
+            ReduceOp::Sum => combine(parts, &srcs, load, |a, b| a + b, store, dst),
+            ReduceOp::Max => combine(parts, &srcs, load, max, store, dst),
+            ReduceOp::Avg => combine(
+                parts,
+                &srcs,
+                load,
+                |a, b| a + b,
+                move |a| store(a * mul + add),
+                dst,
+            ),
+        }
+        Ok(())
+    }
+
+    /// Candle's `maximum`.
+    #[inline(always)]
+    fn max<A: PartialOrd>(a: A, b: A) -> A {
+        if a < b {
+            b
+        } else {
+            a
+        }
+    }
+
+    /// The output pointer shared by the units of a parallel reduction.
+    struct DstPtr<T>(*mut MaybeUninit<T>);
+    // SAFETY: the units of `combine` write disjoint ranges through it.
+    unsafe impl<T: Send> Sync for DstPtr<T> {}
+    impl<T> DstPtr<T> {
+        fn get(&self) -> *mut MaybeUninit<T> {
+            self.0
+        }
+    }
+
+    /// `dst = store(op(...op(op(load(x0), load(x1)), load(x2))..., load(xP-1)))` element-wise.
+    /// Contiguous contributions are combined on candle's thread pool when large; strided ones
+    /// by walking their contiguous runs in segments of at most [`SEGMENT`] elements.
+    fn combine<T: Copy + Send + Sync, A: Acc>(
+        parts: &[Tensor],
+        srcs: &[&[T]],
+        load: impl Fn(T) -> A + Sync,
+        op: impl Fn(A, A) -> A + Sync,
+        store: impl Fn(A) -> T + Sync,
+        dst: &mut [MaybeUninit<T>],
+    ) {
+        let n = parts[0].elem_count();
+        assert_eq!(dst.len(), n, "reduction output of the wrong size");
+        let starts: Option<Vec<usize>> = parts
+            .iter()
+            .map(|t| match t.strided_blocks() {
+                StridedBlocks::SingleBlock { start_offset, .. } => Some(start_offset),
+                _ => None,
+            })
+            .collect();
+        if let Some(starts) = starts {
+            let srcs: Vec<&[T]> = srcs
+                .iter()
+                .zip(&starts)
+                .map(|(s, &o)| &s[o..o + n])
+                .collect();
+            if n < PAR_MIN {
+                combine_slices(&srcs, 0, &load, &op, &store, dst);
+                return;
+            }
+            let out = DstPtr(dst.as_mut_ptr());
+            candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(PAR_UNIT), |units| {
+                let (lo, hi) = (units.start * PAR_UNIT, (units.end * PAR_UNIT).min(n));
+                // SAFETY: `lo..hi` lies in `dst` (`hi <= n = dst.len()`), and the pool hands out
+                // disjoint ranges of units, so no two threads write the same elements; `dst` is
+                // borrowed mutably for the duration of `execute_chunked`, which returns once
+                // every unit is done.
+                let d = unsafe { std::slice::from_raw_parts_mut(out.get().add(lo), hi - lo) };
+                combine_slices(&srcs, lo, &load, &op, &store, d);
+            });
+            return;
+        }
+        let mut blocks: Vec<_> = parts.iter().map(runs).collect();
+        // Per contribution: position in its storage and elements left in its current run.
+        let mut cursors = vec![(0usize, 0usize); parts.len()];
+        let mut acc: Vec<A> = Vec::with_capacity(SEGMENT);
+        let mut done = 0;
+        while done < n {
+            for (c, r) in cursors.iter_mut().zip(blocks.iter_mut()) {
+                while c.1 == 0 {
+                    *c = r.next().expect("a tensor's runs cover its elements");
+                }
+            }
+            let len = cursors
+                .iter()
+                .map(|c| c.1)
+                .fold(SEGMENT.min(n - done), usize::min);
+            acc.clear();
+            let p0 = cursors[0].0;
+            acc.extend(srcs[0][p0..p0 + len].iter().map(|&v| load(v)));
+            for (src, &(p, _)) in srcs[1..].iter().zip(&cursors[1..]) {
+                for (a, &v) in acc.iter_mut().zip(&src[p..p + len]) {
+                    *a = op(*a, load(v));
+                }
+            }
+            for (d, &a) in dst[done..done + len].iter_mut().zip(&acc) {
+                d.write(store(a));
+            }
+            for c in cursors.iter_mut() {
+                c.0 += len;
+                c.1 -= len;
+            }
+            done += len;
+        }
+    }
+
+    /// [`combine`] of contiguous contributions: `dst[i]` from `srcs[..][lo + i]`.
+    fn combine_slices<T: Copy, A: Acc>(
+        srcs: &[&[T]],
+        lo: usize,
+        load: &impl Fn(T) -> A,
+        op: &impl Fn(A, A) -> A,
+        store: &impl Fn(A) -> T,
+        dst: &mut [MaybeUninit<T>],
+    ) {
+        let mut acc = [A::ZERO; SEGMENT];
+        for (k, d) in dst.chunks_mut(SEGMENT).enumerate() {
+            let (at, len) = (lo + k * SEGMENT, d.len());
+            let acc = &mut acc[..len];
+            for (a, &v) in acc.iter_mut().zip(&srcs[0][at..at + len]) {
+                *a = load(v);
+            }
+            for src in &srcs[1..] {
+                for (a, &v) in acc.iter_mut().zip(&src[at..at + len]) {
+                    *a = op(*a, load(v));
+                }
+            }
+            for (d, &a) in d.iter_mut().zip(acc.iter()) {
+                d.write(store(a));
+            }
+        }
     }
 }
