@@ -1,0 +1,342 @@
+//! Backward pass (FlashAttention-2): P is recomputed from the final lse, `D = rowsum(dO * O)`,
+//! `dS = P * (dP - D)`. One rayon task per (batch, q head, chunk of key tiles): the task owns
+//! dK/dV of its key tiles (summed into the kv head under a lock, for GQA) and accumulates dQ in
+//! a private buffer that is added to the head's dQ under a lock at the end. No races.
+
+use rayon::prelude::*;
+use std::f32::consts::{LN_2, LOG2_E};
+use std::sync::Mutex;
+
+use super::pool::PoolBuf;
+use super::simd::{self, MatMul, CHUNK};
+use super::{pack_panels, pack_rows, Dims, KernelConfig, View};
+use crate::error::{Error, Result};
+use crate::spec::{AttnSpec, BlockPos, MaskRule, TileClass};
+
+/// Rows per strip when a tile is partially masked.
+const STRIP: usize = 32;
+
+/// Gradients in f32, contiguous: dq (b, sq, hq, d), dk and dv (b, sk, hkv, d).
+pub(crate) struct BwdOut {
+    pub dq: Vec<f32>,
+    pub dk: Vec<f32>,
+    pub dv: Vec<f32>,
+    pub dims: Dims,
+}
+
+/// Query-side operands of one (batch, q head).
+struct PackedQ {
+    /// Q * scale * log2 e, rows of length dp.
+    q: PoolBuf,
+    /// dO, rows of length dp.
+    dout: PoolBuf,
+    /// lse * log2 e per row.
+    lse2: Vec<f32>,
+    /// D = rowsum(dO * O) per row.
+    dd: Vec<f32>,
+}
+
+/// Key-side operands of one (batch, kv head).
+struct PackedKv {
+    kt: PoolBuf,
+    k: PoolBuf,
+    vt: PoolBuf,
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    q: &View,
+    k: &View,
+    v: &View,
+    out: &View,
+    lse: &[f32],
+    dout: &View,
+    spec: &AttnSpec,
+    cfg: &KernelConfig,
+) -> Result<BwdOut> {
+    let isa = cfg.check()?;
+    let dims = Dims::new(q, k, v)?;
+    spec.validate(dims.sq, dims.sk)?;
+    let Dims {
+        b,
+        sq,
+        sk,
+        hq,
+        hkv,
+        d,
+        dp,
+    } = dims;
+    for (name, x) in [("out", out), ("dout", dout)] {
+        if x.dims != q.dims {
+            return Err(Error::Shape {
+                tensor: name,
+                got: x.dims.to_vec(),
+                expected: format!("{:?} (the shape of q)", q.dims),
+            });
+        }
+    }
+    if lse.len() != b * hq * sq {
+        return Err(Error::Shape {
+            tensor: "lse",
+            got: vec![lse.len()],
+            expected: format!("({b}, {hq}, {sq}) elements"),
+        });
+    }
+    let (bq, bk) = (cfg.q_tile, cfg.k_tile);
+    let mut dq = vec![0.0f32; b * sq * hq * d];
+    let mut dk = vec![0.0f32; b * sk * hkv * d];
+    let mut dv = vec![0.0f32; b * sk * hkv * d];
+    if b * hq * sq == 0 || sk == 0 {
+        return Ok(BwdOut { dq, dk, dv, dims });
+    }
+    let qb = BlockPos::new(&spec.q_pos, spec.doc_ids.as_ref(), bq);
+    let kb = BlockPos::new(&spec.k_pos, spec.doc_ids.as_ref(), bk);
+    let rule = MaskRule::new(spec);
+    let qmul = spec.scale * LOG2_E;
+
+    let pq: Vec<PackedQ> = (0..b * hq)
+        .into_par_iter()
+        .map(|i| {
+            let (bi, h) = (i / hq, i % hq);
+            let qp = pack_rows(q, bi, h, sq, dp, qmul);
+            let dop = pack_rows(dout, bi, h, sq, dp, 1.0);
+            let mut orow = vec![0.0f32; d];
+            let mut dd = vec![0.0f32; sq];
+            let lse2: Vec<f32> = lse[i * sq..(i + 1) * sq]
+                .iter()
+                .map(|&x| x * LOG2_E)
+                .collect();
+            for (s, ddv) in dd.iter_mut().enumerate() {
+                if lse2[s] == f32::NEG_INFINITY {
+                    continue; // fully masked row: P = 0, D unused
+                }
+                out.read(bi, s, h, &mut orow, 1.0);
+                *ddv = simd::dot(isa, &orow, &dop[s * dp..s * dp + d]);
+            }
+            PackedQ {
+                q: qp,
+                dout: dop,
+                lse2,
+                dd,
+            }
+        })
+        .collect();
+    let pk: Vec<PackedKv> = (0..b * hkv)
+        .into_par_iter()
+        .map(|i| PackedKv {
+            kt: pack_panels(k, i / hkv, i % hkv, sk, dp),
+            k: pack_rows(k, i / hkv, i % hkv, sk, dp, 1.0),
+            vt: pack_panels(v, i / hkv, i % hkv, sk, dp),
+        })
+        .collect();
+
+    // Gradient accumulators: dq per (b, q head), dk/dv per (b, kv head), rows of length dp.
+    let dq_acc: Vec<Mutex<PoolBuf>> = (0..b * hq)
+        .into_par_iter()
+        .map(|_| Mutex::new(PoolBuf::zeroed(sq * dp)))
+        .collect();
+    let dkv_acc: Vec<Mutex<(PoolBuf, PoolBuf)>> = (0..b * hkv)
+        .into_par_iter()
+        .map(|_| Mutex::new((PoolBuf::zeroed(sk * dp), PoolBuf::zeroed(sk * dp))))
+        .collect();
+
+    let nqt = sq.div_ceil(bq);
+    let nkt = sk.div_ceil(bk);
+    // Enough tasks for work stealing to even out load (causal chunks differ in work).
+    let want = 8 * rayon::current_num_threads();
+    let chunks = want.div_ceil(b * hq).clamp(1, nkt);
+    let per_chunk = nkt.div_ceil(chunks);
+    let chunks = nkt.div_ceil(per_chunk);
+
+    (0..b * hq * chunks).into_par_iter().try_for_each(|task| {
+        let ch = task % chunks;
+        let head = task / chunks;
+        let (bi, h) = (head / hq, head % hq);
+        let kvh = bi * hkv + h / dims.group();
+        let qs = &pq[head];
+        let ks = &pk[kvh];
+        let mut s = vec![0.0f32; bq * bk];
+        let mut g = vec![0.0f32; bq * bk];
+        let mut dk_t = vec![0.0f32; bk * dp];
+        let mut dv_t = vec![0.0f32; bk * dp];
+        // dq target: with one chunk per head this task owns the head's dq (lock held for the
+        // whole task, uncontended); otherwise a private buffer added under the lock at the end.
+        let mut own = None;
+        if chunks == 1 {
+            own = Some(
+                dq_acc[head]
+                    .lock()
+                    .map_err(|_| Error::Config("poisoned dq lock".into()))?,
+            );
+        }
+        let mut local: Option<PoolBuf> = None;
+        for kt in ch * per_chunk..((ch + 1) * per_chunk).min(nkt) {
+            let k0 = kt * bk;
+            let kn = bk.min(sk - k0);
+            let mut touched = false;
+            dk_t[..kn * dp].fill(0.0);
+            dv_t[..kn * dp].fill(0.0);
+            for qt in 0..nqt {
+                let class = rule.classify(&qb.tiles[qt], &kb.tiles[kt]);
+                if class == TileClass::Skip {
+                    continue;
+                }
+                if own.is_none() && local.is_none() {
+                    local = Some(PoolBuf::zeroed(sq * dp));
+                }
+                touched = true;
+                let q0 = qt * bq;
+                let qn = bq.min(sq - q0);
+                // Partial tiles run in strips of rows over the columns those rows can see.
+                let strip = if class == TileClass::Partial {
+                    STRIP
+                } else {
+                    qn
+                };
+                for r0 in (0..qn).step_by(strip) {
+                    let rn = strip.min(qn - r0);
+                    let (lo, c1) = if class == TileClass::Partial {
+                        rule.col_window(&qb, q0 + r0..q0 + r0 + rn, &kb, kt, kn)
+                    } else {
+                        (0, kn)
+                    };
+                    if lo >= c1 {
+                        continue;
+                    }
+                    let c0 = lo / CHUNK * CHUNK;
+                    let cn = c1 - c0;
+                    let qrows = &qs.q[(q0 + r0) * dp..];
+                    let dorows = &qs.dout[(q0 + r0) * dp..];
+                    let sb = &mut s[r0 * bk + c0..];
+                    let gb = &mut g[r0 * bk + c0..];
+                    // S = Qs K^T and dP = dO V^T over whole 32-key panels.
+                    let nt = MatMul {
+                        m: rn,
+                        n: cn.div_ceil(CHUNK) * CHUNK,
+                        k: dp,
+                        a_rs: dp,
+                        a_ks: 1,
+                        b_rs: CHUNK,
+                        b_cs: dp * CHUNK,
+                        c_rs: bk,
+                        accumulate: false,
+                    };
+                    nt.run(isa, qrows, &ks.kt[(k0 + c0) * dp..], sb);
+                    nt.run(isa, dorows, &ks.vt[(k0 + c0) * dp..], gb);
+                    // P = 2^(S - lse2) (masked entries and dead rows: 0), dS = P (dP - D).
+                    for i in r0..r0 + rn {
+                        let row = &mut s[i * bk..i * bk + kn];
+                        let grow = &mut g[i * bk + c0..i * bk + c1];
+                        let l2 = qs.lse2[q0 + i];
+                        if !l2.is_finite() {
+                            // Row with no allowed key anywhere (lse = -inf): P = dS = 0.
+                            row[c0..c1].fill(0.0);
+                            grow.fill(0.0);
+                            continue;
+                        }
+                        if class == TileClass::Partial {
+                            rule.mask_row(&qb, q0 + i, &kb, kt, row, f32::NEG_INFINITY);
+                        }
+                        simd::p_ds_row(isa, &mut row[c0..c1], grow, l2, qs.dd[q0 + i]);
+                    }
+                    let sb = &s[r0 * bk + c0..];
+                    let gb = &g[r0 * bk + c0..];
+                    // dV += P^T dO ; dK += dS^T Qs (rescaled by ln 2 at the end).
+                    let tn = MatMul {
+                        m: cn,
+                        n: dp,
+                        k: rn,
+                        a_rs: 1,
+                        a_ks: bk,
+                        b_rs: dp,
+                        b_cs: CHUNK,
+                        c_rs: dp,
+                        accumulate: true,
+                    };
+                    tn.run(isa, sb, dorows, &mut dv_t[c0 * dp..]);
+                    tn.run(isa, gb, qrows, &mut dk_t[c0 * dp..]);
+                    // dQ += dS K (rescaled by scale at the end).
+                    let dq_target: &mut [f32] = match (own.as_mut(), local.as_mut()) {
+                        (Some(g), _) => &mut g[..],
+                        (None, Some(l)) => &mut l[..],
+                        (None, None) => unreachable!("dq buffer allocated above"),
+                    };
+                    MatMul {
+                        m: rn,
+                        n: dp,
+                        k: cn,
+                        a_rs: bk,
+                        a_ks: 1,
+                        b_rs: dp,
+                        b_cs: CHUNK,
+                        c_rs: dp,
+                        accumulate: true,
+                    }
+                    .run(
+                        isa,
+                        gb,
+                        &ks.k[(k0 + c0) * dp..],
+                        &mut dq_target[(q0 + r0) * dp..],
+                    );
+                }
+            }
+            if touched {
+                let mut acc = dkv_acc[kvh]
+                    .lock()
+                    .map_err(|_| Error::Config("poisoned dk/dv lock".into()))?;
+                let (dka, dva) = &mut *acc;
+                let r = k0 * dp..(k0 + kn) * dp;
+                for (a, x) in dka[r.clone()].iter_mut().zip(&dk_t[..kn * dp]) {
+                    *a += x * LN_2;
+                }
+                for (a, x) in dva[r].iter_mut().zip(&dv_t[..kn * dp]) {
+                    *a += x;
+                }
+            }
+        }
+        if let Some(local) = local {
+            let mut acc = dq_acc[head]
+                .lock()
+                .map_err(|_| Error::Config("poisoned dq lock".into()))?;
+            acc.iter_mut().zip(local.iter()).for_each(|(a, x)| *a += x);
+        }
+        Ok::<(), Error>(())
+    })?;
+
+    // Scatter the per-head buffers into the (b, s, h, d) outputs.
+    let dq_heads: Vec<PoolBuf> = dq_acc
+        .into_iter()
+        .map(|m| {
+            m.into_inner()
+                .map_err(|_| Error::Config("poisoned dq lock".into()))
+        })
+        .collect::<Result<_>>()?;
+    dq.par_chunks_mut(hq * d).enumerate().for_each(|(row, o)| {
+        let (bi, s) = (row / sq, row % sq);
+        for h in 0..hq {
+            let src = &dq_heads[bi * hq + h][s * dp..s * dp + d];
+            for (x, y) in o[h * d..(h + 1) * d].iter_mut().zip(src) {
+                *x = y * spec.scale;
+            }
+        }
+    });
+    let kv_heads: Vec<(PoolBuf, PoolBuf)> = dkv_acc
+        .into_iter()
+        .map(|m| {
+            m.into_inner()
+                .map_err(|_| Error::Config("poisoned dk/dv lock".into()))
+        })
+        .collect::<Result<_>>()?;
+    dk.par_chunks_mut(hkv * d)
+        .zip(dv.par_chunks_mut(hkv * d))
+        .enumerate()
+        .for_each(|(row, (ok, ov))| {
+            let (bi, s) = (row / sk, row % sk);
+            for h in 0..hkv {
+                let (sk_, sv_) = &kv_heads[bi * hkv + h];
+                ok[h * d..(h + 1) * d].copy_from_slice(&sk_[s * dp..s * dp + d]);
+                ov[h * d..(h + 1) * d].copy_from_slice(&sv_[s * dp..s * dp + d]);
+            }
+        });
+    Ok(BwdOut { dq, dk, dv, dims })
+}

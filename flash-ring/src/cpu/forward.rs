@@ -1,0 +1,270 @@
+//! Forward pass: online softmax over key tiles, one rayon task per (batch, q head, q tile).
+
+use rayon::prelude::*;
+use std::f32::consts::{LN_2, LOG2_E};
+
+use super::pool::PoolBuf;
+use super::simd::{self, Isa, MatMul, CHUNK};
+use super::{pack_panels, pack_rows, Dims, KernelConfig, SharedOut, View};
+use crate::error::Result;
+use crate::spec::{AttnSpec, BlockPos, MaskRule, TileClass};
+
+/// Rows per strip when a tile is partially masked.
+const STRIP: usize = 32;
+
+/// Result of the forward kernel, always f32.
+pub(crate) struct FwdOut {
+    /// (batch, seq_q, q_heads, head_dim), contiguous.
+    pub out: Vec<f32>,
+    /// (batch, q_heads, seq_q), natural log; `-inf` for rows with no allowed key.
+    pub lse: Vec<f32>,
+    pub dims: Dims,
+}
+
+/// Keys and values of one (batch, kv head), packed for the forward kernel.
+struct PackedKv {
+    /// K^T in panels of 32 keys (see `pack_panels`).
+    kt: PoolBuf,
+    /// V rows (seq_k x dp).
+    v: PoolBuf,
+}
+
+pub(crate) fn forward(
+    q: &View,
+    k: &View,
+    v: &View,
+    spec: &AttnSpec,
+    cfg: &KernelConfig,
+) -> Result<FwdOut> {
+    let isa = cfg.check()?;
+    let dims = Dims::new(q, k, v)?;
+    spec.validate(dims.sq, dims.sk)?;
+    let Dims {
+        b,
+        sq,
+        sk,
+        hq,
+        hkv,
+        d,
+        dp,
+    } = dims;
+    let (bq, bk) = (cfg.q_tile, cfg.k_tile);
+    let mut out = vec![0.0f32; b * sq * hq * d];
+    let mut lse = vec![f32::NEG_INFINITY; b * hq * sq];
+    if b * sq * hq == 0 {
+        return Ok(FwdOut { out, lse, dims });
+    }
+    let qb = BlockPos::new(&spec.q_pos, spec.doc_ids.as_ref(), bq);
+    let kb = BlockPos::new(&spec.k_pos, spec.doc_ids.as_ref(), bk);
+    let rule = MaskRule::new(spec);
+    let packed: Vec<PackedKv> = (0..b * hkv)
+        .into_par_iter()
+        .map(|i| PackedKv {
+            kt: pack_panels(k, i / hkv, i % hkv, sk, dp),
+            v: pack_rows(v, i / hkv, i % hkv, sk, dp, 1.0),
+        })
+        .collect();
+    let nqt = sq.div_ceil(bq);
+    let qmul = spec.scale * LOG2_E;
+    let out_w = SharedOut::new(&mut out);
+    let lse_w = SharedOut::new(&mut lse);
+    (0..b * hq * nqt).into_par_iter().for_each_init(
+        || Scratch::new(bq, bk, dp),
+        |sc, task| {
+            let qt = task % nqt;
+            let h = (task / nqt) % hq;
+            let bi = task / (nqt * hq);
+            let kv = &packed[bi * hkv + h / dims.group()];
+            let q0 = qt * bq;
+            let qn = bq.min(sq - q0);
+            q.read_rows(bi, q0, h, qn, &mut sc.q, dp, qmul);
+            let t = TileTask {
+                isa,
+                dims,
+                rule: &rule,
+                qb: &qb,
+                kb: &kb,
+                qt,
+                qn,
+                bk,
+            };
+            t.run(kv, sc);
+            // Finalise: out = o / l, lse = m + log(l) (natural log).
+            for i in 0..qn {
+                let row = &mut sc.o[i * dp..i * dp + d];
+                let l = sc.l[i];
+                let lse_i = if l > 0.0 {
+                    simd::scale_row(isa, row, 1.0 / l);
+                    (sc.m[i] + l.log2()) * LN_2
+                } else {
+                    row.fill(0.0);
+                    f32::NEG_INFINITY
+                };
+                // SAFETY: task (bi, h, qt) is the only writer of rows q0..q0+qn of head h.
+                unsafe {
+                    out_w.write(((bi * sq + q0 + i) * hq + h) * d, row);
+                    lse_w.write((bi * hq + h) * sq + q0 + i, &[lse_i]);
+                }
+            }
+        },
+    );
+    Ok(FwdOut { out, lse, dims })
+}
+
+/// Per-thread buffers of the forward kernel (O(tile) memory).
+struct Scratch {
+    q: Vec<f32>,
+    o: Vec<f32>,
+    s: Vec<f32>,
+    m: Vec<f32>,
+    l: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(bq: usize, bk: usize, dp: usize) -> Self {
+        Scratch {
+            q: vec![0.0; bq * dp],
+            o: vec![0.0; bq * dp],
+            s: vec![0.0; bq * bk],
+            m: vec![0.0; bq],
+            l: vec![0.0; bq],
+        }
+    }
+}
+
+struct TileTask<'a> {
+    isa: Isa,
+    dims: Dims,
+    rule: &'a MaskRule,
+    qb: &'a BlockPos,
+    kb: &'a BlockPos,
+    qt: usize,
+    qn: usize,
+    bk: usize,
+}
+
+impl TileTask<'_> {
+    /// Accumulates the un-normalised output of q tile `qt` over all key tiles into `sc.o`,
+    /// with running row max `sc.m` (log2 units) and row sum `sc.l`.
+    fn run(&self, kv: &PackedKv, sc: &mut Scratch) {
+        let (dp, bk, qn) = (self.dims.dp, self.bk, self.qn);
+        let q0 = self.qt * self.qb.tile;
+        sc.o[..qn * dp].fill(0.0);
+        sc.m[..qn].fill(f32::NEG_INFINITY);
+        sc.l[..qn].fill(0.0);
+        let nkt = self.dims.sk.div_ceil(bk);
+        for kt in 0..nkt {
+            let class = self
+                .rule
+                .classify(&self.qb.tiles[self.qt], &self.kb.tiles[kt]);
+            if class == TileClass::Skip {
+                continue;
+            }
+            let k0 = kt * bk;
+            let kn = bk.min(self.dims.sk - k0);
+            // Partial tiles run in strips of rows, each over the columns its rows can see
+            // (cuts the masked half of causal diagonal tiles).
+            let strip = if class == TileClass::Partial {
+                STRIP
+            } else {
+                qn
+            };
+            for r0 in (0..qn).step_by(strip) {
+                let rn = strip.min(qn - r0);
+                let (lo, hi) = if class == TileClass::Partial {
+                    self.rule
+                        .col_window(self.qb, q0 + r0..q0 + r0 + rn, self.kb, kt, kn)
+                } else {
+                    (0, kn)
+                };
+                if lo >= hi {
+                    continue; // no row of the strip sees this tile
+                }
+                let c0 = lo / CHUNK * CHUNK;
+                self.strip(kv, sc, class, kt, k0, kn, r0, rn, c0, hi);
+            }
+        }
+    }
+
+    /// One strip of rows `r0..r0 + rn` of the q tile against columns `c0..c1` of key tile `kt`
+    /// (`c0` a multiple of 32, `c1 <= kn`): online-softmax update of `sc.o`, `sc.m`, `sc.l`.
+    #[allow(clippy::too_many_arguments)]
+    fn strip(
+        &self,
+        kv: &PackedKv,
+        sc: &mut Scratch,
+        class: TileClass,
+        kt: usize,
+        k0: usize,
+        kn: usize,
+        r0: usize,
+        rn: usize,
+        c0: usize,
+        c1: usize,
+    ) {
+        let (isa, dp, bk) = (self.isa, self.dims.dp, self.bk);
+        let q0 = self.qt * self.qb.tile;
+        // S = (Q * scale * log2 e) K^T over whole 32-key panels.
+        MatMul {
+            m: rn,
+            n: (c1 - c0).div_ceil(CHUNK) * CHUNK,
+            k: dp,
+            a_rs: dp,
+            a_ks: 1,
+            b_rs: CHUNK,
+            b_cs: dp * CHUNK,
+            c_rs: bk,
+            accumulate: false,
+        }
+        .run(
+            isa,
+            &sc.q[r0 * dp..],
+            &kv.kt[(k0 + c0) * dp..],
+            &mut sc.s[r0 * bk + c0..],
+        );
+        for i in r0..r0 + rn {
+            let full = &mut sc.s[i * bk..i * bk + kn];
+            if class == TileClass::Partial {
+                self.rule
+                    .mask_row(self.qb, q0 + i, self.kb, kt, full, f32::NEG_INFINITY);
+            }
+            let row = &mut full[c0..c1];
+            let m_old = sc.m[i];
+            let m_new = m_old.max(simd::row_max(isa, row));
+            if m_new == f32::NEG_INFINITY {
+                // Nothing allowed so far: P = 0, the output row stays 0.
+                row.fill(0.0);
+                continue;
+            }
+            let alpha = if m_new == m_old {
+                1.0
+            } else {
+                (m_old - m_new).exp2()
+            };
+            let sum = simd::exp2_shift_sum(isa, row, m_new);
+            sc.l[i] = sc.l[i] * alpha + sum;
+            sc.m[i] = m_new;
+            if alpha != 1.0 {
+                simd::scale_row(isa, &mut sc.o[i * dp..(i + 1) * dp], alpha);
+            }
+        }
+        // O += P V.
+        MatMul {
+            m: rn,
+            n: dp,
+            k: c1 - c0,
+            a_rs: bk,
+            a_ks: 1,
+            b_rs: dp,
+            b_cs: CHUNK,
+            c_rs: dp,
+            accumulate: true,
+        }
+        .run(
+            isa,
+            &sc.s[r0 * bk + c0..],
+            &kv.v[(k0 + c0) * dp..],
+            &mut sc.o[r0 * dp..],
+        );
+    }
+}

@@ -1,0 +1,342 @@
+//! CPU kernels: tiled, multithreaded (rayon) flash attention forward and backward in f32.
+//!
+//! Inputs are read through strided views (any strides, f32/bf16/f16) and converted to f32 once
+//! while packing. Extra memory: packed copies of the inputs and f32 gradient accumulators
+//! (O(seq x head_dim) per head) plus O(tile x tile) scratch per task; never O(seq_q x seq_k).
+//! The packed buffers come from a process-wide pool that keeps up to [`POOL_BYTES`] cached
+//! between calls (first-touch page faults otherwise cost as much as the attention at short
+//! lengths); [`release_buffers`] frees it.
+
+pub(crate) mod backward;
+pub(crate) mod forward;
+pub(crate) mod pool;
+pub(crate) mod simd;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Layout, Storage};
+use half::{bf16, f16};
+
+use crate::error::{Error, Result};
+use pool::PoolBuf;
+pub use pool::{release_buffers, POOL_BYTES};
+pub use simd::Isa;
+
+/// Tile sizes and instruction set of the CPU kernels.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelConfig {
+    /// Query rows per tile (>= 1).
+    pub q_tile: usize,
+    /// Key rows per tile (a positive multiple of 32).
+    pub k_tile: usize,
+    /// Instruction set; `None` picks the best one of this machine.
+    pub isa: Option<Isa>,
+}
+
+impl Default for KernelConfig {
+    fn default() -> Self {
+        KernelConfig {
+            q_tile: 128,
+            k_tile: 128,
+            isa: None,
+        }
+    }
+}
+
+impl KernelConfig {
+    pub(crate) fn check(&self) -> Result<Isa> {
+        if self.q_tile == 0 {
+            return Err(Error::Config("q_tile must be >= 1".into()));
+        }
+        if self.k_tile == 0 || !self.k_tile.is_multiple_of(simd::CHUNK) {
+            return Err(Error::Config(format!(
+                "k_tile must be a positive multiple of {}, got {}",
+                simd::CHUNK,
+                self.k_tile
+            )));
+        }
+        let best = simd::detect();
+        match self.isa {
+            None => Ok(best),
+            Some(Isa::Avx512) if best != Isa::Avx512 => Err(Error::Config(
+                "AVX-512 requested but not available on this CPU".into(),
+            )),
+            Some(i) => Ok(i),
+        }
+    }
+}
+
+/// Elements of a CPU tensor, by dtype.
+#[derive(Clone, Copy)]
+pub(crate) enum Data<'a> {
+    F32(&'a [f32]),
+    BF16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+/// A rank-4 strided view of a CPU tensor (as candle lays it out).
+#[derive(Clone, Copy)]
+pub(crate) struct View<'a> {
+    pub data: Data<'a>,
+    pub dims: [usize; 4],
+    pub strides: [usize; 4],
+    pub offset: usize,
+}
+
+impl<'a> View<'a> {
+    /// Views a candle storage with its layout. `name` is used in errors.
+    pub fn new(name: &'static str, storage: &'a Storage, layout: &Layout) -> Result<Self> {
+        match storage {
+            Storage::Cpu(cs) => Self::from_cpu(name, cs, layout),
+            Storage::Cuda(_) => Err(Error::Device {
+                tensor: name,
+                device: "cuda".into(),
+            }),
+            Storage::Metal(_) => Err(Error::Device {
+                tensor: name,
+                device: "metal".into(),
+            }),
+        }
+    }
+
+    /// Views a CPU storage with its layout (rank 4 or rank 3 with a leading 1 added by caller).
+    pub fn from_cpu(name: &'static str, cs: &'a CpuStorage, layout: &Layout) -> Result<Self> {
+        let data = match cs {
+            CpuStorage::F32(v) => Data::F32(v),
+            CpuStorage::BF16(v) => Data::BF16(v),
+            CpuStorage::F16(v) => Data::F16(v),
+            _ => {
+                return Err(Error::DType {
+                    tensor: name,
+                    got: cs.dtype(),
+                    expected: "f32, bf16 or f16",
+                })
+            }
+        };
+        let d = layout.dims();
+        let st = layout.stride();
+        let (dims, strides) = match d.len() {
+            4 => ([d[0], d[1], d[2], d[3]], [st[0], st[1], st[2], st[3]]),
+            3 => ([1, d[0], d[1], d[2]], [0, st[0], st[1], st[2]]),
+            _ => {
+                return Err(Error::Rank {
+                    tensor: name,
+                    expected: 4,
+                    layout: "batch, seq, heads, head_dim",
+                    got: d.to_vec(),
+                })
+            }
+        };
+        Ok(View {
+            data,
+            dims,
+            strides,
+            offset: layout.start_offset(),
+        })
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self.data {
+            Data::F32(_) => DType::F32,
+            Data::BF16(_) => DType::BF16,
+            Data::F16(_) => DType::F16,
+        }
+    }
+
+    /// Copies `x[i0, i1, i2, 0..n]` (n = `out.len()`, at most dims[3]) times `mul` into `out`.
+    #[inline]
+    pub fn read(&self, i0: usize, i1: usize, i2: usize, out: &mut [f32], mul: f32) {
+        let n = out.len();
+        self.read_rows(i0, i1, i2, 1, out, n, mul);
+    }
+
+    /// Copies rows `x[i0, i1 + r, i2, 0..n]` for `r < rows` times `mul` into
+    /// `out[r * out_rs..r * out_rs + n]`, with n = `min(out_rs, dims[3])`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn read_rows(
+        &self,
+        i0: usize,
+        i1: usize,
+        i2: usize,
+        rows: usize,
+        out: &mut [f32],
+        out_rs: usize,
+        mul: f32,
+    ) {
+        let n = out_rs.min(self.dims[3]);
+        let base0 = self.offset + i0 * self.strides[0] + i2 * self.strides[2];
+        let (s1, s3) = (self.strides[1], self.strides[3]);
+        macro_rules! go {
+            ($v:expr, $conv:expr) => {{
+                for (r, o) in out.chunks_mut(out_rs.max(1)).take(rows).enumerate() {
+                    let base = base0 + (i1 + r) * s1;
+                    let o = &mut o[..n];
+                    if s3 == 1 || n <= 1 {
+                        for (o, x) in o.iter_mut().zip(&$v[base..base + n]) {
+                            *o = $conv(*x) * mul;
+                        }
+                    } else {
+                        for (t, o) in o.iter_mut().enumerate() {
+                            *o = $conv($v[base + t * s3]) * mul;
+                        }
+                    }
+                }
+            }};
+        }
+        match self.data {
+            Data::F32(v) if mul == 1.0 && (s3 == 1 || n <= 1) => {
+                for (r, o) in out.chunks_mut(out_rs.max(1)).take(rows).enumerate() {
+                    let base = base0 + (i1 + r) * s1;
+                    o[..n].copy_from_slice(&v[base..base + n]);
+                }
+            }
+            Data::F32(v) => go!(v, |x: f32| x),
+            Data::BF16(v) => go!(v, |x: bf16| x.to_f32()),
+            Data::F16(v) => go!(v, |x: f16| x.to_f32()),
+        }
+    }
+}
+
+/// Validated sizes of an attention call.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Dims {
+    pub b: usize,
+    pub sq: usize,
+    pub sk: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+    /// `d` rounded up to a multiple of 16 (packed row length).
+    pub dp: usize,
+}
+
+impl Dims {
+    /// Checks q (b, sq, hq, d), k and v (b, sk, hkv, d).
+    pub fn new(q: &View, k: &View, v: &View) -> Result<Self> {
+        let [b, sq, hq, d] = q.dims;
+        let [kb, sk, hkv, kd] = k.dims;
+        if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
+            let (tensor, got) = if q.dtype() != k.dtype() {
+                ("k", k.dtype())
+            } else {
+                ("v", v.dtype())
+            };
+            return Err(Error::DType {
+                tensor,
+                got,
+                expected: "the dtype of q",
+            });
+        }
+        if kb != b || kd != d {
+            return Err(Error::Shape {
+                tensor: "k",
+                got: k.dims.to_vec(),
+                expected: format!("({b}, seq_k, kv_heads, {d}) to match q"),
+            });
+        }
+        if v.dims != k.dims {
+            return Err(Error::Shape {
+                tensor: "v",
+                got: v.dims.to_vec(),
+                expected: format!("{:?} (the shape of k)", k.dims),
+            });
+        }
+        if hkv == 0 || hq == 0 || hq % hkv != 0 {
+            return Err(Error::Heads {
+                q_heads: hq,
+                kv_heads: hkv,
+            });
+        }
+        if d == 0 {
+            return Err(Error::Shape {
+                tensor: "q",
+                got: q.dims.to_vec(),
+                expected: "head_dim >= 1".into(),
+            });
+        }
+        Ok(Dims {
+            b,
+            sq,
+            sk,
+            hq,
+            hkv,
+            d,
+            dp: d.div_ceil(16) * 16,
+        })
+    }
+
+    pub fn group(&self) -> usize {
+        self.hq / self.hkv
+    }
+}
+
+/// Rows `0..rows` of head `h` in batch `b` packed row-major with row length `dp` (zero padded),
+/// times `mul`.
+pub(crate) fn pack_rows(x: &View, b: usize, h: usize, rows: usize, dp: usize, mul: f32) -> PoolBuf {
+    let d = x.dims[3];
+    let mut out = if d == dp {
+        PoolBuf::overwritten(rows * dp)
+    } else {
+        PoolBuf::zeroed(rows * dp)
+    };
+    x.read_rows(b, 0, h, rows, &mut out, dp, mul);
+    out
+}
+
+/// Rows `0..rows` of head `h` in batch `b`, transposed into panels of [`simd::CHUNK`] rows:
+/// element (row j, col c) at `(j / 32) * dp * 32 + c * 32 + j % 32`; padding is zero.
+pub(crate) fn pack_panels(x: &View, b: usize, h: usize, rows: usize, dp: usize) -> PoolBuf {
+    const W: usize = simd::CHUNK;
+    let d = x.dims[3];
+    let npan = rows.div_ceil(W);
+    let mut out = if d == dp && rows.is_multiple_of(W) {
+        PoolBuf::overwritten(npan * dp * W)
+    } else {
+        PoolBuf::zeroed(npan * dp * W)
+    };
+    // Read a panel's rows into a (W x d) block, then write it column by column.
+    let mut tmp = vec![0.0f32; W * d];
+    for (p, panel) in out.chunks_exact_mut(dp * W).enumerate() {
+        let n = W.min(rows - p * W);
+        x.read_rows(b, p * W, h, n, &mut tmp, d, 1.0);
+        for (c, col) in panel.chunks_exact_mut(W).take(d).enumerate() {
+            for (dst, src) in col.iter_mut().zip(tmp.iter().skip(c).step_by(d)).take(n) {
+                *dst = *src;
+            }
+        }
+    }
+    out
+}
+
+/// A shared output buffer written by parallel tasks at disjoint indices.
+pub(crate) struct SharedOut<'a> {
+    ptr: *mut f32,
+    len: usize,
+    _life: std::marker::PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: tasks write disjoint indices (documented at each use); the buffer outlives them.
+unsafe impl Send for SharedOut<'_> {}
+unsafe impl Sync for SharedOut<'_> {}
+
+impl<'a> SharedOut<'a> {
+    pub fn new(buf: &'a mut [f32]) -> Self {
+        SharedOut {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+            _life: std::marker::PhantomData,
+        }
+    }
+
+    /// Writes `src` at `offset`.
+    ///
+    /// # Safety
+    /// No other task may access `offset..offset + src.len()` concurrently.
+    #[inline]
+    pub unsafe fn write(&self, offset: usize, src: &[f32]) {
+        assert!(
+            offset + src.len() <= self.len,
+            "SharedOut: write out of range"
+        );
+        std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(offset), src.len());
+    }
+}

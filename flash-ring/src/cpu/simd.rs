@@ -1,0 +1,535 @@
+//! Vectorised building blocks: a register-blocked small-matrix multiply and the row operations
+//! of the online softmax. Each has an AVX-512 implementation (chosen at run time) and a portable
+//! one; both compute the same thing in f32.
+
+use std::sync::OnceLock;
+
+/// Instruction set used by the CPU kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// x86-64 AVX-512F (16 f32 lanes).
+    Avx512,
+    /// Plain Rust loops (any target; auto-vectorised where the compiler can).
+    Portable,
+}
+
+/// The best instruction set of this machine (detected once).
+pub fn detect() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+        }
+        Isa::Portable
+    })
+}
+
+/// Width of a column chunk of the right-hand operand (two 16-lane vectors).
+pub const CHUNK: usize = 32;
+
+/// Strided operands of `C (m x n) (+)= A (m x k) * B (k x n)`.
+///
+/// `a(r, t) = a[r * a_rs + t * a_ks]`; B is stored in column chunks of [`CHUNK`] columns:
+/// `b(t, col) = b[(col / CHUNK) * b_cs + t * b_rs + col % CHUNK]`; `c(r, col) = c[r * c_rs + col]`.
+/// `n` must be a multiple of 16. With `accumulate` C is added to, otherwise overwritten.
+#[derive(Clone, Copy, Debug)]
+pub struct MatMul {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a_rs: usize,
+    pub a_ks: usize,
+    pub b_rs: usize,
+    pub b_cs: usize,
+    pub c_rs: usize,
+    pub accumulate: bool,
+}
+
+impl MatMul {
+    /// Runs the product. Panics (internal bug, never user input) when a slice is too short.
+    pub fn run(&self, isa: Isa, a: &[f32], b: &[f32], c: &mut [f32]) {
+        let s = *self;
+        if s.m == 0 || s.n == 0 {
+            return;
+        }
+        assert!(
+            s.n.is_multiple_of(16),
+            "matmul: n = {} not a multiple of 16",
+            s.n
+        );
+        if s.k > 0 {
+            let a_need = (s.m - 1) * s.a_rs + (s.k - 1) * s.a_ks + 1;
+            let last_chunk = (s.n - 1) / CHUNK;
+            let last_w = s.n - last_chunk * CHUNK;
+            let b_need = last_chunk * s.b_cs + (s.k - 1) * s.b_rs + last_w;
+            assert!(a.len() >= a_need, "matmul: a too short");
+            assert!(b.len() >= b_need, "matmul: b too short");
+        }
+        assert!(c.len() >= (s.m - 1) * s.c_rs + s.n, "matmul: c too short");
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the extents were checked above and `Isa::Avx512` is only produced by
+            // `detect()` on a CPU with AVX-512F.
+            Isa::Avx512 => unsafe { avx512::matmul(&s, a.as_ptr(), b.as_ptr(), c.as_mut_ptr()) },
+            _ => portable::matmul(&s, a, b, c),
+        }
+    }
+}
+
+/// Largest element of `x` (`-inf` when empty).
+pub fn row_max(isa: Isa, x: &[f32]) -> f32 {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512F is present (see `detect`); the kernel stays inside `x`.
+        Isa::Avx512 => unsafe { avx512::row_max(x) },
+        _ => x.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+    }
+}
+
+/// `x[j] = 2^(x[j] - m)` (0 for `-inf`) and returns the sum of the results. `m` must be finite.
+pub fn exp2_shift_sum(isa: Isa, x: &mut [f32], m: f32) -> f32 {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx512 => unsafe { avx512::exp2_shift_sum(x, m) },
+        _ => {
+            let mut s = 0.0f32;
+            for v in x.iter_mut() {
+                *v = portable::exp2(*v - m);
+                s += *v;
+            }
+            s
+        }
+    }
+}
+
+/// `x *= a`.
+pub fn scale_row(isa: Isa, x: &mut [f32], a: f32) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx512 => unsafe { avx512::scale_row(x, a) },
+        _ => x.iter_mut().for_each(|v| *v *= a),
+    }
+}
+
+/// Backward row step: `p[j] = 2^(p[j] - l2)` (the probabilities, from scores in log2 units),
+/// then `g[j] = p[j] * (g[j] - d)` (dS from dP). `l2` must be finite; `p` as long as `g`.
+pub fn p_ds_row(isa: Isa, p: &mut [f32], g: &mut [f32], l2: f32, d: f32) {
+    assert!(p.len() >= g.len());
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512F is present (see `detect`); both slices hold `g.len()` elements.
+        Isa::Avx512 => unsafe { avx512::p_ds_row(p, g, l2, d) },
+        _ => {
+            for (pv, gv) in p.iter_mut().zip(g.iter_mut()) {
+                *pv = portable::exp2(*pv - l2);
+                *gv = *pv * (*gv - d);
+            }
+        }
+    }
+}
+
+/// `sum a[j] * b[j]` over the shorter length.
+pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above; both slices hold `n` elements.
+        Isa::Avx512 => unsafe { avx512::dot(&a[..n], &b[..n]) },
+        _ => a[..n].iter().zip(&b[..n]).map(|(x, y)| x * y).sum(),
+    }
+}
+
+mod portable {
+    use super::{MatMul, CHUNK};
+
+    /// Scalar `2^x` with the same convention as the vector one (0 below -126).
+    #[inline]
+    pub fn exp2(x: f32) -> f32 {
+        if x >= -126.0 {
+            x.exp2()
+        } else {
+            0.0
+        }
+    }
+
+    pub fn matmul(s: &MatMul, a: &[f32], b: &[f32], c: &mut [f32]) {
+        for r in 0..s.m {
+            let crow = &mut c[r * s.c_rs..r * s.c_rs + s.n];
+            if !s.accumulate {
+                crow.fill(0.0);
+            }
+            for t in 0..s.k {
+                let av = a[r * s.a_rs + t * s.a_ks];
+                let mut col0 = 0;
+                while col0 < s.n {
+                    let w = (s.n - col0).min(CHUNK);
+                    let bo = (col0 / CHUNK) * s.b_cs + t * s.b_rs;
+                    for (cv, bv) in crow[col0..col0 + w].iter_mut().zip(&b[bo..bo + w]) {
+                        *cv += av * bv;
+                    }
+                    col0 += w;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{MatMul, CHUNK};
+    use std::arch::x86_64::*;
+
+    /// Register block: `MR` rows x `NV` 16-lane vectors of C, accumulated over `k`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn kernel<const MR: usize, const NV: usize>(
+        k: usize,
+        a: *const f32,
+        a_rs: usize,
+        a_ks: usize,
+        b: *const f32,
+        b_rs: usize,
+        c: *mut f32,
+        c_rs: usize,
+        accumulate: bool,
+    ) {
+        let mut r = [[_mm512_setzero_ps(); NV]; MR];
+        // Independent row pointers with a shared offset: no serial address chain across rows.
+        let rows: [*const f32; MR] = std::array::from_fn(|i| a.add(i * a_rs));
+        let mut off = 0usize;
+        let mut bp = b;
+        for _ in 0..k {
+            let mut bv = [_mm512_setzero_ps(); NV];
+            for (v, x) in bv.iter_mut().enumerate() {
+                *x = _mm512_loadu_ps(bp.add(v * 16));
+            }
+            for (i, ri) in r.iter_mut().enumerate() {
+                let av = _mm512_set1_ps(*rows[i].add(off));
+                for v in 0..NV {
+                    ri[v] = _mm512_fmadd_ps(av, bv[v], ri[v]);
+                }
+            }
+            off += a_ks;
+            bp = bp.add(b_rs);
+        }
+        for (i, ri) in r.iter().enumerate() {
+            for (v, x) in ri.iter().enumerate() {
+                let cp = c.add(i * c_rs + v * 16);
+                let y = if accumulate {
+                    _mm512_add_ps(_mm512_loadu_ps(cp), *x)
+                } else {
+                    *x
+                };
+                _mm512_storeu_ps(cp, y);
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn kernel_rows<const NV: usize>(
+        rows: usize,
+        k: usize,
+        a: *const f32,
+        a_rs: usize,
+        a_ks: usize,
+        b: *const f32,
+        b_rs: usize,
+        c: *mut f32,
+        c_rs: usize,
+        acc: bool,
+    ) {
+        match rows {
+            1 => kernel::<1, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+            2 => kernel::<2, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+            3 => kernel::<3, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+            4 => kernel::<4, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+            5 => kernel::<5, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+            6 => kernel::<6, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+            7 => kernel::<7, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+            _ => kernel::<8, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+        }
+    }
+
+    /// See [`MatMul`]; the caller has checked the extents.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn matmul(s: &MatMul, a: *const f32, b: *const f32, c: *mut f32) {
+        const MR: usize = 8;
+        let full = s.n / CHUNK;
+        let chunks = full + (!s.n.is_multiple_of(CHUNK)) as usize;
+        let block = |ch: usize, i: usize| {
+            let rows = (s.m - i).min(MR);
+            let ap = a.add(i * s.a_rs);
+            let bp = b.add(ch * s.b_cs);
+            let cp = c.add(i * s.c_rs + ch * CHUNK);
+            if ch < full {
+                kernel_rows::<2>(
+                    rows,
+                    s.k,
+                    ap,
+                    s.a_rs,
+                    s.a_ks,
+                    bp,
+                    s.b_rs,
+                    cp,
+                    s.c_rs,
+                    s.accumulate,
+                );
+            } else {
+                kernel_rows::<1>(
+                    rows,
+                    s.k,
+                    ap,
+                    s.a_rs,
+                    s.a_ks,
+                    bp,
+                    s.b_rs,
+                    cp,
+                    s.c_rs,
+                    s.accumulate,
+                );
+            }
+            rows
+        };
+        if s.a_rs == 1 {
+            // A is column-major (a transposed tile): keep its 8-row strip in L1 across chunks.
+            let mut i = 0;
+            while i < s.m {
+                let mut rows = 0;
+                for ch in 0..chunks {
+                    rows = block(ch, i);
+                }
+                i += rows;
+            }
+        } else {
+            // Column chunk outer: the chunk of B (k x 32) stays in L1 while A's rows stream by.
+            for ch in 0..chunks {
+                let mut i = 0;
+                while i < s.m {
+                    i += block(ch, i);
+                }
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn tail_mask(rem: usize) -> __mmask16 {
+        ((1u32 << rem) - 1) as __mmask16
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn row_max(x: &[f32]) -> f32 {
+        let n = x.len();
+        let p = x.as_ptr();
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut m0 = ninf;
+        let mut m1 = ninf;
+        let mut j = 0;
+        while j + 32 <= n {
+            m0 = _mm512_max_ps(m0, _mm512_loadu_ps(p.add(j)));
+            m1 = _mm512_max_ps(m1, _mm512_loadu_ps(p.add(j + 16)));
+            j += 32;
+        }
+        while j + 16 <= n {
+            m0 = _mm512_max_ps(m0, _mm512_loadu_ps(p.add(j)));
+            j += 16;
+        }
+        if j < n {
+            let v = _mm512_mask_loadu_ps(ninf, tail_mask(n - j), p.add(j));
+            m1 = _mm512_max_ps(m1, v);
+        }
+        _mm512_reduce_max_ps(_mm512_max_ps(m0, m1))
+    }
+
+    /// `2^x`, 0 below -126 (so `-inf` gives 0 without NaN), relative error about 2.5e-7; `+inf`
+    /// above 128 (the kernels only pass `x <= 0` up to rounding).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn exp2(x: __m512) -> __m512 {
+        let valid = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_set1_ps(-126.0));
+        let n = _mm512_roundscale_ps::<0x08>(x);
+        let f = _mm512_sub_ps(x, n);
+        // Degree-5 polynomial fit of 2^f on [-0.5, 0.5] (relative error < 2.4e-7 in f32).
+        let mut p = _mm512_set1_ps(1.327_647_1e-3);
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675_542e-3));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550_713e-2));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240_221_2));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693_146_94));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000_000_1));
+        _mm512_maskz_mov_ps(valid, _mm512_scalef_ps(p, n))
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn exp2_shift_sum(x: &mut [f32], m: f32) -> f32 {
+        let n = x.len();
+        let p = x.as_mut_ptr();
+        let mv = _mm512_set1_ps(m);
+        let mut s0 = _mm512_setzero_ps();
+        let mut s1 = _mm512_setzero_ps();
+        let mut j = 0;
+        while j + 32 <= n {
+            let e0 = exp2(_mm512_sub_ps(_mm512_loadu_ps(p.add(j)), mv));
+            let e1 = exp2(_mm512_sub_ps(_mm512_loadu_ps(p.add(j + 16)), mv));
+            _mm512_storeu_ps(p.add(j), e0);
+            _mm512_storeu_ps(p.add(j + 16), e1);
+            s0 = _mm512_add_ps(s0, e0);
+            s1 = _mm512_add_ps(s1, e1);
+            j += 32;
+        }
+        while j < n {
+            let k = tail_mask((n - j).min(16));
+            let e = exp2(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p.add(j)), mv));
+            let e = _mm512_maskz_mov_ps(k, e);
+            _mm512_mask_storeu_ps(p.add(j), k, e);
+            s0 = _mm512_add_ps(s0, e);
+            j += 16;
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(s0, s1))
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn scale_row(x: &mut [f32], a: f32) {
+        let n = x.len();
+        let p = x.as_mut_ptr();
+        let av = _mm512_set1_ps(a);
+        let mut j = 0;
+        while j < n {
+            let k = tail_mask((n - j).min(16));
+            let v = _mm512_maskz_loadu_ps(k, p.add(j));
+            _mm512_mask_storeu_ps(p.add(j), k, _mm512_mul_ps(v, av));
+            j += 16;
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn p_ds_row(pr: &mut [f32], gr: &mut [f32], l2: f32, d: f32) {
+        let n = gr.len();
+        let pp = pr.as_mut_ptr();
+        let gp = gr.as_mut_ptr();
+        let lv = _mm512_set1_ps(l2);
+        let dv = _mm512_set1_ps(d);
+        let mut j = 0;
+        while j < n {
+            let k = tail_mask((n - j).min(16));
+            let p = exp2(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, pp.add(j)), lv));
+            _mm512_mask_storeu_ps(pp.add(j), k, p);
+            let g = _mm512_maskz_loadu_ps(k, gp.add(j));
+            _mm512_mask_storeu_ps(gp.add(j), k, _mm512_mul_ps(p, _mm512_sub_ps(g, dv)));
+            j += 16;
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len();
+        let (ap, bp) = (a.as_ptr(), b.as_ptr());
+        let mut s = _mm512_setzero_ps();
+        let mut j = 0;
+        while j < n {
+            let k = tail_mask((n - j).min(16));
+            s = _mm512_fmadd_ps(
+                _mm512_maskz_loadu_ps(k, ap.add(j)),
+                _mm512_maskz_loadu_ps(k, bp.add(j)),
+                s,
+            );
+            j += 16;
+        }
+        _mm512_reduce_add_ps(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    #[test]
+    fn matmul_isas_agree() {
+        let mut seed = 1;
+        let shapes: [(usize, usize, usize); 5] = [
+            (1, 16, 1),
+            (13, 48, 7),
+            (8, 64, 64),
+            (17, 80, 33),
+            (3, 32, 0),
+        ];
+        for &(m, n, k) in &shapes {
+            for (a_rs, a_ks) in [(k.max(1), 1), (1, m)] {
+                let a: Vec<f32> = (0..m * k.max(1) + m).map(|_| lcg(&mut seed)).collect();
+                let b_cs = k.max(1) * 32;
+                let b: Vec<f32> = (0..n.div_ceil(32) * b_cs).map(|_| lcg(&mut seed)).collect();
+                let mm = MatMul {
+                    m,
+                    n,
+                    k,
+                    a_rs,
+                    a_ks,
+                    b_rs: 32,
+                    b_cs,
+                    c_rs: n + 3,
+                    accumulate: true,
+                };
+                let c0: Vec<f32> = (0..m * (n + 3)).map(|_| lcg(&mut seed)).collect();
+                let mut c1 = c0.clone();
+                let mut c2 = c0.clone();
+                mm.run(Isa::Portable, &a, &b, &mut c1);
+                mm.run(detect(), &a, &b, &mut c2);
+                for (x, y) in c1.iter().zip(&c2) {
+                    assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn row_ops_isas_agree() {
+        let mut seed = 7;
+        for n in [1usize, 5, 16, 31, 32, 47, 130] {
+            let mut x: Vec<f32> = (0..n).map(|_| lcg(&mut seed) * 50.0).collect();
+            let masked = n > 1;
+            if masked {
+                x[n / 2] = f32::NEG_INFINITY;
+            }
+            let m1 = row_max(Isa::Portable, &x);
+            let m2 = row_max(detect(), &x);
+            assert_eq!(m1, m2);
+            let mut y1 = x.clone();
+            let mut y2 = x.clone();
+            let s1 = exp2_shift_sum(Isa::Portable, &mut y1, m1);
+            let s2 = exp2_shift_sum(detect(), &mut y2, m2);
+            assert!((s1 - s2).abs() <= 1e-6 * s1.abs());
+            for (a, b) in y1.iter().zip(&y2) {
+                assert!((a - b).abs() <= 1e-6 * a.abs().max(1e-30), "{a} vs {b}");
+            }
+            if masked {
+                assert_eq!(y2[n / 2], 0.0);
+            }
+            let mut p1 = x.clone();
+            let mut p2 = x.clone();
+            let mut g1: Vec<f32> = (0..n).map(|_| lcg(&mut seed)).collect();
+            let mut g2 = g1.clone();
+            p_ds_row(Isa::Portable, &mut p1, &mut g1, m1 + 0.5, 0.25);
+            p_ds_row(detect(), &mut p2, &mut g2, m1 + 0.5, 0.25);
+            for (a, b) in p1.iter().zip(&p2).chain(g1.iter().zip(&g2)) {
+                assert!((a - b).abs() <= 1e-6 * a.abs().max(1e-30), "{a} vs {b}");
+            }
+            let d1 = dot(Isa::Portable, &x[..n / 2], &y1);
+            let d2 = dot(detect(), &x[..n / 2], &y1);
+            assert!((d1 - d2).abs() <= 1e-4 * d1.abs().max(1.0));
+        }
+    }
+}

@@ -1,0 +1,205 @@
+//! Shared helpers of the flash-ring integration tests.
+//!
+//! Error metric used everywhere: `rel(a, ref) = max_i |a_i - ref_i| / max(max_i |ref_i|, 1e-30)`
+//! (max-norm relative error; `-inf` entries must match exactly and are left out of the norms).
+#![allow(dead_code)]
+
+use candle_core::{DType, Device, Tensor};
+use flash_ring::reference::{attention_bwd_f64, attention_f64, RefShape};
+use flash_ring::{AttnSpec, KernelConfig};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+pub fn rng(seed: u64) -> StdRng {
+    StdRng::seed_from_u64(seed)
+}
+
+/// Uniform values in [-1, 1), never exactly zero.
+pub fn randv(r: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let x: f32 = r.random_range(-1.0..1.0);
+            if x == 0.0 {
+                0.5
+            } else {
+                x
+            }
+        })
+        .collect()
+}
+
+/// Max-norm relative error, see the module docs. Panics on a NaN or an inf mismatch.
+pub fn rel(a: &[f64], r: &[f64]) -> f64 {
+    rel_floor(a, r, 1e-30)
+}
+
+/// [`rel`] with the denominator floored at `floor` instead of 1e-30.
+pub fn rel_floor(a: &[f64], r: &[f64], floor: f64) -> f64 {
+    assert_eq!(a.len(), r.len(), "length mismatch");
+    let mut num = 0.0f64;
+    let mut den = 0.0f64;
+    for (i, (&x, &y)) in a.iter().zip(r).enumerate() {
+        assert!(!x.is_nan(), "NaN at {i}");
+        if y.is_infinite() || x.is_infinite() {
+            assert_eq!(x, y, "infinity mismatch at {i}");
+            continue;
+        }
+        num = num.max((x - y).abs());
+        den = den.max(y.abs());
+    }
+    num / den.max(floor)
+}
+
+pub fn to_f64(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .and_then(|x| x.flatten_all())
+        .and_then(|x| x.to_vec1::<f64>())
+        .expect("tensor to f64")
+}
+
+/// Values of `t` after rounding to `dtype` (what the kernel actually sees), as f64.
+pub fn rounded(v: &[f32], dtype: DType) -> Vec<f64> {
+    let t = Tensor::new(v, &Device::Cpu)
+        .and_then(|t| t.to_dtype(dtype))
+        .expect("rounding");
+    to_f64(&t)
+}
+
+pub struct Case {
+    pub b: usize,
+    pub sq: usize,
+    pub sk: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub dtype: DType,
+    pub spec: AttnSpec,
+    pub cfg: KernelConfig,
+    pub seed: u64,
+}
+
+impl Case {
+    pub fn new(
+        b: usize,
+        sq: usize,
+        sk: usize,
+        hq: usize,
+        hkv: usize,
+        d: usize,
+        spec: AttnSpec,
+    ) -> Self {
+        Case {
+            b,
+            sq,
+            sk,
+            hq,
+            hkv,
+            d,
+            dtype: DType::F32,
+            spec,
+            cfg: KernelConfig::default(),
+            seed: 42,
+        }
+    }
+
+    pub fn dtype(mut self, dt: DType) -> Self {
+        self.dtype = dt;
+        self
+    }
+
+    pub fn cfg(mut self, cfg: KernelConfig) -> Self {
+        self.cfg = cfg;
+        self
+    }
+
+    pub fn shape(&self) -> RefShape {
+        RefShape {
+            b: self.b,
+            sq: self.sq,
+            sk: self.sk,
+            hq: self.hq,
+            hkv: self.hkv,
+            d: self.d,
+        }
+    }
+
+    /// Random q, k, v, dout (f32 values) for this case.
+    pub fn inputs(&self) -> [Vec<f32>; 4] {
+        let mut r = rng(self.seed);
+        let nq = self.b * self.sq * self.hq * self.d;
+        let nk = self.b * self.sk * self.hkv * self.d;
+        // Scale q so the softmax is neither flat nor one-hot.
+        let q: Vec<f32> = randv(&mut r, nq).iter().map(|x| x * 2.0).collect();
+        [q, randv(&mut r, nk), randv(&mut r, nk), randv(&mut r, nq)]
+    }
+
+    pub fn tensors(&self) -> [Tensor; 4] {
+        let [q, k, v, dout] = self.inputs();
+        let dev = Device::Cpu;
+        let mk = |x: Vec<f32>, s: usize, h: usize| {
+            Tensor::from_vec(x, (self.b, s, h, self.d), &dev)
+                .and_then(|t| t.to_dtype(self.dtype))
+                .expect("tensor")
+        };
+        [
+            mk(q, self.sq, self.hq),
+            mk(k, self.sk, self.hkv),
+            mk(v, self.sk, self.hkv),
+            mk(dout, self.sq, self.hq),
+        ]
+    }
+
+    /// Runs flash forward + backward and compares with the f64 reference computed from the
+    /// inputs rounded to the case's dtype. Returns the worst relative error seen.
+    pub fn check(&self, tol: f64) -> f64 {
+        let [q, k, v, dout] = self.tensors();
+        let (out, lse) = flash_ring::flash_fwd_with_config(&q, &k, &v, &self.spec, &self.cfg)
+            .expect("flash_fwd");
+        let (dq, dk, dv) = flash_ring::flash_bwd_with_config(
+            &q, &k, &v, &out, &lse, &dout, &self.spec, &self.cfg, false,
+        )
+        .expect("flash_bwd");
+        assert_eq!(out.dtype(), self.dtype);
+        assert_eq!(dq.dtype(), self.dtype);
+        assert_eq!(lse.dtype(), DType::F32);
+        assert_eq!(lse.dims(), &[self.b, self.hq, self.sq]);
+        let (qf, kf, vf, df) = (to_f64(&q), to_f64(&k), to_f64(&v), to_f64(&dout));
+        let (ro, rl) = attention_f64(&qf, &kf, &vf, self.shape(), &self.spec);
+        let (rdq, rdk, rdv) = attention_bwd_f64(&qf, &kf, &vf, &df, self.shape(), &self.spec);
+        // When every query sees a single key the softmax is constant and dq, dk are exactly 0
+        // (the reference gives exact zeros, the kernel rounding noise): such an all-zero
+        // gradient is measured against max|dv| instead of its own zero scale.
+        let dv_scale = rdv.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+        let floor = |r: &[f64]| {
+            if r.iter().all(|&x| x == 0.0) {
+                dv_scale.max(1e-30)
+            } else {
+                1e-30
+            }
+        };
+        let errs = [
+            ("out", rel(&to_f64(&out), &ro)),
+            ("lse", rel(&to_f64(&lse), &rl)),
+            ("dq", rel_floor(&to_f64(&dq), &rdq, floor(&rdq))),
+            ("dk", rel_floor(&to_f64(&dk), &rdk, floor(&rdk))),
+            ("dv", rel(&to_f64(&dv), &rdv)),
+        ];
+        let mut worst = 0.0f64;
+        for (name, e) in errs {
+            assert!(
+                e <= tol,
+                "{name}: rel err {e:.3e} > {tol:.0e} (b={} sq={} sk={} hq={} hkv={} d={} {:?} {:?})",
+                self.b,
+                self.sq,
+                self.sk,
+                self.hq,
+                self.hkv,
+                self.d,
+                self.dtype,
+                self.spec.mask
+            );
+            worst = worst.max(e);
+        }
+        worst
+    }
+}
