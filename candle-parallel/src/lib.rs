@@ -4,11 +4,15 @@
 //! `comm` (how ranks talk) → `mesh` (who talks to whom) → `collectives` (differentiable
 //! communication inside candle graphs) → attention strategies and parallel layers (later issues).
 
+pub mod attention;
 pub mod collectives;
 pub mod comm;
 pub mod error;
 pub mod mesh;
 
+pub use attention::{
+    AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,
+};
 pub use comm::{Comm, Communicator, LocalWorld, ReduceOp};
 pub use error::{Error, Result};
 pub use mesh::{DeviceMesh, MeshConfig};

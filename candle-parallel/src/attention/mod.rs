@@ -1,0 +1,416 @@
+//! Sequence-parallel attention: one configuration, one call, every strategy.
+//!
+//! Each rank holds a shard of the sequence: `q` `(batch, seq_local, q_heads, head_dim)` and `k`,
+//! `v` `(batch, seq_local, kv_heads, head_dim)`, its tokens in the order of the strategy's
+//! [`ShardPlan`] (use [`SpAttention::shard`] / [`ShardPlan::shard`] to cut a global batch, and
+//! [`SpAttention::local_positions`] for the RoPE positions of the local tokens). Every rank of
+//! the sequence-parallel group calls [`SequenceParallelAttention::attention`] with its shard and
+//! gets its shard of the output, in the same token order, as a differentiable candle op:
+//! `loss.backward()` on every rank yields each rank's `dq`, `dk`, `dv`.
+//!
+//! | [`Strategy`]   | file              | communication (per layer)                                |
+//! |----------------|-------------------|----------------------------------------------------------|
+//! | `Ring`         | [`ring`]          | P2P kv ring (forward), kv + dkv ring (backward)          |
+//! | `Ulysses`      | [`ulysses`]       | all-to-all of q, k, v and out (and their gradients)      |
+//! | `Usp`          | [`usp`]           | Ulysses all-to-all in rows, ring attention in columns    |
+//! | `AllGather`    | [`allgather_cp`]  | all-gather k, v (forward), reduce-scatter dk, dv         |
+//! | `DoubleRing`   | [`double_ring`]   | LoongTrain 2D attention with inner and outer rings       |
+//! | `StarTrail`    | [`startrail`]     | concentric rings in teams of `C`                         |
+//!
+//! The grid: the sequence-parallel group is `ulysses × ring` ranks, from the mesh's
+//! [`Dim::Ulysses`](crate::mesh::Dim::Ulysses) and [`Dim::Ring`](crate::mesh::Dim::Ring)
+//! communicators. The global sequence is first split over the ring ranks by the
+//! [`SeqLayout`] (contiguous, zigzag or striped), then each ring rank's part is split in
+//! contiguous pieces over its ulysses group (USP's Algorithm 2). See [`layout`].
+//!
+//! Masks ([`AttnMask`]): full, causal, and document masks from per-token document ids of the
+//! global sequence (packed sequences), causal or bidirectional within documents; GQA with any
+//! `q_heads % kv_heads == 0` (Ulysses replicates kv heads when its degree exceeds them).
+//!
+//! Arithmetic is flash-ring's (f32 accumulation whatever the input dtype); partial results are
+//! merged through their log-sum-exp, so every strategy computes the same function as
+//! single-device flash-ring. Invalid combinations (indivisible sequence or heads, wrong degrees)
+//! return [`Error::InvalidArgument`](crate::Error::InvalidArgument) or
+//! [`Error::Layout`](crate::Error::Layout) on every rank before any communication.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use candle_core::{Device, Tensor, Var};
+//! use candle_parallel::attention::{AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy};
+//! use candle_parallel::comm::LocalWorld;
+//! use candle_parallel::mesh::{DeviceMesh, MeshConfig};
+//!
+//! let (b, s, h, d) = (1, 16, 2, 8);
+//! let q = Tensor::randn(0f32, 1., (b, s, h, d), &Device::Cpu)?;
+//! let cfg = SpConfig::new(Strategy::Ring, 1, 2).with_layout(SeqLayout::Zigzag);
+//! let outs = LocalWorld::run(2, |world| -> candle_parallel::Result<Tensor> {
+//!     let mesh = DeviceMesh::new(&cfg.mesh_config(), world)?;
+//!     let sp = SpAttention::new(&cfg, &mesh)?;
+//!     let ql = Var::from_tensor(&sp.shard(&q, 1)?)?; // this rank's tokens, zigzag order
+//!     let out = sp.attention(&ql, &ql, &ql, &AttnMask::Causal, 0.35)?;
+//!     out.sum_all()?.backward()?;
+//!     sp.gather(&out, 1) // back to global order, on every rank
+//! })?;
+//! assert_eq!(outs[0].dims(), &[b, s, h, d]);
+//! # Ok::<(), candle_parallel::Error>(())
+//! ```
+
+pub mod allgather_cp;
+pub mod block;
+pub mod config;
+pub mod double_ring;
+pub mod layout;
+pub mod mask;
+pub mod multi_ring_plan;
+pub mod op;
+pub mod ring;
+pub mod selftest;
+pub mod startrail;
+pub mod ulysses;
+pub mod usp;
+
+use candle_core::Tensor;
+
+pub use allgather_cp::AllGatherAttention;
+pub use block::{block_bwd, block_fwd, Partial};
+pub use config::{SeqLayout, SpConfig, Strategy};
+pub use double_ring::DoubleRingAttention;
+pub use layout::ShardPlan;
+pub use mask::{AttnMask, MaskBlock};
+pub use ring::{ring_attention, RingAttention, RingBlocks, RingComm};
+pub use startrail::StarTrailAttention;
+pub use ulysses::UlyssesAttention;
+pub use usp::UspAttention;
+
+use crate::comm::Comm;
+use crate::error::{Error, Result};
+use crate::mesh::{DeviceMesh, Dim};
+
+/// A sequence-parallel attention strategy, run by every rank of its group on its local shard.
+///
+/// Contract of every implementation:
+/// - `q` `(batch, n, q_heads, head_dim)`, `k`, `v` `(batch, n, kv_heads, head_dim)`, all the same
+///   dtype and device, `n` this rank's number of tokens, rows in [`ShardPlan`] order;
+/// - returns `out` `(batch, n, q_heads, head_dim)` in q's dtype, rows in the same order, and,
+///   when `want_lse`, the softmax log-sum-exp `(batch, q_heads, n)` f32 (detached; rows with no
+///   visible key have `lse = -inf` and `out = 0`);
+/// - collective: every rank of the group calls it with the same shapes, mask and scale, and then
+///   backpropagates through `out` (the backward communicates too);
+/// - shape, mask and degree errors are detected before any communication, alike on every rank.
+pub trait SequenceParallelAttention: Send + Sync {
+    /// A short name (`"ring"`, `"ulysses"`, ...), for logs and benchmarks.
+    fn name(&self) -> &'static str;
+
+    /// The sharding this strategy expects for a global sequence of `seq_len` tokens.
+    fn plan(&self, seq_len: usize) -> Result<ShardPlan>;
+
+    /// This rank's `(ring_rank, ulysses_rank)` in [`SequenceParallelAttention::plan`].
+    fn shard_coords(&self) -> (usize, usize);
+
+    /// Runs the strategy; see the trait docs. `want_lse = false` saves the communication of lse.
+    fn forward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &AttnMask,
+        scale: f32,
+        want_lse: bool,
+    ) -> Result<(Tensor, Option<Tensor>)>;
+
+    /// Differentiable attention of this rank's shard: `out` `(batch, n, q_heads, head_dim)`.
+    fn attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &AttnMask,
+        scale: f32,
+    ) -> Result<Tensor> {
+        Ok(self.forward(q, k, v, mask, scale, false)?.0)
+    }
+
+    /// As [`SequenceParallelAttention::attention`], also returning lse `(batch, q_heads, n)` f32.
+    fn attention_with_lse(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &AttnMask,
+        scale: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        let (out, lse) = self.forward(q, k, v, mask, scale, true)?;
+        let lse = lse
+            .ok_or_else(|| Error::invalid(self.name(), "internal: the strategy returned no lse"))?;
+        Ok((out, lse))
+    }
+}
+
+/// The sequence-parallel group of one rank: its Ulysses (head-parallel) and ring
+/// (context-parallel) communicators and the sequence layout of the ring.
+#[derive(Clone)]
+pub struct SpGroup {
+    /// Head-parallel group (all-to-all); size 1 when unused.
+    pub ulysses: Comm,
+    /// Context-parallel group (ring P2P, all-gather CP); size 1 when unused.
+    pub ring: Comm,
+    /// How the sequence is split over the ring ranks.
+    pub layout: SeqLayout,
+}
+
+impl std::fmt::Debug for SpGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpGroup")
+            .field("ulysses", &(self.ulysses.rank(), self.ulysses.size()))
+            .field("ring", &(self.ring.rank(), self.ring.size()))
+            .field("layout", &self.layout)
+            .finish()
+    }
+}
+
+impl SpGroup {
+    pub fn new(ulysses: Comm, ring: Comm, layout: SeqLayout) -> Self {
+        Self {
+            ulysses,
+            ring,
+            layout,
+        }
+    }
+
+    /// Ranks in the sequence-parallel group, `ulysses × ring`.
+    pub fn degree(&self) -> usize {
+        self.ulysses.size() * self.ring.size()
+    }
+
+    /// `(ring_rank, ulysses_rank)` of this rank.
+    pub fn coords(&self) -> (usize, usize) {
+        (self.ring.rank(), self.ulysses.rank())
+    }
+
+    /// The sharding of a global sequence of `seq_len` tokens over this group (pure).
+    pub fn plan(&self, seq_len: usize) -> Result<ShardPlan> {
+        ShardPlan::new(seq_len, self.layout, self.ring.size(), self.ulysses.size())
+    }
+
+    /// Checks q, k, v and the mask before any communication; returns the dims and the plan of
+    /// the global sequence (`seq_len = n · degree`).
+    pub fn check(
+        &self,
+        op: &'static str,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &AttnMask,
+    ) -> Result<(QkvDims, ShardPlan)> {
+        let dims = QkvDims::check(op, q, k, v)?;
+        let seq_len = dims.n * self.degree();
+        let plan = self.plan(seq_len)?;
+        mask.check(op, seq_len)?;
+        Ok((dims, plan))
+    }
+}
+
+/// The dims of a (q, k, v) triple of one rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QkvDims {
+    pub batch: usize,
+    /// Local tokens.
+    pub n: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl QkvDims {
+    /// Validates `q` `(b, n, hq, d)`, `k`, `v` `(b, n, hkv, d)` with `hq % hkv == 0`, one dtype.
+    pub fn check(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Self> {
+        let dims4 = |name: &str, t: &Tensor| -> Result<(usize, usize, usize, usize)> {
+            t.dims4().map_err(|_| {
+                Error::invalid(
+                    op,
+                    format!(
+                        "{name} must be (batch, seq, heads, head_dim), got shape {:?}",
+                        t.dims()
+                    ),
+                )
+            })
+        };
+        let (b, n, hq, d) = dims4("q", q)?;
+        let kd = dims4("k", k)?;
+        if v.dims() != k.dims() {
+            return Err(Error::invalid(
+                op,
+                format!("v has shape {:?}, k has {:?}", v.dims(), k.dims()),
+            ));
+        }
+        let (kb, kn, hkv, kdim) = kd;
+        if kb != b || kn != n || kdim != d {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "q {:?} and k {:?} must agree in batch, seq and head_dim",
+                    q.dims(),
+                    k.dims()
+                ),
+            ));
+        }
+        if hkv == 0 || hq % hkv != 0 {
+            return Err(Error::invalid(
+                op,
+                format!("q_heads {hq} is not a positive multiple of kv_heads {hkv}"),
+            ));
+        }
+        if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "q, k, v must share one dtype, got {:?}, {:?}, {:?}",
+                    q.dtype(),
+                    k.dtype(),
+                    v.dtype()
+                ),
+            ));
+        }
+        if n == 0 {
+            return Err(Error::invalid(op, "empty local sequence"));
+        }
+        Ok(Self {
+            batch: b,
+            n,
+            q_heads: hq,
+            kv_heads: hkv,
+            head_dim: d,
+        })
+    }
+}
+
+/// The configured strategy of this rank, built by one constructor from the mesh.
+///
+/// Holds the strategy's communicators; [`SpAttention::shard`] and [`SpAttention::gather`]
+/// convert between global batches and this rank's shards in the strategy's token order.
+pub struct SpAttention {
+    cfg: SpConfig,
+    group: SpGroup,
+    imp: Box<dyn SequenceParallelAttention>,
+}
+
+impl std::fmt::Debug for SpAttention {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpAttention")
+            .field("cfg", &self.cfg)
+            .field("group", &self.group)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SpAttention {
+    /// Builds the strategy of `cfg` on `mesh`'s Ulysses and ring communicators. Checks that the
+    /// mesh's degrees and placement are those of `cfg`. Local (no communication) for the
+    /// strategies of this module; strategies that need sub-communicators may split (collective).
+    pub fn new(cfg: &SpConfig, mesh: &DeviceMesh) -> Result<Self> {
+        let (u, r) = (mesh.size(Dim::Ulysses), mesh.size(Dim::Ring));
+        if (u, r) != (cfg.ulysses, cfg.ring) {
+            return Err(Error::Layout(format!(
+                "the sequence-parallel config asks for ulysses {} x ring {}, the mesh has \
+                 ulysses {u} x ring {r}",
+                cfg.ulysses, cfg.ring
+            )));
+        }
+        if mesh.layout().placement() != cfg.placement {
+            return Err(Error::Layout(format!(
+                "the sequence-parallel config asks for {} placement, the mesh is {}",
+                cfg.placement,
+                mesh.layout().placement()
+            )));
+        }
+        Self::from_comms(cfg, mesh.comm(Dim::Ulysses), mesh.comm(Dim::Ring))
+    }
+
+    /// Builds the strategy of `cfg` on explicit communicators (sizes must be `cfg.ulysses` and
+    /// `cfg.ring`). For library users without a [`DeviceMesh`], and tests.
+    pub fn from_comms(cfg: &SpConfig, ulysses: Comm, ring: Comm) -> Result<Self> {
+        cfg.validate()?;
+        if ulysses.size() != cfg.ulysses || ring.size() != cfg.ring {
+            return Err(Error::Layout(format!(
+                "the sequence-parallel config asks for ulysses {} x ring {}, the communicators \
+                 have sizes {} and {}",
+                cfg.ulysses,
+                cfg.ring,
+                ulysses.size(),
+                ring.size()
+            )));
+        }
+        let group = SpGroup::new(ulysses, ring, cfg.layout);
+        let imp: Box<dyn SequenceParallelAttention> = match cfg.strategy {
+            Strategy::Ring => Box::new(RingAttention::new(group.clone())?),
+            Strategy::Ulysses => Box::new(UlyssesAttention::new(group.clone())?),
+            Strategy::Usp => Box::new(UspAttention::new(group.clone())?),
+            Strategy::AllGather => Box::new(AllGatherAttention::new(group.clone())?),
+            Strategy::DoubleRing => {
+                Box::new(DoubleRingAttention::new(group.clone(), cfg.inner_ring)?)
+            }
+            Strategy::StarTrail => Box::new(StarTrailAttention::new(group.clone(), cfg.team)?),
+        };
+        Ok(Self {
+            cfg: cfg.clone(),
+            group,
+            imp,
+        })
+    }
+
+    pub fn config(&self) -> &SpConfig {
+        &self.cfg
+    }
+
+    pub fn group(&self) -> &SpGroup {
+        &self.group
+    }
+
+    /// The global positions (for RoPE) of this rank's tokens, in local order.
+    pub fn local_positions(&self, seq_len: usize) -> Result<Vec<u32>> {
+        let (r, u) = self.shard_coords();
+        Ok(self.plan(seq_len)?.local_positions(r, u))
+    }
+
+    /// This rank's shard of a global tensor (tokens, position ids, document ids, labels, q/k/v)
+    /// whose `dim` is the sequence. Local; differentiable (index_select).
+    pub fn shard(&self, global: &Tensor, dim: usize) -> Result<Tensor> {
+        let (r, u) = self.shard_coords();
+        self.plan(global.dim(dim)?)?.shard(global, dim, r, u)
+    }
+
+    /// The global tensor from every rank's shard (`dim` the sequence), on every rank, in global
+    /// order. Collective over the group; differentiable with replicated-loss semantics
+    /// ([`crate::collectives::gather`]).
+    pub fn gather(&self, local: &Tensor, dim: usize) -> Result<Tensor> {
+        let seq_len = local.dim(dim)? * self.group.degree();
+        self.plan(seq_len)?
+            .gather(local, dim, &self.group.ulysses, &self.group.ring)
+    }
+}
+
+impl SequenceParallelAttention for SpAttention {
+    fn name(&self) -> &'static str {
+        self.imp.name()
+    }
+
+    fn plan(&self, seq_len: usize) -> Result<ShardPlan> {
+        self.imp.plan(seq_len)
+    }
+
+    fn shard_coords(&self) -> (usize, usize) {
+        self.imp.shard_coords()
+    }
+
+    fn forward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &AttnMask,
+        scale: f32,
+        want_lse: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        self.imp.forward(q, k, v, mask, scale, want_lse)
+    }
+}

@@ -1,0 +1,327 @@
+//! Shared harness of `sp_double_ring.rs` and `sp_startrail.rs`: run one sequence-parallel
+//! configuration on a local world, gather out, lse, dq, dk, dv to global order, compare them
+//! with single-device flash-ring, and hand back each rank's traffic of the forward and of the
+//! backward.
+
+#![allow(dead_code)]
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_parallel::attention::{
+    AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig,
+};
+use candle_parallel::comm::{LocalWorld, OpKind, TrafficSnapshot};
+use candle_parallel::mesh::DeviceMesh;
+use flash_ring::AttnSpec;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+pub const TOL: f32 = 1e-5;
+
+/// The masks of the issue: full, causal, and documents (crossing shard borders, one of
+/// length 1), causal or bidirectional inside documents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MaskSel {
+    Full,
+    Causal,
+    Docs,
+    DocsFull,
+}
+
+impl MaskSel {
+    pub const ALL: [MaskSel; 4] = [
+        MaskSel::Full,
+        MaskSel::Causal,
+        MaskSel::Docs,
+        MaskSel::DocsFull,
+    ];
+
+    /// Document boundaries for `s` tokens: lengths 5, 1, 17, 17, 1 and the rest, so that
+    /// documents cross every shard border of the layouts used and two have length 1.
+    pub fn mask(self, s: usize) -> AttnMask {
+        let cu = [0, 5, 6, 23, 40, 41, s];
+        match self {
+            MaskSel::Full => AttnMask::Full,
+            MaskSel::Causal => AttnMask::Causal,
+            MaskSel::Docs => AttnMask::from_cu_seqlens(&cu, true).unwrap(),
+            MaskSel::DocsFull => AttnMask::from_cu_seqlens(&cu, false).unwrap(),
+        }
+    }
+}
+
+/// One run: a configuration, a mask and global shapes `(1, s, hq, d)` / `(1, s, hkv, d)`.
+#[derive(Debug, Clone)]
+pub struct Case {
+    pub cfg: SpConfig,
+    pub mask: MaskSel,
+    pub b: usize,
+    pub s: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub dtype: DType,
+}
+
+impl Case {
+    pub fn new(cfg: SpConfig, mask: MaskSel, hq: usize, hkv: usize) -> Self {
+        Self {
+            cfg,
+            mask,
+            b: 1,
+            s: 64,
+            hq,
+            hkv,
+            d: 32,
+            dtype: DType::F32,
+        }
+    }
+
+    pub fn with_batch(mut self, b: usize) -> Self {
+        self.b = b;
+        self
+    }
+
+    pub fn with_dtype(mut self, dtype: DType) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// Bytes of one element of q, k, v.
+    pub fn elem_bytes(&self) -> u64 {
+        self.dtype.size_in_bytes() as u64
+    }
+
+    /// The tolerance of [`check_numerics`]: 1e-5 in f32, bf16 rounding otherwise.
+    pub fn tol(&self) -> f32 {
+        if self.dtype == DType::F32 {
+            TOL
+        } else {
+            2e-2
+        }
+    }
+
+    pub fn with_layout(mut self, layout: SeqLayout) -> Self {
+        self.cfg = self.cfg.with_layout(layout);
+        self
+    }
+
+    pub fn scale(&self) -> f32 {
+        1.0 / (self.d as f32).sqrt()
+    }
+
+    pub fn world(&self) -> usize {
+        self.cfg.degree()
+    }
+
+    /// Tokens per rank.
+    pub fn n(&self) -> usize {
+        self.s / self.world()
+    }
+}
+
+/// What one rank returns.
+pub struct RankOut {
+    /// `(ring_rank, ulysses_rank)`.
+    pub coords: (usize, usize),
+    pub out: Tensor,
+    pub lse: Tensor,
+    pub dq: Tensor,
+    pub dk: Tensor,
+    pub dv: Tensor,
+    pub fwd: TrafficSnapshot,
+    pub bwd: TrafficSnapshot,
+}
+
+/// Global inputs of a case, fixed by `seed`.
+pub struct Inputs {
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub dout: Tensor,
+}
+
+fn rand_t(rng: &mut StdRng, dims: (usize, usize, usize, usize), dtype: DType) -> Tensor {
+    let n = dims.0 * dims.1 * dims.2 * dims.3;
+    let v: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    Tensor::from_vec(v, dims, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+pub fn inputs(case: &Case, seed: u64) -> Inputs {
+    let mut rng = StdRng::seed_from_u64(seed);
+    Inputs {
+        q: rand_t(&mut rng, (case.b, case.s, case.hq, case.d), case.dtype),
+        k: rand_t(&mut rng, (case.b, case.s, case.hkv, case.d), case.dtype),
+        v: rand_t(&mut rng, (case.b, case.s, case.hkv, case.d), case.dtype),
+        dout: rand_t(&mut rng, (case.b, case.s, case.hq, case.d), case.dtype),
+    }
+}
+
+/// Runs the case on a local world: every rank shards the inputs, runs attention with lse,
+/// backpropagates `sum(out * dout)`, and returns its results and traffic.
+pub fn run(case: &Case, x: &Inputs) -> Vec<RankOut> {
+    let mask = case.mask.mask(case.s);
+    let scale = case.scale();
+    LocalWorld::run(case.world(), |world| -> candle_parallel::Result<RankOut> {
+        let mesh = DeviceMesh::new(&case.cfg.mesh_config(), world.clone())?;
+        let sp = SpAttention::new(&case.cfg, &mesh)?;
+        let shard = |t: &Tensor| sp.shard(t, 1);
+        let q = Var::from_tensor(&shard(&x.q)?)?;
+        let k = Var::from_tensor(&shard(&x.k)?)?;
+        let v = Var::from_tensor(&shard(&x.v)?)?;
+        let dout = shard(&x.dout)?;
+        let traffic = world.traffic();
+        traffic.reset();
+        let (out, lse) =
+            sp.attention_with_lse(q.as_tensor(), k.as_tensor(), v.as_tensor(), &mask, scale)?;
+        let fwd = traffic.snapshot();
+        traffic.reset();
+        let grads = (&out * &dout)?.sum_all()?.backward()?;
+        let bwd = traffic.snapshot();
+        let grad = |var: &Var, name: &str| {
+            grads.get(var.as_tensor()).cloned().ok_or_else(|| {
+                candle_parallel::Error::Layout(format!(
+                    "rank {}: no gradient for {name}",
+                    world.rank()
+                ))
+            })
+        };
+        Ok(RankOut {
+            coords: sp.shard_coords(),
+            out,
+            lse,
+            dq: grad(&q, "q")?,
+            dk: grad(&k, "k")?,
+            dv: grad(&v, "v")?,
+            fwd,
+            bwd,
+        })
+    })
+    .unwrap_or_else(|e| panic!("{case:?}: {e}"))
+}
+
+/// Single-device flash-ring in f32 (on the same, possibly bf16-rounded, inputs):
+/// `(out, lse, dq, dk, dv)` of the whole sequence.
+pub fn reference(case: &Case, x: &Inputs) -> [Tensor; 5] {
+    let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let x = &Inputs {
+        q: f(&x.q),
+        k: f(&x.k),
+        v: f(&x.v),
+        dout: f(&x.dout),
+    };
+    let spec: AttnSpec = case.mask.mask(case.s).spec(
+        case.scale(),
+        flash_ring::Positions::range(0, case.s),
+        flash_ring::Positions::range(0, case.s),
+    );
+    let (out, lse) = flash_ring::flash_fwd(&x.q, &x.k, &x.v, &spec).unwrap();
+    let (dq, dk, dv) = flash_ring::flash_bwd(&x.q, &x.k, &x.v, &out, &lse, &x.dout, &spec).unwrap();
+    [out, lse, dq, dk, dv]
+}
+
+/// `max |a - b| / max |b|`, with equal infinities counted as equal.
+pub fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
+    let a: Vec<f32> = a
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let b: Vec<f32> = b
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert_eq!(a.len(), b.len());
+    let mut max_ref = 0f32;
+    let mut max_diff = 0f32;
+    for (x, y) in a.iter().zip(&b) {
+        if x == y {
+            if y.is_finite() {
+                max_ref = max_ref.max(y.abs());
+            }
+            continue;
+        }
+        assert!(
+            x.is_finite() && y.is_finite(),
+            "non-finite mismatch {x} vs {y}"
+        );
+        max_ref = max_ref.max(y.abs());
+        max_diff = max_diff.max((x - y).abs());
+    }
+    if max_diff == 0.0 {
+        0.0
+    } else {
+        max_diff / max_ref.max(f32::MIN_POSITIVE)
+    }
+}
+
+/// Gathers every rank's `pick` to global order (sequence at `dim`).
+pub fn unshard(
+    case: &Case,
+    ranks: &[RankOut],
+    dim: usize,
+    pick: impl Fn(&RankOut) -> &Tensor,
+) -> Tensor {
+    let plan = case.cfg.plan(case.s).unwrap();
+    let mut parts: Vec<Option<Tensor>> = vec![None; ranks.len()];
+    for r in ranks {
+        let i = plan.shard_index(r.coords.0, r.coords.1);
+        parts[i] = Some(pick(r).clone());
+    }
+    let parts: Vec<Tensor> = parts.into_iter().map(|p| p.expect("every shard")).collect();
+    plan.unshard(&parts, dim).unwrap()
+}
+
+/// Asserts out, lse, dq, dk, dv (gathered) equal the single-device result within
+/// [`Case::tol`] ([`TOL`] in f32).
+pub fn check_numerics(case: &Case, x: &Inputs, ranks: &[RankOut]) {
+    let [out, lse, dq, dk, dv] = reference(case, x);
+    let got = [
+        ("out", unshard(case, ranks, 1, |r| &r.out), out),
+        ("lse", unshard(case, ranks, 2, |r| &r.lse), lse),
+        ("dq", unshard(case, ranks, 1, |r| &r.dq), dq),
+        ("dk", unshard(case, ranks, 1, |r| &r.dk), dk),
+        ("dv", unshard(case, ranks, 1, |r| &r.dv), dv),
+    ];
+    for (name, g, want) in got {
+        assert_eq!(g.dims(), want.dims(), "{name} shape, {case:?}");
+        let e = rel_err(&g, &want);
+        let tol = case.tol();
+        assert!(e <= tol, "{name}: relative error {e:e} > {tol:e}, {case:?}");
+        assert_eq!(
+            g.dtype(),
+            if name == "lse" {
+                DType::F32
+            } else {
+                case.dtype
+            },
+            "{name}"
+        );
+    }
+}
+
+/// Bytes sent by one kind.
+pub fn sent(t: &TrafficSnapshot, kind: OpKind) -> u64 {
+    t.get(kind).bytes_sent
+}
+
+/// Asserts the exact bytes sent by each kind (every other kind sends nothing).
+pub fn assert_sent(t: &TrafficSnapshot, expected: &[(OpKind, u64)], what: &str) {
+    let mut total = 0;
+    for &(kind, bytes) in expected {
+        assert_eq!(sent(t, kind), bytes, "{what}: {} bytes sent", kind.name());
+        total += bytes;
+    }
+    assert_eq!(
+        t.bytes_sent(),
+        total,
+        "{what}: total bytes sent ({:?})",
+        t.ops
+    );
+}

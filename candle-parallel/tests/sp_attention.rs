@@ -1,0 +1,647 @@
+//! Sequence-parallel attention against single-device flash-ring, for every strategy.
+//!
+//! Each case draws global q, k, v and an output weight g, computes the single-device result
+//! (flash-ring on the whole sequence; out, lse and the gradients of `Σ out ⊙ g`), then runs the
+//! strategy on local ranks: every rank cuts its shard with `SpAttention::shard`, runs
+//! `attention_with_lse` (or `attention`), backpropagates `Σ out_local ⊙ g_local`, and returns
+//! out, lse, dq, dk, dv. The shards are put back in global order with `ShardPlan::unshard` and
+//! compared with the reference (f32, `max|a - b| / max|ref| <= 1e-5`). A missing gradient fails.
+//!
+//! Every case also asserts the bytes each rank sends in forward and in backward (and the number
+//! of ring exchanges), from formulas written here from the shapes alone:
+//! with `el` bytes per element, `n = S / (U·R)` local tokens, `rep` the Ulysses kv replication,
+//! `Q = b·n·hq·d·el`, `K = b·n·hkv·d·el`, `K' = rep·K`, `a2a(x) = x·(U-1)/U`:
+//! - ring:        fwd `(R-1)·2K`,                 bwd `(R-1)·2K + R·2·K_f32` (dk/dv travel in f32)
+//! - ulysses:     fwd `2·a2a(Q) + 2·a2a(K')` (+ `a2a(b·hq·n·4)` for lse), bwd `2·a2a(Q) + 2·a2a(K')`
+//! - usp:         the ulysses terms over U plus the ring terms over R with `K'` for `K`
+//! - all-gather:  fwd `2·(R-1)·K` (all-gather), bwd `2·(R-1)·K` (reduce-scatter)
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_parallel::attention::{
+    AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,
+};
+use candle_parallel::comm::{LocalWorld, OpKind, TrafficSnapshot};
+use candle_parallel::mesh::{DeviceMesh, Placement};
+use candle_parallel::Error;
+use flash_ring::{AttnSpec, Positions};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const TOL: f32 = 1e-5;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum M {
+    Full,
+    Causal,
+    /// Causal documents: lengths 5, 1, ... crossing shard borders.
+    Docs,
+    /// Bidirectional documents.
+    DocsFull,
+}
+
+#[derive(Debug, Clone)]
+struct Case {
+    cfg: SpConfig,
+    b: usize,
+    s: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    mask: M,
+    with_lse: bool,
+    dtype: DType,
+}
+
+impl Case {
+    fn new(cfg: SpConfig, hq: usize, hkv: usize, mask: M) -> Self {
+        Self {
+            cfg,
+            b: 1,
+            s: 64,
+            hq,
+            hkv,
+            d: 32,
+            mask,
+            with_lse: true,
+            dtype: DType::F32,
+        }
+    }
+
+    fn batch(mut self, b: usize) -> Self {
+        self.b = b;
+        self
+    }
+
+    fn no_lse(mut self) -> Self {
+        self.with_lse = false;
+        self
+    }
+
+    fn scale(&self) -> f32 {
+        1.3 / (self.d as f32).sqrt()
+    }
+
+    /// Documents `[0,5) [5,6) [6,S/2+3) [S/2+3, 3S/4+1) [3S/4+1, S)`.
+    fn doc_ids(&self) -> Arc<[u32]> {
+        let s = self.s;
+        let cu = [0, 5, 6, s / 2 + 3, 3 * s / 4 + 1, s];
+        flash_ring::doc_ids_from_cu_seqlens(&cu).unwrap()
+    }
+
+    fn attn_mask(&self) -> AttnMask {
+        match self.mask {
+            M::Full => AttnMask::Full,
+            M::Causal => AttnMask::Causal,
+            M::Docs => AttnMask::Documents(self.doc_ids()),
+            M::DocsFull => AttnMask::DocumentsFull(self.doc_ids()),
+        }
+    }
+}
+
+struct Global {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+}
+
+fn rand_t(rng: &mut StdRng, dims: &[usize], dtype: DType) -> Tensor {
+    let n = dims.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    Tensor::from_vec(v, dims, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+fn inputs(c: &Case, seed: u64) -> Global {
+    let mut rng = StdRng::seed_from_u64(seed);
+    Global {
+        q: rand_t(&mut rng, &[c.b, c.s, c.hq, c.d], c.dtype),
+        k: rand_t(&mut rng, &[c.b, c.s, c.hkv, c.d], c.dtype),
+        v: rand_t(&mut rng, &[c.b, c.s, c.hkv, c.d], c.dtype),
+        g: rand_t(&mut rng, &[c.b, c.s, c.hq, c.d], c.dtype),
+    }
+}
+
+/// out, lse, dq, dk, dv.
+type Five = [Tensor; 5];
+
+/// Single-device flash-ring on the whole sequence.
+fn reference(c: &Case, x: &Global) -> Five {
+    let q = Var::from_tensor(&x.q).unwrap();
+    let k = Var::from_tensor(&x.k).unwrap();
+    let v = Var::from_tensor(&x.v).unwrap();
+    let m = c.attn_mask();
+    let mut spec = AttnSpec::new(
+        c.scale(),
+        m.kind(),
+        Positions::range(0, c.s),
+        Positions::range(0, c.s),
+    );
+    if let Some(d) = m.doc_ids() {
+        spec = spec.with_doc_ids(d.clone());
+    }
+    let (out, lse) = flash_ring::flash_attention_with_lse(&q, &k, &v, &spec).unwrap();
+    let grads = (&out * &x.g)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let gr = |t: &Var| grads.get(t).expect("reference gradient").clone();
+    [out, lse, gr(&q), gr(&k), gr(&v)]
+}
+
+struct RankOut {
+    coords: (usize, usize),
+    /// out, lse (or a dummy), dq, dk, dv: local shards.
+    t: Five,
+    fwd: TrafficSnapshot,
+    /// Everything sent during backward.
+    bwd_sent: u64,
+    bwd_p2p: u64,
+    bwd_exchanges: u64,
+}
+
+fn e2s<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
+
+fn run_ranks(c: &Case, x: &Global) -> Result<Vec<RankOut>, String> {
+    let mask = c.attn_mask();
+    let world = LocalWorld::new(c.cfg.degree()).with_timeout(std::time::Duration::from_secs(60));
+    world
+        .launch(|comm| -> Result<RankOut, String> {
+            let mesh = DeviceMesh::new(&c.cfg.mesh_config(), comm.clone()).map_err(e2s)?;
+            let sp = SpAttention::new(&c.cfg, &mesh).map_err(e2s)?;
+            let var = |t: &Tensor| -> Result<Var, String> {
+                Var::from_tensor(&sp.shard(t, 1).map_err(e2s)?).map_err(e2s)
+            };
+            let (q, k, v) = (var(&x.q)?, var(&x.k)?, var(&x.v)?);
+            let g = sp.shard(&x.g, 1).map_err(e2s)?;
+            comm.traffic().reset();
+            let (out, lse) = if c.with_lse {
+                sp.attention_with_lse(&q, &k, &v, &mask, c.scale())
+                    .map_err(e2s)?
+            } else {
+                let out = sp.attention(&q, &k, &v, &mask, c.scale()).map_err(e2s)?;
+                (
+                    out,
+                    Tensor::zeros(1, DType::F32, &Device::Cpu).map_err(e2s)?,
+                )
+            };
+            let fwd = comm.traffic().snapshot();
+            let grads = (&out * &g)
+                .and_then(|y| y.sum_all())
+                .and_then(|l| l.backward())
+                .map_err(e2s)?;
+            let total = comm.traffic().snapshot();
+            let grad = |t: &Var, name: &str| -> Result<Tensor, String> {
+                grads
+                    .get(t)
+                    .cloned()
+                    .ok_or_else(|| format!("rank {}: no gradient for {name}", comm.rank()))
+            };
+            let t = [out, lse, grad(&q, "q")?, grad(&k, "k")?, grad(&v, "v")?];
+            Ok(RankOut {
+                coords: sp.shard_coords(),
+                t,
+                bwd_sent: total.bytes_sent() - fwd.bytes_sent(),
+                bwd_p2p: total.p2p_bytes_sent() - fwd.p2p_bytes_sent(),
+                bwd_exchanges: total.get(OpKind::Exchange).calls - fwd.get(OpKind::Exchange).calls,
+                fwd,
+            })
+        })
+        .map_err(e2s)
+}
+
+fn rel_err(a: &Tensor, r: &Tensor) -> f32 {
+    let a = a.to_dtype(DType::F32).unwrap();
+    let r = r.to_dtype(DType::F32).unwrap();
+    // lse may hold -inf for rows without keys: equal infinities count as equal.
+    let fin = |t: &Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1().unwrap() };
+    let (av, rv) = (fin(&a), fin(&r));
+    assert_eq!(av.len(), rv.len());
+    let scale = rv
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(0f32, |m, x| m.max(x.abs()))
+        .max(1e-30);
+    av.iter()
+        .zip(&rv)
+        .map(|(x, y)| {
+            if x == y {
+                0.0
+            } else if x.is_finite() && y.is_finite() {
+                (x - y).abs() / scale
+            } else {
+                f32::INFINITY
+            }
+        })
+        .fold(0f32, f32::max)
+}
+
+/// What each rank must send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Traffic {
+    fwd: u64,
+    bwd: u64,
+    /// Point-to-point part of `bwd`.
+    bwd_p2p: u64,
+    fwd_exchanges: u64,
+    bwd_exchanges: u64,
+}
+
+fn expected_traffic(c: &Case) -> Traffic {
+    let el = c.dtype.size_in_bytes() as u64;
+    let (u, r) = (c.cfg.ulysses as u64, c.cfg.ring as u64);
+    let n = c.s as u64 / (u * r);
+    let (b, hq, hkv, d) = (c.b as u64, c.hq as u64, c.hkv as u64, c.d as u64);
+    let q = b * n * hq * d * el;
+    let kv = b * n * hkv * d * el;
+    let rep = if hkv.is_multiple_of(u) { 1 } else { u / hkv };
+    let a2a = |x: u64| x * (u - 1) / u;
+    // Ring over R ranks with kv blocks of `k` bytes: (fwd, bwd, fwd exchanges, bwd exchanges).
+    let ring = |k: u64| -> (u64, u64, u64, u64) {
+        if r == 1 {
+            return (0, 0, 0, 0);
+        }
+        let k32 = k / el * 4;
+        (
+            (r - 1) * 2 * k,
+            (r - 1) * 2 * k + r * 2 * k32,
+            r - 1,
+            (r - 1) + r,
+        )
+    };
+    let lse = if c.with_lse { a2a(b * hq * n * 4) } else { 0 };
+    let (fwd, bwd, bwd_p2p, fwd_exchanges, bwd_exchanges) = match c.cfg.strategy {
+        Strategy::Ring => {
+            let (f, bw, ef, eb) = ring(kv);
+            (f, bw, bw, ef, eb)
+        }
+        Strategy::Ulysses => {
+            let x = 2 * a2a(q) + 2 * a2a(kv * rep);
+            (x + lse, x, 0, 0, 0)
+        }
+        Strategy::Usp => {
+            // After the all-to-all a rank holds S/R tokens of hkv·rep/U kv heads: K' bytes.
+            let x = 2 * a2a(q) + 2 * a2a(kv * rep);
+            let (rf, rb, ef, eb) = ring(kv * rep);
+            (x + lse + rf, x + rb, rb, ef, eb)
+        }
+        Strategy::AllGather => (2 * (r - 1) * kv, 2 * (r - 1) * kv, 0, 0, 0),
+        other => panic!("no traffic formula for {other}"),
+    };
+    Traffic {
+        fwd,
+        bwd,
+        bwd_p2p,
+        fwd_exchanges,
+        bwd_exchanges,
+    }
+}
+
+/// Runs one case and asserts numerics and traffic; returns a description on failure.
+fn check(c: &Case, seed: u64) -> Result<(), String> {
+    let x = inputs(c, seed);
+    let refs = reference(c, &x);
+    let ranks = run_ranks(c, &x)?;
+    let plan = c.cfg.plan(c.s).map_err(e2s)?;
+    let mut ordered: Vec<Option<&RankOut>> = vec![None; ranks.len()];
+    for ro in &ranks {
+        ordered[plan.shard_index(ro.coords.0, ro.coords.1)] = Some(ro);
+    }
+    let ordered: Vec<&RankOut> = ordered
+        .into_iter()
+        .map(|o| o.ok_or("two ranks reported the same coords"))
+        .collect::<Result<_, _>>()?;
+    let tol = if c.dtype == DType::F32 { TOL } else { 2e-2 };
+    let names = ["out", "lse", "dq", "dk", "dv"];
+    for (i, name) in names.iter().enumerate() {
+        if i == 1 && !c.with_lse {
+            continue;
+        }
+        let dim = if i == 1 { 2 } else { 1 };
+        let parts: Vec<Tensor> = ordered.iter().map(|ro| ro.t[i].clone()).collect();
+        let global = plan.unshard(&parts, dim).map_err(e2s)?;
+        let err = rel_err(&global, &refs[i]);
+        if err > tol {
+            return Err(format!("{name}: relative error {err:e} > {tol:e}"));
+        }
+    }
+    let want = expected_traffic(c);
+    for ro in &ranks {
+        let got = Traffic {
+            fwd: ro.fwd.bytes_sent(),
+            bwd: ro.bwd_sent,
+            bwd_p2p: ro.bwd_p2p,
+            fwd_exchanges: ro.fwd.get(OpKind::Exchange).calls,
+            bwd_exchanges: ro.bwd_exchanges,
+        };
+        if got != want {
+            return Err(format!(
+                "rank {:?}: traffic {got:?}, expected {want:?}",
+                ro.coords
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn run_all(cases: &[Case]) {
+    let mut failures = Vec::new();
+    for (i, c) in cases.iter().enumerate() {
+        if let Err(e) = check(c, 1000 + i as u64) {
+            failures.push(format!(
+                "{} {}x{} {} {:?} b={} hq={} hkv={}: {e}",
+                c.cfg.strategy, c.cfg.ulysses, c.cfg.ring, c.cfg.layout, c.mask, c.b, c.hq, c.hkv
+            ));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases failed:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn ring_matches_single_device() {
+    let mut cases = Vec::new();
+    for p in [2, 4, 8] {
+        for layout in SeqLayout::ALL {
+            let cfg = SpConfig::new(Strategy::Ring, 1, p).with_layout(layout);
+            cases.push(Case::new(cfg.clone(), 4, 2, M::Causal));
+            cases.push(Case::new(cfg.clone(), 4, 4, M::Full).batch(2));
+            cases.push(Case::new(cfg.clone(), 4, 1, M::Docs));
+            cases.push(Case::new(cfg.clone(), 4, 4, M::Docs).no_lse());
+            if p == 4 {
+                cases.push(Case::new(cfg, 4, 2, M::DocsFull));
+            }
+        }
+    }
+    run_all(&cases);
+}
+
+#[test]
+fn ulysses_matches_single_device() {
+    let mut cases = Vec::new();
+    for (p, hq, hkv) in [
+        (2, 8, 8),
+        (2, 8, 4),
+        (2, 8, 1),
+        (4, 8, 8),
+        (4, 8, 2),
+        (4, 8, 1),
+        (4, 4, 4),
+    ] {
+        let cfg = SpConfig::new(Strategy::Ulysses, p, 1);
+        cases.push(Case::new(cfg.clone(), hq, hkv, M::Causal));
+        cases.push(Case::new(cfg.clone(), hq, hkv, M::Docs).no_lse());
+        cases.push(Case::new(cfg, hq, hkv, M::Full).batch(2));
+    }
+    cases.push(Case::new(
+        SpConfig::new(Strategy::Ulysses, 4, 1),
+        8,
+        2,
+        M::DocsFull,
+    ));
+    run_all(&cases);
+}
+
+#[test]
+fn usp_matches_single_device() {
+    let mut cases = Vec::new();
+    for (u, r) in [(2, 2), (2, 4), (4, 2)] {
+        let cfg = SpConfig::new(Strategy::Usp, u, r);
+        cases.push(Case::new(cfg.clone(), 8, 2, M::Causal));
+        cases.push(Case::new(cfg.clone(), 8, 8, M::Full).batch(2));
+        cases.push(Case::new(cfg.clone(), 8, 4, M::Docs));
+        cases.push(Case::new(cfg.clone(), 8, 8, M::Causal).no_lse());
+        for layout in [SeqLayout::Contiguous, SeqLayout::Striped] {
+            cases.push(Case::new(cfg.clone().with_layout(layout), 8, 2, M::Docs));
+        }
+    }
+    // Ring-inner placement (the ring group's ranks are neighbours).
+    let cf = SpConfig::new(Strategy::Usp, 2, 2).with_placement(Placement::ContextFirst);
+    cases.push(Case::new(cf.clone(), 8, 1, M::Causal));
+    cases.push(Case::new(cf, 4, 4, M::DocsFull));
+    run_all(&cases);
+}
+
+#[test]
+fn allgather_cp_matches_single_device() {
+    let mut cases = Vec::new();
+    for cp in [2, 4, 8] {
+        let cfg = SpConfig::new(Strategy::AllGather, 1, cp);
+        cases.push(Case::new(cfg.clone(), 4, 2, M::Causal));
+        cases.push(Case::new(cfg.clone(), 4, 4, M::Docs).batch(2));
+        cases.push(Case::new(cfg.clone(), 4, 1, M::Full).no_lse());
+        cases.push(Case::new(
+            cfg.with_layout(SeqLayout::Contiguous),
+            4,
+            2,
+            M::Docs,
+        ));
+    }
+    cases.push(Case::new(
+        SpConfig::new(Strategy::AllGather, 1, 4),
+        4,
+        2,
+        M::DocsFull,
+    ));
+    run_all(&cases);
+}
+
+#[test]
+fn bf16_runs_every_strategy() {
+    let mut cases = Vec::new();
+    for cfg in [
+        SpConfig::new(Strategy::Ring, 1, 4),
+        SpConfig::new(Strategy::Ulysses, 4, 1),
+        SpConfig::new(Strategy::Usp, 2, 2),
+        SpConfig::new(Strategy::AllGather, 1, 4),
+    ] {
+        let mut c = Case::new(cfg, 8, 2, M::Docs);
+        c.dtype = DType::BF16;
+        cases.push(c);
+    }
+    run_all(&cases);
+}
+
+/// Every rank fails with the same clear error, and nothing was sent.
+fn expect_error(
+    cfg: &SpConfig,
+    q: (usize, usize, usize, usize),
+    hkv: usize,
+    mask: AttnMask,
+    what: &str,
+) {
+    let world = LocalWorld::new(cfg.degree()).with_timeout(std::time::Duration::from_secs(30));
+    let results = world.launch_each(|comm| -> Result<(), String> {
+        let mesh = DeviceMesh::new(&cfg.mesh_config(), comm.clone()).map_err(e2s)?;
+        let sp = SpAttention::new(cfg, &mesh).map_err(e2s)?;
+        let (b, n, hq, d) = q;
+        let qt = Tensor::zeros((b, n, hq, d), DType::F32, &Device::Cpu).map_err(e2s)?;
+        let kt = Tensor::zeros((b, n, hkv, d), DType::F32, &Device::Cpu).map_err(e2s)?;
+        comm.traffic().reset();
+        let r = sp.attention(&qt, &kt, &kt, &mask, 1.0);
+        let sent = comm.traffic().snapshot().bytes_sent();
+        match r {
+            Ok(_) => Err("no error".into()),
+            Err(e @ (Error::InvalidArgument { .. } | Error::Layout(_))) if sent == 0 => {
+                Err(format!("expected: {e}"))
+            }
+            Err(e) => Err(format!("unexpected error or traffic ({sent} bytes): {e}")),
+        }
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let msg = match r {
+            Err(e) => e.to_string(),
+            Ok(()) => "ok".into(),
+        };
+        assert!(
+            msg.contains("expected: ") && msg.contains(what),
+            "rank {rank}: {msg} (wanted an error mentioning {what:?})"
+        );
+    }
+}
+
+#[test]
+fn invalid_combinations_fail_before_communication() {
+    // Zigzag on 4 ranks needs S % 8 == 0: 4 ranks x 9 tokens = 36.
+    let ring = SpConfig::new(Strategy::Ring, 1, 4);
+    expect_error(
+        &ring,
+        (1, 9, 4, 8),
+        4,
+        AttnMask::Causal,
+        "not a positive multiple of the 8 chunks",
+    );
+    // Contiguous accepts it but the document ids must cover the sequence.
+    let contig = ring.clone().with_layout(SeqLayout::Contiguous);
+    expect_error(
+        &contig,
+        (1, 9, 4, 8),
+        4,
+        AttnMask::documents(vec![0u32; 35]),
+        "35 ids",
+    );
+    // Ulysses: 6 query heads over 4 ranks; 3 kv heads over 2 ranks.
+    let uly = SpConfig::new(Strategy::Ulysses, 4, 1);
+    expect_error(
+        &uly,
+        (1, 4, 6, 8),
+        6,
+        AttnMask::Full,
+        "6 query heads do not divide",
+    );
+    let uly2 = SpConfig::new(Strategy::Ulysses, 2, 1);
+    expect_error(&uly2, (1, 4, 6, 8), 3, AttnMask::Full, "3 kv heads");
+    // GQA group mismatch.
+    expect_error(
+        &ring,
+        (1, 8, 4, 8),
+        3,
+        AttnMask::Full,
+        "not a positive multiple of kv_heads",
+    );
+    // USP checks the Ulysses heads too.
+    let usp = SpConfig::new(Strategy::Usp, 4, 2);
+    expect_error(
+        &usp,
+        (1, 2, 6, 8),
+        6,
+        AttnMask::Causal,
+        "6 query heads do not divide",
+    );
+}
+
+#[test]
+fn invalid_configurations_are_rejected() {
+    let err = |cfg: SpConfig| -> String {
+        LocalWorld::run(cfg.degree(), |comm| -> Result<(), String> {
+            let mesh = DeviceMesh::new(&cfg.mesh_config(), comm).map_err(e2s)?;
+            SpAttention::new(&cfg, &mesh).map(|_| ()).map_err(e2s)
+        })
+        .expect_err("configuration accepted")
+        .to_string()
+    };
+    assert!(err(SpConfig::new(Strategy::Ring, 2, 2)).contains("use usp"));
+    assert!(err(SpConfig::new(Strategy::Ulysses, 2, 2)).contains("use usp"));
+    assert!(err(SpConfig::new(Strategy::DoubleRing, 1, 4).with_inner_ring(3)).contains("w = 3"));
+    assert!(err(SpConfig::new(Strategy::StarTrail, 1, 4).with_team(4)).contains("C = 4"));
+    // The config and the mesh must agree.
+    let r = LocalWorld::run(4, |comm| -> Result<(), String> {
+        let mesh = DeviceMesh::new(&SpConfig::new(Strategy::Usp, 2, 2).mesh_config(), comm)
+            .map_err(e2s)?;
+        SpAttention::new(&SpConfig::new(Strategy::Usp, 4, 1), &mesh)
+            .map(|_| ())
+            .map_err(e2s)
+    });
+    assert!(r.is_err());
+}
+
+#[test]
+fn shard_gather_and_positions_follow_one_permutation() {
+    let s = 32;
+    for cfg in [
+        SpConfig::new(Strategy::Ring, 1, 4).with_layout(SeqLayout::Striped),
+        SpConfig::new(Strategy::Usp, 2, 2),
+        SpConfig::new(Strategy::Usp, 2, 2).with_placement(Placement::ContextFirst),
+    ] {
+        let tokens = Tensor::arange(0u32, s as u32, &Device::Cpu)
+            .unwrap()
+            .reshape((1, s))
+            .unwrap();
+        let out = LocalWorld::run(cfg.degree(), |comm| -> Result<[Vec<u32>; 3], String> {
+            let mesh = DeviceMesh::new(&cfg.mesh_config(), comm).map_err(e2s)?;
+            let sp = SpAttention::new(&cfg, &mesh).map_err(e2s)?;
+            let local = sp.shard(&tokens, 1).map_err(e2s)?;
+            let back = sp.gather(&local, 1).map_err(e2s)?;
+            Ok([
+                local.flatten_all().and_then(|t| t.to_vec1()).map_err(e2s)?,
+                sp.local_positions(s).map_err(e2s)?,
+                back.flatten_all().and_then(|t| t.to_vec1()).map_err(e2s)?,
+            ])
+        })
+        .unwrap();
+        let mut seen = Vec::new();
+        for [local, pos, back] in out {
+            assert_eq!(local, pos, "positions follow the tokens ({cfg:?})");
+            assert_eq!(back, (0..s as u32).collect::<Vec<_>>());
+            seen.extend(local);
+        }
+        seen.sort_unstable();
+        assert_eq!(seen, (0..s as u32).collect::<Vec<_>>());
+    }
+}
+
+#[test]
+fn selftest_cases_pass_on_local_worlds() {
+    use candle_parallel::attention::selftest::{check_case, default_cases};
+    let mine = [
+        Strategy::Ring,
+        Strategy::Ulysses,
+        Strategy::Usp,
+        Strategy::AllGather,
+    ];
+    for p in [2, 4] {
+        let cases: Vec<_> = default_cases(p)
+            .into_iter()
+            .filter(|c| mine.contains(&c.cfg.strategy))
+            .collect();
+        assert!(cases.len() >= 3, "P = {p}: {} cases", cases.len());
+        for case in cases {
+            let reports = LocalWorld::run(p, |comm| check_case(&comm, &case))
+                .unwrap_or_else(|e| panic!("{}: {e}", case.name()));
+            assert!(reports.iter().all(|r| r.fwd_bytes > 0 && r.bwd_bytes > 0));
+        }
+    }
+}
