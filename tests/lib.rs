@@ -1,1 +1,225 @@
-//! Shared helpers for the cross-crate integration tests.
+//! Shared helpers for the cross-crate integration tests: the LLaMA fixtures made by
+//! `scripts/make_llama_fixtures.py` and a runner that trains one step of a fixture model under
+//! any parallel layout and returns the loss and the full gradients, in global form.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor};
+use candle_parallel::attention::{AttnMask, SpConfig, Strategy};
+use candle_parallel::comm::{Comm, LocalWorld, ReduceOp};
+use candle_parallel::layers::{CrossEntropyOptions, ParallelCtx};
+use candle_parallel::mesh::{DeviceMesh, Dim, MeshConfig};
+use models::hub::ModelFiles;
+use models::llama::{self, Batch};
+
+/// `tests/fixtures/llama/<name>`.
+pub fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join("llama")
+        .join(name)
+}
+
+pub fn fixture_files(name: &str) -> ModelFiles {
+    let dir = fixture_dir(name);
+    models::hub::from_dir(name, &dir).unwrap_or_else(|e| panic!("fixture {name}: {e}"))
+}
+
+/// The reference of a fixture: transformers' input, labels, logits, loss and gradients.
+pub struct Reference {
+    pub input_ids: Vec<Vec<u32>>,
+    /// transformers' labels (unshifted, `-100` ignored), `(batch, seq)`.
+    pub labels: Tensor,
+    pub logits: Tensor,
+    pub loss: f32,
+    /// Parameter name -> gradient.
+    pub grads: HashMap<String, Tensor>,
+}
+
+pub fn reference(name: &str) -> Reference {
+    let path = fixture_dir(name).join("reference.safetensors");
+    let t = candle_core::safetensors::load(&path, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let ids = t["input_ids"]
+        .to_dtype(DType::I64)
+        .unwrap()
+        .to_vec2::<i64>()
+        .unwrap();
+    let input_ids = ids
+        .iter()
+        .map(|r| r.iter().map(|&x| x as u32).collect())
+        .collect();
+    let grads = t
+        .iter()
+        .filter_map(|(k, v)| k.strip_prefix("grad.").map(|n| (n.to_string(), v.clone())))
+        .collect();
+    Reference {
+        input_ids,
+        labels: t["labels"].to_dtype(DType::I64).unwrap(),
+        logits: t["logits"].clone(),
+        loss: t["loss"]
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap_or_else(|_| t["loss"].flatten_all().unwrap().to_vec1::<f32>().unwrap()[0]),
+        grads,
+    }
+}
+
+/// `max|a - b| / max|b|`.
+pub fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims(), "shapes differ");
+    let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    let diff = (&a - &b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let scale = b.abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    diff / scale.max(f32::MIN_POSITIVE)
+}
+
+/// A parallel layout for [`run_layout`].
+#[derive(Debug, Clone)]
+pub struct Layout {
+    pub name: &'static str,
+    pub ranks: usize,
+    pub mesh: MeshConfig,
+    pub sp: SpConfig,
+    pub tp_sp: bool,
+}
+
+impl Layout {
+    pub fn single() -> Self {
+        Self::new("single", 1, 1, 1, Strategy::Ring)
+    }
+
+    /// `tp × ulysses × ring` ranks with `strategy` (zigzag ring layout).
+    pub fn new(
+        name: &'static str,
+        tp: usize,
+        ulysses: usize,
+        ring: usize,
+        strategy: Strategy,
+    ) -> Self {
+        let sp = SpConfig::new(strategy, ulysses, ring);
+        let mesh = MeshConfig::default()
+            .with_tp(tp)
+            .with_ulysses(ulysses)
+            .with_ring(ring);
+        Self {
+            name,
+            ranks: tp * ulysses * ring,
+            mesh,
+            sp,
+            tp_sp: false,
+        }
+    }
+
+    pub fn with_sp(mut self, f: impl FnOnce(SpConfig) -> SpConfig) -> Self {
+        self.sp = f(self.sp);
+        self.mesh = self.mesh.with_placement(self.sp.placement);
+        self
+    }
+
+    pub fn with_tp_sp(mut self) -> Self {
+        self.tp_sp = true;
+        self
+    }
+}
+
+/// What one rank of [`run_layout`] returns, already in global form (identical on every rank).
+pub struct StepResult {
+    /// Mean next-token loss over the batch.
+    pub loss: f32,
+    /// Logits `(batch, seq, vocab)` in global token order.
+    pub logits: Tensor,
+    /// Full gradient of every parameter, by name.
+    pub grads: HashMap<String, Tensor>,
+}
+
+/// Gathers a tensor-parallel slice of a parameter's gradient to the full tensor.
+fn gather_param(g: &Tensor, p: &models::checkpoint::Param, tp: &Comm) -> Tensor {
+    if p.shard.is_split() {
+        tp.all_gather(&g.contiguous().unwrap(), p.shard.dim)
+            .unwrap()
+    } else {
+        g.clone()
+    }
+}
+
+/// Loads fixture `name` under `layout` on local ranks, runs forward (logits and loss with the
+/// transformers labels of the fixture, shifted) and backward, reduces the gradients and gathers
+/// everything to global form. Returns rank 0's result (ranks are checked to agree on the loss).
+pub fn run_layout(name: &str, layout: &Layout) -> StepResult {
+    let files = fixture_files(name);
+    let r = reference(name);
+    let labels = r.labels.to_vec2::<i64>().unwrap();
+    let seqs = r.input_ids.clone();
+    let mut results = LocalWorld::run(layout.ranks, |world| -> Result<StepResult, String> {
+        let e = |e: &dyn std::fmt::Display| format!("{}: {e}", layout.name);
+        let mesh = DeviceMesh::new(&layout.mesh, world).map_err(|x| e(&x))?;
+        let ctx = ParallelCtx::new(&mesh, &layout.sp, layout.tp_sp).map_err(|x| e(&x))?;
+        let m = llama::load(&files, &ctx, Some(DType::F32), true).map_err(|x| e(&x))?;
+        let (batch, _) = Batch::from_sequences(&ctx, &seqs, AttnMask::Causal).map_err(|x| e(&x))?;
+        // transformers' loss: logits[:, i] against labels[:, i + 1].
+        let shifted: Vec<i64> = labels
+            .iter()
+            .flat_map(|row| row[1..].iter().copied().chain(std::iter::once(-100)))
+            .collect();
+        let (b, s) = (seqs.len(), seqs[0].len());
+        let shifted = Tensor::from_vec(shifted, (b, s), &Device::Cpu).unwrap();
+        let local_labels = ctx.shard_tokens(&shifted).map_err(|x| e(&x))?;
+        let (sum, count) = m
+            .model
+            .loss_sum(&batch, &local_labels, &CrossEntropyOptions::default())
+            .map_err(|x| e(&x))?;
+        let seq_group = mesh.group(&[Dim::Ulysses, Dim::Ring]).map_err(|x| e(&x))?;
+        let total = seq_group
+            .all_reduce(
+                &Tensor::new(&[count as f32], &Device::Cpu).unwrap(),
+                ReduceOp::Sum,
+            )
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()[0];
+        let local_loss = (sum / total as f64).unwrap();
+        let loss = seq_group
+            .all_reduce(&local_loss.detach(), ReduceOp::Sum)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let grads = local_loss.backward().map_err(|x| e(&x))?;
+        let params = m.params.sorted();
+        let reduced = models::grads::reduce_gradients(&params, &grads, &ctx).map_err(|x| e(&x))?;
+        let tp = mesh.comm(Dim::Tp);
+        let grads = params
+            .iter()
+            .zip(reduced)
+            .map(|(p, (n, g))| (n, gather_param(&g, p, &tp)))
+            .collect();
+        let logits = m.model.logits(&batch).map_err(|x| e(&x))?;
+        let logits = ctx.gather_tokens(&logits.detach()).map_err(|x| e(&x))?;
+        Ok(StepResult {
+            loss,
+            logits,
+            grads,
+        })
+    })
+    .unwrap_or_else(|e| panic!("{}: {e}", layout.name));
+    let first = results.swap_remove(0);
+    for other in &results {
+        assert_eq!(
+            other.loss.to_bits(),
+            first.loss.to_bits(),
+            "{}: ranks disagree on the loss",
+            layout.name
+        );
+    }
+    first
+}

@@ -34,7 +34,7 @@ pub fn run(args: &DemoArgs) -> Result<()> {
     if args.ranks == 0 {
         bail!("--ranks must be at least 1");
     }
-    if args.elems % args.ranks != 0 {
+    if !args.elems.is_multiple_of(args.ranks) {
         bail!(
             "--elems ({}) must be divisible by --ranks ({}) for the all-to-all",
             args.elems,

@@ -1,6 +1,7 @@
 //! Parallel layout flags shared by every `cpl` command, and `cpl plan`.
 
 use anyhow::{bail, Context, Result};
+use candle_parallel::attention::{SeqLayout, SpConfig, Strategy};
 use candle_parallel::mesh::{Dim, MeshConfig, MeshLayout, Placement};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -29,6 +30,49 @@ pub struct LayoutArgs {
     /// Placement of the (ulysses, ring) grid: head-first or context-first (LoongTrain).
     #[arg(long, default_value = "head-first")]
     pub placement: String,
+    /// How the sequence is split over the ring ranks: contiguous, zigzag or striped.
+    #[arg(long, default_value = "zigzag")]
+    pub ring_layout: String,
+    /// Sequence-parallel attention: ring, ulysses, usp, double-ring, startrail or allgather.
+    /// Default: usp when both --ulysses and --ring exceed 1, ulysses when only --ulysses does,
+    /// ring otherwise.
+    #[arg(long)]
+    pub cp_impl: Option<String>,
+    /// Inner ring size of --cp-impl double-ring (divides --ring).
+    #[arg(long, default_value_t = 1)]
+    pub inner_ring: usize,
+    /// Team size C of --cp-impl startrail (C^2 divides --ring).
+    #[arg(long, default_value_t = 1)]
+    pub team: usize,
+    /// Megatron sequence parallelism inside the tensor-parallel group (norms and residuals
+    /// split along the sequence over --tp ranks).
+    #[arg(long)]
+    pub tp_sp: bool,
+    /// How ranks run: local (threads of this process) or mpi (one process per rank under
+    /// mpirun; needs a build with --features mpi).
+    #[arg(long, default_value = "local")]
+    pub backend: String,
+}
+
+impl Default for LayoutArgs {
+    fn default() -> Self {
+        Self {
+            ranks: 1,
+            tp: 1,
+            ulysses: 1,
+            ring: 1,
+            pp: 1,
+            dp: None,
+            order: None,
+            placement: "head-first".into(),
+            ring_layout: "zigzag".into(),
+            cp_impl: None,
+            inner_ring: 1,
+            team: 1,
+            tp_sp: false,
+            backend: "local".into(),
+        }
+    }
 }
 
 impl LayoutArgs {
@@ -57,7 +101,7 @@ impl LayoutArgs {
             Some(dp) => dp,
             None => {
                 let others = self.tp * self.ulysses * self.ring * self.pp;
-                if others == 0 || self.ranks % others != 0 {
+                if others == 0 || !self.ranks.is_multiple_of(others) {
                     bail!(
                         "--ranks {} is not divisible by tp {} x ulysses {} x ring {} x pp {} = {others}; \
                          cannot infer --dp",
@@ -69,6 +113,44 @@ impl LayoutArgs {
         };
         let cfg = cfg.with_dp(dp);
         cfg.validate(self.ranks).context("parallel layout flags")?;
+        Ok(cfg)
+    }
+}
+
+impl LayoutArgs {
+    /// The sequence-parallel attention these flags describe.
+    pub fn sp_config(&self) -> Result<SpConfig> {
+        let strategy = match &self.cp_impl {
+            Some(s) => s
+                .parse::<Strategy>()
+                .with_context(|| format!("--cp-impl {s:?}"))?,
+            None if self.ulysses > 1 && self.ring > 1 => Strategy::Usp,
+            None if self.ulysses > 1 => Strategy::Ulysses,
+            None => Strategy::Ring,
+        };
+        let layout: SeqLayout = self
+            .ring_layout
+            .parse()
+            .with_context(|| format!("--ring-layout {:?}", self.ring_layout))?;
+        let placement: Placement = self
+            .placement
+            .parse()
+            .with_context(|| format!("--placement {:?}", self.placement))?;
+        let cfg = SpConfig::new(strategy, self.ulysses, self.ring)
+            .with_layout(layout)
+            .with_inner_ring(self.inner_ring)
+            .with_team(self.team)
+            .with_placement(placement);
+        cfg.validate().with_context(|| {
+            format!(
+                "--cp-impl {} with --ulysses {} --ring {} --inner-ring {} --team {}",
+                strategy.name(),
+                self.ulysses,
+                self.ring,
+                self.inner_ring,
+                self.team
+            )
+        })?;
         Ok(cfg)
     }
 }

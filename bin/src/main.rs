@@ -1,10 +1,15 @@
 //! `cpl`: the command line of candle-parallel.
 //!
-//! Subcommands grow with the project (train, finetune, eval, generate, bench). Today: `demo`
-//! runs collectives across local ranks and reports their traffic; `plan` shows how a world of
-//! ranks is cut into tensor/sequence/pipeline/data-parallel groups.
+//! Subcommands: `eval`, `generate`, `inspect` (models from Hugging Face checkpoints under any
+//! parallel layout), `plan` (how a world of ranks is cut into groups), `demo` (collectives
+//! across local ranks). `train`, `finetune` and `bench` come with later issues.
 
+mod data;
 mod demo;
+mod eval;
+mod generate;
+mod inspect;
+mod launch;
 mod layout;
 
 use anyhow::Result;
@@ -27,6 +32,12 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Print the device mesh of a parallel layout: each rank's coordinates and groups.
     Plan(layout::LayoutArgs),
+    /// Mean next-token loss, perplexity and token count of a model on a text, jsonl or token file.
+    Eval(eval::EvalArgs),
+    /// Continue a prompt with a model (KV cache; one rank or tensor parallel).
+    Generate(generate::GenerateArgs),
+    /// Show a model's architecture, parameter count, dtypes and checkpoint files.
+    Inspect(inspect::InspectArgs),
 }
 
 fn main() {
@@ -35,6 +46,9 @@ fn main() {
         None => demo::run(&demo::DemoArgs::default()),
         Some(Command::Demo(args)) => demo::run(&args),
         Some(Command::Plan(args)) => layout::plan(&args),
+        Some(Command::Eval(args)) => eval::run(&args),
+        Some(Command::Generate(args)) => generate::run(&args),
+        Some(Command::Inspect(args)) => inspect::run(&args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

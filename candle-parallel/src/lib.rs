@@ -8,7 +8,9 @@ pub mod attention;
 pub mod collectives;
 pub mod comm;
 pub mod error;
+pub mod layers;
 pub mod mesh;
+pub mod ops;
 
 pub use attention::{
     AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,

@@ -33,9 +33,16 @@ pub struct ShardPlan {
 
 impl ShardPlan {
     /// Validates that `seq_len` splits: a multiple of `layout.pieces(ring)` and of
-    /// `ring · ulysses`, at least one token per rank, and below `u32::MAX`.
+    /// `ring · ulysses`, at least one token per rank, and below `u32::MAX`. With one ring rank
+    /// every layout is the contiguous one (zigzag's two chunks of rank 0 are in order), so any
+    /// length works there.
     pub fn new(seq_len: usize, layout: SeqLayout, ring: usize, ulysses: usize) -> Result<Self> {
         let op = "shard plan";
+        let layout = if ring == 1 {
+            SeqLayout::Contiguous
+        } else {
+            layout
+        };
         if ring == 0 || ulysses == 0 {
             return Err(Error::invalid(
                 op,
@@ -336,6 +343,9 @@ mod tests {
     #[test]
     fn invalid_lengths() {
         assert!(ShardPlan::new(12, SeqLayout::Zigzag, 4, 1).is_err());
+        // One ring rank: every layout is contiguous, odd lengths included.
+        let one = ShardPlan::new(5, SeqLayout::Zigzag, 1, 1).unwrap();
+        assert_eq!(one.local_positions(0, 0), vec![0, 1, 2, 3, 4]);
         assert!(ShardPlan::new(12, SeqLayout::Contiguous, 4, 1).is_ok());
         assert!(ShardPlan::new(16, SeqLayout::Zigzag, 4, 3).is_err());
         assert!(ShardPlan::new(0, SeqLayout::Striped, 1, 1).is_err());

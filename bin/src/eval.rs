@@ -1,0 +1,236 @@
+//! `cpl eval`: mean next-token loss, perplexity and token count of a model on a data file.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_parallel::attention::{AttnMask, ShardPlan};
+use candle_parallel::comm::ReduceOp;
+use candle_parallel::layers::CrossEntropyOptions;
+use candle_parallel::mesh::Dim;
+use models::llama::{self, Batch, LlamaConfig};
+use models::tokenizer::Tokenizer;
+
+use crate::data;
+use crate::launch::{launch, Rank};
+use crate::layout::LayoutArgs;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct EvalArgs {
+    /// Model directory (config.json, *.safetensors, tokenizer.json) or Hugging Face Hub id.
+    #[arg(long)]
+    pub model: String,
+    /// Text (.txt) or JSON-lines (.jsonl) file to evaluate on; documents are joined with EOS
+    /// and cut into windows of --seq-len tokens.
+    #[arg(long, conflicts_with = "tokens")]
+    pub data: Option<PathBuf>,
+    /// JSON array of token-id arrays; each is evaluated as one sequence.
+    #[arg(long)]
+    pub tokens: Option<PathBuf>,
+    /// Tokens per window of --data.
+    #[arg(long, default_value_t = 1024)]
+    pub seq_len: usize,
+    /// The text field of .jsonl records.
+    #[arg(long, default_value = "text")]
+    pub text_field: String,
+    /// Compute dtype: f32, bf16 or f16 (default: the checkpoint's).
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the logits of every sequence (`logits.<i>`, (tokens, vocab) f32) to this
+    /// safetensors file.
+    #[arg(long)]
+    pub logits_out: Option<PathBuf>,
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+}
+
+/// The result of an evaluation.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct EvalReport {
+    pub loss: f64,
+    pub perplexity: f64,
+    pub tokens: u64,
+    pub sequences: usize,
+    /// Wall time of the forward passes (slowest rank; loading excluded).
+    pub seconds: f64,
+    /// Tokens scored per second over `seconds`.
+    pub tokens_per_sec: f64,
+}
+
+pub fn parse_dtype_flag(flag: &str, value: &Option<String>) -> Result<Option<DType>> {
+    match value {
+        None => Ok(None),
+        Some(v) => models::llama::config::parse_dtype(v)
+            .map(Some)
+            .with_context(|| format!("{flag} {v:?}: expected f32, bf16 or f16")),
+    }
+}
+
+/// The largest length `<= len` that the layout can shard (0 if none).
+fn fit_to_layout(len: usize, layout: &LayoutArgs) -> Result<usize> {
+    let sp = layout.sp_config()?;
+    let mut l = len;
+    while l >= 2 {
+        if ShardPlan::new(l, sp.layout, sp.ring, sp.ulysses).is_ok() {
+            return Ok(l);
+        }
+        l -= 1;
+    }
+    Ok(0)
+}
+
+/// The sequences to evaluate, from `--tokens` or `--data`.
+fn sequences(
+    args: &EvalArgs,
+    files: &models::hub::ModelFiles,
+    cfg: &LlamaConfig,
+) -> Result<Vec<Vec<u32>>> {
+    let sp = args.layout.sp_config()?;
+    if let Some(path) = &args.tokens {
+        let seqs = data::read_token_sequences(path, cfg.vocab_size)?;
+        for (i, s) in seqs.iter().enumerate() {
+            ShardPlan::new(s.len(), sp.layout, sp.ring, sp.ulysses).with_context(|| {
+                format!(
+                    "--tokens {}: sequence {i} ({} tokens) cannot be split by the layout flags \
+                     (--ring {} --ulysses {} --ring-layout {})",
+                    path.display(),
+                    s.len(),
+                    sp.ring,
+                    sp.ulysses,
+                    sp.layout
+                )
+            })?;
+        }
+        return Ok(seqs);
+    }
+    let Some(path) = &args.data else {
+        bail!("give the data to evaluate with --data FILE (text or jsonl) or --tokens FILE");
+    };
+    if args.seq_len < 2 {
+        bail!("--seq-len {} must be at least 2", args.seq_len);
+    }
+    let window = fit_to_layout(args.seq_len, &args.layout)?;
+    if window != args.seq_len {
+        bail!(
+            "--seq-len {} cannot be split by the layout flags (--ring {} --ulysses {} --ring-layout {}); \
+             {window} can",
+            args.seq_len,
+            sp.ring,
+            sp.ulysses,
+            sp.layout
+        );
+    }
+    let tok = Tokenizer::from_model(files)?;
+    let docs = data::read_documents(path, &args.text_field)?;
+    let ids = data::tokenize_documents(&tok, &docs)?;
+    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+        bail!(
+            "the tokenizer of {} produced id {bad}, outside the model's vocabulary of {}",
+            args.model,
+            cfg.vocab_size
+        );
+    }
+    let mut seqs: Vec<Vec<u32>> = ids.chunks(window).map(|c| c.to_vec()).collect();
+    if let Some(last) = seqs.last_mut() {
+        let fit = fit_to_layout(last.len(), &args.layout)?;
+        last.truncate(fit);
+        if fit < 2 {
+            seqs.pop();
+        }
+    }
+    if seqs.is_empty() {
+        bail!("--data {}: fewer than 2 tokens to evaluate", path.display());
+    }
+    Ok(seqs)
+}
+
+/// Evaluates on every rank; returns rank 0's report and logits.
+pub fn evaluate(args: &EvalArgs) -> Result<(EvalReport, Vec<Tensor>)> {
+    let files = models::hub::resolve(&args.model)?;
+    let cfg = LlamaConfig::from_file(&files.config)?;
+    let dtype = parse_dtype_flag("--dtype", &args.dtype)?;
+    let seqs = sequences(args, &files, &cfg)?;
+    let want_logits = args.logits_out.is_some();
+    launch(&args.layout, |rank: &Rank| {
+        let loaded = llama::load(&files, &rank.ctx, dtype, false)?;
+        let model = loaded.model;
+        let (dp, dp_rank) = (rank.mesh.size(Dim::Dp), rank.mesh.coord(Dim::Dp));
+        let opts = CrossEntropyOptions::default();
+        rank.world().barrier()?;
+        let start = std::time::Instant::now();
+        let (mut sum, mut count) = (0f64, 0u64);
+        let mut logits = Vec::new();
+        for (i, seq) in seqs.iter().enumerate() {
+            if i % dp != dp_rank && !want_logits {
+                continue;
+            }
+            let (batch, labels) =
+                Batch::from_sequences(&rank.ctx, std::slice::from_ref(seq), AttnMask::Causal)?;
+            if i % dp == dp_rank {
+                let (s, c) = model.loss_sum(&batch, &labels, &opts)?;
+                sum += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                count += c as u64;
+            }
+            if want_logits {
+                let l = model.logits(&batch)?;
+                let global = rank.ctx.gather_tokens(&l)?;
+                if rank.is_main() {
+                    logits.push(global.squeeze(0)?);
+                }
+            }
+        }
+        let elapsed = start.elapsed().as_secs_f64();
+        let seconds = rank
+            .world()
+            .all_reduce(&Tensor::new(&[elapsed], &Device::Cpu)?, ReduceOp::Max)?
+            .to_vec1::<f64>()?[0];
+        let group = rank.mesh.group(&[Dim::Ulysses, Dim::Ring, Dim::Dp])?;
+        let totals = group.all_reduce(
+            &Tensor::new(&[sum, count as f64], &Device::Cpu)?,
+            ReduceOp::Sum,
+        )?;
+        let totals = totals.to_vec1::<f64>()?;
+        let (sum, count) = (totals[0], totals[1] as u64);
+        if count == 0 {
+            bail!("no tokens to evaluate");
+        }
+        let loss = sum / count as f64;
+        Ok((
+            EvalReport {
+                loss,
+                perplexity: loss.exp(),
+                tokens: count,
+                sequences: seqs.len(),
+                seconds,
+                tokens_per_sec: count as f64 / seconds.max(1e-12),
+            },
+            logits,
+        ))
+    })
+}
+
+pub fn run(args: &EvalArgs) -> Result<()> {
+    let (report, logits) = evaluate(args)?;
+    if let Some(path) = &args.logits_out {
+        let map: HashMap<String, Tensor> = logits
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| (format!("logits.{i}"), t))
+            .collect();
+        candle_core::safetensors::save(&map, path)
+            .with_context(|| format!("--logits-out {}: cannot write", path.display()))?;
+    }
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "loss {:.6}  perplexity {:.4}  tokens {}  sequences {}",
+            report.loss, report.perplexity, report.tokens, report.sequences
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,138 @@
+//! `cpl generate`: text continuation with a KV cache (single rank or tensor parallel).
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use models::llama;
+use models::tokenizer::Tokenizer;
+
+use crate::eval::parse_dtype_flag;
+use crate::launch::launch;
+use crate::layout::LayoutArgs;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct GenerateArgs {
+    /// Model directory or Hugging Face Hub id.
+    #[arg(long)]
+    pub model: String,
+    /// The text to continue.
+    #[arg(long)]
+    pub prompt: String,
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0 picks the most likely token (greedy).
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Nucleus sampling: sample among the most likely tokens whose probabilities sum to top-p.
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f64,
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Compute dtype: f32, bf16 or f16 (default: the checkpoint's).
+    #[arg(long)]
+    pub dtype: Option<String>,
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+}
+
+/// A small deterministic generator (splitmix64) for sampling.
+struct Rng(u64);
+
+impl Rng {
+    fn next_f64(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Picks the next token from `logits` (vocab) by temperature and top-p.
+fn sample(logits: &[f32], temperature: f64, top_p: f64, rng: &mut Rng) -> u32 {
+    let argmax = || {
+        logits
+            .iter()
+            .enumerate()
+            .fold((0usize, f32::NEG_INFINITY), |best, (i, &l)| {
+                if l > best.1 {
+                    (i, l)
+                } else {
+                    best
+                }
+            })
+            .0 as u32
+    };
+    if temperature <= 0.0 {
+        return argmax();
+    }
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let mut probs: Vec<(usize, f64)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i, ((l as f64 - max) / temperature).exp()))
+        .collect();
+    let total: f64 = probs.iter().map(|p| p.1).sum();
+    probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut kept = Vec::new();
+    let mut acc = 0.0;
+    for (i, p) in probs {
+        acc += p / total;
+        kept.push((i, p));
+        if acc >= top_p {
+            break;
+        }
+    }
+    let mass: f64 = kept.iter().map(|p| p.1).sum();
+    let mut r = rng.next_f64() * mass;
+    for (i, p) in &kept {
+        r -= p;
+        if r <= 0.0 {
+            return *i as u32;
+        }
+    }
+    kept.last().map(|k| k.0 as u32).unwrap_or_else(argmax)
+}
+
+pub fn run(args: &GenerateArgs) -> Result<()> {
+    if !(0.0..=1.0).contains(&args.top_p) || args.top_p == 0.0 {
+        bail!("--top-p {} must be in (0, 1]", args.top_p);
+    }
+    if args.temperature < 0.0 || !args.temperature.is_finite() {
+        bail!("--temperature {} must be >= 0", args.temperature);
+    }
+    if args.layout.ulysses > 1 || args.layout.ring > 1 || args.layout.tp_sp {
+        bail!("cpl generate runs on one rank or with --tp only (not --ulysses, --ring or --tp-sp)");
+    }
+    let files = models::hub::resolve(&args.model)?;
+    let tok = Tokenizer::from_model(&files)?;
+    let dtype = parse_dtype_flag("--dtype", &args.dtype)?;
+    let prompt = tok.encode(&args.prompt, true)?;
+    if prompt.is_empty() {
+        bail!("--prompt: the prompt encodes to no tokens");
+    }
+    let text = launch(&args.layout, |rank| {
+        let m = llama::load(&files, &rank.ctx, dtype, false)?;
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= m.config.vocab_size) {
+            bail!("the prompt holds token id {bad}, outside the model's vocabulary");
+        }
+        let mut cache = llama::KvCache::default();
+        let mut rng = Rng(args.seed);
+        let mut out = prompt.clone();
+        let mut next = Tensor::from_vec(prompt.clone(), (1, prompt.len()), &Device::Cpu)?;
+        for _ in 0..args.max_new_tokens {
+            let logits = m.model.forward_cached(&next, &mut cache)?;
+            let logits = logits.squeeze(0)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            let t = sample(&logits, args.temperature, args.top_p, &mut rng);
+            out.push(t);
+            if Some(t) == tok.eos_token_id {
+                break;
+            }
+            next = Tensor::from_vec(vec![t], (1, 1), &Device::Cpu)?;
+        }
+        Ok(tok.decode(&out, true)?)
+    })
+    .context("generating")?;
+    println!("{text}");
+    Ok(())
+}

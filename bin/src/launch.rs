@@ -1,0 +1,86 @@
+//! Running one closure on every rank of a layout: local threads or MPI processes.
+
+use anyhow::{bail, Context, Result};
+use candle_parallel::comm::Comm;
+use candle_parallel::layers::ParallelCtx;
+use candle_parallel::mesh::DeviceMesh;
+
+use crate::layout::LayoutArgs;
+
+/// What a rank works with: its mesh and the parallel context the model is built with.
+pub struct Rank {
+    pub mesh: DeviceMesh,
+    pub ctx: ParallelCtx,
+}
+
+impl Rank {
+    pub fn world(&self) -> Comm {
+        self.mesh.world()
+    }
+
+    /// Rank 0 of the world prints and writes.
+    pub fn is_main(&self) -> bool {
+        self.mesh.rank() == 0
+    }
+}
+
+/// Runs `f` on every rank of the layout `args` describes and returns rank 0's result.
+/// Errors of the layout flags are reported before any rank starts.
+pub fn launch<T, F>(args: &LayoutArgs, f: F) -> Result<T>
+where
+    T: Send,
+    F: Fn(&Rank) -> Result<T> + Sync,
+{
+    let mesh_cfg = args.mesh_config()?;
+    let sp_cfg = args.sp_config()?;
+    if args.pp > 1 {
+        bail!(
+            "--pp {}: pipeline parallelism is not available in this command yet",
+            args.pp
+        );
+    }
+    let run_rank = |world: Comm| -> Result<T> {
+        let mesh = DeviceMesh::new(&mesh_cfg, world).context("building the device mesh")?;
+        let ctx =
+            ParallelCtx::new(&mesh, &sp_cfg, args.tp_sp).context("building the parallel layout")?;
+        f(&Rank { mesh, ctx })
+    };
+    match args.backend.as_str() {
+        "local" => {
+            let mut results = candle_parallel::comm::LocalWorld::run(args.ranks, |world| {
+                run_rank(world).map_err(|e| format!("{e:#}"))
+            })
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+            if results.is_empty() {
+                bail!("no rank ran");
+            }
+            Ok(results.swap_remove(0))
+        }
+        "mpi" => launch_mpi(args, run_rank),
+        other => bail!("--backend {other:?}: expected local or mpi"),
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn launch_mpi<T, F>(args: &LayoutArgs, run_rank: F) -> Result<T>
+where
+    F: Fn(Comm) -> Result<T>,
+{
+    let world = candle_parallel::comm::mpi::MpiWorld::init()?;
+    if world.size() != args.ranks {
+        bail!(
+            "--ranks {} but mpirun started {} processes",
+            args.ranks,
+            world.size()
+        );
+    }
+    Ok(world.launch(|comm| run_rank(comm).map_err(|e| format!("{e:#}"))))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn launch_mpi<T, F>(_args: &LayoutArgs, _run_rank: F) -> Result<T>
+where
+    F: Fn(Comm) -> Result<T>,
+{
+    bail!("--backend mpi: this cpl was built without MPI; rebuild with `cargo build -p cpl --features mpi`")
+}

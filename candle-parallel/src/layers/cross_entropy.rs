@@ -1,0 +1,481 @@
+//! Vocab-parallel, chunked cross-entropy fused with the LM head.
+//!
+//! Long-context training cannot materialise the `(tokens × vocab)` logits. This loss computes
+//! `hidden @ weight^T` one chunk of tokens at a time against this rank's vocabulary shard, keeps
+//! only the per-token log-sum-exp (`N` floats) for the backward, and recomputes each chunk's
+//! logits in the backward.
+//!
+//! Per chunk of `c` tokens, forward: local logits `(c, V/P)` in f32, an all-reduce (max) of the
+//! row maxima, then one all-reduce (sum) of the row sums of `exp(logit - max)` together with the
+//! target logits (each target lives on exactly one rank; the others contribute 0). Backward:
+//! `dlogits = g · (softmax - onehot)` (zero rows for ignored labels), `d_weight += dlogitsᵀ @ h`,
+//! `d_hidden = dlogits @ weight`, and finally one all-reduce (sum) of `d_hidden` over the group
+//! (every rank's shard contributes to every token's hidden gradient).
+//!
+//! # Memory
+//! With `c = chunk_tokens`, `S = V/P` and `H` the hidden size, the logit-sized temporaries are at
+//! most two `(c, S)` f32 tensors alive at a time (forward and backward), never `(N, S)`. Besides:
+//! - an f32 copy of the weight shard (`S × H`) while forward or backward runs, only when the
+//!   weight is not f32 (an f32 weight is used as is);
+//! - the per-token lse, `N` f32, kept from forward to backward (with the labels' `N`-sized masks);
+//! - in backward, the gradients themselves: `d_weight` (`S × H` f32, accumulated in place on CPU,
+//!   plus one chunk's `S × H` contribution at a time; out of place on other devices) and
+//!   `d_hidden` (`N × H` f32, then its all-reduced copy), converted to the inputs' dtypes.
+
+use std::sync::Mutex;
+
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp2, DType, Device, InplaceOp2, Layout, MetalStorage, Shape,
+    Storage, Tensor,
+};
+
+use crate::comm::{Comm, ReduceOp};
+use crate::error::{Error, Result};
+
+const OP: &str = "vocab_parallel_cross_entropy";
+
+/// Label value that is skipped (PyTorch / Hugging Face convention).
+pub const IGNORE_INDEX: i64 = -100;
+
+/// Options of [`vocab_parallel_cross_entropy`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CrossEntropyOptions {
+    /// Tokens per chunk: at most `chunk_tokens × V/P` logits exist at a time. Default 1024.
+    pub chunk_tokens: usize,
+    /// Labels equal to this value are skipped. Default [`IGNORE_INDEX`].
+    pub ignore_index: i64,
+}
+
+impl Default for CrossEntropyOptions {
+    fn default() -> Self {
+        Self {
+            chunk_tokens: 1024,
+            ignore_index: IGNORE_INDEX,
+        }
+    }
+}
+
+/// Sum of token cross-entropies of `hidden @ weight^T` against `labels`, with the vocabulary
+/// split over `comm`.
+///
+/// - `hidden`: `(N, H)` this rank's tokens (f32/bf16/f16), identical on every rank of `comm`;
+/// - `weight`: this rank's vocabulary shard `(V/P, H)` of the LM head (rank `r` holds rows
+///   `[r·V/P, (r+1)·V/P)`);
+/// - `labels`: `(N,)` i64 (u32/u8 accepted too), values in `[0, V)` or `opts.ignore_index`.
+///
+/// Returns `(loss_sum, count)`: `loss_sum` is an f32 scalar, differentiable with respect to
+/// `hidden` and `weight` and equal on every rank; `count` is the number of non-ignored labels.
+/// The caller divides by the (global) count. Arithmetic is in f32; gradients come back in the
+/// dtypes of `hidden` and `weight`.
+///
+/// Collective: every rank of `comm` calls it with the same `hidden` and `labels`. Forward issues
+/// two all-reduces per chunk; backward one all-reduce of `d_hidden`. With one rank there is no
+/// communication. Invalid shapes, dtypes or labels are reported before any communication. When
+/// neither `hidden` nor `weight` tracks gradients, no node is recorded (this must then hold on
+/// every rank). If only `weight` tracks, `d_hidden` is still computed and all-reduced, so that
+/// every rank issues the same collectives.
+pub fn vocab_parallel_cross_entropy(
+    hidden: &Tensor,
+    weight: &Tensor,
+    labels: &Tensor,
+    comm: &Comm,
+    opts: &CrossEntropyOptions,
+) -> Result<(Tensor, usize)> {
+    let plan = Plan::new(hidden, weight, labels, comm, opts)?;
+    let count = plan.count;
+    let (loss, lse) = plan.forward(hidden, weight)?;
+    if !hidden.track_op() && !weight.track_op() {
+        return Ok((loss, count));
+    }
+    let out = owned_storage(&loss)?;
+    drop(loss);
+    let node = hidden.apply_op2(
+        weight,
+        ChunkedCrossEntropy {
+            plan,
+            lse,
+            out: Mutex::new(Some(out)),
+        },
+    )?;
+    Ok((node, count))
+}
+
+/// Everything about the labels and the split that forward and backward share.
+struct Plan {
+    comm: Comm,
+    n: usize,
+    hidden_size: usize,
+    shard: usize,
+    chunk: usize,
+    count: usize,
+    /// `(N, 1)` u32: the label's row in this rank's shard, 0 when it is not here.
+    local_idx: Tensor,
+    /// `(N, 1)` f32: 1 where the (non-ignored) label is in this rank's shard.
+    here: Tensor,
+    /// `(N, 1)` f32: 1 where the label is not ignored.
+    valid: Tensor,
+}
+
+impl Plan {
+    fn new(
+        hidden: &Tensor,
+        weight: &Tensor,
+        labels: &Tensor,
+        comm: &Comm,
+        opts: &CrossEntropyOptions,
+    ) -> Result<Self> {
+        if opts.chunk_tokens == 0 {
+            return Err(Error::invalid(OP, "chunk_tokens must be positive"));
+        }
+        let (n, h) = hidden.dims2().map_err(|_| {
+            Error::invalid(
+                OP,
+                format!("hidden must be (N, H), got shape {:?}", hidden.dims()),
+            )
+        })?;
+        let (shard, hw) = weight.dims2().map_err(|_| {
+            Error::invalid(
+                OP,
+                format!("weight must be (V/P, H), got shape {:?}", weight.dims()),
+            )
+        })?;
+        if hw != h {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "hidden {:?} has {h} features but the weight shard {:?} has {hw}",
+                    hidden.dims(),
+                    weight.dims()
+                ),
+            ));
+        }
+        if shard == 0 {
+            return Err(Error::invalid(OP, "the weight shard has no rows"));
+        }
+        for (what, t) in [("hidden", hidden), ("weight", weight)] {
+            if !t.dtype().is_float() {
+                return Err(Error::invalid(
+                    OP,
+                    format!("{what} must be a float tensor, got {:?}", t.dtype()),
+                ));
+            }
+        }
+        if labels.dims() != [n] {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "labels must be ({n},) to match hidden {:?}, got shape {:?}",
+                    hidden.dims(),
+                    labels.dims()
+                ),
+            ));
+        }
+        let labels: Vec<i64> = match labels.dtype() {
+            DType::I64 => labels.to_vec1()?,
+            DType::U32 | DType::U8 => labels.to_dtype(DType::I64)?.to_vec1()?,
+            other => {
+                return Err(Error::invalid(
+                    OP,
+                    format!("labels must be i64 (or u32/u8), got {other:?}"),
+                ))
+            }
+        };
+        let p = comm.size();
+        let vocab = (shard * p) as i64;
+        if let Some((pos, &bad)) = labels
+            .iter()
+            .enumerate()
+            .find(|(_, &l)| l != opts.ignore_index && !(0..vocab).contains(&l))
+        {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "label {bad} at position {pos} is outside [0, {vocab}) and is not the ignore \
+                     index {}",
+                    opts.ignore_index
+                ),
+            ));
+        }
+        let start = (comm.rank() * shard) as i64;
+        let end = start + shard as i64;
+        let mut local_idx = Vec::with_capacity(n);
+        let mut here = Vec::with_capacity(n);
+        let mut valid = Vec::with_capacity(n);
+        let mut count = 0;
+        for &l in &labels {
+            let is_valid = l != opts.ignore_index;
+            let is_here = is_valid && (start..end).contains(&l);
+            count += usize::from(is_valid);
+            valid.push(if is_valid { 1f32 } else { 0. });
+            here.push(if is_here { 1f32 } else { 0. });
+            local_idx.push(if is_here { (l - start) as u32 } else { 0 });
+        }
+        let device = hidden.device();
+        Ok(Self {
+            comm: comm.clone(),
+            n,
+            hidden_size: h,
+            shard,
+            chunk: opts.chunk_tokens,
+            count,
+            local_idx: Tensor::from_vec(local_idx, (n, 1), device)?,
+            here: Tensor::from_vec(here, (n, 1), device)?,
+            valid: Tensor::from_vec(valid, (n, 1), device)?,
+        })
+    }
+
+    /// `(start, len)` of every chunk of tokens.
+    fn chunks(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (0..self.n)
+            .step_by(self.chunk)
+            .map(|s| (s, self.chunk.min(self.n - s)))
+    }
+
+    fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        if self.comm.size() == 1 {
+            Ok(x.clone())
+        } else {
+            self.comm.all_reduce(x, op)
+        }
+    }
+
+    /// This chunk's f32 logits against the local shard: `(c, V/P)`.
+    fn logits(&self, hidden: &Tensor, w32: &Tensor, s: usize, c: usize) -> Result<Tensor> {
+        let h = hidden.narrow(0, s, c)?.to_dtype(DType::F32)?.contiguous()?;
+        Ok(h.matmul(&w32.t()?)?)
+    }
+
+    /// Forward on detached inputs: the scalar f32 loss sum and the per-token lse `(N, 1)`.
+    fn forward(&self, hidden: &Tensor, weight: &Tensor) -> Result<(Tensor, Tensor)> {
+        let hidden = hidden.detach();
+        let device = hidden.device();
+        let w32 = weight.detach().to_dtype(DType::F32)?;
+        let mut loss = Tensor::zeros((), DType::F32, device)?;
+        let mut lses = Vec::new();
+        for (s, c) in self.chunks() {
+            let logits = self.logits(&hidden, &w32, s, c)?;
+            let here = self.here.narrow(0, s, c)?;
+            let idx = self.local_idx.narrow(0, s, c)?;
+            let target = (logits.gather(&idx, 1)? * &here)?;
+            let max = self.all_reduce(&logits.max_keepdim(1)?, ReduceOp::Max)?;
+            let shifted = logits.broadcast_sub(&max)?;
+            drop(logits);
+            let sum_exp = shifted.exp()?.sum_keepdim(1)?;
+            drop(shifted);
+            let both = self.all_reduce(&Tensor::cat(&[&sum_exp, &target], 1)?, ReduceOp::Sum)?;
+            let lse = (max + both.narrow(1, 0, 1)?.log()?)?;
+            let target = both.narrow(1, 1, 1)?;
+            let valid = self.valid.narrow(0, s, c)?;
+            let chunk_loss = ((&lse - target)? * valid)?.sum_all()?;
+            loss = (loss + chunk_loss)?;
+            lses.push(lse);
+        }
+        let lse = if lses.is_empty() {
+            Tensor::zeros((0, 1), DType::F32, device)?
+        } else {
+            Tensor::cat(&lses, 0)?
+        };
+        Ok((loss, lse))
+    }
+
+    /// Gradients of `g · loss_sum` (f32) with respect to `hidden` (all-reduced) and `weight`.
+    fn backward(
+        &self,
+        hidden: &Tensor,
+        weight: &Tensor,
+        lse: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let hidden = hidden.detach();
+        let device = hidden.device();
+        let w32 = weight.detach().to_dtype(DType::F32)?;
+        let g = g.detach().to_dtype(DType::F32)?.reshape((1, 1))?;
+        let mut d_weight: Option<Tensor> = None;
+        let mut d_hidden = Vec::new();
+        for (s, c) in self.chunks() {
+            let logits = self.logits(&hidden, &w32, s, c)?;
+            let probs = logits.broadcast_sub(&lse.narrow(0, s, c)?)?;
+            drop(logits);
+            let probs = probs.exp()?;
+            // softmax - onehot, in place on the fresh `probs` (only where the target is here).
+            let minus_here = self.here.narrow(0, s, c)?.neg()?;
+            probs.scatter_add_set(&self.local_idx.narrow(0, s, c)?, &minus_here, 1)?;
+            let scale = self.valid.narrow(0, s, c)?.broadcast_mul(&g)?;
+            let dlogits = probs.broadcast_mul(&scale)?;
+            drop(probs);
+            let h = hidden.narrow(0, s, c)?.to_dtype(DType::F32)?.contiguous()?;
+            let dw = dlogits.t()?.matmul(&h)?;
+            d_weight = Some(match d_weight {
+                None => dw,
+                Some(acc) => add_assign(acc, &dw)?,
+            });
+            d_hidden.push(dlogits.matmul(&w32)?);
+        }
+        let d_weight = match d_weight {
+            Some(d) => d,
+            None => Tensor::zeros((self.shard, self.hidden_size), DType::F32, device)?,
+        };
+        let d_hidden = if d_hidden.is_empty() {
+            Tensor::zeros((0, self.hidden_size), DType::F32, device)?
+        } else {
+            let local = Tensor::cat(&d_hidden, 0)?;
+            drop(d_hidden);
+            self.all_reduce(&local, ReduceOp::Sum)?
+        };
+        Ok((d_hidden, d_weight))
+    }
+}
+
+/// The loss node: its forward hands over the precomputed loss, its backward recomputes the
+/// chunks' logits and returns the gradients of `hidden` and `weight`.
+struct ChunkedCrossEntropy {
+    plan: Plan,
+    lse: Tensor,
+    out: Mutex<Option<Storage>>,
+}
+
+impl ChunkedCrossEntropy {
+    fn take_out(&self) -> candle_core::Result<Storage> {
+        let mut out = self.out.lock().unwrap_or_else(|p| p.into_inner());
+        out.take()
+            .ok_or_else(|| candle_core::Error::Msg(format!("{OP}: forward result already taken")))
+    }
+
+    fn wrong_device(&self, got: &Storage) -> candle_core::Error {
+        candle_core::Error::Msg(format!(
+            "{OP}: the loss is on {:?}, not on the inputs' device",
+            got.device().location()
+        ))
+    }
+}
+
+impl CustomOp2 for ChunkedCrossEntropy {
+    fn name(&self) -> &'static str {
+        "cpl-vocab-parallel-cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        match self.take_out()? {
+            Storage::Cpu(s) => Ok((s, Shape::from(()))),
+            other => Err(self.wrong_device(&other)),
+        }
+    }
+
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        match self.take_out()? {
+            Storage::Cuda(s) => Ok((s, Shape::from(()))),
+            other => Err(self.wrong_device(&other)),
+        }
+    }
+
+    fn metal_fwd(
+        &self,
+        _: &MetalStorage,
+        _: &Layout,
+        _: &MetalStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(MetalStorage, Shape)> {
+        match self.take_out()? {
+            Storage::Metal(s) => Ok((s, Shape::from(()))),
+            other => Err(self.wrong_device(&other)),
+        }
+    }
+
+    fn bwd(
+        &self,
+        hidden: &Tensor,
+        weight: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dh, dw) = self.plan.backward(hidden, weight, &self.lse, grad_res)?;
+        Ok((
+            Some(dh.to_dtype(hidden.dtype())?),
+            Some(dw.to_dtype(weight.dtype())?),
+        ))
+    }
+}
+
+/// `acc + x`, in place into `acc` for contiguous CPU f32 tensors (both are fresh, unshared
+/// gradients here), out of place otherwise.
+fn add_assign(acc: Tensor, x: &Tensor) -> Result<Tensor> {
+    let in_place = matches!(acc.device(), Device::Cpu)
+        && acc.dtype() == DType::F32
+        && x.dtype() == DType::F32
+        && acc.shape() == x.shape()
+        && acc.is_contiguous()
+        && x.is_contiguous();
+    if in_place {
+        acc.inplace_op2(x, &AddAssignF32)?;
+        Ok(acc)
+    } else {
+        Ok((acc + x)?)
+    }
+}
+
+/// `dst += src` for contiguous f32 CPU storages of one shape.
+struct AddAssignF32;
+
+impl InplaceOp2 for AddAssignF32 {
+    fn name(&self) -> &'static str {
+        "cpl-add-assign-f32"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        src: &CpuStorage,
+        src_l: &Layout,
+    ) -> candle_core::Result<()> {
+        let (Some((d0, d1)), Some((s0, s1))) =
+            (dst_l.contiguous_offsets(), src_l.contiguous_offsets())
+        else {
+            candle_core::bail!("{}: operands must be contiguous", self.name())
+        };
+        match (dst, src) {
+            (CpuStorage::F32(d), CpuStorage::F32(s)) if d1 - d0 == s1 - s0 => {
+                for (d, s) in d[d0..d1].iter_mut().zip(&s[s0..s1]) {
+                    *d += *s;
+                }
+                Ok(())
+            }
+            _ => candle_core::bail!("{}: operands must be f32 of one size", self.name()),
+        }
+    }
+}
+
+/// A contiguous copy of `t`'s elements in a storage that nothing else references.
+fn owned_storage(t: &Tensor) -> Result<Storage> {
+    let (storage, layout) = t.storage_and_layout();
+    Ok(match &*storage {
+        Storage::Cpu(s) => Storage::Cpu(strided_copy(s, layout)?),
+        Storage::Cuda(s) => Storage::Cuda(strided_copy(s, layout)?),
+        Storage::Metal(s) => Storage::Metal(strided_copy(s, layout)?),
+    })
+}
+
+fn strided_copy<S>(src: &S, layout: &Layout) -> candle_core::Result<S>
+where
+    S: BackendStorage,
+    S::Device: BackendDevice<Storage = S>,
+{
+    // SAFETY: `copy_strided_src` writes all `layout.shape().elem_count()` elements of the new
+    // buffer (contiguously from offset 0) before it is read or returned.
+    let mut dst = unsafe { src.device().alloc_uninit(layout.shape(), src.dtype())? };
+    src.copy_strided_src(&mut dst, 0, layout)?;
+    Ok(dst)
+}

@@ -1,0 +1,148 @@
+//! Vocab-parallel embedding (Megatron-LM's `VocabParallelEmbedding`).
+//!
+//! The `(V, hidden)` table is split by rows over the tensor-parallel group: rank `r` of `P` holds
+//! rows `[r·V/P, (r+1)·V/P)`. Each rank looks up the ids that fall in its range (the others
+//! contribute zeros) and the partial results are summed over the group with
+//! [`reduce_from_parallel_region`] (all-reduce in forward, identity in backward), so every rank
+//! obtains the full embedding and its shard receives the gradient of its own rows.
+
+use std::ops::Range;
+
+use candle_core::{DType, Tensor};
+
+use crate::collectives::reduce_from_parallel_region;
+use crate::comm::Comm;
+use crate::error::{Error, Result};
+
+const OP: &str = "VocabParallelEmbedding";
+
+/// Embedding whose vocabulary is split over the ranks of a communicator.
+///
+/// Rank `r` of `comm` (`P` ranks) holds rows `[r·V/P, (r+1)·V/P)` of the `(V, hidden)` table
+/// (`V % P == 0`).
+#[derive(Clone)]
+pub struct VocabParallelEmbedding {
+    weight: Tensor,
+    vocab_size: usize,
+    comm: Comm,
+}
+
+impl std::fmt::Debug for VocabParallelEmbedding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VocabParallelEmbedding")
+            .field("weight", &self.weight.dims())
+            .field("vocab_size", &self.vocab_size)
+            .field("rank", &self.comm.rank())
+            .field("size", &self.comm.size())
+            .finish()
+    }
+}
+
+impl VocabParallelEmbedding {
+    /// `weight`: this rank's shard `(V/P, hidden)` (usually a `Var`'s tensor); `vocab_size`: `V`.
+    pub fn new(weight: Tensor, vocab_size: usize, comm: Comm) -> Result<Self> {
+        let p = comm.size();
+        if vocab_size == 0 || !vocab_size.is_multiple_of(p) {
+            return Err(Error::invalid(
+                OP,
+                format!("vocab size {vocab_size} is not a positive multiple of the {p} ranks"),
+            ));
+        }
+        let (rows, _hidden) = weight.dims2().map_err(|_| {
+            Error::invalid(
+                OP,
+                format!(
+                    "weight must be (V/P, hidden), got shape {:?}",
+                    weight.dims()
+                ),
+            )
+        })?;
+        if rows != vocab_size / p {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "weight shard has {rows} rows, expected V/P = {vocab_size}/{p} = {}",
+                    vocab_size / p
+                ),
+            ));
+        }
+        Ok(Self {
+            weight,
+            vocab_size,
+            comm,
+        })
+    }
+
+    /// This rank's shard `(V/P, hidden)`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The full vocabulary size `V`.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The ids whose rows this rank holds.
+    pub fn vocab_range(&self) -> Range<usize> {
+        let shard = self.vocab_size / self.comm.size();
+        let start = self.comm.rank() * shard;
+        start..start + shard
+    }
+
+    /// Looks up `ids` (u32, any shape `(..)`) and returns `(.., hidden)`, identical on every rank.
+    ///
+    /// Collective: every rank of the communicator calls it with the same ids (one all-reduce of
+    /// the output in forward; nothing in backward). With one rank there is no communication.
+    /// Ids `>= V` are an error, reported before any communication.
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        if ids.dtype() != DType::U32 {
+            return Err(Error::invalid(
+                OP,
+                format!("ids must be u32, got {:?}", ids.dtype()),
+            ));
+        }
+        let hidden = self.weight.dim(1)?;
+        let mut out_dims = ids.dims().to_vec();
+        out_dims.push(hidden);
+        let flat: Vec<u32> = ids.flatten_all()?.to_vec1()?;
+        if let Some((pos, &bad)) = flat
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= self.vocab_size)
+        {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "id {bad} at flat position {pos} is out of range for vocabulary size {}",
+                    self.vocab_size
+                ),
+            ));
+        }
+        let device = self.weight.device();
+        let n = flat.len();
+        if self.comm.size() == 1 {
+            let idx = Tensor::from_vec(flat, n, device)?;
+            return Ok(self.weight.index_select(&idx, 0)?.reshape(out_dims)?);
+        }
+
+        let range = self.vocab_range();
+        let (local, mask): (Vec<u32>, Vec<f32>) = flat
+            .iter()
+            .map(|&id| {
+                if range.contains(&(id as usize)) {
+                    (id - range.start as u32, 1.0)
+                } else {
+                    (0, 0.0)
+                }
+            })
+            .unzip();
+        let idx = Tensor::from_vec(local, n, device)?;
+        let mask = Tensor::from_vec(mask, (n, 1), device)?.to_dtype(self.weight.dtype())?;
+        // index_select and the mask product are differentiable: the shard's gradient is the
+        // index-add of the output gradient's rows whose ids fall in this rank's range.
+        let partial = self.weight.index_select(&idx, 0)?.broadcast_mul(&mask)?;
+        let full = reduce_from_parallel_region(&partial, &self.comm)?;
+        Ok(full.reshape(out_dims)?)
+    }
+}

@@ -1,0 +1,150 @@
+//! Megatron's split of a transformer's GEMMs over the tensor-parallel group.
+//!
+//! A column-parallel linear holds rows `[r·out/P, (r+1)·out/P)` of the `(out, in)` weight (the
+//! PyTorch / Hugging Face layout) and produces this rank's slice of the output features; a
+//! row-parallel linear holds columns `[r·in/P, (r+1)·in/P)` and sums the partial products over
+//! the group. A column-parallel layer followed by a row-parallel one (attention's q/k/v then o,
+//! the MLP's gate/up then down) communicates once in forward and once in backward.
+//!
+//! Inputs are `(.., tokens, features)`. With Megatron sequence parallelism (TP-sp, see
+//! [`TpGroup::sequence_parallel`]) the activations outside the parallel region are split along
+//! the token dim (the second to last) over the group: the column-parallel layer all-gathers the
+//! tokens first, the row-parallel layer reduce-scatters them after.
+
+use candle_core::{Tensor, D};
+
+use super::{token_dim, TpGroup};
+use crate::collectives::{gather, reduce_from_parallel_region, reduce_scatter, scatter};
+use crate::error::{Error, Result};
+
+/// `x @ w^T (+ b)` for `x` `(.., in)` and `w` `(out, in)`, as one 2-D matmul.
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let (out_f, in_f) = w.dims2()?;
+    let last = *dims
+        .last()
+        .ok_or_else(|| Error::invalid("linear", "input is a scalar"))?;
+    if last != in_f {
+        return Err(Error::invalid(
+            "linear",
+            format!(
+                "input has {last} features, the weight {:?} expects {in_f}",
+                w.dims()
+            ),
+        ));
+    }
+    let rows: usize = dims[..dims.len() - 1].iter().product();
+    let y = x.reshape((rows, in_f))?.matmul(&w.t()?)?;
+    let y = match b {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
+    let mut out_dims = dims;
+    *out_dims.last_mut().expect("non-empty dims") = out_f;
+    Ok(y.reshape(out_dims)?)
+}
+
+/// Linear layer whose output features are split over the tensor-parallel group.
+///
+/// Weight `(out/P, in)` (this rank's rows), optional bias `(out/P)`. `forward` takes the full
+/// input on every rank (or, under TP-sp, this rank's tokens) and returns this rank's output
+/// features `(.., tokens, out/P)` for every token of the group, or all `out` features when built
+/// with `gather_output`. Every rank of the group calls it (collective).
+#[derive(Debug, Clone)]
+pub struct ColumnParallelLinear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    tp: TpGroup,
+    gather_output: bool,
+}
+
+impl ColumnParallelLinear {
+    pub fn new(weight: Tensor, bias: Option<Tensor>, tp: TpGroup, gather_output: bool) -> Self {
+        Self {
+            weight,
+            bias,
+            tp,
+            gather_output,
+        }
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_entered(&self.tp.enter(x)?)
+    }
+
+    /// As [`ColumnParallelLinear::forward`] on an input that already went through
+    /// [`TpGroup::enter`], so that several layers reading one input (q, k, v; gate, up) share
+    /// one gather.
+    pub fn forward_entered(&self, x: &Tensor) -> Result<Tensor> {
+        let y = linear(x, &self.weight, self.bias.as_ref())?;
+        if self.gather_output && self.tp.size() > 1 {
+            Ok(gather(&y, self.tp.comm(), D::Minus1)?)
+        } else {
+            Ok(y)
+        }
+    }
+}
+
+/// Linear layer whose input features are split over the tensor-parallel group.
+///
+/// Weight `(out, in/P)` (this rank's columns), optional bias `(out)` (replicated, added once
+/// after the reduction). `forward` takes this rank's input features `(.., tokens, in/P)`
+/// (`input_is_parallel`, the output of a column-parallel layer) or the full input, which it then
+/// splits; it returns the full output `(.., tokens, out)`, or under TP-sp this rank's tokens of
+/// it. Every rank of the group calls it (collective).
+#[derive(Debug, Clone)]
+pub struct RowParallelLinear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    tp: TpGroup,
+    input_is_parallel: bool,
+}
+
+impl RowParallelLinear {
+    pub fn new(weight: Tensor, bias: Option<Tensor>, tp: TpGroup, input_is_parallel: bool) -> Self {
+        Self {
+            weight,
+            bias,
+            tp,
+            input_is_parallel,
+        }
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let p = self.tp.size();
+        if p == 1 {
+            return linear(x, &self.weight, self.bias.as_ref());
+        }
+        let x = if self.input_is_parallel {
+            x.clone()
+        } else {
+            scatter(x, self.tp.comm(), D::Minus1)?
+        };
+        let partial = linear(&x, &self.weight, None)?;
+        let y = if self.tp.sequence_parallel() {
+            reduce_scatter(&partial, self.tp.comm(), token_dim(&partial)?)?
+        } else {
+            reduce_from_parallel_region(&partial, self.tp.comm())?
+        };
+        match &self.bias {
+            Some(b) => Ok(y.broadcast_add(b)?),
+            None => Ok(y),
+        }
+    }
+}

@@ -1,0 +1,172 @@
+//! Differentiable fused ops that candle lacks (its own fused versions drop gradients silently):
+//! RMSNorm, rotary embeddings and SwiGLU, each a custom op with a backward.
+
+mod rms_norm;
+mod rope;
+mod swiglu;
+
+pub use rms_norm::rms_norm;
+pub use rope::{inv_freq, RopeScaling, RotaryEmbedding};
+pub use swiglu::swiglu;
+
+use candle_core::{bail, DType, Layout, Result, Tensor, WithDType};
+use std::borrow::Cow;
+
+/// Element types the fused CPU kernels accept; arithmetic is always done in f32.
+trait Elem: WithDType {
+    fn to_f32(self) -> f32;
+    fn from_f32(v: f32) -> Self;
+    /// Rounds an f32 to this type's precision (round to nearest even), returned as f32.
+    /// The identity for f32.
+    #[inline(always)]
+    fn round(v: f32) -> f32 {
+        Self::from_f32(v).to_f32()
+    }
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+    #[inline(always)]
+    fn round(v: f32) -> f32 {
+        v
+    }
+}
+
+// The bf16 conversions are written out (bit for bit those of `half`) so that they inline into
+// the kernels even at low optimisation levels.
+impl Elem for half::bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        let x = v.to_bits();
+        let bits = if x & 0x7FFF_FFFF > 0x7F80_0000 {
+            // NaN: keep it quiet.
+            (x >> 16) | 0x0040
+        } else {
+            // Round to nearest, ties to even.
+            (x >> 16) + ((x >> 15) & 1 & ((x & 0x7FFF != 0) as u32 | (x >> 16) & 1))
+        };
+        half::bf16::from_bits(bits as u16)
+    }
+}
+
+impl Elem for half::f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        half::f16::from_f32(v)
+    }
+}
+
+/// The elements of a tensor with layout `l` stored in `data`, in row-major order: borrowed when
+/// the layout is contiguous, gathered otherwise (any strides, offsets and broadcasts).
+fn strided<'a, T: Copy>(data: &'a [T], l: &Layout) -> Cow<'a, [T]> {
+    if let Some((start, end)) = l.contiguous_offsets() {
+        return Cow::Borrowed(&data[start..end]);
+    }
+    let dims = l.dims();
+    let stride = l.stride();
+    let n = l.shape().elem_count();
+    let mut out = Vec::with_capacity(n);
+    // A non-contiguous layout has rank >= 1 (scalars are contiguous).
+    if n == 0 || dims.is_empty() {
+        return Cow::Owned(out);
+    }
+    let rank = dims.len();
+    let (inner, inner_stride) = (dims[rank - 1], stride[rank - 1]);
+    let mut idx = vec![0usize; rank - 1];
+    let mut base = l.start_offset();
+    for _ in 0..n / inner {
+        out.extend((0..inner).map(|k| data[base + k * inner_stride]));
+        for d in (0..rank - 1).rev() {
+            idx[d] += 1;
+            base += stride[d];
+            if idx[d] < dims[d] {
+                break;
+            }
+            base -= idx[d] * stride[d];
+            idx[d] = 0;
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// Errors unless `dtype` is one the fused kernels support.
+fn check_float(op: &str, what: &str, dtype: DType) -> Result<()> {
+    match dtype {
+        DType::F32 | DType::BF16 | DType::F16 => Ok(()),
+        other => bail!("{op}: {what} has dtype {other:?}, expected f32, bf16 or f16"),
+    }
+}
+
+/// Errors unless every tensor lives on the CPU (the only device with kernels for now).
+fn check_cpu(op: &str, ts: &[&Tensor]) -> Result<()> {
+    for t in ts {
+        if !t.device().is_cpu() {
+            bail!(
+                "{op}: only the CPU is implemented, got a tensor on {:?}",
+                t.device().location()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Calls `$f::<T>($args)` with `T` the Rust type of the dtype of the CPU storage `$storage`
+/// (f32, bf16 or f16).
+macro_rules! dispatch_float {
+    ($op:expr, $storage:expr, $f:ident ( $($args:expr),* $(,)? )) => {
+        match candle_core::backend::BackendStorage::dtype($storage) {
+            candle_core::DType::F32 => $f::<f32>($($args),*),
+            candle_core::DType::BF16 => $f::<half::bf16>($($args),*),
+            candle_core::DType::F16 => $f::<half::f16>($($args),*),
+            other => candle_core::bail!("{}: unsupported dtype {other:?}", $op),
+        }
+    };
+}
+use dispatch_float;
+
+#[cfg(test)]
+mod tests {
+    use super::Elem;
+
+    #[test]
+    fn bf16_conversions_match_half() {
+        let special = [
+            0u32,
+            0x8000_0000,
+            0x7F80_0000,
+            0xFF80_0000,
+            0x7FC0_0001,
+            0x7F7F_FFFF,
+        ];
+        let ties = (0..1 << 16).map(|i: u32| (i << 16) | 0x8000);
+        let sweep = (0..u32::MAX / 1021).map(|i| i * 1021);
+        for bits in special.into_iter().chain(ties).chain(sweep) {
+            let v = f32::from_bits(bits);
+            let ours = <half::bf16 as Elem>::from_f32(v);
+            assert_eq!(
+                ours.to_bits(),
+                half::bf16::from_f32(v).to_bits(),
+                "{bits:#x}"
+            );
+            assert_eq!(
+                <half::bf16 as Elem>::to_f32(ours).to_bits(),
+                ours.to_f32().to_bits()
+            );
+        }
+    }
+}

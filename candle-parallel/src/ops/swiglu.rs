@@ -1,0 +1,158 @@
+//! SwiGLU (`silu(gate) * up`), as a custom op with a backward.
+
+use super::{check_cpu, check_float, dispatch_float, strided, Elem};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+/// Elements per parallel task.
+const CHUNK: usize = 4096;
+
+/// `silu(gate) * up` elementwise, as the Hugging Face LLaMA MLP computes it
+/// (`act_fn(gate_proj(x)) * up_proj(x)`): `silu` is evaluated in f32 and rounded to the
+/// dtype, then the product is rounded to the dtype.
+///
+/// - `gate`, `up`: the same shape (any, any strides) and the same dtype (f32, bf16 or f16);
+///   error otherwise.
+/// - Returns a tensor of that shape and dtype, differentiable with respect to both inputs
+///   (gradients are computed in f32 and rounded once to the dtype).
+///
+/// CPU only for now: tensors on other devices give an error.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    const OP: &str = "swiglu";
+    check_float(OP, "gate", gate.dtype())?;
+    if up.dtype() != gate.dtype() {
+        bail!(
+            "{OP}: up dtype {:?} must equal gate dtype {:?}",
+            up.dtype(),
+            gate.dtype()
+        );
+    }
+    if up.shape() != gate.shape() {
+        bail!(
+            "{OP}: gate {:?} and up {:?} must have the same shape",
+            gate.shape(),
+            up.shape()
+        );
+    }
+    check_cpu(OP, &[gate, up])?;
+    gate.apply_op2(up, SwiGlu)
+}
+
+/// `x * sigmoid(x)` as torch's CPU kernel writes it: `x / (1 + exp(-x))`.
+#[inline(always)]
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+struct SwiGlu;
+
+fn swiglu_fwd<T: Elem>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+) -> Result<(CpuStorage, Shape)> {
+    let g = strided(T::cpu_storage_as_slice(s1)?, l1);
+    let u = strided(T::cpu_storage_as_slice(s2)?, l2);
+    let mut out = vec![T::from_f32(0.0); g.len()];
+    out.par_chunks_mut(CHUNK)
+        .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
+        .for_each(|(o, (g, u))| {
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                *o = T::from_f32(T::round(silu(g.to_f32())) * u.to_f32());
+            }
+        });
+    Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
+}
+
+impl CustomOp2 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "cpl-swiglu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        dispatch_float!(self.name(), s1, swiglu_fwd(s1, l1, s2, l2))
+    }
+
+    fn bwd(
+        &self,
+        gate: &Tensor,
+        up: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        // One pass computes both gradients, packed as [d gate; d up].
+        let packed = gate.apply_op3_no_bwd(up, grad, &SwiGluBwd)?;
+        let n = gate.elem_count();
+        let dg = packed.narrow(0, 0, n)?.reshape(gate.shape())?;
+        let du = packed.narrow(0, n, n)?.reshape(up.shape())?;
+        Ok((Some(dg), Some(du)))
+    }
+}
+
+/// Backward of [`SwiGlu`]: inputs (gate, up, grad of the output), output `[d gate; d up]`
+/// as a flat tensor in the inputs' dtype.
+struct SwiGluBwd;
+
+fn swiglu_bwd<T: Elem>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    s3: &CpuStorage,
+    l3: &Layout,
+) -> Result<(CpuStorage, Shape)> {
+    let g = strided(T::cpu_storage_as_slice(s1)?, l1);
+    let u = strided(T::cpu_storage_as_slice(s2)?, l2);
+    let d = strided(T::cpu_storage_as_slice(s3)?, l3);
+    let n = g.len();
+    if d.len() != n {
+        bail!(
+            "cpl-swiglu-bwd: gradient has {} elements, gate has {n}",
+            d.len()
+        );
+    }
+    let mut out = vec![T::from_f32(0.0); 2 * n];
+    let (dg, du) = out.split_at_mut(n);
+    dg.par_chunks_mut(CHUNK)
+        .zip(du.par_chunks_mut(CHUNK))
+        .zip(
+            g.par_chunks(CHUNK)
+                .zip(u.par_chunks(CHUNK))
+                .zip(d.par_chunks(CHUNK)),
+        )
+        .for_each(|((dg, du), ((g, u), d))| {
+            for i in 0..g.len() {
+                let (gv, uv, dv) = (g[i].to_f32(), u[i].to_f32(), d[i].to_f32());
+                let s = 1.0 / (1.0 + (-gv).exp());
+                // d silu / dg = s * (1 + g * (1 - s)); d out / d up = silu(g) as stored.
+                dg[i] = T::from_f32(dv * uv * (s * (1.0 + gv * (1.0 - s))));
+                du[i] = T::from_f32(dv * T::round(silu(gv)));
+            }
+        });
+    Ok((T::to_cpu_storage_owned(out), Shape::from(2 * n)))
+}
+
+impl CustomOp3 for SwiGluBwd {
+    fn name(&self) -> &'static str {
+        "cpl-swiglu-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        dispatch_float!(self.name(), s1, swiglu_bwd(s1, l1, s2, l2, s3, l3))
+    }
+}

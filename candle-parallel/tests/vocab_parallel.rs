@@ -1,0 +1,410 @@
+//! The vocab-parallel embedding and the vocab-parallel chunked cross-entropy on 1, 2 and 4 local
+//! ranks, compared with the same computation on one rank with plain (differentiable) candle ops.
+//!
+//! Every rank's shard of a weight is a `Var`; gradients are compared with the matching rows of
+//! the single-rank gradient (f32, relative error `max|a - b| / max|ref|`). A missing gradient is
+//! an error (the rank fails, so the test fails).
+
+use std::time::Duration;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+use candle_parallel::comm::{Comm, LocalWorld};
+use candle_parallel::layers::cross_entropy::{
+    vocab_parallel_cross_entropy, CrossEntropyOptions, IGNORE_INDEX,
+};
+use candle_parallel::layers::embedding::VocabParallelEmbedding;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const WORLDS: [usize; 3] = [1, 2, 4];
+const TOL: f32 = 1e-5;
+/// Tolerance of the bf16 case (inputs rounded to bf16; arithmetic in f32 on both sides).
+const BF16_TOL: f32 = 1e-2;
+
+/// Uniform values with magnitude in [0.25, 1) and a random sign: never zero.
+fn rand_t(rng: &mut StdRng, dims: &[usize]) -> Tensor {
+    let n = dims.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            let m: f32 = rng.random_range(0.25..1.0);
+            if rng.random_bool(0.5) {
+                m
+            } else {
+                -m
+            }
+        })
+        .collect();
+    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+}
+
+/// Labels in `[0, vocab)`, every `ignore_every`-th one (and the first) set to `IGNORE_INDEX`.
+fn rand_labels(rng: &mut StdRng, n: usize, vocab: usize, ignore_every: usize) -> Vec<i64> {
+    (0..n)
+        .map(|i| {
+            if i % ignore_every == 0 {
+                IGNORE_INDEX
+            } else {
+                rng.random_range(0..vocab as i64)
+            }
+        })
+        .collect()
+}
+
+/// Rows of shard `r` of `p` of `t` (dim 0).
+fn shard(t: &Tensor, p: usize, r: usize) -> Result<Tensor> {
+    let c = t.dim(0)? / p;
+    t.narrow(0, r * c, c)
+}
+
+fn grad(grads: &GradStore, v: &Var, what: &str) -> Result<Tensor> {
+    grads
+        .get(v.as_tensor())
+        .cloned()
+        .ok_or_else(|| candle_core::Error::Msg(format!("no gradient for {what}")))
+}
+
+fn max_abs(t: &Tensor) -> f32 {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+fn assert_close_tol(got: &Tensor, want: &Tensor, tol: f32, what: &str) {
+    assert_eq!(got.dims(), want.dims(), "{what}: shape");
+    let got = got.to_dtype(DType::F32).unwrap();
+    let want = want.to_dtype(DType::F32).unwrap();
+    let scale = max_abs(&want);
+    assert!(scale > 0.0, "{what}: reference is all zeros");
+    let err = max_abs(&(got - want).unwrap()) / scale;
+    assert!(
+        err.is_finite() && err <= tol,
+        "{what}: relative error {err:e} > {tol:e}"
+    );
+}
+
+fn assert_close(got: &Tensor, want: &Tensor, what: &str) {
+    assert_close_tol(got, want, TOL, what)
+}
+
+fn assert_scalar_close(got: f32, want: f32, tol: f32, what: &str) {
+    let err = (got - want).abs() / want.abs().max(f32::MIN_POSITIVE);
+    assert!(
+        err <= tol,
+        "{what}: {got} vs reference {want}: relative error {err:e} > {tol:e}"
+    );
+}
+
+fn world<T: Send>(p: usize, f: impl Fn(Comm) -> Result<T> + Sync) -> Vec<T> {
+    LocalWorld::new(p)
+        .with_timeout(Duration::from_secs(60))
+        .launch(f)
+        .unwrap_or_else(|e| panic!("world of {p} ranks: {e}"))
+}
+
+/// Reference: `Σ_{i not ignored} -log_softmax(h W^T)[i, label_i]` with plain differentiable ops.
+fn reference_loss(hidden: &Tensor, weight: &Tensor, labels: &[i64]) -> Result<Tensor> {
+    let logits = hidden.matmul(&weight.t()?)?;
+    let max = logits.max_keepdim(D::Minus1)?.detach();
+    let shifted = logits.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    let log_probs = shifted.broadcast_sub(&lse)?;
+    let n = labels.len();
+    let idx: Vec<u32> = labels.iter().map(|&l| l.max(0) as u32).collect();
+    let mask: Vec<f32> = labels
+        .iter()
+        .map(|&l| if l == IGNORE_INDEX { 0.0 } else { 1.0 })
+        .collect();
+    let idx = Tensor::from_vec(idx, (n, 1), &Device::Cpu)?;
+    let mask = Tensor::from_vec(mask, (n, 1), &Device::Cpu)?;
+    (log_probs.gather(&idx, 1)? * mask)?.sum_all()?.neg()
+}
+
+struct CeCase {
+    n: usize,
+    hidden: usize,
+    vocab: usize,
+    chunk: usize,
+    ignore_every: usize,
+    /// Upstream gradient of the loss sum (`backward` of `scale · loss_sum`).
+    scale: f64,
+}
+
+/// Runs the vocab-parallel loss on `p` ranks against the single-rank reference.
+fn check_cross_entropy(rng: &mut StdRng, case: &CeCase, dtype: DType, tol: f32) {
+    let CeCase {
+        n,
+        hidden: h,
+        vocab: v,
+        chunk,
+        ignore_every,
+        scale,
+    } = *case;
+    // Inputs rounded to `dtype` once; the reference sees the same values in f32.
+    let hidden = rand_t(rng, &[n, h]).to_dtype(dtype).unwrap();
+    let weight = rand_t(rng, &[v, h]).to_dtype(dtype).unwrap();
+    let labels = rand_labels(rng, n, v, ignore_every);
+    let expected_count = labels.iter().filter(|&&l| l != IGNORE_INDEX).count();
+
+    let hv = Var::from_tensor(&hidden.to_dtype(DType::F32).unwrap()).unwrap();
+    let wv = Var::from_tensor(&weight.to_dtype(DType::F32).unwrap()).unwrap();
+    let ref_loss = reference_loss(hv.as_tensor(), wv.as_tensor(), &labels).unwrap();
+    let grads = ref_loss.affine(scale, 0.).unwrap().backward().unwrap();
+    let ref_gh = grad(&grads, &hv, "reference hidden").unwrap();
+    let ref_gw = grad(&grads, &wv, "reference weight").unwrap();
+    let ref_loss = ref_loss.to_scalar::<f32>().unwrap();
+    let labels_t = Tensor::new(labels.as_slice(), &Device::Cpu).unwrap();
+    let opts = CrossEntropyOptions {
+        chunk_tokens: chunk,
+        ..Default::default()
+    };
+
+    for p in WORLDS {
+        let out = world(p, |comm| {
+            let hr = Var::from_tensor(&hidden)?;
+            let wr = Var::from_tensor(&shard(&weight, p, comm.rank())?)?;
+            let (loss, count) = vocab_parallel_cross_entropy(
+                hr.as_tensor(),
+                wr.as_tensor(),
+                &labels_t,
+                &comm,
+                &opts,
+            )?;
+            assert_eq!(loss.dtype(), DType::F32);
+            assert_eq!(loss.dims(), &[] as &[usize]);
+            let grads = loss.affine(scale, 0.)?.backward()?;
+            let gh = grad(&grads, &hr, "hidden")?;
+            let gw = grad(&grads, &wr, "weight shard")?;
+            assert_eq!(gh.dtype(), dtype);
+            assert_eq!(gw.dtype(), dtype);
+            // Without tracked inputs no node is recorded; the value is the same.
+            let (plain, plain_count) = vocab_parallel_cross_entropy(
+                &hidden,
+                &shard(&weight, p, comm.rank())?,
+                &labels_t,
+                &comm,
+                &opts,
+            )?;
+            assert!(!plain.track_op());
+            assert_eq!(plain_count, count);
+            assert_eq!(plain.to_scalar::<f32>()?, loss.to_scalar::<f32>()?);
+            Ok((loss.to_scalar::<f32>()?, count, gh, gw))
+        });
+        let (loss0, _, gh0, _) = &out[0];
+        let gh0 = gh0.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+        let gh0 = gh0.to_vec1::<f32>().unwrap();
+        for (r, (loss, count, gh, gw)) in out.iter().enumerate() {
+            let what = format!("{dtype:?} N={n} chunk={chunk} P={p} rank {r}");
+            // Replicated results are bit-identical on every rank.
+            assert_eq!(loss, loss0, "{what}: loss differs from rank 0");
+            let ghv = gh.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+            assert_eq!(
+                ghv.to_vec1::<f32>().unwrap(),
+                gh0,
+                "{what}: d_hidden differs from rank 0"
+            );
+            assert_eq!(*count, expected_count, "{what}: count");
+            assert_scalar_close(*loss, ref_loss, tol, &format!("{what}: loss"));
+            assert_close_tol(gh, &ref_gh, tol, &format!("{what}: d_hidden"));
+            let want = shard(&ref_gw, p, r).unwrap();
+            assert_close_tol(gw, &want, tol, &format!("{what}: d_weight"));
+        }
+    }
+}
+
+#[test]
+fn cross_entropy_matches_single_rank() {
+    let mut rng = StdRng::seed_from_u64(11);
+    for (chunk, scale) in [(8, 1.0), (5, 0.37), (64, 1.0)] {
+        let case = CeCase {
+            n: 37,
+            hidden: 16,
+            vocab: 64,
+            chunk,
+            ignore_every: 5,
+            scale,
+        };
+        check_cross_entropy(&mut rng, &case, DType::F32, TOL);
+    }
+}
+
+#[test]
+fn cross_entropy_bf16() {
+    let mut rng = StdRng::seed_from_u64(12);
+    let case = CeCase {
+        n: 37,
+        hidden: 16,
+        vocab: 64,
+        chunk: 8,
+        ignore_every: 4,
+        scale: 1.0,
+    };
+    check_cross_entropy(&mut rng, &case, DType::BF16, BF16_TOL);
+}
+
+#[test]
+fn cross_entropy_all_ignored() {
+    let mut rng = StdRng::seed_from_u64(13);
+    let (n, h, v) = (19, 8, 32);
+    let hidden = rand_t(&mut rng, &[n, h]);
+    let weight = rand_t(&mut rng, &[v, h]);
+    let labels = Tensor::new(vec![IGNORE_INDEX; n].as_slice(), &Device::Cpu).unwrap();
+    let opts = CrossEntropyOptions {
+        chunk_tokens: 8,
+        ..Default::default()
+    };
+    for p in WORLDS {
+        let out = world(p, |comm| {
+            let hr = Var::from_tensor(&hidden)?;
+            let wr = Var::from_tensor(&shard(&weight, p, comm.rank())?)?;
+            let (loss, count) = vocab_parallel_cross_entropy(
+                hr.as_tensor(),
+                wr.as_tensor(),
+                &labels,
+                &comm,
+                &opts,
+            )?;
+            let grads = loss.backward()?;
+            let gh = grad(&grads, &hr, "hidden")?;
+            let gw = grad(&grads, &wr, "weight shard")?;
+            Ok((loss.to_scalar::<f32>()?, count, gh, gw))
+        });
+        for (r, (loss, count, gh, gw)) in out.iter().enumerate() {
+            assert_eq!(*loss, 0.0, "P={p} rank {r}: loss");
+            assert_eq!(*count, 0, "P={p} rank {r}: count");
+            for (what, g) in [("d_hidden", gh), ("d_weight", gw)] {
+                let vals = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                assert!(
+                    vals.iter().all(|&x| x == 0.0),
+                    "P={p} rank {r}: {what} is not all zeros (NaN or non-zero)"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn cross_entropy_rejects_bad_input() {
+    let mut rng = StdRng::seed_from_u64(14);
+    let (n, h, v) = (6, 4, 8);
+    let hidden = rand_t(&mut rng, &[n, h]);
+    let weight = rand_t(&mut rng, &[v, h]);
+    let opts = CrossEntropyOptions::default();
+    for p in [1, 2] {
+        let msgs = world(p, |comm| {
+            let w = shard(&weight, p, comm.rank())?;
+            let mut msgs = Vec::new();
+            for bad in [v as i64, -1] {
+                let labels = Tensor::new(&[0i64, 1, bad, IGNORE_INDEX, 3, 2], &Device::Cpu)?;
+                match vocab_parallel_cross_entropy(&hidden, &w, &labels, &comm, &opts) {
+                    Ok(_) => panic!("label {bad} accepted"),
+                    Err(e) => msgs.push((bad, e.to_string())),
+                }
+            }
+            // Shape errors: wrong label count, wrong hidden size.
+            let labels = Tensor::new(&[0i64, 1, 2], &Device::Cpu)?;
+            let e = vocab_parallel_cross_entropy(&hidden, &w, &labels, &comm, &opts)
+                .expect_err("label count mismatch accepted");
+            msgs.push((0, e.to_string()));
+            let labels = Tensor::new(&[0i64; 6], &Device::Cpu)?;
+            let e =
+                vocab_parallel_cross_entropy(&hidden.narrow(1, 0, 3)?, &w, &labels, &comm, &opts)
+                    .expect_err("hidden size mismatch accepted");
+            msgs.push((0, e.to_string()));
+            Ok(msgs)
+        });
+        for rank_msgs in msgs {
+            for (bad, msg) in &rank_msgs[..2] {
+                assert!(
+                    msg.contains(&format!("label {bad} at position 2")),
+                    "P={p}: unclear error {msg:?}"
+                );
+            }
+            assert!(
+                rank_msgs[2].1.contains("labels must be (6,)"),
+                "{}",
+                rank_msgs[2].1
+            );
+            assert!(rank_msgs[3].1.contains("features"), "{}", rank_msgs[3].1);
+        }
+    }
+}
+
+#[test]
+fn embedding_matches_single_rank() {
+    let mut rng = StdRng::seed_from_u64(21);
+    let (v, h) = (32, 8);
+    let weight = rand_t(&mut rng, &[v, h]);
+    // Every shard of the 4-rank split gets at least one id, and one id repeats (its gradient
+    // accumulates); the rest are random.
+    let mut ids: Vec<u32> = (0..14).map(|_| rng.random_range(0..v as u32)).collect();
+    for k in 0..4 {
+        ids[3 * k] = (k * v / 4) as u32 + rng.random_range(0..(v / 4) as u32);
+    }
+    ids[13] = ids[3];
+    let ids = Tensor::from_vec(ids, (2, 7), &Device::Cpu).unwrap();
+    let g = rand_t(&mut rng, &[2, 7, h]);
+
+    let wv = Var::from_tensor(&weight).unwrap();
+    let want = wv
+        .as_tensor()
+        .index_select(&ids.flatten_all().unwrap(), 0)
+        .unwrap()
+        .reshape((2, 7, h))
+        .unwrap();
+    let grads = (&want * &g).unwrap().sum_all().unwrap().backward().unwrap();
+    let ref_gw = grad(&grads, &wv, "reference weight").unwrap();
+    let want = want.detach();
+
+    for p in WORLDS {
+        let out = world(p, |comm| {
+            let r = comm.rank();
+            let wr = Var::from_tensor(&shard(&weight, p, r)?)?;
+            let emb = VocabParallelEmbedding::new(wr.as_tensor().clone(), v, comm.clone())
+                .map_err(candle_core::Error::wrap)?;
+            assert_eq!(emb.vocab_range(), r * v / p..(r + 1) * v / p);
+            assert_eq!(emb.weight().dims(), &[v / p, h]);
+            let out = emb.forward(&ids).map_err(candle_core::Error::wrap)?;
+            let grads = (&out * &g)?.sum_all()?.backward()?;
+            Ok((out.detach(), grad(&grads, &wr, "weight shard")?))
+        });
+        for (r, (out, gw)) in out.iter().enumerate() {
+            let what = format!("embedding P={p} rank {r}");
+            assert_close(out, &want, &format!("{what}: forward"));
+            assert_close(
+                gw,
+                &shard(&ref_gw, p, r).unwrap(),
+                &format!("{what}: d_weight"),
+            );
+        }
+    }
+}
+
+#[test]
+fn embedding_rejects_bad_input() {
+    let weight = Tensor::zeros((8, 4), DType::F32, &Device::Cpu).unwrap();
+    let errs = world(2, |comm| {
+        let r = comm.rank();
+        let indivisible = VocabParallelEmbedding::new(weight.clone(), 15, comm.clone())
+            .expect_err("V % P != 0 accepted")
+            .to_string();
+        let wrong_rows = VocabParallelEmbedding::new(weight.clone(), 32, comm.clone())
+            .expect_err("wrong shard rows accepted")
+            .to_string();
+        let emb = VocabParallelEmbedding::new(shard(&weight, 2, r)?, 8, comm.clone())
+            .map_err(candle_core::Error::wrap)?;
+        let ids = Tensor::new(&[[1u32, 8]], &Device::Cpu)?;
+        let out_of_range = emb.forward(&ids).expect_err("id >= V accepted").to_string();
+        Ok([indivisible, wrong_rows, out_of_range])
+    });
+    for [indivisible, wrong_rows, out_of_range] in errs {
+        assert!(indivisible.contains("vocab size 15"), "{indivisible}");
+        assert!(wrong_rows.contains("expected V/P"), "{wrong_rows}");
+        assert!(out_of_range.contains("id 8"), "{out_of_range}");
+    }
+}

@@ -1,0 +1,607 @@
+//! Model parameters from Hugging Face safetensors checkpoints, and saving them back.
+//!
+//! [`CheckpointReader`] memory-maps the checkpoint's files (single or sharded with
+//! `model.safetensors.index.json`) and reads a tensor, or only this rank's slice of it along one
+//! dim, straight from the map. [`ParamStore`] is the candle `VarBuilder` backend that model
+//! constructors load through (`vb.pp("q_proj").get_with_hints(shape, "weight", Shard::..)`,
+//! with the keys of the checkpoint): it converts the dtype, wraps trainable parameters in
+//! [`Var`]s and records every parameter with its name and split ([`Param`]), so that the
+//! training loop, the gradient reduction and [`save_hf`] work on the same list, in name order.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_nn::var_builder::{Backend, VarBuilderArgs};
+use candle_parallel::comm::Comm;
+use safetensors::tensor::{Metadata, SafeTensors, TensorInfo};
+
+use crate::error::{Error, Result};
+
+/// How a parameter is split over the tensor-parallel group: rank `rank` of `world` holds the
+/// `rank`-th of `world` equal blocks along `dim`. `world == 1`: replicated (the default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    pub dim: usize,
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Default for Shard {
+    fn default() -> Self {
+        Self::replicated()
+    }
+}
+
+impl Shard {
+    pub fn replicated() -> Self {
+        Self {
+            dim: 0,
+            rank: 0,
+            world: 1,
+        }
+    }
+
+    pub fn new(dim: usize, rank: usize, world: usize) -> Self {
+        Self { dim, rank, world }
+    }
+
+    pub fn is_split(&self) -> bool {
+        self.world > 1
+    }
+}
+
+struct MappedFile {
+    path: PathBuf,
+    mmap: memmap2::Mmap,
+    /// Byte offset of the data section (8 + header length).
+    data_start: usize,
+    metadata: Metadata,
+}
+
+/// The tensors of a safetensors checkpoint (one or several files), memory-mapped.
+pub struct CheckpointReader {
+    files: Vec<MappedFile>,
+    /// Tensor name -> index into `files`.
+    routing: HashMap<String, usize>,
+    location: String,
+}
+
+/// The shape and dtype of a stored tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorMeta {
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    pub file: PathBuf,
+}
+
+impl CheckpointReader {
+    /// Maps `paths`. A tensor name present in two files is an error.
+    pub fn open(paths: &[PathBuf]) -> Result<Self> {
+        let mut files = Vec::with_capacity(paths.len());
+        let mut routing = HashMap::new();
+        for (i, path) in paths.iter().enumerate() {
+            let file = File::open(path).map_err(|e| Error::io(path, e))?;
+            // SAFETY: the map is read-only; a checkpoint rewritten while mapped is the user's
+            // responsibility, as in every safetensors loader (our own writes rename new files
+            // into place instead of modifying them).
+            let mmap = unsafe { memmap2::MmapOptions::new().map(&file) }
+                .map_err(|e| Error::io(path, e))?;
+            let (header_len, metadata) = SafeTensors::read_metadata(&mmap)
+                .map_err(|e| Error::config(path, format!("not a valid safetensors file: {e}")))?;
+            for name in metadata.tensors().keys() {
+                if let Some(prev) = routing.insert(name.clone(), i) {
+                    return Err(Error::config(
+                        path,
+                        format!("tensor `{name}` is also in {}", paths[prev].display()),
+                    ));
+                }
+            }
+            files.push(MappedFile {
+                path: path.clone(),
+                mmap,
+                data_start: 8 + header_len,
+                metadata,
+            });
+        }
+        let location = match paths {
+            [one] => one.display().to_string(),
+            _ => paths
+                .first()
+                .and_then(|p| p.parent())
+                .map(|d| format!("{} ({} files)", d.display(), paths.len()))
+                .unwrap_or_else(|| "(no files)".into()),
+        };
+        Ok(Self {
+            files,
+            routing,
+            location,
+        })
+    }
+
+    /// Where the checkpoint is, for messages.
+    pub fn location(&self) -> &str {
+        &self.location
+    }
+
+    /// Every tensor name, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut n: Vec<String> = self.routing.keys().cloned().collect();
+        n.sort();
+        n
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.routing.contains_key(name)
+    }
+
+    fn info(&self, name: &str) -> Result<(&MappedFile, &TensorInfo)> {
+        let idx = self
+            .routing
+            .get(name)
+            .ok_or_else(|| self.err(name, "missing"))?;
+        let file = &self.files[*idx];
+        let info = file
+            .metadata
+            .info(name)
+            .ok_or_else(|| self.err(name, "missing from its file's header"))?;
+        Ok((file, info))
+    }
+
+    fn err(&self, name: &str, msg: impl Into<String>) -> Error {
+        Error::Tensor {
+            location: self.location.clone(),
+            name: name.into(),
+            msg: msg.into(),
+        }
+    }
+
+    /// Shape, dtype and file of `name`.
+    pub fn meta(&self, name: &str) -> Result<TensorMeta> {
+        let (file, info) = self.info(name)?;
+        Ok(TensorMeta {
+            shape: info.shape.clone(),
+            dtype: DType::try_from(info.dtype)
+                .map_err(|e| self.err(name, format!("unsupported dtype: {e}")))?,
+            file: file.path.clone(),
+        })
+    }
+
+    /// Reads `shard`'s block of `name` (the whole tensor when not split) in the stored dtype.
+    /// Only the bytes of the block are read from the map.
+    pub fn read(&self, name: &str, shard: Shard, dev: &Device) -> Result<Tensor> {
+        let (file, info) = self.info(name)?;
+        let dtype = DType::try_from(info.dtype)
+            .map_err(|e| self.err(name, format!("unsupported dtype: {e}")))?;
+        let shape = info.shape.clone();
+        let (begin, end) = info.data_offsets;
+        let data = file
+            .mmap
+            .get(file.data_start + begin..file.data_start + end)
+            .ok_or_else(|| self.err(name, "data offsets lie outside the file"))?;
+        let el = dtype.size_in_bytes();
+        let numel: usize = shape.iter().product();
+        if data.len() != numel * el {
+            return Err(self.err(
+                name,
+                format!(
+                    "holds {} bytes, its shape {shape:?} needs {}",
+                    data.len(),
+                    numel * el
+                ),
+            ));
+        }
+        if !shard.is_split() {
+            return Ok(Tensor::from_raw_buffer(data, dtype, &shape, dev)?);
+        }
+        if shard.dim >= shape.len() || shard.rank >= shard.world {
+            return Err(self.err(name, format!("cannot take {shard:?} of shape {shape:?}")));
+        }
+        let size = shape[shard.dim];
+        if !size.is_multiple_of(shard.world) {
+            return Err(self.err(
+                name,
+                format!(
+                    "dim {} of shape {shape:?} is not divisible by the tensor-parallel degree {}",
+                    shard.dim, shard.world
+                ),
+            ));
+        }
+        let block = size / shard.world;
+        let outer: usize = shape[..shard.dim].iter().product();
+        let inner: usize = shape[shard.dim + 1..].iter().product::<usize>() * el;
+        let mut bytes = Vec::with_capacity(outer * block * inner);
+        for o in 0..outer {
+            let start = (o * size + shard.rank * block) * inner;
+            bytes.extend_from_slice(&data[start..start + block * inner]);
+        }
+        let mut local = shape;
+        local[shard.dim] = block;
+        Ok(Tensor::from_raw_buffer(&bytes, dtype, &local, dev)?)
+    }
+}
+
+/// One parameter of a model: its checkpoint name, its value on this rank and its split.
+#[derive(Debug, Clone)]
+pub struct Param {
+    pub name: String,
+    /// The (local) tensor; a [`Var`] when the store is trainable.
+    pub var: Option<Var>,
+    pub tensor: Tensor,
+    pub shard: Shard,
+    /// The shape of the whole parameter, as in the checkpoint.
+    pub global_shape: Vec<usize>,
+}
+
+/// The candle `VarBuilder` backend of our models: reads parameters from a checkpoint (only this
+/// rank's slice of split ones) and records them.
+pub struct ParamStore {
+    reader: Arc<CheckpointReader>,
+    trainable: bool,
+    params: Arc<Mutex<Vec<Param>>>,
+}
+
+/// The recorded parameters of a [`ParamStore`], readable after the model is built.
+#[derive(Clone, Default)]
+pub struct ParamList(Arc<Mutex<Vec<Param>>>);
+
+impl ParamList {
+    /// The parameters, sorted by name (the order every rank agrees on).
+    pub fn sorted(&self) -> Vec<Param> {
+        let mut v = match self.0.lock() {
+            Ok(g) => g.clone(),
+            Err(p) => p.into_inner().clone(),
+        };
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
+    }
+}
+
+/// A `VarBuilder` over a [`ParamStore`]; `get_with_hints(shape, name, Shard)` loads a parameter
+/// (`shape` the local shape).
+pub type ParamBuilder<'a> = VarBuilderArgs<'a, ParamStore>;
+
+impl ParamStore {
+    /// A builder loading from `reader` in `dtype` on `dev`; parameters become [`Var`]s when
+    /// `trainable`. The returned [`ParamList`] sees every parameter the model loads.
+    pub fn builder(
+        reader: Arc<CheckpointReader>,
+        dtype: DType,
+        dev: &Device,
+        trainable: bool,
+    ) -> (ParamBuilder<'static>, ParamList) {
+        let params = Arc::new(Mutex::new(Vec::new()));
+        let store = ParamStore {
+            reader,
+            trainable,
+            params: params.clone(),
+        };
+        (
+            VarBuilderArgs::new_with_args(store, dtype, dev),
+            ParamList(params),
+        )
+    }
+
+    fn load(
+        &self,
+        shape: &Shape,
+        name: &str,
+        shard: Shard,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Tensor> {
+        if let Ok(params) = self.params.lock() {
+            if let Some(p) = params.iter().find(|p| p.name == name && p.shard == shard) {
+                return Ok(p.tensor.clone());
+            }
+        }
+        let meta = self.reader.meta(name)?;
+        let mut want_global = shape.dims().to_vec();
+        if shard.is_split() {
+            if shard.dim >= want_global.len() {
+                return Err(self.reader.err(name, format!("bad split {shard:?}")));
+            }
+            want_global[shard.dim] *= shard.world;
+        }
+        if meta.shape != want_global {
+            return Err(self.reader.err(
+                name,
+                format!(
+                    "has shape {:?} in {}, the model config expects {want_global:?}",
+                    meta.shape,
+                    meta.file.display()
+                ),
+            ));
+        }
+        let t = self.reader.read(name, shard, dev)?.to_dtype(dtype)?;
+        let (var, tensor) = if self.trainable {
+            let v = Var::from_tensor(&t)?;
+            let t = v.as_tensor().clone();
+            (Some(v), t)
+        } else {
+            (None, t)
+        };
+        if let Ok(mut params) = self.params.lock() {
+            params.push(Param {
+                name: name.into(),
+                var,
+                tensor: tensor.clone(),
+                shard,
+                global_shape: meta.shape,
+            });
+        }
+        Ok(tensor)
+    }
+}
+
+impl Backend for ParamStore {
+    type Hints = Shard;
+
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: Shard,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        Ok(self.load(&s, name, h, dtype, dev)?)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        let meta = self.reader.meta(name)?;
+        Ok(self.load(
+            &Shape::from(meta.shape),
+            name,
+            Shard::replicated(),
+            dtype,
+            dev,
+        )?)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.reader.contains(name)
+    }
+}
+
+/// Options of [`save_hf`].
+#[derive(Debug, Clone)]
+pub struct SaveOptions {
+    /// dtype of the saved tensors.
+    pub dtype: DType,
+    /// Largest file before the checkpoint is split into `model-0000i-of-0000n.safetensors`
+    /// files with an index (Hugging Face's default is 5 GB).
+    pub max_shard_bytes: usize,
+    /// Files copied verbatim into the directory (config.json, tokenizer files, ...).
+    pub extra_files: Vec<(String, Vec<u8>)>,
+}
+
+impl Default for SaveOptions {
+    fn default() -> Self {
+        Self {
+            dtype: DType::F32,
+            max_shard_bytes: 5_000_000_000,
+            extra_files: Vec::new(),
+        }
+    }
+}
+
+/// Collective over `tp`: gathers every split parameter from the tensor-parallel group and, on
+/// `tp` rank 0 when `write` is set, writes a Hugging Face model directory `dir`:
+/// `model.safetensors` (or numbered shards plus `model.safetensors.index.json`) and the
+/// `extra_files`. The directory is written under a temporary name and renamed into place, so a
+/// crash never leaves a half-written `dir`, and an existing `dir` is replaced only once the new
+/// one is complete. `params` must be the same list (by name) on every rank.
+pub fn save_hf(
+    params: &[Param],
+    tp: &Comm,
+    dir: &Path,
+    write: bool,
+    opts: &SaveOptions,
+) -> Result<()> {
+    let mut sorted: Vec<&Param> = params.iter().collect();
+    sorted.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut full = Vec::with_capacity(sorted.len());
+    for p in sorted {
+        let t = p.tensor.detach();
+        let t = if p.shard.is_split() {
+            tp.all_gather(&t.contiguous()?, p.shard.dim)?
+        } else {
+            t
+        };
+        if t.dims() != p.global_shape.as_slice() {
+            return Err(Error::Invalid(format!(
+                "saving `{}`: gathered shape {:?}, expected {:?}",
+                p.name,
+                t.dims(),
+                p.global_shape
+            )));
+        }
+        if write && tp.rank() == 0 {
+            full.push((p.name.clone(), t.to_dtype(opts.dtype)?.contiguous()?));
+        }
+    }
+    if !(write && tp.rank() == 0) {
+        return Ok(());
+    }
+    write_hf_dir(&full, dir, opts)
+}
+
+/// Writes named tensors as a Hugging Face safetensors model directory (see [`save_hf`]).
+pub fn write_hf_dir(tensors: &[(String, Tensor)], dir: &Path, opts: &SaveOptions) -> Result<()> {
+    // Split into files of at most max_shard_bytes (a tensor larger than that gets its own file).
+    let mut groups: Vec<Vec<&(String, Tensor)>> = vec![Vec::new()];
+    let mut size = 0usize;
+    for t in tensors {
+        let bytes = t.1.elem_count() * t.1.dtype().size_in_bytes();
+        if size > 0 && size + bytes > opts.max_shard_bytes {
+            groups.push(Vec::new());
+            size = 0;
+        }
+        size += bytes;
+        groups.last_mut().expect("non-empty").push(t);
+    }
+    let parent = dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    let base = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .ok_or_else(|| Error::Invalid(format!("cannot save to {}", dir.display())))?;
+    let tmp = parent.join(format!(".{base}.tmp-{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    let n = groups.len();
+    let mut weight_map = serde_json::Map::new();
+    let mut total = 0usize;
+    for (i, group) in groups.iter().enumerate() {
+        let file = if n == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
+        };
+        let map: HashMap<String, Tensor> =
+            group.iter().map(|(k, t)| (k.clone(), t.clone())).collect();
+        for (k, t) in &map {
+            weight_map.insert(k.clone(), serde_json::Value::String(file.clone()));
+            total += t.elem_count() * t.dtype().size_in_bytes();
+        }
+        let path = tmp.join(&file);
+        let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+        let views: Vec<(String, TensorBytes)> = {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort();
+            keys.into_iter()
+                .map(|k| Ok((k.clone(), TensorBytes::new(&map[k])?)))
+                .collect::<Result<_>>()?
+        };
+        safetensors::serialize_to_file(views, Some(meta), &path)
+            .map_err(|e| Error::Invalid(format!("writing {}: {e}", path.display())))?;
+    }
+    if n > 1 {
+        let index = serde_json::json!({
+            "metadata": { "total_size": total },
+            "weight_map": weight_map,
+        });
+        write_file(
+            &tmp.join("model.safetensors.index.json"),
+            serde_json::to_vec_pretty(&index)
+                .map_err(|e| Error::Invalid(e.to_string()))?
+                .as_slice(),
+        )?;
+    }
+    for (name, bytes) in &opts.extra_files {
+        write_file(&tmp.join(name), bytes)?;
+    }
+    sync_dir(&tmp);
+    // Replace atomically: a previous directory is moved aside first and removed last.
+    let old = parent.join(format!(".{base}.old-{}", std::process::id()));
+    let had_old = dir.exists();
+    if had_old {
+        std::fs::rename(dir, &old).map_err(|e| Error::io(dir, e))?;
+    }
+    if let Err(e) = std::fs::rename(&tmp, dir) {
+        if had_old {
+            let _ = std::fs::rename(&old, dir);
+        }
+        return Err(Error::io(dir, e));
+    }
+    sync_dir(parent);
+    if had_old {
+        std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
+    }
+    Ok(())
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let mut f = File::create(path).map_err(|e| Error::io(path, e))?;
+    f.write_all(bytes).map_err(|e| Error::io(path, e))?;
+    f.sync_all().map_err(|e| Error::io(path, e))
+}
+
+fn sync_dir(dir: &Path) {
+    if let Ok(f) = File::open(dir) {
+        let _ = f.sync_all();
+    }
+}
+
+/// A tensor's bytes in the safetensors serializer's view.
+struct TensorBytes {
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+impl TensorBytes {
+    fn new(t: &Tensor) -> Result<Self> {
+        use candle_core::DType as D;
+        let dtype = match t.dtype() {
+            D::F32 => safetensors::Dtype::F32,
+            D::BF16 => safetensors::Dtype::BF16,
+            D::F16 => safetensors::Dtype::F16,
+            D::F64 => safetensors::Dtype::F64,
+            D::U32 => safetensors::Dtype::U32,
+            D::I64 => safetensors::Dtype::I64,
+            D::U8 => safetensors::Dtype::U8,
+            other => return Err(Error::Invalid(format!("cannot save dtype {other:?}"))),
+        };
+        let shape = t.dims().to_vec();
+        let t = t.flatten_all()?;
+        let data: Vec<u8> = match t.dtype() {
+            D::F32 => t
+                .to_vec1::<f32>()?
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+            D::BF16 => t
+                .to_vec1::<half::bf16>()?
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+            D::F16 => t
+                .to_vec1::<half::f16>()?
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+            D::F64 => t
+                .to_vec1::<f64>()?
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+            D::U32 => t
+                .to_vec1::<u32>()?
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+            D::I64 => t
+                .to_vec1::<i64>()?
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+            _ => t.to_vec1::<u8>()?,
+        };
+        Ok(Self { dtype, shape, data })
+    }
+}
+
+impl safetensors::View for TensorBytes {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}

@@ -1,0 +1,263 @@
+//! LLaMA `config.json`, with both the transformers v4 keys (`rope_theta`, `rope_scaling`,
+//! `torch_dtype`) and the v5 keys (`rope_parameters`, `dtype`, explicit `head_dim`).
+
+use std::path::Path;
+
+use candle_core::DType;
+use candle_parallel::ops::RopeScaling;
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+
+/// `config.json` as Hugging Face writes it (the fields LLaMA-family models use).
+#[derive(Debug, Clone, Deserialize)]
+pub struct LlamaConfig {
+    #[serde(default)]
+    pub architectures: Option<Vec<String>>,
+    #[serde(default)]
+    pub model_type: Option<String>,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    /// v5 (and some v4 models): explicit head_dim, possibly != hidden / heads.
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    pub vocab_size: usize,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub mlp_bias: bool,
+    #[serde(default)]
+    pub hidden_act: Option<String>,
+    /// v4: top-level rope base.
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    /// v4: `{"type"|"rope_type": "linear"|"llama3"|..., "factor": ...}`.
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
+    /// v5: `{"rope_theta": ..., "rope_type": ..., scaling fields}`.
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
+    /// v4 name of the stored dtype.
+    #[serde(default)]
+    pub torch_dtype: Option<String>,
+    /// v5 name of the stored dtype.
+    #[serde(default)]
+    pub dtype: Option<String>,
+    #[serde(default)]
+    pub bos_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    pub eos_token_id: Option<serde_json::Value>,
+}
+
+fn default_eps() -> f64 {
+    1e-6
+}
+
+fn default_max_pos() -> usize {
+    2048
+}
+
+impl LlamaConfig {
+    /// Reads and validates `path`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::from_json(&text, path)
+    }
+
+    /// Parses and validates a config; `path` names it in errors.
+    pub fn from_json(text: &str, path: &Path) -> Result<Self> {
+        let cfg: Self = serde_json::from_str(text)
+            .map_err(|e| Error::config(path, format!("not a valid LLaMA config.json: {e}")))?;
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    fn validate(&self, path: &Path) -> Result<()> {
+        let supported = ["LlamaForCausalLM"];
+        if let Some(archs) = &self.architectures {
+            if let Some(a) = archs.iter().find(|a| !supported.contains(&a.as_str())) {
+                return Err(Error::config(
+                    path,
+                    format!(
+                        "unsupported architecture `{a}` (supported: {})",
+                        supported.join(", ")
+                    ),
+                ));
+            }
+        }
+        if let Some(t) = &self.model_type {
+            if t != "llama" {
+                return Err(Error::config(
+                    path,
+                    format!("unsupported model_type `{t}` (supported: llama)"),
+                ));
+            }
+        }
+        if let Some(act) = &self.hidden_act {
+            if act != "silu" {
+                return Err(Error::config(
+                    path,
+                    format!("unsupported hidden_act `{act}` (supported: silu)"),
+                ));
+            }
+        }
+        let nonzero = [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("vocab_size", self.vocab_size),
+            ("head_dim", self.head_dim()),
+            ("num_key_value_heads", self.num_kv_heads()),
+        ];
+        for (k, v) in nonzero {
+            if v == 0 {
+                return Err(Error::config(path, format!("`{k}` must be positive")));
+            }
+        }
+        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(self.num_attention_heads) {
+            return Err(Error::config(
+                path,
+                format!(
+                    "hidden_size {} is not divisible by num_attention_heads {} and no head_dim is given",
+                    self.hidden_size, self.num_attention_heads
+                ),
+            ));
+        }
+        if !self.head_dim().is_multiple_of(2) {
+            return Err(Error::config(
+                path,
+                format!(
+                    "head_dim {} must be even (rotary embeddings)",
+                    self.head_dim()
+                ),
+            ));
+        }
+        if !self.num_attention_heads.is_multiple_of(self.num_kv_heads()) {
+            return Err(Error::config(
+                path,
+                format!(
+                    "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                    self.num_attention_heads,
+                    self.num_kv_heads()
+                ),
+            ));
+        }
+        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
+            return Err(Error::config(path, "`rms_norm_eps` must be positive"));
+        }
+        self.rope(path)?;
+        self.stored_dtype(path)?;
+        Ok(())
+    }
+
+    pub fn num_kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// `(theta, scaling)` of the rotary embeddings from whichever keys the file uses
+    /// (`rope_parameters` first, then `rope_theta` / `rope_scaling`; theta defaults to 10000).
+    pub fn rope(&self, path: &Path) -> Result<(f64, RopeScaling)> {
+        let params = self.rope_parameters.as_ref().or(self.rope_scaling.as_ref());
+        let theta = self
+            .rope_parameters
+            .as_ref()
+            .and_then(|p| p.get("rope_theta"))
+            .and_then(|v| v.as_f64())
+            .or(self.rope_theta)
+            .unwrap_or(10000.0);
+        if theta.is_nan() || theta <= 0.0 || theta.is_infinite() {
+            return Err(Error::config(path, "rope_theta must be positive"));
+        }
+        let Some(p) = params.filter(|p| !p.is_null()) else {
+            return Ok((theta, RopeScaling::Default));
+        };
+        let kind = p
+            .get("rope_type")
+            .or_else(|| p.get("type"))
+            .and_then(|v| v.as_str())
+            .unwrap_or("default");
+        let num = |k: &str| -> Result<f64> {
+            p.get(k).and_then(|v| v.as_f64()).ok_or_else(|| {
+                Error::config(path, format!("rope scaling `{kind}` needs a numeric `{k}`"))
+            })
+        };
+        let scaling = match kind {
+            "default" => RopeScaling::Default,
+            "linear" => RopeScaling::Linear {
+                factor: num("factor")?,
+            },
+            "llama3" => RopeScaling::Llama3 {
+                factor: num("factor")?,
+                low_freq_factor: num("low_freq_factor")?,
+                high_freq_factor: num("high_freq_factor")?,
+                original_max_position_embeddings: num("original_max_position_embeddings")? as usize,
+            },
+            other => {
+                return Err(Error::config(
+                    path,
+                    format!(
+                    "unsupported rope scaling type `{other}` (supported: default, linear, llama3)"
+                ),
+                ))
+            }
+        };
+        Ok((theta, scaling))
+    }
+
+    /// The dtype the checkpoint declares (`dtype`, else `torch_dtype`), if any.
+    pub fn stored_dtype(&self, path: &Path) -> Result<Option<DType>> {
+        let Some(name) = self.dtype.as_ref().or(self.torch_dtype.as_ref()) else {
+            return Ok(None);
+        };
+        parse_dtype(name)
+            .map(Some)
+            .ok_or_else(|| Error::config(path, format!("unsupported dtype `{name}`")))
+    }
+
+    /// Number of parameters of the whole model.
+    pub fn num_parameters(&self) -> usize {
+        let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
+        let (hq, hkv, d) = (
+            self.num_attention_heads,
+            self.num_kv_heads(),
+            self.head_dim(),
+        );
+        let attn = h * hq * d * 2
+            + h * hkv * d * 2
+            + if self.attention_bias {
+                hq * d * 2 + hkv * d * 2
+            } else {
+                0
+            };
+        let mlp = 3 * h * i + if self.mlp_bias { 2 * i + h } else { 0 };
+        let layer = attn + mlp + 2 * h;
+        let emb = v * h * if self.tie_word_embeddings { 1 } else { 2 };
+        self.num_hidden_layers * layer + emb + h
+    }
+}
+
+/// `"float32"`, `"bfloat16"`, `"float16"` (also `f32`, `bf16`, `f16`).
+pub fn parse_dtype(name: &str) -> Option<DType> {
+    match name.trim().to_ascii_lowercase().as_str() {
+        "float32" | "f32" | "fp32" | "torch.float32" => Some(DType::F32),
+        "bfloat16" | "bf16" | "torch.bfloat16" => Some(DType::BF16),
+        "float16" | "f16" | "fp16" | "half" | "torch.float16" => Some(DType::F16),
+        _ => None,
+    }
+}

@@ -1,0 +1,517 @@
+//! LLaMA (Llama 2, Llama 3.x, TinyLlama, SmolLM) built from the parallel layers.
+//!
+//! The model reads top to bottom like the Hugging Face one; every module takes the
+//! [`ParallelCtx`] and leaves the layout to it: q/k/v and gate/up are column-parallel, o and down
+//! row-parallel, the embedding and LM head vocab-parallel, attention is the configured
+//! sequence-parallel strategy. Activations are `(batch, tokens, hidden)` over this rank's
+//! sequence shard (and, under TP-sp, its tensor-parallel part of it).
+
+use candle_core::{DType, Tensor};
+use candle_parallel::attention::{AttnMask, SequenceParallelAttention};
+use candle_parallel::layers::{
+    vocab_parallel_cross_entropy, ColumnParallelLinear, CrossEntropyOptions, ParallelCtx,
+    RowParallelLinear, TpGroup, VocabParallelEmbedding,
+};
+use candle_parallel::ops::{rms_norm, swiglu, RotaryEmbedding};
+
+use super::config::LlamaConfig;
+use crate::checkpoint::{ParamBuilder, Shard};
+use crate::error::{Error, Result};
+
+/// Loads a column-parallel linear `(out, in)` split by rows over the tensor-parallel group.
+fn column(
+    vb: &ParamBuilder,
+    tp: &TpGroup,
+    in_f: usize,
+    out_f: usize,
+    bias: bool,
+) -> Result<ColumnParallelLinear> {
+    let p = tp.size();
+    let shard = Shard::new(0, tp.rank(), p);
+    let w = vb.get_with_hints((out_f / p, in_f), "weight", shard)?;
+    let b = if bias {
+        Some(vb.get_with_hints(out_f / p, "bias", shard)?)
+    } else {
+        None
+    };
+    Ok(ColumnParallelLinear::new(w, b, tp.clone(), false))
+}
+
+/// Loads a row-parallel linear `(out, in)` split by columns over the tensor-parallel group.
+fn row(
+    vb: &ParamBuilder,
+    tp: &TpGroup,
+    in_f: usize,
+    out_f: usize,
+    bias: bool,
+) -> Result<RowParallelLinear> {
+    let p = tp.size();
+    let w = vb.get_with_hints((out_f, in_f / p), "weight", Shard::new(1, tp.rank(), p))?;
+    let b = if bias {
+        Some(vb.get_with_hints(out_f, "bias", Shard::replicated())?)
+    } else {
+        None
+    };
+    Ok(RowParallelLinear::new(w, b, tp.clone(), true))
+}
+
+/// RMSNorm with the Hugging Face `LlamaRMSNorm` semantics.
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub fn new(hidden: usize, eps: f64, vb: ParamBuilder) -> Result<Self> {
+        Ok(Self {
+            weight: vb.get_with_hints(hidden, "weight", Shard::replicated())?,
+            eps,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(rms_norm(x, &self.weight, self.eps)?)
+    }
+}
+
+/// Self-attention: column-parallel q/k/v (heads split over tp), rotary embeddings on global
+/// positions, the configured sequence-parallel attention, row-parallel o.
+#[derive(Debug, Clone)]
+pub struct Attention {
+    q_proj: ColumnParallelLinear,
+    k_proj: ColumnParallelLinear,
+    v_proj: ColumnParallelLinear,
+    o_proj: RowParallelLinear,
+    tp: TpGroup,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+}
+
+impl Attention {
+    pub fn new(cfg: &LlamaConfig, ctx: &ParallelCtx, vb: ParamBuilder) -> Result<Self> {
+        let tp = ctx.tp().clone();
+        let (h, d) = (cfg.hidden_size, cfg.head_dim());
+        let (hq, hkv) = (cfg.num_attention_heads, cfg.num_kv_heads());
+        let b = cfg.attention_bias;
+        Ok(Self {
+            q_proj: column(&vb.pp("q_proj"), &tp, h, hq * d, b)?,
+            k_proj: column(&vb.pp("k_proj"), &tp, h, hkv * d, b)?,
+            v_proj: column(&vb.pp("v_proj"), &tp, h, hkv * d, b)?,
+            o_proj: row(&vb.pp("o_proj"), &tp, hq * d, h, b)?,
+            q_heads: hq / tp.size(),
+            kv_heads: hkv / tp.size(),
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            tp,
+        })
+    }
+
+    /// `x` `(b, n', hidden)`; `positions` the global positions of the `n` tokens attention sees.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        rope: &RotaryEmbedding,
+        positions: &[u32],
+        attn: &dyn SequenceParallelAttention,
+        mask: &AttnMask,
+    ) -> Result<Tensor> {
+        let x = self.tp.enter(x)?;
+        let (b, n, _) = x.dims3()?;
+        let q = self
+            .q_proj
+            .forward_entered(&x)?
+            .reshape((b, n, self.q_heads, self.head_dim))?;
+        let k = self
+            .k_proj
+            .forward_entered(&x)?
+            .reshape((b, n, self.kv_heads, self.head_dim))?;
+        let v = self
+            .v_proj
+            .forward_entered(&x)?
+            .reshape((b, n, self.kv_heads, self.head_dim))?;
+        let q = rope.apply(&q, positions)?;
+        let k = rope.apply(&k, positions)?;
+        let o = attn.attention(&q, &k, &v, mask, self.scale)?;
+        let o = o.reshape((b, n, self.q_heads * self.head_dim))?;
+        Ok(self.o_proj.forward(&o)?)
+    }
+}
+
+impl Attention {
+    /// Incremental attention for generation (no sequence parallelism): `x` `(b, n, hidden)` new
+    /// tokens at `positions`, appended to `cache` (keys and values of earlier tokens at
+    /// positions `0..`).
+    pub fn forward_cached(
+        &self,
+        x: &Tensor,
+        rope: &RotaryEmbedding,
+        positions: &[u32],
+        cache: &mut Option<(Tensor, Tensor)>,
+    ) -> Result<Tensor> {
+        let x = self.tp.enter(x)?;
+        let (b, n, _) = x.dims3()?;
+        let q = self
+            .q_proj
+            .forward_entered(&x)?
+            .reshape((b, n, self.q_heads, self.head_dim))?;
+        let k = self
+            .k_proj
+            .forward_entered(&x)?
+            .reshape((b, n, self.kv_heads, self.head_dim))?;
+        let v = self
+            .v_proj
+            .forward_entered(&x)?
+            .reshape((b, n, self.kv_heads, self.head_dim))?;
+        let q = rope.apply(&q, positions)?;
+        let k = rope.apply(&k, positions)?;
+        let (k, v) = match cache.take() {
+            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 1)?, Tensor::cat(&[&pv, &v], 1)?),
+            None => (k, v),
+        };
+        *cache = Some((k.clone(), v.clone()));
+        let spec = flash_ring::AttnSpec::new(
+            self.scale,
+            flash_ring::MaskKind::Causal,
+            flash_ring::Positions::list(positions.to_vec()),
+            flash_ring::Positions::range(0, k.dim(1)?),
+        );
+        let (o, _) = flash_ring::flash_fwd(&q, &k, &v, &spec)
+            .map_err(|e| Error::Invalid(format!("attention: {e}")))?;
+        let o = o.reshape((b, n, self.q_heads * self.head_dim))?;
+        Ok(self.o_proj.forward(&o)?)
+    }
+}
+
+/// SwiGLU MLP: column-parallel gate and up, row-parallel down.
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    gate_proj: ColumnParallelLinear,
+    up_proj: ColumnParallelLinear,
+    down_proj: RowParallelLinear,
+    tp: TpGroup,
+}
+
+impl Mlp {
+    pub fn new(cfg: &LlamaConfig, ctx: &ParallelCtx, vb: ParamBuilder) -> Result<Self> {
+        let tp = ctx.tp().clone();
+        let (h, i, b) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
+        Ok(Self {
+            gate_proj: column(&vb.pp("gate_proj"), &tp, h, i, b)?,
+            up_proj: column(&vb.pp("up_proj"), &tp, h, i, b)?,
+            down_proj: row(&vb.pp("down_proj"), &tp, i, h, b)?,
+            tp,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = self.tp.enter(x)?;
+        let g = self.gate_proj.forward_entered(&x)?;
+        let u = self.up_proj.forward_entered(&x)?;
+        Ok(self.down_proj.forward(&swiglu(&g, &u)?)?)
+    }
+}
+
+/// One decoder layer (pre-norm attention and MLP with residuals).
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+impl DecoderLayer {
+    pub fn new(cfg: &LlamaConfig, ctx: &ParallelCtx, vb: ParamBuilder) -> Result<Self> {
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        Ok(Self {
+            input_layernorm: RmsNorm::new(h, eps, vb.pp("input_layernorm"))?,
+            self_attn: Attention::new(cfg, ctx, vb.pp("self_attn"))?,
+            post_attention_layernorm: RmsNorm::new(h, eps, vb.pp("post_attention_layernorm"))?,
+            mlp: Mlp::new(cfg, ctx, vb.pp("mlp"))?,
+        })
+    }
+
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        rope: &RotaryEmbedding,
+        positions: &[u32],
+        attn: &dyn SequenceParallelAttention,
+        mask: &AttnMask,
+    ) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(x)?;
+        let x = (x + self.self_attn.forward(&h, rope, positions, attn, mask)?)?;
+        let h = self.post_attention_layernorm.forward(&x)?;
+        Ok((&x + self.mlp.forward(&h)?)?)
+    }
+}
+
+impl DecoderLayer {
+    /// Incremental forward for generation, see [`Attention::forward_cached`].
+    pub fn forward_cached(
+        &self,
+        x: &Tensor,
+        rope: &RotaryEmbedding,
+        positions: &[u32],
+        cache: &mut Option<(Tensor, Tensor)>,
+    ) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(x)?;
+        let x = (x + self.self_attn.forward_cached(&h, rope, positions, cache)?)?;
+        let h = self.post_attention_layernorm.forward(&x)?;
+        Ok((&x + self.mlp.forward(&h)?)?)
+    }
+}
+
+/// The keys and values of every layer for incremental generation.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
+}
+
+impl KvCache {
+    /// Tokens already in the cache.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// What one forward pass works on: this rank's sequence shard of a batch.
+#[derive(Debug, Clone)]
+pub struct Batch {
+    /// `(batch, n)` u32 token ids of this rank's sequence shard.
+    pub input_ids: Tensor,
+    /// Global positions (RoPE) of the `n` local tokens.
+    pub positions: Vec<u32>,
+    /// The attention mask of the global sequence.
+    pub mask: AttnMask,
+}
+
+impl Batch {
+    /// This rank's shard of equal-length global sequences and their next-token labels
+    /// (`(batch, n)` i64, label `-100` after the last token of each sequence), cut by the
+    /// layout of `ctx`. Errors when the length does not fit the layout.
+    pub fn from_sequences(
+        ctx: &ParallelCtx,
+        seqs: &[Vec<u32>],
+        mask: AttnMask,
+    ) -> Result<(Self, Tensor)> {
+        let len = seqs.first().map(|s| s.len()).unwrap_or(0);
+        if len == 0 || seqs.iter().any(|s| s.len() != len) {
+            return Err(Error::Invalid(
+                "a batch needs one or more non-empty sequences of equal length".into(),
+            ));
+        }
+        let dev = candle_core::Device::Cpu;
+        let ids: Vec<u32> = seqs.iter().flatten().copied().collect();
+        let labels: Vec<i64> = seqs
+            .iter()
+            .flat_map(|s| {
+                s[1..]
+                    .iter()
+                    .map(|&t| t as i64)
+                    .chain(std::iter::once(candle_parallel::layers::IGNORE_INDEX))
+            })
+            .collect();
+        let ids = Tensor::from_vec(ids, (seqs.len(), len), &dev)?;
+        let labels = Tensor::from_vec(labels, (seqs.len(), len), &dev)?;
+        let batch = Batch {
+            input_ids: ctx.shard_tokens(&ids)?,
+            positions: ctx.attention_positions(len)?,
+            mask,
+        };
+        Ok((batch, ctx.shard_tokens(&labels)?))
+    }
+}
+
+/// `LlamaForCausalLM`.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    embed_tokens: VocabParallelEmbedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    /// This rank's vocab shard `(V/tp, hidden)` of the LM head (the embedding's when tied).
+    lm_head: Tensor,
+    rope: RotaryEmbedding,
+    ctx: ParallelCtx,
+    cfg: LlamaConfig,
+}
+
+impl Llama {
+    /// Builds the model for this rank's layout, loading its slice of every parameter through
+    /// `vb` (keys as in the Hugging Face checkpoint). Collective only through `ctx`'s creation;
+    /// local here. Errors when the layout does not divide the heads or the vocabulary.
+    pub fn new(cfg: &LlamaConfig, ctx: &ParallelCtx, vb: ParamBuilder) -> Result<Self> {
+        check_layout(cfg, ctx)?;
+        let tp = ctx.tp();
+        let v = cfg.vocab_size;
+        let shard = Shard::new(0, tp.rank(), tp.size());
+        let m = vb.pp("model");
+        let emb_w = m.pp("embed_tokens").get_with_hints(
+            (v / tp.size(), cfg.hidden_size),
+            "weight",
+            shard,
+        )?;
+        let embed_tokens = VocabParallelEmbedding::new(emb_w.clone(), v, tp.comm().clone())?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderLayer::new(cfg, ctx, m.pp("layers").pp(i)))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, m.pp("norm"))?;
+        let lm_head = if cfg.tie_word_embeddings {
+            emb_w
+        } else {
+            vb.pp("lm_head")
+                .get_with_hints((v / tp.size(), cfg.hidden_size), "weight", shard)?
+        };
+        let (theta, scaling) = cfg.rope(std::path::Path::new("config.json"))?;
+        let rope = RotaryEmbedding::new(cfg.head_dim(), theta, &scaling)?;
+        Ok(Self {
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            ctx: ctx.clone(),
+            cfg: cfg.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    pub fn ctx(&self) -> &ParallelCtx {
+        &self.ctx
+    }
+
+    /// Final hidden states `(batch, n, hidden)` of the rank's sequence shard, replicated over
+    /// the tensor-parallel group. Collective over the whole model-parallel group.
+    pub fn forward_hidden(&self, batch: &Batch) -> Result<Tensor> {
+        let (_, n) = batch.input_ids.dims2()?;
+        if batch.positions.len() != n {
+            return Err(Error::Invalid(format!(
+                "{} positions for {n} tokens",
+                batch.positions.len()
+            )));
+        }
+        let tp = self.ctx.tp();
+        let x = self.embed_tokens.forward(&batch.input_ids)?;
+        let mut x = tp.split_tokens(&x)?;
+        let attn = self.ctx.attention();
+        for layer in &self.layers {
+            x = layer.forward(&x, &self.rope, &batch.positions, attn, &batch.mask)?;
+        }
+        let x = self.norm.forward(&x)?;
+        Ok(tp.gather_tokens(&x)?)
+    }
+
+    /// Sum of the next-token cross-entropies of this rank's tokens and their count: `labels`
+    /// `(batch, n)` i64, already shifted (label of token i = id of token i+1) and sharded like the
+    /// tokens, `-100` ignored. Never forms full-vocabulary logits. Divide by the global count
+    /// (summed over the sequence group) for the mean loss.
+    pub fn loss_sum(
+        &self,
+        batch: &Batch,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<(Tensor, usize)> {
+        let h = self.forward_hidden(batch)?;
+        let (b, n, hd) = h.dims3()?;
+        let h = h.reshape((b * n, hd))?;
+        let labels = labels.flatten_all()?;
+        Ok(vocab_parallel_cross_entropy(
+            &h,
+            &self.lm_head,
+            &labels,
+            self.ctx.tp().comm(),
+            opts,
+        )?)
+    }
+
+    /// Logits `(batch, n, vocab)` f32 of this rank's tokens (all-gathered over the vocab shards;
+    /// for evaluation and generation, not for long-context training).
+    pub fn logits(&self, batch: &Batch) -> Result<Tensor> {
+        let h = self.forward_hidden(batch)?;
+        self.logits_from_hidden(&h)
+    }
+
+    /// Generation step: runs the new tokens `ids` `(batch, n)` (positions `cache.len()..`)
+    /// through the model, extends `cache`, and returns the logits `(batch, vocab)` f32 of the
+    /// last token. Needs a layout without sequence parallelism (tensor parallelism is fine).
+    pub fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let tp = self.ctx.tp();
+        if self.ctx.sequence_group().size() > 1 || tp.sequence_parallel() {
+            return Err(Error::Parallel(candle_parallel::Error::Layout(
+                "generation runs without sequence parallelism (--ulysses 1 --ring 1, no --tp-sp)"
+                    .into(),
+            )));
+        }
+        let (_, n) = ids.dims2()?;
+        let start = cache.len;
+        let positions: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
+        if cache.layers.len() != self.layers.len() {
+            cache.layers = vec![None; self.layers.len()];
+        }
+        let mut x = self.embed_tokens.forward(ids)?;
+        for (layer, c) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            x = layer.forward_cached(&x, &self.rope, &positions, c)?;
+        }
+        cache.len += n;
+        let x = self.norm.forward(&x.narrow(1, n - 1, 1)?)?;
+        self.logits_from_hidden(&x.squeeze(1)?)
+    }
+
+    /// Logits `(.., vocab)` f32 from final hidden states `(.., hidden)`.
+    pub fn logits_from_hidden(&self, h: &Tensor) -> Result<Tensor> {
+        let local = candle_parallel::layers::linear(
+            &h.to_dtype(DType::F32)?,
+            &self.lm_head.to_dtype(DType::F32)?,
+            None,
+        )?;
+        let tp = self.ctx.tp();
+        if tp.size() == 1 {
+            return Ok(local);
+        }
+        let last = local.rank() - 1;
+        Ok(candle_parallel::collectives::gather(
+            &local,
+            tp.comm(),
+            last,
+        )?)
+    }
+}
+
+/// Checks that the layout divides the model before anything is loaded.
+fn check_layout(cfg: &LlamaConfig, ctx: &ParallelCtx) -> Result<()> {
+    let tp = ctx.tp().size();
+    let (hq, hkv) = (cfg.num_attention_heads, cfg.num_kv_heads());
+    let checks = [
+        ("num_attention_heads", hq),
+        ("num_key_value_heads", hkv),
+        ("vocab_size", cfg.vocab_size),
+        ("intermediate_size", cfg.intermediate_size),
+    ];
+    for (what, n) in checks {
+        if !n.is_multiple_of(tp) {
+            return Err(Error::Parallel(candle_parallel::Error::Layout(format!(
+                "--tp {tp} does not divide {what} = {n} of the model"
+            ))));
+        }
+    }
+    let u = ctx.attention().group().ulysses.size();
+    if !(hq / tp).is_multiple_of(u) {
+        return Err(Error::Parallel(candle_parallel::Error::Layout(format!(
+            "--ulysses {u} does not divide the {} attention heads per tensor-parallel rank \
+             (num_attention_heads {hq} / tp {tp})",
+            hq / tp
+        ))));
+    }
+    Ok(())
+}

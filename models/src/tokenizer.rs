@@ -1,0 +1,81 @@
+//! Tokenizers: `tokenizer.json` through the `tokenizers` crate, special tokens from
+//! `tokenizer_config.json` (`bos_token`, `eos_token`, `add_bos_token`, `add_eos_token`).
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::hub::ModelFiles;
+
+/// A model's tokenizer with its special tokens.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_id: Option<u32>,
+}
+
+impl Tokenizer {
+    /// From a model's files (`tokenizer.json` required, `tokenizer_config.json` optional).
+    pub fn from_model(files: &ModelFiles) -> Result<Self> {
+        let path = files.tokenizer.as_ref().ok_or_else(|| Error::NotFound {
+            model: files.source.clone(),
+            msg: "has no tokenizer.json".into(),
+        })?;
+        Self::from_files(path, files.tokenizer_config.as_deref())
+    }
+
+    pub fn from_files(tokenizer_json: &Path, tokenizer_config: Option<&Path>) -> Result<Self> {
+        let inner =
+            tokenizers::Tokenizer::from_file(tokenizer_json).map_err(|e| Error::Tokenizer {
+                path: tokenizer_json.into(),
+                msg: e.to_string(),
+            })?;
+        let mut tok = Self {
+            inner,
+            path: tokenizer_json.into(),
+            bos_token_id: None,
+            eos_token_id: None,
+        };
+        if let Some(cfg) = tokenizer_config {
+            let text = std::fs::read_to_string(cfg).map_err(|e| Error::io(cfg, e))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| Error::config(cfg, format!("not valid JSON: {e}")))?;
+            let token = |k: &str| -> Option<String> {
+                match v.get(k)? {
+                    serde_json::Value::String(s) => Some(s.clone()),
+                    serde_json::Value::Object(o) => o.get("content")?.as_str().map(String::from),
+                    _ => None,
+                }
+            };
+            tok.bos_token_id = token("bos_token").and_then(|t| tok.inner.token_to_id(&t));
+            tok.eos_token_id = token("eos_token").and_then(|t| tok.inner.token_to_id(&t));
+        }
+        Ok(tok)
+    }
+
+    /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor
+    /// (e.g. a BOS token), as `tokenizer(text)` does in transformers.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| Error::Tokenizer {
+                path: self.path.clone(),
+                msg: e.to_string(),
+            })?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| Error::Tokenizer {
+                path: self.path.clone(),
+                msg: e.to_string(),
+            })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+}
