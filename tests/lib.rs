@@ -196,7 +196,9 @@ pub fn run_layout(name: &str, layout: &Layout) -> StepResult {
             .unwrap();
         let grads = local_loss.backward().map_err(|x| e(&x))?;
         let params = m.params.sorted();
-        let reduced = models::grads::reduce_gradients(&params, &grads, &ctx).map_err(|x| e(&x))?;
+        let collected = models::grads::collect_gradients(&params, &grads).map_err(|x| e(&x))?;
+        let reduced =
+            models::grads::reduce_gradients(&params, collected, &ctx).map_err(|x| e(&x))?;
         let tp = mesh.comm(Dim::Tp);
         let grads = params
             .iter()

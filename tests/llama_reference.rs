@@ -235,3 +235,32 @@ fn saved_checkpoints_reload_identically() {
         assert!(e <= tol, "{dir_name}: reloaded logits rel err {e}");
     }
 }
+
+/// The tokenizer gives transformers' ids (with and without special tokens) and reads the
+/// special tokens from tokenizer_config.json.
+#[test]
+fn tokenizer_matches_transformers() {
+    let dir = cpl_integration_tests::fixture_dir("tokenizer");
+    let sample: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("sample.json")).unwrap()).unwrap();
+    let ids = |k: &str| -> Vec<u32> {
+        sample[k]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let tok = models::tokenizer::Tokenizer::from_files(
+        &dir.join("tokenizer.json"),
+        Some(&dir.join("tokenizer_config.json")),
+    )
+    .unwrap();
+    let text = sample["text"].as_str().unwrap();
+    assert_eq!(tok.encode(text, false).unwrap(), ids("ids"));
+    assert_eq!(tok.encode(text, true).unwrap(), ids("ids_with_special"));
+    assert_eq!(tok.bos_token_id, Some(1));
+    assert_eq!(tok.eos_token_id, Some(2));
+    assert_eq!(tok.vocab_size(), 256);
+    assert_eq!(tok.decode(&ids("ids"), true).unwrap(), text);
+}

@@ -12,7 +12,6 @@ use candle_parallel::mesh::Dim;
 use models::llama::{self, Batch, LlamaConfig};
 use models::tokenizer::Tokenizer;
 
-use crate::data;
 use crate::launch::{launch, Rank};
 use crate::layout::LayoutArgs;
 
@@ -91,7 +90,7 @@ fn sequences(
 ) -> Result<Vec<Vec<u32>>> {
     let sp = args.layout.sp_config()?;
     if let Some(path) = &args.tokens {
-        let seqs = data::read_token_sequences(path, cfg.vocab_size)?;
+        let seqs = train::data::read_token_sequences(path, cfg.vocab_size)?;
         for (i, s) in seqs.iter().enumerate() {
             ShardPlan::new(s.len(), sp.layout, sp.ring, sp.ulysses).with_context(|| {
                 format!(
@@ -125,15 +124,10 @@ fn sequences(
         );
     }
     let tok = Tokenizer::from_model(files)?;
-    let docs = data::read_documents(path, &args.text_field)?;
-    let ids = data::tokenize_documents(&tok, &docs)?;
-    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-        bail!(
-            "the tokenizer of {} produced id {bad}, outside the model's vocabulary of {}",
-            args.model,
-            cfg.vocab_size
-        );
-    }
+    let docs = train::data::read_documents(path, &args.text_field, "--data")?;
+    let ids = train::data::TokenStream::from_documents(&tok, &docs, cfg.vocab_size)
+        .with_context(|| format!("tokenizing --data {}", path.display()))?
+        .ids;
     let mut seqs: Vec<Vec<u32>> = ids.chunks(window).map(|c| c.to_vec()).collect();
     if let Some(last) = seqs.last_mut() {
         let fit = fit_to_layout(last.len(), &args.layout)?;

@@ -1,16 +1,17 @@
 //! `cpl`: the command line of candle-parallel.
 //!
-//! Subcommands: `eval`, `generate`, `inspect` (models from Hugging Face checkpoints under any
+//! Subcommands: `train` (with no arguments, like `cpl` alone: the bundled default job), `eval`, `generate`, `inspect` (models from Hugging Face checkpoints under any
 //! parallel layout), `plan` (how a world of ranks is cut into groups), `demo` (collectives
-//! across local ranks). `train`, `finetune` and `bench` come with later issues.
+//! across local ranks). `finetune` and `bench` come with later issues.
 
-mod data;
 mod demo;
 mod eval;
 mod generate;
 mod inspect;
 mod launch;
 mod layout;
+mod plot;
+mod train_cmd;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -36,14 +37,30 @@ enum Command {
     Eval(eval::EvalArgs),
     /// Continue a prompt with a model (KV cache; one rank or tensor parallel).
     Generate(generate::GenerateArgs),
+    /// Continued pretraining of a Hugging Face checkpoint (no arguments: the bundled default).
+    Train(train_cmd::TrainArgs),
     /// Show a model's architecture, parameter count, dtypes and checkpoint files.
     Inspect(inspect::InspectArgs),
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let raw: Vec<String> = std::env::args().collect();
+    let raw = match train_cmd::args_with_config(raw) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(1);
+        }
+    };
+    let bare_train = raw.len() == 2 && raw[1] == "train";
+    let cli = Cli::parse_from(raw);
     let result: Result<()> = match cli.command {
-        None => demo::run(&demo::DemoArgs::default()),
+        None => train_cmd::run(&train_cmd::TrainArgs::embedded_default()),
+        // `cpl train` alone is the README's main job, like `cpl`.
+        Some(Command::Train(_)) if bare_train => {
+            train_cmd::run(&train_cmd::TrainArgs::embedded_default())
+        }
+        Some(Command::Train(args)) => train_cmd::run(&args),
         Some(Command::Demo(args)) => demo::run(&args),
         Some(Command::Plan(args)) => layout::plan(&args),
         Some(Command::Eval(args)) => eval::run(&args),

@@ -11,6 +11,7 @@ pub mod error;
 pub mod layers;
 pub mod mesh;
 pub mod ops;
+pub mod optim;
 
 pub use attention::{
     AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,

@@ -519,6 +519,17 @@ pub fn write_hf_dir(tensors: &[(String, Tensor)], dir: &Path, opts: &SaveOptions
     Ok(())
 }
 
+/// The bytes of a safetensors file holding `tensors` (metadata `{"format": "pt"}`).
+pub fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
+    let views = tensors
+        .iter()
+        .map(|(k, t)| Ok((k.clone(), TensorBytes::new(t)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+    safetensors::serialize(views, Some(meta))
+        .map_err(|e| Error::Invalid(format!("serializing tensors: {e}")))
+}
+
 fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
     let mut f = File::create(path).map_err(|e| Error::io(path, e))?;

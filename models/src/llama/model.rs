@@ -303,25 +303,44 @@ impl Batch {
         seqs: &[Vec<u32>],
         mask: AttnMask,
     ) -> Result<(Self, Tensor)> {
-        let len = seqs.first().map(|s| s.len()).unwrap_or(0);
-        if len == 0 || seqs.iter().any(|s| s.len() != len) {
+        let labels: Vec<Vec<i64>> = seqs
+            .iter()
+            .map(|s| {
+                s.iter()
+                    .skip(1)
+                    .map(|&t| t as i64)
+                    .chain(std::iter::once(candle_parallel::layers::IGNORE_INDEX))
+                    .collect()
+            })
+            .collect();
+        Self::from_tokens(ctx, seqs, &labels, mask)
+    }
+
+    /// This rank's shard of equal-length global sequences `ids` and their `labels` (the target
+    /// of each token, `-100` ignored), cut by the layout of `ctx`; returns the batch and the
+    /// local labels `(batch, n)` i64.
+    pub fn from_tokens(
+        ctx: &ParallelCtx,
+        ids: &[Vec<u32>],
+        labels: &[Vec<i64>],
+        mask: AttnMask,
+    ) -> Result<(Self, Tensor)> {
+        let len = ids.first().map(|s| s.len()).unwrap_or(0);
+        if len == 0 || ids.iter().any(|s| s.len() != len) {
             return Err(Error::Invalid(
                 "a batch needs one or more non-empty sequences of equal length".into(),
             ));
         }
+        if labels.len() != ids.len() || labels.iter().any(|l| l.len() != len) {
+            return Err(Error::Invalid(
+                "labels must have the shape of the token ids".into(),
+            ));
+        }
         let dev = candle_core::Device::Cpu;
-        let ids: Vec<u32> = seqs.iter().flatten().copied().collect();
-        let labels: Vec<i64> = seqs
-            .iter()
-            .flat_map(|s| {
-                s[1..]
-                    .iter()
-                    .map(|&t| t as i64)
-                    .chain(std::iter::once(candle_parallel::layers::IGNORE_INDEX))
-            })
-            .collect();
-        let ids = Tensor::from_vec(ids, (seqs.len(), len), &dev)?;
-        let labels = Tensor::from_vec(labels, (seqs.len(), len), &dev)?;
+        let flat_ids: Vec<u32> = ids.iter().flatten().copied().collect();
+        let flat_labels: Vec<i64> = labels.iter().flatten().copied().collect();
+        let ids = Tensor::from_vec(flat_ids, (ids.len(), len), &dev)?;
+        let labels = Tensor::from_vec(flat_labels, (labels.len(), len), &dev)?;
         let batch = Batch {
             input_ids: ctx.shard_tokens(&ids)?,
             positions: ctx.attention_positions(len)?,

@@ -1,0 +1,477 @@
+//! `cpl train`: continued pretraining of a Hugging Face checkpoint under any parallel layout.
+//!
+//! With no arguments it runs the embedded default: the small LLaMA in `assets/default/model`
+//! (trained at context 128) continues pretraining on the bundled Shakespeare corpus at context
+//! 512 across 4 local ranks with zigzag ring attention.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_parallel::attention::ShardPlan;
+use candle_parallel::comm::ReduceOp;
+use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule};
+use models::llama::{self, LlamaConfig};
+use models::tokenizer::Tokenizer;
+use train::checkpoint;
+use train::data::{PackedDataset, TokenStream};
+use train::trainer::{StepStats, TrainConfig, Trainer};
+
+use crate::eval::parse_dtype_flag;
+use crate::launch::launch;
+use crate::layout::LayoutArgs;
+
+/// The repository's bundled default model and corpus.
+pub fn default_asset(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../assets/default")
+        .join(rel)
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// TOML file whose keys are the flags of this command (e.g. `seq-len = 512`); flags given
+    /// on the command line win.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Model directory or Hugging Face Hub id to continue training.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Training text: .txt or .jsonl files, or directories of them.
+    #[arg(long, num_args = 1..)]
+    pub data: Vec<PathBuf>,
+    /// Pre-tokenized documents: a JSON array of token-id arrays.
+    #[arg(long, conflicts_with = "data")]
+    pub tokens: Option<PathBuf>,
+    /// The text field of .jsonl records.
+    #[arg(long, default_value = "text")]
+    pub text_field: String,
+    /// Tokens per training sequence.
+    #[arg(long, default_value_t = 512)]
+    pub seq_len: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 60)]
+    pub steps: u64,
+    /// Sequences per micro-batch on each data-parallel rank.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Micro-batches per optimizer step.
+    #[arg(long, default_value_t = 2)]
+    pub grad_accum: usize,
+    /// Llama 3 document masking of packed documents.
+    #[arg(long)]
+    pub doc_mask: bool,
+    #[arg(long, default_value_t = 3e-3)]
+    pub lr: f64,
+    #[arg(long, default_value_t = 3e-4)]
+    pub min_lr: f64,
+    /// Warmup steps (linear from 0).
+    #[arg(long, default_value_t = 5)]
+    pub warmup: u64,
+    /// Decay after warmup: cosine, linear or constant.
+    #[arg(long, default_value = "cosine")]
+    pub decay: String,
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f64,
+    #[arg(long, default_value_t = 0.9)]
+    pub beta1: f64,
+    #[arg(long, default_value_t = 0.95)]
+    pub beta2: f64,
+    #[arg(long, default_value_t = 1e-8)]
+    pub eps: f64,
+    /// Clip gradients to this global norm (0: no clipping).
+    #[arg(long, default_value_t = 1.0)]
+    pub max_grad_norm: f64,
+    /// Parameter dtype: f32, bf16 or f16 (master weights and moments are f32 regardless).
+    /// Default: f32.
+    #[arg(long)]
+    pub dtype: Option<String>,
+    #[arg(long, default_value_t = 1234)]
+    pub seed: u64,
+    /// Keep the data in stream order.
+    #[arg(long)]
+    pub no_shuffle: bool,
+    /// Save a checkpoint every K steps (0: only at the end).
+    #[arg(long, default_value_t = 0)]
+    pub save_every: u64,
+    /// Checkpoints to keep.
+    #[arg(long, default_value_t = 2)]
+    pub keep: usize,
+    /// Output directory: metrics.jsonl, step-N/ checkpoints, loss.png.
+    #[arg(long, default_value = "runs/default")]
+    pub out: PathBuf,
+    /// Continue from the last checkpoint in --out.
+    #[arg(long)]
+    pub resume: bool,
+    /// Tokens per chunk of the vocab-parallel loss.
+    #[arg(long, default_value_t = 1024)]
+    pub loss_chunk: usize,
+    /// Print a progress line every N steps.
+    #[arg(long, default_value_t = 1)]
+    pub log_every: u64,
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+}
+
+/// Turns the keys of a TOML config into command-line flags placed before the real ones.
+pub fn args_with_config(raw: Vec<String>) -> Result<Vec<String>> {
+    let Some(pos) = raw.iter().position(|a| a == "--config") else {
+        return Ok(raw);
+    };
+    let Some(path) = raw.get(pos + 1) else {
+        bail!("--config needs a file");
+    };
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("--config {path}: cannot read"))?;
+    let table: toml::Table = text
+        .parse()
+        .with_context(|| format!("--config {path}: not valid TOML"))?;
+    let mut flags = Vec::new();
+    for (k, v) in table {
+        let flag = format!("--{}", k.replace('_', "-"));
+        if raw.contains(&flag) {
+            continue;
+        }
+        match v {
+            toml::Value::Boolean(true) => flags.push(flag),
+            toml::Value::Boolean(false) => {}
+            toml::Value::String(s) => flags.extend([flag, s]),
+            toml::Value::Integer(i) => flags.extend([flag, i.to_string()]),
+            toml::Value::Float(f) => flags.extend([flag, f.to_string()]),
+            toml::Value::Array(a) => {
+                flags.push(flag.clone());
+                for x in a {
+                    match x {
+                        toml::Value::String(s) => flags.push(s),
+                        other => flags.push(other.to_string()),
+                    }
+                }
+            }
+            other => bail!("--config {path}: key {k:?} has an unsupported value {other}"),
+        }
+    }
+    // Insert after the subcommand name.
+    let sub = raw
+        .iter()
+        .position(|a| a == "train")
+        .map(|i| i + 1)
+        .unwrap_or(1);
+    let mut out = raw[..sub].to_vec();
+    out.extend(flags);
+    out.extend(raw[sub..].iter().cloned());
+    Ok(out)
+}
+
+impl TrainArgs {
+    /// The embedded default: 4 local ranks, zigzag ring attention.
+    pub fn embedded_default() -> Self {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct P {
+            #[command(flatten)]
+            a: TrainArgs,
+        }
+        let mut a = P::parse_from(["cpl"]).a;
+        a.layout.ranks = 4;
+        a.layout.ring = 4;
+        a
+    }
+
+    fn decay(&self) -> Result<Decay> {
+        Ok(match self.decay.as_str() {
+            "cosine" => Decay::Cosine,
+            "linear" => Decay::Linear,
+            "constant" => Decay::Constant,
+            other => bail!("--decay {other:?}: expected cosine, linear or constant"),
+        })
+    }
+
+    fn config(&self) -> Result<TrainConfig> {
+        if self.seq_len < 2 {
+            bail!("--seq-len {} must be at least 2", self.seq_len);
+        }
+        if self.steps == 0 {
+            bail!("--steps must be at least 1");
+        }
+        if self.batch == 0 || self.grad_accum == 0 {
+            bail!("--batch and --grad-accum must be at least 1");
+        }
+        if !(self.lr > 0.0 && self.lr.is_finite()) || self.min_lr < 0.0 || self.min_lr > self.lr {
+            bail!(
+                "--lr {} must be positive and --min-lr {} in [0, --lr]",
+                self.lr,
+                self.min_lr
+            );
+        }
+        if self.max_grad_norm < 0.0 {
+            bail!("--max-grad-norm must be >= 0");
+        }
+        if self.loss_chunk == 0 {
+            bail!("--loss-chunk must be at least 1");
+        }
+        Ok(TrainConfig {
+            seq_len: self.seq_len,
+            steps: self.steps,
+            batch: self.batch,
+            grad_accum: self.grad_accum,
+            doc_mask: self.doc_mask,
+            seed: self.seed,
+            shuffle: !self.no_shuffle,
+            adamw: AdamWConfig {
+                lr: self.lr,
+                beta1: self.beta1,
+                beta2: self.beta2,
+                eps: self.eps,
+                weight_decay: self.weight_decay,
+            },
+            schedule: LrSchedule {
+                peak_lr: self.lr,
+                min_lr: self.min_lr,
+                warmup_steps: self.warmup,
+                total_steps: self.steps,
+                decay: self.decay()?,
+            },
+            max_grad_norm: (self.max_grad_norm > 0.0).then_some(self.max_grad_norm),
+            loss_chunk_tokens: self.loss_chunk,
+        })
+    }
+}
+
+/// f32 matmul rate of this machine (GFLOP/s), for the MFU estimate.
+fn matmul_gflops() -> f64 {
+    let n = 512usize;
+    let Ok(a) = Tensor::ones((n, n), DType::F32, &Device::Cpu) else {
+        return f64::NAN;
+    };
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let t = Instant::now();
+        if a.matmul(&a).is_err() {
+            return f64::NAN;
+        }
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    2.0 * (n * n * n) as f64 / best / 1e9
+}
+
+fn fmt_duration(s: f64) -> String {
+    let s = s.max(0.0) as u64;
+    if s >= 3600 {
+        format!("{}h{:02}m", s / 3600, (s % 3600) / 60)
+    } else {
+        format!("{}m{:02}s", s / 60, s % 60)
+    }
+}
+
+pub fn run(args: &TrainArgs) -> Result<()> {
+    let cfg = args.config()?;
+    let model_id = match &args.model {
+        Some(m) => m.clone(),
+        None => default_asset("model").display().to_string(),
+    };
+    let files = models::hub::resolve(&model_id)?;
+    let model_cfg = LlamaConfig::from_file(&files.config)?;
+    let dtype = parse_dtype_flag("--dtype", &args.dtype)?.unwrap_or(DType::F32);
+    // Data: tokenized once, identical on every rank.
+    let stream = if let Some(t) = &args.tokens {
+        TokenStream::from_sequences(
+            &train::data::read_token_sequences(t, model_cfg.vocab_size)?,
+            model_cfg.vocab_size,
+        )?
+    } else {
+        let paths = if args.data.is_empty() {
+            vec![default_asset("corpus/shakespeare.jsonl")]
+        } else {
+            args.data.clone()
+        };
+        let tok = Tokenizer::from_model(&files)?;
+        let docs = train::data::read_corpus(&paths, &args.text_field, "--data")?;
+        TokenStream::from_documents(&tok, &docs, model_cfg.vocab_size)?
+    };
+    let data = PackedDataset::new(stream, cfg.seq_len, cfg.doc_mask)?;
+    let sp = args.layout.sp_config()?;
+    ShardPlan::new(cfg.seq_len, sp.layout, sp.ring, sp.ulysses).with_context(|| {
+        format!(
+            "--seq-len {} cannot be split by --ring {} --ulysses {} --ring-layout {}",
+            cfg.seq_len, sp.ring, sp.ulysses, sp.layout
+        )
+    })?;
+    // Resume point.
+    let resume_from = if args.resume {
+        match checkpoint::list_checkpoints(&args.out).pop() {
+            Some((_, dir)) => Some(dir),
+            None => bail!("--resume: no checkpoint in {}", args.out.display()),
+        }
+    } else {
+        None
+    };
+    std::fs::create_dir_all(&args.out).with_context(|| format!("--out {}", args.out.display()))?;
+    // Files copied into every checkpoint so that it is a complete HF model directory.
+    let mut extra = Vec::new();
+    for p in [
+        Some(&files.config),
+        files.tokenizer.as_ref(),
+        files.tokenizer_config.as_ref(),
+        files.generation_config.as_ref(),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        let name = p
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let bytes = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
+        extra.push((name, bytes));
+    }
+    let interrupted = Arc::new(AtomicBool::new(false));
+    {
+        let flag = interrupted.clone();
+        let _ = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst));
+    }
+    let peak = matmul_gflops();
+    let n_params = model_cfg.num_parameters() as f64;
+    let attn_flops_per_token = 6.0
+        * (model_cfg.num_hidden_layers
+            * cfg.seq_len
+            * model_cfg.num_attention_heads
+            * model_cfg.head_dim()) as f64;
+    let flops_per_token = 6.0 * n_params + attn_flops_per_token;
+    let mut state_history: Vec<StepStats> = Vec::new();
+    let resume_state = match &resume_from {
+        Some(dir) => Some(checkpoint::read_state(dir)?),
+        None => None,
+    };
+    if let Some(s) = &resume_state {
+        state_history = s.history.clone();
+    }
+    let load_files = match &resume_from {
+        Some(dir) => models::hub::from_dir(&dir.display().to_string(), dir)?,
+        None => files.clone(),
+    };
+    let metrics_path = args.out.join("metrics.jsonl");
+    let final_history = launch(&args.layout, |rank| {
+        let loaded = llama::load(&load_files, &rank.ctx, Some(dtype), true)?;
+        let mut trainer = Trainer::new(
+            loaded.model,
+            loaded.params.sorted(),
+            &rank.mesh,
+            &rank.ctx,
+            cfg.clone(),
+        )?;
+        if let (Some(dir), Some(state)) = (&resume_from, &resume_state) {
+            checkpoint::restore(&mut trainer, dir, state)?;
+        }
+        let world = rank.world();
+        let main = rank.is_main();
+        let mut history = state_history.clone();
+        let mut metrics = if main {
+            // Metrics of steps after the resume point (from a run that died later) are dropped.
+            let kept: Vec<String> = std::fs::read_to_string(&metrics_path)
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| {
+                    serde_json::from_str::<serde_json::Value>(l)
+                        .ok()
+                        .and_then(|v| v["step"].as_u64())
+                        .is_some_and(|s| s < trainer.step)
+                })
+                .map(String::from)
+                .collect();
+            let mut f = std::fs::File::create(&metrics_path)
+                .with_context(|| format!("creating {}", metrics_path.display()))?;
+            for l in kept {
+                writeln!(f, "{l}")?;
+            }
+            Some(f)
+        } else {
+            None
+        };
+        if main {
+            eprintln!(
+                "cpl train: {} ({:.2} M params) on {} tokens, seq {} x {} sequences/step, {} steps, {} rank(s), {}",
+                model_id,
+                n_params / 1e6,
+                data.num_tokens(),
+                cfg.seq_len,
+                trainer.global_batch(),
+                cfg.steps,
+                world.size(),
+                args.layout.sp_config()?.strategy.name()
+            );
+        }
+        let start = Instant::now();
+        let first = trainer.step;
+        while trainer.step < cfg.steps {
+            let t0 = Instant::now();
+            let stats = trainer.step(&data)?;
+            let dt = t0.elapsed().as_secs_f64();
+            let tps = stats.tokens as f64 / dt;
+            history.push(stats);
+            if let Some(f) = metrics.as_mut() {
+                let line = serde_json::json!({
+                    "step": stats.step, "loss": stats.loss, "lr": stats.lr,
+                    "grad_norm": stats.grad_norm, "tokens": stats.tokens,
+                    "tokens_per_sec": tps, "seconds": dt,
+                });
+                writeln!(f, "{line}")?;
+                f.flush()?;
+            }
+            let done = trainer.step - first;
+            if main && (trainer.step % args.log_every.max(1) == 0 || trainer.step == cfg.steps) {
+                let elapsed = start.elapsed().as_secs_f64();
+                let eta = elapsed / done as f64 * (cfg.steps - trainer.step) as f64;
+                let mfu = tps * flops_per_token / (peak * 1e9);
+                eprintln!(
+                    "step {:>5}/{}  loss {:.4}  lr {:.2e}  |g| {:.3}  {:.0} tok/s  MFU {:.1}%  ETA {}",
+                    trainer.step,
+                    cfg.steps,
+                    stats.loss,
+                    stats.lr,
+                    stats.grad_norm,
+                    tps,
+                    100.0 * mfu,
+                    fmt_duration(eta)
+                );
+            }
+            // Ctrl-C on any rank stops every rank after this step, with a checkpoint.
+            let stop = f32::from(interrupted.load(Ordering::SeqCst));
+            let stop = world
+                .all_reduce(&Tensor::new(&[stop], &Device::Cpu)?, ReduceOp::Max)?
+                .to_vec1::<f32>()?[0]
+                > 0.0;
+            let periodic = args.save_every > 0 && trainer.step % args.save_every == 0;
+            if periodic || stop || trainer.step == cfg.steps {
+                let dir =
+                    checkpoint::save(&trainer, &args.out, &world, &extra, &history, args.keep)?;
+                if main {
+                    eprintln!("saved {}", dir.display());
+                }
+            }
+            if stop {
+                bail!(
+                    "interrupted (Ctrl-C) after step {}; resume with --resume",
+                    trainer.step
+                );
+            }
+        }
+        Ok(history)
+    })?;
+    if let (Some(first), Some(last)) = (final_history.first(), final_history.last()) {
+        eprintln!(
+            "loss {:.4} -> {:.4} over {} steps; metrics in {}",
+            first.loss,
+            last.loss,
+            final_history.len(),
+            metrics_path.display()
+        );
+        let png = args.out.join("loss.png");
+        crate::plot::loss_curve(&final_history, &png)?;
+        eprintln!("loss curve in {}", png.display());
+    }
+    Ok(())
+}

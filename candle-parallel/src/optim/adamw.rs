@@ -1,0 +1,366 @@
+//! AdamW with fp32 master weights and fp32 moments (torch.optim.AdamW semantics).
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Shape, Tensor};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use super::OptimParam;
+use crate::error::{Error, Result};
+
+/// Elements per parallel work item of the update (the update is element-wise, so how the work is
+/// split does not change any result).
+const CHUNK: usize = 1 << 14;
+
+/// AdamW hyper-parameters. `Default` is torch's: lr 1e-3, betas (0.9, 0.999), eps 1e-8,
+/// weight decay 0.01.
+///
+/// `lr` is the nominal (peak) learning rate, kept for configuration files: [`AdamW::step`] uses
+/// the learning rate it is given (from the schedule), not this one. `weight_decay` applies to the
+/// parameters whose [`OptimParam::weight_decay`] is true; the others get none.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AdamWConfig {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        Self {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
+}
+
+impl AdamWConfig {
+    fn validate(&self) -> Result<()> {
+        let ok = |v: f64| v.is_finite() && v >= 0.0;
+        let checks = [
+            (ok(self.lr), "lr must be finite and >= 0"),
+            (
+                ok(self.beta1) && self.beta1 < 1.0,
+                "beta1 must be in [0, 1)",
+            ),
+            (
+                ok(self.beta2) && self.beta2 < 1.0,
+                "beta2 must be in [0, 1)",
+            ),
+            (ok(self.eps), "eps must be finite and >= 0"),
+            (
+                ok(self.weight_decay),
+                "weight_decay must be finite and >= 0",
+            ),
+        ];
+        for (good, msg) in checks {
+            if !good {
+                return Err(Error::invalid("AdamW::new", format!("{msg} ({self:?})")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The optimizer state of one parameter: flat f32 buffers in the parameter's row-major order.
+struct Slot {
+    param: OptimParam,
+    shape: Shape,
+    master: Vec<f32>,
+    exp_avg: Vec<f32>,
+    exp_avg_sq: Vec<f32>,
+}
+
+/// AdamW with fp32 master weights and fp32 moments, whatever the parameters' dtype.
+///
+/// Each parameter has an f32 master copy (taken from the `Var` at construction or restored by
+/// [`AdamW::load_state`]), and f32 first and second moments, all on the CPU. A step updates the
+/// master and then sets the `Var` to `master.to_dtype(var dtype)` on the `Var`'s device, so a bf16
+/// parameter keeps receiving updates smaller than its own precision.
+///
+/// The update is torch.optim.AdamW's (single-tensor path), computed in f32, step `t` counting
+/// from 1, with `wd` the config's weight decay for decayed parameters and 0 otherwise:
+///
+/// ```text
+/// p  = p * (1 - lr * wd)                       (decoupled weight decay, before the Adam update)
+/// m  = lerp(m, g, 1 - beta1)
+/// v  = v * beta2 + (1 - beta2) * g * g
+/// p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+/// ```
+///
+/// Deterministic: element-wise in a fixed order of operations, independent of thread count.
+/// Parameters are kept sorted by name.
+pub struct AdamW {
+    cfg: AdamWConfig,
+    slots: Vec<Slot>,
+    step: u64,
+}
+
+fn is_float(dtype: DType) -> bool {
+    matches!(dtype, DType::F16 | DType::BF16 | DType::F32 | DType::F64)
+}
+
+/// Flat f32 copy of `t` on the CPU.
+fn f32_vec(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?)
+}
+
+/// Per-step scalars of the update, in f32 as torch's float32 kernels use them.
+struct Coefs {
+    decay_mul: f32,
+    beta1_weight: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    step_size: f32,
+    bc2_sqrt: f32,
+    eps: f32,
+}
+
+impl Coefs {
+    fn apply(&self, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
+        // torch's lerp: self + w * (end - self) when w < 0.5, else end - (end - self) * (1 - w).
+        let w = self.beta1_weight;
+        let low = w < 0.5;
+        let w_rest = 1.0 - w;
+        for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+            let mut x = *p;
+            x *= self.decay_mul;
+            *m = if low {
+                *m + w * (g - *m)
+            } else {
+                g - (g - *m) * w_rest
+            };
+            *v = *v * self.beta2 + self.one_minus_beta2 * (g * g);
+            let denom = v.sqrt() / self.bc2_sqrt + self.eps;
+            x += -self.step_size * (*m / denom);
+            *p = x;
+        }
+    }
+}
+
+impl AdamW {
+    /// An optimizer over `params` (sorted here by name). Errors on duplicate names, non-float
+    /// parameters or invalid hyper-parameters.
+    pub fn new(mut params: Vec<OptimParam>, cfg: AdamWConfig) -> Result<Self> {
+        const OP: &str = "AdamW::new";
+        cfg.validate()?;
+        params.sort_by(|a, b| a.name.cmp(&b.name));
+        for w in params.windows(2) {
+            if w[0].name == w[1].name {
+                return Err(Error::invalid(
+                    OP,
+                    format!("parameter `{}` is given twice", w[0].name),
+                ));
+            }
+        }
+        let mut slots = Vec::with_capacity(params.len());
+        for param in params {
+            let dtype = param.var.dtype();
+            if !is_float(dtype) {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "parameter `{}` has dtype {dtype:?}; AdamW needs a float dtype",
+                        param.name
+                    ),
+                ));
+            }
+            let master = f32_vec(param.var.as_tensor())?;
+            let n = master.len();
+            slots.push(Slot {
+                shape: param.var.shape().clone(),
+                param,
+                master,
+                exp_avg: vec![0.0; n],
+                exp_avg_sq: vec![0.0; n],
+            });
+        }
+        Ok(Self {
+            cfg,
+            slots,
+            step: 0,
+        })
+    }
+
+    pub fn config(&self) -> &AdamWConfig {
+        &self.cfg
+    }
+
+    /// The parameters, sorted by name.
+    pub fn params(&self) -> impl Iterator<Item = &OptimParam> {
+        self.slots.iter().map(|s| &s.param)
+    }
+
+    /// Number of steps taken (the `t` of the last bias correction; 0 before the first step).
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// One AdamW step with learning rate `lr`. `grads` holds `(name, gradient)` for every
+    /// parameter, in any order and any float dtype and device (converted to f32 on the CPU).
+    /// A missing, unknown, duplicated or mis-shaped gradient is an error naming the parameter,
+    /// reported before anything is updated. Sets every `Var` in place.
+    pub fn step(&mut self, grads: &[(String, Tensor)], lr: f64) -> Result<()> {
+        const OP: &str = "AdamW::step";
+        if !(lr.is_finite() && lr >= 0.0) {
+            return Err(Error::invalid(
+                OP,
+                format!("lr must be finite and >= 0, got {lr}"),
+            ));
+        }
+        let mut by_name: HashMap<&str, &Tensor> = HashMap::with_capacity(grads.len());
+        for (name, g) in grads {
+            if by_name.insert(name.as_str(), g).is_some() {
+                return Err(Error::invalid(
+                    OP,
+                    format!("gradient of `{name}` is given twice"),
+                ));
+            }
+        }
+        let mut ordered = Vec::with_capacity(self.slots.len());
+        for slot in &self.slots {
+            let name = &slot.param.name;
+            let g = by_name
+                .remove(name.as_str())
+                .ok_or_else(|| Error::invalid(OP, format!("no gradient for parameter `{name}`")))?;
+            if g.shape() != &slot.shape {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "gradient of `{name}` has shape {:?}, the parameter has {:?}",
+                        g.dims(),
+                        slot.shape.dims()
+                    ),
+                ));
+            }
+            if !is_float(g.dtype()) {
+                return Err(Error::invalid(
+                    OP,
+                    format!("gradient of `{name}` has non-float dtype {:?}", g.dtype()),
+                ));
+            }
+            ordered.push(g);
+        }
+        if let Some(extra) = by_name.keys().min() {
+            return Err(Error::invalid(
+                OP,
+                format!("gradient `{extra}` names no parameter of this optimizer"),
+            ));
+        }
+
+        self.step += 1;
+        let t = self.step as f64;
+        let cfg = self.cfg;
+        let bc1 = 1.0 - cfg.beta1.powf(t);
+        let bc2 = 1.0 - cfg.beta2.powf(t);
+        for (slot, g) in self.slots.iter_mut().zip(ordered) {
+            let g = f32_vec(g)?;
+            let wd = if slot.param.weight_decay {
+                cfg.weight_decay
+            } else {
+                0.0
+            };
+            let coefs = Coefs {
+                decay_mul: (1.0 - lr * wd) as f32,
+                beta1_weight: (1.0 - cfg.beta1) as f32,
+                beta2: cfg.beta2 as f32,
+                one_minus_beta2: (1.0 - cfg.beta2) as f32,
+                step_size: (lr / bc1) as f32,
+                bc2_sqrt: bc2.sqrt() as f32,
+                eps: cfg.eps as f32,
+            };
+            slot.master
+                .par_chunks_mut(CHUNK)
+                .zip(slot.exp_avg.par_chunks_mut(CHUNK))
+                .zip(slot.exp_avg_sq.par_chunks_mut(CHUNK))
+                .zip(g.par_chunks(CHUNK))
+                .for_each(|(((p, m), v), g)| coefs.apply(p, m, v, g));
+            Self::write_var(slot)?;
+        }
+        Ok(())
+    }
+
+    /// Sets the slot's `Var` to its master weights cast to the `Var`'s dtype and device.
+    fn write_var(slot: &Slot) -> Result<()> {
+        let var = &slot.param.var;
+        let t = Tensor::from_slice(&slot.master, slot.shape.clone(), &Device::Cpu)?
+            .to_dtype(var.dtype())?
+            .to_device(var.device())?;
+        var.set(&t)?;
+        Ok(())
+    }
+
+    /// The optimizer state for checkpoints: for every parameter (sorted by name) the f32 tensors
+    /// `exp_avg.<name>`, `exp_avg_sq.<name>` and `master.<name>`, shaped as the parameter, on the
+    /// CPU. The step count is [`AdamW::step_count`].
+    pub fn state_tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::with_capacity(3 * self.slots.len());
+        for slot in &self.slots {
+            let name = &slot.param.name;
+            for (prefix, buf) in [
+                ("exp_avg", &slot.exp_avg),
+                ("exp_avg_sq", &slot.exp_avg_sq),
+                ("master", &slot.master),
+            ] {
+                let t = Tensor::from_slice(buf, slot.shape.clone(), &Device::Cpu)?;
+                out.push((format!("{prefix}.{name}"), t));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Restores the state written by [`AdamW::state_tensors`] and the step count, and sets every
+    /// `Var` to its restored master weights (cast to the `Var`'s dtype), so the parameters and the
+    /// optimizer agree. Entries for parameters this optimizer does not hold are ignored (a rank
+    /// may own a subset of the parameters); a missing or mis-shaped entry is an error naming it,
+    /// reported before anything is changed. Any float dtype is accepted and converted to f32.
+    pub fn load_state(&mut self, tensors: &HashMap<String, Tensor>, step: u64) -> Result<()> {
+        const OP: &str = "AdamW::load_state";
+        let mut loaded = Vec::with_capacity(self.slots.len());
+        for slot in &self.slots {
+            let name = &slot.param.name;
+            let mut bufs: [Vec<f32>; 3] = Default::default();
+            for (buf, prefix) in bufs.iter_mut().zip(["exp_avg", "exp_avg_sq", "master"]) {
+                let key = format!("{prefix}.{name}");
+                let t = tensors.get(&key).ok_or_else(|| {
+                    Error::invalid(OP, format!("missing optimizer state entry `{key}`"))
+                })?;
+                if t.shape() != &slot.shape {
+                    return Err(Error::invalid(
+                        OP,
+                        format!(
+                            "state entry `{key}` has shape {:?}, the parameter has {:?}",
+                            t.dims(),
+                            slot.shape.dims()
+                        ),
+                    ));
+                }
+                if !is_float(t.dtype()) {
+                    return Err(Error::invalid(
+                        OP,
+                        format!("state entry `{key}` has non-float dtype {:?}", t.dtype()),
+                    ));
+                }
+                *buf = f32_vec(t)?;
+            }
+            loaded.push(bufs);
+        }
+        for (slot, [exp_avg, exp_avg_sq, master]) in self.slots.iter_mut().zip(loaded) {
+            slot.exp_avg = exp_avg;
+            slot.exp_avg_sq = exp_avg_sq;
+            slot.master = master;
+            Self::write_var(slot)?;
+        }
+        self.step = step;
+        Ok(())
+    }
+}

@@ -1,0 +1,121 @@
+//! Training optimizer: AdamW with fp32 master weights ([`AdamW`]), global gradient-norm clipping
+//! across tensor-parallel shards ([`clip_grad_norm`]) and learning-rate schedules
+//! ([`LrSchedule`]).
+//!
+//! candle-nn's `AdamW` keeps its moments in the parameter dtype, has no clipping, no schedule and
+//! no state save/load; this module provides all four. One training step is:
+//!
+//! ```text
+//! let lr = schedule.lr(opt.step_count());
+//! let norm = clip_grad_norm(&mut grads, max_norm, &shard_group)?;
+//! opt.step(&grads, lr)?;
+//! ```
+
+pub mod adamw;
+pub mod schedule;
+
+use candle_core::{DType, Tensor, Var};
+
+pub use adamw::{AdamW, AdamWConfig};
+pub use schedule::{Decay, LrSchedule};
+
+use crate::comm::{Comm, ReduceOp};
+use crate::error::{Error, Result};
+
+/// One trainable parameter as the optimizer sees it.
+#[derive(Debug, Clone)]
+pub struct OptimParam {
+    pub name: String,
+    pub var: Var,
+    pub weight_decay: bool,
+}
+
+impl OptimParam {
+    /// A parameter whose weight decay follows [`decays`].
+    pub fn new(name: impl Into<String>, var: Var) -> Self {
+        let name = name.into();
+        let weight_decay = decays(&name, var.dims());
+        Self {
+            name,
+            var,
+            weight_decay,
+        }
+    }
+}
+
+/// Which parameters get weight decay: tensors of two or more dimensions (matmul weights,
+/// embeddings), except a tensor named `bias` or `*.bias`. One-dimensional tensors (norm weights,
+/// biases) and scalars get none.
+pub fn decays(name: &str, shape: &[usize]) -> bool {
+    let bias = name == "bias" || name.ends_with(".bias");
+    shape.len() >= 2 && !bias
+}
+
+/// Global gradient norm over the ranks: `sqrt(sum over params of sum(g^2))`.
+///
+/// A parameter for which `sharded(name)` returns a communicator is split across its ranks
+/// (tensor-parallel slices): its local squared sum is all-reduced (Sum) over that communicator.
+/// Any other parameter is replicated and counted once. Squares are summed in f64. Gradients are
+/// visited in name order, so every rank issues its all-reduces in the same sequence whatever the
+/// order of `grads`; every rank of each shard group must call this with the same sharded names.
+/// Duplicate names are an error.
+pub fn global_grad_norm(
+    grads: &[(String, Tensor)],
+    sharded: &dyn Fn(&str) -> Option<Comm>,
+) -> Result<f64> {
+    let mut order: Vec<&(String, Tensor)> = grads.iter().collect();
+    order.sort_by(|a, b| a.0.cmp(&b.0));
+    if let Some(w) = order.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(Error::invalid(
+            "global_grad_norm",
+            format!("gradient of `{}` is given twice", w[0].0),
+        ));
+    }
+    let mut total = 0.0f64;
+    for (name, g) in order {
+        let sq = g.to_dtype(DType::F64)?.sqr()?.sum_all()?;
+        total += match sharded(name) {
+            Some(comm) => comm
+                .all_reduce(&sq.reshape(1)?, ReduceOp::Sum)?
+                .to_device(&candle_core::Device::Cpu)?
+                .to_vec1::<f64>()?[0],
+            None => sq.to_scalar::<f64>()?,
+        };
+    }
+    Ok(total.sqrt())
+}
+
+/// Scales `grads` in place so that their global norm ([`global_grad_norm`]) is at most
+/// `max_norm`, with `torch.nn.utils.clip_grad_norm_` semantics: `coef = max_norm / (norm + 1e-6)`,
+/// clamped to 1. Returns the norm before clipping. bf16/f16 gradients are scaled in f32 and cast
+/// back. If the norm is not finite (inf or NaN gradients), the gradients are left unchanged and
+/// the norm is returned: the caller should skip the step (torch would scale them to NaN/0).
+pub fn clip_grad_norm(
+    grads: &mut [(String, Tensor)],
+    max_norm: f64,
+    sharded: &dyn Fn(&str) -> Option<Comm>,
+) -> Result<f64> {
+    if !(max_norm.is_finite() && max_norm >= 0.0) {
+        return Err(Error::invalid(
+            "clip_grad_norm",
+            format!("max_norm must be finite and >= 0, got {max_norm}"),
+        ));
+    }
+    let norm = global_grad_norm(grads, sharded)?;
+    if !norm.is_finite() {
+        return Ok(norm);
+    }
+    let coef = max_norm / (norm + 1e-6);
+    if coef < 1.0 {
+        for (_, g) in grads.iter_mut() {
+            *g = match g.dtype() {
+                DType::BF16 | DType::F16 => g
+                    .to_dtype(DType::F32)?
+                    .affine(coef, 0.0)?
+                    .to_dtype(g.dtype())?,
+                _ => g.affine(coef, 0.0)?,
+            };
+        }
+    }
+    Ok(norm)
+}

@@ -1,0 +1,166 @@
+//! Training checkpoints: `OUT/step-N/` is a Hugging Face model directory (loadable by
+//! transformers and `cpl eval`) plus the training state: `optimizer.safetensors` (AdamW's f32
+//! master weights and moments, gathered to whole tensors so that a run can resume under another
+//! layout) and `trainer_state.json` (step, data order, settings, metrics so far).
+//!
+//! A checkpoint is written under a temporary name and renamed into place (see
+//! [`models::checkpoint::save_hf`]), so a crash never leaves a half-written `step-N`, and the
+//! directories of older checkpoints beyond the last `keep` are removed only after the new one
+//! is complete.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::Device;
+use candle_parallel::comm::Comm;
+use models::checkpoint::{save_hf, CheckpointReader, Param, SaveOptions, Shard};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::trainer::{StepStats, TrainConfig, Trainer};
+
+/// `trainer_state.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Optimizer steps taken; the run resumes at this step.
+    pub step: u64,
+    /// Sequences per optimizer step over all data-parallel ranks when saved.
+    pub global_batch: usize,
+    pub config: TrainConfig,
+    /// Metrics of every step so far.
+    pub history: Vec<StepStats>,
+}
+
+/// The `step-N` directory of `out`.
+pub fn step_dir(out: &Path, step: u64) -> PathBuf {
+    out.join(format!("step-{step}"))
+}
+
+/// The complete checkpoints in `out`, by step (temporary directories start with `.`).
+pub fn list_checkpoints(out: &Path) -> Vec<(u64, PathBuf)> {
+    let mut v: Vec<(u64, PathBuf)> = std::fs::read_dir(out)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let n = name.strip_prefix("step-")?.parse::<u64>().ok()?;
+            let p = e.path();
+            p.join("trainer_state.json").is_file().then_some((n, p))
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// The parameter a state entry (`exp_avg.<name>`, `exp_avg_sq.<name>`, `master.<name>`)
+/// belongs to.
+fn param_of<'a>(entry: &'a str, params: &'a [Param]) -> Option<&'a Param> {
+    let name = entry.split_once('.').map(|(_, n)| n)?;
+    params.iter().find(|p| p.name == name)
+}
+
+/// Collective over the world: saves the trainer's model and state as `out/step-N` (written by
+/// world rank 0), then removes all but the last `keep` checkpoints. `extra_files` (config.json,
+/// tokenizer files) are copied into the model directory.
+pub fn save(
+    trainer: &Trainer,
+    out: &Path,
+    world: &Comm,
+    extra_files: &[(String, Vec<u8>)],
+    history: &[StepStats],
+    keep: usize,
+) -> Result<PathBuf> {
+    let tp = trainer.tp().clone();
+    let write = world.rank() == 0;
+    // Optimizer state: gather tensor-parallel slices like the parameters.
+    let mut state = Vec::new();
+    for (name, t) in trainer.optimizer.state_tensors()? {
+        let p = param_of(&name, &trainer.params).ok_or_else(|| {
+            Error::Invalid(format!("optimizer state `{name}` names no parameter"))
+        })?;
+        let t = if p.shard.is_split() {
+            tp.all_gather(&t.contiguous()?, p.shard.dim)?
+        } else {
+            t
+        };
+        state.push((name, t));
+    }
+    let mut files = extra_files.to_vec();
+    let dir = step_dir(out, trainer.step);
+    if write {
+        files.push((
+            "optimizer.safetensors".into(),
+            models::checkpoint::safetensors_bytes(&state)?,
+        ));
+        let ts = TrainerState {
+            step: trainer.step,
+            global_batch: trainer.global_batch(),
+            config: trainer.cfg.clone(),
+            history: history.to_vec(),
+        };
+        let json = serde_json::to_vec_pretty(&ts).map_err(|e| Error::Invalid(e.to_string()))?;
+        files.push(("trainer_state.json".into(), json));
+    }
+    let dtype = trainer
+        .params
+        .first()
+        .map(|p| p.tensor.dtype())
+        .unwrap_or(candle_core::DType::F32);
+    let opts = SaveOptions {
+        dtype,
+        extra_files: files,
+        ..Default::default()
+    };
+    save_hf(&trainer.params, &tp, &dir, write, &opts)?;
+    if write {
+        let all = list_checkpoints(out);
+        if all.len() > keep.max(1) {
+            for (_, p) in &all[..all.len() - keep.max(1)] {
+                std::fs::remove_dir_all(p).map_err(|e| Error::io(p, e))?;
+            }
+        }
+    }
+    // No rank goes on (or reports the checkpoint) before it is complete.
+    world.barrier()?;
+    Ok(dir)
+}
+
+/// Reads `trainer_state.json` of a checkpoint.
+pub fn read_state(dir: &Path) -> Result<TrainerState> {
+    let p = dir.join("trainer_state.json");
+    let text = std::fs::read_to_string(&p).map_err(|e| Error::io(&p, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::Checkpoint {
+        path: dir.to_path_buf(),
+        msg: format!("trainer_state.json is malformed: {e}"),
+    })
+}
+
+/// Restores the optimizer state and step of `trainer` (whose model was loaded from the same
+/// checkpoint) from `dir`, reading only this rank's slices.
+pub fn restore(trainer: &mut Trainer, dir: &Path, state: &TrainerState) -> Result<()> {
+    if state.global_batch != trainer.global_batch() {
+        return Err(Error::Checkpoint {
+            path: dir.to_path_buf(),
+            msg: format!(
+                "was saved with {} sequences per step (dp x batch x grad-accum); this run has {}: \
+                 the data order would differ",
+                state.global_batch,
+                trainer.global_batch()
+            ),
+        });
+    }
+    let reader = CheckpointReader::open(&[dir.join("optimizer.safetensors")])?;
+    let mut tensors = HashMap::new();
+    for name in reader.names() {
+        let p = param_of(&name, &trainer.params).ok_or_else(|| Error::Checkpoint {
+            path: dir.to_path_buf(),
+            msg: format!("optimizer state `{name}` names no parameter of the model"),
+        })?;
+        let shard: Shard = p.shard;
+        tensors.insert(name.clone(), reader.read(&name, shard, &Device::Cpu)?);
+    }
+    trainer.optimizer.load_state(&tensors, state.step)?;
+    trainer.step = state.step;
+    Ok(())
+}

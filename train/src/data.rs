@@ -1,0 +1,362 @@
+//! Training and evaluation data: documents from text or JSON-lines files (or pre-tokenized
+//! sequences), tokenized and packed into fixed-length windows with per-token document ids,
+//! shuffled deterministically by seed and dealt to data-parallel ranks.
+//!
+//! Packing: every document's tokens are followed by EOS (when the tokenizer has one) and the
+//! documents are concatenated; the stream is cut into windows of `seq_len + 1` tokens that
+//! overlap by one, so that window `w` gives `seq_len` inputs and their `seq_len` next-token
+//! labels. Each token carries the index of its document; with document masking a token attends
+//! only to earlier tokens of its own document (Llama 3), and the label that would cross from one
+//! document into the next is ignored.
+
+use std::path::{Path, PathBuf};
+
+use models::tokenizer::Tokenizer;
+
+use crate::error::{Error, Result};
+
+/// Label value that the loss skips.
+pub const IGNORE: i64 = candle_parallel::layers::IGNORE_INDEX;
+
+/// Documents of a text file (`.txt`: the whole file is one document) or a JSON-lines file
+/// (`.jsonl` / `.ndjson`: one object per line with a string field `field`). `flag` names the
+/// command-line flag in errors.
+pub fn read_documents(path: &Path, field: &str, flag: &str) -> Result<Vec<String>> {
+    let err = |msg: String| Error::Data {
+        flag: flag.into(),
+        path: path.to_path_buf(),
+        msg,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read: {e}")))?;
+    let is_jsonl = matches!(
+        path.extension().and_then(|e| e.to_str()),
+        Some("jsonl") | Some("ndjson")
+    );
+    let docs = if is_jsonl {
+        let mut docs = Vec::new();
+        for (i, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let v: serde_json::Value = serde_json::from_str(line)
+                .map_err(|e| err(format!("line {}: not valid JSON: {e}", i + 1)))?;
+            let t = v
+                .get(field)
+                .and_then(|t| t.as_str())
+                .ok_or_else(|| err(format!("line {}: no string field {field:?}", i + 1)))?;
+            docs.push(t.to_string());
+        }
+        docs
+    } else {
+        vec![text]
+    };
+    let docs: Vec<String> = docs.into_iter().filter(|d| !d.trim().is_empty()).collect();
+    if docs.is_empty() {
+        return Err(err("holds no text".into()));
+    }
+    Ok(docs)
+}
+
+/// Documents of every file in `paths` (files, or directories whose `.txt`/`.jsonl` files are
+/// read in name order).
+pub fn read_corpus(paths: &[PathBuf], field: &str, flag: &str) -> Result<Vec<String>> {
+    let mut docs = Vec::new();
+    for p in paths {
+        if p.is_dir() {
+            let mut files: Vec<PathBuf> = std::fs::read_dir(p)
+                .map_err(|e| Error::Data {
+                    flag: flag.into(),
+                    path: p.clone(),
+                    msg: format!("cannot list: {e}"),
+                })?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|f| {
+                    matches!(
+                        f.extension().and_then(|e| e.to_str()),
+                        Some("txt") | Some("jsonl") | Some("ndjson")
+                    )
+                })
+                .collect();
+            files.sort();
+            if files.is_empty() {
+                return Err(Error::Data {
+                    flag: flag.into(),
+                    path: p.clone(),
+                    msg: "directory has no .txt or .jsonl files".into(),
+                });
+            }
+            for f in files {
+                docs.extend(read_documents(&f, field, flag)?);
+            }
+        } else {
+            docs.extend(read_documents(p, field, flag)?);
+        }
+    }
+    Ok(docs)
+}
+
+/// A JSON array of token-id arrays (`--tokens`), each id below `vocab_size`.
+pub fn read_token_sequences(path: &Path, vocab_size: usize) -> Result<Vec<Vec<u32>>> {
+    let err = |msg: String| Error::Data {
+        flag: "--tokens".into(),
+        path: path.to_path_buf(),
+        msg,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read: {e}")))?;
+    let seqs: Vec<Vec<i64>> = serde_json::from_str(&text)
+        .map_err(|e| err(format!("expected a JSON array of arrays of token ids: {e}")))?;
+    if seqs.is_empty() {
+        return Err(err("no sequences".into()));
+    }
+    seqs.into_iter()
+        .enumerate()
+        .map(|(i, s)| {
+            if s.len() < 2 {
+                return Err(err(format!(
+                    "sequence {i} has {} tokens; at least 2 are needed for a next-token loss",
+                    s.len()
+                )));
+            }
+            s.into_iter()
+                .map(|t| {
+                    if t < 0 || t as usize >= vocab_size {
+                        Err(err(format!(
+                            "sequence {i} holds token id {t}, outside the vocabulary of {vocab_size}"
+                        )))
+                    } else {
+                        Ok(t as u32)
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// A token stream with the document index of every token.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TokenStream {
+    pub ids: Vec<u32>,
+    pub doc_ids: Vec<u32>,
+}
+
+impl TokenStream {
+    /// Tokenizes `docs` (no BOS; EOS after each document when the tokenizer has one). Token ids
+    /// at or above `vocab_size` are an error.
+    pub fn from_documents(tok: &Tokenizer, docs: &[String], vocab_size: usize) -> Result<Self> {
+        let mut s = TokenStream::default();
+        for (d, text) in docs.iter().enumerate() {
+            let mut ids = tok.encode(text, false)?;
+            if let Some(eos) = tok.eos_token_id {
+                ids.push(eos);
+            }
+            s.push_document(d as u32, &ids, vocab_size)?;
+        }
+        Ok(s)
+    }
+
+    /// Pre-tokenized documents, one per sequence.
+    pub fn from_sequences(seqs: &[Vec<u32>], vocab_size: usize) -> Result<Self> {
+        let mut s = TokenStream::default();
+        for (d, ids) in seqs.iter().enumerate() {
+            s.push_document(d as u32, ids, vocab_size)?;
+        }
+        Ok(s)
+    }
+
+    fn push_document(&mut self, doc: u32, ids: &[u32], vocab_size: usize) -> Result<()> {
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(Error::Invalid(format!(
+                "document {doc} holds token id {bad}, outside the model's vocabulary of {vocab_size}"
+            )));
+        }
+        self.ids.extend_from_slice(ids);
+        self.doc_ids.extend(std::iter::repeat_n(doc, ids.len()));
+        Ok(())
+    }
+
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+}
+
+/// One training sequence: `seq_len` inputs, their labels and document ids (renumbered from 0).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Window {
+    pub ids: Vec<u32>,
+    pub labels: Vec<i64>,
+    pub doc_ids: Vec<u32>,
+}
+
+/// The stream cut into windows of `seq_len` inputs (windows of `seq_len + 1` tokens overlapping
+/// by one). With `doc_mask`, labels that cross a document border are ignored.
+#[derive(Debug, Clone)]
+pub struct PackedDataset {
+    stream: TokenStream,
+    seq_len: usize,
+    doc_mask: bool,
+}
+
+impl PackedDataset {
+    /// Errors when the stream is shorter than one window.
+    pub fn new(stream: TokenStream, seq_len: usize, doc_mask: bool) -> Result<Self> {
+        if seq_len == 0 {
+            return Err(Error::Invalid("--seq-len must be at least 1".into()));
+        }
+        if stream.len() < seq_len + 1 {
+            return Err(Error::Invalid(format!(
+                "the data has {} tokens, fewer than one window of --seq-len {seq_len} + 1",
+                stream.len()
+            )));
+        }
+        Ok(Self {
+            stream,
+            seq_len,
+            doc_mask,
+        })
+    }
+
+    pub fn seq_len(&self) -> usize {
+        self.seq_len
+    }
+
+    pub fn num_windows(&self) -> usize {
+        (self.stream.len() - 1) / self.seq_len
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.stream.len()
+    }
+
+    /// Window `i` (in stream order).
+    pub fn window(&self, i: usize) -> Window {
+        let start = i * self.seq_len;
+        let ids = self.stream.ids[start..start + self.seq_len].to_vec();
+        let docs = &self.stream.doc_ids[start..start + self.seq_len + 1];
+        let labels = (0..self.seq_len)
+            .map(|j| {
+                if self.doc_mask && docs[j + 1] != docs[j] {
+                    IGNORE
+                } else {
+                    self.stream.ids[start + j + 1] as i64
+                }
+            })
+            .collect();
+        let first = docs[0];
+        let doc_ids = docs[..self.seq_len].iter().map(|d| d - first).collect();
+        Window {
+            ids,
+            labels,
+            doc_ids,
+        }
+    }
+}
+
+/// A deterministic permutation of `0..n` from `seed` (splitmix64 + Fisher-Yates).
+pub fn permutation(n: usize, seed: u64) -> Vec<usize> {
+    let mut state = seed ^ 0x5DEE_CE66_D1CE_4E5B;
+    let mut next = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let mut p: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        let j = (next() % (i as u64 + 1)) as usize;
+        p.swap(i, j);
+    }
+    p
+}
+
+/// Which window each (optimizer step, data-parallel rank, micro-batch) trains on: the windows
+/// of epoch `e` in the order `permutation(num_windows, seed + e)`, dealt out `dp · micro`
+/// at a time; global sample `k` is window `order_e[k mod n]` with `e = k / n`. Independent of
+/// the layout except through `dp`, so a run resumes under another layout with the same data
+/// when the global batch is the same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sampler {
+    pub num_windows: usize,
+    pub seed: u64,
+    pub shuffle: bool,
+}
+
+impl Sampler {
+    /// The stream index of global sample `k`.
+    pub fn window_of(&self, k: u64) -> usize {
+        let n = self.num_windows as u64;
+        let (epoch, i) = (k / n, (k % n) as usize);
+        if self.shuffle {
+            permutation(self.num_windows, self.seed.wrapping_add(epoch))[i]
+        } else {
+            i
+        }
+    }
+
+    /// The global sample indices of `step` for data-parallel rank `dp_rank` of `dp`, with
+    /// `micro` sequences per rank and step.
+    pub fn samples(&self, step: u64, dp: usize, dp_rank: usize, micro: usize) -> Vec<u64> {
+        let per_step = (dp * micro) as u64;
+        let base = step * per_step + (dp_rank * micro) as u64;
+        (0..micro as u64).map(|j| base + j).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_overlap_by_one_and_mask_document_borders() {
+        let s =
+            TokenStream::from_sequences(&[vec![5, 6, 7], vec![8, 9], vec![10, 11, 12, 13]], 100)
+                .unwrap();
+        let d = PackedDataset::new(s.clone(), 4, true).unwrap();
+        assert_eq!(d.num_windows(), 2);
+        let w = d.window(0);
+        assert_eq!(w.ids, vec![5, 6, 7, 8]);
+        assert_eq!(w.labels, vec![6, 7, IGNORE, 9]);
+        assert_eq!(w.doc_ids, vec![0, 0, 0, 1]);
+        let w = d.window(1);
+        assert_eq!(w.ids, vec![9, 10, 11, 12]);
+        assert_eq!(w.labels, vec![IGNORE, 11, 12, 13]);
+        assert_eq!(w.doc_ids, vec![0, 1, 1, 1]);
+        let plain = PackedDataset::new(s, 4, false).unwrap();
+        assert_eq!(plain.window(0).labels, vec![6, 7, 8, 9]);
+    }
+
+    #[test]
+    fn permutation_is_a_deterministic_shuffle() {
+        let p = permutation(100, 7);
+        assert_eq!(p, permutation(100, 7));
+        assert_ne!(p, permutation(100, 8));
+        let mut sorted = p.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..100).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn sampler_deals_disjoint_samples() {
+        let s = Sampler {
+            num_windows: 10,
+            seed: 1,
+            shuffle: true,
+        };
+        let a = s.samples(3, 2, 0, 2);
+        let b = s.samples(3, 2, 1, 2);
+        assert_eq!(a, vec![12, 13]);
+        assert_eq!(b, vec![14, 15]);
+        assert!(s.window_of(12) < 10);
+    }
+
+    #[test]
+    fn bad_data_is_an_error() {
+        assert!(TokenStream::from_sequences(&[vec![1, 300]], 256).is_err());
+        let s = TokenStream::from_sequences(&[vec![1, 2, 3]], 256).unwrap();
+        assert!(PackedDataset::new(s, 8, false).is_err());
+    }
+}

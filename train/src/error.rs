@@ -1,0 +1,51 @@
+//! The error type of the training engine.
+
+use std::path::PathBuf;
+
+/// What can go wrong in data preparation, training steps and checkpoints.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A data file that cannot be used; names the flag and the file.
+    #[error("{flag} {path}: {msg}")]
+    Data {
+        flag: String,
+        path: PathBuf,
+        msg: String,
+    },
+
+    /// A checkpoint directory that cannot be used for resuming.
+    #[error("checkpoint {path}: {msg}")]
+    Checkpoint { path: PathBuf, msg: String },
+
+    /// Invalid settings or inputs.
+    #[error("{0}")]
+    Invalid(String),
+
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error(transparent)]
+    Model(#[from] models::Error),
+
+    #[error(transparent)]
+    Parallel(#[from] candle_parallel::Error),
+
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+/// Result alias of the training engine.
+pub type Result<T> = std::result::Result<T, Error>;
