@@ -311,8 +311,9 @@ impl CustomOp1 for Recorded {
     }
 }
 
-/// A contiguous copy of `t`'s elements in a storage that nothing else references.
-fn owned_copy(t: &Tensor) -> Result<(Storage, Shape)> {
+/// A contiguous copy of `t`'s elements in a storage that nothing else references (how the
+/// ops of this crate attach a backward to a result computed outside the graph).
+pub(crate) fn owned_copy(t: &Tensor) -> Result<(Storage, Shape)> {
     let (storage, layout) = t.storage_and_layout();
     let copy = match &*storage {
         Storage::Cpu(s) => Storage::Cpu(strided_copy(s, layout)?),

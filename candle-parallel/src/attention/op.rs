@@ -11,7 +11,6 @@
 
 use std::sync::Mutex;
 
-use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{
     CpuStorage, CudaStorage, CustomOp3, Layout, MetalStorage, Shape, Storage, Tensor,
 };
@@ -41,7 +40,7 @@ pub fn record3(
         return Ok(out);
     }
     // Copy before apply_op3, which read-locks the inputs' storages (out may share one).
-    let copy = owned_copy(&out)?;
+    let copy = crate::collectives::owned_copy(&out)?;
     drop(out);
     Ok(q.apply_op3(
         k,
@@ -138,26 +137,4 @@ impl CustomOp3 for Recorded3 {
         let (dq, dk, dv) = (self.backward)(q, k, v, res, grad_res)?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
-}
-
-/// A contiguous copy of `t` in a storage nothing else references.
-fn owned_copy(t: &Tensor) -> Result<(Storage, Shape)> {
-    let (storage, layout) = t.storage_and_layout();
-    let copy = match &*storage {
-        Storage::Cpu(s) => Storage::Cpu(strided_copy(s, layout)?),
-        Storage::Cuda(s) => Storage::Cuda(strided_copy(s, layout)?),
-        Storage::Metal(s) => Storage::Metal(strided_copy(s, layout)?),
-    };
-    Ok((copy, layout.shape().clone()))
-}
-
-fn strided_copy<S>(src: &S, layout: &Layout) -> candle_core::Result<S>
-where
-    S: BackendStorage,
-    S::Device: BackendDevice<Storage = S>,
-{
-    // SAFETY: `copy_strided_src` writes every element of the new buffer before it is read.
-    let mut dst = unsafe { src.device().alloc_uninit(layout.shape(), src.dtype())? };
-    src.copy_strided_src(&mut dst, 0, layout)?;
-    Ok(dst)
 }

@@ -24,7 +24,6 @@
 
 use std::sync::Mutex;
 
-use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{
     CpuStorage, CudaStorage, CustomOp2, DType, Device, InplaceOp2, Layout, MetalStorage, Shape,
     Storage, Tensor,
@@ -88,7 +87,7 @@ pub fn vocab_parallel_cross_entropy(
     if !hidden.track_op() && !weight.track_op() {
         return Ok((loss, count));
     }
-    let out = owned_storage(&loss)?;
+    let out = crate::collectives::owned_copy(&loss)?.0;
     drop(loss);
     let node = hidden.apply_op2(
         weight,
@@ -456,26 +455,4 @@ impl InplaceOp2 for AddAssignF32 {
             _ => candle_core::bail!("{}: operands must be f32 of one size", self.name()),
         }
     }
-}
-
-/// A contiguous copy of `t`'s elements in a storage that nothing else references.
-fn owned_storage(t: &Tensor) -> Result<Storage> {
-    let (storage, layout) = t.storage_and_layout();
-    Ok(match &*storage {
-        Storage::Cpu(s) => Storage::Cpu(strided_copy(s, layout)?),
-        Storage::Cuda(s) => Storage::Cuda(strided_copy(s, layout)?),
-        Storage::Metal(s) => Storage::Metal(strided_copy(s, layout)?),
-    })
-}
-
-fn strided_copy<S>(src: &S, layout: &Layout) -> candle_core::Result<S>
-where
-    S: BackendStorage,
-    S::Device: BackendDevice<Storage = S>,
-{
-    // SAFETY: `copy_strided_src` writes all `layout.shape().elem_count()` elements of the new
-    // buffer (contiguously from offset 0) before it is read or returned.
-    let mut dst = unsafe { src.device().alloc_uninit(layout.shape(), src.dtype())? };
-    src.copy_strided_src(&mut dst, 0, layout)?;
-    Ok(dst)
 }

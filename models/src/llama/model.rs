@@ -109,6 +109,24 @@ impl Attention {
         })
     }
 
+    /// q, k, v `(b, n, heads, head_dim)` of this rank's heads, rotated at `positions`, from `x`
+    /// `(b, n', hidden)` (under TP-sp `n'` is this rank's part of the `n` tokens).
+    fn qkv(
+        &self,
+        x: &Tensor,
+        rope: &RotaryEmbedding,
+        positions: &[u32],
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let x = self.tp.enter(x)?;
+        let (b, n, _) = x.dims3()?;
+        let heads = |p: &ColumnParallelLinear, h: usize| -> Result<Tensor> {
+            Ok(p.forward_entered(&x)?.reshape((b, n, h, self.head_dim))?)
+        };
+        let q = rope.apply(&heads(&self.q_proj, self.q_heads)?, positions)?;
+        let k = rope.apply(&heads(&self.k_proj, self.kv_heads)?, positions)?;
+        Ok((q, k, heads(&self.v_proj, self.kv_heads)?))
+    }
+
     /// `x` `(b, n', hidden)`; `positions` the global positions of the `n` tokens attention sees.
     pub fn forward(
         &self,
@@ -118,22 +136,8 @@ impl Attention {
         attn: &dyn SequenceParallelAttention,
         mask: &AttnMask,
     ) -> Result<Tensor> {
-        let x = self.tp.enter(x)?;
-        let (b, n, _) = x.dims3()?;
-        let q = self
-            .q_proj
-            .forward_entered(&x)?
-            .reshape((b, n, self.q_heads, self.head_dim))?;
-        let k = self
-            .k_proj
-            .forward_entered(&x)?
-            .reshape((b, n, self.kv_heads, self.head_dim))?;
-        let v = self
-            .v_proj
-            .forward_entered(&x)?
-            .reshape((b, n, self.kv_heads, self.head_dim))?;
-        let q = rope.apply(&q, positions)?;
-        let k = rope.apply(&k, positions)?;
+        let (q, k, v) = self.qkv(x, rope, positions)?;
+        let (b, n) = (q.dim(0)?, q.dim(1)?);
         let o = attn.attention(&q, &k, &v, mask, self.scale)?;
         let o = o.reshape((b, n, self.q_heads * self.head_dim))?;
         Ok(self.o_proj.forward(&o)?)
@@ -151,22 +155,8 @@ impl Attention {
         positions: &[u32],
         cache: &mut Option<(Tensor, Tensor)>,
     ) -> Result<Tensor> {
-        let x = self.tp.enter(x)?;
-        let (b, n, _) = x.dims3()?;
-        let q = self
-            .q_proj
-            .forward_entered(&x)?
-            .reshape((b, n, self.q_heads, self.head_dim))?;
-        let k = self
-            .k_proj
-            .forward_entered(&x)?
-            .reshape((b, n, self.kv_heads, self.head_dim))?;
-        let v = self
-            .v_proj
-            .forward_entered(&x)?
-            .reshape((b, n, self.kv_heads, self.head_dim))?;
-        let q = rope.apply(&q, positions)?;
-        let k = rope.apply(&k, positions)?;
+        let (q, k, v) = self.qkv(x, rope, positions)?;
+        let (b, n) = (q.dim(0)?, q.dim(1)?);
         let (k, v) = match cache.take() {
             Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 1)?, Tensor::cat(&[&pv, &v], 1)?),
             None => (k, v),
