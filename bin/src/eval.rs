@@ -142,8 +142,9 @@ fn sequences(
     Ok(seqs)
 }
 
-/// Evaluates on every rank; returns rank 0's report and logits.
-pub fn evaluate(args: &EvalArgs) -> Result<(EvalReport, Vec<Tensor>)> {
+/// Evaluates on every rank; returns rank 0's report and logits (`None` in the other processes
+/// of an MPI job).
+pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
     let files = models::hub::resolve(&args.model)?;
     let cfg = LlamaConfig::from_file(&files.config)?;
     let dtype = parse_dtype_flag("--dtype", &args.dtype)?;
@@ -208,7 +209,9 @@ pub fn evaluate(args: &EvalArgs) -> Result<(EvalReport, Vec<Tensor>)> {
 }
 
 pub fn run(args: &EvalArgs) -> Result<()> {
-    let (report, logits) = evaluate(args)?;
+    let Some((report, logits)) = evaluate(args)? else {
+        return Ok(());
+    };
     if let Some(path) = &args.logits_out {
         let map: HashMap<String, Tensor> = logits
             .into_iter()

@@ -133,6 +133,8 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         Ok(tok.decode(&out, true)?)
     })
     .context("generating")?;
-    println!("{text}");
+    if let Some(text) = text {
+        println!("{text}");
+    }
     Ok(())
 }

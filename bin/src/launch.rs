@@ -24,9 +24,11 @@ impl Rank {
     }
 }
 
-/// Runs `f` on every rank of the layout `args` describes and returns rank 0's result.
-/// Errors of the layout flags are reported before any rank starts.
-pub fn launch<T, F>(args: &LayoutArgs, f: F) -> Result<T>
+/// Runs `f` on every rank of the layout `args` describes and returns world rank 0's result:
+/// `Some` in the process that holds rank 0 (the only one with local ranks), `None` in the other
+/// processes of an MPI job, which then print and write nothing. Errors of the layout flags are
+/// reported before any rank starts.
+pub fn launch<T, F>(args: &LayoutArgs, f: F) -> Result<Option<T>>
 where
     T: Send,
     F: Fn(&Rank) -> Result<T> + Sync,
@@ -54,7 +56,7 @@ where
             if results.is_empty() {
                 bail!("no rank ran");
             }
-            Ok(results.swap_remove(0))
+            Ok(Some(results.swap_remove(0)))
         }
         "mpi" => launch_mpi(args, run_rank),
         other => bail!("--backend {other:?}: expected local or mpi"),
@@ -62,7 +64,7 @@ where
 }
 
 #[cfg(feature = "mpi")]
-fn launch_mpi<T, F>(args: &LayoutArgs, run_rank: F) -> Result<T>
+fn launch_mpi<T, F>(args: &LayoutArgs, run_rank: F) -> Result<Option<T>>
 where
     F: Fn(Comm) -> Result<T>,
 {
@@ -74,11 +76,13 @@ where
             world.size()
         );
     }
-    Ok(world.launch(|comm| run_rank(comm).map_err(|e| format!("{e:#}"))))
+    let main = world.rank() == 0;
+    let result = world.launch(|comm| run_rank(comm).map_err(|e| format!("{e:#}")));
+    Ok(main.then_some(result))
 }
 
 #[cfg(not(feature = "mpi"))]
-fn launch_mpi<T, F>(_args: &LayoutArgs, _run_rank: F) -> Result<T>
+fn launch_mpi<T, F>(_args: &LayoutArgs, _run_rank: F) -> Result<Option<T>>
 where
     F: Fn(Comm) -> Result<T>,
 {

@@ -461,6 +461,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         }
         Ok(history)
     })?;
+    let Some(final_history) = final_history else {
+        return Ok(());
+    };
     if let (Some(first), Some(last)) = (final_history.first(), final_history.last()) {
         eprintln!(
             "loss {:.4} -> {:.4} over {} steps; metrics in {}",

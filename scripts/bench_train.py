@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""transformers + PyTorch training throughput, next to `cpl train` (issue 6; run scripts/bench_train.sh).
+
+Uses the checkpoint and tokens of scripts/bench_eval.py (4-layer, hidden-512 LLaMA, vocab 32000)
+and times AdamW training steps (forward, backward, clip 1.0, step) on one sequence of --seq-len
+tokens, best of --repeats steps after one warm-up, f32 or bf16 parameters, sdpa attention.
+Prints JSON with tokens/s and the peak resident memory (ru_maxrss) of the process.
+"""
+import argparse
+import json
+import os
+import resource
+import time
+
+import torch
+from transformers import LlamaForCausalLM
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dir", default="target/bench")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    model_dir = os.path.join(a.dir, "llama-4l-512")
+    with open(os.path.join(a.dir, "eval_tokens.json")) as f:
+        ids = torch.tensor(json.load(f))[:, : a.seq_len]
+    dtype = getattr(torch, a.dtype)
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=dtype, attn_implementation="sdpa").train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out.loss.item()
+
+    step()
+    best = float("inf")
+    for _ in range(a.repeats):
+        t = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - t)
+    print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": a.dtype,
+                      "seq_len": ids.shape[1], "seconds": best, "tokens_per_sec": (ids.shape[1] - 1) / best,
+                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+if __name__ == "__main__":
+    main()
