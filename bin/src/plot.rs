@@ -69,7 +69,8 @@ fn encode_png(rgb: &[u8], w: usize, h: usize) -> Vec<u8> {
     out
 }
 
-/// Draws the loss of every step (x: step, y: loss from min to max) with axes, and writes it.
+/// Draws the loss of every step and its moving average (x: step, y: loss from min to max)
+/// with axes, and writes it.
 pub fn loss_curve(history: &[StepStats], path: &Path) -> Result<()> {
     let mut img = vec![255u8; W * H * 3];
     let mut put = |x: usize, y: usize, c: [u8; 3]| {
@@ -99,15 +100,28 @@ pub fn loss_curve(history: &[StepStats], path: &Path) -> Result<()> {
             let y = (H - MARGIN) as f64 - ph * (l - lo) / span;
             (x, y)
         };
-        for i in 1..losses.len() {
-            let (x0, y0) = pt(i - 1, losses[i - 1]);
-            let (x1, y1) = pt(i, losses[i]);
-            let n = ((x1 - x0).abs().max((y1 - y0).abs()) as usize).max(1);
-            for k in 0..=n {
-                let t = k as f64 / n as f64;
-                let (x, y) = (x0 + t * (x1 - x0), y0 + t * (y1 - y0));
-                for (dx, dy) in [(0, 0), (1, 0), (0, 1)] {
-                    put(x as usize + dx, y as usize + dy, [200, 40, 40]);
+        // Per-step losses in light red, their exponential moving average (0.9) in dark blue.
+        let mut ema = Vec::with_capacity(losses.len());
+        for (i, &l) in losses.iter().enumerate() {
+            ema.push(if i == 0 {
+                l
+            } else {
+                0.9 * ema[i - 1] + 0.1 * l
+            });
+        }
+        for (series, color, width) in [(&losses, [240, 150, 150], 1), (&ema, [20, 40, 160], 2)] {
+            for i in 1..series.len() {
+                let (x0, y0) = pt(i - 1, series[i - 1]);
+                let (x1, y1) = pt(i, series[i]);
+                let n = ((x1 - x0).abs().max((y1 - y0).abs()) as usize).max(1);
+                for k in 0..=n {
+                    let t = k as f64 / n as f64;
+                    let (x, y) = (x0 + t * (x1 - x0), y0 + t * (y1 - y0));
+                    for dx in 0..width {
+                        for dy in 0..width {
+                            put(x as usize + dx, y as usize + dy, color);
+                        }
+                    }
                 }
             }
         }

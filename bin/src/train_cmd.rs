@@ -54,23 +54,23 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 512)]
     pub seq_len: usize,
     /// Optimizer steps.
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, default_value_t = 200)]
     pub steps: u64,
     /// Sequences per micro-batch on each data-parallel rank.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
     /// Micro-batches per optimizer step.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 4)]
     pub grad_accum: usize,
     /// Llama 3 document masking of packed documents.
     #[arg(long)]
     pub doc_mask: bool,
-    #[arg(long, default_value_t = 3e-3)]
+    #[arg(long, default_value_t = 2e-3)]
     pub lr: f64,
-    #[arg(long, default_value_t = 3e-4)]
+    #[arg(long, default_value_t = 2e-4)]
     pub min_lr: f64,
-    /// Warmup steps (linear from 0).
-    #[arg(long, default_value_t = 5)]
+    /// Warmup steps (linear from 0, as in transformers: step 0 has lr 0).
+    #[arg(long, default_value_t = 10)]
     pub warmup: u64,
     /// Decay after warmup: cosine, linear or constant.
     #[arg(long, default_value = "cosine")]
@@ -111,7 +111,7 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 1024)]
     pub loss_chunk: usize,
     /// Print a progress line every N steps.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 10)]
     pub log_every: u64,
     #[command(flatten)]
     pub layout: LayoutArgs,
