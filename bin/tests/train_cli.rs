@@ -276,3 +276,18 @@ fn bad_training_input_fails_with_a_clear_error() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The bundled default model and corpus load and train under the default layout (a short run;
+/// the full default job is `cpl train` with no arguments).
+#[test]
+fn the_bundled_default_trains() {
+    let dir = tmpdir("default");
+    let out = dir.join("out");
+    let o = cpl(&["train", "--steps", "2", "--seq-len", "64", "--grad-accum", "1", "--ranks", "4", "--ring", "4", "--out", out.to_str().unwrap()].map(String::from));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let l = losses(&out);
+    assert_eq!(l.len(), 2);
+    // The bundled model was pretrained: far below the uniform log(2048) = 7.62.
+    assert!(l[0].1 < 6.0, "bundled model loss {}", l[0].1);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
