@@ -283,7 +283,22 @@ fn bad_training_input_fails_with_a_clear_error() {
 fn the_bundled_default_trains() {
     let dir = tmpdir("default");
     let out = dir.join("out");
-    let o = cpl(&["train", "--steps", "2", "--seq-len", "64", "--grad-accum", "1", "--ranks", "4", "--ring", "4", "--out", out.to_str().unwrap()].map(String::from));
+    let o = cpl(&[
+        "train",
+        "--steps",
+        "2",
+        "--seq-len",
+        "64",
+        "--grad-accum",
+        "1",
+        "--ranks",
+        "4",
+        "--ring",
+        "4",
+        "--out",
+        out.to_str().unwrap(),
+    ]
+    .map(String::from));
     assert!(o.status.success(), "{}", stderr(&o));
     let l = losses(&out);
     assert_eq!(l.len(), 2);
