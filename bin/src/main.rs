@@ -14,6 +14,11 @@ mod plot;
 mod train_cmd;
 
 use anyhow::Result;
+
+/// Large tensors are allocated and freed every step; mimalloc keeps freed memory for reuse
+/// instead of returning it to the OS and paying the page faults again (see docs/benchmarks.md).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
