@@ -11,6 +11,7 @@ mod inspect;
 mod launch;
 mod layout;
 mod plot;
+mod progress;
 mod train_cmd;
 
 use anyhow::Result;
@@ -43,7 +44,7 @@ enum Command {
     /// Continue a prompt with a model (KV cache; one rank or tensor parallel).
     Generate(generate::GenerateArgs),
     /// Continued pretraining of a Hugging Face checkpoint (no arguments: the bundled default).
-    Train(train_cmd::TrainArgs),
+    Train(Box<train_cmd::TrainArgs>),
     /// Show a model's architecture, parameter count, dtypes and checkpoint files.
     Inspect(inspect::InspectArgs),
 }

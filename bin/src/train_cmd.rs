@@ -14,7 +14,9 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_parallel::attention::ShardPlan;
 use candle_parallel::comm::ReduceOp;
-use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule};
+use candle_parallel::mesh::Dim;
+use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
+use candle_parallel::recompute::Checkpointing;
 use models::llama::{self, LlamaConfig};
 use models::tokenizer::Tokenizer;
 use train::checkpoint;
@@ -24,6 +26,7 @@ use train::trainer::{StepStats, TrainConfig, Trainer};
 use crate::eval::parse_dtype_flag;
 use crate::launch::launch;
 use crate::layout::LayoutArgs;
+use crate::progress::{peak_rss_mib, Progress, StepLine};
 
 /// The repository's bundled default model and corpus.
 pub fn default_asset(rel: &str) -> PathBuf {
@@ -41,13 +44,14 @@ pub struct TrainArgs {
     /// Model directory or Hugging Face Hub id to continue training.
     #[arg(long)]
     pub model: Option<String>,
-    /// Training text: .txt or .jsonl files, or directories of them.
+    /// Training text: .txt, .jsonl or .parquet (Hugging Face datasets) files, or directories of
+    /// them.
     #[arg(long, num_args = 1..)]
     pub data: Vec<PathBuf>,
     /// Pre-tokenized documents: a JSON array of token-id arrays.
     #[arg(long, conflicts_with = "data")]
     pub tokens: Option<PathBuf>,
-    /// The text field of .jsonl records.
+    /// The text field of .jsonl records and the text column of .parquet files.
     #[arg(long, default_value = "text")]
     pub text_field: String,
     /// Tokens per training sequence.
@@ -110,6 +114,19 @@ pub struct TrainArgs {
     /// Tokens per chunk of the vocab-parallel loss.
     #[arg(long, default_value_t = 1024)]
     pub loss_chunk: usize,
+    /// ZeRO stage: 0 (off), 1 (shard optimizer states), 2 (and gradients), 3 (and parameters),
+    /// over the ulysses x ring x dp ranks.
+    #[arg(long, default_value_t = 0)]
+    pub zero: u8,
+    /// Ranks per ZeRO sharding group (divides ulysses x ring x dp; default: all of them; 1:
+    /// full replicas; between: hybrid sharding, replicated across groups).
+    #[arg(long)]
+    pub zero_group: Option<usize>,
+    /// Activation checkpointing of every decoder layer: none, full (keep each layer's input,
+    /// recompute the layer) or selective (also keep attention's output and lse: attention and
+    /// its communication run once).
+    #[arg(long, default_value = "none")]
+    pub checkpointing: String,
     /// Print a progress line every N steps.
     #[arg(long, default_value_t = 10)]
     pub log_every: u64,
@@ -213,6 +230,20 @@ impl TrainArgs {
         if self.loss_chunk == 0 {
             bail!("--loss-chunk must be at least 1");
         }
+        let zero = ZeroStage::try_from(self.zero)
+            .map_err(|_| anyhow::anyhow!("--zero {}: expected 0, 1, 2 or 3", self.zero))?;
+        if self.zero_group == Some(0) {
+            bail!("--zero-group must be at least 1");
+        }
+        if self.zero_group.is_some() && zero == ZeroStage::Off {
+            bail!("--zero-group needs --zero 1, 2 or 3");
+        }
+        let checkpointing: Checkpointing = self.checkpointing.parse().map_err(|_| {
+            anyhow::anyhow!(
+                "--checkpointing {:?}: expected none, full or selective",
+                self.checkpointing
+            )
+        })?;
         Ok(TrainConfig {
             seq_len: self.seq_len,
             steps: self.steps,
@@ -237,6 +268,9 @@ impl TrainArgs {
             },
             max_grad_norm: (self.max_grad_norm > 0.0).then_some(self.max_grad_norm),
             loss_chunk_tokens: self.loss_chunk,
+            zero,
+            zero_group: self.zero_group,
+            checkpointing,
         })
     }
 }
@@ -256,15 +290,6 @@ fn matmul_gflops() -> f64 {
         best = best.min(t.elapsed().as_secs_f64());
     }
     2.0 * (n * n * n) as f64 / best / 1e9
-}
-
-fn fmt_duration(s: f64) -> String {
-    let s = s.max(0.0) as u64;
-    if s >= 3600 {
-        format!("{}h{:02}m", s / 3600, (s % 3600) / 60)
-    } else {
-        format!("{}m{:02}s", s / 60, s % 60)
-    }
 }
 
 pub fn run(args: &TrainArgs) -> Result<()> {
@@ -294,6 +319,19 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     };
     let data = PackedDataset::new(stream, cfg.seq_len, cfg.doc_mask)?;
     let sp = args.layout.sp_config()?;
+    if let Some(z) = cfg.zero_group {
+        let mesh = args.layout.mesh_config()?;
+        let g = [Dim::Ulysses, Dim::Ring, Dim::Dp]
+            .iter()
+            .map(|&d| mesh.degree(d))
+            .product::<usize>();
+        if !g.is_multiple_of(z) {
+            bail!(
+                "--zero-group {z} does not divide the {g} ranks that hold the same parameters \
+                 (ulysses x ring x dp)"
+            );
+        }
+    }
     ShardPlan::new(cfg.seq_len, sp.layout, sp.ring, sp.ulysses).with_context(|| {
         format!(
             "--seq-len {} cannot be split by --ring {} --ulysses {} --ring-layout {}",
@@ -355,14 +393,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     };
     let metrics_path = args.out.join("metrics.jsonl");
     let final_history = launch(&args.layout, |rank| {
-        let loaded = llama::load(&load_files, &rank.ctx, Some(dtype), true)?;
-        let mut trainer = Trainer::new(
-            loaded.model,
-            loaded.params.sorted(),
-            &rank.mesh,
-            &rank.ctx,
-            cfg.clone(),
-        )?;
+        // The loaded parameter list is dropped here, so that under ZeRO-3 the whole tensors
+        // are freed once the trainer has sharded them.
+        let (model, params) = {
+            let loaded = llama::load(&load_files, &rank.ctx, Some(dtype), true)?;
+            (loaded.model, loaded.params.sorted())
+        };
+        let mut trainer = Trainer::new(model, params, &rank.mesh, &rank.ctx, cfg.clone())?;
         if let (Some(dir), Some(state)) = (&resume_from, &resume_state) {
             checkpoint::restore(&mut trainer, dir, state)?;
         }
@@ -406,6 +443,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         }
         let start = Instant::now();
         let first = trainer.step;
+        let mut progress = main.then(|| Progress::new(cfg.steps, args.log_every));
         while trainer.step < cfg.steps {
             let t0 = Instant::now();
             let stats = trainer.step(&data)?;
@@ -416,27 +454,23 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                 let line = serde_json::json!({
                     "step": stats.step, "loss": stats.loss, "lr": stats.lr,
                     "grad_norm": stats.grad_norm, "tokens": stats.tokens,
-                    "tokens_per_sec": tps, "seconds": dt,
+                    "tokens_per_sec": tps, "seconds": dt, "peak_rss_mib": peak_rss_mib(),
                 });
                 writeln!(f, "{line}")?;
                 f.flush()?;
             }
-            let done = trainer.step - first;
-            if main && (trainer.step % args.log_every.max(1) == 0 || trainer.step == cfg.steps) {
+            if let Some(p) = progress.as_mut() {
+                let done = trainer.step - first;
                 let elapsed = start.elapsed().as_secs_f64();
-                let eta = elapsed / done as f64 * (cfg.steps - trainer.step) as f64;
-                let mfu = tps * flops_per_token / (peak * 1e9);
-                eprintln!(
-                    "step {:>5}/{}  loss {:.4}  lr {:.2e}  |g| {:.3}  {:.0} tok/s  MFU {:.1}%  ETA {}",
-                    trainer.step,
-                    cfg.steps,
-                    stats.loss,
-                    stats.lr,
-                    stats.grad_norm,
-                    tps,
-                    100.0 * mfu,
-                    fmt_duration(eta)
-                );
+                p.step(&StepLine {
+                    step: trainer.step,
+                    loss: stats.loss,
+                    lr: stats.lr,
+                    grad_norm: stats.grad_norm,
+                    tokens_per_sec: tps,
+                    mfu: tps * flops_per_token / (peak * 1e9),
+                    eta_secs: elapsed / done as f64 * (cfg.steps - trainer.step) as f64,
+                });
             }
             // Ctrl-C on any rank stops every rank after this step, with a checkpoint.
             let stop = f32::from(interrupted.load(Ordering::SeqCst));
@@ -448,14 +482,35 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             if periodic || stop || trainer.step == cfg.steps {
                 let dir =
                     checkpoint::save(&trainer, &args.out, &world, &extra, &history, args.keep)?;
-                if main {
-                    eprintln!("saved {}", dir.display());
+                if let Some(p) = progress.as_mut() {
+                    p.message(&format!("saved {}", dir.display()));
                 }
             }
             if stop {
                 bail!(
                     "interrupted (Ctrl-C) after step {}; resume with --resume",
                     trainer.step
+                );
+            }
+        }
+        drop(progress);
+        // Peak memory: every rank's process (one process for local ranks).
+        let mine = peak_rss_mib().unwrap_or(f64::NAN);
+        let peaks = world
+            .all_gather(&Tensor::new(&[mine], &Device::Cpu)?, 0)?
+            .to_vec1::<f64>()?;
+        if main && mine.is_finite() {
+            if args.layout.backend == "mpi" {
+                let max = peaks.iter().copied().fold(f64::MIN, f64::max);
+                let min = peaks.iter().copied().fold(f64::MAX, f64::min);
+                eprintln!("peak memory per rank (RSS): max {max:.0} MiB, min {min:.0} MiB");
+            } else {
+                eprintln!(
+                    "peak memory: {mine:.0} MiB (RSS of this process, {} local rank(s); ZeRO {}, \
+                     checkpointing {})",
+                    world.size(),
+                    cfg.zero,
+                    cfg.checkpointing
                 );
             }
         }

@@ -11,6 +11,12 @@ fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/llama/mha")
 }
 
+fn data_fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/data")
+        .join(name)
+}
+
 fn tmpdir(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("cpl-train-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
@@ -73,6 +79,23 @@ fn base_args(tokens: &Path, out: &Path, steps: u64) -> Vec<String> {
     .iter()
     .map(|s| s.to_string())
     .collect()
+}
+
+/// `args` with the flags of `extra` replacing theirs or added (a flag followed by another flag
+/// is a switch).
+fn set_flags(mut a: Vec<String>, extra: &[&str]) -> Vec<String> {
+    let mut i = 0;
+    while i < extra.len() {
+        let flag = extra[i].to_string();
+        let value = extra.get(i + 1).filter(|v| !v.starts_with("--"));
+        match (a.iter().position(|x| *x == flag), value) {
+            (Some(p), Some(v)) => a[p + 1] = v.to_string(),
+            (None, Some(v)) => a.extend([flag, v.to_string()]),
+            (_, None) => a.push(flag),
+        }
+        i += if value.is_some() { 2 } else { 1 };
+    }
+    a
 }
 
 /// (step, loss) of every line of metrics.jsonl.
@@ -217,22 +240,7 @@ fn bad_training_input_fails_with_a_clear_error() {
     let out = dir.join("out");
     let bad_toml = dir.join("bad.toml");
     std::fs::write(&bad_toml, "steps = = 3").unwrap();
-    // The base flags with `extra` replacing or adding flags.
-    let with = |extra: &[&str]| {
-        let mut a = base_args(&tokens, &out, 2);
-        let mut i = 0;
-        while i < extra.len() {
-            let flag = extra[i].to_string();
-            let value = extra.get(i + 1).filter(|v| !v.starts_with("--"));
-            match (a.iter().position(|x| *x == flag), value) {
-                (Some(p), Some(v)) => a[p + 1] = v.to_string(),
-                (None, Some(v)) => a.extend([flag, v.to_string()]),
-                (_, None) => a.push(flag),
-            }
-            i += if value.is_some() { 2 } else { 1 };
-        }
-        a
-    };
+    let with = |extra: &[&str]| set_flags(base_args(&tokens, &out, 2), extra);
     let cases: Vec<(Vec<String>, &str)> = vec![
         (with(&["--seq-len", "30"]), "--seq-len 30"),
         (with(&["--decay", "sideways"]), "--decay"),
@@ -262,6 +270,29 @@ fn bad_training_input_fails_with_a_clear_error() {
                 .map(String::from)
                 .to_vec(),
             "--config",
+        ),
+        (with(&["--zero", "5"]), "--zero 5"),
+        (
+            with(&["--zero", "1", "--zero-group", "3"]),
+            "--zero-group 3",
+        ),
+        (with(&["--zero-group", "2"]), "--zero-group"),
+        (with(&["--checkpointing", "sometimes"]), "--checkpointing"),
+        (
+            [
+                "train",
+                "--model",
+                fixture().to_str().unwrap(),
+                "--data",
+                data_fixture("not-text.parquet").to_str().unwrap(),
+                "--seq-len",
+                "32",
+                "--out",
+                out.to_str().unwrap(),
+            ]
+            .map(String::from)
+            .to_vec(),
+            "not-text.parquet",
         ),
     ];
     for (args, needle) in cases {
@@ -304,5 +335,88 @@ fn the_bundled_default_trains() {
     assert_eq!(l.len(), 2);
     // The bundled model was pretrained: far below the uniform log(2048) = 7.62.
     assert!(l[0].1 < 6.0, "bundled model loss {}", l[0].1);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// ZeRO-3 with selective checkpointing on 4 ranks (dp2 x ring2) gives the losses of the plain
+/// 2-rank run (1e-5 relative), saves checkpoints that resume under another layout and ZeRO
+/// stage (ring2 with ZeRO-1 here), and the resumed run goes on with the same losses.
+#[test]
+fn zero3_with_checkpointing_trains_saves_and_resumes_under_another_layout() {
+    let dir = tmpdir("zero");
+    let tokens = docs_file(&dir);
+    let plain = dir.join("plain");
+    let o = cpl(&base_args(&tokens, &plain, 6));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want = losses(&plain);
+
+    // Same global batch (dp x batch x grad-accum = 4): dp2 with grad-accum 2.
+    let zero = dir.join("zero");
+    let a = set_flags(
+        base_args(&tokens, &zero, 3),
+        &[
+            "--ranks",
+            "4",
+            "--dp",
+            "2",
+            "--grad-accum",
+            "2",
+            "--zero",
+            "3",
+            "--checkpointing",
+            "selective",
+            "--save-every",
+            "3",
+        ],
+    );
+    let o = cpl(&a);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("peak memory"), "{}", stderr(&o));
+    // Resume at ring2 (dp1, grad-accum 4), ZeRO-1, full checkpointing, for steps 3..6.
+    let b = set_flags(
+        base_args(&tokens, &zero, 6),
+        &["--zero", "1", "--checkpointing", "full", "--resume"],
+    );
+    let o = cpl(&b);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got = losses(&zero);
+    assert_eq!(got.len(), want.len());
+    for ((s, a), (_, b)) in got.iter().zip(&want) {
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs(),
+            "step {s}: {a} vs plain {b}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The same documents as JSON lines and as Parquet (pyarrow, snappy) train identically.
+#[test]
+fn parquet_data_trains_like_jsonl() {
+    let dir = tmpdir("parquet");
+    let run = |data: &str, out: &Path| {
+        let o = cpl(&[
+            "train",
+            "--model",
+            fixture().to_str().unwrap(),
+            "--data",
+            data_fixture(data).to_str().unwrap(),
+            "--seq-len",
+            "16",
+            "--steps",
+            "2",
+            "--grad-accum",
+            "1",
+            "--out",
+            out.to_str().unwrap(),
+        ]
+        .map(String::from));
+        assert!(o.status.success(), "{data}: {}", stderr(&o));
+        losses(out)
+    };
+    assert_eq!(
+        run("docs-snappy.parquet", &dir.join("p")),
+        run("docs.jsonl", &dir.join("j"))
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -235,7 +235,12 @@ type BackwardFn = Box<dyn Fn(&Tensor) -> crate::Result<Tensor> + Send + Sync>;
 /// The one way every collective enters a graph: runs `forward` on the detached `x` and, when `x`
 /// tracks gradients, returns a copy of the result recorded as a [`CustomOp1`] node of `x`
 /// whose backward is `backward(grad_of_result)`.
-fn record<F, B>(x: &Tensor, name: &'static str, forward: F, backward: B) -> Result<Tensor>
+pub(crate) fn record<F, B>(
+    x: &Tensor,
+    name: &'static str,
+    forward: F,
+    backward: B,
+) -> Result<Tensor>
 where
     F: FnOnce(&Tensor) -> crate::Result<Tensor>,
     B: Fn(&Tensor) -> crate::Result<Tensor> + Send + Sync + 'static,

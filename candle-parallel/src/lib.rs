@@ -12,6 +12,7 @@ pub mod layers;
 pub mod mesh;
 pub mod ops;
 pub mod optim;
+pub mod recompute;
 
 pub use attention::{
     AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,

@@ -623,25 +623,44 @@ fn shard_gather_and_positions_follow_one_permutation() {
     }
 }
 
+/// The backend-generic self-checks (also run under MPI by `examples/mpi_selftest.rs`) for every
+/// strategy on 2, 4 and 8 local ranks, each with documents, causal and full masks and with GQA
+/// and MHA: out, lse and the gradients of autograd, and the gradients of the explicit
+/// `SequenceParallelAttention::backward`, against single-device flash-ring (1e-5 relative).
 #[test]
 fn selftest_cases_pass_on_local_worlds() {
     use candle_parallel::attention::selftest::{check_case, default_cases};
-    let mine = [
-        Strategy::Ring,
-        Strategy::Ulysses,
-        Strategy::Usp,
-        Strategy::AllGather,
-    ];
-    for p in [2, 4] {
-        let cases: Vec<_> = default_cases(p)
-            .into_iter()
-            .filter(|c| mine.contains(&c.cfg.strategy))
-            .collect();
-        assert!(cases.len() >= 3, "P = {p}: {} cases", cases.len());
-        for case in cases {
-            let reports = LocalWorld::run(p, |comm| check_case(&comm, &case))
-                .unwrap_or_else(|e| panic!("{}: {e}", case.name()));
-            assert!(reports.iter().all(|r| r.fwd_bytes > 0 && r.bwd_bytes > 0));
+    for p in [2, 4, 8] {
+        let cases = default_cases(p);
+        let strategies: std::collections::BTreeSet<String> =
+            cases.iter().map(|c| c.cfg.strategy.to_string()).collect();
+        let want = if p >= 4 { 6 } else { 3 };
+        assert!(strategies.len() >= want, "P = {p}: only {strategies:?}");
+        for base in cases {
+            let mut variants = vec![base.clone()];
+            for mask in [AttnMask::Causal, AttnMask::Full] {
+                let mut c = base.clone();
+                c.mask = mask;
+                variants.push(c);
+            }
+            let mut mha = base.clone();
+            mha.kv_heads = mha.q_heads;
+            variants.push(mha);
+            for case in variants {
+                let reports = LocalWorld::run(p, |comm| check_case(&comm, &case))
+                    .unwrap_or_else(|e| panic!("{}: {e}", case.name()));
+                for r in &reports {
+                    assert!(r.fwd_bytes > 0 && r.bwd_bytes > 0, "{}", case.name());
+                    assert!(
+                        r.errors
+                            .iter()
+                            .chain(&r.explicit_bwd_errors)
+                            .all(|e| *e <= 1e-5),
+                        "{}: {r:?}",
+                        case.name()
+                    );
+                }
+            }
         }
     }
 }

@@ -236,9 +236,11 @@ pub struct Param {
 }
 
 /// The candle `VarBuilder` backend of our models: reads parameters from a checkpoint (only this
-/// rank's slice of split ones) and records them.
+/// rank's slice of split ones) and records them; or, built by [`ParamStore::from_params`], hands
+/// out given tensors (a module rebuilt from gathered ZeRO-3 shards).
 pub struct ParamStore {
-    reader: Arc<CheckpointReader>,
+    /// `None`: only the given `params` exist.
+    reader: Option<Arc<CheckpointReader>>,
     trainable: bool,
     params: Arc<Mutex<Vec<Param>>>,
 }
@@ -274,7 +276,7 @@ impl ParamStore {
     ) -> (ParamBuilder<'static>, ParamList) {
         let params = Arc::new(Mutex::new(Vec::new()));
         let store = ParamStore {
-            reader,
+            reader: Some(reader),
             trainable,
             params: params.clone(),
         };
@@ -282,6 +284,25 @@ impl ParamStore {
             VarBuilderArgs::new_with_args(store, dtype, dev),
             ParamList(params),
         )
+    }
+
+    /// A builder that hands out exactly `params` (by name and split; tensors as they are, no
+    /// copy, gradients flowing through them) and errors on any other name.
+    pub fn from_params(params: Vec<Param>, dtype: DType, dev: &Device) -> ParamBuilder<'static> {
+        let store = ParamStore {
+            reader: None,
+            trainable: false,
+            params: Arc::new(Mutex::new(params)),
+        };
+        VarBuilderArgs::new_with_args(store, dtype, dev)
+    }
+
+    fn reader(&self, name: &str) -> Result<&CheckpointReader> {
+        self.reader.as_deref().ok_or_else(|| Error::Tensor {
+            location: "gathered parameters".into(),
+            name: name.into(),
+            msg: "is not among the parameters of this module".into(),
+        })
     }
 
     fn load(
@@ -294,19 +315,31 @@ impl ParamStore {
     ) -> Result<Tensor> {
         if let Ok(params) = self.params.lock() {
             if let Some(p) = params.iter().find(|p| p.name == name && p.shard == shard) {
+                if p.tensor.dims() != shape.dims() {
+                    return Err(Error::Tensor {
+                        location: "loaded parameters".into(),
+                        name: name.into(),
+                        msg: format!(
+                            "has shape {:?}, the model expects {:?}",
+                            p.tensor.dims(),
+                            shape.dims()
+                        ),
+                    });
+                }
                 return Ok(p.tensor.clone());
             }
         }
-        let meta = self.reader.meta(name)?;
+        let reader = self.reader(name)?;
+        let meta = reader.meta(name)?;
         let mut want_global = shape.dims().to_vec();
         if shard.is_split() {
             if shard.dim >= want_global.len() {
-                return Err(self.reader.err(name, format!("bad split {shard:?}")));
+                return Err(reader.err(name, format!("bad split {shard:?}")));
             }
             want_global[shard.dim] *= shard.world;
         }
         if meta.shape != want_global {
-            return Err(self.reader.err(
+            return Err(reader.err(
                 name,
                 format!(
                     "has shape {:?} in {}, the model config expects {want_global:?}",
@@ -315,7 +348,7 @@ impl ParamStore {
                 ),
             ));
         }
-        let t = self.reader.read(name, shard, dev)?.to_dtype(dtype)?;
+        let t = reader.read(name, shard, dev)?.to_dtype(dtype)?;
         let (var, tensor) = if self.trainable {
             let v = Var::from_tensor(&t)?;
             let t = v.as_tensor().clone();
@@ -351,7 +384,7 @@ impl Backend for ParamStore {
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        let meta = self.reader.meta(name)?;
+        let meta = self.reader(name)?.meta(name)?;
         Ok(self.load(
             &Shape::from(meta.shape),
             name,
@@ -362,7 +395,12 @@ impl Backend for ParamStore {
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
-        self.reader.contains(name)
+        let given = self
+            .params
+            .lock()
+            .map(|p| p.iter().any(|p| p.name == name))
+            .unwrap_or(false);
+        given || self.reader.as_ref().is_some_and(|r| r.contains(name))
     }
 }
 

@@ -9,6 +9,7 @@
 //! - [`checkpoint`]: safetensors reading (each rank only its slice), the `VarBuilder` backend,
 //!   atomic saving in the HF layout;
 //! - [`tokenizer`]: `tokenizer.json` and the special tokens of `tokenizer_config.json`;
+//! - [`unit`]: a module's parameters, resident or sharded over a ZeRO-3 group;
 //! - [`llama`]: the `LlamaForCausalLM` model, from the parallel layers.
 
 pub mod checkpoint;
@@ -17,5 +18,6 @@ pub mod grads;
 pub mod hub;
 pub mod llama;
 pub mod tokenizer;
+pub mod unit;
 
 pub use error::{Error, Result};

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::Device;
 use candle_parallel::comm::Comm;
-use models::checkpoint::{save_hf, CheckpointReader, Param, SaveOptions, Shard};
+use models::checkpoint::{save_hf, CheckpointReader, SaveOptions, Shard};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -53,13 +53,6 @@ pub fn list_checkpoints(out: &Path) -> Vec<(u64, PathBuf)> {
     v
 }
 
-/// The parameter a state entry (`exp_avg.<name>`, `exp_avg_sq.<name>`, `master.<name>`)
-/// belongs to.
-fn param_of<'a>(entry: &'a str, params: &'a [Param]) -> Option<&'a Param> {
-    let name = entry.split_once('.').map(|(_, n)| n)?;
-    params.iter().find(|p| p.name == name)
-}
-
 /// Collective over the world: saves the trainer's model and state as `out/step-N` (written by
 /// world rank 0), then removes all but the last `keep` checkpoints. `extra_files` (config.json,
 /// tokenizer files) are copied into the model directory.
@@ -73,19 +66,18 @@ pub fn save(
 ) -> Result<PathBuf> {
     let tp = trainer.tp().clone();
     let write = world.rank() == 0;
-    // Optimizer state: gather tensor-parallel slices like the parameters.
+    // Optimizer state: whole tensor-parallel slices, gathered like the parameters.
     let mut state = Vec::new();
-    for (name, t) in trainer.optimizer.state_tensors()? {
-        let p = param_of(&name, &trainer.params).ok_or_else(|| {
-            Error::Invalid(format!("optimizer state `{name}` names no parameter"))
-        })?;
-        let t = if p.shard.is_split() {
-            tp.all_gather(&t.contiguous()?, p.shard.dim)?
+    for (name, t) in trainer.optimizer_state()? {
+        let shard = entry_shard(trainer, &name)?;
+        let t = if shard.is_split() {
+            tp.all_gather(&t.contiguous()?, shard.dim)?
         } else {
             t
         };
         state.push((name, t));
     }
+    let params = trainer.whole_params()?;
     let mut files = extra_files.to_vec();
     let dir = step_dir(out, trainer.step);
     if write {
@@ -102,8 +94,7 @@ pub fn save(
         let json = serde_json::to_vec_pretty(&ts).map_err(|e| Error::Invalid(e.to_string()))?;
         files.push(("trainer_state.json".into(), json));
     }
-    let dtype = trainer
-        .params
+    let dtype = params
         .first()
         .map(|p| p.tensor.dtype())
         .unwrap_or(candle_core::DType::F32);
@@ -112,7 +103,7 @@ pub fn save(
         extra_files: files,
         ..Default::default()
     };
-    save_hf(&trainer.params, &tp, &dir, write, &opts)?;
+    save_hf(&params, &tp, &dir, write, &opts)?;
     if write {
         let all = list_checkpoints(out);
         if all.len() > keep.max(1) {
@@ -153,14 +144,21 @@ pub fn restore(trainer: &mut Trainer, dir: &Path, state: &TrainerState) -> Resul
     let reader = CheckpointReader::open(&[dir.join("optimizer.safetensors")])?;
     let mut tensors = HashMap::new();
     for name in reader.names() {
-        let p = param_of(&name, &trainer.params).ok_or_else(|| Error::Checkpoint {
+        let shard = entry_shard(trainer, &name).map_err(|_| Error::Checkpoint {
             path: dir.to_path_buf(),
             msg: format!("optimizer state `{name}` names no parameter of the model"),
         })?;
-        let shard: Shard = p.shard;
         tensors.insert(name.clone(), reader.read(&name, shard, &Device::Cpu)?);
     }
-    trainer.optimizer.load_state(&tensors, state.step)?;
-    trainer.step = state.step;
+    trainer.load_optimizer_state(tensors, state.step)?;
     Ok(())
+}
+
+/// The tensor-parallel split of the parameter an optimizer state entry (`exp_avg.<name>`,
+/// `exp_avg_sq.<name>`, `master.<name>`) belongs to.
+fn entry_shard(trainer: &Trainer, entry: &str) -> Result<Shard> {
+    entry
+        .split_once('.')
+        .and_then(|(_, name)| trainer.param_shard(name))
+        .ok_or_else(|| Error::Invalid(format!("optimizer state `{entry}` names no parameter")))
 }

@@ -1,6 +1,7 @@
-//! Training and evaluation data: documents from text or JSON-lines files (or pre-tokenized
-//! sequences), tokenized and packed into fixed-length windows with per-token document ids,
-//! shuffled deterministically by seed and dealt to data-parallel ranks.
+//! Training and evaluation data: documents from text, JSON-lines or Parquet files (the Hugging
+//! Face datasets format), or pre-tokenized sequences, tokenized and packed into fixed-length
+//! windows with per-token document ids, shuffled deterministically by seed and dealt to
+//! data-parallel ranks.
 //!
 //! Packing: every document's tokens are followed by EOS (when the tokenizer has one) and the
 //! documents are concatenated; the stream is cut into windows of `seq_len + 1` tokens that
@@ -18,8 +19,13 @@ use crate::error::{Error, Result};
 /// Label value that the loss skips.
 pub const IGNORE: i64 = candle_parallel::layers::IGNORE_INDEX;
 
-/// Documents of a text file (`.txt`: the whole file is one document) or a JSON-lines file
-/// (`.jsonl` / `.ndjson`: one object per line with a string field `field`). `flag` names the
+/// The file kinds [`read_documents`] reads, by extension.
+const DATA_EXTENSIONS: [&str; 4] = ["txt", "jsonl", "ndjson", "parquet"];
+
+/// Documents of a text file (`.txt`: the whole file is one document), a JSON-lines file
+/// (`.jsonl` / `.ndjson`: one object per line with a string field `field`) or a Parquet file
+/// (`.parquet`: the string column `field` of every row, as Hugging Face datasets store text;
+/// snappy, zstd, lz4 and gzip compression). Empty documents are skipped. `flag` names the
 /// command-line flag in errors.
 pub fn read_documents(path: &Path, field: &str, flag: &str) -> Result<Vec<String>> {
     let err = |msg: String| Error::Data {
@@ -27,11 +33,20 @@ pub fn read_documents(path: &Path, field: &str, flag: &str) -> Result<Vec<String
         path: path.to_path_buf(),
         msg,
     };
+    let ext = path.extension().and_then(|e| e.to_str());
+    if ext == Some("parquet") {
+        let docs: Vec<String> = read_parquet_column(path, field)
+            .map_err(err)?
+            .into_iter()
+            .filter(|d| !d.trim().is_empty())
+            .collect();
+        if docs.is_empty() {
+            return Err(err("holds no text".into()));
+        }
+        return Ok(docs);
+    }
     let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read: {e}")))?;
-    let is_jsonl = matches!(
-        path.extension().and_then(|e| e.to_str()),
-        Some("jsonl") | Some("ndjson")
-    );
+    let is_jsonl = matches!(ext, Some("jsonl") | Some("ndjson"));
     let docs = if is_jsonl {
         let mut docs = Vec::new();
         for (i, line) in text.lines().enumerate() {
@@ -57,8 +72,54 @@ pub fn read_documents(path: &Path, field: &str, flag: &str) -> Result<Vec<String
     Ok(docs)
 }
 
-/// Documents of every file in `paths` (files, or directories whose `.txt`/`.jsonl` files are
-/// read in name order).
+/// The strings of column `field` of a Parquet file, row by row (null values skipped). Errors
+/// are messages for [`Error::Data`].
+fn read_parquet_column(path: &Path, field: &str) -> std::result::Result<Vec<String>, String> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    use parquet::record::Field;
+    use parquet::schema::types::Type;
+
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read: {e}"))?;
+    let reader =
+        SerializedFileReader::new(file).map_err(|e| format!("not a valid Parquet file: {e}"))?;
+    let schema = reader.metadata().file_metadata().schema_descr();
+    let columns = schema.root_schema().get_fields();
+    let column = columns.iter().find(|c| c.name() == field).ok_or_else(|| {
+        let names: Vec<&str> = columns.iter().map(|c| c.name()).collect();
+        format!("no column {field:?} (columns: {names:?}); choose one with --text-field")
+    })?;
+    let projection = Type::group_type_builder(schema.root_schema().name())
+        .with_fields(vec![column.clone()])
+        .build()
+        .map_err(|e| format!("column {field:?}: {e}"))?;
+    let rows = reader
+        .get_row_iter(Some(projection))
+        .map_err(|e| format!("column {field:?}: {e}"))?;
+    let mut docs = Vec::new();
+    for (i, row) in rows.enumerate() {
+        let row = row.map_err(|e| format!("row {i}: {e}"))?;
+        for (_, value) in row.get_column_iter() {
+            match value {
+                Field::Str(s) => docs.push(s.clone()),
+                Field::Bytes(b) => docs.push(
+                    std::str::from_utf8(b.data())
+                        .map_err(|_| format!("row {i}: column {field:?} is not UTF-8 text"))?
+                        .to_string(),
+                ),
+                Field::Null => {}
+                other => {
+                    return Err(format!(
+                        "row {i}: column {field:?} holds {other:?}, not text"
+                    ))
+                }
+            }
+        }
+    }
+    Ok(docs)
+}
+
+/// Documents of every file in `paths` (files, or directories whose `.txt`, `.jsonl` and
+/// `.parquet` files are read in name order).
 pub fn read_corpus(paths: &[PathBuf], field: &str, flag: &str) -> Result<Vec<String>> {
     let mut docs = Vec::new();
     for p in paths {
@@ -71,10 +132,9 @@ pub fn read_corpus(paths: &[PathBuf], field: &str, flag: &str) -> Result<Vec<Str
                 })?
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|f| {
-                    matches!(
-                        f.extension().and_then(|e| e.to_str()),
-                        Some("txt") | Some("jsonl") | Some("ndjson")
-                    )
+                    f.extension()
+                        .and_then(|e| e.to_str())
+                        .is_some_and(|e| DATA_EXTENSIONS.contains(&e))
                 })
                 .collect();
             files.sort();
@@ -82,7 +142,7 @@ pub fn read_corpus(paths: &[PathBuf], field: &str, flag: &str) -> Result<Vec<Str
                 return Err(Error::Data {
                     flag: flag.into(),
                     path: p.clone(),
-                    msg: "directory has no .txt or .jsonl files".into(),
+                    msg: "directory has no .txt, .jsonl or .parquet files".into(),
                 });
             }
             for f in files {
@@ -351,6 +411,60 @@ mod tests {
         assert_eq!(a, vec![12, 13]);
         assert_eq!(b, vec![14, 15]);
         assert!(s.window_of(12) < 10);
+    }
+
+    fn fixture(name: &str) -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/data")
+            .join(name)
+    }
+
+    /// Parquet files written by pyarrow (`scripts/make_data_fixtures.py`: snappy with two row
+    /// groups, zstd with `large_string`, gzip; one null row) hold the documents of the JSON-lines
+    /// file.
+    #[test]
+    fn parquet_gives_the_documents_of_jsonl() {
+        let want = read_documents(&fixture("docs.jsonl"), "text", "--data").unwrap();
+        assert_eq!(want.len(), 6);
+        for f in [
+            "docs-snappy.parquet",
+            "docs-zstd.parquet",
+            "docs-gzip.parquet",
+        ] {
+            let got = read_documents(&fixture(f), "text", "--data").unwrap();
+            assert_eq!(got, want, "{f}");
+        }
+    }
+
+    #[test]
+    fn bad_parquet_is_a_clear_error() {
+        let msg =
+            |p: &Path, field: &str| read_documents(p, field, "--data").unwrap_err().to_string();
+        let m = msg(&fixture("not-text.parquet"), "text");
+        assert!(
+            m.contains("not-text.parquet") && m.contains("not text"),
+            "{m}"
+        );
+        let m = msg(&fixture("docs-snappy.parquet"), "content");
+        assert!(
+            m.contains("no column \"content\"") && m.contains("--text-field"),
+            "{m}"
+        );
+        let dir = std::env::temp_dir().join(format!("cpl-parquet-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let broken = dir.join("broken.parquet");
+        std::fs::write(&broken, b"PAR1 this is not parquet").unwrap();
+        let m = msg(&broken, "text");
+        assert!(
+            m.contains("broken.parquet") && m.contains("not a valid Parquet file"),
+            "{m}"
+        );
+        // A directory of data files reads the Parquet ones too, in name order.
+        std::fs::copy(fixture("docs-zstd.parquet"), dir.join("a.parquet")).unwrap();
+        std::fs::remove_file(&broken).unwrap();
+        let docs = read_corpus(std::slice::from_ref(&dir), "text", "--data").unwrap();
+        assert_eq!(docs.len(), 6);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -18,6 +18,7 @@ use super::layout::{positions, ShardPlan};
 use super::mask::AttnMask;
 use super::{SequenceParallelAttention, SpGroup};
 use crate::collectives;
+use crate::comm::ReduceOp;
 use crate::error::{Error, Result};
 
 /// All-gather context parallelism over the ring group (ulysses degree 1).
@@ -78,5 +79,47 @@ impl SequenceParallelAttention for AllGatherAttention {
         let (out, lse) =
             flash_ring::flash_attention_with_lse(q, &k_all, &v_all, &spec).map_err(kernel_err)?;
         Ok((out, want_lse.then_some(lse)))
+    }
+
+    /// All-gathers K and V again (the forward did not keep them), runs the kernel's backward
+    /// and reduce-scatters dK, dV to their owners.
+    fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        mask: &AttnMask,
+        scale: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (_, plan) =
+            self.group
+                .check_backward("all-gather cp", q, k, v, out, lse, dout, mask)?;
+        let cp = &self.group.ring;
+        let (k_all, v_all) = (
+            cp.all_gather(&k.detach(), 1)?,
+            cp.all_gather(&v.detach(), 1)?,
+        );
+        let q_pos = positions(&plan.ring_positions(cp.rank()));
+        let k_pos = positions(&plan.concat_order());
+        let spec = mask.spec(scale, q_pos, k_pos);
+        let (dq, dk_all, dv_all) = flash_ring::flash_bwd_f32(
+            &q.detach(),
+            &k_all,
+            &v_all,
+            &out.detach(),
+            &lse.detach(),
+            &dout.detach(),
+            &spec,
+        )
+        .map_err(kernel_err)?;
+        let scatter = |x: &Tensor| cp.reduce_scatter(x, 1, ReduceOp::Sum);
+        Ok((
+            dq.to_dtype(q.dtype())?,
+            scatter(&dk_all)?.to_dtype(k.dtype())?,
+            scatter(&dv_all)?.to_dtype(v.dtype())?,
+        ))
     }
 }

@@ -35,7 +35,9 @@ use super::mask::{AttnMask, MaskBlock};
 use super::multi_ring_plan::DoubleRingPlan;
 use super::op::record3;
 use super::ring::RingComm;
-use super::ulysses::{heads_to_seq, kv_replication, lse_heads_to_seq, repeat_kv, seq_to_heads};
+use super::ulysses::{
+    grads_to_seq, heads_to_seq, kv_replication, lse_heads_to_seq, repeat_kv, seq_to_heads, to_heads,
+};
 use super::{SequenceParallelAttention, SpGroup};
 use crate::comm::{Comm, Pending};
 use crate::error::{Error, Result};
@@ -354,5 +356,29 @@ impl SequenceParallelAttention for DoubleRingAttention {
             None
         };
         Ok((out, lse))
+    }
+
+    fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        mask: &AttnMask,
+        scale: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (dims, plan) =
+            self.group
+                .check_backward("double ring", q, k, v, out, lse, dout, mask)?;
+        let hp = &self.group.ulysses;
+        let rep = kv_replication(dims.q_heads, dims.kv_heads, hp.size())?;
+        let h = to_heads(hp, rep, q, k, v, out, dout, lse)?;
+        let blocks = DoubleRingBlocks::natural(&plan, self.dr.rank(), mask);
+        let grads = double_ring_backward(
+            &self.dr, &h.q, &h.k, &h.v, &h.out, &h.lse, &h.dout, &blocks, mask, scale,
+        )?;
+        grads_to_seq(hp, rep, grads, q.dtype(), k.dtype())
     }
 }

@@ -130,6 +130,26 @@ pub trait SequenceParallelAttention: Send + Sync {
         Ok(self.forward(q, k, v, mask, scale, false)?.0)
     }
 
+    /// The backward of [`SequenceParallelAttention::forward`] from its inputs and FINAL results:
+    /// `(dq, dk, dv)` shaped and typed like `q`, `k`, `v` (this rank's shard), given `out` and
+    /// `lse` as `forward` returned them (with `want_lse`) and the output gradient `dout`.
+    /// Collective like `forward`: every rank of the group calls it with the same shapes, mask
+    /// and scale. Records nothing. Selective activation recomputation uses it to replay a
+    /// layer's attention without running it again: it keeps `out` and `lse` and recomputes
+    /// `q`, `k`, `v` (see [`crate::recompute`]).
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        mask: &AttnMask,
+        scale: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)>;
+
     /// As [`SequenceParallelAttention::attention`], also returning lse `(batch, q_heads, n)` f32.
     fn attention_with_lse(
         &self,
@@ -206,6 +226,44 @@ impl SpGroup {
         let seq_len = dims.n * self.degree();
         let plan = self.plan(seq_len)?;
         mask.check(op, seq_len)?;
+        Ok((dims, plan))
+    }
+}
+
+impl SpGroup {
+    /// [`SpGroup::check`] for a backward: also checks that `out` and `dout` have q's shape and
+    /// `lse` is `(batch, q_heads, n)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn check_backward(
+        &self,
+        op: &'static str,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        mask: &AttnMask,
+    ) -> Result<(QkvDims, ShardPlan)> {
+        let (dims, plan) = self.check(op, q, k, v, mask)?;
+        for (name, t) in [("out", out), ("dout", dout)] {
+            if t.dims() != q.dims() {
+                return Err(Error::invalid(
+                    op,
+                    format!("{name} has shape {:?}, q has {:?}", t.dims(), q.dims()),
+                ));
+            }
+        }
+        if lse.dims() != [dims.batch, dims.q_heads, dims.n] {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "lse has shape {:?}, expected (batch, q_heads, n) = {:?}",
+                    lse.dims(),
+                    [dims.batch, dims.q_heads, dims.n]
+                ),
+            ));
+        }
         Ok((dims, plan))
     }
 }
@@ -412,5 +470,19 @@ impl SequenceParallelAttention for SpAttention {
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         self.imp.forward(q, k, v, mask, scale, want_lse)
+    }
+
+    fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        mask: &AttnMask,
+        scale: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        self.imp.backward(q, k, v, out, lse, dout, mask, scale)
     }
 }

@@ -349,4 +349,39 @@ impl SequenceParallelAttention for RingAttention {
         let (out, lse) = ring_attention(&self.ring, q, k, v, blocks, mask, scale)?;
         Ok((out, want_lse.then_some(lse)))
     }
+
+    fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        mask: &AttnMask,
+        scale: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (_, plan) =
+            self.group
+                .check_backward("ring attention", q, k, v, out, lse, dout, mask)?;
+        let blocks = RingBlocks::natural(&plan, &self.ring, mask);
+        let d = |x: &Tensor| x.detach();
+        let (dq, dk, dv) = ring_backward(
+            &self.ring,
+            &d(q),
+            &d(k),
+            &d(v),
+            &d(out),
+            &d(lse),
+            &d(dout),
+            &blocks,
+            mask,
+            scale,
+        )?;
+        Ok((
+            dq.to_dtype(q.dtype())?,
+            dk.to_dtype(k.dtype())?,
+            dv.to_dtype(v.dtype())?,
+        ))
+    }
 }

@@ -6,7 +6,9 @@
 //! `Σ out ⊙ g`), runs the strategy on its shard, backpropagates `Σ out_local ⊙ g_local`, and
 //! compares its shards of out, lse, dq, dk, dv with the reference's, relative to the largest
 //! magnitude of the GLOBAL reference (so the worst rank's error is the global
-//! `max|a - b| / max|ref|`). A missing gradient is an error. [`default_cases`] gives one
+//! `max|a - b| / max|ref|`). A missing gradient is an error. The strategy's explicit
+//! [`SequenceParallelAttention::backward`] (from q, k, v, out, lse and the output gradient, as
+//! selective recomputation uses it) must give the same dq, dk, dv. [`default_cases`] gives one
 //! configuration per strategy that fits a world size; the MPI self-test runs them.
 
 use std::sync::Arc;
@@ -118,6 +120,8 @@ pub fn default_cases(world_size: usize) -> Vec<SelfTestCase> {
 pub struct SelfTestReport {
     /// Relative errors of out, lse, dq, dk, dv on this rank's shard.
     pub errors: [f32; 5],
+    /// Relative errors of dq, dk, dv from the explicit backward.
+    pub explicit_bwd_errors: [f32; 3],
     /// Bytes this rank sent in forward (`attention_with_lse`) and in backward.
     pub fwd_bytes: u64,
     pub bwd_bytes: u64,
@@ -197,6 +201,8 @@ pub fn check_case(world: &Comm, case: &SelfTestCase) -> Result<SelfTestReport> {
             .cloned()
             .ok_or_else(|| fail(format!("rank {}: no gradient for {name}", world.rank())))
     };
+    let g_local = sp.shard(&g, 1)?;
+    let explicit = sp.backward(&ql, &kl, &vl, &out, &lse, &g_local, &c.mask, scale)?;
     let got = [out, lse, lg(&ql, "q")?, lg(&kl, "k")?, lg(&vl, "v")?];
 
     let names = ["out", "lse", "dq", "dk", "dv"];
@@ -216,8 +222,24 @@ pub fn check_case(world: &Comm, case: &SelfTestCase) -> Result<SelfTestReport> {
             )));
         }
     }
+    let mut explicit_bwd_errors = [0f32; 3];
+    for (i, e) in [explicit.0, explicit.1, explicit.2].iter().enumerate() {
+        let want = sp.shard(&refs[i + 2], 1)?;
+        explicit_bwd_errors[i] = rel_err(e, &want, &refs[i + 2])?;
+        if explicit_bwd_errors[i] > c.tol || explicit_bwd_errors[i].is_nan() {
+            return Err(fail(format!(
+                "{}: rank {}: explicit backward {} relative error {:e} > {:e}",
+                c.name(),
+                world.rank(),
+                names[i + 2],
+                explicit_bwd_errors[i],
+                c.tol
+            )));
+        }
+    }
     Ok(SelfTestReport {
         errors,
+        explicit_bwd_errors,
         fwd_bytes: mid - before,
         bwd_bytes: after - mid,
     })

@@ -184,6 +184,22 @@ pub struct StarTrailSaved {
     pub v_held: Tensor,
 }
 
+impl StarTrailSaved {
+    /// Steps 1 and 2 of the forward: the team all-gather of q, k, v and the initial placement
+    /// of the team's kv block. Collective over the sequence-parallel communicator.
+    pub fn place(st: &StarTrailComm, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Self> {
+        let q_team = st.team_gather(q, 1)?;
+        let k_team = st.team_gather(k, 1)?;
+        let v_team = st.team_gather(v, 1)?;
+        let [k_held, v_held] = unpack(st.swap(&st.init, &[&k_team, &v_team])?, "kv")?;
+        Ok(Self {
+            q_team,
+            k_held,
+            v_held,
+        })
+    }
+}
+
 /// The forward: returns this rank's final `out` (q's dtype) and `lse` `(b, hq, n)` f32, and
 /// what the backward needs. Collective over the sequence-parallel communicator.
 pub fn startrail_forward(
@@ -198,12 +214,9 @@ pub fn startrail_forward(
     blocks.check(st)?;
     let (plan, me) = (&st.plan, st.rank());
     let g = plan.sub_ring_size();
-    // 1. Team all-gather.
-    let q_team = st.team_gather(q, 1)?;
-    let k_team = st.team_gather(k, 1)?;
-    let v_team = st.team_gather(v, 1)?;
-    // 2. Initial placement.
-    let [k_held, v_held] = unpack(st.swap(&st.init, &[&k_team, &v_team])?, "kv")?;
+    // 1. Team all-gather, 2. initial placement.
+    let saved = StarTrailSaved::place(st, q, k, v)?;
+    let (q_team, k_held, v_held) = (&saved.q_team, &saved.k_held, &saved.v_held);
     // 3. Sub-ring.
     let qb = &blocks.teams[plan.team(me)];
     let mut partial = Partial::new();
@@ -211,7 +224,7 @@ pub fn startrail_forward(
     for s in 0..g {
         let pending = (s + 1 < g).then(|| st.sub.shift(&[&kc, &vc])).transpose()?;
         let kb = &blocks.teams[plan.kv_team_at(me, s)];
-        partial.add_opt(block_fwd(&q_team, &kc, &vc, mask, scale, qb, kb)?)?;
+        partial.add_opt(block_fwd(q_team, &kc, &vc, mask, scale, qb, kb)?)?;
         if let Some([kn, vn]) = wait_n(pending, "kv")? {
             (kc, vc) = (kn, vn);
         }
@@ -240,15 +253,7 @@ pub fn startrail_forward(
             mine.finish(q)?
         }
     };
-    Ok((
-        out,
-        lse,
-        StarTrailSaved {
-            q_team,
-            k_held,
-            v_held,
-        },
-    ))
+    Ok((out, lse, saved))
 }
 
 /// The backward, given this rank's FINAL `out`, `lse` and `dout` and what the forward saved.
@@ -413,5 +418,39 @@ impl SequenceParallelAttention for StarTrailAttention {
         let blocks = Arc::new(StarTrailBlocks::natural(&plan, &self.st.plan, mask));
         let (out, lse) = startrail_attention(&self.st, q, k, v, blocks, mask, scale)?;
         Ok((out, want_lse.then_some(lse)))
+    }
+
+    fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        mask: &AttnMask,
+        scale: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (_, plan) = self
+            .group
+            .check_backward("startrail", q, k, v, out, lse, dout, mask)?;
+        let blocks = StarTrailBlocks::natural(&plan, &self.st.plan, mask);
+        let d = |x: &Tensor| x.detach();
+        let saved = StarTrailSaved::place(&self.st, &d(q), &d(k), &d(v))?;
+        let (dq, dk, dv) = startrail_backward(
+            &self.st,
+            &saved,
+            &d(out),
+            &d(lse),
+            &d(dout),
+            &blocks,
+            mask,
+            scale,
+        )?;
+        Ok((
+            dq.to_dtype(q.dtype())?,
+            dk.to_dtype(k.dtype())?,
+            dv.to_dtype(v.dtype())?,
+        ))
     }
 }

@@ -15,7 +15,7 @@
 //! The helpers ([`seq_to_heads`], [`heads_to_seq`], [`repeat_kv`], [`kv_replication`]) are
 //! shared with [`super::usp`] and the other 2D strategies.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use super::layout::{positions, ShardPlan};
 use super::mask::AttnMask;
@@ -93,6 +93,76 @@ pub fn lse_heads_to_seq(lse: &Tensor, comm: &Comm) -> Result<Tensor> {
     comm.all_to_all(lse, 2, 1)
 }
 
+/// lse `(b, h, n)` → `(b, h/P, n·P)` over `comm`, the inverse of [`lse_heads_to_seq`] (not
+/// differentiable). Collective.
+pub fn lse_seq_to_heads(lse: &Tensor, comm: &Comm) -> Result<Tensor> {
+    if comm.size() == 1 {
+        return Ok(lse.clone());
+    }
+    comm.all_to_all(lse, 1, 2)
+}
+
+/// The tensors of a backward in the head-parallel view (whole sequence of the ulysses group,
+/// `1/P` of the heads): what [`to_heads`] returns.
+pub(crate) struct HeadView {
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub out: Tensor,
+    pub dout: Tensor,
+    pub lse: Tensor,
+}
+
+/// Moves a backward's inputs from the sequence-shard view to the head-parallel view over `comm`
+/// (kv heads replicated `rep` times first), as the forward's all-to-alls did. Collective;
+/// records nothing.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn to_heads(
+    comm: &Comm,
+    rep: usize,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    dout: &Tensor,
+    lse: &Tensor,
+) -> Result<HeadView> {
+    let a2a = |x: &Tensor| seq_to_heads(&x.detach(), comm);
+    Ok(HeadView {
+        q: a2a(q)?,
+        k: a2a(&repeat_kv(k, rep)?)?,
+        v: a2a(&repeat_kv(v, rep)?)?,
+        out: a2a(out)?,
+        dout: a2a(dout)?,
+        lse: lse_seq_to_heads(&lse.detach(), comm)?,
+    })
+}
+
+/// The gradients of the head-parallel view back to this rank's sequence shard: the inverse
+/// all-to-all of `dq`, `dk`, `dv`, summing the gradients of the `rep` replicas of each kv head
+/// (in f32), cast to the dtypes of q and of k/v. Collective; records nothing.
+pub(crate) fn grads_to_seq(
+    comm: &Comm,
+    rep: usize,
+    (dq, dk, dv): (Tensor, Tensor, Tensor),
+    q_dtype: DType,
+    kv_dtype: DType,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let unrep = |x: Tensor| -> Result<Tensor> {
+        let x = heads_to_seq(&x.to_dtype(DType::F32)?, comm)?;
+        if rep == 1 {
+            return Ok(x);
+        }
+        let (b, n, h, d) = x.dims4()?;
+        Ok(x.reshape((b, n, h / rep, rep, d))?.sum(3)?)
+    };
+    Ok((
+        heads_to_seq(&dq, comm)?.to_dtype(q_dtype)?,
+        unrep(dk)?.to_dtype(kv_dtype)?,
+        unrep(dv)?.to_dtype(kv_dtype)?,
+    ))
+}
+
 /// Ulysses sequence parallelism over the ulysses group (ring degree 1).
 pub struct UlyssesAttention {
     group: SpGroup,
@@ -151,6 +221,30 @@ impl SequenceParallelAttention for UlyssesAttention {
             None
         };
         Ok((out, lse))
+    }
+
+    fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        mask: &AttnMask,
+        scale: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (dims, plan) = self
+            .group
+            .check_backward("ulysses", q, k, v, out, lse, dout, mask)?;
+        let comm = &self.group.ulysses;
+        let rep = kv_replication(dims.q_heads, dims.kv_heads, comm.size())?;
+        let h = to_heads(comm, rep, q, k, v, out, dout, lse)?;
+        let all = positions(&plan.ring_positions(0));
+        let spec = mask.spec(scale, all.clone(), all);
+        let grads = flash_ring::flash_bwd_f32(&h.q, &h.k, &h.v, &h.out, &h.lse, &h.dout, &spec)
+            .map_err(kernel_err)?;
+        grads_to_seq(comm, rep, grads, q.dtype(), k.dtype())
     }
 }
 

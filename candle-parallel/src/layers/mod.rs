@@ -197,6 +197,12 @@ impl ParallelCtx {
         &self.attention
     }
 
+    /// The configured attention as a shared handle (for blocks that outlive this call, such as
+    /// recomputed ones, see [`crate::recompute`]).
+    pub fn attention_handle(&self) -> Arc<dyn SequenceParallelAttention> {
+        self.attention.clone()
+    }
+
     /// Ranks that hold different tokens of one sequence (ulysses × ring).
     pub fn sequence_group(&self) -> &Comm {
         &self.sequence_group

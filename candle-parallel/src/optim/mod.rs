@@ -1,6 +1,6 @@
 //! Training optimizer: AdamW with fp32 master weights ([`AdamW`]), global gradient-norm clipping
-//! across tensor-parallel shards ([`clip_grad_norm`]) and learning-rate schedules
-//! ([`LrSchedule`]).
+//! across tensor-parallel shards ([`clip_grad_norm`]), learning-rate schedules ([`LrSchedule`])
+//! and ZeRO sharding of optimizer states, gradients and parameters ([`zero`]).
 //!
 //! candle-nn's `AdamW` keeps its moments in the parameter dtype, has no clipping, no schedule and
 //! no state save/load; this module provides all four. One training step is:
@@ -13,11 +13,13 @@
 
 pub mod adamw;
 pub mod schedule;
+pub mod zero;
 
 use candle_core::{DType, Tensor, Var};
 
 pub use adamw::{AdamW, AdamWConfig};
 pub use schedule::{Decay, LrSchedule};
+pub use zero::{FlatShard, ZeroGroups, ZeroStage};
 
 use crate::comm::{Comm, ReduceOp};
 use crate::error::{Error, Result};

@@ -230,25 +230,48 @@ impl LlamaConfig {
             .ok_or_else(|| Error::config(path, format!("unsupported dtype `{name}`")))
     }
 
+    /// The name and shape of every parameter, as in a Hugging Face checkpoint.
+    pub fn parameter_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
+        let (q, kv) = (
+            self.num_attention_heads * self.head_dim(),
+            self.num_kv_heads() * self.head_dim(),
+        );
+        let mut out = vec![
+            ("model.embed_tokens.weight".to_string(), vec![v, h]),
+            ("model.norm.weight".to_string(), vec![h]),
+        ];
+        if !self.tie_word_embeddings {
+            out.push(("lm_head.weight".into(), vec![v, h]));
+        }
+        for l in 0..self.num_hidden_layers {
+            let p = |n: &str| format!("model.layers.{l}.{n}");
+            out.push((p("input_layernorm.weight"), vec![h]));
+            out.push((p("post_attention_layernorm.weight"), vec![h]));
+            for (name, shape, bias) in [
+                ("self_attn.q_proj", vec![q, h], self.attention_bias),
+                ("self_attn.k_proj", vec![kv, h], self.attention_bias),
+                ("self_attn.v_proj", vec![kv, h], self.attention_bias),
+                ("self_attn.o_proj", vec![h, q], self.attention_bias),
+                ("mlp.gate_proj", vec![i, h], self.mlp_bias),
+                ("mlp.up_proj", vec![i, h], self.mlp_bias),
+                ("mlp.down_proj", vec![h, i], self.mlp_bias),
+            ] {
+                if bias {
+                    out.push((p(&format!("{name}.bias")), vec![shape[0]]));
+                }
+                out.push((p(&format!("{name}.weight")), shape));
+            }
+        }
+        out
+    }
+
     /// Number of parameters of the whole model.
     pub fn num_parameters(&self) -> usize {
-        let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
-        let (hq, hkv, d) = (
-            self.num_attention_heads,
-            self.num_kv_heads(),
-            self.head_dim(),
-        );
-        let attn = h * hq * d * 2
-            + h * hkv * d * 2
-            + if self.attention_bias {
-                hq * d * 2 + hkv * d * 2
-            } else {
-                0
-            };
-        let mlp = 3 * h * i + if self.mlp_bias { 2 * i + h } else { 0 };
-        let layer = attn + mlp + 2 * h;
-        let emb = v * h * if self.tie_word_embeddings { 1 } else { 2 };
-        self.num_hidden_layers * layer + emb + h
+        self.parameter_shapes()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum()
     }
 }
 

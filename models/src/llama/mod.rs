@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod model;
+pub mod random;
 
 use std::sync::Arc;
 
@@ -9,7 +10,8 @@ use candle_core::{DType, Device};
 use candle_parallel::layers::ParallelCtx;
 
 pub use config::LlamaConfig;
-pub use model::{Attention, Batch, DecoderLayer, KvCache, Llama, Mlp, RmsNorm};
+pub use model::{Attention, Batch, DecoderLayer, Ends, KvCache, Llama, Mlp, RmsNorm};
+pub use random::write_random_checkpoint;
 
 use crate::checkpoint::{CheckpointReader, ParamList, ParamStore};
 use crate::error::Result;

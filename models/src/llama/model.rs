@@ -6,17 +6,23 @@
 //! sequence-parallel strategy. Activations are `(batch, tokens, hidden)` over this rank's
 //! sequence shard (and, under TP-sp, its tensor-parallel part of it).
 
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 use candle_parallel::attention::{AttnMask, SequenceParallelAttention};
+use candle_parallel::comm::Comm;
 use candle_parallel::layers::{
     vocab_parallel_cross_entropy, ColumnParallelLinear, CrossEntropyOptions, ParallelCtx,
     RowParallelLinear, TpGroup, VocabParallelEmbedding,
 };
 use candle_parallel::ops::{rms_norm, swiglu, RotaryEmbedding};
+use candle_parallel::recompute::{checkpoint, Block, Checkpointing, GradSink};
 
 use super::config::LlamaConfig;
-use crate::checkpoint::{ParamBuilder, Shard};
+use crate::checkpoint::{Param, ParamBuilder, Shard};
 use crate::error::{Error, Result};
+use crate::unit::{Build, ShardedParam, ShardedUnit, Unit};
 
 /// Loads a column-parallel linear `(out, in)` split by rows over the tensor-parallel group.
 fn column(
@@ -340,25 +346,19 @@ impl Batch {
     }
 }
 
-/// `LlamaForCausalLM`.
+/// The parameters at both ends of the model: the token embedding, the final norm and the LM
+/// head (the embedding's weight when tied). One unit, so that tied weights are one parameter
+/// under every layout.
 #[derive(Debug, Clone)]
-pub struct Llama {
+pub struct Ends {
     embed_tokens: VocabParallelEmbedding,
-    layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     /// This rank's vocab shard `(V/tp, hidden)` of the LM head (the embedding's when tied).
     lm_head: Tensor,
-    rope: RotaryEmbedding,
-    ctx: ParallelCtx,
-    cfg: LlamaConfig,
 }
 
-impl Llama {
-    /// Builds the model for this rank's layout, loading its slice of every parameter through
-    /// `vb` (keys as in the Hugging Face checkpoint). Collective only through `ctx`'s creation;
-    /// local here. Errors when the layout does not divide the heads or the vocabulary.
+impl Ends {
     pub fn new(cfg: &LlamaConfig, ctx: &ParallelCtx, vb: ParamBuilder) -> Result<Self> {
-        check_layout(cfg, ctx)?;
         let tp = ctx.tp();
         let v = cfg.vocab_size;
         let shard = Shard::new(0, tp.rank(), tp.size());
@@ -369,9 +369,6 @@ impl Llama {
             shard,
         )?;
         let embed_tokens = VocabParallelEmbedding::new(emb_w.clone(), v, tp.comm().clone())?;
-        let layers = (0..cfg.num_hidden_layers)
-            .map(|i| DecoderLayer::new(cfg, ctx, m.pp("layers").pp(i)))
-            .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, m.pp("norm"))?;
         let lm_head = if cfg.tie_word_embeddings {
             emb_w
@@ -379,16 +376,62 @@ impl Llama {
             vb.pp("lm_head")
                 .get_with_hints((v / tp.size(), cfg.hidden_size), "weight", shard)?
         };
+        Ok(Self {
+            embed_tokens,
+            norm,
+            lm_head,
+        })
+    }
+}
+
+/// A candle-parallel error from a model error (for blocks run by [`checkpoint`]).
+fn parallel_err(e: Error) -> candle_parallel::Error {
+    match e {
+        Error::Parallel(p) => p,
+        other => candle_parallel::Error::Candle(other.into()),
+    }
+}
+
+/// `LlamaForCausalLM`.
+///
+/// How the layers run is set apart from what they compute: [`Llama::set_checkpointing`]
+/// chooses activation checkpointing of every decoder layer, [`Llama::shard_parameters`] shards
+/// the parameters ZeRO-3 style (each layer, and the embedding/norm/head unit, gathered for each
+/// use). With checkpointing, parameter gradients arrive through [`Llama::backward`] (use it in
+/// place of `loss.backward()`).
+#[derive(Debug, Clone)]
+pub struct Llama {
+    ends: Unit<Ends>,
+    layers: Vec<Unit<DecoderLayer>>,
+    rope: RotaryEmbedding,
+    ctx: ParallelCtx,
+    cfg: LlamaConfig,
+    checkpointing: Checkpointing,
+    sink: GradSink,
+}
+
+impl Llama {
+    /// Builds the model for this rank's layout, loading its slice of every parameter through
+    /// `vb` (keys as in the Hugging Face checkpoint). Collective only through `ctx`'s creation;
+    /// local here. Errors when the layout does not divide the heads or the vocabulary.
+    pub fn new(cfg: &LlamaConfig, ctx: &ParallelCtx, vb: ParamBuilder) -> Result<Self> {
+        check_layout(cfg, ctx)?;
+        let ends = Ends::new(cfg, ctx, vb.clone())?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                DecoderLayer::new(cfg, ctx, vb.pp("model").pp("layers").pp(i)).map(Unit::Resident)
+            })
+            .collect::<Result<Vec<_>>>()?;
         let (theta, scaling) = cfg.rope(std::path::Path::new("config.json"))?;
         let rope = RotaryEmbedding::new(cfg.head_dim(), theta, &scaling)?;
         Ok(Self {
-            embed_tokens,
+            ends: Unit::Resident(ends),
             layers,
-            norm,
-            lm_head,
             rope,
             ctx: ctx.clone(),
             cfg: cfg.clone(),
+            checkpointing: Checkpointing::None,
+            sink: GradSink::new(),
         })
     }
 
@@ -400,9 +443,78 @@ impl Llama {
         &self.ctx
     }
 
-    /// Final hidden states `(batch, n, hidden)` of the rank's sequence shard, replicated over
-    /// the tensor-parallel group. Collective over the whole model-parallel group.
-    pub fn forward_hidden(&self, batch: &Batch) -> Result<Tensor> {
+    /// Activation checkpointing of every decoder layer (see [`candle_parallel::recompute`]).
+    pub fn set_checkpointing(&mut self, mode: Checkpointing) {
+        self.checkpointing = mode;
+    }
+
+    pub fn checkpointing(&self) -> Checkpointing {
+        self.checkpointing
+    }
+
+    /// `loss.backward()` plus the parameter gradients computed inside recomputed layers.
+    pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
+        Ok(self.sink.backward(loss)?)
+    }
+
+    /// ZeRO-3: replaces the resident parameters of every decoder layer and of the
+    /// embedding/norm/head unit by this rank's chunks over `group`, and returns the chunks
+    /// (sorted by name; the trainable parameters from now on). `params` are the model's
+    /// parameters as loaded (each rank of `group` holding the same names and shapes); the caller
+    /// should drop them, so that the whole tensors are freed. Local.
+    pub fn shard_parameters(
+        &mut self,
+        params: &[Param],
+        group: &Comm,
+    ) -> Result<Vec<ShardedParam>> {
+        let (cfg, ctx) = (self.cfg.clone(), self.ctx.clone());
+        let prefix = |i: usize| format!("model.layers.{i}.");
+        let in_layer = |p: &Param| {
+            p.name
+                .strip_prefix("model.layers.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|i| i.parse::<usize>().ok())
+        };
+        let mut out = Vec::new();
+        for i in 0..self.layers.len() {
+            let mine: Vec<&Param> = params
+                .iter()
+                .filter(|p| p.name.starts_with(&prefix(i)))
+                .collect();
+            let (c, x) = (cfg.clone(), ctx.clone());
+            let build: Build<DecoderLayer> = Arc::new(move |vb: ParamBuilder<'static>| {
+                DecoderLayer::new(&c, &x, vb.pp("model").pp("layers").pp(i))
+            });
+            let unit = ShardedUnit::new(&mine, group, build)?;
+            out.extend(unit.params().iter().cloned());
+            self.layers[i] = Unit::Sharded(Arc::new(unit));
+        }
+        let ends: Vec<&Param> = params.iter().filter(|p| in_layer(p).is_none()).collect();
+        let build: Build<Ends> =
+            Arc::new(move |vb: ParamBuilder<'static>| Ends::new(&cfg, &ctx, vb));
+        let unit = ShardedUnit::new(&ends, group, build)?;
+        out.extend(unit.params().iter().cloned());
+        self.ends = Unit::Sharded(Arc::new(unit));
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        if out.len() != params.len() {
+            return Err(Error::Invalid(format!(
+                "{} parameters given, {} sharded",
+                params.len(),
+                out.len()
+            )));
+        }
+        Ok(out)
+    }
+
+    /// The embedding/norm/head unit with whole weights (gathered under ZeRO-3, differentiably
+    /// when `grad`).
+    pub fn ends(&self, grad: bool) -> Result<Ends> {
+        self.ends.get(grad)
+    }
+
+    /// The first stage's work: token embeddings `(batch, n', hidden)` of this rank's shard
+    /// (under TP-sp its tensor-parallel part of the tokens). Collective over tp.
+    pub fn embed(&self, ends: &Ends, batch: &Batch) -> Result<Tensor> {
         let (_, n) = batch.input_ids.dims2()?;
         if batch.positions.len() != n {
             return Err(Error::Invalid(format!(
@@ -410,15 +522,67 @@ impl Llama {
                 batch.positions.len()
             )));
         }
-        let tp = self.ctx.tp();
-        let x = self.embed_tokens.forward(&batch.input_ids)?;
-        let mut x = tp.split_tokens(&x)?;
-        let attn = self.ctx.attention();
-        for layer in &self.layers {
-            x = layer.forward(&x, &self.rope, &batch.positions, attn, &batch.mask)?;
+        let x = ends.embed_tokens.forward(&batch.input_ids)?;
+        Ok(self.ctx.tp().split_tokens(&x)?)
+    }
+
+    /// Decoder layers `layers` on `x` (the embeddings, or the previous stage's output), each
+    /// under the model's checkpointing mode. Collective over the model-parallel group.
+    pub fn run_layers(
+        &self,
+        layers: std::ops::Range<usize>,
+        x: &Tensor,
+        batch: &Batch,
+    ) -> Result<Tensor> {
+        if layers.end > self.layers.len() || layers.start > layers.end {
+            return Err(Error::Invalid(format!(
+                "layers {layers:?} of a model with {} layers",
+                self.layers.len()
+            )));
         }
-        let x = self.norm.forward(&x)?;
-        Ok(tp.gather_tokens(&x)?)
+        let attention = self.ctx.attention_handle();
+        let positions: Arc<[u32]> = batch.positions.clone().into();
+        let mut x = x.clone();
+        for unit in &self.layers[layers] {
+            x = match self.checkpointing {
+                Checkpointing::None => {
+                    let layer = unit.get(true)?;
+                    layer.forward(&x, &self.rope, &positions, attention.as_ref(), &batch.mask)?
+                }
+                mode => {
+                    let (unit, rope) = (unit.clone(), self.rope.clone());
+                    let (positions, mask) = (positions.clone(), batch.mask.clone());
+                    let block: Block = Arc::new(move |x, attn| {
+                        let layer = unit.get(x.track_op()).map_err(parallel_err)?;
+                        layer
+                            .forward(x, &rope, &positions, attn, &mask)
+                            .map_err(parallel_err)
+                    });
+                    checkpoint(mode, &x, &attention, &self.sink, block)?
+                }
+            };
+        }
+        Ok(x)
+    }
+
+    /// The last stage's work before the head: the final norm, with the tokens of the
+    /// tensor-parallel group gathered back under TP-sp. `(batch, n, hidden)`.
+    pub fn final_norm(&self, ends: &Ends, x: &Tensor) -> Result<Tensor> {
+        let x = ends.norm.forward(x)?;
+        Ok(self.ctx.tp().gather_tokens(&x)?)
+    }
+
+    /// Final hidden states `(batch, n, hidden)` of the rank's sequence shard, replicated over
+    /// the tensor-parallel group. Collective over the whole model-parallel group.
+    pub fn forward_hidden(&self, batch: &Batch) -> Result<Tensor> {
+        let ends = self.ends(true)?;
+        self.hidden_with(&ends, batch)
+    }
+
+    fn hidden_with(&self, ends: &Ends, batch: &Batch) -> Result<Tensor> {
+        let x = self.embed(ends, batch)?;
+        let x = self.run_layers(0..self.layers.len(), &x, batch)?;
+        self.final_norm(ends, &x)
     }
 
     /// Sum of the next-token cross-entropies of this rank's tokens and their count: `labels`
@@ -431,13 +595,26 @@ impl Llama {
         labels: &Tensor,
         opts: &CrossEntropyOptions,
     ) -> Result<(Tensor, usize)> {
-        let h = self.forward_hidden(batch)?;
+        let ends = self.ends(true)?;
+        let h = self.hidden_with(&ends, batch)?;
+        self.head_loss(&ends, &h, labels, opts)
+    }
+
+    /// The loss of the LM head on final hidden states `h` `(batch, n, hidden)` (see
+    /// [`Llama::loss_sum`]). Collective over tp.
+    pub fn head_loss(
+        &self,
+        ends: &Ends,
+        h: &Tensor,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<(Tensor, usize)> {
         let (b, n, hd) = h.dims3()?;
         let h = h.reshape((b * n, hd))?;
         let labels = labels.flatten_all()?;
         Ok(vocab_parallel_cross_entropy(
             &h,
-            &self.lm_head,
+            &ends.lm_head,
             &labels,
             self.ctx.tp().comm(),
             opts,
@@ -447,8 +624,9 @@ impl Llama {
     /// Logits `(batch, n, vocab)` f32 of this rank's tokens (all-gathered over the vocab shards;
     /// for evaluation and generation, not for long-context training).
     pub fn logits(&self, batch: &Batch) -> Result<Tensor> {
-        let h = self.forward_hidden(batch)?;
-        self.logits_from_hidden(&h)
+        let ends = self.ends(true)?;
+        let h = self.hidden_with(&ends, batch)?;
+        self.logits_with(&ends, &h)
     }
 
     /// Generation step: runs the new tokens `ids` `(batch, n)` (positions `cache.len()..`)
@@ -468,20 +646,23 @@ impl Llama {
         if cache.layers.len() != self.layers.len() {
             cache.layers = vec![None; self.layers.len()];
         }
-        let mut x = self.embed_tokens.forward(ids)?;
-        for (layer, c) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            x = layer.forward_cached(&x, &self.rope, &positions, c)?;
+        let ends = self.ends(false)?;
+        let mut x = ends.embed_tokens.forward(ids)?;
+        for (unit, c) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            x = unit
+                .get(false)?
+                .forward_cached(&x, &self.rope, &positions, c)?;
         }
         cache.len += n;
-        let x = self.norm.forward(&x.narrow(1, n - 1, 1)?)?;
-        self.logits_from_hidden(&x.squeeze(1)?)
+        let x = ends.norm.forward(&x.narrow(1, n - 1, 1)?)?;
+        self.logits_with(&ends, &x.squeeze(1)?)
     }
 
     /// Logits `(.., vocab)` f32 from final hidden states `(.., hidden)`.
-    pub fn logits_from_hidden(&self, h: &Tensor) -> Result<Tensor> {
+    fn logits_with(&self, ends: &Ends, h: &Tensor) -> Result<Tensor> {
         let local = candle_parallel::layers::linear(
             &h.to_dtype(DType::F32)?,
-            &self.lm_head.to_dtype(DType::F32)?,
+            &ends.lm_head.to_dtype(DType::F32)?,
             None,
         )?;
         let tp = self.ctx.tp();

@@ -1,0 +1,196 @@
+//! Activation memory and recomputation traffic of one training step, measured.
+//!
+//! Memory is read from a counting global allocator (this test binary's own): the bytes
+//! allocated and not yet freed, and their peak. One forward and backward of an 8-layer LLaMA
+//! (random weights, hidden 64) on one sequence of 2048 tokens; the activation memory of a run is
+//! its peak minus the bytes held just before the forward (model, optimizer-free, batch). With
+//! local ranks every rank is a thread of this process, so a multi-rank run's peak is the peak of
+//! the sum over ranks; divided by the ranks it is the mean per-rank peak (the ranks of a zigzag
+//! ring hold equal shapes). The benchmark in `docs/benchmarks.md` measures per-process peaks
+//! under MPI.
+//!
+//! Asserted:
+//! - 4 ranks of zigzag ring attention: at most 1/3 of the single-rank activation memory per rank;
+//! - checkpointing: full < selective < none on one rank (and the losses bit-identical);
+//! - selective recomputation never runs attention's forward again: the bytes every rank sends in
+//!   a step equal those without checkpointing, while full recomputation sends more.
+
+use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
+use std::sync::atomic::{AtomicIsize, Ordering};
+
+use candle_core::{DType, Device, Tensor};
+use candle_parallel::attention::{AttnMask, Strategy};
+use candle_parallel::comm::LocalWorld;
+use candle_parallel::layers::{CrossEntropyOptions, ParallelCtx};
+use candle_parallel::mesh::DeviceMesh;
+use candle_parallel::recompute::Checkpointing;
+use cpl_integration_tests::Layout;
+use models::llama::{self, Batch};
+
+struct Counting;
+
+static CURRENT: AtomicIsize = AtomicIsize::new(0);
+static PEAK: AtomicIsize = AtomicIsize::new(0);
+
+fn grew(by: isize) {
+    let now = CURRENT.fetch_add(by, Ordering::SeqCst) + by;
+    PEAK.fetch_max(now, Ordering::SeqCst);
+}
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: AllocLayout) -> *mut u8 {
+        let p = unsafe { System.alloc(l) };
+        if !p.is_null() {
+            grew(l.size() as isize);
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, l: AllocLayout) -> *mut u8 {
+        let p = unsafe { System.alloc_zeroed(l) };
+        if !p.is_null() {
+            grew(l.size() as isize);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, p: *mut u8, l: AllocLayout) {
+        unsafe { System.dealloc(p, l) };
+        CURRENT.fetch_sub(l.size() as isize, Ordering::SeqCst);
+    }
+
+    unsafe fn realloc(&self, p: *mut u8, l: AllocLayout, new: usize) -> *mut u8 {
+        let q = unsafe { System.realloc(p, l, new) };
+        if !q.is_null() {
+            grew(new as isize - l.size() as isize);
+        }
+        q
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+const SEQ: usize = 2048;
+
+fn model_dir() -> std::path::PathBuf {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("memory-llama-8x64");
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 8,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 512,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": false, "torch_dtype": "float32"
+    });
+    llama::write_random_checkpoint(&dir, &config, 7).unwrap();
+    dir
+}
+
+struct Measured {
+    /// Peak bytes above the level before the forward, summed over ranks.
+    activation: isize,
+    loss: f32,
+    /// Bytes sent by each rank during the step.
+    sent: Vec<u64>,
+}
+
+/// One forward and backward of one sequence under `layout` and `ckpt`.
+fn measure(layout: &Layout, ckpt: Checkpointing) -> Measured {
+    let files = models::hub::from_dir("memory", &model_dir()).unwrap();
+    let ids: Vec<u32> = (0..SEQ).map(|i| ((i * 7919 + 13) % 512) as u32).collect();
+    let results = LocalWorld::run(layout.ranks, |world| -> Result<(f32, u64, isize), String> {
+        let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
+        let mesh = DeviceMesh::new(&layout.mesh, world.clone()).map_err(|x| e(&x))?;
+        let ctx = ParallelCtx::new(&mesh, &layout.sp, layout.tp_sp).map_err(|x| e(&x))?;
+        let mut m = llama::load(&files, &ctx, Some(DType::F32), true)
+            .map_err(|x| e(&x))?
+            .model;
+        m.set_checkpointing(ckpt);
+        let (batch, labels) =
+            Batch::from_sequences(&ctx, std::slice::from_ref(&ids), AttnMask::Causal)
+                .map_err(|x| e(&x))?;
+        world.barrier().map_err(|x| e(&x))?;
+        let before = CURRENT.load(Ordering::SeqCst);
+        if world.rank() == 0 {
+            PEAK.store(before, Ordering::SeqCst);
+        }
+        world.barrier().map_err(|x| e(&x))?;
+        let sent0 = world.traffic().snapshot().bytes_sent();
+        let opts = CrossEntropyOptions::default();
+        let (sum, _) = m.loss_sum(&batch, &labels, &opts).map_err(|x| e(&x))?;
+        let loss = sum.to_scalar::<f32>().map_err(|x| e(&x))?;
+        let grads = m
+            .backward(&(sum / SEQ as f64).unwrap())
+            .map_err(|x| e(&x))?;
+        drop(grads);
+        let sent = world.traffic().snapshot().bytes_sent() - sent0;
+        world.barrier().map_err(|x| e(&x))?;
+        let peak = PEAK.load(Ordering::SeqCst) - before;
+        Ok((loss, sent, peak))
+    })
+    .unwrap_or_else(|x| panic!("{x}"));
+    let loss_sum: f32 = results.iter().map(|r| r.0).sum();
+    Measured {
+        activation: results[0].2,
+        loss: loss_sum,
+        sent: results.iter().map(|r| r.1).collect(),
+    }
+}
+
+#[test]
+fn context_parallelism_and_checkpointing_cut_activation_memory() {
+    let _ = Tensor::zeros(1, DType::F32, &Device::Cpu); // warm up candle's lazy statics
+    model_dir();
+    let single = Layout::single();
+    let none = measure(&single, Checkpointing::None);
+    let full = measure(&single, Checkpointing::Full);
+    let selective = measure(&single, Checkpointing::Selective);
+    let mib = |b: isize| b as f64 / (1 << 20) as f64;
+    eprintln!(
+        "single rank, {SEQ} tokens: none {:.1} MiB, selective {:.1} MiB, full {:.1} MiB",
+        mib(none.activation),
+        mib(selective.activation),
+        mib(full.activation)
+    );
+    assert_eq!(full.loss.to_bits(), none.loss.to_bits());
+    assert_eq!(selective.loss.to_bits(), none.loss.to_bits());
+    assert!(
+        full.activation < selective.activation && selective.activation < none.activation,
+        "expected full < selective < none: {} / {} / {} bytes",
+        full.activation,
+        selective.activation,
+        none.activation
+    );
+    assert!(
+        (full.activation as f64) < 0.5 * none.activation as f64,
+        "full checkpointing keeps {} of {} bytes",
+        full.activation,
+        none.activation
+    );
+
+    let ring = Layout::new("zigzag ring4", 1, 1, 4, Strategy::Ring);
+    let cp = measure(&ring, Checkpointing::None);
+    let per_rank = cp.activation as f64 / 4.0;
+    eprintln!(
+        "zigzag ring4: {:.1} MiB per rank ({:.2} of single rank)",
+        per_rank / (1 << 20) as f64,
+        per_rank / none.activation as f64
+    );
+    assert!(
+        per_rank <= none.activation as f64 / 3.0,
+        "4-rank context parallelism keeps {per_rank} bytes per rank, single rank {}",
+        none.activation
+    );
+    assert!(((cp.loss - none.loss) / none.loss).abs() < 1e-5);
+
+    // Recomputation traffic: selective sends exactly what no checkpointing sends.
+    let sel = measure(&ring, Checkpointing::Selective);
+    let fullr = measure(&ring, Checkpointing::Full);
+    assert_eq!(sel.sent, cp.sent, "selective recomputation communicated");
+    for (f, n) in fullr.sent.iter().zip(&cp.sent) {
+        assert!(
+            f > n,
+            "full recomputation sends the forward's kv again: {f} vs {n}"
+        );
+    }
+}
