@@ -20,8 +20,16 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     let (theta, scaling) = cfg.rope(&files.config)?;
     println!("model        {}", files.source);
     println!("config       {}", files.config.display());
+    // The architecture as config.json names it (validated by `LlamaConfig`), not assumed.
+    let architecture = match cfg.architectures.as_deref() {
+        Some(archs) if !archs.is_empty() => archs.join(", "),
+        _ => format!(
+            "(none in config.json; model_type {}, read as LLaMA)",
+            cfg.model_type.as_deref().unwrap_or("unset")
+        ),
+    };
     println!(
-        "architecture LlamaForCausalLM: {} layers, hidden {}, intermediate {}, {} heads / {} kv heads, head_dim {}, vocab {}",
+        "architecture {architecture}: {} layers, hidden {}, intermediate {}, {} heads / {} kv heads, head_dim {}, vocab {}",
         cfg.num_hidden_layers,
         cfg.hidden_size,
         cfg.intermediate_size,

@@ -49,7 +49,19 @@ enum Command {
     Inspect(inspect::InspectArgs),
 }
 
+/// A closed pipe (`cpl inspect ... | head`) ends the program quietly, as for other command-line
+/// tools, instead of making `println!` panic: restore the default action of SIGPIPE, which the
+/// Rust runtime sets to ignore.
+fn default_sigpipe() {
+    #[cfg(unix)]
+    // SAFETY: called first thing in main, before any thread exists; SIG_DFL is a valid action.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() {
+    default_sigpipe();
     let raw: Vec<String> = std::env::args().collect();
     let raw = match train_cmd::args_with_config(raw) {
         Ok(r) => r,

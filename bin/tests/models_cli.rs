@@ -322,18 +322,157 @@ fn models_load_from_a_hub_cache() {
     std::fs::remove_dir_all(&home).unwrap();
 }
 
+/// The number of parameters a LLaMA `config.json` implies, written out from its fields:
+/// embeddings `V·H`; per layer q `Hq·hd·H`, k and v `Hkv·hd·H` each, o `H·Hq·hd`, gate and up
+/// `I·H` each, down `H·I`, two RMSNorm weights `H` each; the final norm `H`; the LM head `V·H`
+/// unless tied to the embeddings.
+fn llama_parameters_from_config(cfg: &serde_json::Value) -> usize {
+    let get = |k: &str| cfg[k].as_u64().unwrap_or_else(|| panic!("config: {k}")) as usize;
+    let (h, i, l, v) = (
+        get("hidden_size"),
+        get("intermediate_size"),
+        get("num_hidden_layers"),
+        get("vocab_size"),
+    );
+    let (hq, hkv, hd) = (
+        get("num_attention_heads"),
+        get("num_key_value_heads"),
+        get("head_dim"),
+    );
+    let attn = hq * hd * h + 2 * hkv * hd * h + h * hq * hd;
+    let mlp = 3 * i * h;
+    let tied = cfg["tie_word_embeddings"].as_bool().unwrap();
+    v * h + l * (attn + mlp + 2 * h) + h + if tied { 0 } else { v * h }
+}
+
+/// `(tensors, elements)` of one safetensors file, read with candle.
+fn safetensors_counts(path: &Path) -> (usize, usize) {
+    let t = candle_core::safetensors::load(path, &Device::Cpu).unwrap();
+    for (name, x) in &t {
+        assert_eq!(x.dtype(), DType::F32, "{name}: the fixtures are f32");
+    }
+    (t.len(), t.values().map(|x| x.elem_count()).sum())
+}
+
+/// The line of `out` that starts with `prefix` (exactly one).
+fn line<'a>(out: &'a str, prefix: &str) -> &'a str {
+    let hits: Vec<&str> = out.lines().filter(|l| l.starts_with(prefix)).collect();
+    assert_eq!(
+        hits.len(),
+        1,
+        "one line starting with {prefix:?} in:\n{out}"
+    );
+    hits[0]
+}
+
+/// `cpl inspect` on the single-file mha fixture reports the architecture named by config.json,
+/// the exact parameter count (checked against the config's shapes and the safetensors file's),
+/// the dtype, and the file with its tensor count and size; on the sharded fixture, every shard.
 #[test]
 fn inspect_reports_the_model() {
-    let o = cpl(&[
-        "inspect",
-        "--model",
-        fixtures().join("sharded").to_str().unwrap(),
-    ]);
+    let dir = fixtures().join("mha");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let from_config = llama_parameters_from_config(&cfg);
+    let weights = dir.join("model.safetensors");
+    let (tensors, from_file) = safetensors_counts(&weights);
+    // hidden 32, intermediate 64, 2 layers, 4 heads / 4 kv heads of 8, vocab 256, untied:
+    // 256·32 + 2·(4·32·32 + 3·64·32 + 2·32) + 32 + 256·32 = 37024, in 1 + 2·9 + 1 + 1 tensors.
+    assert_eq!(from_config, 37024);
+    assert_eq!(
+        from_file, from_config,
+        "the fixture's file and its config agree"
+    );
+    assert_eq!(tensors, 21);
+
+    let o = cpl(&["inspect", "--model", dir.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
-    assert!(out.contains("LlamaForCausalLM"), "{out}");
-    assert!(out.contains("model.safetensors.index.json"), "{out}");
-    assert!(out.contains("F32"), "{out}");
+    let arch = cfg["architectures"][0].as_str().unwrap();
+    assert_eq!(arch, "LlamaForCausalLM");
+    assert!(
+        line(&out, "architecture ").starts_with(&format!(
+            "architecture {arch}: 2 layers, hidden 32, intermediate 64, 4 heads / 4 kv heads, \
+             head_dim 8, vocab 256"
+        )),
+        "{out}"
+    );
+    assert_eq!(
+        line(&out, "parameters "),
+        format!(
+            "parameters   {from_file} in the checkpoint ({:.2} M; the config implies {from_config})",
+            from_file as f64 / 1e6
+        ),
+        "{out}"
+    );
+    assert_eq!(
+        line(&out, "dtypes "),
+        format!("dtypes       F32: {from_file}")
+    );
+    assert_eq!(line(&out, "shards "), "shards       1 file(s)");
+    assert_eq!(
+        line(&out, &format!("  {}", weights.display())),
+        format!(
+            "  {}: {tensors} tensors, {:.2} MB",
+            weights.display(),
+            (from_file * 4) as f64 / 1e6
+        )
+    );
+
+    // The architecture comes from config.json: without the field, inspect does not claim one.
+    let no_arch = tmpdir("inspect-no-arch");
+    copy_dir(&dir, &no_arch);
+    let mut cfg2 = cfg.clone();
+    cfg2.as_object_mut().unwrap().remove("architectures");
+    std::fs::write(
+        no_arch.join("config.json"),
+        serde_json::to_string_pretty(&cfg2).unwrap(),
+    )
+    .unwrap();
+    let o = cpl(&["inspect", "--model", no_arch.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let a = line(&out, "architecture ");
+    assert!(
+        !a.contains("LlamaForCausalLM") && a.contains("none in config.json"),
+        "{out}"
+    );
+    std::fs::remove_dir_all(&no_arch).unwrap();
+
+    // The sharded fixture: the same parameters over three files listed by the index.
+    let dir = fixtures().join("sharded");
+    let o = cpl(&["inspect", "--model", dir.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        line(&out, "architecture ").starts_with("architecture LlamaForCausalLM: "),
+        "{out}"
+    );
+    assert_eq!(
+        line(&out, "shards "),
+        "shards       3 file(s) with model.safetensors.index.json"
+    );
+    let mut total = 0;
+    for k in 1..=3 {
+        let f = dir.join(format!("model-0000{k}-of-00003.safetensors"));
+        let (tensors, elems) = safetensors_counts(&f);
+        total += elems;
+        let want = format!(
+            "  {}: {tensors} tensors, {:.2} MB",
+            f.display(),
+            (elems * 4) as f64 / 1e6
+        );
+        assert!(out.lines().any(|l| l == want), "{want:?} in:\n{out}");
+    }
+    assert_eq!(total, from_config);
+    assert_eq!(
+        line(&out, "parameters "),
+        format!(
+            "parameters   {total} in the checkpoint ({:.2} M; the config implies {total})",
+            total as f64 / 1e6
+        )
+    );
+    assert_eq!(line(&out, "dtypes "), format!("dtypes       F32: {total}"));
 }
 
 #[test]

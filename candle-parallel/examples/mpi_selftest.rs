@@ -6,8 +6,9 @@
 //! bit-identity of results across ranks, exact traffic numbers, split into subgroups, send/recv
 //! and exchange around a ring, and mismatch/argument errors.
 //!
-//! The checks that only need a [`Comm`] live in [`backend_checks`], so other backend-generic
-//! checks (e.g. sequence-parallel attention) can be added to this program. `--local P` runs the
+//! The checks that only need a [`Comm`] live in [`backend_checks`]; [`attention_checks`] runs
+//! every sequence-parallel attention strategy that fits the world size against single-device
+//! flash-ring (forward, autograd backward and explicit backward). `--local P` runs the
 //! same checks on the in-process backend (ranks as threads) for comparison.
 //!
 //! `--abort-test R` checks the MPI failure behaviour instead: rank R returns an error while the
@@ -20,6 +21,7 @@ use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use candle_core::{DType, Device, Shape, Tensor};
+use candle_parallel::attention::selftest;
 use candle_parallel::comm::mpi::MpiWorld;
 use candle_parallel::comm::{
     Comm, LocalWorld, OpKind, OpStats, RecvSpec, ReduceOp, TrafficSnapshot,
@@ -643,6 +645,20 @@ pub fn backend_checks(comm: &Comm, opts: Options, t: &mut Tally) {
     );
 }
 
+/// Every sequence-parallel attention strategy that fits the world size
+/// ([`selftest::default_cases`]): out, lse, dq, dk, dv against single-device flash-ring, and
+/// the explicit backward, on this backend.
+pub fn attention_checks(comm: &Comm, t: &mut Tally) {
+    for case in selftest::default_cases(comm.size()) {
+        t.check(comm, &format!("sp attention: {}", case.name()), || {
+            let r = selftest::check_case(comm, &case).map_err(e2s)?;
+            ensure(r.fwd_bytes > 0 && r.bwd_bytes > 0, || {
+                format!("no traffic recorded: {r:?}")
+            })
+        });
+    }
+}
+
 /// Combines the per-rank outcomes: a check fails if it failed on any rank. Prints the report on
 /// rank 0 and returns the number of failed checks.
 fn report(rank: usize, names: &[String], failed_anywhere: &[bool]) -> usize {
@@ -678,6 +694,7 @@ fn run_mpi() -> candle_parallel::Result<usize> {
             },
             &mut tally,
         );
+        attention_checks(&comm, &mut tally);
         // Failure flags of every rank, combined with a max (the checks' count must match too).
         let flags: Vec<f32> = tally
             .results
@@ -703,6 +720,7 @@ fn run_local(p: usize) -> candle_parallel::Result<usize> {
             },
             &mut tally,
         );
+        attention_checks(&comm, &mut tally);
         Ok(tally)
     })?;
     let names: Vec<String> = tallies[0].results.iter().map(|(n, _)| n.clone()).collect();

@@ -14,6 +14,14 @@
 //! Recomputation is exact: the block runs the same kernels on the same inputs, so outputs and
 //! gradients are bit-identical to `None` (the tests assert it).
 //!
+//! Communication: `Full` runs the block's forward collectives twice (attention's kv ring, the
+//! tensor-parallel all-reduces). `Selective` repeats the tensor-parallel ones but not
+//! attention's forward: for ring attention it sends exactly what `None` sends (asserted in
+//! `tests/memory.rs`). Strategies whose backward works on another layout of q, k, v than the
+//! caller's redo that move in the explicit backward: Ulysses, USP and the double ring
+//! all-to-all q, k, v, out and lse to the head-parallel layout again, StarTrail re-gathers its
+//! team's q, k, v and re-places the kv block.
+//!
 //! **Parameter gradients.** The recomputation's backward computes the gradients of the block's
 //! parameters inside the node's backward, where candle offers no way to hand them to the outer
 //! [`GradStore`]. They go to a [`GradSink`] instead, and the caller merges them after

@@ -7,7 +7,6 @@ mod multi_ring_common;
 
 use candle_core::Tensor;
 use candle_parallel::attention::multi_ring_plan::DoubleRingPlan;
-use candle_parallel::attention::ulysses::kv_replication;
 use candle_parallel::attention::{
     AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,
 };
@@ -21,47 +20,92 @@ fn config(hp: usize, cp: usize, w: usize, placement: Placement) -> SpConfig {
         .with_placement(placement)
 }
 
-/// Exact bytes per rank: Ulysses all-to-alls over the head-parallel group (q, k, v, out and
-/// lse forward; dout, dq, dk, dv backward; each `(hp-1)/hp` of the tensor) and the double
-/// ring's P2P over the context-parallel group (`DoubleRingPlan`).
+/// Exact bytes and messages per rank, written here from the global shapes and LoongTrain's
+/// 2D-Attention as the code implements it (Algorithm 2, sec. 4.5.3-4.5.4). Derivation, with
+/// `S` tokens, `B` batch, `d` head dim, `e` bytes per input element, `hp × cp` ranks,
+/// `n_o = cp / w` outer steps of `w` micro-steps:
+/// - Ulysses: each all-to-all over the `hp` ranks sends `(hp-1)/hp` of the rank's tensor.
+///   Local (sequence-side) tensors: q and out `B (S/(hp cp)) hq d e`; k and v after kv
+///   replication to `max(hkv, hp)` heads (sec. 4.5.3) `B (S/(hp cp)) max(hkv, hp) d e`; the
+///   lse (returned with the output here) `B hq (S/(hp cp)) 4`. Forward: q, k, v, out, lse;
+///   backward: dout, dq, dk, dv (sec. 4.5.4: q, k, v, out each way).
+/// - Ring block after the all-to-all: `S/cp` tokens of `max(hkv, hp)/hp` kv heads, so
+///   `Size(kv) = 2 B (S/cp) (max(hkv, hp)/hp) d e` for k and v together.
+/// - Forward P2P: per outer step `w - 1` inner sends of the held kv, and one outer prefetch of
+///   the step's initial kv except at the last outer step (sec. 4.5.3):
+///   `n_o (w - 1) + (n_o - 1) = cp - 1` messages of exactly `Size(kv)`.
+/// - Backward P2P: kv moves exactly as in the forward (`cp - 1` messages of `Size(kv)`), and
+///   the dk/dv accumulator of every block, in f32 (`Size_f32(kv)`), is summed at the `cp`
+///   ranks that compute with the block: `cp - 1` hand-overs (inner after each non-last
+///   micro-step, outer after the last micro-step of a non-last outer step) plus one message
+///   home after the last step, i.e. one send per micro-step, `n_o w = cp` messages; nothing
+///   when `cp = 1` (the only block is the rank's own).
+///
+/// The planning API (`DoubleRingPlan::*_p2p_bytes`) must agree with these formulas.
 fn check_traffic(case: &Case, ranks: &[RankOut]) {
     let (hp, cp, w) = (case.cfg.ulysses, case.cfg.ring, case.cfg.inner_ring);
-    let plan = DoubleRingPlan::new(cp, w).unwrap();
-    let rep = kv_replication(case.hq, case.hkv, hp).unwrap();
-    let (e, f32b) = (case.elem_bytes(), 4u64);
-    let n = (case.b * case.n()) as u64;
-    let q = n * (case.hq * case.d) as u64;
-    let k = n * (case.hkv * rep * case.d) as u64;
-    let lse = n * case.hq as u64 * f32b;
-    let a2a = |bytes: u64| bytes * (hp as u64 - 1) / hp as u64;
-    // The kv block of the ring: S/cp tokens, hkv*rep/hp heads = the elements of k and v here;
-    // the dk/dv accumulators travel in f32.
-    let (kv, dkv) = (2 * k * e, 2 * k * f32b);
+    let (b, s, d, e) = (
+        case.b as u64,
+        case.s as u64,
+        case.d as u64,
+        case.elem_bytes(),
+    );
+    let (hq, hkv_rep) = (case.hq as u64, case.hkv.max(hp) as u64);
+    let (hp, cp, w) = (hp as u64, cp as u64, w as u64);
+    let n_o = cp / w;
+    let f32b = 4u64;
+    // Sequence-side local tensors (S/(hp cp) tokens, every head).
+    let local = s / (hp * cp);
+    let q = b * local * hq * d * e;
+    let k = b * local * hkv_rep * d * e;
+    let lse = b * hq * local * f32b;
+    let a2a = |bytes: u64| bytes * (hp - 1) / hp;
+    // Head-side ring block: S/cp tokens, max(hkv, hp)/hp heads, k and v.
+    let kv_elems = 2 * b * (s / cp) * (hkv_rep / hp) * d;
+    let (kv, dkv) = (kv_elems * e, kv_elems * f32b);
+    let fwd_msgs = n_o * (w - 1) + (n_o - 1);
+    assert_eq!(fwd_msgs, cp - 1);
+    let dkv_msgs = if cp == 1 { 0 } else { n_o * w };
+    let fwd_p2p = fwd_msgs * kv;
+    let bwd_p2p = fwd_msgs * kv + dkv_msgs * dkv;
     for r in ranks {
         let what = format!("rank {:?} {case:?}", r.coords);
         assert_sent(
             &r.fwd,
             &[
-                (OpKind::AllToAll, a2a((2 * q + 2 * k) * e + lse)),
-                (OpKind::Exchange, plan.forward_p2p_bytes(kv)),
+                (OpKind::AllToAll, a2a(2 * q + 2 * k + lse)),
+                (OpKind::Exchange, fwd_p2p),
             ],
             &format!("forward {what}"),
         );
         assert_sent(
             &r.bwd,
             &[
-                (OpKind::AllToAll, a2a((2 * q + 2 * k) * e)),
-                (OpKind::Exchange, plan.backward_p2p_bytes(kv, dkv)),
+                (OpKind::AllToAll, a2a(2 * q + 2 * k)),
+                (OpKind::Exchange, bwd_p2p),
             ],
             &format!("backward {what}"),
         );
-        // LoongTrain 4.5.3: each forward P2P is Size(kv) = 2 (S/cp) (hkv rep / hp) d bytes.
-        let p2p = r.fwd.get(OpKind::Exchange);
-        assert_eq!(p2p.calls, cp as u64 - 1);
-        if cp > 1 {
-            assert_eq!(p2p.bytes_sent / p2p.calls, kv);
-        }
+        // Message counts: one exchange per P2P message.
+        assert_eq!(r.fwd.get(OpKind::Exchange).calls, fwd_msgs, "{what}");
+        assert_eq!(
+            r.bwd.get(OpKind::Exchange).calls,
+            fwd_msgs + dkv_msgs,
+            "{what}"
+        );
     }
+    // The planning API agrees with the formulas.
+    let plan = DoubleRingPlan::new(cp as usize, w as usize).unwrap();
+    assert_eq!(
+        plan.forward_p2p_bytes(kv),
+        fwd_p2p,
+        "DoubleRingPlan forward"
+    );
+    assert_eq!(
+        plan.backward_p2p_bytes(kv, dkv),
+        bwd_p2p,
+        "DoubleRingPlan backward"
+    );
 }
 
 fn run_case(case: &Case, seed: u64) -> Vec<RankOut> {

@@ -20,61 +20,141 @@ fn config(p: usize, c: usize) -> SpConfig {
     SpConfig::new(Strategy::StarTrail, 1, p).with_team(c)
 }
 
-fn elems(case: &Case) -> ShardElems {
-    let n = (case.b * case.n()) as u64;
-    ShardElems {
-        q_elems: n * (case.hq * case.d) as u64,
-        kv_elems: n * (case.hkv * case.d) as u64,
-        lse_elems: n * case.hq as u64,
-        elem_bytes: case.elem_bytes(),
-    }
+/// WallFacer Algorithm 2 (`get_init_send`), written here from the paper: rank `r` is member
+/// `r_a = r % C` of team `r_t = r / C` (teams of consecutive ranks, `d_t = P/C` teams,
+/// `d_a = C`); it sends its team's gathered kv to team `r_a · (d_t/d_a) + r_t / d_a`, member
+/// `r_t % d_a`.
+fn paper_init_send(p: usize, c: usize, r: usize) -> usize {
+    let (r_t, r_a, d_t, d_a) = (r / c, r % c, p / c, c);
+    let team_group_size = d_t / d_a;
+    let target_team = r_a * team_group_size + r_t / d_a;
+    target_team * d_a + r_t % d_a
 }
 
-/// Exact bytes per rank and kind ([`StarTrailPlan::forward_bytes`] / `backward_bytes`), and
-/// the relation to ring attention: the forward P2P is `P/C` ring messages (`Size(k) + Size(v)`)
-/// against ring's `P - 1`, i.e. `1/C` of ring's `P`, on every rank whose initial placement is
-/// not local.
+/// Exact bytes and messages per rank and kind, written here from the global shapes and
+/// StarTrail Algorithm 1 / WallFacer Algorithms 2-3 as the code implements them. With `P`
+/// ranks, teams of `C`, `G = P/C²` ranks per sub-ring, `n = S/P` local tokens, `e` bytes per
+/// input element: `Q = B n hq d e`, `K = B n hkv d e` (one of k, v), and in f32 `Q4`, `K4`,
+/// `L4 = B hq n 4` (lse). A team tensor has `C n` rows, so `C` times the local bytes. Counting
+/// rules (`comm::traffic`): all-gather of `N` bytes sends `(C-1) N`; all-to-all and
+/// reduce-scatter of `N` bytes send `(C-1)/C · N`. A rank whose initial target is itself
+/// (`get_init_send(r) = r`) sends nothing for the placement, nor for its inverse.
+///
+/// Forward:
+/// 1. all-gather q, k, v in the team: `(C-1)(Q + 2K)`, 3 calls (C > 1);
+/// 2. initial placement of the team's k and v: `2 C K`, one message, unless kept;
+/// 3. `G` sub-ring steps, the team kv passed on after all but the last: `(G-1) 2 C K`;
+/// 4. combine (a reduce-scatter whose reduction is the lse merge, run as an all-to-all) of the
+///    team's partial out and lse, accumulated in f32: `(C-1)/C · C (Q4 + L4)`, 2 calls.
+///
+/// Backward (the recorded op: kv and dk/dv stay, q circulates):
+/// 1. all-gather out, dout and lse in the team: `(C-1)(2Q + L4)`, 3 calls (q was kept);
+/// 2. `G` sub-ring steps: the q package (q, out, dout in the input dtype, lse in f32) moves
+///    after all but the last, `(G-1) C (3Q + L4)`; its f32 dq accumulator is summed at the `G`
+///    ranks of the sub-ring and then returned home, `G` messages of `C Q4` (none if `G = 1`);
+/// 3. the f32 dk, dv of the held kv back to its owner (inverse placement): `2 C K4`, unless kept;
+/// 4. reduce-scatter (sum) of the team's dq, dk, dv in f32: `(C-1)/C · C (Q4 + 2 K4)`, 3 calls.
+///
+/// The planning API (`StarTrailPlan::{forward,backward}_bytes`) must agree with these.
 fn check_traffic(case: &Case, ranks: &[RankOut]) {
     let (p, c) = (case.cfg.ring, case.cfg.team);
+    assert_eq!(case.cfg.ulysses, 1);
+    let g = (p / (c * c)) as u64;
+    let (p64, c64) = (p as u64, c as u64);
+    let n = (case.s / p) as u64;
+    let (b, d, e) = (case.b as u64, case.d as u64, case.elem_bytes());
+    let (hq, hkv) = (case.hq as u64, case.hkv as u64);
+    let (q, k) = (b * n * hq * d * e, b * n * hkv * d * e);
+    let (q4, k4, l4) = (b * n * hq * d * 4, b * n * hkv * d * 4, b * hq * n * 4);
+    let team_calls = |calls: u64| if c > 1 { calls } else { 0 };
+    let ring_msg = 2 * k;
     let plan = StarTrailPlan::new(p, c).unwrap();
-    let e = elems(case);
-    let ring_msg = 2 * e.kv_elems * e.elem_bytes;
+    let elems = ShardElems {
+        q_elems: b * n * hq * d,
+        kv_elems: b * n * hkv * d,
+        lse_elems: b * hq * n,
+        elem_bytes: e,
+    };
+    let kept_count = (0..p).filter(|&r| paper_init_send(p, c, r) == r).count();
+    // C = 1 is a plain ring (every rank keeps its kv); C > 1 moves some.
+    assert!(c == 1 || kept_count < p);
     for r in ranks {
         let rank = r.coords.0;
         let what = format!("rank {rank} {case:?}");
-        let f = plan.forward_bytes(rank, &e);
-        let b = plan.backward_bytes(rank, &e);
+        let moved = paper_init_send(p, c, rank) != rank;
+        let placed = u64::from(moved);
+        // Forward.
+        let f_gather = (c64 - 1) * (q + 2 * k);
+        let f_a2a = (c64 - 1) * (q4 + l4);
+        let f_p2p = placed * 2 * c64 * k + (g - 1) * 2 * c64 * k;
+        let f_msgs = placed + (g - 1);
+        // Backward.
+        let b_gather = (c64 - 1) * (2 * q + l4);
+        let dq_msgs = if g > 1 { g } else { 0 };
+        let b_p2p = (g - 1) * c64 * (3 * q + l4) + dq_msgs * c64 * q4 + placed * 2 * c64 * k4;
+        let b_msgs = (g - 1) + dq_msgs + placed;
+        let b_rs = (c64 - 1) * (q4 + 2 * k4);
         assert_sent(
             &r.fwd,
             &[
-                (OpKind::AllGather, f.all_gather),
-                (OpKind::AllToAll, f.all_to_all),
-                (OpKind::Exchange, f.exchange),
+                (OpKind::AllGather, f_gather),
+                (OpKind::AllToAll, f_a2a),
+                (OpKind::Exchange, f_p2p),
             ],
             &format!("forward {what}"),
         );
         assert_sent(
             &r.bwd,
             &[
-                (OpKind::AllGather, b.all_gather),
-                (OpKind::ReduceScatter, b.reduce_scatter),
-                (OpKind::Exchange, b.exchange),
+                (OpKind::AllGather, b_gather),
+                (OpKind::ReduceScatter, b_rs),
+                (OpKind::Exchange, b_p2p),
             ],
             &format!("backward {what}"),
         );
-        let p2p = r.fwd.get(OpKind::Exchange).bytes_sent;
-        if plan.init_send(rank) != rank {
-            assert_eq!(p2p * c as u64, p as u64 * ring_msg, "{what}: 1/C of ring");
-        } else {
-            assert_eq!(p2p * c as u64, (p - c * c) as u64 * ring_msg, "{what}");
+        for (snap, kind, calls, when) in [
+            (&r.fwd, OpKind::AllGather, team_calls(3), "forward"),
+            (&r.fwd, OpKind::AllToAll, team_calls(2), "forward"),
+            (&r.fwd, OpKind::Exchange, f_msgs, "forward"),
+            (&r.bwd, OpKind::AllGather, team_calls(3), "backward"),
+            (&r.bwd, OpKind::ReduceScatter, team_calls(3), "backward"),
+            (&r.bwd, OpKind::Exchange, b_msgs, "backward"),
+        ] {
+            assert_eq!(
+                snap.get(kind).calls,
+                calls,
+                "{when} {what}: {} calls",
+                kind.name()
+            );
         }
-        // Collectives: q, k, v all-gathered, the f32 partial out and lse reduce-scattered
-        // (StarTrail eq. 2, plus the lse).
-        let (q, k) = (e.q_elems * e.elem_bytes, e.kv_elems * e.elem_bytes);
-        let (q32, lse) = (e.q_elems * 4, e.lse_elems * 4);
+        // The library's planning API agrees (and its rank arithmetic with the paper's).
+        assert_eq!(plan.init_send(rank) != rank, moved, "{what}: init_send");
+        let (fp, bp) = (
+            plan.forward_bytes(rank, &elems),
+            plan.backward_bytes(rank, &elems),
+        );
+        assert_eq!(
+            (fp.all_gather, fp.all_to_all, fp.reduce_scatter, fp.exchange),
+            (f_gather, f_a2a, 0, f_p2p),
+            "StarTrailPlan::forward_bytes, {what}"
+        );
+        assert_eq!(
+            (bp.all_gather, bp.all_to_all, bp.reduce_scatter, bp.exchange),
+            (b_gather, 0, b_rs, b_p2p),
+            "StarTrailPlan::backward_bytes, {what}"
+        );
+        // Against ring attention: the forward P2P is `G · 2 C K = P/C` ring messages
+        // (`2K`), i.e. 1/C of ring's P, on every rank whose initial placement is not local.
+        if moved {
+            assert_eq!(f_p2p * c64, p64 * ring_msg, "{what}: 1/C of ring");
+        } else {
+            assert_eq!(f_p2p * c64, (p64 - c64 * c64) * ring_msg, "{what}");
+        }
+        // Collectives: q, k, v all-gathered, the f32 partial out and lse combined
+        // (StarTrail eq. 2, plus the lse and with the partial out in f32).
         assert_eq!(
             r.fwd.collective_bytes_sent(),
-            (c as u64 - 1) * (q + 2 * k + q32 + lse)
+            (c64 - 1) * (q + 2 * k + q4 + l4)
         );
     }
 }
