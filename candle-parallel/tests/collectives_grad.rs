@@ -14,9 +14,11 @@
 //!
 //! A missing gradient is an error (the rank fails, so the test fails).
 
+mod common;
+use common::grad;
+
 use std::time::Duration;
 
-use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_parallel::collectives::{
     all_gather, all_to_all, copy_to_parallel_region, gather, reduce_from_parallel_region,
@@ -61,29 +63,8 @@ fn weighted_sq(y: &Tensor, w: &Tensor) -> Result<Tensor> {
     (y.sqr()? * w)?.sum_all()
 }
 
-/// The gradient of `v`, or an error naming it if backward produced none.
-fn grad(grads: &GradStore, v: &Var, what: &str) -> Result<Tensor> {
-    grads
-        .get(v.as_tensor())
-        .cloned()
-        .ok_or_else(|| candle_core::Error::Msg(format!("no gradient for {what}")))
-}
-
-fn max_abs(t: &Tensor) -> f32 {
-    t.abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-}
-
 fn assert_close(got: &Tensor, want: &Tensor, what: &str) {
-    assert_eq!(got.dims(), want.dims(), "{what}: shape");
-    let scale = max_abs(want);
-    assert!(scale > 0.0, "{what}: reference is all zeros");
-    let err = max_abs(&(got - want).unwrap()) / scale;
-    assert!(err <= TOL, "{what}: relative error {err:e} > {TOL:e}");
+    common::assert_close(got, want, TOL, what);
 }
 
 /// Runs `f` on `p` local ranks; panics with the failing rank's error.

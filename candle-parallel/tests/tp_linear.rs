@@ -17,9 +17,11 @@
 //! under TP-sp the token chunk) each rank computes its part of the loss, the parts summing to
 //! the global loss.
 
+mod common;
+use common::grad;
+
 use std::time::Duration;
 
-use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_parallel::comm::{Comm, LocalWorld};
 use candle_parallel::layers::{ColumnParallelLinear, RowParallelLinear, TpGroup};
@@ -56,32 +58,9 @@ fn chunk(t: &Tensor, dim: usize, p: usize, r: usize) -> Result<Tensor> {
     t.narrow(dim, r * c, c)
 }
 
-fn grad(grads: &GradStore, v: &Var, what: &str) -> Result<Tensor> {
-    grads
-        .get(v.as_tensor())
-        .cloned()
-        .ok_or_else(|| candle_core::Error::Msg(format!("no gradient for {what}")))
-}
-
-fn max_abs(t: &Tensor) -> f32 {
-    t.abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-}
-
 fn assert_close(got: &Tensor, want: &Tensor, what: &str) {
-    assert_eq!(got.dims(), want.dims(), "{what}: shape");
     assert_eq!(got.dtype(), DType::F32, "{what}: dtype");
-    let scale = max_abs(want);
-    assert!(scale > 0.0, "{what}: reference is all zeros");
-    let err = max_abs(&(got - want).unwrap()) / scale;
-    assert!(
-        err.is_finite() && err <= TOL,
-        "{what}: relative error {err:e} > {TOL:e}"
-    );
+    common::assert_close(got, want, TOL, what);
 }
 
 fn cat(parts: &[Tensor], dim: usize) -> Tensor {
