@@ -1,9 +1,12 @@
 //! `cpl`: the command line of candle-parallel.
 //!
-//! Subcommands: `train` (with no arguments, like `cpl` alone: the bundled default job), `eval`, `generate`, `inspect` (models from Hugging Face checkpoints under any
-//! parallel layout), `plan` (how a world of ranks is cut into groups), `demo` (collectives
-//! across local ranks). `finetune` and `bench` come with later issues.
+//! Subcommands: `train` (with no arguments, like `cpl` alone: the bundled default job),
+//! `data prepare` (tokenize a corpus once), `eval`, `generate`, `inspect` (models from Hugging
+//! Face checkpoints under any parallel layout), `plan` (how a world of ranks is cut into
+//! groups), `demo` (collectives across local ranks). `finetune` and `bench` come with later
+//! issues.
 
+mod data_cmd;
 mod demo;
 mod eval;
 mod generate;
@@ -45,6 +48,9 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Continued pretraining of a Hugging Face checkpoint (no arguments: the bundled default).
     Train(Box<train_cmd::TrainArgs>),
+    /// Data preparation: `cpl data prepare` caches a tokenized corpus.
+    #[command(subcommand)]
+    Data(data_cmd::DataCommand),
     /// Show a model's architecture, parameter count, dtypes and checkpoint files.
     Inspect(inspect::InspectArgs),
 }
@@ -80,6 +86,7 @@ fn main() {
         }
         Some(Command::Train(args)) => train_cmd::run(&args),
         Some(Command::Demo(args)) => demo::run(&args),
+        Some(Command::Data(cmd)) => data_cmd::run(&cmd),
         Some(Command::Plan(args)) => layout::plan(&args),
         Some(Command::Eval(args)) => eval::run(&args),
         Some(Command::Generate(args)) => generate::run(&args),

@@ -390,17 +390,18 @@ fn zero3_with_checkpointing_trains_saves_and_resumes_under_another_layout() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// The same documents as JSON lines and as Parquet (pyarrow, snappy) train identically.
+/// The same documents as JSON lines, as Parquet (pyarrow, snappy) and tokenized once by
+/// `cpl data prepare` into a `--tokens` file train identically.
 #[test]
-fn parquet_data_trains_like_jsonl() {
+fn parquet_and_prepared_data_train_like_jsonl() {
     let dir = tmpdir("parquet");
-    let run = |data: &str, out: &Path| {
+    let run = |flag: &str, data: &Path, out: &Path| {
         let o = cpl(&[
             "train",
             "--model",
             fixture().to_str().unwrap(),
-            "--data",
-            data_fixture(data).to_str().unwrap(),
+            flag,
+            data.to_str().unwrap(),
             "--seq-len",
             "16",
             "--steps",
@@ -411,12 +412,32 @@ fn parquet_data_trains_like_jsonl() {
             out.to_str().unwrap(),
         ]
         .map(String::from));
-        assert!(o.status.success(), "{data}: {}", stderr(&o));
+        assert!(o.status.success(), "{}: {}", data.display(), stderr(&o));
         losses(out)
     };
+    let want = run("--data", &data_fixture("docs.jsonl"), &dir.join("j"));
     assert_eq!(
-        run("docs-snappy.parquet", &dir.join("p")),
-        run("docs.jsonl", &dir.join("j"))
+        run(
+            "--data",
+            &data_fixture("docs-snappy.parquet"),
+            &dir.join("p")
+        ),
+        want
     );
+    let prepared = dir.join("prepared.json");
+    let o = cpl(&[
+        "data",
+        "prepare",
+        "--model",
+        fixture().to_str().unwrap(),
+        "--data",
+        data_fixture("docs-zstd.parquet").to_str().unwrap(),
+        "--out",
+        prepared.to_str().unwrap(),
+    ]
+    .map(String::from));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("6 documents"), "{}", stderr(&o));
+    assert_eq!(run("--tokens", &prepared, &dir.join("t")), want);
     std::fs::remove_dir_all(&dir).unwrap();
 }

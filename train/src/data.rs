@@ -192,6 +192,22 @@ pub fn read_token_sequences(path: &Path, vocab_size: usize) -> Result<Vec<Vec<u3
         .collect()
 }
 
+/// The token ids of every document, tokenized in parallel, in order: no BOS, EOS after each
+/// document when the tokenizer has one (what [`TokenStream::from_documents`] packs, and what
+/// `cpl data prepare` caches as a `--tokens` file).
+pub fn tokenize_documents(tok: &Tokenizer, docs: &[String]) -> Result<Vec<Vec<u32>>> {
+    use rayon::prelude::*;
+    docs.par_iter()
+        .map(|text| {
+            let mut ids = tok.encode(text, false)?;
+            if let Some(eos) = tok.eos_token_id {
+                ids.push(eos);
+            }
+            Ok(ids)
+        })
+        .collect()
+}
+
 /// A token stream with the document index of every token.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TokenStream {
@@ -200,18 +216,10 @@ pub struct TokenStream {
 }
 
 impl TokenStream {
-    /// Tokenizes `docs` (no BOS; EOS after each document when the tokenizer has one). Token ids
-    /// at or above `vocab_size` are an error.
+    /// Tokenizes `docs` in parallel (no BOS; EOS after each document when the tokenizer has
+    /// one), keeping their order. Token ids at or above `vocab_size` are an error.
     pub fn from_documents(tok: &Tokenizer, docs: &[String], vocab_size: usize) -> Result<Self> {
-        let mut s = TokenStream::default();
-        for (d, text) in docs.iter().enumerate() {
-            let mut ids = tok.encode(text, false)?;
-            if let Some(eos) = tok.eos_token_id {
-                ids.push(eos);
-            }
-            s.push_document(d as u32, &ids, vocab_size)?;
-        }
-        Ok(s)
+        Self::from_sequences(&tokenize_documents(tok, docs)?, vocab_size)
     }
 
     /// Pre-tokenized documents, one per sequence.
