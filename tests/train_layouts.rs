@@ -96,6 +96,18 @@ fn train_run(
         Some(dir) => models::hub::from_dir("resume", dir).unwrap(),
         None => fixture_files("mha"),
     };
+    train_files(files, layout, cfg, data, resume, save)
+}
+
+/// [`train_run`] of the model `files`.
+fn train_files(
+    files: models::hub::ModelFiles,
+    layout: &Layout,
+    cfg: &TrainConfig,
+    data: &PackedDataset,
+    resume: Option<&PathBuf>,
+    save: Option<&PathBuf>,
+) -> Run {
     let mut results = LocalWorld::run(layout.ranks, |world| -> Result<Run, String> {
         let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
         let mesh = DeviceMesh::new(&layout.mesh, world.clone()).map_err(|x| e(&x))?;
@@ -303,6 +315,44 @@ fn ten_steps_match_single_rank_under_every_memory_plan() {
             &single,
             TOL,
         );
+    }
+}
+
+/// Tied embeddings stay one parameter under ZeRO-3 (one unit holds the embedding and the LM
+/// head): the `tied` fixture trains at zigzag ring4 with ZeRO-3 and full checkpointing, and at
+/// tp2 x ring2 with ZeRO-2, like on one rank.
+#[test]
+fn tied_embeddings_train_under_zero() {
+    let data = dataset(false);
+    let tied = || fixture_files("tied");
+    let single = train_files(
+        tied(),
+        &Layout::single(),
+        &config(4, 1, 2, false),
+        &data,
+        None,
+        None,
+    );
+    for (layout, zero, ckpt) in [
+        (
+            Layout::new("tied: zero3 zigzag ring4", 1, 1, 4, Strategy::Ring),
+            ZeroStage::Parameters,
+            Checkpointing::Full,
+        ),
+        (
+            Layout::new("tied: zero2 tp2 x ring2", 2, 1, 2, Strategy::Ring),
+            ZeroStage::Gradients,
+            Checkpointing::None,
+        ),
+    ] {
+        let cfg = TrainConfig {
+            zero,
+            checkpointing: ckpt,
+            ..config(4, 1, 2, false)
+        };
+        let run = train_files(tied(), &layout, &cfg, &data, None, None);
+        assert!(!run.weights.contains_key("lm_head.weight"));
+        assert_same(layout.name, &run, &single, TOL);
     }
 }
 
