@@ -6,8 +6,8 @@
 //! its peak minus the bytes held just before the forward (model, optimizer-free, batch). With
 //! local ranks every rank is a thread of this process, so a multi-rank run's peak is the peak of
 //! the sum over ranks; divided by the ranks it is the mean per-rank peak (the ranks of a zigzag
-//! ring hold equal shapes). The benchmark in `docs/benchmarks.md` measures per-process peaks
-//! under MPI.
+//! ring hold equal shapes). `train/examples/bench_memory.rs` measures the same way at the
+//! benchmark model's size for every layout and memory plan (`docs/benchmarks.md`).
 //!
 //! Asserted:
 //! - 4 ranks of zigzag ring attention: at most 1/3 of the single-rank activation memory per rank;

@@ -17,7 +17,12 @@
 //! ```text
 //! cargo run --release -p cpl-train --example bench_memory -- [--seqs 2048,4096,8192]
 //!     [--layouts single,ring4,...] [--plans none,selective,full,zero3-full] [--budget-gib 16]
+//!     [--loss-chunk 1024]
 //! ```
+//!
+//! `--loss-chunk` is `cpl train --loss-chunk`: the tokens per chunk of the vocab-parallel loss,
+//! whose logit-sized temporaries are a fixed cost per rank (with 4 ranks at the default 1024,
+//! about 1.5 GiB of the process, more than the activations of a 8K-token sequence).
 
 use std::alloc::{GlobalAlloc, Layout as AllocLayout};
 use std::sync::atomic::{AtomicIsize, Ordering};
@@ -175,7 +180,7 @@ struct Measured {
     seconds: f64,
 }
 
-fn measure(l: &Layout, plan: Plan, seq: usize) -> Result<Measured, String> {
+fn measure(l: &Layout, plan: Plan, seq: usize, loss_chunk: usize) -> Result<Measured, String> {
     let files = models::hub::from_dir("bench", &model_dir()).map_err(|e| e.to_string())?;
     let ids: Vec<u32> = (0..seq + 1)
         .map(|i| ((i as u64 * 2_654_435_761) % VOCAB as u64) as u32)
@@ -203,7 +208,7 @@ fn measure(l: &Layout, plan: Plan, seq: usize) -> Result<Measured, String> {
             decay: Decay::Constant,
         },
         max_grad_norm: Some(1.0),
-        loss_chunk_tokens: 1024,
+        loss_chunk_tokens: loss_chunk,
         zero: plan.zero,
         zero_group: None,
         checkpointing: plan.ckpt,
@@ -256,6 +261,10 @@ fn main() {
         .unwrap_or("16")
         .parse()
         .expect("--budget-gib: a number");
+    let loss_chunk: usize = arg(&args, "--loss-chunk")
+        .unwrap_or("1024")
+        .parse()
+        .expect("--loss-chunk: a positive whole number");
     let only_layouts: Option<Vec<&str>> = arg(&args, "--layouts").map(|s| s.split(',').collect());
     let only_plans: Option<Vec<&str>> = arg(&args, "--plans").map(|s| s.split(',').collect());
     model_dir();
@@ -283,7 +292,7 @@ fn main() {
             let mut cells = Vec::new();
             let mut state = 0;
             for &s in &seqs {
-                match measure(&l, plan, s) {
+                match measure(&l, plan, s, loss_chunk) {
                     Ok(m) => {
                         state = m.state;
                         cells.push(format!("{:.0} ({:.1})", mib(m.peak), m.seconds));
