@@ -57,9 +57,9 @@ impl KernelConfig {
         let best = simd::detect();
         match self.isa {
             None => Ok(best),
-            Some(Isa::Avx512) if best != Isa::Avx512 => Err(Error::Config(
-                "AVX-512 requested but not available on this CPU".into(),
-            )),
+            Some(i) if !simd::available().contains(&i) => Err(Error::Config(format!(
+                "{i:?} requested but not available on this CPU"
+            ))),
             Some(i) => Ok(i),
         }
     }

@@ -1,6 +1,6 @@
 //! Vectorised building blocks: a register-blocked small-matrix multiply and the row operations
-//! of the online softmax. Each has an AVX-512 implementation (chosen at run time) and a portable
-//! one; both compute the same thing in f32.
+//! of the online softmax. Each has an AVX-512 and an AVX2+FMA implementation (the best one is
+//! chosen at run time) and a portable one; all compute the same thing in f32.
 
 use std::sync::OnceLock;
 
@@ -9,6 +9,8 @@ use std::sync::OnceLock;
 pub enum Isa {
     /// x86-64 AVX-512F (16 f32 lanes).
     Avx512,
+    /// x86-64 AVX2 with FMA (8 f32 lanes): AMD Zen 1-3, and Intel parts without AVX-512.
+    Avx2,
     /// Plain Rust loops (any target; auto-vectorised where the compiler can).
     Portable,
 }
@@ -22,9 +24,33 @@ pub fn detect() -> Isa {
             if std::arch::is_x86_feature_detected!("avx512f") {
                 return Isa::Avx512;
             }
+            if avx2_fma() {
+                return Isa::Avx2;
+            }
         }
         Isa::Portable
     })
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2_fma() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+}
+
+/// Every instruction set this machine can run, best first (for tests and benchmarks).
+pub fn available() -> Vec<Isa> {
+    let mut all = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        if detect() == Isa::Avx512 {
+            all.push(Isa::Avx512);
+        }
+        if avx2_fma() {
+            all.push(Isa::Avx2);
+        }
+    }
+    all.push(Isa::Portable);
+    all
 }
 
 /// Width of a column chunk of the right-hand operand (two 16-lane vectors).
@@ -74,6 +100,9 @@ impl MatMul {
             // SAFETY: the extents were checked above and `Isa::Avx512` is only produced by
             // `detect()` on a CPU with AVX-512F.
             Isa::Avx512 => unsafe { avx512::matmul(&s, a.as_ptr(), b.as_ptr(), c.as_mut_ptr()) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above; `Isa::Avx2` is only used on a CPU with AVX2 and FMA.
+            Isa::Avx2 => unsafe { avx2::matmul(&s, a.as_ptr(), b.as_ptr(), c.as_mut_ptr()) },
             _ => portable::matmul(&s, a, b, c),
         }
     }
@@ -85,6 +114,9 @@ pub fn row_max(isa: Isa, x: &[f32]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX-512F is present (see `detect`); the kernel stays inside `x`.
         Isa::Avx512 => unsafe { avx512::row_max(x) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 and FMA are present (see `Isa::Avx2`); the kernel stays in its slices.
+        Isa::Avx2 => unsafe { avx2::row_max(x) },
         _ => x.iter().copied().fold(f32::NEG_INFINITY, f32::max),
     }
 }
@@ -95,6 +127,9 @@ pub fn exp2_shift_sum(isa: Isa, x: &mut [f32], m: f32) -> f32 {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Isa::Avx512 => unsafe { avx512::exp2_shift_sum(x, m) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 and FMA are present (see `Isa::Avx2`); the kernel stays in its slices.
+        Isa::Avx2 => unsafe { avx2::exp2_shift_sum(x, m) },
         _ => {
             let mut s = 0.0f32;
             for v in x.iter_mut() {
@@ -112,6 +147,9 @@ pub fn scale_row(isa: Isa, x: &mut [f32], a: f32) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Isa::Avx512 => unsafe { avx512::scale_row(x, a) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 and FMA are present (see `Isa::Avx2`); the kernel stays in its slices.
+        Isa::Avx2 => unsafe { avx2::scale_row(x, a) },
         _ => x.iter_mut().for_each(|v| *v *= a),
     }
 }
@@ -124,6 +162,9 @@ pub fn p_ds_row(isa: Isa, p: &mut [f32], g: &mut [f32], l2: f32, d: f32) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX-512F is present (see `detect`); both slices hold `g.len()` elements.
         Isa::Avx512 => unsafe { avx512::p_ds_row(p, g, l2, d) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 and FMA are present (see `Isa::Avx2`); the kernel stays in its slices.
+        Isa::Avx2 => unsafe { avx2::p_ds_row(p, g, l2, d) },
         _ => {
             for (pv, gv) in p.iter_mut().zip(g.iter_mut()) {
                 *pv = portable::exp2(*pv - l2);
@@ -140,6 +181,9 @@ pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above; both slices hold `n` elements.
         Isa::Avx512 => unsafe { avx512::dot(&a[..n], &b[..n]) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 and FMA are present (see `Isa::Avx2`); the kernel stays in its slices.
+        Isa::Avx2 => unsafe { avx2::dot(&a[..n], &b[..n]) },
         _ => a[..n].iter().zip(&b[..n]).map(|(x, y)| x * y).sum(),
     }
 }
@@ -446,6 +490,271 @@ mod avx512 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{portable, MatMul, CHUNK};
+    use std::arch::x86_64::*;
+
+    /// Register block: `MR` rows x `NV` 8-lane vectors of C, accumulated over `k`. With
+    /// `MR = 3, NV = 4` it uses all 16 registers: 12 accumulators, 3 broadcasts of A and one
+    /// vector of B at a time.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn kernel<const MR: usize, const NV: usize>(
+        k: usize,
+        a: *const f32,
+        a_rs: usize,
+        a_ks: usize,
+        b: *const f32,
+        b_rs: usize,
+        c: *mut f32,
+        c_rs: usize,
+        accumulate: bool,
+    ) {
+        let mut r = [[_mm256_setzero_ps(); NV]; MR];
+        let rows: [*const f32; MR] = std::array::from_fn(|i| a.add(i * a_rs));
+        let mut off = 0usize;
+        let mut bp = b;
+        for _ in 0..k {
+            let av: [__m256; MR] = std::array::from_fn(|i| _mm256_set1_ps(*rows[i].add(off)));
+            for v in 0..NV {
+                let bv = _mm256_loadu_ps(bp.add(v * 8));
+                for (ri, ai) in r.iter_mut().zip(&av) {
+                    ri[v] = _mm256_fmadd_ps(*ai, bv, ri[v]);
+                }
+            }
+            off += a_ks;
+            bp = bp.add(b_rs);
+        }
+        for (i, ri) in r.iter().enumerate() {
+            for (v, x) in ri.iter().enumerate() {
+                let cp = c.add(i * c_rs + v * 8);
+                let y = if accumulate {
+                    _mm256_add_ps(_mm256_loadu_ps(cp), *x)
+                } else {
+                    *x
+                };
+                _mm256_storeu_ps(cp, y);
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn kernel_rows<const NV: usize>(
+        rows: usize,
+        k: usize,
+        a: *const f32,
+        a_rs: usize,
+        a_ks: usize,
+        b: *const f32,
+        b_rs: usize,
+        c: *mut f32,
+        c_rs: usize,
+        acc: bool,
+    ) {
+        match rows {
+            1 => kernel::<1, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+            2 => kernel::<2, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+            _ => kernel::<3, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+        }
+    }
+
+    /// See [`MatMul`]; the caller has checked the extents.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn matmul(s: &MatMul, a: *const f32, b: *const f32, c: *mut f32) {
+        const MR: usize = 3;
+        let full = s.n / CHUNK;
+        let chunks = full + (!s.n.is_multiple_of(CHUNK)) as usize;
+        let block = |ch: usize, i: usize| {
+            let rows = (s.m - i).min(MR);
+            let ap = a.add(i * s.a_rs);
+            let bp = b.add(ch * s.b_cs);
+            let cp = c.add(i * s.c_rs + ch * CHUNK);
+            let (k, ars, aks, brs, crs, acc) = (s.k, s.a_rs, s.a_ks, s.b_rs, s.c_rs, s.accumulate);
+            if ch < full {
+                kernel_rows::<4>(rows, k, ap, ars, aks, bp, brs, cp, crs, acc);
+            } else {
+                // `n` is a multiple of 16: the last, partial chunk is two vectors wide.
+                kernel_rows::<2>(rows, k, ap, ars, aks, bp, brs, cp, crs, acc);
+            }
+            rows
+        };
+        if s.a_rs == 1 {
+            // A is column-major (a transposed tile): keep its row strip in L1 across chunks.
+            let mut i = 0;
+            while i < s.m {
+                let mut rows = 0;
+                for ch in 0..chunks {
+                    rows = block(ch, i);
+                }
+                i += rows;
+            }
+        } else {
+            // Column chunk outer: the chunk of B (k x 32) stays in L1 while A's rows stream by.
+            for ch in 0..chunks {
+                let mut i = 0;
+                while i < s.m {
+                    i += block(ch, i);
+                }
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hmax(v: __m256) -> f32 {
+        let s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps::<1>(s, s)))
+    }
+
+    /// `2^x`, 0 below -126 (so `-inf` and NaN give 0), relative error about 2.5e-7 (the
+    /// polynomial of the AVX-512 kernel); inputs above 127 are clamped (the kernels only pass
+    /// `x <= 0` up to rounding).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn exp2(x: __m256) -> __m256 {
+        let valid = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(-126.0));
+        let x = _mm256_min_ps(x, _mm256_set1_ps(127.0));
+        let n = _mm256_round_ps::<0x08>(x);
+        let f = _mm256_sub_ps(x, n);
+        let mut p = _mm256_set1_ps(1.327_647_1e-3);
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.675_542e-3));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550_713e-2));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.240_221_2));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.693_146_94));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.000_000_1));
+        // 2^n from its exponent bits; n is in [-126, 127] wherever `valid`.
+        let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        _mm256_and_ps(valid, _mm256_mul_ps(p, _mm256_castsi256_ps(e)))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn row_max(x: &[f32]) -> f32 {
+        let n = x.len();
+        let p = x.as_ptr();
+        let mut m0 = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut m1 = m0;
+        let mut j = 0;
+        while j + 16 <= n {
+            m0 = _mm256_max_ps(m0, _mm256_loadu_ps(p.add(j)));
+            m1 = _mm256_max_ps(m1, _mm256_loadu_ps(p.add(j + 8)));
+            j += 16;
+        }
+        while j + 8 <= n {
+            m0 = _mm256_max_ps(m0, _mm256_loadu_ps(p.add(j)));
+            j += 8;
+        }
+        x[j..]
+            .iter()
+            .copied()
+            .fold(hmax(_mm256_max_ps(m0, m1)), f32::max)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp2_shift_sum(x: &mut [f32], m: f32) -> f32 {
+        let n = x.len();
+        let p = x.as_mut_ptr();
+        let mv = _mm256_set1_ps(m);
+        let mut s0 = _mm256_setzero_ps();
+        let mut s1 = _mm256_setzero_ps();
+        let mut j = 0;
+        while j + 16 <= n {
+            let e0 = exp2(_mm256_sub_ps(_mm256_loadu_ps(p.add(j)), mv));
+            let e1 = exp2(_mm256_sub_ps(_mm256_loadu_ps(p.add(j + 8)), mv));
+            _mm256_storeu_ps(p.add(j), e0);
+            _mm256_storeu_ps(p.add(j + 8), e1);
+            s0 = _mm256_add_ps(s0, e0);
+            s1 = _mm256_add_ps(s1, e1);
+            j += 16;
+        }
+        while j + 8 <= n {
+            let e = exp2(_mm256_sub_ps(_mm256_loadu_ps(p.add(j)), mv));
+            _mm256_storeu_ps(p.add(j), e);
+            s0 = _mm256_add_ps(s0, e);
+            j += 8;
+        }
+        let mut s = hsum(_mm256_add_ps(s0, s1));
+        for v in &mut x[j..] {
+            *v = portable::exp2(*v - m);
+            s += *v;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn scale_row(x: &mut [f32], a: f32) {
+        let n = x.len();
+        let p = x.as_mut_ptr();
+        let av = _mm256_set1_ps(a);
+        let mut j = 0;
+        while j + 8 <= n {
+            _mm256_storeu_ps(p.add(j), _mm256_mul_ps(_mm256_loadu_ps(p.add(j)), av));
+            j += 8;
+        }
+        x[j..].iter_mut().for_each(|v| *v *= a);
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn p_ds_row(pr: &mut [f32], gr: &mut [f32], l2: f32, d: f32) {
+        let n = gr.len();
+        let pp = pr.as_mut_ptr();
+        let gp = gr.as_mut_ptr();
+        let lv = _mm256_set1_ps(l2);
+        let dv = _mm256_set1_ps(d);
+        let mut j = 0;
+        while j + 8 <= n {
+            let p = exp2(_mm256_sub_ps(_mm256_loadu_ps(pp.add(j)), lv));
+            _mm256_storeu_ps(pp.add(j), p);
+            let g = _mm256_loadu_ps(gp.add(j));
+            _mm256_storeu_ps(gp.add(j), _mm256_mul_ps(p, _mm256_sub_ps(g, dv)));
+            j += 8;
+        }
+        for (pv, gv) in pr[j..n].iter_mut().zip(gr[j..].iter_mut()) {
+            *pv = portable::exp2(*pv - l2);
+            *gv = *pv * (*gv - d);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len();
+        let (ap, bp) = (a.as_ptr(), b.as_ptr());
+        let mut s0 = _mm256_setzero_ps();
+        let mut s1 = _mm256_setzero_ps();
+        let mut j = 0;
+        while j + 16 <= n {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(j)), _mm256_loadu_ps(bp.add(j)), s0);
+            s1 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(ap.add(j + 8)),
+                _mm256_loadu_ps(bp.add(j + 8)),
+                s1,
+            );
+            j += 16;
+        }
+        while j + 8 <= n {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(j)), _mm256_loadu_ps(bp.add(j)), s0);
+            j += 8;
+        }
+        let tail: f32 = a[j..].iter().zip(&b[j..n]).map(|(x, y)| x * y).sum();
+        hsum(_mm256_add_ps(s0, s1)) + tail
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -460,11 +769,12 @@ mod tests {
     #[test]
     fn matmul_isas_agree() {
         let mut seed = 1;
-        let shapes: [(usize, usize, usize); 5] = [
+        let shapes: [(usize, usize, usize); 6] = [
             (1, 16, 1),
             (13, 48, 7),
             (8, 64, 64),
             (17, 80, 33),
+            (4, 112, 129),
             (3, 32, 0),
         ];
         for &(m, n, k) in &shapes {
@@ -485,11 +795,13 @@ mod tests {
                 };
                 let c0: Vec<f32> = (0..m * (n + 3)).map(|_| lcg(&mut seed)).collect();
                 let mut c1 = c0.clone();
-                let mut c2 = c0.clone();
                 mm.run(Isa::Portable, &a, &b, &mut c1);
-                mm.run(detect(), &a, &b, &mut c2);
-                for (x, y) in c1.iter().zip(&c2) {
-                    assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+                for isa in available() {
+                    let mut c2 = c0.clone();
+                    mm.run(isa, &a, &b, &mut c2);
+                    for (x, y) in c1.iter().zip(&c2) {
+                        assert!((x - y).abs() < 1e-5, "{isa:?}: {x} vs {y}");
+                    }
                 }
             }
         }
@@ -498,38 +810,58 @@ mod tests {
     #[test]
     fn row_ops_isas_agree() {
         let mut seed = 7;
-        for n in [1usize, 5, 16, 31, 32, 47, 130] {
-            let mut x: Vec<f32> = (0..n).map(|_| lcg(&mut seed) * 50.0).collect();
-            let masked = n > 1;
-            if masked {
-                x[n / 2] = f32::NEG_INFINITY;
+        for isa in available() {
+            for n in [1usize, 5, 8, 9, 15, 16, 17, 31, 32, 47, 130] {
+                let mut x: Vec<f32> = (0..n).map(|_| lcg(&mut seed) * 50.0).collect();
+                let masked = n > 1;
+                if masked {
+                    x[n / 2] = f32::NEG_INFINITY;
+                }
+                let m1 = row_max(Isa::Portable, &x);
+                let m2 = row_max(isa, &x);
+                assert_eq!(m1, m2, "{isa:?}");
+                let mut y1 = x.clone();
+                let mut y2 = x.clone();
+                let s1 = exp2_shift_sum(Isa::Portable, &mut y1, m1);
+                let s2 = exp2_shift_sum(isa, &mut y2, m2);
+                assert!((s1 - s2).abs() <= 1e-6 * s1.abs(), "{isa:?}: {s1} vs {s2}");
+                for (a, b) in y1.iter().zip(&y2) {
+                    assert!(
+                        (a - b).abs() <= 1e-6 * a.abs().max(1e-30),
+                        "{isa:?}: {a} vs {b}"
+                    );
+                }
+                if masked {
+                    assert_eq!(y2[n / 2], 0.0);
+                }
+                let mut z1 = x.clone();
+                let mut z2 = x.clone();
+                scale_row(Isa::Portable, &mut z1, 0.37);
+                scale_row(isa, &mut z2, 0.37);
+                assert_eq!(z1, z2, "{isa:?}");
+                let mut p1 = x.clone();
+                let mut p2 = x.clone();
+                let mut g1: Vec<f32> = (0..n).map(|_| lcg(&mut seed)).collect();
+                let mut g2 = g1.clone();
+                p_ds_row(Isa::Portable, &mut p1, &mut g1, m1 + 0.5, 0.25);
+                p_ds_row(isa, &mut p2, &mut g2, m1 + 0.5, 0.25);
+                for (a, b) in p1.iter().zip(&p2).chain(g1.iter().zip(&g2)) {
+                    assert!(
+                        (a - b).abs() <= 1e-6 * a.abs().max(1e-30),
+                        "{isa:?}: {a} vs {b}"
+                    );
+                }
+                let d1 = dot(Isa::Portable, &x[..n / 2], &y1);
+                let d2 = dot(isa, &x[..n / 2], &y1);
+                assert!((d1 - d2).abs() <= 1e-4 * d1.abs().max(1.0), "{isa:?}");
             }
-            let m1 = row_max(Isa::Portable, &x);
-            let m2 = row_max(detect(), &x);
-            assert_eq!(m1, m2);
-            let mut y1 = x.clone();
-            let mut y2 = x.clone();
-            let s1 = exp2_shift_sum(Isa::Portable, &mut y1, m1);
-            let s2 = exp2_shift_sum(detect(), &mut y2, m2);
-            assert!((s1 - s2).abs() <= 1e-6 * s1.abs());
-            for (a, b) in y1.iter().zip(&y2) {
-                assert!((a - b).abs() <= 1e-6 * a.abs().max(1e-30), "{a} vs {b}");
-            }
-            if masked {
-                assert_eq!(y2[n / 2], 0.0);
-            }
-            let mut p1 = x.clone();
-            let mut p2 = x.clone();
-            let mut g1: Vec<f32> = (0..n).map(|_| lcg(&mut seed)).collect();
-            let mut g2 = g1.clone();
-            p_ds_row(Isa::Portable, &mut p1, &mut g1, m1 + 0.5, 0.25);
-            p_ds_row(detect(), &mut p2, &mut g2, m1 + 0.5, 0.25);
-            for (a, b) in p1.iter().zip(&p2).chain(g1.iter().zip(&g2)) {
-                assert!((a - b).abs() <= 1e-6 * a.abs().max(1e-30), "{a} vs {b}");
-            }
-            let d1 = dot(Isa::Portable, &x[..n / 2], &y1);
-            let d2 = dot(detect(), &x[..n / 2], &y1);
-            assert!((d1 - d2).abs() <= 1e-4 * d1.abs().max(1.0));
         }
+    }
+
+    #[test]
+    fn the_best_isa_is_detected() {
+        let all = available();
+        assert_eq!(all[0], detect());
+        assert_eq!(all.last(), Some(&Isa::Portable));
     }
 }
