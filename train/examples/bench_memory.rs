@@ -158,7 +158,7 @@ fn plans() -> Vec<Plan> {
     ]
 }
 
-fn model_dir() -> std::path::PathBuf {
+fn model_dir() -> Result<std::path::PathBuf, String> {
     let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../target/bench/llama-4l-512-rs");
     if !dir.join("model.safetensors").is_file() {
@@ -169,9 +169,10 @@ fn model_dir() -> std::path::PathBuf {
             "max_position_embeddings": 1 << 20, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
             "tie_word_embeddings": false, "torch_dtype": "float32"
         });
-        llama::write_random_checkpoint(&dir, &config, 1).expect("writing the benchmark model");
+        llama::write_random_checkpoint(&dir, &config, 1)
+            .map_err(|e| format!("writing the benchmark model to {}: {e}", dir.display()))?;
     }
-    dir
+    Ok(dir)
 }
 
 struct Measured {
@@ -181,7 +182,7 @@ struct Measured {
 }
 
 fn measure(l: &Layout, plan: Plan, seq: usize, loss_chunk: usize) -> Result<Measured, String> {
-    let files = models::hub::from_dir("bench", &model_dir()).map_err(|e| e.to_string())?;
+    let files = models::hub::from_dir("bench", &model_dir()?).map_err(|e| e.to_string())?;
     let ids: Vec<u32> = (0..seq + 1)
         .map(|i| ((i as u64 * 2_654_435_761) % VOCAB as u64) as u32)
         .collect();
@@ -251,23 +252,36 @@ fn arg<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
 }
 
 fn main() {
+    if let Err(e) = run() {
+        eprintln!("bench_memory: {e}");
+        std::process::exit(2);
+    }
+}
+
+fn run() -> Result<(), String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let seqs: Vec<usize> = arg(&args, "--seqs")
+    let seqs = arg(&args, "--seqs")
         .unwrap_or("2048,4096,8192")
         .split(',')
-        .map(|s| s.parse().expect("--seqs: comma-separated lengths"))
-        .collect();
+        .map(|s| match s.parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(format!("--seqs: {s:?} is not a positive whole number")),
+        })
+        .collect::<Result<Vec<usize>, String>>()?;
     let budget_gib: f64 = arg(&args, "--budget-gib")
         .unwrap_or("16")
         .parse()
-        .expect("--budget-gib: a number");
-    let loss_chunk: usize = arg(&args, "--loss-chunk")
+        .map_err(|_| "--budget-gib: not a number".to_string())?;
+    let loss_chunk = match arg(&args, "--loss-chunk")
         .unwrap_or("1024")
-        .parse()
-        .expect("--loss-chunk: a positive whole number");
+        .parse::<usize>()
+    {
+        Ok(n) if n > 0 => n,
+        _ => return Err("--loss-chunk: not a positive whole number".into()),
+    };
     let only_layouts: Option<Vec<&str>> = arg(&args, "--layouts").map(|s| s.split(',').collect());
     let only_plans: Option<Vec<&str>> = arg(&args, "--plans").map(|s| s.split(',').collect());
-    model_dir();
+    model_dir()?;
     let mib = |b: isize| b as f64 / (1 << 20) as f64;
     println!(
         "| layout | plan | state MiB | {} | fit check | longest S in {budget_gib} GiB |",
@@ -327,4 +341,5 @@ fn main() {
             );
         }
     }
+    Ok(())
 }

@@ -188,6 +188,35 @@ pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
+/// Walks C in blocks of at most `mr` rows by one column chunk of [`CHUNK`] columns, calling
+/// `block(chunk, first_row, rows)` for each, in the order that keeps operands in L1: when A is
+/// column-major (`a_rs == 1`, a transposed tile) a strip of A's rows stays while the chunks of B
+/// go by; otherwise a chunk of B (`k x 32`) stays while A's rows stream by.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn for_each_block(s: &MatMul, mr: usize, mut block: impl FnMut(usize, usize, usize)) {
+    let chunks = s.n.div_ceil(CHUNK);
+    if s.a_rs == 1 {
+        let mut i = 0;
+        while i < s.m {
+            let rows = (s.m - i).min(mr);
+            for ch in 0..chunks {
+                block(ch, i, rows);
+            }
+            i += rows;
+        }
+    } else {
+        for ch in 0..chunks {
+            let mut i = 0;
+            while i < s.m {
+                let rows = (s.m - i).min(mr);
+                block(ch, i, rows);
+                i += rows;
+            }
+        }
+    }
+}
+
 mod portable {
     use super::{MatMul, CHUNK};
 
@@ -225,7 +254,7 @@ mod portable {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{MatMul, CHUNK};
+    use super::{for_each_block, MatMul, CHUNK};
     use std::arch::x86_64::*;
 
     /// Register block: `MR` rows x `NV` 16-lane vectors of C, accumulated over `k`.
@@ -305,62 +334,21 @@ mod avx512 {
     /// See [`MatMul`]; the caller has checked the extents.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn matmul(s: &MatMul, a: *const f32, b: *const f32, c: *mut f32) {
-        const MR: usize = 8;
         let full = s.n / CHUNK;
-        let chunks = full + (!s.n.is_multiple_of(CHUNK)) as usize;
-        let block = |ch: usize, i: usize| {
-            let rows = (s.m - i).min(MR);
-            let ap = a.add(i * s.a_rs);
-            let bp = b.add(ch * s.b_cs);
-            let cp = c.add(i * s.c_rs + ch * CHUNK);
+        for_each_block(s, 8, |ch, i, rows| {
+            let (ap, bp, cp) = (
+                a.add(i * s.a_rs),
+                b.add(ch * s.b_cs),
+                c.add(i * s.c_rs + ch * CHUNK),
+            );
+            let (k, ars, aks, brs, crs, acc) = (s.k, s.a_rs, s.a_ks, s.b_rs, s.c_rs, s.accumulate);
             if ch < full {
-                kernel_rows::<2>(
-                    rows,
-                    s.k,
-                    ap,
-                    s.a_rs,
-                    s.a_ks,
-                    bp,
-                    s.b_rs,
-                    cp,
-                    s.c_rs,
-                    s.accumulate,
-                );
+                kernel_rows::<2>(rows, k, ap, ars, aks, bp, brs, cp, crs, acc);
             } else {
-                kernel_rows::<1>(
-                    rows,
-                    s.k,
-                    ap,
-                    s.a_rs,
-                    s.a_ks,
-                    bp,
-                    s.b_rs,
-                    cp,
-                    s.c_rs,
-                    s.accumulate,
-                );
+                // `n` is a multiple of 16: the last, partial chunk is one vector wide.
+                kernel_rows::<1>(rows, k, ap, ars, aks, bp, brs, cp, crs, acc);
             }
-            rows
-        };
-        if s.a_rs == 1 {
-            // A is column-major (a transposed tile): keep its 8-row strip in L1 across chunks.
-            let mut i = 0;
-            while i < s.m {
-                let mut rows = 0;
-                for ch in 0..chunks {
-                    rows = block(ch, i);
-                }
-                i += rows;
-            }
-        } else {
-            // Column chunk outer: the chunk of B (k x 32) stays in L1 while A's rows stream by.
-            for ch in 0..chunks {
-                let mut i = 0;
-                while i < s.m {
-                    i += block(ch, i);
-                }
-            }
-        }
+        });
     }
 
     #[inline]
@@ -492,7 +480,7 @@ mod avx512 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{portable, MatMul, CHUNK};
+    use super::{for_each_block, portable, MatMul, CHUNK};
     use std::arch::x86_64::*;
 
     /// Register block: `MR` rows x `NV` 8-lane vectors of C, accumulated over `k`. With
@@ -565,14 +553,13 @@ mod avx2 {
     /// See [`MatMul`]; the caller has checked the extents.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn matmul(s: &MatMul, a: *const f32, b: *const f32, c: *mut f32) {
-        const MR: usize = 3;
         let full = s.n / CHUNK;
-        let chunks = full + (!s.n.is_multiple_of(CHUNK)) as usize;
-        let block = |ch: usize, i: usize| {
-            let rows = (s.m - i).min(MR);
-            let ap = a.add(i * s.a_rs);
-            let bp = b.add(ch * s.b_cs);
-            let cp = c.add(i * s.c_rs + ch * CHUNK);
+        for_each_block(s, 3, |ch, i, rows| {
+            let (ap, bp, cp) = (
+                a.add(i * s.a_rs),
+                b.add(ch * s.b_cs),
+                c.add(i * s.c_rs + ch * CHUNK),
+            );
             let (k, ars, aks, brs, crs, acc) = (s.k, s.a_rs, s.a_ks, s.b_rs, s.c_rs, s.accumulate);
             if ch < full {
                 kernel_rows::<4>(rows, k, ap, ars, aks, bp, brs, cp, crs, acc);
@@ -580,27 +567,7 @@ mod avx2 {
                 // `n` is a multiple of 16: the last, partial chunk is two vectors wide.
                 kernel_rows::<2>(rows, k, ap, ars, aks, bp, brs, cp, crs, acc);
             }
-            rows
-        };
-        if s.a_rs == 1 {
-            // A is column-major (a transposed tile): keep its row strip in L1 across chunks.
-            let mut i = 0;
-            while i < s.m {
-                let mut rows = 0;
-                for ch in 0..chunks {
-                    rows = block(ch, i);
-                }
-                i += rows;
-            }
-        } else {
-            // Column chunk outer: the chunk of B (k x 32) stays in L1 while A's rows stream by.
-            for ch in 0..chunks {
-                let mut i = 0;
-                while i < s.m {
-                    i += block(ch, i);
-                }
-            }
-        }
+        });
     }
 
     #[inline]
