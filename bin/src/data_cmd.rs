@@ -8,9 +8,12 @@ use models::tokenizer::Tokenizer;
 
 #[derive(clap::Subcommand, Debug)]
 pub enum DataCommand {
-    /// Tokenize text, jsonl or Parquet files (in parallel) into a JSON array of token-id arrays,
-    /// one per document with EOS appended, which `cpl train --tokens` and `cpl eval --tokens`
-    /// read: `cpl train --tokens OUT` then trains exactly as `cpl train --data FILES`.
+    /// Tokenize a corpus once into a `--tokens` file for `cpl train` and `cpl eval`.
+    ///
+    /// Reads text, jsonl or Parquet files (in parallel) and writes a JSON array of token-id
+    /// arrays, one per document with EOS appended (when the tokenizer has one):
+    /// `cpl train --tokens OUT` then trains exactly as `cpl train --data FILES`, without
+    /// tokenizing again.
     Prepare(PrepareArgs),
 }
 
@@ -42,8 +45,10 @@ pub fn run(cmd: &DataCommand) -> Result<()> {
     let json = serde_json::to_vec(&seqs)?;
     let tmp = a.out.with_extension("json.tmp");
     std::fs::write(&tmp, &json)
-        .with_context(|| format!("--out {}: cannot write", tmp.display()))?;
-    std::fs::rename(&tmp, &a.out)
+        .and_then(|()| std::fs::rename(&tmp, &a.out))
+        .inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        })
         .with_context(|| format!("--out {}: cannot write", a.out.display()))?;
     let tokens: usize = seqs.iter().map(|s| s.len()).sum();
     eprintln!(

@@ -20,8 +20,8 @@ pub struct EvalArgs {
     /// Model directory (config.json, *.safetensors, tokenizer.json) or Hugging Face Hub id.
     #[arg(long)]
     pub model: String,
-    /// Text (.txt) or JSON-lines (.jsonl) file to evaluate on; documents are joined with EOS
-    /// and cut into windows of --seq-len tokens.
+    /// Text (.txt), JSON-lines (.jsonl) or Parquet (.parquet) file to evaluate on; documents
+    /// are joined with EOS and cut into windows of --seq-len tokens.
     #[arg(long, conflicts_with = "tokens")]
     pub data: Option<PathBuf>,
     /// JSON array of token-id arrays; each is evaluated as one sequence.
@@ -30,7 +30,7 @@ pub struct EvalArgs {
     /// Tokens per window of --data.
     #[arg(long, default_value_t = 1024)]
     pub seq_len: usize,
-    /// The text field of .jsonl records.
+    /// The text field of .jsonl records and the text column of .parquet files.
     #[arg(long, default_value = "text")]
     pub text_field: String,
     /// Compute dtype: f32, bf16 or f16 (default: the checkpoint's).

@@ -42,13 +42,16 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Print the device mesh of a parallel layout: each rank's coordinates and groups.
     Plan(layout::LayoutArgs),
-    /// Mean next-token loss, perplexity and token count of a model on a text, jsonl or token file.
+    /// Mean next-token loss, perplexity and token count of a model on a text, jsonl, Parquet or
+    /// token file.
     Eval(eval::EvalArgs),
     /// Continue a prompt with a model (KV cache; one rank or tensor parallel).
     Generate(generate::GenerateArgs),
-    /// Continued pretraining of a Hugging Face checkpoint (no arguments: the bundled default).
+    /// Continued pretraining of a Hugging Face checkpoint under any layout, with ZeRO and
+    /// activation checkpointing (no arguments: the bundled default).
     Train(Box<train_cmd::TrainArgs>),
-    /// Data preparation: `cpl data prepare` caches a tokenized corpus.
+    /// Data preparation: `cpl data prepare` tokenizes a corpus (text, jsonl, Parquet) once into a
+    /// `--tokens` file.
     #[command(subcommand)]
     Data(data_cmd::DataCommand),
     /// Show a model's architecture, parameter count, dtypes and checkpoint files.

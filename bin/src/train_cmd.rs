@@ -14,7 +14,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_parallel::attention::ShardPlan;
 use candle_parallel::comm::ReduceOp;
-use candle_parallel::mesh::Dim;
+use candle_parallel::mesh::{Dim, MeshLayout};
 use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
 use candle_parallel::recompute::Checkpointing;
 use models::llama::{self, LlamaConfig};
@@ -111,23 +111,26 @@ pub struct TrainArgs {
     /// Continue from the last checkpoint in --out.
     #[arg(long)]
     pub resume: bool,
-    /// Tokens per chunk of the vocab-parallel loss.
-    #[arg(long, default_value_t = 1024)]
+    /// Tokens per chunk of the vocab-parallel loss. A chunk's logits (chunk x vocab / tp f32
+    /// values) are a fixed memory cost of every rank that more ranks do not shrink: lower it
+    /// (e.g. 128) to save memory at long context or with a large vocabulary.
+    #[arg(long, default_value_t = 1024, help_heading = "Memory")]
     pub loss_chunk: usize,
     /// ZeRO stage: 0 (off), 1 (shard optimizer states), 2 (and gradients), 3 (and parameters),
     /// over the ulysses x ring x dp ranks.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, help_heading = "Memory")]
     pub zero: u8,
     /// Ranks per ZeRO sharding group (divides ulysses x ring x dp; default: all of them; 1:
     /// full replicas; between: hybrid sharding, replicated across groups).
-    #[arg(long)]
+    #[arg(long, help_heading = "Memory")]
     pub zero_group: Option<usize>,
     /// Activation checkpointing of every decoder layer: none, full (keep each layer's input,
     /// recompute the layer) or selective (also keep attention's output and lse: attention and
     /// its communication run once).
-    #[arg(long, default_value = "none")]
+    #[arg(long, default_value = "none", help_heading = "Memory")]
     pub checkpointing: String,
-    /// Print a progress line every N steps.
+    /// Print a progress line every N steps (when stderr is not a terminal; a terminal shows a
+    /// progress bar redrawn every step).
     #[arg(long, default_value_t = 10)]
     pub log_every: u64,
     #[command(flatten)]
@@ -294,6 +297,28 @@ fn matmul_gflops() -> f64 {
 
 pub fn run(args: &TrainArgs) -> Result<()> {
     let cfg = args.config()?;
+    // Flag checks that need the layout, before the data is read and tokenized.
+    let sp = args.layout.sp_config()?;
+    if let Some(z) = cfg.zero_group {
+        let mesh = args.layout.mesh_config()?;
+        let g = MeshLayout::new(&mesh, args.layout.ranks)?.group_size(&[
+            Dim::Ulysses,
+            Dim::Ring,
+            Dim::Dp,
+        ]);
+        if !g.is_multiple_of(z) {
+            bail!(
+                "--zero-group {z} does not divide the {g} ranks that hold the same parameters \
+                 (ulysses x ring x dp)"
+            );
+        }
+    }
+    ShardPlan::new(cfg.seq_len, sp.layout, sp.ring, sp.ulysses).with_context(|| {
+        format!(
+            "--seq-len {} cannot be split by --ring {} --ulysses {} --ring-layout {}",
+            cfg.seq_len, sp.ring, sp.ulysses, sp.layout
+        )
+    })?;
     let model_id = match &args.model {
         Some(m) => m.clone(),
         None => default_asset("model").display().to_string(),
@@ -318,26 +343,6 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         TokenStream::from_documents(&tok, &docs, model_cfg.vocab_size)?
     };
     let data = PackedDataset::new(stream, cfg.seq_len, cfg.doc_mask)?;
-    let sp = args.layout.sp_config()?;
-    if let Some(z) = cfg.zero_group {
-        let mesh = args.layout.mesh_config()?;
-        let g = [Dim::Ulysses, Dim::Ring, Dim::Dp]
-            .iter()
-            .map(|&d| mesh.degree(d))
-            .product::<usize>();
-        if !g.is_multiple_of(z) {
-            bail!(
-                "--zero-group {z} does not divide the {g} ranks that hold the same parameters \
-                 (ulysses x ring x dp)"
-            );
-        }
-    }
-    ShardPlan::new(cfg.seq_len, sp.layout, sp.ring, sp.ulysses).with_context(|| {
-        format!(
-            "--seq-len {} cannot be split by --ring {} --ulysses {} --ring-layout {}",
-            cfg.seq_len, sp.ring, sp.ulysses, sp.layout
-        )
-    })?;
     // Resume point.
     let resume_from = if args.resume {
         match checkpoint::list_checkpoints(&args.out).pop() {
@@ -438,7 +443,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                 trainer.global_batch(),
                 cfg.steps,
                 world.size(),
-                args.layout.sp_config()?.strategy.name()
+                sp.strategy.name()
             );
         }
         let start = Instant::now();

@@ -365,6 +365,30 @@ fn line<'a>(out: &'a str, prefix: &str) -> &'a str {
     hits[0]
 }
 
+/// `cpl inspect --model DIR`'s standard output (the run must succeed).
+fn inspect(dir: &Path) -> String {
+    let o = cpl(&["inspect", "--model", dir.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    stdout(&o)
+}
+
+/// inspect's lines for a checkpoint of `n` f32 parameters (`implied` by its config) and for one
+/// of its files holding `tensors` tensors of `elems` elements.
+fn parameters_line(n: usize, implied: usize) -> String {
+    format!(
+        "parameters   {n} in the checkpoint ({:.2} M; the config implies {implied})",
+        n as f64 / 1e6
+    )
+}
+
+fn file_line(path: &Path, tensors: usize, elems: usize) -> String {
+    format!(
+        "  {}: {tensors} tensors, {:.2} MB",
+        path.display(),
+        (elems * 4) as f64 / 1e6
+    )
+}
+
 /// `cpl inspect` on the single-file mha fixture reports the architecture named by config.json,
 /// the exact parameter count (checked against the config's shapes and the safetensors file's),
 /// the dtype, and the file with its tensor count and size; on the sharded fixture, every shard.
@@ -385,9 +409,7 @@ fn inspect_reports_the_model() {
     );
     assert_eq!(tensors, 21);
 
-    let o = cpl(&["inspect", "--model", dir.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = stdout(&o);
+    let out = inspect(&dir);
     let arch = cfg["architectures"][0].as_str().unwrap();
     assert_eq!(arch, "LlamaForCausalLM");
     assert!(
@@ -399,10 +421,7 @@ fn inspect_reports_the_model() {
     );
     assert_eq!(
         line(&out, "parameters "),
-        format!(
-            "parameters   {from_file} in the checkpoint ({:.2} M; the config implies {from_config})",
-            from_file as f64 / 1e6
-        ),
+        parameters_line(from_file, from_config),
         "{out}"
     );
     assert_eq!(
@@ -412,11 +431,7 @@ fn inspect_reports_the_model() {
     assert_eq!(line(&out, "shards "), "shards       1 file(s)");
     assert_eq!(
         line(&out, &format!("  {}", weights.display())),
-        format!(
-            "  {}: {tensors} tensors, {:.2} MB",
-            weights.display(),
-            (from_file * 4) as f64 / 1e6
-        )
+        file_line(&weights, tensors, from_file)
     );
 
     // The architecture comes from config.json: without the field, inspect does not claim one.
@@ -429,9 +444,7 @@ fn inspect_reports_the_model() {
         serde_json::to_string_pretty(&cfg2).unwrap(),
     )
     .unwrap();
-    let o = cpl(&["inspect", "--model", no_arch.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = stdout(&o);
+    let out = inspect(&no_arch);
     let a = line(&out, "architecture ");
     assert!(
         !a.contains("LlamaForCausalLM") && a.contains("none in config.json"),
@@ -441,9 +454,7 @@ fn inspect_reports_the_model() {
 
     // The sharded fixture: the same parameters over three files listed by the index.
     let dir = fixtures().join("sharded");
-    let o = cpl(&["inspect", "--model", dir.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = stdout(&o);
+    let out = inspect(&dir);
     assert!(
         line(&out, "architecture ").starts_with("architecture LlamaForCausalLM: "),
         "{out}"
@@ -457,21 +468,11 @@ fn inspect_reports_the_model() {
         let f = dir.join(format!("model-0000{k}-of-00003.safetensors"));
         let (tensors, elems) = safetensors_counts(&f);
         total += elems;
-        let want = format!(
-            "  {}: {tensors} tensors, {:.2} MB",
-            f.display(),
-            (elems * 4) as f64 / 1e6
-        );
+        let want = file_line(&f, tensors, elems);
         assert!(out.lines().any(|l| l == want), "{want:?} in:\n{out}");
     }
     assert_eq!(total, from_config);
-    assert_eq!(
-        line(&out, "parameters "),
-        format!(
-            "parameters   {total} in the checkpoint ({:.2} M; the config implies {total})",
-            total as f64 / 1e6
-        )
-    );
+    assert_eq!(line(&out, "parameters "), parameters_line(total, total));
     assert_eq!(line(&out, "dtypes "), format!("dtypes       F32: {total}"));
 }
 

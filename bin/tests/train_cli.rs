@@ -1,7 +1,8 @@
 //! `cpl train` end to end on the tiny `mha` fixture: outputs (metrics, checkpoints, loss curve),
 //! a run killed with SIGKILL after a checkpoint and resumed gives the same losses as an
-//! uninterrupted run, a TOML config equals the same flags, and bad flags or data fail with a
-//! clear error (exit 1, no panic).
+//! uninterrupted run, a TOML config equals the same flags, ZeRO-3 with checkpointing and Parquet
+//! or `cpl data prepare` input give the plain run's losses, and bad flags or data (also for
+//! `cpl data prepare`) fail with a clear error (exit 1, no panic).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -233,6 +234,27 @@ fn a_toml_config_equals_the_same_flags() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Every `(args, needle)` fails with exit code 1 and a message containing `needle`, no panic.
+fn assert_clear_errors(cases: &[(Vec<String>, &str)]) {
+    for (args, needle) in cases {
+        let o = cpl(args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains(needle),
+            "{args:?}: expected {needle:?} in {err:?}"
+        );
+        assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    }
+}
+
+/// A file named `*.parquet` that is not Parquet.
+fn corrupt_parquet(dir: &Path) -> PathBuf {
+    let p = dir.join("corrupt.parquet");
+    std::fs::write(&p, "not parquet at all").unwrap();
+    p
+}
+
 #[test]
 fn bad_training_input_fails_with_a_clear_error() {
     let dir = tmpdir("bad");
@@ -240,7 +262,26 @@ fn bad_training_input_fails_with_a_clear_error() {
     let out = dir.join("out");
     let bad_toml = dir.join("bad.toml");
     std::fs::write(&bad_toml, "steps = = 3").unwrap();
+    let corrupt = corrupt_parquet(&dir);
     let with = |extra: &[&str]| set_flags(base_args(&tokens, &out, 2), extra);
+    // Training on text files instead of the token file.
+    let with_data = |data: &Path, extra: &[&str]| {
+        let mut a: Vec<String> = [
+            "train",
+            "--model",
+            fixture().to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--seq-len",
+            "32",
+            "--out",
+            out.to_str().unwrap(),
+        ]
+        .map(String::from)
+        .to_vec();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
     let cases: Vec<(Vec<String>, &str)> = vec![
         (with(&["--seq-len", "30"]), "--seq-len 30"),
         (with(&["--decay", "sideways"]), "--decay"),
@@ -249,22 +290,7 @@ fn bad_training_input_fails_with_a_clear_error() {
         (with(&["--lr", "0"]), "--lr"),
         (with(&["--dtype", "int8"]), "--dtype"),
         (with(&["--seq-len", "4096"]), "--seq-len 4096"),
-        (
-            [
-                "train",
-                "--model",
-                fixture().to_str().unwrap(),
-                "--data",
-                dir.join("missing.txt").to_str().unwrap(),
-                "--seq-len",
-                "32",
-                "--out",
-                out.to_str().unwrap(),
-            ]
-            .map(String::from)
-            .to_vec(),
-            "missing.txt",
-        ),
+        (with_data(&dir.join("missing.txt"), &[]), "missing.txt"),
         (
             ["train", "--config", bad_toml.to_str().unwrap()]
                 .map(String::from)
@@ -277,34 +303,95 @@ fn bad_training_input_fails_with_a_clear_error() {
             "--zero-group 3",
         ),
         (with(&["--zero-group", "2"]), "--zero-group"),
-        (with(&["--checkpointing", "sometimes"]), "--checkpointing"),
         (
-            [
-                "train",
-                "--model",
-                fixture().to_str().unwrap(),
-                "--data",
-                data_fixture("not-text.parquet").to_str().unwrap(),
-                "--seq-len",
-                "32",
-                "--out",
-                out.to_str().unwrap(),
-            ]
-            .map(String::from)
-            .to_vec(),
+            with(&["--zero", "1", "--zero-group", "0"]),
+            "--zero-group must be at least 1",
+        ),
+        (with(&["--checkpointing", "sometimes"]), "--checkpointing"),
+        (with(&["--loss-chunk", "0"]), "--loss-chunk"),
+        (
+            with_data(&data_fixture("not-text.parquet"), &[]),
             "not-text.parquet",
         ),
+        (with_data(&corrupt, &[]), "not a valid Parquet file"),
+        (
+            with_data(
+                &data_fixture("docs-snappy.parquet"),
+                &["--text-field", "body"],
+            ),
+            "no column \"body\"",
+        ),
     ];
-    for (args, needle) in cases {
-        let o = cpl(&args);
-        let err = stderr(&o);
-        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
-        assert!(
-            err.contains(needle),
-            "{args:?}: expected {needle:?} in {err:?}"
-        );
-        assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
-    }
+    assert_clear_errors(&cases);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `cpl data prepare` with a bad model, data file, column or output fails with a message naming
+/// the flag or file.
+#[test]
+fn bad_data_prepare_input_fails_with_a_clear_error() {
+    let dir = tmpdir("bad-prepare");
+    let corrupt = corrupt_parquet(&dir);
+    let empty_dir = dir.join("empty");
+    std::fs::create_dir_all(&empty_dir).unwrap();
+    let good_out = dir.join("ids.json");
+    let prepare = |model: &Path, data: &Path, out: &Path, extra: &[&str]| {
+        let mut a: Vec<String> = [
+            "data",
+            "prepare",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]
+        .map(String::from)
+        .to_vec();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let docs = data_fixture("docs.jsonl");
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            prepare(&dir.join("no-model"), &docs, &good_out, &[]),
+            "no-model",
+        ),
+        (
+            prepare(&fixture(), &dir.join("missing.jsonl"), &good_out, &[]),
+            "--data",
+        ),
+        (
+            prepare(&fixture(), &corrupt, &good_out, &[]),
+            "corrupt.parquet: not a valid Parquet file",
+        ),
+        (
+            prepare(&fixture(), &empty_dir, &good_out, &[]),
+            "has no .txt, .jsonl or .parquet files",
+        ),
+        (
+            prepare(
+                &fixture(),
+                &data_fixture("not-text.parquet"),
+                &good_out,
+                &[],
+            ),
+            "not-text.parquet",
+        ),
+        (
+            prepare(&fixture(), &docs, &good_out, &["--text-field", "body"]),
+            "no string field \"body\"",
+        ),
+        (
+            prepare(&fixture(), &docs, &dir.join("no-dir/ids.json"), &[]),
+            "--out",
+        ),
+        (prepare(&fixture(), &docs, &empty_dir, &[]), "--out"),
+    ];
+    assert_clear_errors(&cases);
+    // A failed write leaves no temporary file behind.
+    assert!(!dir.join("empty.json.tmp").exists());
+    assert!(!good_out.exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
