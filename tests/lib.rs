@@ -1,6 +1,7 @@
 //! Shared helpers for the cross-crate integration tests: the LLaMA fixtures made by
 //! `scripts/make_llama_fixtures.py` and a runner that trains one step of a fixture model under
-//! any parallel layout and returns the loss and the full gradients, in global form.
+//! any parallel layout (and memory plan: ZeRO-3 parameter sharding, activation checkpointing)
+//! and returns the loss and the full gradients, in global form.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -10,6 +11,8 @@ use candle_parallel::attention::{AttnMask, SpConfig, Strategy};
 use candle_parallel::comm::{Comm, LocalWorld, ReduceOp};
 use candle_parallel::layers::{CrossEntropyOptions, ParallelCtx};
 use candle_parallel::mesh::{DeviceMesh, Dim, MeshConfig};
+use candle_parallel::optim::ZeroGroups;
+use candle_parallel::recompute::Checkpointing;
 use models::hub::ModelFiles;
 use models::llama::{self, Batch};
 
@@ -153,10 +156,27 @@ fn gather_param(g: &Tensor, p: &models::checkpoint::Param, tp: &Comm) -> Tensor 
     }
 }
 
-/// Loads fixture `name` under `layout` on local ranks, runs forward (logits and loss with the
-/// transformers labels of the fixture, shifted) and backward, reduces the gradients and gathers
-/// everything to global form. Returns rank 0's result (ranks are checked to agree on the loss).
+/// Where [`run_layout_with`] keeps parameters and activations.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MemoryPlan {
+    /// Activation checkpointing of every decoder layer (parameter gradients of recomputed
+    /// layers then arrive through the model's `GradSink`, not candle's autograd).
+    pub checkpointing: Checkpointing,
+    /// ZeRO-3: every layer's parameters sharded over the ranks that hold the same parameters
+    /// (`ulysses x ring`) and gathered for each use.
+    pub zero3: bool,
+}
+
+/// [`run_layout_with`] with every parameter resident and no checkpointing.
 pub fn run_layout(name: &str, layout: &Layout) -> StepResult {
+    run_layout_with(name, layout, MemoryPlan::default())
+}
+
+/// Loads fixture `name` under `layout` and `plan` on local ranks, runs forward (logits and loss
+/// with the transformers labels of the fixture, shifted) and backward, reduces the gradients and
+/// gathers everything to global form. Returns rank 0's result (ranks are checked to agree on
+/// the loss). Errors (as a panic naming the layout) when a parameter receives no gradient.
+pub fn run_layout_with(name: &str, layout: &Layout, plan: MemoryPlan) -> StepResult {
     let files = fixture_files(name);
     let r = reference(name);
     let labels = r.labels.to_vec2::<i64>().unwrap();
@@ -166,6 +186,18 @@ pub fn run_layout(name: &str, layout: &Layout) -> StepResult {
         let mesh = DeviceMesh::new(&layout.mesh, world).map_err(|x| e(&x))?;
         let ctx = ParallelCtx::new(&mesh, &layout.sp, layout.tp_sp).map_err(|x| e(&x))?;
         let m = llama::load(&files, &ctx, Some(DType::F32), true).map_err(|x| e(&x))?;
+        let mut model = m.model;
+        model.set_checkpointing(plan.checkpointing);
+        let params = m.params.sorted();
+        let zero = if plan.zero3 {
+            let z = ZeroGroups::new(&mesh, None).map_err(|x| e(&x))?;
+            let chunks = model
+                .shard_parameters(&params, &z.shard)
+                .map_err(|x| e(&x))?;
+            Some((z, chunks))
+        } else {
+            None
+        };
         let (batch, _) = Batch::from_sequences(&ctx, &seqs, AttnMask::Causal).map_err(|x| e(&x))?;
         // transformers' loss: logits[:, i] against labels[:, i + 1].
         let shifted: Vec<i64> = labels
@@ -175,8 +207,7 @@ pub fn run_layout(name: &str, layout: &Layout) -> StepResult {
         let (b, s) = (seqs.len(), seqs[0].len());
         let shifted = Tensor::from_vec(shifted, (b, s), &Device::Cpu).unwrap();
         let local_labels = ctx.shard_tokens(&shifted).map_err(|x| e(&x))?;
-        let (sum, count) = m
-            .model
+        let (sum, count) = model
             .loss_sum(&batch, &local_labels, &CrossEntropyOptions::default())
             .map_err(|x| e(&x))?;
         let seq_group = mesh.group(&[Dim::Ulysses, Dim::Ring]).map_err(|x| e(&x))?;
@@ -194,18 +225,50 @@ pub fn run_layout(name: &str, layout: &Layout) -> StepResult {
             .unwrap()
             .to_scalar::<f32>()
             .unwrap();
-        let grads = local_loss.backward().map_err(|x| e(&x))?;
-        let params = m.params.sorted();
-        let collected = models::grads::collect_gradients(&params, &grads).map_err(|x| e(&x))?;
-        let reduced =
-            models::grads::reduce_gradients(&params, collected, &ctx).map_err(|x| e(&x))?;
+        let grads = model.backward(&local_loss).map_err(|x| e(&x))?;
         let tp = mesh.comm(Dim::Tp);
-        let grads = params
-            .iter()
-            .zip(reduced)
-            .map(|(p, (n, g))| (n, gather_param(&g, p, &tp)))
-            .collect();
-        let logits = m.model.logits(&batch).map_err(|x| e(&x))?;
+        let grads = match &zero {
+            None => {
+                let collected =
+                    models::grads::collect_gradients(&params, &grads).map_err(|x| e(&x))?;
+                let reduced =
+                    models::grads::reduce_gradients(&params, collected, &ctx).map_err(|x| e(&x))?;
+                params
+                    .iter()
+                    .zip(reduced)
+                    .map(|(p, (n, g))| (n, gather_param(&g, p, &tp)))
+                    .collect()
+            }
+            // A chunk's gradient is already summed over the sharding group (the backward of the
+            // gather reduce-scatters); under TP-sp replicated parameters also sum over tp.
+            Some((z, chunks)) => chunks
+                .iter()
+                .map(|p| {
+                    let g = grads.get(p.var.as_tensor()).ok_or_else(|| {
+                        e(&format!("parameter `{}` received no gradient", p.name))
+                    })?;
+                    let g = if layout.tp_sp && !p.shard.is_split() && z.replica_tp.size() > 1 {
+                        z.replica_tp
+                            .all_reduce(g, ReduceOp::Sum)
+                            .map_err(|x| e(&x))?
+                    } else {
+                        g.clone()
+                    };
+                    let whole = p
+                        .flat
+                        .gather(&g, &z.shard, &p.local_shape)
+                        .map_err(|x| e(&x))?;
+                    let whole = if p.shard.is_split() {
+                        tp.all_gather(&whole.contiguous().unwrap(), p.shard.dim)
+                            .unwrap()
+                    } else {
+                        whole
+                    };
+                    Ok((p.name.clone(), whole))
+                })
+                .collect::<Result<_, String>>()?,
+        };
+        let logits = model.logits(&batch).map_err(|x| e(&x))?;
         let logits = ctx.gather_tokens(&logits.detach()).map_err(|x| e(&x))?;
         Ok(StepResult {
             loss,

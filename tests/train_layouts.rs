@@ -181,6 +181,12 @@ fn with_dp(mut l: Layout, dp: usize) -> Layout {
     l
 }
 
+/// The config of `layout`: dp halves the per-rank work, so that the global batch
+/// (dp x batch x grad-accum) stays 2, as on one rank with `config(steps, 1, 2, ..)`.
+fn layout_config(layout: &Layout, steps: u64, doc_mask: bool) -> TrainConfig {
+    config(steps, 1, 2 / layout.mesh.degree(Dim::Dp), doc_mask)
+}
+
 /// A layout with a memory plan: ZeRO stage and sharding group, activation checkpointing.
 struct Plan {
     layout: Layout,
@@ -191,13 +197,11 @@ struct Plan {
 
 impl Plan {
     fn config(&self, steps: u64, doc_mask: bool) -> TrainConfig {
-        // dp halves the per-rank work: the global batch (dp x batch x grad-accum) stays 2.
-        let grad_accum = 2 / self.layout.mesh.degree(Dim::Dp);
         TrainConfig {
             zero: self.zero,
             zero_group: self.zero_group,
             checkpointing: self.ckpt,
-            ..config(steps, 1, grad_accum, doc_mask)
+            ..layout_config(&self.layout, steps, doc_mask)
         }
     }
 }
@@ -205,97 +209,41 @@ impl Plan {
 /// ZeRO stages, sharding groups and checkpointing modes, alone and combined with
 /// sequence and tensor parallelism.
 fn plans() -> Vec<Plan> {
-    let plan = |layout: Layout, zero: u8, zero_group: Option<usize>, ckpt: Checkpointing| Plan {
-        layout,
-        zero: ZeroStage::try_from(zero).unwrap(),
-        zero_group,
-        ckpt,
-    };
-    let none = Checkpointing::None;
-    let ring = |name, r| Layout::new(name, 1, 1, r, Strategy::Ring);
-    vec![
-        plan(with_dp(ring("zero1 dp2 x ring2", 2), 2), 1, None, none),
-        plan(with_dp(ring("zero2 dp2 x ring2", 2), 2), 2, None, none),
-        plan(ring("zero3 zigzag ring4", 4), 3, None, none),
-        plan(
-            with_dp(ring("zero3 dp2 x ring2, sharding groups of 2", 2), 2),
-            3,
-            Some(2),
-            none,
-        ),
-        plan(
-            with_dp(ring("zero2 dp2 x ring2, sharding groups of 2", 2), 2),
-            2,
-            Some(2),
-            none,
-        ),
-        plan(
-            Layout::new("zero3 tp2 x ring2 + tp-sp", 2, 1, 2, Strategy::Ring).with_tp_sp(),
-            3,
-            None,
-            none,
-        ),
-        plan(
-            ring("full checkpointing, zigzag ring4", 4),
-            0,
-            None,
-            Checkpointing::Full,
-        ),
-        plan(
-            Layout::new(
-                "selective checkpointing, ulysses2 x ring2",
-                1,
-                2,
-                2,
-                Strategy::Usp,
-            ),
-            0,
-            None,
-            Checkpointing::Selective,
-        ),
-        plan(
-            Layout::new(
-                "selective checkpointing, tp2 x ring2",
-                2,
-                1,
-                2,
-                Strategy::Ring,
-            ),
-            0,
-            None,
-            Checkpointing::Selective,
-        ),
-        plan(
-            ring("selective checkpointing + zero3, startrail C2 on 8", 8)
-                .with_sp(|s| s.with_team(2)),
-            3,
-            None,
-            Checkpointing::Selective,
-        )
-        .with_strategy(Strategy::StarTrail),
-        plan(
-            ring("full checkpointing + zero3, double ring w2 on 4", 4)
-                .with_sp(|s| s.with_inner_ring(2)),
-            3,
-            None,
-            Checkpointing::Full,
-        )
-        .with_strategy(Strategy::DoubleRing),
-        plan(
-            ring("selective checkpointing + zero2, all-gather CP 4", 4),
-            2,
-            None,
-            Checkpointing::Selective,
-        )
-        .with_strategy(Strategy::AllGather),
-    ]
-}
-
-impl Plan {
-    fn with_strategy(mut self, s: Strategy) -> Self {
-        self.layout.sp.strategy = s;
-        self
-    }
+    use Strategy::{AllGather, DoubleRing, Ring, StarTrail, Usp};
+    let (keep, full, sel) = (
+        Checkpointing::None,
+        Checkpointing::Full,
+        Checkpointing::Selective,
+    );
+    let l = Layout::new;
+    let dp2 = |l| with_dp(l, 2);
+    // (layout, ZeRO stage, sharding group size, checkpointing)
+    #[rustfmt::skip]
+    let table = [
+        (dp2(l("zero1 dp2 x ring2", 1, 1, 2, Ring)), 1, None, keep),
+        (dp2(l("zero2 dp2 x ring2", 1, 1, 2, Ring)), 2, None, keep),
+        (l("zero3 zigzag ring4", 1, 1, 4, Ring), 3, None, keep),
+        (dp2(l("zero3 dp2 x ring2, groups of 2", 1, 1, 2, Ring)), 3, Some(2), keep),
+        (dp2(l("zero2 dp2 x ring2, groups of 2", 1, 1, 2, Ring)), 2, Some(2), keep),
+        (l("zero3 tp2 x ring2 + tp-sp", 2, 1, 2, Ring).with_tp_sp(), 3, None, keep),
+        (l("full ckpt, zigzag ring4", 1, 1, 4, Ring), 0, None, full),
+        (l("selective ckpt, ulysses2 x ring2", 1, 2, 2, Usp), 0, None, sel),
+        (l("selective ckpt, tp2 x ring2", 2, 1, 2, Ring), 0, None, sel),
+        (l("selective ckpt + zero3, startrail C2 on 8", 1, 1, 8, StarTrail)
+            .with_sp(|s| s.with_team(2)), 3, None, sel),
+        (l("full ckpt + zero3, double ring w2 on 4", 1, 1, 4, DoubleRing)
+            .with_sp(|s| s.with_inner_ring(2)), 3, None, full),
+        (l("selective ckpt + zero2, all-gather CP 4", 1, 1, 4, AllGather), 2, None, sel),
+    ];
+    table
+        .into_iter()
+        .map(|(layout, zero, zero_group, ckpt)| Plan {
+            layout,
+            zero: ZeroStage::try_from(zero).unwrap(),
+            zero_group,
+            ckpt,
+        })
+        .collect()
 }
 
 #[test]
@@ -389,19 +337,13 @@ fn layouts() -> Vec<Layout> {
             .with_sp(|s| s.with_inner_ring(2)),
         Layout::new("startrail C2 on 8", 1, 1, 8, Strategy::StarTrail).with_sp(|s| s.with_team(2)),
         Layout::new("all-gather CP 4", 1, 1, 4, Strategy::AllGather),
-        {
-            let mut l = Layout::new("dp2 x ring2", 1, 1, 2, Strategy::Ring);
-            l.mesh = l.mesh.with_dp(2);
-            l.ranks = 4;
-            l
-        },
+        with_dp(Layout::new("dp2 x ring2", 1, 1, 2, Strategy::Ring), 2),
     ]
 }
 
 #[test]
 fn ten_steps_match_single_rank_under_every_layout() {
     let data = dataset(false);
-    // dp2 halves the per-rank batch: the global batch (dp x batch x grad-accum) stays 2.
     let single = train_run(
         &Layout::single(),
         &config(10, 1, 2, false),
@@ -415,14 +357,9 @@ fn ten_steps_match_single_rank_under_every_layout() {
         single.losses
     );
     for l in layouts() {
-        let cfg = if l.mesh.degree(Dim::Dp) == 2 {
-            config(10, 1, 1, false)
-        } else {
-            config(10, 1, 2, false)
-        };
         assert_same(
             l.name,
-            &train_run(&l, &cfg, &data, None, None),
+            &train_run(&l, &layout_config(&l, 10, false), &data, None, None),
             &single,
             TOL,
         );
@@ -685,4 +622,131 @@ fn stages_run_alone_with_an_incoming_gradient() {
         })
         .unwrap_or_else(|x| panic!("{x:?}"));
     }
+}
+
+/// Resuming from a checkpoint whose optimizer state lacks an entry, or holds one of the wrong
+/// shape, fails with an error naming the checkpoint and the entry.
+#[test]
+fn bad_optimizer_state_is_a_clear_error() {
+    let data = dataset(false);
+    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bad-optimizer-state");
+    let _ = std::fs::remove_dir_all(&tmp);
+    let cfg = config(1, 1, 2, false);
+    train_run(&Layout::single(), &cfg, &data, None, Some(&tmp));
+    let ckpt = train::checkpoint::step_dir(&tmp, 1);
+    let path = ckpt.join("optimizer.safetensors");
+    let good = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let entry = "exp_avg.model.norm.weight";
+    assert!(good.contains_key(entry));
+    let mut missing = good.clone();
+    missing.remove(entry);
+    let mut misshaped = good.clone();
+    misshaped.insert(
+        entry.into(),
+        Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap(),
+    );
+    for (what, tensors) in [("missing", missing), ("mis-shaped", misshaped)] {
+        candle_core::safetensors::save(&tensors, &path).unwrap();
+        let files = models::hub::from_dir("resume", &ckpt).unwrap();
+        let err = LocalWorld::run(1, |world| -> Result<String, String> {
+            let l = Layout::single();
+            let mesh = DeviceMesh::new(&l.mesh, world).map_err(|e| e.to_string())?;
+            let ctx = ParallelCtx::new(&mesh, &l.sp, false).map_err(|e| e.to_string())?;
+            let m = llama::load(&files, &ctx, Some(DType::F32), true).map_err(|e| e.to_string())?;
+            let mut t = Trainer::new(m.model, m.params.sorted(), &mesh, &ctx, cfg.clone())
+                .map_err(|e| e.to_string())?;
+            let state = train::checkpoint::read_state(&ckpt).map_err(|e| e.to_string())?;
+            match train::checkpoint::restore(&mut t, &ckpt, &state) {
+                Ok(()) => Err(format!("{what}: restored")),
+                Err(e) => Ok(e.to_string()),
+            }
+        })
+        .unwrap_or_else(|e| panic!("{e}"))
+        .remove(0);
+        assert!(
+            err.contains(&ckpt.display().to_string()) && err.contains(entry),
+            "{what}: {err}"
+        );
+    }
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
+
+/// Checkpoints hold whole tensors whatever the memory plan. Saved under ZeRO-3 with full
+/// checkpointing (zigzag ring4): resuming under the same plan continues bit-identically;
+/// resuming under ZeRO-1 (dp2 x ring2), ZeRO-2 (tp2 x ring2) or without ZeRO (ulysses2 x ring2)
+/// continues like the uninterrupted single-rank run (1e-5).
+#[test]
+fn resume_across_zero_stages() {
+    let data = dataset(false);
+    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("resume-zero-test");
+    let _ = std::fs::remove_dir_all(&tmp);
+    let full = train_run(
+        &Layout::single(),
+        &config(6, 1, 2, false),
+        &data,
+        None,
+        None,
+    );
+    let plan = |layout, zero, ckpt| Plan {
+        layout,
+        zero,
+        zero_group: None,
+        ckpt,
+    };
+    let saved = plan(
+        Layout::new("zero3 + full ckpt, zigzag ring4", 1, 1, 4, Strategy::Ring),
+        ZeroStage::Parameters,
+        Checkpointing::Full,
+    );
+    let first = train_run(
+        &saved.layout,
+        &saved.config(3, false),
+        &data,
+        None,
+        Some(&tmp),
+    );
+    let ckpt = train::checkpoint::step_dir(&tmp, 3);
+    let uninterrupted = train_run(&saved.layout, &saved.config(6, false), &data, None, None);
+    let rest = train_run(
+        &saved.layout,
+        &saved.config(6, false),
+        &data,
+        Some(&ckpt),
+        None,
+    );
+    let both: Vec<f64> = first.losses.iter().chain(&rest.losses).copied().collect();
+    assert_eq!(
+        both, uninterrupted.losses,
+        "resumed under the same plan: losses differ from the uninterrupted run"
+    );
+    for p in [
+        plan(
+            with_dp(Layout::new("zero1 dp2 x ring2", 1, 1, 2, Strategy::Ring), 2),
+            ZeroStage::OptimizerStates,
+            Checkpointing::None,
+        ),
+        plan(
+            Layout::new("zero2 tp2 x ring2", 2, 1, 2, Strategy::Ring),
+            ZeroStage::Gradients,
+            Checkpointing::Selective,
+        ),
+        plan(
+            Layout::new("ulysses2 x ring2", 1, 2, 2, Strategy::Usp),
+            ZeroStage::Off,
+            Checkpointing::None,
+        ),
+    ] {
+        let rest = train_run(&p.layout, &p.config(6, false), &data, Some(&ckpt), None);
+        let joined = Run {
+            losses: first.losses.iter().chain(&rest.losses).copied().collect(),
+            weights: rest.weights,
+        };
+        assert_same(
+            &format!("saved {}, resumed {}", saved.layout.name, p.layout.name),
+            &joined,
+            &full,
+            TOL,
+        );
+    }
+    std::fs::remove_dir_all(&tmp).unwrap();
 }

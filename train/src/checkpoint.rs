@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::Device;
 use candle_parallel::comm::Comm;
-use models::checkpoint::{save_hf, CheckpointReader, SaveOptions, Shard};
+use models::checkpoint::{save_hf, CheckpointReader, SaveOptions};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -69,7 +69,7 @@ pub fn save(
     // Optimizer state: whole tensor-parallel slices, gathered like the parameters.
     let mut state = Vec::new();
     for (name, t) in trainer.optimizer_state()? {
-        let shard = entry_shard(trainer, &name)?;
+        let shard = trainer.entry_shard(&name)?;
         let t = if shard.is_split() {
             tp.all_gather(&t.contiguous()?, shard.dim)?
         } else {
@@ -144,21 +144,16 @@ pub fn restore(trainer: &mut Trainer, dir: &Path, state: &TrainerState) -> Resul
     let reader = CheckpointReader::open(&[dir.join("optimizer.safetensors")])?;
     let mut tensors = HashMap::new();
     for name in reader.names() {
-        let shard = entry_shard(trainer, &name).map_err(|_| Error::Checkpoint {
+        let shard = trainer.entry_shard(&name).map_err(|_| Error::Checkpoint {
             path: dir.to_path_buf(),
             msg: format!("optimizer state `{name}` names no parameter of the model"),
         })?;
         tensors.insert(name.clone(), reader.read(&name, shard, &Device::Cpu)?);
     }
-    trainer.load_optimizer_state(tensors, state.step)?;
-    Ok(())
-}
-
-/// The tensor-parallel split of the parameter an optimizer state entry (`exp_avg.<name>`,
-/// `exp_avg_sq.<name>`, `master.<name>`) belongs to.
-fn entry_shard(trainer: &Trainer, entry: &str) -> Result<Shard> {
-    entry
-        .split_once('.')
-        .and_then(|(_, name)| trainer.param_shard(name))
-        .ok_or_else(|| Error::Invalid(format!("optimizer state `{entry}` names no parameter")))
+    trainer
+        .load_optimizer_state(tensors, state.step)
+        .map_err(|e| Error::Checkpoint {
+            path: dir.to_path_buf(),
+            msg: format!("optimizer.safetensors: {e}"),
+        })
 }

@@ -34,20 +34,10 @@ pub fn read_documents(path: &Path, field: &str, flag: &str) -> Result<Vec<String
         msg,
     };
     let ext = path.extension().and_then(|e| e.to_str());
-    if ext == Some("parquet") {
-        let docs: Vec<String> = read_parquet_column(path, field)
-            .map_err(err)?
-            .into_iter()
-            .filter(|d| !d.trim().is_empty())
-            .collect();
-        if docs.is_empty() {
-            return Err(err("holds no text".into()));
-        }
-        return Ok(docs);
-    }
-    let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read: {e}")))?;
-    let is_jsonl = matches!(ext, Some("jsonl") | Some("ndjson"));
-    let docs = if is_jsonl {
+    let docs = if ext == Some("parquet") {
+        read_parquet_column(path, field).map_err(err)?
+    } else if matches!(ext, Some("jsonl") | Some("ndjson")) {
+        let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read: {e}")))?;
         let mut docs = Vec::new();
         for (i, line) in text.lines().enumerate() {
             if line.trim().is_empty() {
@@ -63,7 +53,7 @@ pub fn read_documents(path: &Path, field: &str, flag: &str) -> Result<Vec<String
         }
         docs
     } else {
-        vec![text]
+        vec![std::fs::read_to_string(path).map_err(|e| err(format!("cannot read: {e}")))?]
     };
     let docs: Vec<String> = docs.into_iter().filter(|d| !d.trim().is_empty()).collect();
     if docs.is_empty() {

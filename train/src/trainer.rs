@@ -240,9 +240,10 @@ impl Trainer {
         self.dp * self.cfg.batch * self.cfg.grad_accum
     }
 
-    /// The tensor-parallel split of parameter `name`.
-    pub fn param_shard(&self, name: &str) -> Option<Shard> {
-        self.params.iter().find(|p| p.name == name).map(|p| p.shard)
+    /// The tensor-parallel split of the parameter an optimizer state entry (`exp_avg.<name>`,
+    /// `exp_avg_sq.<name>`, `master.<name>`) belongs to.
+    pub fn entry_shard(&self, entry: &str) -> Result<Shard> {
+        Ok(self.param(entry)?.shard)
     }
 
     /// The model's parameters with their whole tensor-parallel slices (current values), sorted
@@ -310,6 +311,14 @@ impl Trainer {
         let mut local = HashMap::with_capacity(tensors.len());
         for (entry, t) in tensors {
             let p = self.param(&entry)?;
+            if t.dims() != p.local_shape.as_slice() {
+                return Err(Error::Invalid(format!(
+                    "optimizer state `{entry}` has shape {:?}, this rank's slice of `{}` has {:?}",
+                    t.dims(),
+                    p.name,
+                    p.local_shape
+                )));
+            }
             let t = match &p.chunk {
                 Some((flat, _)) => flat.take(&t)?,
                 None => t,

@@ -468,7 +468,6 @@ impl Llama {
         group: &Comm,
     ) -> Result<Vec<ShardedParam>> {
         let (cfg, ctx) = (self.cfg.clone(), self.ctx.clone());
-        let prefix = |i: usize| format!("model.layers.{i}.");
         let in_layer = |p: &Param| {
             p.name
                 .strip_prefix("model.layers.")
@@ -477,10 +476,12 @@ impl Llama {
         };
         let mut out = Vec::new();
         for i in 0..self.layers.len() {
-            let mine: Vec<&Param> = params
-                .iter()
-                .filter(|p| p.name.starts_with(&prefix(i)))
-                .collect();
+            let mine: Vec<&Param> = params.iter().filter(|p| in_layer(p) == Some(i)).collect();
+            if mine.is_empty() {
+                return Err(Error::Invalid(format!(
+                    "no parameters of layer {i} given to shard"
+                )));
+            }
             let (c, x) = (cfg.clone(), ctx.clone());
             let build: Build<DecoderLayer> = Arc::new(move |vb: ParamBuilder<'static>| {
                 DecoderLayer::new(&c, &x, vb.pp("model").pp("layers").pp(i))
