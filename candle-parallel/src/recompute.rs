@@ -12,7 +12,7 @@
 //! | `Selective` | the input, attention's `out` and `lse` | everything but attention (LoongTrain's Selective Checkpoint++): q, k, v are recomputed and attention's backward runs from the kept `out` and `lse` ([`SequenceParallelAttention::backward`]), so attention's forward and its communication run once |
 //!
 //! Recomputation is exact: the block runs the same kernels on the same inputs, so outputs and
-//! gradients are bit-identical to `None` (the tests assert it).
+//! gradients are bit-identical to `None` (`tests/recompute.rs` asserts it for every strategy).
 //!
 //! Communication: `Full` runs the block's forward collectives twice (attention's kv ring, the
 //! tensor-parallel all-reduces). `Selective` repeats the tensor-parallel ones but not

@@ -36,7 +36,8 @@ use super::multi_ring_plan::DoubleRingPlan;
 use super::op::record3;
 use super::ring::RingComm;
 use super::ulysses::{
-    grads_to_seq, heads_to_seq, kv_replication, lse_heads_to_seq, repeat_kv, seq_to_heads, to_heads,
+    head_parallel_backward, heads_to_seq, kv_replication, lse_heads_to_seq, repeat_kv,
+    seq_to_heads, HeadView,
 };
 use super::{SequenceParallelAttention, SpGroup};
 use crate::comm::{Comm, Pending};
@@ -369,16 +370,13 @@ impl SequenceParallelAttention for DoubleRingAttention {
         mask: &AttnMask,
         scale: f32,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (dims, plan) =
-            self.group
-                .check_backward("double ring", q, k, v, out, lse, dout, mask)?;
-        let hp = &self.group.ulysses;
-        let rep = kv_replication(dims.q_heads, dims.kv_heads, hp.size())?;
-        let h = to_heads(hp, rep, q, k, v, out, dout, lse)?;
-        let blocks = DoubleRingBlocks::natural(&plan, self.dr.rank(), mask);
-        let grads = double_ring_backward(
-            &self.dr, &h.q, &h.k, &h.v, &h.out, &h.lse, &h.dout, &blocks, mask, scale,
-        )?;
-        grads_to_seq(hp, rep, grads, q.dtype(), k.dtype())
+        let inner = |h: &HeadView, plan: &ShardPlan| {
+            let blocks = DoubleRingBlocks::natural(plan, self.dr.rank(), mask);
+            double_ring_backward(
+                &self.dr, &h.q, &h.k, &h.v, &h.out, &h.lse, &h.dout, &blocks, mask, scale,
+            )
+        };
+        let group = &self.group;
+        head_parallel_backward(group, "double ring", q, k, v, out, lse, dout, mask, inner)
     }
 }

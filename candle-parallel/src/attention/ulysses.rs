@@ -95,7 +95,7 @@ pub fn lse_heads_to_seq(lse: &Tensor, comm: &Comm) -> Result<Tensor> {
 
 /// lse `(b, h, n)` → `(b, h/P, n·P)` over `comm`, the inverse of [`lse_heads_to_seq`] (not
 /// differentiable). Collective.
-pub fn lse_seq_to_heads(lse: &Tensor, comm: &Comm) -> Result<Tensor> {
+fn lse_seq_to_heads(lse: &Tensor, comm: &Comm) -> Result<Tensor> {
     if comm.size() == 1 {
         return Ok(lse.clone());
     }
@@ -103,7 +103,7 @@ pub fn lse_seq_to_heads(lse: &Tensor, comm: &Comm) -> Result<Tensor> {
 }
 
 /// The tensors of a backward in the head-parallel view (whole sequence of the ulysses group,
-/// `1/P` of the heads): what [`to_heads`] returns.
+/// `1/P` of the heads), as [`head_parallel_backward`] hands them to its inner backward.
 pub(crate) struct HeadView {
     pub q: Tensor,
     pub k: Tensor,
@@ -117,7 +117,7 @@ pub(crate) struct HeadView {
 /// (kv heads replicated `rep` times first), as the forward's all-to-alls did. Collective;
 /// records nothing.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn to_heads(
+fn to_heads(
     comm: &Comm,
     rep: usize,
     q: &Tensor,
@@ -141,7 +141,7 @@ pub(crate) fn to_heads(
 /// The gradients of the head-parallel view back to this rank's sequence shard: the inverse
 /// all-to-all of `dq`, `dk`, `dv`, summing the gradients of the `rep` replicas of each kv head
 /// (in f32), cast to the dtypes of q and of k/v. Collective; records nothing.
-pub(crate) fn grads_to_seq(
+fn grads_to_seq(
     comm: &Comm,
     rep: usize,
     (dq, dk, dv): (Tensor, Tensor, Tensor),
@@ -161,6 +161,32 @@ pub(crate) fn grads_to_seq(
         unrep(dk)?.to_dtype(kv_dtype)?,
         unrep(dv)?.to_dtype(kv_dtype)?,
     ))
+}
+
+/// The explicit [`SequenceParallelAttention::backward`] of a head-parallel strategy (Ulysses,
+/// USP, the double ring): checks the inputs, moves them to the head-parallel view over the
+/// ulysses group as the forward's all-to-alls did, runs `inner` there (it returns the f32
+/// gradients of that view, given the shard plan) and moves the gradients back to this rank's
+/// sequence shard in the dtypes of q and k/v. Collective; records nothing.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn head_parallel_backward(
+    group: &SpGroup,
+    op: &'static str,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    mask: &AttnMask,
+    inner: impl FnOnce(&HeadView, &ShardPlan) -> Result<(Tensor, Tensor, Tensor)>,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (dims, plan) = group.check_backward(op, q, k, v, out, lse, dout, mask)?;
+    let comm = &group.ulysses;
+    let rep = kv_replication(dims.q_heads, dims.kv_heads, comm.size())?;
+    let h = to_heads(comm, rep, q, k, v, out, dout, lse)?;
+    let grads = inner(&h, &plan)?;
+    grads_to_seq(comm, rep, grads, q.dtype(), k.dtype())
 }
 
 /// Ulysses sequence parallelism over the ulysses group (ring degree 1).
@@ -234,17 +260,14 @@ impl SequenceParallelAttention for UlyssesAttention {
         mask: &AttnMask,
         scale: f32,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (dims, plan) = self
-            .group
-            .check_backward("ulysses", q, k, v, out, lse, dout, mask)?;
-        let comm = &self.group.ulysses;
-        let rep = kv_replication(dims.q_heads, dims.kv_heads, comm.size())?;
-        let h = to_heads(comm, rep, q, k, v, out, dout, lse)?;
-        let all = positions(&plan.ring_positions(0));
-        let spec = mask.spec(scale, all.clone(), all);
-        let grads = flash_ring::flash_bwd_f32(&h.q, &h.k, &h.v, &h.out, &h.lse, &h.dout, &spec)
-            .map_err(kernel_err)?;
-        grads_to_seq(comm, rep, grads, q.dtype(), k.dtype())
+        let inner = |h: &HeadView, plan: &ShardPlan| {
+            // Ring degree 1: the head view holds the whole sequence, in order.
+            let all = positions(&plan.ring_positions(0));
+            let spec = mask.spec(scale, all.clone(), all);
+            flash_ring::flash_bwd_f32(&h.q, &h.k, &h.v, &h.out, &h.lse, &h.dout, &spec)
+                .map_err(kernel_err)
+        };
+        head_parallel_backward(&self.group, "ulysses", q, k, v, out, lse, dout, mask, inner)
     }
 }
 

@@ -19,7 +19,8 @@ use super::layout::ShardPlan;
 use super::mask::AttnMask;
 use super::ring::{ring_attention, ring_backward, RingBlocks, RingComm};
 use super::ulysses::{
-    grads_to_seq, heads_to_seq, kv_replication, lse_heads_to_seq, repeat_kv, seq_to_heads, to_heads,
+    head_parallel_backward, heads_to_seq, kv_replication, lse_heads_to_seq, repeat_kv,
+    seq_to_heads, HeadView,
 };
 use super::{SequenceParallelAttention, SpGroup};
 use crate::error::Result;
@@ -87,16 +88,12 @@ impl SequenceParallelAttention for UspAttention {
         mask: &AttnMask,
         scale: f32,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (dims, plan) = self
-            .group
-            .check_backward("usp", q, k, v, out, lse, dout, mask)?;
-        let ulysses = &self.group.ulysses;
-        let rep = kv_replication(dims.q_heads, dims.kv_heads, ulysses.size())?;
-        let h = to_heads(ulysses, rep, q, k, v, out, dout, lse)?;
-        let blocks = RingBlocks::natural(&plan, &self.ring, mask);
-        let grads = ring_backward(
-            &self.ring, &h.q, &h.k, &h.v, &h.out, &h.lse, &h.dout, &blocks, mask, scale,
-        )?;
-        grads_to_seq(ulysses, rep, grads, q.dtype(), k.dtype())
+        let inner = |h: &HeadView, plan: &ShardPlan| {
+            let blocks = RingBlocks::natural(plan, &self.ring, mask);
+            ring_backward(
+                &self.ring, &h.q, &h.k, &h.v, &h.out, &h.lse, &h.dout, &blocks, mask, scale,
+            )
+        };
+        head_parallel_backward(&self.group, "usp", q, k, v, out, lse, dout, mask, inner)
     }
 }

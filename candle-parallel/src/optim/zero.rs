@@ -182,10 +182,29 @@ impl FlatShard {
         Ok(())
     }
 
+    /// Errors unless `group` is the sharding group this shard was made for (its size and this
+    /// rank's place in it): another group would gather or reduce the wrong chunks silently.
+    fn check_group(&self, op: &'static str, group: &Comm) -> Result<()> {
+        if group.size() != self.size || group.rank() != self.rank {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "shard {} of {} used on rank {} of a group of {}",
+                    self.rank,
+                    self.size,
+                    group.rank(),
+                    group.size()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// The whole tensor, shaped `shape`, from every rank's chunk. Collective over `group`
     /// (size `self.size`); records nothing.
     pub fn gather(&self, shard: &Tensor, group: &Comm, shape: &[usize]) -> Result<Tensor> {
         self.check_shard("FlatShard::gather", shard)?;
+        self.check_group("FlatShard::gather", group)?;
         let all = group.all_gather(&shard.contiguous()?, 0)?;
         Ok(all.narrow(0, 0, self.numel)?.reshape(shape)?)
     }
@@ -200,6 +219,7 @@ impl FlatShard {
         shape: &[usize],
     ) -> Result<Tensor> {
         self.check_shard("FlatShard::gather_differentiable", shard)?;
+        self.check_group("FlatShard::gather_differentiable", group)?;
         let all = collectives::all_gather(&shard.contiguous()?, group, 0)?;
         Ok(all.narrow(0, 0, self.numel)?.reshape(shape)?)
     }
@@ -208,6 +228,7 @@ impl FlatShard {
     /// rank's chunk of it, accumulated in f32: the stage 2 gradient reduction. Collective.
     pub fn reduce_scatter(&self, full: &Tensor, group: &Comm) -> Result<Tensor> {
         self.check_full("FlatShard::reduce_scatter", full)?;
+        self.check_group("FlatShard::reduce_scatter", group)?;
         let padded = self.padded(&full.to_dtype(DType::F32)?)?;
         group.reduce_scatter(&padded, 0, ReduceOp::Sum)
     }

@@ -1,0 +1,272 @@
+//! ZeRO sharding helpers (`FlatShard`, `ZeroGroups`) on 1 to 4 local ranks against the
+//! single-device tensors, on random non-zero data and shapes whose element count does not
+//! divide over the ranks (padding) or is smaller than the group:
+//! - `take` then `gather` gives back the tensor bit for bit, the chunks tile it in rank order and
+//!   the padding is zeros;
+//! - `reduce_scatter` (stage 2) gives each rank its chunk of the sum of every rank's gradient,
+//!   accumulated in f32 (also from bf16 gradients);
+//! - `gather_differentiable` (stage 3) gathers the parameter and sums every rank's gradient of
+//!   its chunk into the shard, as the single-device gradient of the summed loss;
+//! - `ZeroGroups` cuts the data-parallel ranks into sharding and replica groups, and the hybrid
+//!   reduction (reduce-scatter in the sharding group, all-reduce over the replica group) equals
+//!   the single-device sum;
+//! - a wrong shape, group or sharding size is an error, not a panic.
+//!
+//! f32 comparisons: `max|a - b| / max|ref|` at most 1e-5 (sums of up to 4 values).
+
+mod common;
+use common::{assert_close, grad};
+
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_parallel::comm::{Comm, LocalWorld, ReduceOp};
+use candle_parallel::mesh::{DeviceMesh, MeshConfig};
+use candle_parallel::optim::{FlatShard, ZeroGroups};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const TOL: f32 = 1e-5;
+/// Element counts 1 (fewer than the ranks), 10, 12 and 42.
+const SHAPES: [&[usize]; 4] = [&[1], &[2, 5], &[3, 4], &[7, 3, 2]];
+
+/// Uniform values with magnitude in [0.25, 1) and a random sign: never zero.
+fn rand_t(rng: &mut StdRng, dims: &[usize]) -> Tensor {
+    let n = dims.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            let m: f32 = rng.random_range(0.25..1.0);
+            if rng.random_bool(0.5) {
+                m
+            } else {
+                -m
+            }
+        })
+        .collect();
+    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+}
+
+fn world<T: Send>(p: usize, f: impl Fn(Comm) -> candle_parallel::Result<T> + Sync) -> Vec<T> {
+    LocalWorld::new(p)
+        .with_timeout(Duration::from_secs(60))
+        .launch(f)
+        .unwrap_or_else(|e| panic!("world of {p} ranks: {e}"))
+}
+
+fn flat_vec(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+}
+
+/// The chunks of every rank in rank order, cut back to `numel` elements and shaped `shape`;
+/// asserts that each chunk has the same length and that the padding is exactly zero.
+fn assemble(chunks: &[Tensor], shape: &[usize], what: &str) -> Tensor {
+    let numel: usize = shape.iter().product();
+    let all = Tensor::cat(chunks, 0).unwrap();
+    let padding = flat_vec(&all)[numel..].to_vec();
+    assert!(
+        padding.iter().all(|&x| x == 0.0),
+        "{what}: padding {padding:?}"
+    );
+    all.narrow(0, 0, numel).unwrap().reshape(shape).unwrap()
+}
+
+#[test]
+fn take_and_gather_give_back_the_tensor_exactly() {
+    let mut rng = StdRng::seed_from_u64(1);
+    for p in 1..=4 {
+        for shape in SHAPES {
+            let full = rand_t(&mut rng, shape);
+            let numel = full.elem_count();
+            let ranks = world(p, |comm| {
+                let fs = FlatShard::new(numel, comm.rank(), comm.size())?;
+                let mine = fs.take(&full)?;
+                let back = fs.gather(&mine, &comm, shape)?;
+                Ok((fs, mine, back))
+            });
+            let what = format!("p={p} shape={shape:?}");
+            for (r, (fs, mine, back)) in ranks.iter().enumerate() {
+                assert_eq!(fs.chunk, numel.div_ceil(p), "{what}");
+                assert_eq!(mine.dims(), [fs.chunk], "{what}: rank {r} chunk");
+                assert_eq!(back.dims(), shape, "{what}: rank {r} gathered shape");
+                assert_eq!(flat_vec(back), flat_vec(&full), "{what}: rank {r}");
+            }
+            let chunks: Vec<Tensor> = ranks.iter().map(|(_, m, _)| m.clone()).collect();
+            let tiled = assemble(&chunks, shape, &what);
+            assert_eq!(flat_vec(&tiled), flat_vec(&full), "{what}: chunks");
+            let valid: usize = ranks.iter().map(|(fs, _, _)| fs.valid()).sum();
+            assert_eq!(valid, numel, "{what}: valid elements");
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_gives_each_rank_its_chunk_of_the_sum() {
+    let mut rng = StdRng::seed_from_u64(2);
+    for p in 1..=4 {
+        for shape in SHAPES {
+            for dtype in [DType::F32, DType::BF16] {
+                // Rank r's gradient; the single-device reference sums them in f32.
+                let fulls: Vec<Tensor> = (0..p)
+                    .map(|_| rand_t(&mut rng, shape).to_dtype(dtype).unwrap())
+                    .collect();
+                let mut want = fulls[0].to_dtype(DType::F32).unwrap();
+                for f in &fulls[1..] {
+                    want = (want + f.to_dtype(DType::F32).unwrap()).unwrap();
+                }
+                let numel = want.elem_count();
+                let chunks = world(p, |comm| {
+                    let fs = FlatShard::new(numel, comm.rank(), comm.size())?;
+                    fs.reduce_scatter(&fulls[comm.rank()], &comm)
+                });
+                let what = format!("p={p} shape={shape:?} {dtype:?}");
+                for c in &chunks {
+                    assert_eq!(c.dtype(), DType::F32, "{what}: accumulated in f32");
+                }
+                assert_close(&assemble(&chunks, shape, &what), &want, TOL, &what);
+            }
+        }
+    }
+}
+
+#[test]
+fn gathered_parameter_receives_the_summed_gradient_in_its_shard() {
+    let mut rng = StdRng::seed_from_u64(3);
+    for p in 1..=4 {
+        for shape in SHAPES {
+            let w = rand_t(&mut rng, shape);
+            // Rank r's loss is Σ w² ⊙ G_r; the global loss is their sum.
+            let gs: Vec<Tensor> = (0..p).map(|_| rand_t(&mut rng, shape)).collect();
+            let wv = Var::from_tensor(&w).unwrap();
+            let mut loss = wv.as_tensor().zeros_like().unwrap().sum_all().unwrap();
+            for g in &gs {
+                let part = (wv.as_tensor().sqr().unwrap() * g).unwrap().sum_all();
+                loss = (loss + part.unwrap()).unwrap();
+            }
+            let want = grad(&loss.backward().unwrap(), &wv, "reference w").unwrap();
+            let numel = w.elem_count();
+            let ranks = world(p, |comm| {
+                let fs = FlatShard::new(numel, comm.rank(), comm.size())?;
+                let shard = Var::from_tensor(&fs.take(&w)?)?;
+                let whole = fs.gather_differentiable(shard.as_tensor(), &comm, shape)?;
+                let grads = (whole.sqr()? * &gs[comm.rank()])?.sum_all()?.backward()?;
+                let g = grads.get(shard.as_tensor()).cloned().ok_or_else(|| {
+                    candle_parallel::Error::Layout("test: no gradient for the shard".into())
+                })?;
+                Ok((whole.detach(), g))
+            });
+            let what = format!("p={p} shape={shape:?}");
+            for (r, (whole, _)) in ranks.iter().enumerate() {
+                assert_eq!(flat_vec(whole), flat_vec(&w), "{what}: rank {r} gathered");
+            }
+            let chunks: Vec<Tensor> = ranks.iter().map(|(_, g)| g.clone()).collect();
+            assert_close(&assemble(&chunks, shape, &what), &want, TOL, &what);
+        }
+    }
+}
+
+#[test]
+fn hybrid_groups_reduce_to_the_single_device_sum() {
+    let mut rng = StdRng::seed_from_u64(4);
+    let p = 4;
+    let shape: &[usize] = &[3, 5];
+    let fulls: Vec<Tensor> = (0..p).map(|_| rand_t(&mut rng, shape)).collect();
+    let mut want = fulls[0].clone();
+    for f in &fulls[1..] {
+        want = (want + f).unwrap();
+    }
+    // (shard_size, expected shard group size, expected replica group size)
+    for (shard_size, z, reps) in [
+        (None, 4, 1),
+        (Some(4), 4, 1),
+        (Some(2), 2, 2),
+        (Some(1), 1, 4),
+    ] {
+        let ranks = world(p, |comm| {
+            let mesh = DeviceMesh::new(&MeshConfig::default().with_dp(p), comm)?;
+            let zg = ZeroGroups::new(&mesh, shard_size)?;
+            let fs = zg.flat_shard(want.elem_count())?;
+            let mine = fs.reduce_scatter(&fulls[mesh.rank()], &zg.shard)?;
+            let mine = zg.replica.all_reduce(&mine, ReduceOp::Sum)?;
+            Ok((zg.shard.size(), zg.replica.size(), zg.replica.rank(), mine))
+        });
+        let what = format!("shard_size {shard_size:?}");
+        for (r, (s, rep, _, _)) in ranks.iter().enumerate() {
+            assert_eq!((*s, *rep), (z, reps), "{what}: rank {r} group sizes");
+        }
+        // Each sharding group (one per replica rank) holds the whole sum in its chunks.
+        for group in 0..reps {
+            let chunks: Vec<Tensor> = ranks
+                .iter()
+                .filter(|(_, _, g, _)| *g == group)
+                .map(|(_, _, _, c)| c.clone())
+                .collect();
+            assert_eq!(chunks.len(), z, "{what}: sharding group {group}");
+            let got = assemble(&chunks, shape, &what);
+            assert_close(&got, &want, TOL, &format!("{what}: group {group}"));
+        }
+    }
+}
+
+#[test]
+fn bad_input_is_an_error() {
+    // Construction.
+    assert!(FlatShard::new(10, 0, 0).is_err());
+    assert!(FlatShard::new(10, 2, 2).is_err());
+    let fs = FlatShard::new(10, 0, 2).unwrap();
+    let eight = Tensor::zeros(8, DType::F32, &Device::Cpu).unwrap();
+    assert!(fs.take(&eight).is_err());
+    // Shapes and groups, detected before any communication (alike on every rank).
+    let outcomes = LocalWorld::new(2)
+        .with_timeout(Duration::from_secs(60))
+        .launch_each(|comm| -> candle_parallel::Result<()> {
+            let fs = FlatShard::new(10, comm.rank(), 2)?;
+            let zeros = |n: usize| Tensor::zeros(n, DType::F32, &Device::Cpu);
+            let expect_err = |r: candle_parallel::Result<Tensor>, what: &str| match r {
+                Err(e) if !e.to_string().is_empty() => Ok(()),
+                _ => Err(candle_parallel::Error::Layout(format!(
+                    "test: {what}: no error"
+                ))),
+            };
+            expect_err(
+                fs.gather(&zeros(4)?, &comm, &[10]),
+                "gather of a short shard",
+            )?;
+            let s = zeros(5)?;
+            expect_err(
+                fs.gather_differentiable(&zeros(6)?, &comm, &[10]),
+                "long shard",
+            )?;
+            expect_err(fs.reduce_scatter(&zeros(9)?, &comm), "reduce_scatter of 9")?;
+            // A shard made for a group of one, used on the group of two.
+            let solo = FlatShard::new(10, 0, 1)?;
+            expect_err(
+                solo.gather(&zeros(10)?, &comm, &[10]),
+                "gather on a wrong group",
+            )?;
+            expect_err(
+                solo.reduce_scatter(&zeros(10)?, &comm),
+                "reduce on a wrong group",
+            )?;
+            // The right group and shapes still work after the errors.
+            let whole = fs.gather(&s, &comm, &[2, 5])?;
+            assert_eq!(whole.dims(), [2, 5]);
+            // Sharding sizes that do not divide the 2 data-parallel ranks.
+            let mesh = DeviceMesh::new(&MeshConfig::default().with_dp(2), comm)?;
+            for bad in [Some(0), Some(3)] {
+                if ZeroGroups::new(&mesh, bad).is_ok() {
+                    return Err(candle_parallel::Error::Layout(format!(
+                        "test: shard size {bad:?} accepted"
+                    )));
+                }
+            }
+            Ok(())
+        });
+    for o in outcomes {
+        o.unwrap();
+    }
+}
