@@ -15,8 +15,7 @@
 //! - selective recomputation never runs attention's forward again: the bytes every rank sends in
 //!   a step equal those without checkpointing, while full recomputation sends more.
 
-use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
+use std::alloc::System;
 
 use candle_core::{DType, Device, Tensor};
 use candle_parallel::attention::{AttnMask, Strategy};
@@ -26,50 +25,10 @@ use candle_parallel::mesh::DeviceMesh;
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::Layout;
 use models::llama::{self, Batch};
-
-struct Counting;
-
-static CURRENT: AtomicIsize = AtomicIsize::new(0);
-static PEAK: AtomicIsize = AtomicIsize::new(0);
-
-fn grew(by: isize) {
-    let now = CURRENT.fetch_add(by, Ordering::SeqCst) + by;
-    PEAK.fetch_max(now, Ordering::SeqCst);
-}
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: AllocLayout) -> *mut u8 {
-        let p = unsafe { System.alloc(l) };
-        if !p.is_null() {
-            grew(l.size() as isize);
-        }
-        p
-    }
-
-    unsafe fn alloc_zeroed(&self, l: AllocLayout) -> *mut u8 {
-        let p = unsafe { System.alloc_zeroed(l) };
-        if !p.is_null() {
-            grew(l.size() as isize);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, p: *mut u8, l: AllocLayout) {
-        unsafe { System.dealloc(p, l) };
-        CURRENT.fetch_sub(l.size() as isize, Ordering::SeqCst);
-    }
-
-    unsafe fn realloc(&self, p: *mut u8, l: AllocLayout, new: usize) -> *mut u8 {
-        let q = unsafe { System.realloc(p, l, new) };
-        if !q.is_null() {
-            grew(new as isize - l.size() as isize);
-        }
-        q
-    }
-}
+use train::memory::CountingAlloc;
 
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: CountingAlloc<System> = CountingAlloc::new(System);
 
 const SEQ: usize = 2048;
 
@@ -110,9 +69,9 @@ fn measure(layout: &Layout, ckpt: Checkpointing) -> Measured {
             Batch::from_sequences(&ctx, std::slice::from_ref(&ids), AttnMask::Causal)
                 .map_err(|x| e(&x))?;
         world.barrier().map_err(|x| e(&x))?;
-        let before = CURRENT.load(Ordering::SeqCst);
+        let before = ALLOC.current();
         if world.rank() == 0 {
-            PEAK.store(before, Ordering::SeqCst);
+            ALLOC.reset_peak(before);
         }
         world.barrier().map_err(|x| e(&x))?;
         let sent0 = world.traffic().snapshot().bytes_sent();
@@ -125,7 +84,7 @@ fn measure(layout: &Layout, ckpt: Checkpointing) -> Measured {
         drop(grads);
         let sent = world.traffic().snapshot().bytes_sent() - sent0;
         world.barrier().map_err(|x| e(&x))?;
-        let peak = PEAK.load(Ordering::SeqCst) - before;
+        let peak = ALLOC.peak() - before;
         Ok((loss, sent, peak))
     })
     .unwrap_or_else(|x| panic!("{x}"));

@@ -24,8 +24,6 @@
 //! whose logit-sized temporaries are a fixed cost per rank (with 4 ranks at the default 1024,
 //! about 1.5 GiB of the process, more than the activations of a 8K-token sequence).
 
-use std::alloc::{GlobalAlloc, Layout as AllocLayout};
-use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Instant;
 
 use candle_core::DType;
@@ -37,54 +35,12 @@ use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
 use candle_parallel::recompute::Checkpointing;
 use models::llama;
 use train::data::{PackedDataset, TokenStream};
+use train::memory::CountingAlloc;
 use train::trainer::{TrainConfig, Trainer};
 
 /// Counts the bytes of mimalloc (the allocator of `cpl`).
-struct Counting;
-
-static INNER: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-static CURRENT: AtomicIsize = AtomicIsize::new(0);
-static PEAK: AtomicIsize = AtomicIsize::new(0);
-
-fn grew(by: isize) {
-    let now = CURRENT.fetch_add(by, Ordering::Relaxed) + by;
-    PEAK.fetch_max(now, Ordering::Relaxed);
-}
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: AllocLayout) -> *mut u8 {
-        let p = unsafe { INNER.alloc(l) };
-        if !p.is_null() {
-            grew(l.size() as isize);
-        }
-        p
-    }
-
-    unsafe fn alloc_zeroed(&self, l: AllocLayout) -> *mut u8 {
-        let p = unsafe { INNER.alloc_zeroed(l) };
-        if !p.is_null() {
-            grew(l.size() as isize);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, p: *mut u8, l: AllocLayout) {
-        unsafe { INNER.dealloc(p, l) };
-        CURRENT.fetch_sub(l.size() as isize, Ordering::Relaxed);
-    }
-
-    unsafe fn realloc(&self, p: *mut u8, l: AllocLayout, new: usize) -> *mut u8 {
-        let q = unsafe { INNER.realloc(p, l, new) };
-        if !q.is_null() {
-            grew(new as isize - l.size() as isize);
-        }
-        q
-    }
-}
-
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: CountingAlloc<mimalloc::MiMalloc> = CountingAlloc::new(mimalloc::MiMalloc);
 
 const VOCAB: usize = 32000;
 
@@ -224,9 +180,9 @@ fn measure(l: &Layout, plan: Plan, seq: usize, loss_chunk: usize) -> Result<Meas
         };
         let mut t = Trainer::new(model, params, &mesh, &ctx, cfg.clone()).map_err(|x| e(&x))?;
         world.barrier().map_err(|x| e(&x))?;
-        let state = CURRENT.load(Ordering::SeqCst);
+        let state = ALLOC.current();
         if world.rank() == 0 {
-            PEAK.store(state, Ordering::SeqCst);
+            ALLOC.reset_peak(state);
         }
         world.barrier().map_err(|x| e(&x))?;
         let t0 = Instant::now();
@@ -234,7 +190,7 @@ fn measure(l: &Layout, plan: Plan, seq: usize, loss_chunk: usize) -> Result<Meas
         world.barrier().map_err(|x| e(&x))?;
         Ok(Measured {
             state,
-            peak: PEAK.load(Ordering::SeqCst),
+            peak: ALLOC.peak(),
             seconds: t0.elapsed().as_secs_f64(),
         })
     })

@@ -1,6 +1,6 @@
 //! The training engine: data packing ([`data`]), the training step of a model under any
 //! parallel layout ([`trainer`]), and training checkpoints with exact resume
-//! ([`checkpoint`]).
+//! ([`checkpoint`]); [`memory`] counts heap bytes for memory tests and benchmarks.
 //!
 //! A step is a list of micro-batches; each micro-batch runs forward and backward on its own
 //! and its gradients are accumulated in f32, so pipeline schedules can later drive the same
@@ -9,6 +9,7 @@
 pub mod checkpoint;
 pub mod data;
 pub mod error;
+pub mod memory;
 pub mod trainer;
 
 pub use error::{Error, Result};
