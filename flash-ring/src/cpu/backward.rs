@@ -1,7 +1,13 @@
 //! Backward pass (FlashAttention-2): P is recomputed from the final lse, `D = rowsum(dO * O)`,
-//! `dS = P * (dP - D)`. One rayon task per (batch, q head, chunk of key tiles): the task owns
-//! dK/dV of its key tiles (summed into the kv head under a lock, for GQA) and accumulates dQ in
-//! a private buffer that is added to the head's dQ under a lock at the end. No races.
+//! `dS = P * (dP - D)`. One rayon task per (batch, q head, chunk of key tiles).
+//!
+//! Deterministic whatever the thread timing (a rank's gradients must not depend on which task
+//! finishes first, or multi-rank runs drift apart): every floating-point sum has a fixed order.
+//! - dK/dV: each task owns the rows of its key tiles in a per-q-head accumulator (no other task
+//!   writes them); for GQA the q heads of a kv head are summed at the end in head order.
+//! - dQ: with one chunk per head the task owns the head's dQ. With several, each task's partial
+//!   dQ is added to the head's in chunk order: a task that finishes before its predecessors
+//!   parks its buffer, and whichever task completes the prefix adds the parked ones in order.
 
 use rayon::prelude::*;
 use std::f32::consts::{LN_2, LOG2_E};
@@ -130,16 +136,6 @@ pub(crate) fn backward(
         })
         .collect();
 
-    // Gradient accumulators: dq per (b, q head), dk/dv per (b, kv head), rows of length dp.
-    let dq_acc: Vec<Mutex<PoolBuf>> = (0..b * hq)
-        .into_par_iter()
-        .map(|_| Mutex::new(PoolBuf::zeroed(sq * dp)))
-        .collect();
-    let dkv_acc: Vec<Mutex<(PoolBuf, PoolBuf)>> = (0..b * hkv)
-        .into_par_iter()
-        .map(|_| Mutex::new((PoolBuf::zeroed(sk * dp), PoolBuf::zeroed(sk * dp))))
-        .collect();
-
     let nqt = sq.div_ceil(bq);
     let nkt = sk.div_ceil(bk);
     // Enough tasks for work stealing to even out load (causal chunks differ in work).
@@ -147,6 +143,22 @@ pub(crate) fn backward(
     let chunks = want.div_ceil(b * hq).clamp(1, nkt);
     let per_chunk = nkt.div_ceil(chunks);
     let chunks = nkt.div_ceil(per_chunk);
+    // Key rows of chunk `ch`.
+    let chunk_rows = |ch: usize| (ch * per_chunk * bk)..(((ch + 1) * per_chunk * bk).min(sk));
+
+    // Gradient accumulators, rows of length dp: dq per (b, q head); dk/dv per (b, q head, key
+    // chunk), each owned by one task (the q heads of a kv head are summed at the end).
+    let dq_acc: Vec<Mutex<OrderedSum>> = (0..b * hq)
+        .into_par_iter()
+        .map(|_| Mutex::new(OrderedSum::new(sq * dp)))
+        .collect();
+    let dkv_acc: Vec<Mutex<(PoolBuf, PoolBuf)>> = (0..b * hq * chunks)
+        .into_par_iter()
+        .map(|t| {
+            let n = chunk_rows(t % chunks).len() * dp;
+            Mutex::new((PoolBuf::zeroed(n), PoolBuf::zeroed(n)))
+        })
+        .collect();
 
     (0..b * hq * chunks).into_par_iter().try_for_each(|task| {
         let ch = task % chunks;
@@ -160,7 +172,7 @@ pub(crate) fn backward(
         let mut dk_t = vec![0.0f32; bk * dp];
         let mut dv_t = vec![0.0f32; bk * dp];
         // dq target: with one chunk per head this task owns the head's dq (lock held for the
-        // whole task, uncontended); otherwise a private buffer added under the lock at the end.
+        // whole task, uncontended); otherwise a private buffer added in chunk order at the end.
         let mut own = None;
         if chunks == 1 {
             own = Some(
@@ -170,6 +182,11 @@ pub(crate) fn backward(
             );
         }
         let mut local: Option<PoolBuf> = None;
+        // This task's dk/dv rows of this q head: no other task writes them.
+        let row0 = chunk_rows(ch).start;
+        let mut dkv = dkv_acc[task]
+            .lock()
+            .map_err(|_| Error::Config("poisoned dk/dv lock".into()))?;
         for kt in ch * per_chunk..((ch + 1) * per_chunk).min(nkt) {
             let k0 = kt * bk;
             let kn = bk.min(sk - k0);
@@ -257,7 +274,7 @@ pub(crate) fn backward(
                     tn.run(isa, gb, qrows, &mut dk_t[c0 * dp..]);
                     // dQ += dS K (rescaled by scale at the end).
                     let dq_target: &mut [f32] = match (own.as_mut(), local.as_mut()) {
-                        (Some(g), _) => &mut g[..],
+                        (Some(g), _) => &mut g.acc[..],
                         (None, Some(l)) => &mut l[..],
                         (None, None) => unreachable!("dq buffer allocated above"),
                     };
@@ -281,11 +298,8 @@ pub(crate) fn backward(
                 }
             }
             if touched {
-                let mut acc = dkv_acc[kvh]
-                    .lock()
-                    .map_err(|_| Error::Config("poisoned dk/dv lock".into()))?;
-                let (dka, dva) = &mut *acc;
-                let r = k0 * dp..(k0 + kn) * dp;
+                let (dka, dva) = &mut *dkv;
+                let r = (k0 - row0) * dp..(k0 - row0 + kn) * dp;
                 for (a, x) in dka[r.clone()].iter_mut().zip(&dk_t[..kn * dp]) {
                     *a += x * LN_2;
                 }
@@ -294,11 +308,12 @@ pub(crate) fn backward(
                 }
             }
         }
-        if let Some(local) = local {
-            let mut acc = dq_acc[head]
+        drop(dkv);
+        if own.is_none() {
+            dq_acc[head]
                 .lock()
-                .map_err(|_| Error::Config("poisoned dq lock".into()))?;
-            acc.iter_mut().zip(local.iter()).for_each(|(a, x)| *a += x);
+                .map_err(|_| Error::Config("poisoned dq lock".into()))?
+                .add(ch, local);
         }
         Ok::<(), Error>(())
     })?;
@@ -309,6 +324,7 @@ pub(crate) fn backward(
         .map(|m| {
             m.into_inner()
                 .map_err(|_| Error::Config("poisoned dq lock".into()))
+                .and_then(|s| s.finish(chunks))
         })
         .collect::<Result<_>>()?;
     dq.par_chunks_mut(hq * d).enumerate().for_each(|(row, o)| {
@@ -320,23 +336,78 @@ pub(crate) fn backward(
             }
         }
     });
-    let kv_heads: Vec<(PoolBuf, PoolBuf)> = dkv_acc
+    let parts: Vec<(PoolBuf, PoolBuf)> = dkv_acc
         .into_iter()
         .map(|m| {
             m.into_inner()
                 .map_err(|_| Error::Config("poisoned dk/dv lock".into()))
         })
         .collect::<Result<_>>()?;
+    // Each (b, key row, kv head): the sum over the kv head's q heads, in head order.
+    let group = dims.group();
     dk.par_chunks_mut(hkv * d)
         .zip(dv.par_chunks_mut(hkv * d))
         .enumerate()
         .for_each(|(row, (ok, ov))| {
             let (bi, s) = (row / sk, row % sk);
+            let ch = s / bk / per_chunk;
+            let at = (s - chunk_rows(ch).start) * dp;
             for h in 0..hkv {
-                let (sk_, sv_) = &kv_heads[bi * hkv + h];
-                ok[h * d..(h + 1) * d].copy_from_slice(&sk_[s * dp..s * dp + d]);
-                ov[h * d..(h + 1) * d].copy_from_slice(&sv_[s * dp..s * dp + d]);
+                let (ok, ov) = (&mut ok[h * d..(h + 1) * d], &mut ov[h * d..(h + 1) * d]);
+                for g in 0..group {
+                    let (pk, pv) = &parts[(bi * hq + h * group + g) * chunks + ch];
+                    let (pk, pv) = (&pk[at..at + d], &pv[at..at + d]);
+                    if g == 0 {
+                        ok.copy_from_slice(pk);
+                        ov.copy_from_slice(pv);
+                    } else {
+                        ok.iter_mut().zip(pk).for_each(|(a, x)| *a += x);
+                        ov.iter_mut().zip(pv).for_each(|(a, x)| *a += x);
+                    }
+                }
             }
         });
     Ok(BwdOut { dq, dk, dv, dims })
+}
+
+/// A head's dQ, summed from the partial buffers of its key chunks in chunk order whatever the
+/// order in which the chunks finish (see the module docs).
+struct OrderedSum {
+    acc: PoolBuf,
+    /// The next chunk to add.
+    next: usize,
+    /// Finished chunks waiting for their predecessors (`None`: the chunk touched nothing).
+    parked: Vec<(usize, Option<PoolBuf>)>,
+}
+
+impl OrderedSum {
+    fn new(len: usize) -> Self {
+        Self {
+            acc: PoolBuf::zeroed(len),
+            next: 0,
+            parked: Vec::new(),
+        }
+    }
+
+    /// Chunk `ch` finished with partial sum `part`; adds every chunk now in order.
+    fn add(&mut self, ch: usize, part: Option<PoolBuf>) {
+        self.parked.push((ch, part));
+        while let Some(i) = self.parked.iter().position(|(c, _)| *c == self.next) {
+            if let (_, Some(p)) = self.parked.swap_remove(i) {
+                self.acc.iter_mut().zip(p.iter()).for_each(|(a, x)| *a += x);
+            }
+            self.next += 1;
+        }
+    }
+
+    /// The sum, once all `chunks` were added (with one chunk the owner wrote `acc` directly).
+    fn finish(self, chunks: usize) -> Result<PoolBuf> {
+        if chunks > 1 && (self.next != chunks || !self.parked.is_empty()) {
+            return Err(Error::Config(format!(
+                "internal: dq summed {} of {chunks} key chunks",
+                self.next
+            )));
+        }
+        Ok(self.acc)
+    }
 }
