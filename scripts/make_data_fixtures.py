@@ -9,6 +9,7 @@ tests can check that both formats give the same documents:
                               default), two row groups, one null text (skipped by the reader);
 - docs-zstd.parquet           the same, zstd, one row group, `text` stored as large_string;
 - docs-gzip.parquet           the same, gzip;
+- docs-lz4.parquet            the same, lz4;
 - not-text.parquet            a `text` column of int64 (must be rejected with a clear error).
 
 Run from the repository root: .venv-data/bin/python scripts/make_data_fixtures.py
@@ -47,6 +48,7 @@ def main() -> None:
     )
     pq.write_table(large, OUT / "docs-zstd.parquet", compression="zstd")
     pq.write_table(table, OUT / "docs-gzip.parquet", compression="gzip")
+    pq.write_table(table, OUT / "docs-lz4.parquet", compression="lz4")
     bad = pa.table({"text": pa.array([1, 2, 3], pa.int64())})
     pq.write_table(bad, OUT / "not-text.parquet")
     for p in sorted(OUT.iterdir()):

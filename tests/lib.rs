@@ -70,22 +70,7 @@ pub fn reference(name: &str) -> Reference {
     }
 }
 
-/// `max|a - b| / max|b|`.
-pub fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims(), "shapes differ");
-    let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-    let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-    let diff = (&a - &b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    let scale = b.abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
-    diff / scale.max(f32::MIN_POSITIVE)
-}
+pub use testkit::{assert_close, assert_identical, max_abs, rel_err};
 
 /// A parallel layout for [`run_layout`].
 #[derive(Debug, Clone)]
@@ -165,6 +150,9 @@ pub struct MemoryPlan {
     /// ZeRO-3: every layer's parameters sharded over the ranks that hold the same parameters
     /// (`ulysses x ring`) and gathered for each use.
     pub zero3: bool,
+    /// Dtype of the parameters and activations (`None`: f32). The loss, logits and gradients
+    /// are returned in f32.
+    pub dtype: Option<DType>,
 }
 
 /// [`run_layout_with`] with every parameter resident and no checkpointing.
@@ -174,8 +162,8 @@ pub fn run_layout(name: &str, layout: &Layout) -> StepResult {
 
 /// Loads fixture `name` under `layout` and `plan` on local ranks, runs forward (logits and loss
 /// with the transformers labels of the fixture, shifted) and backward, reduces the gradients and
-/// gathers everything to global form. Returns rank 0's result (ranks are checked to agree on
-/// the loss). Errors (as a panic naming the layout) when a parameter receives no gradient.
+/// gathers everything to global form. Returns rank 0's result (every other rank's is checked to
+/// be bit-identical). Errors (as a panic naming the layout) when a parameter receives no gradient.
 pub fn run_layout_with(name: &str, layout: &Layout, plan: MemoryPlan) -> StepResult {
     let files = fixture_files(name);
     let r = reference(name);
@@ -185,7 +173,8 @@ pub fn run_layout_with(name: &str, layout: &Layout, plan: MemoryPlan) -> StepRes
         let e = |e: &dyn std::fmt::Display| format!("{}: {e}", layout.name);
         let mesh = DeviceMesh::new(&layout.mesh, world).map_err(|x| e(&x))?;
         let ctx = ParallelCtx::new(&mesh, &layout.sp, layout.tp_sp).map_err(|x| e(&x))?;
-        let m = llama::load(&files, &ctx, Some(DType::F32), true).map_err(|x| e(&x))?;
+        let m = llama::load(&files, &ctx, Some(plan.dtype.unwrap_or(DType::F32)), true)
+            .map_err(|x| e(&x))?;
         let mut model = m.model;
         model.set_checkpointing(plan.checkpointing);
         let params = m.params.sorted();
@@ -223,11 +212,13 @@ pub fn run_layout_with(name: &str, layout: &Layout, plan: MemoryPlan) -> StepRes
         let loss = seq_group
             .all_reduce(&local_loss.detach(), ReduceOp::Sum)
             .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
             .to_scalar::<f32>()
             .unwrap();
         let grads = model.backward(&local_loss).map_err(|x| e(&x))?;
         let tp = mesh.comm(Dim::Tp);
-        let grads = match &zero {
+        let grads: HashMap<String, Tensor> = match &zero {
             None => {
                 let collected =
                     models::grads::collect_gradients(&params, &grads).map_err(|x| e(&x))?;
@@ -268,6 +259,10 @@ pub fn run_layout_with(name: &str, layout: &Layout, plan: MemoryPlan) -> StepRes
                 })
                 .collect::<Result<_, String>>()?,
         };
+        let grads = grads
+            .into_iter()
+            .map(|(n, g): (String, Tensor)| (n, g.to_dtype(DType::F32).unwrap()))
+            .collect();
         let logits = model.logits(&batch).map_err(|x| e(&x))?;
         let logits = ctx.gather_tokens(&logits.detach()).map_err(|x| e(&x))?;
         Ok(StepResult {
@@ -278,13 +273,15 @@ pub fn run_layout_with(name: &str, layout: &Layout, plan: MemoryPlan) -> StepRes
     })
     .unwrap_or_else(|e| panic!("{}: {e}", layout.name));
     let first = results.swap_remove(0);
-    for other in &results {
-        assert_eq!(
-            other.loss.to_bits(),
-            first.loss.to_bits(),
-            "{}: ranks disagree on the loss",
-            layout.name
-        );
+    // Every rank holds the same global loss, logits and gradients, to the bit.
+    for (r, other) in results.iter().enumerate() {
+        let who = format!("{}: rank {} vs rank 0", layout.name, r + 1);
+        testkit::assert_identical_scalars(&[other.loss as f64], &[first.loss as f64], &who);
+        assert_identical(&other.logits, &first.logits, &format!("{who}: logits"));
+        assert_eq!(other.grads.len(), first.grads.len(), "{who}");
+        for (n, g) in &first.grads {
+            assert_identical(&other.grads[n], g, &format!("{who}: gradient of {n}"));
+        }
     }
     first
 }

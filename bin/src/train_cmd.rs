@@ -373,8 +373,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
     let interrupted = Arc::new(AtomicBool::new(false));
     {
+        // Without the handler Ctrl-C would kill the run without its checkpoint: not optional.
         let flag = interrupted.clone();
-        let _ = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst));
+        ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
+            .context("installing the Ctrl-C handler (needed to save a checkpoint on Ctrl-C)")?;
     }
     let peak = matmul_gflops();
     let n_params = model_cfg.num_parameters() as f64;

@@ -223,15 +223,7 @@ fn run_strategy(a: &Args, cfg: &SpConfig, x: &[Tensor; 4], reference: &Tensor) -
 }
 
 fn rel_err(a: &Tensor, r: &Tensor) -> f32 {
-    let max = |t: Tensor| -> f32 {
-        t.abs()
-            .and_then(|t| t.flatten_all())
-            .and_then(|t| t.max(0))
-            .and_then(|t| t.to_scalar::<f32>())
-            .unwrap_or(f32::NAN)
-    };
-    let diff = (a - r).map(&max).unwrap_or(f32::NAN);
-    diff / max(r.clone())
+    testkit::rel_err(a, r) as f32
 }
 
 fn single_device(a: &Args, x: &[Tensor; 4]) -> (Row, Tensor) {

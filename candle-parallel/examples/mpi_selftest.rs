@@ -11,8 +11,10 @@
 //! flash-ring (forward, autograd backward and explicit backward). `--local P` runs the
 //! same checks on the in-process backend (ranks as threads) for comparison.
 //!
-//! `--abort-test R` checks the MPI failure behaviour instead: rank R returns an error while the
-//! others wait in a barrier; the job must stop through `MPI_Abort` with a non-zero exit code.
+//! `--abort-test R [error|panic|signal]` checks the MPI failure behaviour instead: rank R
+//! returns an error, panics, or is killed by SIGKILL while the others wait in a barrier; the
+//! job must stop (through `MPI_Abort`, or mpirun noticing the dead process) with a non-zero
+//! exit code instead of hanging.
 //!
 //! Output: rank 0 prints one line per check and, last, `mpi selftest: N passed, M failed`
 //! (a check fails if it fails on any rank). The exit code is 1 if any check failed.
@@ -734,22 +736,47 @@ fn run_local(p: usize) -> candle_parallel::Result<usize> {
     Ok(report(0, &names, &any))
 }
 
-/// Checks MPI's failure behaviour: rank `bad` fails while the others wait in a barrier that
-/// can only end by the job being aborted. Exits non-zero (through MPI_Abort) when it works.
-fn run_abort_test(bad: usize) -> candle_parallel::Result<usize> {
+/// How the rank of [`run_abort_test`] fails.
+#[derive(Debug, Clone, Copy)]
+enum Failure {
+    /// The rank's closure returns an error.
+    Error,
+    /// The rank panics.
+    Panic,
+    /// The rank's process is killed by SIGKILL (no cleanup, no MPI call).
+    Signal,
+}
+
+/// Checks MPI's failure behaviour: rank `bad` fails as `how` while the others wait in a
+/// barrier that can only end by the job being stopped. Exits non-zero when it works.
+fn run_abort_test(bad: usize, how: Failure) -> candle_parallel::Result<usize> {
     MpiWorld::run(|comm| -> candle_parallel::Result<usize> {
         if comm.rank() == bad % comm.size() {
-            return Err(candle_parallel::Error::InvalidArgument {
-                op: "abort test",
-                msg: "this rank fails on purpose".into(),
-            });
+            match how {
+                Failure::Error => {
+                    return Err(candle_parallel::Error::InvalidArgument {
+                        op: "abort test",
+                        msg: "this rank fails on purpose".into(),
+                    })
+                }
+                Failure::Panic => panic!("this rank panics on purpose"),
+                Failure::Signal => {
+                    let pid = std::process::id().to_string();
+                    let _ = std::process::Command::new("kill")
+                        .args(["-KILL", &pid])
+                        .status();
+                    // SIGKILL is not handled: the process is gone before this line.
+                    std::thread::sleep(std::time::Duration::from_secs(600));
+                }
+            }
         }
         comm.barrier()?;
         Ok(0)
     })
 }
 
-const USAGE: &str = "usage: mpi_selftest [--local P | --abort-test RANK]   (under mpirun -np P)";
+const USAGE: &str =
+    "usage: mpi_selftest [--local P | --abort-test RANK [error|panic|signal]]   (under mpirun -np P)";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -761,7 +788,19 @@ fn main() {
     };
     let outcome = match args.as_slice() {
         [] => run_mpi(),
-        [flag, r] if flag == "--abort-test" => run_abort_test(number(r)),
+        [flag, r] if flag == "--abort-test" => run_abort_test(number(r), Failure::Error),
+        [flag, r, how] if flag == "--abort-test" => {
+            let how = match how.as_str() {
+                "error" => Failure::Error,
+                "panic" => Failure::Panic,
+                "signal" => Failure::Signal,
+                _ => {
+                    eprintln!("{USAGE}");
+                    std::process::exit(2)
+                }
+            };
+            run_abort_test(number(r), how)
+        }
         [flag, p] if flag == "--local" => run_local(number(p).max(1)),
         _ => {
             eprintln!("{USAGE}");

@@ -30,7 +30,7 @@ use rand::{Rng, SeedableRng};
 
 /// World sizes under test; every sharded dim below is a multiple of 24.
 const WORLDS: [usize; 5] = [1, 2, 3, 4, 8];
-const TOL: f32 = 1e-5;
+const TOL: f64 = 1e-5;
 
 /// Uniform values with magnitude in [0.25, 1) and a random sign: never zero.
 fn rand_t(rng: &mut StdRng, dims: &[usize]) -> Tensor {

@@ -5,7 +5,7 @@ use candle_core::{DType, Device, Result, Tensor, Var, D};
 use candle_parallel::ops::{inv_freq, rms_norm, swiglu, RopeScaling, RotaryEmbedding};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-const DTYPES: [(DType, f32); 3] = [(DType::F32, 1e-5), (DType::BF16, 1e-2), (DType::F16, 1e-2)];
+const DTYPES: [(DType, f64); 3] = [(DType::F32, 1e-5), (DType::BF16, 1e-2), (DType::F16, 1e-2)];
 
 /// Random non-zero values: magnitude in [0.05, 2), random sign.
 fn rand_tensor(rng: &mut StdRng, shape: &[usize], dtype: DType) -> Result<Tensor> {
@@ -24,19 +24,8 @@ fn rand_tensor(rng: &mut StdRng, shape: &[usize], dtype: DType) -> Result<Tensor
 }
 
 /// max |a - b| / max |b|, both compared in f32.
-fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
-    assert_eq!(a.dims(), b.dims(), "shape mismatch");
-    let a = a.to_dtype(DType::F32)?;
-    let b = b.to_dtype(DType::F32)?;
-    let diff = (a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
-    let scale = b.abs()?.max_all()?.to_scalar::<f32>()?;
-    assert!(scale > 0.0, "reference is all zeros");
-    Ok(diff / scale)
-}
-
-fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f32) -> Result<()> {
-    let e = rel_err(a, b)?;
-    assert!(e <= tol, "{what}: relative error {e:e} > {tol:e}");
+fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f64) -> Result<()> {
+    testkit::assert_close(a, b, tol, what);
     Ok(())
 }
 
@@ -77,7 +66,7 @@ fn check_op(
     what: &str,
     inputs: &[&Var],
     g: &Tensor,
-    tol: f32,
+    tol: f64,
     fused: impl Fn(&[Tensor]) -> Result<Tensor>,
     composite: impl Fn(&[Tensor]) -> Result<Tensor>,
 ) -> Result<()> {
@@ -325,13 +314,10 @@ fn rope_arbitrary_positions_are_row_permutations() -> Result<()> {
         let pos_perm: Vec<u32> = perm.iter().map(|&p| base + p).collect();
         let got = rope.apply(&x_perm, &pos_perm)?;
         let want = full.index_select(&idx, 1)?;
-        let diff = (got.to_dtype(DType::F32)? - want.to_dtype(DType::F32)?)?
-            .abs()?
-            .max_all()?
-            .to_scalar::<f32>()?;
-        assert_eq!(
-            diff, 0.0,
-            "{dt:?}: permuted positions differ from permuted rows"
+        testkit::assert_identical(
+            &got,
+            &want,
+            &format!("{dt:?}: permuted positions vs permuted rows"),
         );
     }
     Ok(())

@@ -34,7 +34,7 @@ use candle_parallel::{
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-const TOL: f32 = 1e-5;
+const TOL: f64 = 1e-5;
 const B: usize = 1;
 const S: usize = 16;
 const HIDDEN: usize = 16;

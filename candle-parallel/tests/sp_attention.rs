@@ -29,7 +29,7 @@ use flash_ring::{AttnSpec, Positions};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-const TOL: f32 = 1e-5;
+const TOL: f64 = 1e-5;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum M {
@@ -218,31 +218,7 @@ fn run_ranks(c: &Case, x: &Global) -> Result<Vec<RankOut>, String> {
         .map_err(e2s)
 }
 
-fn rel_err(a: &Tensor, r: &Tensor) -> f32 {
-    let a = a.to_dtype(DType::F32).unwrap();
-    let r = r.to_dtype(DType::F32).unwrap();
-    // lse may hold -inf for rows without keys: equal infinities count as equal.
-    let fin = |t: &Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1().unwrap() };
-    let (av, rv) = (fin(&a), fin(&r));
-    assert_eq!(av.len(), rv.len());
-    let scale = rv
-        .iter()
-        .filter(|x| x.is_finite())
-        .fold(0f32, |m, x| m.max(x.abs()))
-        .max(1e-30);
-    av.iter()
-        .zip(&rv)
-        .map(|(x, y)| {
-            if x == y {
-                0.0
-            } else if x.is_finite() && y.is_finite() {
-                (x - y).abs() / scale
-            } else {
-                f32::INFINITY
-            }
-        })
-        .fold(0f32, f32::max)
-}
+use testkit::rel_err;
 
 /// What each rank must send.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -29,7 +29,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 const WORLDS: [usize; 3] = [1, 2, 4];
-const TOL: f32 = 1e-5;
+const TOL: f64 = 1e-5;
 /// Batch, tokens, input and output features: tokens and features divide over 4 ranks.
 const B: usize = 2;
 const T: usize = 8;

@@ -18,9 +18,9 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 const WORLDS: [usize; 3] = [1, 2, 4];
-const TOL: f32 = 1e-5;
+const TOL: f64 = 1e-5;
 /// Tolerance of the bf16 case (inputs rounded to bf16; arithmetic in f32 on both sides).
-const BF16_TOL: f32 = 1e-2;
+const BF16_TOL: f64 = 1e-2;
 
 /// Uniform values with magnitude in [0.25, 1) and a random sign: never zero.
 fn rand_t(rng: &mut StdRng, dims: &[usize]) -> Tensor {
@@ -64,40 +64,16 @@ fn grad(grads: &GradStore, v: &Var, what: &str) -> Result<Tensor> {
         .ok_or_else(|| candle_core::Error::Msg(format!("no gradient for {what}")))
 }
 
-fn max_abs(t: &Tensor) -> f32 {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-}
-
-fn assert_close_tol(got: &Tensor, want: &Tensor, tol: f32, what: &str) {
-    assert_eq!(got.dims(), want.dims(), "{what}: shape");
-    let got = got.to_dtype(DType::F32).unwrap();
-    let want = want.to_dtype(DType::F32).unwrap();
-    let scale = max_abs(&want);
-    assert!(scale > 0.0, "{what}: reference is all zeros");
-    let err = max_abs(&(got - want).unwrap()) / scale;
-    assert!(
-        err.is_finite() && err <= tol,
-        "{what}: relative error {err:e} > {tol:e}"
-    );
+fn assert_close_tol(got: &Tensor, want: &Tensor, tol: f64, what: &str) {
+    testkit::assert_close(got, want, tol, what)
 }
 
 fn assert_close(got: &Tensor, want: &Tensor, what: &str) {
     assert_close_tol(got, want, TOL, what)
 }
 
-fn assert_scalar_close(got: f32, want: f32, tol: f32, what: &str) {
-    let err = (got - want).abs() / want.abs().max(f32::MIN_POSITIVE);
-    assert!(
-        err <= tol,
-        "{what}: {got} vs reference {want}: relative error {err:e} > {tol:e}"
-    );
+fn assert_scalar_close(got: f32, want: f32, tol: f64, what: &str) {
+    testkit::assert_close_scalar(got as f64, want as f64, tol, what)
 }
 
 fn world<T: Send>(p: usize, f: impl Fn(Comm) -> Result<T> + Sync) -> Vec<T> {
@@ -136,7 +112,7 @@ struct CeCase {
 }
 
 /// Runs the vocab-parallel loss on `p` ranks against the single-rank reference.
-fn check_cross_entropy(rng: &mut StdRng, case: &CeCase, dtype: DType, tol: f32) {
+fn check_cross_entropy(rng: &mut StdRng, case: &CeCase, dtype: DType, tol: f64) {
     let CeCase {
         n,
         hidden: h,

@@ -26,7 +26,7 @@ use candle_parallel::optim::{FlatShard, ZeroGroups};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-const TOL: f32 = 1e-5;
+const TOL: f64 = 1e-5;
 /// Element counts 1 (fewer than the ranks), 10, 12 and 42.
 const SHAPES: [&[usize]; 4] = [&[1], &[2, 5], &[3, 4], &[7, 3, 2]];
 

@@ -4,7 +4,8 @@
 //! (`org/name`, optionally `org/name@revision`) looked up in the Hub cache the way
 //! `huggingface_hub` lays it out (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
 //! `~/.cache/huggingface/hub`: `models--org--name/refs/<revision>` names a snapshot under
-//! `snapshots/<commit>/`). Files missing from the cache are downloaded through `hf-hub` unless
+//! `snapshots/<commit>/`, whose files are symlinks into `blobs/`; a revision that is a commit
+//! hash names its snapshot directly). Files missing from the cache are downloaded through `hf-hub` unless
 //! `HF_HUB_OFFLINE` is set (to anything but `0`/`false`), in which case a missing file is an error.
 
 use std::path::{Path, PathBuf};
@@ -213,6 +214,22 @@ impl HubFetcher {
         }
     }
 
+    /// `file` in the cache: through `refs/<revision>`, or, when the revision is a commit hash
+    /// (`org/name@<40 hex digits>`, which has no ref), straight from `snapshots/<commit>/`, as
+    /// `huggingface_hub` resolves it.
+    fn cached(&self, file: &str) -> Option<PathBuf> {
+        self.cache.get(file).or_else(|| {
+            let is_commit =
+                self.revision.len() == 40 && self.revision.bytes().all(|b| b.is_ascii_hexdigit());
+            let p = hub_cache_dir()
+                .join(format!("models--{}", self.id.replace('/', "--")))
+                .join("snapshots")
+                .join(&self.revision)
+                .join(file);
+            (is_commit && p.is_file()).then_some(p)
+        })
+    }
+
     /// The path of a file the model cannot do without.
     fn require(&self, model: &str, file: &str) -> Result<PathBuf> {
         self.get(model, file, true)?.ok_or_else(|| Error::NotFound {
@@ -223,7 +240,7 @@ impl HubFetcher {
 
     /// The path of `file`; `Ok(None)` when it is optional and absent.
     fn get(&self, model: &str, file: &str, required: bool) -> Result<Option<PathBuf>> {
-        if let Some(p) = self.cache.get(file) {
+        if let Some(p) = self.cached(file) {
             return Ok(Some(p));
         }
         if offline() {

@@ -65,8 +65,13 @@ impl SelfTestCase {
             AttnMask::Documents(_) => "documents",
             AttnMask::DocumentsFull(_) => "documents-full",
         };
+        let sub = match self.cfg.strategy {
+            Strategy::DoubleRing => format!(" (inner rings of {})", self.cfg.inner_ring),
+            Strategy::StarTrail => format!(" (teams of {})", self.cfg.team),
+            _ => String::new(),
+        };
         format!(
-            "{} ulysses {} x ring {} {} {mask} hq {} hkv {}",
+            "{} ulysses {} x ring {}{sub} {} {mask} hq {} hkv {}",
             self.cfg.strategy,
             self.cfg.ulysses,
             self.cfg.ring,

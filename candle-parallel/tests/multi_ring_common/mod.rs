@@ -15,7 +15,7 @@ use flash_ring::AttnSpec;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-pub const TOL: f32 = 1e-5;
+pub const TOL: f64 = 1e-5;
 
 /// The masks of the issue: full, causal, and documents (crossing shard borders, one of
 /// length 1), causal or bidirectional inside documents.
@@ -91,7 +91,7 @@ impl Case {
     }
 
     /// The tolerance of [`check_numerics`]: 1e-5 in f32, bf16 rounding otherwise.
-    pub fn tol(&self) -> f32 {
+    pub fn tol(&self) -> f64 {
         if self.dtype == DType::F32 {
             TOL
         } else {
@@ -222,44 +222,7 @@ pub fn reference(case: &Case, x: &Inputs) -> [Tensor; 5] {
 }
 
 /// `max |a - b| / max |b|`, with equal infinities counted as equal.
-pub fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    let a: Vec<f32> = a
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
-    let b: Vec<f32> = b
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
-    assert_eq!(a.len(), b.len());
-    let mut max_ref = 0f32;
-    let mut max_diff = 0f32;
-    for (x, y) in a.iter().zip(&b) {
-        if x == y {
-            if y.is_finite() {
-                max_ref = max_ref.max(y.abs());
-            }
-            continue;
-        }
-        assert!(
-            x.is_finite() && y.is_finite(),
-            "non-finite mismatch {x} vs {y}"
-        );
-        max_ref = max_ref.max(y.abs());
-        max_diff = max_diff.max((x - y).abs());
-    }
-    if max_diff == 0.0 {
-        0.0
-    } else {
-        max_diff / max_ref.max(f32::MIN_POSITIVE)
-    }
-}
+pub use testkit::rel_err;
 
 /// Gathers every rank's `pick` to global order (sequence at `dim`).
 pub fn unshard(

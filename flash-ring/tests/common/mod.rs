@@ -1,7 +1,8 @@
 //! Shared helpers of the flash-ring integration tests.
 //!
 //! Error metric used everywhere: `rel(a, ref) = max_i |a_i - ref_i| / max(max_i |ref_i|, 1e-30)`
-//! (max-norm relative error; `-inf` entries must match exactly and are left out of the norms).
+//! (max-norm relative error, `testkit`'s: a NaN anywhere fails; `-inf` entries must match exactly
+//! and are left out of the norms).
 #![allow(dead_code)]
 
 use candle_core::{DType, Device, Tensor};
@@ -28,26 +29,15 @@ pub fn randv(r: &mut StdRng, n: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Max-norm relative error, see the module docs. Panics on a NaN or an inf mismatch.
+/// Max-norm relative error, see the module docs (`+inf` on a NaN or an inf mismatch, so every
+/// tolerance check fails).
 pub fn rel(a: &[f64], r: &[f64]) -> f64 {
-    rel_floor(a, r, 1e-30)
+    testkit::rel_err_floor(a, r, 1e-30)
 }
 
 /// [`rel`] with the denominator floored at `floor` instead of 1e-30.
 pub fn rel_floor(a: &[f64], r: &[f64], floor: f64) -> f64 {
-    assert_eq!(a.len(), r.len(), "length mismatch");
-    let mut num = 0.0f64;
-    let mut den = 0.0f64;
-    for (i, (&x, &y)) in a.iter().zip(r).enumerate() {
-        assert!(!x.is_nan(), "NaN at {i}");
-        if y.is_infinite() || x.is_infinite() {
-            assert_eq!(x, y, "infinity mismatch at {i}");
-            continue;
-        }
-        num = num.max((x - y).abs());
-        den = den.max(y.abs());
-    }
-    num / den.max(floor)
+    testkit::rel_err_floor(a, r, floor)
 }
 
 pub fn to_f64(t: &Tensor) -> Vec<f64> {
