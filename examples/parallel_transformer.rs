@@ -12,7 +12,7 @@
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use candle_parallel::attention::{AttnMask, SpConfig, Strategy};
+use candle_parallel::attention::{AttnCall, AttnMask, SpConfig, Strategy};
 use candle_parallel::comm::ReduceOp;
 use candle_parallel::layers::{
     vocab_parallel_cross_entropy, ColumnParallelLinear, CrossEntropyOptions, ParallelCtx,
@@ -111,13 +111,8 @@ fn train(ctx: &ParallelCtx) -> Result<Vec<f32>> {
         let k = col(&wk).forward(&h)?.reshape((1, n, heads, HEAD_DIM))?;
         let v = col(&wv).forward(&h)?.reshape((1, n, heads, HEAD_DIM))?;
         let (q, k) = (rope.apply(&q, &positions)?, rope.apply(&k, &positions)?);
-        let a = ctx.attention().attention(
-            &q,
-            &k,
-            &v,
-            &AttnMask::Causal,
-            1.0 / (HEAD_DIM as f32).sqrt(),
-        )?;
+        let call = AttnCall::new(AttnMask::Causal, 1.0 / (HEAD_DIM as f32).sqrt());
+        let a = ctx.attention().attention(&q, &k, &v, &call)?;
         let x = (x + row(&wo).forward(&a.reshape((1, n, heads * HEAD_DIM))?)?)?;
         let h = rms_norm(&x, norm2.var.as_tensor(), 1e-5)?;
         let m = swiglu(&col(&gate).forward(&h)?, &col(&up).forward(&h)?)?;

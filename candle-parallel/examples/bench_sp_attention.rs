@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_parallel::attention::block::{serialize_block_kernels, take_block_compute_time};
 use candle_parallel::attention::{
-    AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,
+    AttnCall, AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,
 };
 use candle_parallel::comm::LocalWorld;
 use candle_parallel::mesh::DeviceMesh;
@@ -165,7 +165,7 @@ fn run_strategy(a: &Args, cfg: &SpConfig, x: &[Tensor; 4], reference: &Tensor) -
         comm.traffic().reset();
         let _ = take_block_compute_time();
         let t0 = Instant::now();
-        let out = sp.attention(&ql, &kl, &vl, &mask, scale)?;
+        let out = sp.attention(&ql, &kl, &vl, &AttnCall::new(mask.clone(), scale))?;
         let fwd = t0.elapsed();
         let fwd_bytes = comm.traffic().snapshot().bytes_sent();
         let t1 = Instant::now();

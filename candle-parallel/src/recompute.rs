@@ -39,7 +39,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, TensorId, Var};
 
-use crate::attention::{AttnMask, SequenceParallelAttention, ShardPlan};
+use crate::attention::{AttnCall, Saved, SequenceParallelAttention, SpGroup};
 use crate::error::{Error, Result};
 
 /// Which activations a checkpointed block keeps; see the [module docs](self).
@@ -253,12 +253,8 @@ impl SequenceParallelAttention for Recording<'_> {
         self.inner.name()
     }
 
-    fn plan(&self, seq_len: usize) -> Result<ShardPlan> {
-        self.inner.plan(seq_len)
-    }
-
-    fn shard_coords(&self) -> (usize, usize) {
-        self.inner.shard_coords()
+    fn group(&self) -> &SpGroup {
+        self.inner.group()
     }
 
     fn forward(
@@ -266,13 +262,12 @@ impl SequenceParallelAttention for Recording<'_> {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let (out, lse) =
-            self.inner
-                .forward(&q.detach(), &k.detach(), &v.detach(), mask, scale, true)?;
+        let (out, lse) = self
+            .inner
+            .forward(&q.detach(), &k.detach(), &v.detach(), call, true)?;
         let lse = lse.ok_or_else(|| Error::invalid(self.name(), "the strategy returned no lse"))?;
         self.kept
             .lock()
@@ -283,16 +278,11 @@ impl SequenceParallelAttention for Recording<'_> {
 
     fn backward(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        lse: &Tensor,
+        saved: &Saved,
         dout: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        self.inner.backward(q, k, v, out, lse, dout, mask, scale)
+        self.inner.backward(saved, dout, call)
     }
 }
 
@@ -330,12 +320,8 @@ impl SequenceParallelAttention for Replay {
         self.inner.name()
     }
 
-    fn plan(&self, seq_len: usize) -> Result<ShardPlan> {
-        self.inner.plan(seq_len)
-    }
-
-    fn shard_coords(&self) -> (usize, usize) {
-        self.inner.shard_coords()
+    fn group(&self) -> &SpGroup {
+        self.inner.group()
     }
 
     fn forward(
@@ -343,8 +329,7 @@ impl SequenceParallelAttention for Replay {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let (out, lse) = self
@@ -368,9 +353,9 @@ impl SequenceParallelAttention for Replay {
                 ),
             ));
         }
-        let (inner, mask_b, lse_b) = (self.inner.clone(), mask.clone(), lse.clone());
+        let (inner, call_b, lse_b) = (self.inner.clone(), call.clone(), lse.clone());
         let backward = move |q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, dout: &Tensor| {
-            inner.backward(q, k, v, out, &lse_b, dout, &mask_b, scale)
+            inner.backward(&Saved::new(q, k, v, out, &lse_b), dout, &call_b)
         };
         let out = crate::attention::op::record3(
             "cpl-replayed-attention",
@@ -385,15 +370,10 @@ impl SequenceParallelAttention for Replay {
 
     fn backward(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        lse: &Tensor,
+        saved: &Saved,
         dout: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        self.inner.backward(q, k, v, out, lse, dout, mask, scale)
+        self.inner.backward(saved, dout, call)
     }
 }

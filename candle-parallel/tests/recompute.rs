@@ -29,7 +29,8 @@ use candle_parallel::attention::ulysses::repeat_kv;
 use candle_parallel::comm::{Comm, LocalWorld};
 use candle_parallel::recompute::{checkpoint, Block, Checkpointing, GradSink};
 use candle_parallel::{
-    AttnMask, DeviceMesh, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,
+    attention::AttnCall, AttnMask, DeviceMesh, SeqLayout, SequenceParallelAttention, SpAttention,
+    SpConfig, Strategy,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -193,7 +194,7 @@ fn run_ranks(
             let w: Weights = std::array::from_fn(|i| wv[i].as_tensor().clone());
             let block: Block = Arc::new(move |x, attn| {
                 layer(x, &w, &|q, k, v| {
-                    attn.attention(q, k, v, &AttnMask::Causal, scale())
+                    attn.attention(q, k, v, &AttnCall::new(AttnMask::Causal, scale()))
                 })
             });
             h = checkpoint(mode, &h, &attn, &sink, block)?;
@@ -326,7 +327,7 @@ fn solo_block(comm: Comm, calls: Calls) -> (Arc<dyn SequenceParallelAttention>, 
         let mut h = x.clone();
         for _ in 0..n {
             h = layer(&h, &w, &|q, k, v| {
-                attn.attention(q, k, v, &AttnMask::Causal, scale())
+                attn.attention(q, k, v, &AttnCall::new(AttnMask::Causal, scale()))
             })?;
         }
         Ok(h)

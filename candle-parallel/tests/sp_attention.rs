@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_parallel::attention::{
-    AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,
+    AttnCall, AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,
 };
 use candle_parallel::comm::{LocalWorld, OpKind, TrafficSnapshot};
 use candle_parallel::mesh::{DeviceMesh, Placement};
@@ -71,6 +71,11 @@ impl Case {
 
     fn batch(mut self, b: usize) -> Self {
         self.b = b;
+        self
+    }
+
+    fn seq(mut self, s: usize) -> Self {
+        self.s = s;
         self
     }
 
@@ -184,10 +189,11 @@ fn run_ranks(c: &Case, x: &Global) -> Result<Vec<RankOut>, String> {
             let g = sp.shard(&x.g, 1).map_err(e2s)?;
             comm.traffic().reset();
             let (out, lse) = if c.with_lse {
-                sp.attention_with_lse(&q, &k, &v, &mask, c.scale())
+                sp.attention_with_lse(&q, &k, &v, &AttnCall::new(mask.clone(), c.scale()))
                     .map_err(e2s)?
             } else {
-                let out = sp.attention(&q, &k, &v, &mask, c.scale()).map_err(e2s)?;
+                let call = AttnCall::new(mask.clone(), c.scale());
+                let out = sp.attention(&q, &k, &v, &call).map_err(e2s)?;
                 (
                     out,
                     Tensor::zeros(1, DType::F32, &Device::Cpu).map_err(e2s)?,
@@ -238,7 +244,14 @@ fn expected_traffic(c: &Case) -> Traffic {
     let (b, hq, hkv, d) = (c.b as u64, c.hq as u64, c.hkv as u64, c.d as u64);
     let q = b * n * hq * d * el;
     let kv = b * n * hkv * d * el;
-    let rep = if hkv.is_multiple_of(u) { 1 } else { u / hkv };
+    // Ulysses' kv replication: u / gcd(u, hkv).
+    let gcd = |mut a: u64, mut b: u64| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    let rep = u / gcd(u, hkv);
     let a2a = |x: u64| x * (u - 1) / u;
     // Ring over R ranks with kv blocks of `k` bytes: (fwd, bwd, fwd exchanges, bwd exchanges).
     let ring = |k: u64| -> (u64, u64, u64, u64) {
@@ -263,7 +276,8 @@ fn expected_traffic(c: &Case) -> Traffic {
             let x = 2 * a2a(q) + 2 * a2a(kv * rep);
             (x + lse, x, 0, 0, 0)
         }
-        Strategy::Usp => {
+        // The double ring moves exactly the ring's bytes in as many exchanges (LoongTrain 4.5.3).
+        Strategy::Usp | Strategy::DoubleRing => {
             // After the all-to-all a rank holds S/R tokens of hkv·rep/U kv heads: K' bytes.
             let x = 2 * a2a(q) + 2 * a2a(kv * rep);
             let (rf, rb, ef, eb) = ring(kv * rep);
@@ -391,6 +405,31 @@ fn ulysses_matches_single_device() {
     run_all(&cases);
 }
 
+/// Any Ulysses degree that divides the query heads works, whatever the GQA ratio: each rank
+/// gets exactly the kv heads its query heads use (replicated, gradients summed). Real cases:
+/// Qwen2.5-7B's 28 q / 4 kv heads on 7 ranks, 6 / 2 on 3, 12 / 3 on 2 and 4, 24 / 8 on 12;
+/// also under USP and the double ring, whose head-parallel part is the same.
+#[test]
+fn ulysses_takes_any_gqa_ratio() {
+    let mut cases = Vec::new();
+    for (p, hq, hkv, s) in [
+        (7, 28, 4, 56),
+        (3, 6, 2, 48),
+        (2, 12, 3, 64),
+        (4, 12, 3, 64),
+        (12, 24, 8, 48),
+    ] {
+        let cfg = SpConfig::new(Strategy::Ulysses, p, 1);
+        cases.push(Case::new(cfg.clone(), hq, hkv, M::Causal).seq(s));
+        cases.push(Case::new(cfg, hq, hkv, M::Docs).seq(s).batch(2));
+    }
+    let usp = SpConfig::new(Strategy::Usp, 3, 2);
+    cases.push(Case::new(usp, 6, 2, M::Causal).seq(48));
+    let dr = SpConfig::new(Strategy::DoubleRing, 3, 2).with_inner_ring(2);
+    cases.push(Case::new(dr, 6, 2, M::Docs).seq(48));
+    run_all(&cases);
+}
+
 #[test]
 fn usp_matches_single_device() {
     let mut cases = Vec::new();
@@ -467,7 +506,7 @@ fn expect_error(
         let qt = Tensor::zeros((b, n, hq, d), DType::F32, &Device::Cpu).map_err(e2s)?;
         let kt = Tensor::zeros((b, n, hkv, d), DType::F32, &Device::Cpu).map_err(e2s)?;
         comm.traffic().reset();
-        let r = sp.attention(&qt, &kt, &kt, &mask, 1.0);
+        let r = sp.attention(&qt, &kt, &kt, &AttnCall::new(mask.clone(), 1.0));
         let sent = comm.traffic().snapshot().bytes_sent();
         match r {
             Ok(_) => Err("no error".into()),
@@ -509,7 +548,7 @@ fn invalid_combinations_fail_before_communication() {
         AttnMask::documents(vec![0u32; 35]),
         "35 ids",
     );
-    // Ulysses: 6 query heads over 4 ranks; 3 kv heads over 2 ranks.
+    // Ulysses: 6 query heads over 4 ranks (any kv head count is fine once the q heads divide).
     let uly = SpConfig::new(Strategy::Ulysses, 4, 1);
     expect_error(
         &uly,
@@ -518,8 +557,6 @@ fn invalid_combinations_fail_before_communication() {
         AttnMask::Full,
         "6 query heads do not divide",
     );
-    let uly2 = SpConfig::new(Strategy::Ulysses, 2, 1);
-    expect_error(&uly2, (1, 4, 6, 8), 3, AttnMask::Full, "3 kv heads");
     // GQA group mismatch.
     expect_error(
         &ring,

@@ -8,7 +8,7 @@ mod multi_ring_common;
 use candle_core::Tensor;
 use candle_parallel::attention::multi_ring_plan::DoubleRingPlan;
 use candle_parallel::attention::{
-    AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,
+    AttnCall, AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,
 };
 use candle_parallel::comm::{LocalWorld, OpKind};
 use candle_parallel::mesh::{DeviceMesh, Placement};
@@ -275,7 +275,7 @@ fn double_ring_rejects_invalid_combinations() {
             )?;
             world.traffic().reset();
             let res = sp
-                .attention(&q, &kv, &kv, &AttnMask::Causal, 1.0)
+                .attention(&q, &kv, &kv, &AttnCall::new(AttnMask::Causal, 1.0))
                 .map(|_| ());
             assert_eq!(world.traffic().snapshot().bytes_sent(), 0);
             res

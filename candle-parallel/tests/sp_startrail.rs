@@ -8,7 +8,7 @@ mod multi_ring_common;
 use candle_core::Tensor;
 use candle_parallel::attention::multi_ring_plan::{ShardElems, StarTrailPlan};
 use candle_parallel::attention::{
-    AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,
+    AttnCall, AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,
 };
 use candle_parallel::comm::{LocalWorld, OpKind};
 use candle_parallel::mesh::DeviceMesh;
@@ -287,7 +287,7 @@ fn startrail_rejects_invalid_combinations() {
             let kv = Tensor::zeros((1, n, hkv, 8), candle_core::DType::F32, &dev)?;
             world.traffic().reset();
             let res = sp
-                .attention(&q, &kv, &kv, &AttnMask::Causal, 1.0)
+                .attention(&q, &kv, &kv, &AttnCall::new(AttnMask::Causal, 1.0))
                 .map(|_| ());
             assert_eq!(world.traffic().snapshot().bytes_sent(), 0);
             res

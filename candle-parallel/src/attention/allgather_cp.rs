@@ -15,11 +15,10 @@ use candle_core::Tensor;
 
 use super::block::kernel_err;
 use super::layout::{positions, ShardPlan};
-use super::mask::AttnMask;
-use super::{SequenceParallelAttention, SpGroup};
+use super::{AttnCall, Saved, SequenceParallelAttention, SpGroup};
 use crate::collectives;
 use crate::comm::ReduceOp;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// All-gather context parallelism over the ring group (ulysses degree 1).
 pub struct AllGatherAttention {
@@ -29,14 +28,15 @@ pub struct AllGatherAttention {
 impl AllGatherAttention {
     /// Fails if the group's ulysses degree is not 1.
     pub fn new(group: SpGroup) -> Result<Self> {
-        if group.ulysses.size() != 1 {
-            return Err(Error::Layout(format!(
-                "all-gather context parallelism runs on the ring group only; the ulysses degree \
-                 is {}",
-                group.ulysses.size()
-            )));
-        }
+        group.require_no_ulysses("all-gather", "put the ranks in the ring dim")?;
         Ok(Self { group })
+    }
+
+    /// The spec of this rank's q rows against the gathered keys (in rank order: the
+    /// concatenation of every rank's positions).
+    fn spec(&self, plan: &ShardPlan, call: &AttnCall) -> flash_ring::AttnSpec {
+        let q_pos = positions(&plan.ring_positions(self.group.ring.rank()));
+        call.spec(q_pos, positions(&plan.concat_order()))
     }
 }
 
@@ -45,12 +45,8 @@ impl SequenceParallelAttention for AllGatherAttention {
         "all-gather"
     }
 
-    fn plan(&self, seq_len: usize) -> Result<ShardPlan> {
-        self.group.plan(seq_len)
-    }
-
-    fn shard_coords(&self) -> (usize, usize) {
-        self.group.coords()
+    fn group(&self) -> &SpGroup {
+        &self.group
     }
 
     fn forward(
@@ -58,11 +54,10 @@ impl SequenceParallelAttention for AllGatherAttention {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let (_, plan) = self.group.check("all-gather cp", q, k, v, mask)?;
+        let (_, plan) = self.group.check(self.name(), q, k, v, &call.mask)?;
         let cp = &self.group.ring;
         let (k_all, v_all) = if cp.size() > 1 {
             (
@@ -72,10 +67,7 @@ impl SequenceParallelAttention for AllGatherAttention {
         } else {
             (k.clone(), v.clone())
         };
-        // Gathered keys are in rank order: the concatenation of every rank's positions.
-        let q_pos = positions(&plan.ring_positions(cp.rank()));
-        let k_pos = positions(&plan.concat_order());
-        let spec = mask.spec(scale, q_pos, k_pos);
+        let spec = self.spec(&plan, call);
         let (out, lse) =
             flash_ring::flash_attention_with_lse(q, &k_all, &v_all, &spec).map_err(kernel_err)?;
         Ok((out, want_lse.then_some(lse)))
@@ -85,41 +77,21 @@ impl SequenceParallelAttention for AllGatherAttention {
     /// and reduce-scatters dK, dV to their owners.
     fn backward(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        lse: &Tensor,
+        saved: &Saved,
         dout: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (_, plan) =
-            self.group
-                .check_backward("all-gather cp", q, k, v, out, lse, dout, mask)?;
+        let (_, plan) = self
+            .group
+            .check_backward(self.name(), saved, dout, &call.mask)?;
         let cp = &self.group.ring;
-        let (k_all, v_all) = (
-            cp.all_gather(&k.detach(), 1)?,
-            cp.all_gather(&v.detach(), 1)?,
-        );
-        let q_pos = positions(&plan.ring_positions(cp.rank()));
-        let k_pos = positions(&plan.concat_order());
-        let spec = mask.spec(scale, q_pos, k_pos);
-        let (dq, dk_all, dv_all) = flash_ring::flash_bwd_f32(
-            &q.detach(),
-            &k_all,
-            &v_all,
-            &out.detach(),
-            &lse.detach(),
-            &dout.detach(),
-            &spec,
-        )
-        .map_err(kernel_err)?;
+        let s = saved.detached();
+        let (k_all, v_all) = (cp.all_gather(&s.k, 1)?, cp.all_gather(&s.v, 1)?);
+        let spec = self.spec(&plan, call);
+        let (dq, dk_all, dv_all) =
+            flash_ring::flash_bwd_f32(&s.q, &k_all, &v_all, &s.out, &s.lse, &dout.detach(), &spec)
+                .map_err(kernel_err)?;
         let scatter = |x: &Tensor| cp.reduce_scatter(x, 1, ReduceOp::Sum);
-        Ok((
-            dq.to_dtype(q.dtype())?,
-            scatter(&dk_all)?.to_dtype(k.dtype())?,
-            scatter(&dv_all)?.to_dtype(v.dtype())?,
-        ))
+        saved.cast_grads((dq, scatter(&dk_all)?, scatter(&dv_all)?))
     }
 }

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Tensor};
 
 use super::mask::{AttnMask, MaskBlock};
+use super::AttnCall;
 use crate::error::{Error, Result};
 
 /// A flash-ring error as this crate's error.
@@ -61,16 +62,16 @@ pub fn block_fwd(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    mask: &AttnMask,
-    scale: f32,
+    call: &AttnCall,
     qb: &MaskBlock,
     kb: &MaskBlock,
 ) -> Result<Option<(Tensor, Tensor)>> {
+    let mask = &call.mask;
     if !mask.may_attend(qb, kb) {
         return Ok(None);
     }
     let t = Trimmed::new(mask, qb, kb)?;
-    let spec = mask.spec(scale, t.qb.positions().clone(), t.kb.positions().clone());
+    let spec = call.spec(t.qb.positions().clone(), t.kb.positions().clone());
     let (qs, ks, vs) = (t.q(q)?, t.k(k)?, t.k(v)?);
     let (out, lse) = timed(|| flash_ring::flash_fwd(&qs, &ks, &vs, &spec)).map_err(kernel_err)?;
     if t.q0 == 0 {
@@ -85,30 +86,37 @@ pub fn block_fwd(
     )))
 }
 
-/// Backward of one pair given the FINAL `out` (q's shape) and `lse` `(b, hq, nq)` f32 and the
-/// output gradient `dout`: `Some((dq, dk, dv))` in f32 (partial sums over kv blocks), or `None`
-/// when the mask hides every pair. Rows excluded by [`AttnMask::trim`] get zero gradients.
-#[allow(clippy::too_many_arguments)]
+/// The query side of a blockwise backward: q rows `(b, nq, hq, d)` with their FINAL (merged
+/// over every kv block) `out` (q's shape) and `lse` `(b, hq, nq)` f32, and the output gradient
+/// `dout` (q's shape). What travels together in StarTrail's backward.
+#[derive(Debug, Clone)]
+pub struct QRows {
+    pub q: Tensor,
+    pub out: Tensor,
+    pub lse: Tensor,
+    pub dout: Tensor,
+}
+
+/// Backward of one pair of `rows` against `k`, `v`: `Some((dq, dk, dv))` in f32 (partial sums
+/// over kv blocks, exact since `rows` holds the final `out` and `lse`), or `None` when the mask
+/// hides every pair. Rows excluded by [`AttnMask::trim`] get zero gradients.
 pub fn block_bwd(
-    q: &Tensor,
+    rows: &QRows,
     k: &Tensor,
     v: &Tensor,
-    out: &Tensor,
-    lse: &Tensor,
-    dout: &Tensor,
-    mask: &AttnMask,
-    scale: f32,
+    call: &AttnCall,
     qb: &MaskBlock,
     kb: &MaskBlock,
 ) -> Result<Option<(Tensor, Tensor, Tensor)>> {
+    let mask = &call.mask;
     if !mask.may_attend(qb, kb) {
         return Ok(None);
     }
     let t = Trimmed::new(mask, qb, kb)?;
-    let spec = mask.spec(scale, t.qb.positions().clone(), t.kb.positions().clone());
-    let (qs, ks, vs) = (t.q(q)?, t.k(k)?, t.k(v)?);
-    let (os, dos) = (t.q(out)?, t.q(dout)?);
-    let ls = lse.narrow(2, t.q0, t.nq - t.q0)?;
+    let spec = call.spec(t.qb.positions().clone(), t.kb.positions().clone());
+    let (qs, ks, vs) = (t.q(&rows.q)?, t.k(k)?, t.k(v)?);
+    let (os, dos) = (t.q(&rows.out)?, t.q(&rows.dout)?);
+    let ls = rows.lse.narrow(2, t.q0, t.nq - t.q0)?;
     let (dq, dk, dv) = timed(|| flash_ring::flash_bwd_f32(&qs, &ks, &vs, &os, &ls, &dos, &spec))
         .map_err(kernel_err)?;
     let pad = |x: Tensor, before: usize, after: usize| -> Result<Tensor> {

@@ -29,17 +29,14 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use super::block::{block_bwd, block_fwd, Partial};
+use super::block::{block_bwd, block_fwd, Partial, QRows};
 use super::layout::ShardPlan;
 use super::mask::{AttnMask, MaskBlock};
 use super::multi_ring_plan::DoubleRingPlan;
 use super::op::record3;
 use super::ring::RingComm;
-use super::ulysses::{
-    head_parallel_backward, heads_to_seq, kv_replication, lse_heads_to_seq, repeat_kv,
-    seq_to_heads, HeadView,
-};
-use super::{SequenceParallelAttention, SpGroup};
+use super::ulysses::HeadParallel;
+use super::{AttnCall, Saved, SequenceParallelAttention, SpGroup};
 use crate::comm::{Comm, Pending};
 use crate::error::{Error, Result};
 
@@ -151,8 +148,7 @@ pub fn double_ring_forward(
     k: &Tensor,
     v: &Tensor,
     blocks: &DoubleRingBlocks,
-    mask: &AttnMask,
-    scale: f32,
+    call: &AttnCall,
 ) -> Result<Partial> {
     blocks.check(dr)?;
     let (n_o, w) = (dr.plan.outer_size(), dr.plan.inner_size());
@@ -168,7 +164,7 @@ pub fn double_ring_forward(
                 .then(|| dr.inner.shift(&[&kc, &vc]))
                 .transpose()?;
             let kb = blocks.at(dr, o, s);
-            partial.add_opt(block_fwd(q, &kc, &vc, mask, scale, &blocks.q, kb)?)?;
+            partial.add_opt(block_fwd(q, &kc, &vc, call, &blocks.q, kb)?)?;
             if let Some(next) = wait_pair(inner, "kv")? {
                 (kc, vc) = next;
             }
@@ -180,22 +176,17 @@ pub fn double_ring_forward(
     Ok(partial)
 }
 
-/// The backward loop, given the FINAL `out`, `lse` of this rank's q and `dout`. Returns
+/// The backward loop of this rank's `rows` (q with its FINAL `out`, `lse` and `dout`). Returns
 /// `(dq, dk, dv)` in f32 for this rank's own q, k, v. Collective over the context-parallel
 /// communicator; sends `d_cp - 1` exchanges of `(k, v)` and `d_cp` of the f32 `(dk, dv)`
 /// accumulators (none when `d_cp = 1`).
-#[allow(clippy::too_many_arguments)]
 pub fn double_ring_backward(
     dr: &DoubleRingComm,
-    q: &Tensor,
+    rows: &QRows,
     k: &Tensor,
     v: &Tensor,
-    out: &Tensor,
-    lse: &Tensor,
-    dout: &Tensor,
     blocks: &DoubleRingBlocks,
-    mask: &AttnMask,
-    scale: f32,
+    call: &AttnCall,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     blocks.check(dr)?;
     let (n_o, w) = (dr.plan.outer_size(), dr.plan.inner_size());
@@ -216,9 +207,7 @@ pub fn double_ring_backward(
             let inner_kv = (!last).then(|| dr.inner.shift(&[&kc, &vc])).transpose()?;
             let kb = blocks.at(dr, o, s);
             let mut acc = None;
-            if let Some((dq_b, dk_b, dv_b)) =
-                block_bwd(q, &kc, &vc, out, lse, dout, mask, scale, &blocks.q, kb)?
-            {
+            if let Some((dq_b, dk_b, dv_b)) = block_bwd(rows, &kc, &vc, call, &blocks.q, kb)? {
                 dq = Some(match dq {
                     Some(a) => (a + dq_b)?,
                     None => dq_b,
@@ -261,7 +250,7 @@ pub fn double_ring_backward(
     };
     let dq = match dq {
         Some(t) => t,
-        None => q.zeros_like()?.to_dtype(DType::F32)?,
+        None => rows.q.zeros_like()?.to_dtype(DType::F32)?,
     };
     Ok((dq, dk, dv))
 }
@@ -275,20 +264,15 @@ pub fn double_ring_attention(
     k: &Tensor,
     v: &Tensor,
     blocks: Arc<DoubleRingBlocks>,
-    mask: &AttnMask,
-    scale: f32,
+    call: &AttnCall,
 ) -> Result<(Tensor, Tensor)> {
     let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
-    let (out, lse) = double_ring_forward(dr, &qd, &kd, &vd, &blocks, mask, scale)?.finish(&qd)?;
-    let (dr_b, mask_b, lse_b) = (dr.clone(), mask.clone(), lse.clone());
+    let (out, lse) = double_ring_forward(dr, &qd, &kd, &vd, &blocks, call)?.finish(&qd)?;
+    let (dr_b, call_b, lse_b) = (dr.clone(), call.clone(), lse.clone());
     let backward = move |q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, dout: &Tensor| {
-        let (dq, dk, dv) =
-            double_ring_backward(&dr_b, q, k, v, out, &lse_b, dout, &blocks, &mask_b, scale)?;
-        Ok((
-            dq.to_dtype(q.dtype())?,
-            dk.to_dtype(k.dtype())?,
-            dv.to_dtype(v.dtype())?,
-        ))
+        let saved = Saved::new(q, k, v, out, &lse_b);
+        let grads = double_ring_backward(&dr_b, &saved.rows(dout), k, v, &blocks, &call_b)?;
+        saved.cast_grads(grads)
     };
     let out = record3(
         "cpl-double-ring-attention",
@@ -318,6 +302,13 @@ impl DoubleRingAttention {
     pub fn double_ring(&self) -> &DoubleRingComm {
         &self.dr
     }
+
+    fn head_parallel(&self) -> HeadParallel<'_> {
+        HeadParallel {
+            name: self.name(),
+            group: &self.group,
+        }
+    }
 }
 
 impl SequenceParallelAttention for DoubleRingAttention {
@@ -325,12 +316,8 @@ impl SequenceParallelAttention for DoubleRingAttention {
         "double-ring"
     }
 
-    fn plan(&self, seq_len: usize) -> Result<ShardPlan> {
-        self.group.plan(seq_len)
-    }
-
-    fn shard_coords(&self) -> (usize, usize) {
-        self.group.coords()
+    fn group(&self) -> &SpGroup {
+        &self.group
     }
 
     fn forward(
@@ -338,45 +325,26 @@ impl SequenceParallelAttention for DoubleRingAttention {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let (dims, plan) = self.group.check("double ring", q, k, v, mask)?;
-        let hp = &self.group.ulysses;
-        let rep = kv_replication(dims.q_heads, dims.kv_heads, hp.size())?;
-        let q2 = seq_to_heads(q, hp)?;
-        let k2 = seq_to_heads(&repeat_kv(k, rep)?, hp)?;
-        let v2 = seq_to_heads(&repeat_kv(v, rep)?, hp)?;
-        let blocks = Arc::new(DoubleRingBlocks::natural(&plan, self.dr.rank(), mask));
-        let (out, lse) = double_ring_attention(&self.dr, &q2, &k2, &v2, blocks, mask, scale)?;
-        let out = heads_to_seq(&out, hp)?;
-        let lse = if want_lse {
-            Some(lse_heads_to_seq(&lse, hp)?)
-        } else {
-            None
-        };
-        Ok((out, lse))
+        self.head_parallel()
+            .forward(q, k, v, call, want_lse, |q, k, v, plan| {
+                let blocks = DoubleRingBlocks::natural(plan, self.dr.rank(), &call.mask);
+                double_ring_attention(&self.dr, q, k, v, Arc::new(blocks), call)
+            })
     }
 
     fn backward(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        lse: &Tensor,
+        saved: &Saved,
         dout: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let inner = |h: &HeadView, plan: &ShardPlan| {
-            let blocks = DoubleRingBlocks::natural(plan, self.dr.rank(), mask);
-            double_ring_backward(
-                &self.dr, &h.q, &h.k, &h.v, &h.out, &h.lse, &h.dout, &blocks, mask, scale,
-            )
-        };
-        let group = &self.group;
-        head_parallel_backward(group, "double ring", q, k, v, out, lse, dout, mask, inner)
+        self.head_parallel()
+            .backward(saved, dout, call, |h, dout, plan| {
+                let blocks = DoubleRingBlocks::natural(plan, self.dr.rank(), &call.mask);
+                double_ring_backward(&self.dr, &h.rows(dout), &h.k, &h.v, &blocks, call)
+            })
     }
 }

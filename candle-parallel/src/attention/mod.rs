@@ -36,7 +36,7 @@
 //! ```
 //! use std::sync::Arc;
 //! use candle_core::{Device, Tensor, Var};
-//! use candle_parallel::attention::{AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy};
+//! use candle_parallel::attention::{AttnCall, AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy};
 //! use candle_parallel::comm::LocalWorld;
 //! use candle_parallel::mesh::{DeviceMesh, MeshConfig};
 //!
@@ -47,7 +47,7 @@
 //!     let mesh = DeviceMesh::new(&cfg.mesh_config(), world)?;
 //!     let sp = SpAttention::new(&cfg, &mesh)?;
 //!     let ql = Var::from_tensor(&sp.shard(&q, 1)?)?; // this rank's tokens, zigzag order
-//!     let out = sp.attention(&ql, &ql, &ql, &AttnMask::Causal, 0.35)?;
+//!     let out = sp.attention(&ql, &ql, &ql, &AttnCall::new(AttnMask::Causal, 0.35))?;
 //!     out.sum_all()?.backward()?;
 //!     sp.gather(&out, 1) // back to global order, on every rank
 //! })?;
@@ -72,7 +72,7 @@ pub mod usp;
 use candle_core::Tensor;
 
 pub use allgather_cp::AllGatherAttention;
-pub use block::{block_bwd, block_fwd, Partial};
+pub use block::{block_bwd, block_fwd, Partial, QRows};
 pub use config::{SeqLayout, SpConfig, Strategy};
 pub use double_ring::DoubleRingAttention;
 pub use layout::ShardPlan;
@@ -86,6 +86,86 @@ use crate::comm::Comm;
 use crate::error::{Error, Result};
 use crate::mesh::{DeviceMesh, Dim};
 
+/// One attention call: the mask over the GLOBAL sequence and the softmax scale. Every rank of
+/// the group passes the same call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttnCall {
+    pub mask: AttnMask,
+    pub scale: f32,
+}
+
+impl AttnCall {
+    pub fn new(mask: AttnMask, scale: f32) -> Self {
+        Self { mask, scale }
+    }
+
+    /// The flash-ring spec of this call for rows at `q_pos` against keys at `k_pos`.
+    pub fn spec(
+        &self,
+        q_pos: flash_ring::Positions,
+        k_pos: flash_ring::Positions,
+    ) -> flash_ring::AttnSpec {
+        self.mask.spec(self.scale, q_pos, k_pos)
+    }
+}
+
+/// What the backward of one attention call needs: this rank's inputs and its FINAL results
+/// (`out` in q's shape, `lse` `(batch, q_heads, n)` f32), as [`SequenceParallelAttention::forward`]
+/// returned them with `want_lse`.
+#[derive(Debug, Clone)]
+pub struct Saved {
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub out: Tensor,
+    pub lse: Tensor,
+}
+
+impl Saved {
+    pub fn new(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, lse: &Tensor) -> Self {
+        Self {
+            q: q.clone(),
+            k: k.clone(),
+            v: v.clone(),
+            out: out.clone(),
+            lse: lse.clone(),
+        }
+    }
+
+    /// The same tensors, detached (a backward records nothing).
+    pub fn detached(&self) -> Self {
+        Self {
+            q: self.q.detach(),
+            k: self.k.detach(),
+            v: self.v.detach(),
+            out: self.out.detach(),
+            lse: self.lse.detach(),
+        }
+    }
+
+    /// The query side of a blockwise backward, with the output gradient `dout`.
+    pub fn rows(&self, dout: &Tensor) -> QRows {
+        QRows {
+            q: self.q.clone(),
+            out: self.out.clone(),
+            lse: self.lse.clone(),
+            dout: dout.clone(),
+        }
+    }
+
+    /// `(dq, dk, dv)` cast to the dtypes of q, k and v (strategies accumulate in f32).
+    pub fn cast_grads(
+        &self,
+        (dq, dk, dv): (Tensor, Tensor, Tensor),
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        Ok((
+            dq.to_dtype(self.q.dtype())?,
+            dk.to_dtype(self.k.dtype())?,
+            dv.to_dtype(self.v.dtype())?,
+        ))
+    }
+}
+
 /// A sequence-parallel attention strategy, run by every rank of its group on its local shard.
 ///
 /// Contract of every implementation:
@@ -94,18 +174,26 @@ use crate::mesh::{DeviceMesh, Dim};
 /// - returns `out` `(batch, n, q_heads, head_dim)` in q's dtype, rows in the same order, and,
 ///   when `want_lse`, the softmax log-sum-exp `(batch, q_heads, n)` f32 (detached; rows with no
 ///   visible key have `lse = -inf` and `out = 0`);
-/// - collective: every rank of the group calls it with the same shapes, mask and scale, and then
+/// - collective: every rank of the group calls it with the same shapes and [`AttnCall`], and then
 ///   backpropagates through `out` (the backward communicates too);
-/// - shape, mask and degree errors are detected before any communication, alike on every rank.
+/// - shape, mask and degree errors are detected before any communication, alike on every rank,
+///   and name the strategy ([`SequenceParallelAttention::name`]).
 pub trait SequenceParallelAttention: Send + Sync {
-    /// A short name (`"ring"`, `"ulysses"`, ...), for logs and benchmarks.
+    /// A short name (`"ring"`, `"ulysses"`, ...), for errors, logs and benchmarks.
     fn name(&self) -> &'static str;
 
+    /// The sequence-parallel group the strategy runs on.
+    fn group(&self) -> &SpGroup;
+
     /// The sharding this strategy expects for a global sequence of `seq_len` tokens.
-    fn plan(&self, seq_len: usize) -> Result<ShardPlan>;
+    fn plan(&self, seq_len: usize) -> Result<ShardPlan> {
+        self.group().plan(seq_len)
+    }
 
     /// This rank's `(ring_rank, ulysses_rank)` in [`SequenceParallelAttention::plan`].
-    fn shard_coords(&self) -> (usize, usize);
+    fn shard_coords(&self) -> (usize, usize) {
+        self.group().coords()
+    }
 
     /// Runs the strategy; see the trait docs. `want_lse = false` saves the communication of lse.
     fn forward(
@@ -113,42 +201,26 @@ pub trait SequenceParallelAttention: Send + Sync {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)>;
 
-    /// Differentiable attention of this rank's shard: `out` `(batch, n, q_heads, head_dim)`.
-    fn attention(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
-    ) -> Result<Tensor> {
-        Ok(self.forward(q, k, v, mask, scale, false)?.0)
-    }
-
-    /// The backward of [`SequenceParallelAttention::forward`] from its inputs and FINAL results:
-    /// `(dq, dk, dv)` shaped and typed like `q`, `k`, `v` (this rank's shard), given `out` and
-    /// `lse` as `forward` returned them (with `want_lse`) and the output gradient `dout`.
-    /// Collective like `forward`: every rank of the group calls it with the same shapes, mask
-    /// and scale. Records nothing. Selective activation recomputation uses it to replay a
-    /// layer's attention without running it again: it keeps `out` and `lse` and recomputes
-    /// `q`, `k`, `v` (see [`crate::recompute`]).
-    #[allow(clippy::too_many_arguments)]
+    /// The backward of [`SequenceParallelAttention::forward`] from its inputs and FINAL results
+    /// (`saved`) and the output gradient `dout`: `(dq, dk, dv)` shaped and typed like `q`, `k`,
+    /// `v` (this rank's shard). Collective like `forward`. Records nothing. Selective activation
+    /// recomputation uses it to replay a layer's attention without running it again: it keeps
+    /// `out` and `lse` and recomputes `q`, `k`, `v` (see [`crate::recompute`]).
     fn backward(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        lse: &Tensor,
+        saved: &Saved,
         dout: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
     ) -> Result<(Tensor, Tensor, Tensor)>;
+
+    /// Differentiable attention of this rank's shard: `out` `(batch, n, q_heads, head_dim)`.
+    fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, call: &AttnCall) -> Result<Tensor> {
+        Ok(self.forward(q, k, v, call, false)?.0)
+    }
 
     /// As [`SequenceParallelAttention::attention`], also returning lse `(batch, q_heads, n)` f32.
     fn attention_with_lse(
@@ -156,10 +228,9 @@ pub trait SequenceParallelAttention: Send + Sync {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
     ) -> Result<(Tensor, Tensor)> {
-        let (out, lse) = self.forward(q, k, v, mask, scale, true)?;
+        let (out, lse) = self.forward(q, k, v, call, true)?;
         let lse = lse
             .ok_or_else(|| Error::invalid(self.name(), "internal: the strategy returned no lse"))?;
         Ok((out, lse))
@@ -195,6 +266,18 @@ impl SpGroup {
             ring,
             layout,
         }
+    }
+
+    /// Fails (naming `strategy` and what to use instead) unless the ulysses degree is 1: the
+    /// strategies that run on the ring group only.
+    pub fn require_no_ulysses(&self, strategy: &str, instead: &str) -> Result<()> {
+        if self.ulysses.size() != 1 {
+            return Err(Error::Layout(format!(
+                "{strategy} runs on the ring group only; the ulysses degree is {} ({instead})",
+                self.ulysses.size()
+            )));
+        }
+        Ok(())
     }
 
     /// Ranks in the sequence-parallel group, `ulysses × ring`.
@@ -233,33 +316,32 @@ impl SpGroup {
 impl SpGroup {
     /// [`SpGroup::check`] for a backward: also checks that `out` and `dout` have q's shape and
     /// `lse` is `(batch, q_heads, n)`.
-    #[allow(clippy::too_many_arguments)]
     pub fn check_backward(
         &self,
         op: &'static str,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        lse: &Tensor,
+        saved: &Saved,
         dout: &Tensor,
         mask: &AttnMask,
     ) -> Result<(QkvDims, ShardPlan)> {
-        let (dims, plan) = self.check(op, q, k, v, mask)?;
-        for (name, t) in [("out", out), ("dout", dout)] {
-            if t.dims() != q.dims() {
+        let (dims, plan) = self.check(op, &saved.q, &saved.k, &saved.v, mask)?;
+        for (name, t) in [("out", &saved.out), ("dout", dout)] {
+            if t.dims() != saved.q.dims() {
                 return Err(Error::invalid(
                     op,
-                    format!("{name} has shape {:?}, q has {:?}", t.dims(), q.dims()),
+                    format!(
+                        "{name} has shape {:?}, q has {:?}",
+                        t.dims(),
+                        saved.q.dims()
+                    ),
                 ));
             }
         }
-        if lse.dims() != [dims.batch, dims.q_heads, dims.n] {
+        if saved.lse.dims() != [dims.batch, dims.q_heads, dims.n] {
             return Err(Error::invalid(
                 op,
                 format!(
                     "lse has shape {:?}, expected (batch, q_heads, n) = {:?}",
-                    lse.dims(),
+                    saved.lse.dims(),
                     [dims.batch, dims.q_heads, dims.n]
                 ),
             ));
@@ -452,12 +534,8 @@ impl SequenceParallelAttention for SpAttention {
         self.imp.name()
     }
 
-    fn plan(&self, seq_len: usize) -> Result<ShardPlan> {
-        self.imp.plan(seq_len)
-    }
-
-    fn shard_coords(&self) -> (usize, usize) {
-        self.imp.shard_coords()
+    fn group(&self) -> &SpGroup {
+        &self.group
     }
 
     fn forward(
@@ -465,24 +543,18 @@ impl SequenceParallelAttention for SpAttention {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        self.imp.forward(q, k, v, mask, scale, want_lse)
+        self.imp.forward(q, k, v, call, want_lse)
     }
 
     fn backward(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        lse: &Tensor,
+        saved: &Saved,
         dout: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        self.imp.backward(q, k, v, out, lse, dout, mask, scale)
+        self.imp.backward(saved, dout, call)
     }
 }

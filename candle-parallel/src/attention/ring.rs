@@ -20,11 +20,11 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use super::block::{block_bwd, block_fwd, Partial};
+use super::block::{block_bwd, block_fwd, Partial, QRows};
 use super::layout::ShardPlan;
 use super::mask::{AttnMask, MaskBlock};
 use super::op::record3;
-use super::{SequenceParallelAttention, SpGroup};
+use super::{AttnCall, Saved, SequenceParallelAttention, SpGroup};
 use crate::comm::{Comm, Pending, RecvSpec};
 use crate::error::{Error, Result};
 
@@ -173,8 +173,7 @@ pub fn ring_forward(
     k: &Tensor,
     v: &Tensor,
     blocks: &RingBlocks,
-    mask: &AttnMask,
-    scale: f32,
+    call: &AttnCall,
 ) -> Result<Partial> {
     check_steps(ring, blocks)?;
     let p = ring.size();
@@ -186,7 +185,7 @@ pub fn ring_forward(
         } else {
             None
         };
-        partial.add_opt(block_fwd(q, &kc, &vc, mask, scale, &blocks.q, kb)?)?;
+        partial.add_opt(block_fwd(q, &kc, &vc, call, &blocks.q, kb)?)?;
         if let Some(pd) = pending {
             (kc, vc) = take2(pd.wait()?, "kv")?;
         }
@@ -194,23 +193,18 @@ pub fn ring_forward(
     Ok(partial)
 }
 
-/// The backward loop, given the FINAL `out` and `lse` of this rank's q and the output gradient
-/// `dout` (q's shape). Returns `(dq, dk, dv)` in f32 for this rank's own q, k, v.
+/// The backward loop of this rank's `rows` (q with its FINAL `out`, `lse` and the output
+/// gradient). Returns `(dq, dk, dv)` in f32 for this rank's own q, k, v.
 ///
 /// Called by every rank of the ring. Sends `P-1` exchanges of `(k, v)` and `P` exchanges of
 /// the f32 `(dk, dv)` accumulators (the last one brings them home).
-#[allow(clippy::too_many_arguments)]
 pub fn ring_backward(
     ring: &RingComm,
-    q: &Tensor,
+    rows: &QRows,
     k: &Tensor,
     v: &Tensor,
-    out: &Tensor,
-    lse: &Tensor,
-    dout: &Tensor,
     blocks: &RingBlocks,
-    mask: &AttnMask,
-    scale: f32,
+    call: &AttnCall,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     check_steps(ring, blocks)?;
     let p = ring.size();
@@ -224,7 +218,7 @@ pub fn ring_backward(
         } else {
             None
         };
-        let g = block_bwd(q, &kc, &vc, out, lse, dout, mask, scale, &blocks.q, kb)?;
+        let g = block_bwd(rows, &kc, &vc, call, &blocks.q, kb)?;
         // The accumulator of the held block arrives one hop behind it.
         let acc = match dkv_in_flight.take() {
             Some(pd) => Some(take2(pd.wait()?, "dk/dv")?),
@@ -261,7 +255,7 @@ pub fn ring_backward(
     };
     let dq = match dq {
         Some(t) => t,
-        None => Tensor::zeros(q.shape(), DType::F32, q.device())?,
+        None => Tensor::zeros(rows.q.shape(), DType::F32, rows.q.device())?,
     };
     Ok((dq, dk, dv))
 }
@@ -282,21 +276,15 @@ pub fn ring_attention(
     k: &Tensor,
     v: &Tensor,
     blocks: Arc<RingBlocks>,
-    mask: &AttnMask,
-    scale: f32,
+    call: &AttnCall,
 ) -> Result<(Tensor, Tensor)> {
     let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
-    let partial = ring_forward(ring, &qd, &kd, &vd, &blocks, mask, scale)?;
-    let (out, lse) = partial.finish(&qd)?;
-    let (ring_b, mask_b, lse_b) = (ring.clone(), mask.clone(), lse.clone());
+    let (out, lse) = ring_forward(ring, &qd, &kd, &vd, &blocks, call)?.finish(&qd)?;
+    let (ring_b, call_b, lse_b) = (ring.clone(), call.clone(), lse.clone());
     let backward = move |q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, dout: &Tensor| {
-        let (dq, dk, dv) =
-            ring_backward(&ring_b, q, k, v, out, &lse_b, dout, &blocks, &mask_b, scale)?;
-        Ok((
-            dq.to_dtype(q.dtype())?,
-            dk.to_dtype(k.dtype())?,
-            dv.to_dtype(v.dtype())?,
-        ))
+        let saved = Saved::new(q, k, v, out, &lse_b);
+        let grads = ring_backward(&ring_b, &saved.rows(dout), k, v, &blocks, &call_b)?;
+        saved.cast_grads(grads)
     };
     let out = record3("cpl-ring-attention", q, k, v, out, Box::new(backward))?;
     Ok((out, lse))
@@ -311,12 +299,7 @@ pub struct RingAttention {
 impl RingAttention {
     /// Fails if the group's ulysses degree is not 1 (use [`super::UspAttention`]).
     pub fn new(group: SpGroup) -> Result<Self> {
-        if group.ulysses.size() != 1 {
-            return Err(Error::Layout(format!(
-                "ring attention runs on the ring group only; the ulysses degree is {} (use usp)",
-                group.ulysses.size()
-            )));
-        }
+        group.require_no_ulysses("ring", "use usp")?;
         let ring = RingComm::new(group.ring.clone());
         Ok(Self { group, ring })
     }
@@ -327,12 +310,8 @@ impl SequenceParallelAttention for RingAttention {
         "ring"
     }
 
-    fn plan(&self, seq_len: usize) -> Result<ShardPlan> {
-        self.group.plan(seq_len)
-    }
-
-    fn shard_coords(&self) -> (usize, usize) {
-        self.group.coords()
+    fn group(&self) -> &SpGroup {
+        &self.group
     }
 
     fn forward(
@@ -340,48 +319,34 @@ impl SequenceParallelAttention for RingAttention {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let (_, plan) = self.group.check("ring attention", q, k, v, mask)?;
-        let blocks = Arc::new(RingBlocks::natural(&plan, &self.ring, mask));
-        let (out, lse) = ring_attention(&self.ring, q, k, v, blocks, mask, scale)?;
+        let (_, plan) = self.group.check(self.name(), q, k, v, &call.mask)?;
+        let blocks = Arc::new(RingBlocks::natural(&plan, &self.ring, &call.mask));
+        let (out, lse) = ring_attention(&self.ring, q, k, v, blocks, call)?;
         Ok((out, want_lse.then_some(lse)))
     }
 
     fn backward(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        lse: &Tensor,
+        saved: &Saved,
         dout: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (_, plan) =
-            self.group
-                .check_backward("ring attention", q, k, v, out, lse, dout, mask)?;
-        let blocks = RingBlocks::natural(&plan, &self.ring, mask);
-        let d = |x: &Tensor| x.detach();
-        let (dq, dk, dv) = ring_backward(
+        let (_, plan) = self
+            .group
+            .check_backward(self.name(), saved, dout, &call.mask)?;
+        let blocks = RingBlocks::natural(&plan, &self.ring, &call.mask);
+        let s = saved.detached();
+        let grads = ring_backward(
             &self.ring,
-            &d(q),
-            &d(k),
-            &d(v),
-            &d(out),
-            &d(lse),
-            &d(dout),
+            &s.rows(&dout.detach()),
+            &s.k,
+            &s.v,
             &blocks,
-            mask,
-            scale,
+            call,
         )?;
-        Ok((
-            dq.to_dtype(q.dtype())?,
-            dk.to_dtype(k.dtype())?,
-            dv.to_dtype(v.dtype())?,
-        ))
+        saved.cast_grads(grads)
     }
 }

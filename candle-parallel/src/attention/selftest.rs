@@ -19,7 +19,7 @@ use flash_ring::Positions;
 use super::block::kernel_err;
 use super::config::{SeqLayout, SpConfig, Strategy};
 use super::mask::AttnMask;
-use super::{SequenceParallelAttention, SpAttention};
+use super::{AttnCall, Saved, SequenceParallelAttention, SpAttention};
 use crate::comm::Comm;
 use crate::error::{Error, Result};
 use crate::mesh::DeviceMesh;
@@ -196,7 +196,8 @@ pub fn check_case(world: &Comm, case: &SelfTestCase) -> Result<SelfTestReport> {
     let kl = Var::from_tensor(&sp.shard(&k, 1)?)?;
     let vl = Var::from_tensor(&sp.shard(&v, 1)?)?;
     let before = world.traffic().snapshot().bytes_sent();
-    let (out, lse) = sp.attention_with_lse(&ql, &kl, &vl, &c.mask, scale)?;
+    let call = AttnCall::new(c.mask.clone(), scale);
+    let (out, lse) = sp.attention_with_lse(&ql, &kl, &vl, &call)?;
     let mid = world.traffic().snapshot().bytes_sent();
     let grads = (&out * &sp.shard(&g, 1)?)?.sum_all()?.backward()?;
     let after = world.traffic().snapshot().bytes_sent();
@@ -207,7 +208,8 @@ pub fn check_case(world: &Comm, case: &SelfTestCase) -> Result<SelfTestReport> {
             .ok_or_else(|| fail(format!("rank {}: no gradient for {name}", world.rank())))
     };
     let g_local = sp.shard(&g, 1)?;
-    let explicit = sp.backward(&ql, &kl, &vl, &out, &lse, &g_local, &c.mask, scale)?;
+    let saved = Saved::new(&ql, &kl, &vl, &out, &lse);
+    let explicit = sp.backward(&saved, &g_local, &call)?;
     let got = [out, lse, lg(&ql, "q")?, lg(&kl, "k")?, lg(&vl, "v")?];
 
     let names = ["out", "lse", "dq", "dk", "dv"];

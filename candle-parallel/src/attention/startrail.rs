@@ -33,13 +33,13 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use super::block::{block_bwd, block_fwd, Partial};
+use super::block::{block_bwd, block_fwd, Partial, QRows};
 use super::layout::ShardPlan;
 use super::mask::{AttnMask, MaskBlock};
 use super::multi_ring_plan::StarTrailPlan;
 use super::op::record3;
 use super::ring::RingComm;
-use super::{SequenceParallelAttention, SpGroup};
+use super::{AttnCall, Saved, SequenceParallelAttention, SpGroup};
 use crate::comm::{Comm, Pending, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -208,8 +208,7 @@ pub fn startrail_forward(
     k: &Tensor,
     v: &Tensor,
     blocks: &StarTrailBlocks,
-    mask: &AttnMask,
-    scale: f32,
+    call: &AttnCall,
 ) -> Result<(Tensor, Tensor, StarTrailSaved)> {
     blocks.check(st)?;
     let (plan, me) = (&st.plan, st.rank());
@@ -224,7 +223,7 @@ pub fn startrail_forward(
     for s in 0..g {
         let pending = (s + 1 < g).then(|| st.sub.shift(&[&kc, &vc])).transpose()?;
         let kb = &blocks.teams[plan.kv_team_at(me, s)];
-        partial.add_opt(block_fwd(q_team, &kc, &vc, mask, scale, qb, kb)?)?;
+        partial.add_opt(block_fwd(q_team, &kc, &vc, call, qb, kb)?)?;
         if let Some([kn, vn]) = wait_n(pending, "kv")? {
             (kc, vc) = (kn, vn);
         }
@@ -256,26 +255,23 @@ pub fn startrail_forward(
     Ok((out, lse, saved))
 }
 
-/// The backward, given this rank's FINAL `out`, `lse` and `dout` and what the forward saved.
-/// Returns `(dq, dk, dv)` in f32 for this rank's own q, k, v. Collective.
-#[allow(clippy::too_many_arguments)]
+/// The backward, given this rank's `rows` (its FINAL `out`, `lse` and `dout`; q is taken from
+/// `saved`) and what the forward saved. Returns `(dq, dk, dv)` in f32 for this rank's own q, k,
+/// v. Collective.
 pub fn startrail_backward(
     st: &StarTrailComm,
     saved: &StarTrailSaved,
-    out: &Tensor,
-    lse: &Tensor,
-    dout: &Tensor,
+    rows: &QRows,
     blocks: &StarTrailBlocks,
-    mask: &AttnMask,
-    scale: f32,
+    call: &AttnCall,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     blocks.check(st)?;
     let (plan, me) = (&st.plan, st.rank());
     let g = plan.sub_ring_size();
     // 1. The team's rows of out, dout and lse.
-    let out_team = st.team_gather(out, 1)?;
-    let dout_team = st.team_gather(dout, 1)?;
-    let lse_team = st.team_gather(lse, 2)?;
+    let out_team = st.team_gather(&rows.out, 1)?;
+    let dout_team = st.team_gather(&rows.dout, 1)?;
+    let lse_team = st.team_gather(&rows.lse, 2)?;
     // 2. Sub-ring: kv fixed, the q package and its dq accumulator circulate.
     let kb = &blocks.teams[plan.initial_kv_team(me)];
     let (kh, vh) = (&saved.k_held, &saved.v_held);
@@ -288,9 +284,10 @@ pub fn startrail_backward(
             .then(|| st.sub.shift(&[&pkg[0], &pkg[1], &pkg[2], &pkg[3]]))
             .transpose()?;
         let qb = &blocks.teams[plan.q_team_at(me, s)];
-        let [qc, oc, dc, lc] = &pkg;
+        let [q, out, dout, lse] = pkg.clone();
+        let team_rows = QRows { q, out, lse, dout };
         let mut dq_acc = None;
-        if let Some((dq_b, dk_b, dv_b)) = block_bwd(qc, kh, vh, oc, lc, dc, mask, scale, qb, kb)? {
+        if let Some((dq_b, dk_b, dv_b)) = block_bwd(&team_rows, kh, vh, call, qb, kb)? {
             dq_acc = Some(dq_b);
             dkv = Some(match dkv {
                 Some((a, b)) => ((a + dk_b)?, (b + dv_b)?),
@@ -306,7 +303,7 @@ pub fn startrail_backward(
         }
         let dq_acc = match dq_acc {
             Some(t) => t,
-            None => qc.zeros_like()?.to_dtype(DType::F32)?,
+            None => team_rows.q.zeros_like()?.to_dtype(DType::F32)?,
         };
         // After the last step this hop brings the accumulator home.
         if g > 1 {
@@ -347,20 +344,15 @@ pub fn startrail_attention(
     k: &Tensor,
     v: &Tensor,
     blocks: Arc<StarTrailBlocks>,
-    mask: &AttnMask,
-    scale: f32,
+    call: &AttnCall,
 ) -> Result<(Tensor, Tensor)> {
     let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
-    let (out, lse, saved) = startrail_forward(st, &qd, &kd, &vd, &blocks, mask, scale)?;
-    let (st_b, mask_b, lse_b) = (st.clone(), mask.clone(), lse.clone());
+    let (out, lse, placed) = startrail_forward(st, &qd, &kd, &vd, &blocks, call)?;
+    let (st_b, call_b, lse_b) = (st.clone(), call.clone(), lse.clone());
     let backward = move |q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, dout: &Tensor| {
-        let (dq, dk, dv) =
-            startrail_backward(&st_b, &saved, out, &lse_b, dout, &blocks, &mask_b, scale)?;
-        Ok((
-            dq.to_dtype(q.dtype())?,
-            dk.to_dtype(k.dtype())?,
-            dv.to_dtype(v.dtype())?,
-        ))
+        let saved = Saved::new(q, k, v, out, &lse_b);
+        let grads = startrail_backward(&st_b, &placed, &saved.rows(dout), &blocks, &call_b)?;
+        saved.cast_grads(grads)
     };
     let out = record3("cpl-startrail-attention", q, k, v, out, Box::new(backward))?;
     Ok((out, lse))
@@ -376,13 +368,7 @@ impl StarTrailAttention {
     /// Fails before any communication unless the ulysses degree is 1 and `C²` divides the ring
     /// degree; then (for `C > 1`) splits the ring communicator into teams (collective).
     pub fn new(group: SpGroup, c: usize) -> Result<Self> {
-        if group.ulysses.size() != 1 {
-            return Err(Error::Layout(format!(
-                "startrail runs on the ring group only; the ulysses degree is {} (put the \
-                 ranks in the ring dim)",
-                group.ulysses.size()
-            )));
-        }
+        group.require_no_ulysses("startrail", "put the ranks in the ring dim")?;
         let st = StarTrailComm::new(group.ring.clone(), c)?;
         Ok(Self { group, st })
     }
@@ -397,12 +383,8 @@ impl SequenceParallelAttention for StarTrailAttention {
         "startrail"
     }
 
-    fn plan(&self, seq_len: usize) -> Result<ShardPlan> {
-        self.group.plan(seq_len)
-    }
-
-    fn shard_coords(&self) -> (usize, usize) {
-        self.group.coords()
+    fn group(&self) -> &SpGroup {
+        &self.group
     }
 
     fn forward(
@@ -410,47 +392,28 @@ impl SequenceParallelAttention for StarTrailAttention {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let (_, plan) = self.group.check("startrail", q, k, v, mask)?;
-        let blocks = Arc::new(StarTrailBlocks::natural(&plan, &self.st.plan, mask));
-        let (out, lse) = startrail_attention(&self.st, q, k, v, blocks, mask, scale)?;
+        let (_, plan) = self.group.check(self.name(), q, k, v, &call.mask)?;
+        let blocks = Arc::new(StarTrailBlocks::natural(&plan, &self.st.plan, &call.mask));
+        let (out, lse) = startrail_attention(&self.st, q, k, v, blocks, call)?;
         Ok((out, want_lse.then_some(lse)))
     }
 
     fn backward(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        lse: &Tensor,
+        saved: &Saved,
         dout: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (_, plan) = self
             .group
-            .check_backward("startrail", q, k, v, out, lse, dout, mask)?;
-        let blocks = StarTrailBlocks::natural(&plan, &self.st.plan, mask);
-        let d = |x: &Tensor| x.detach();
-        let saved = StarTrailSaved::place(&self.st, &d(q), &d(k), &d(v))?;
-        let (dq, dk, dv) = startrail_backward(
-            &self.st,
-            &saved,
-            &d(out),
-            &d(lse),
-            &d(dout),
-            &blocks,
-            mask,
-            scale,
-        )?;
-        Ok((
-            dq.to_dtype(q.dtype())?,
-            dk.to_dtype(k.dtype())?,
-            dv.to_dtype(v.dtype())?,
-        ))
+            .check_backward(self.name(), saved, dout, &call.mask)?;
+        let blocks = StarTrailBlocks::natural(&plan, &self.st.plan, &call.mask);
+        let s = saved.detached();
+        let placed = StarTrailSaved::place(&self.st, &s.q, &s.k, &s.v)?;
+        let grads = startrail_backward(&self.st, &placed, &s.rows(&dout.detach()), &blocks, call)?;
+        saved.cast_grads(grads)
     }
 }

@@ -1,31 +1,43 @@
 //! DeepSpeed-Ulysses: all-to-all from (sequence shard, all heads) to (whole sequence, head
 //! shard), local attention, and the inverse all-to-all.
 //!
-//! With degree `P`, rank `u` receives q heads `[u·hq/P, (u+1)·hq/P)` and the kv heads of their
-//! groups. When `P` exceeds the kv-head count, every kv head is first replicated `P / hkv` times
-//! (LoongTrain 4.2), so that each rank receives exactly the kv head of its q heads; the backward
-//! of the replication sums the replicas' gradients. Requirements (checked before any
-//! communication): `hq % P == 0` and either `hkv % P == 0` or `P % hkv == 0`.
+//! With degree `P`, rank `u` receives q heads `[u·hq/P, (u+1)·hq/P)` and exactly the kv heads
+//! those q heads use. Any `P` that divides the q heads works, whatever the GQA ratio: every kv
+//! head is first replicated `rep = P / gcd(P, hkv)` times (LoongTrain 4.2 generalised), so that
+//! the `hkv·rep` heads split evenly over the ranks and the q heads of each rank map onto its kv
+//! heads in the usual contiguous GQA grouping (`rep` always divides `hq / hkv` when `P` divides
+//! `hq`). The backward of the replication sums the replicas' gradients. Examples: 28 q / 4 kv
+//! heads on 7 ranks (Qwen2.5-7B) replicate 7 times (each rank's 4 q heads straddle two kv
+//! heads); 32 / 8 on 16 twice; 32 / 8 on 4 not at all.
 //!
 //! Traffic per rank (every all-to-all sends `(P-1)/P` of its input), with `Q` the bytes of the
 //! local q and `K'` those of the local k after replication (`hkv·rep` heads): forward sends
 //! `(P-1)/P · (2Q + 2K')` (q, k, v in; out back), backward the same (the adjoint all-to-alls of
 //! the output gradient and of dq, dk, dv). `attention_with_lse` adds `(P-1)/P` of the local lse.
 //!
-//! The helpers ([`seq_to_heads`], [`heads_to_seq`], [`repeat_kv`], [`kv_replication`]) are
-//! shared with [`super::usp`] and the other 2D strategies.
+//! [`HeadParallel`] is the head-parallel wrapping (all-to-alls, replication, forward and
+//! explicit backward) that Ulysses, [`super::usp`] and [`super::double_ring`] share; they differ
+//! only in what runs on the ring group inside it (nothing, a ring, a double ring).
 
 use candle_core::{DType, Tensor};
 
 use super::layout::{positions, ShardPlan};
-use super::mask::AttnMask;
-use super::{block::kernel_err, SequenceParallelAttention, SpGroup};
+use super::{block::kernel_err, AttnCall, Saved, SequenceParallelAttention, SpGroup};
 use crate::collectives;
 use crate::comm::Comm;
 use crate::error::{Error, Result};
 
-/// The kv replication factor of Ulysses of `degree` over `q_heads` / `kv_heads` heads (1 when
-/// no replication is needed), or a clear error when the heads do not split.
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// The kv replication factor of Ulysses of `degree` over `q_heads` / `kv_heads` heads,
+/// `degree / gcd(degree, kv_heads)` (1 when the kv heads split evenly), or a clear error when
+/// the query heads do not split over the degree.
 pub fn kv_replication(q_heads: usize, kv_heads: usize, degree: usize) -> Result<usize> {
     let op = "ulysses";
     if degree == 0 || !q_heads.is_multiple_of(degree) {
@@ -40,19 +52,10 @@ pub fn kv_replication(q_heads: usize, kv_heads: usize, degree: usize) -> Result<
             format!("{q_heads} query heads are not a multiple of {kv_heads} kv heads"),
         ));
     }
-    if kv_heads.is_multiple_of(degree) {
-        Ok(1)
-    } else if degree.is_multiple_of(kv_heads) {
-        Ok(degree / kv_heads)
-    } else {
-        Err(Error::invalid(
-            op,
-            format!(
-                "{kv_heads} kv heads neither divide over nor replicate evenly to the ulysses \
-                 degree {degree} (need kv_heads % degree == 0 or degree % kv_heads == 0)"
-            ),
-        ))
-    }
+    let rep = degree / gcd(degree, kv_heads);
+    // `degree | q_heads = kv_heads · group` implies `rep | group`: replicas stay within a group.
+    debug_assert!((q_heads / kv_heads).is_multiple_of(rep));
+    Ok(rep)
 }
 
 /// Repeats every head `rep` times: `(b, n, h, d)` → `(b, n, h·rep, d)`, head `j` becoming heads
@@ -102,91 +105,86 @@ fn lse_seq_to_heads(lse: &Tensor, comm: &Comm) -> Result<Tensor> {
     comm.all_to_all(lse, 1, 2)
 }
 
-/// The tensors of a backward in the head-parallel view (whole sequence of the ulysses group,
-/// `1/P` of the heads), as [`head_parallel_backward`] hands them to its inner backward.
-pub(crate) struct HeadView {
-    pub q: Tensor,
-    pub k: Tensor,
-    pub v: Tensor,
-    pub out: Tensor,
-    pub dout: Tensor,
-    pub lse: Tensor,
+/// The head-parallel wrapping of a strategy over `group`: the ulysses all-to-alls (with kv
+/// replication) around an inner attention that sees, for `1/U` of the heads, the tokens of this
+/// rank's ring rank ([`ShardPlan::ring_positions`]) and runs over the ring group.
+pub(crate) struct HeadParallel<'a> {
+    /// The strategy's name, for errors.
+    pub name: &'static str,
+    pub group: &'a SpGroup,
 }
 
-/// Moves a backward's inputs from the sequence-shard view to the head-parallel view over `comm`
-/// (kv heads replicated `rep` times first), as the forward's all-to-alls did. Collective;
-/// records nothing.
-#[allow(clippy::too_many_arguments)]
-fn to_heads(
-    comm: &Comm,
-    rep: usize,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
-    dout: &Tensor,
-    lse: &Tensor,
-) -> Result<HeadView> {
-    let a2a = |x: &Tensor| seq_to_heads(&x.detach(), comm);
-    Ok(HeadView {
-        q: a2a(q)?,
-        k: a2a(&repeat_kv(k, rep)?)?,
-        v: a2a(&repeat_kv(v, rep)?)?,
-        out: a2a(out)?,
-        dout: a2a(dout)?,
-        lse: lse_seq_to_heads(&lse.detach(), comm)?,
-    })
+impl HeadParallel<'_> {
+    /// Checks the inputs, moves q, k, v to the head-parallel view, runs `inner` there (it
+    /// returns a differentiable `out` and the detached `lse` of that view, given the plan of the
+    /// global sequence) and moves `out` (and, when wanted, `lse`) back. Collective.
+    pub fn forward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        call: &AttnCall,
+        want_lse: bool,
+        inner: impl FnOnce(&Tensor, &Tensor, &Tensor, &ShardPlan) -> Result<(Tensor, Tensor)>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (dims, plan) = self.group.check(self.name, q, k, v, &call.mask)?;
+        let comm = &self.group.ulysses;
+        let rep = kv_replication(dims.q_heads, dims.kv_heads, comm.size())?;
+        let q2 = seq_to_heads(q, comm)?;
+        let k2 = seq_to_heads(&repeat_kv(k, rep)?, comm)?;
+        let v2 = seq_to_heads(&repeat_kv(v, rep)?, comm)?;
+        let (out, lse) = inner(&q2, &k2, &v2, &plan)?;
+        let out = heads_to_seq(&out, comm)?;
+        let lse = if want_lse {
+            Some(lse_heads_to_seq(&lse, comm)?)
+        } else {
+            None
+        };
+        Ok((out, lse))
+    }
+
+    /// The explicit backward: checks the inputs, moves them to the head-parallel view as the
+    /// forward's all-to-alls did, runs `inner` there (it returns the f32 gradients of that
+    /// view's `saved`, given the plan) and moves the gradients back to this rank's sequence
+    /// shard, summing the kv replicas, in the dtypes of q and k/v. Collective; records nothing.
+    pub fn backward(
+        &self,
+        saved: &Saved,
+        dout: &Tensor,
+        call: &AttnCall,
+        inner: impl FnOnce(&Saved, &Tensor, &ShardPlan) -> Result<(Tensor, Tensor, Tensor)>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (dims, plan) = self
+            .group
+            .check_backward(self.name, saved, dout, &call.mask)?;
+        let comm = &self.group.ulysses;
+        let rep = kv_replication(dims.q_heads, dims.kv_heads, comm.size())?;
+        let a2a = |x: &Tensor| seq_to_heads(&x.detach(), comm);
+        let heads = Saved {
+            q: a2a(&saved.q)?,
+            k: a2a(&repeat_kv(&saved.k, rep)?)?,
+            v: a2a(&repeat_kv(&saved.v, rep)?)?,
+            out: a2a(&saved.out)?,
+            lse: lse_seq_to_heads(&saved.lse.detach(), comm)?,
+        };
+        let (dq, dk, dv) = inner(&heads, &a2a(dout)?, &plan)?;
+        let unrep = |x: Tensor| -> Result<Tensor> {
+            let x = heads_to_seq(&x.to_dtype(DType::F32)?, comm)?;
+            if rep == 1 {
+                return Ok(x);
+            }
+            let (b, n, h, d) = x.dims4()?;
+            Ok(x.reshape((b, n, h / rep, rep, d))?.sum(3)?)
+        };
+        saved.cast_grads((heads_to_seq(&dq, comm)?, unrep(dk)?, unrep(dv)?))
+    }
 }
 
-/// The gradients of the head-parallel view back to this rank's sequence shard: the inverse
-/// all-to-all of `dq`, `dk`, `dv`, summing the gradients of the `rep` replicas of each kv head
-/// (in f32), cast to the dtypes of q and of k/v. Collective; records nothing.
-fn grads_to_seq(
-    comm: &Comm,
-    rep: usize,
-    (dq, dk, dv): (Tensor, Tensor, Tensor),
-    q_dtype: DType,
-    kv_dtype: DType,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let unrep = |x: Tensor| -> Result<Tensor> {
-        let x = heads_to_seq(&x.to_dtype(DType::F32)?, comm)?;
-        if rep == 1 {
-            return Ok(x);
-        }
-        let (b, n, h, d) = x.dims4()?;
-        Ok(x.reshape((b, n, h / rep, rep, d))?.sum(3)?)
-    };
-    Ok((
-        heads_to_seq(&dq, comm)?.to_dtype(q_dtype)?,
-        unrep(dk)?.to_dtype(kv_dtype)?,
-        unrep(dv)?.to_dtype(kv_dtype)?,
-    ))
-}
-
-/// The explicit [`SequenceParallelAttention::backward`] of a head-parallel strategy (Ulysses,
-/// USP, the double ring): checks the inputs, moves them to the head-parallel view over the
-/// ulysses group as the forward's all-to-alls did, runs `inner` there (it returns the f32
-/// gradients of that view, given the shard plan) and moves the gradients back to this rank's
-/// sequence shard in the dtypes of q and k/v. Collective; records nothing.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn head_parallel_backward(
-    group: &SpGroup,
-    op: &'static str,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
-    lse: &Tensor,
-    dout: &Tensor,
-    mask: &AttnMask,
-    inner: impl FnOnce(&HeadView, &ShardPlan) -> Result<(Tensor, Tensor, Tensor)>,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let (dims, plan) = group.check_backward(op, q, k, v, out, lse, dout, mask)?;
-    let comm = &group.ulysses;
-    let rep = kv_replication(dims.q_heads, dims.kv_heads, comm.size())?;
-    let h = to_heads(comm, rep, q, k, v, out, dout, lse)?;
-    let grads = inner(&h, &plan)?;
-    grads_to_seq(comm, rep, grads, q.dtype(), k.dtype())
+/// The spec of attention over the whole sequence in order (the head-parallel view with ring
+/// degree 1).
+fn whole_sequence(plan: &ShardPlan, call: &AttnCall) -> flash_ring::AttnSpec {
+    let all = positions(&plan.ring_positions(0));
+    call.spec(all.clone(), all)
 }
 
 /// Ulysses sequence parallelism over the ulysses group (ring degree 1).
@@ -205,6 +203,13 @@ impl UlyssesAttention {
         }
         Ok(Self { group })
     }
+
+    fn head_parallel(&self) -> HeadParallel<'_> {
+        HeadParallel {
+            name: self.name(),
+            group: &self.group,
+        }
+    }
 }
 
 impl SequenceParallelAttention for UlyssesAttention {
@@ -212,12 +217,8 @@ impl SequenceParallelAttention for UlyssesAttention {
         "ulysses"
     }
 
-    fn plan(&self, seq_len: usize) -> Result<ShardPlan> {
-        self.group.plan(seq_len)
-    }
-
-    fn shard_coords(&self) -> (usize, usize) {
-        self.group.coords()
+    fn group(&self) -> &SpGroup {
+        &self.group
     }
 
     fn forward(
@@ -225,49 +226,29 @@ impl SequenceParallelAttention for UlyssesAttention {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let (dims, plan) = self.group.check("ulysses", q, k, v, mask)?;
-        let comm = &self.group.ulysses;
-        let rep = kv_replication(dims.q_heads, dims.kv_heads, comm.size())?;
-        let q2 = seq_to_heads(q, comm)?;
-        let k2 = seq_to_heads(&repeat_kv(k, rep)?, comm)?;
-        let v2 = seq_to_heads(&repeat_kv(v, rep)?, comm)?;
         // Ring degree 1: after the all-to-all every rank holds the whole sequence, in order.
-        let all = positions(&plan.ring_positions(0));
-        let spec = mask.spec(scale, all.clone(), all);
-        let (out, lse) =
-            flash_ring::flash_attention_with_lse(&q2, &k2, &v2, &spec).map_err(kernel_err)?;
-        let out = heads_to_seq(&out, comm)?;
-        let lse = if want_lse {
-            Some(lse_heads_to_seq(&lse, comm)?)
-        } else {
-            None
-        };
-        Ok((out, lse))
+        self.head_parallel()
+            .forward(q, k, v, call, want_lse, |q, k, v, plan| {
+                let spec = whole_sequence(plan, call);
+                flash_ring::flash_attention_with_lse(q, k, v, &spec).map_err(kernel_err)
+            })
     }
 
     fn backward(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        lse: &Tensor,
+        saved: &Saved,
         dout: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let inner = |h: &HeadView, plan: &ShardPlan| {
-            // Ring degree 1: the head view holds the whole sequence, in order.
-            let all = positions(&plan.ring_positions(0));
-            let spec = mask.spec(scale, all.clone(), all);
-            flash_ring::flash_bwd_f32(&h.q, &h.k, &h.v, &h.out, &h.lse, &h.dout, &spec)
-                .map_err(kernel_err)
-        };
-        head_parallel_backward(&self.group, "ulysses", q, k, v, out, lse, dout, mask, inner)
+        self.head_parallel()
+            .backward(saved, dout, call, |h, dout, plan| {
+                let spec = whole_sequence(plan, call);
+                flash_ring::flash_bwd_f32(&h.q, &h.k, &h.v, &h.out, &h.lse, dout, &spec)
+                    .map_err(kernel_err)
+            })
     }
 }
 
@@ -282,7 +263,20 @@ mod tests {
         assert_eq!(kv_replication(8, 2, 4).unwrap(), 2);
         assert_eq!(kv_replication(8, 1, 8).unwrap(), 8);
         assert!(kv_replication(6, 3, 4).is_err()); // q heads do not divide
-        assert!(kv_replication(12, 3, 2).is_err()); // 3 kv heads over 2 ranks
         assert!(kv_replication(8, 3, 4).is_err()); // not GQA-valid
+                                                   // Any degree dividing the q heads: the kv heads neither divide nor are divided.
+        assert_eq!(kv_replication(12, 3, 2).unwrap(), 2); // 3 kv heads over 2 ranks
+        assert_eq!(kv_replication(28, 4, 7).unwrap(), 7); // Qwen2.5-7B on 7 ranks
+        assert_eq!(kv_replication(6, 2, 3).unwrap(), 3);
+        assert_eq!(kv_replication(32, 8, 16).unwrap(), 2);
+        assert_eq!(kv_replication(24, 8, 12).unwrap(), 3); // gcd 4
+        for (hq, hkv) in [(28, 4), (6, 2), (12, 3), (24, 8), (32, 8), (8, 1)] {
+            for p in (1..=hq).filter(|p| hq % p == 0) {
+                let rep = kv_replication(hq, hkv, p).unwrap();
+                // The replicated kv heads split evenly and stay inside their GQA group.
+                assert_eq!(hkv * rep % p, 0, "{hq}/{hkv} on {p}");
+                assert_eq!((hq / hkv) % rep, 0, "{hq}/{hkv} on {p}");
+            }
+        }
     }
 }

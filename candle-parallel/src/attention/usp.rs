@@ -15,14 +15,9 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
-use super::layout::ShardPlan;
-use super::mask::AttnMask;
 use super::ring::{ring_attention, ring_backward, RingBlocks, RingComm};
-use super::ulysses::{
-    head_parallel_backward, heads_to_seq, kv_replication, lse_heads_to_seq, repeat_kv,
-    seq_to_heads, HeadView,
-};
-use super::{SequenceParallelAttention, SpGroup};
+use super::ulysses::HeadParallel;
+use super::{AttnCall, Saved, SequenceParallelAttention, SpGroup};
 use crate::error::Result;
 
 /// Unified sequence parallelism: Ulysses over the ulysses group × ring over the ring group.
@@ -36,6 +31,13 @@ impl UspAttention {
         let ring = RingComm::new(group.ring.clone());
         Ok(Self { group, ring })
     }
+
+    fn head_parallel(&self) -> HeadParallel<'_> {
+        HeadParallel {
+            name: self.name(),
+            group: &self.group,
+        }
+    }
 }
 
 impl SequenceParallelAttention for UspAttention {
@@ -43,12 +45,8 @@ impl SequenceParallelAttention for UspAttention {
         "usp"
     }
 
-    fn plan(&self, seq_len: usize) -> Result<ShardPlan> {
-        self.group.plan(seq_len)
-    }
-
-    fn shard_coords(&self) -> (usize, usize) {
-        self.group.coords()
+    fn group(&self) -> &SpGroup {
+        &self.group
     }
 
     fn forward(
@@ -56,44 +54,26 @@ impl SequenceParallelAttention for UspAttention {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let (dims, plan) = self.group.check("usp", q, k, v, mask)?;
-        let ulysses = &self.group.ulysses;
-        let rep = kv_replication(dims.q_heads, dims.kv_heads, ulysses.size())?;
-        let q2 = seq_to_heads(q, ulysses)?;
-        let k2 = seq_to_heads(&repeat_kv(k, rep)?, ulysses)?;
-        let v2 = seq_to_heads(&repeat_kv(v, rep)?, ulysses)?;
-        let blocks = Arc::new(RingBlocks::natural(&plan, &self.ring, mask));
-        let (out, lse) = ring_attention(&self.ring, &q2, &k2, &v2, blocks, mask, scale)?;
-        let out = heads_to_seq(&out, ulysses)?;
-        let lse = if want_lse {
-            Some(lse_heads_to_seq(&lse, ulysses)?)
-        } else {
-            None
-        };
-        Ok((out, lse))
+        self.head_parallel()
+            .forward(q, k, v, call, want_lse, |q, k, v, plan| {
+                let blocks = Arc::new(RingBlocks::natural(plan, &self.ring, &call.mask));
+                ring_attention(&self.ring, q, k, v, blocks, call)
+            })
     }
 
     fn backward(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        lse: &Tensor,
+        saved: &Saved,
         dout: &Tensor,
-        mask: &AttnMask,
-        scale: f32,
+        call: &AttnCall,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let inner = |h: &HeadView, plan: &ShardPlan| {
-            let blocks = RingBlocks::natural(plan, &self.ring, mask);
-            ring_backward(
-                &self.ring, &h.q, &h.k, &h.v, &h.out, &h.lse, &h.dout, &blocks, mask, scale,
-            )
-        };
-        head_parallel_backward(&self.group, "usp", q, k, v, out, lse, dout, mask, inner)
+        self.head_parallel()
+            .backward(saved, dout, call, |h, dout, plan| {
+                let blocks = RingBlocks::natural(plan, &self.ring, &call.mask);
+                ring_backward(&self.ring, &h.rows(dout), &h.k, &h.v, &blocks, call)
+            })
     }
 }

@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_parallel::attention::{
-    AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig,
+    AttnCall, AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig,
 };
 use candle_parallel::comm::{LocalWorld, OpKind, TrafficSnapshot};
 use candle_parallel::mesh::DeviceMesh;
@@ -173,8 +173,12 @@ pub fn run(case: &Case, x: &Inputs) -> Vec<RankOut> {
         let dout = shard(&x.dout)?;
         let traffic = world.traffic();
         traffic.reset();
-        let (out, lse) =
-            sp.attention_with_lse(q.as_tensor(), k.as_tensor(), v.as_tensor(), &mask, scale)?;
+        let (out, lse) = sp.attention_with_lse(
+            q.as_tensor(),
+            k.as_tensor(),
+            v.as_tensor(),
+            &AttnCall::new(mask.clone(), scale),
+        )?;
         let fwd = traffic.snapshot();
         traffic.reset();
         let grads = (&out * &dout)?.sum_all()?.backward()?;

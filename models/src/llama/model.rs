@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
-use candle_parallel::attention::{AttnMask, SequenceParallelAttention};
+use candle_parallel::attention::{AttnCall, AttnMask, SequenceParallelAttention};
 use candle_parallel::comm::Comm;
 use candle_parallel::layers::{
     vocab_parallel_cross_entropy, ColumnParallelLinear, CrossEntropyOptions, ParallelCtx,
@@ -144,7 +144,7 @@ impl Attention {
     ) -> Result<Tensor> {
         let (q, k, v) = self.qkv(x, rope, positions)?;
         let (b, n) = (q.dim(0)?, q.dim(1)?);
-        let o = attn.attention(&q, &k, &v, mask, self.scale)?;
+        let o = attn.attention(&q, &k, &v, &AttnCall::new(mask.clone(), self.scale))?;
         let o = o.reshape((b, n, self.q_heads * self.head_dim))?;
         Ok(self.o_proj.forward(&o)?)
     }
