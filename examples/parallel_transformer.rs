@@ -1,26 +1,32 @@
-//! Library use of candle-parallel from a plain Candle program: a small transformer built from
-//! the parallel layers and a sequence-parallel attention.
+//! Library use of candle-parallel from a plain Candle program: a small transformer written with
+//! the parallel modules of `candle_parallel::nn`, with no rank or communicator in the model.
 //!
-//! One pre-norm block (RMSNorm, column-parallel q/k/v, rotary embeddings, zigzag ring attention,
-//! row-parallel output; RMSNorm, SwiGLU MLP) between a vocab-parallel embedding and a
-//! vocab-parallel cross-entropy. It is trained for a few SGD steps twice: on one rank, and on
-//! 4 local ranks laid out as tensor-parallel 2 × ring 2. After each backward, every parameter's
-//! gradient is summed over the ranks that share it (`ParallelCtx::grad_group`). The program
-//! checks that both runs give the same losses (1e-5 relative) and that the loss falls.
+//! One pre-norm block (RMSNorm, attention with rotary embeddings over zigzag ring attention,
+//! RMSNorm, SwiGLU MLP) between a vocab-parallel embedding and a vocab-parallel LM head with the
+//! fused loss; weights from a map of whole tensors (each rank takes its slices). It is trained
+//! for a few SGD steps twice: on one rank, and on 4 local ranks laid out as tensor-parallel 2 ×
+//! ring 2. After each backward, every parameter's gradient is summed over the ranks that share
+//! it (`ParallelCtx::grad_group`). The program checks that both runs give the same losses (1e-5
+//! relative) and that the loss falls.
 //!
 //! Run with `cargo run -p cpl-examples --example parallel_transformer`.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
 use anyhow::{ensure, Context, Result};
-use candle_core::{DType, Device, Tensor, Var};
-use candle_parallel::attention::{AttnCall, AttnMask, SpConfig, Strategy};
+use candle_core::{DType, Device, Tensor};
+use candle_parallel::attention::{AttnMask, SpConfig, Strategy};
 use candle_parallel::comm::ReduceOp;
-use candle_parallel::layers::{
-    vocab_parallel_cross_entropy, ColumnParallelLinear, CrossEntropyOptions, ParallelCtx,
-    RowParallelLinear, VocabParallelEmbedding,
+use candle_parallel::mesh::MeshConfig;
+use candle_parallel::nn::{
+    AttentionConfig, Batch, CrossEntropyOptions, EmbeddingConfig, LmHead, Mlp, MlpConfig,
+    NormConfig, ParallelAttention, ParallelCtx, ParamBuilder, ParamMode, Pass, RmsNorm, TensorMap,
+    TpActivations, VocabParallelEmbedding,
 };
-use candle_parallel::mesh::{DeviceMesh, MeshConfig};
-use candle_parallel::ops::{rms_norm, swiglu, RopeScaling, RotaryEmbedding};
-use candle_parallel::{LocalWorld, SequenceParallelAttention};
+use candle_parallel::ops::{RopeScaling, RotaryEmbedding};
+use candle_parallel::plan::Layout;
+use candle_parallel::LocalWorld;
 
 const VOCAB: usize = 64;
 const HIDDEN: usize = 32;
@@ -41,101 +47,91 @@ fn init(rows: usize, cols: usize, seed: f64) -> Result<Tensor> {
     Ok(t.reshape((rows, cols))?)
 }
 
-/// A trainable parameter: this rank's slice along `dim` of the full tensor (or all of it).
-struct Param {
-    var: Var,
-    tp_sharded: bool,
+/// The whole model's initial weights by checkpoint name (what a safetensors file would hold).
+fn weights() -> Result<HashMap<String, Tensor>> {
+    let ones = Tensor::ones(HIDDEN, DType::F32, &Device::Cpu)?;
+    Ok(HashMap::from([
+        ("embed.weight".into(), init(VOCAB, HIDDEN, 0.1)?),
+        ("norm1.weight".into(), ones.clone()),
+        ("attn.q_proj.weight".into(), init(HIDDEN, HIDDEN, 0.2)?),
+        ("attn.k_proj.weight".into(), init(HIDDEN, HIDDEN, 0.3)?),
+        ("attn.v_proj.weight".into(), init(HIDDEN, HIDDEN, 0.4)?),
+        ("attn.o_proj.weight".into(), init(HIDDEN, HIDDEN, 0.5)?),
+        ("norm2.weight".into(), ones),
+        ("mlp.gate_proj.weight".into(), init(FFN, HIDDEN, 0.6)?),
+        ("mlp.up_proj.weight".into(), init(FFN, HIDDEN, 0.7)?),
+        ("mlp.down_proj.weight".into(), init(HIDDEN, FFN, 0.8)?),
+        ("head.weight".into(), init(VOCAB, HIDDEN, 0.9)?),
+    ]))
 }
 
-fn param(full: Tensor, dim: Option<usize>, ctx: &ParallelCtx) -> Result<Param> {
-    let tp = ctx.tp();
-    let t = match dim {
-        Some(d) => {
-            let (start, len) = tp.share("a parameter dim", full.dim(d)?)?;
-            full.narrow(d, start, len)?
-        }
-        None => full,
-    };
-    Ok(Param {
-        var: Var::from_tensor(&t)?,
-        tp_sharded: dim.is_some() && tp.size() > 1,
-    })
+/// The model: written once, with no rank or communicator in it.
+struct Model {
+    embed: VocabParallelEmbedding,
+    norm1: RmsNorm,
+    attn: ParallelAttention,
+    norm2: RmsNorm,
+    mlp: Mlp,
+    head: LmHead,
+}
+
+impl Model {
+    fn new(vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
+        let rope = RotaryEmbedding::new(HEAD_DIM, 10000.0, &RopeScaling::Default)?;
+        let attn = AttentionConfig::new(HIDDEN, HEADS, HEADS, HEAD_DIM).with_rope(rope);
+        let emb = EmbeddingConfig {
+            vocab_size: VOCAB,
+            hidden_size: HIDDEN,
+        };
+        let norm = NormConfig::new(HIDDEN, 1e-5);
+        Ok(Self {
+            embed: VocabParallelEmbedding::new(&emb, vb.pp("embed"), ctx)?,
+            norm1: RmsNorm::new(&norm, vb.pp("norm1"), ctx)?,
+            attn: ParallelAttention::new(&attn, vb.pp("attn"), ctx)?,
+            norm2: RmsNorm::new(&norm, vb.pp("norm2"), ctx)?,
+            mlp: Mlp::new(&MlpConfig::swiglu(HIDDEN, FFN), vb.pp("mlp"), ctx)?,
+            head: LmHead::new(&emb, vb.pp("head"), ctx)?,
+        })
+    }
+
+    /// This rank's summed next-token loss and its label count.
+    fn loss_sum(&self, batch: &Batch, labels: &Tensor, pass: &Pass) -> Result<(Tensor, usize)> {
+        let x = self.embed.forward(&batch.input_ids)?;
+        let x = (&x + self.attn.forward(&self.norm1.forward(&x)?, pass)?)?;
+        let x = (&x + self.mlp.forward(&self.norm2.forward(&x)?)?)?;
+        Ok(self
+            .head
+            .loss_sum(&x, labels, &CrossEntropyOptions::default())?)
+    }
 }
 
 /// Trains on the layout of `ctx` and returns the global mean loss of every step.
 fn train(ctx: &ParallelCtx) -> Result<Vec<f32>> {
+    let source = Arc::new(TensorMap::new(weights()?, "initial weights"));
+    let (vb, params) = ParamBuilder::new(source, DType::F32, &Device::Cpu, ParamMode::Trainable);
+    let model = Model::new(vb, ctx)?;
     let tokens: Vec<u32> = (0..SEQ as u32)
         .map(|i| (i * 7 + 3) % VOCAB as u32)
         .collect();
-    let ids = Tensor::from_vec(tokens.clone(), (1, SEQ), &Device::Cpu)?;
-    let labels: Vec<i64> = tokens[1..]
-        .iter()
-        .map(|&t| t as i64)
-        .chain([-100])
-        .collect();
-    let labels = Tensor::from_vec(labels, (1, SEQ), &Device::Cpu)?;
-    // This rank's tokens (zigzag order) and their global positions.
-    let local_ids = ctx.shard_tokens(&ids)?;
-    let local_labels = ctx.shard_tokens(&labels)?.flatten_all()?;
-    let positions = ctx.attention_positions(SEQ)?;
-
-    let emb = param(init(VOCAB, HIDDEN, 0.1)?, Some(0), ctx)?;
-    let norm1 = param(Tensor::ones(HIDDEN, DType::F32, &Device::Cpu)?, None, ctx)?;
-    let wq = param(init(HIDDEN, HIDDEN, 0.2)?, Some(0), ctx)?;
-    let wk = param(init(HIDDEN, HIDDEN, 0.3)?, Some(0), ctx)?;
-    let wv = param(init(HIDDEN, HIDDEN, 0.4)?, Some(0), ctx)?;
-    let wo = param(init(HIDDEN, HIDDEN, 0.5)?, Some(1), ctx)?;
-    let norm2 = param(Tensor::ones(HIDDEN, DType::F32, &Device::Cpu)?, None, ctx)?;
-    let gate = param(init(FFN, HIDDEN, 0.6)?, Some(0), ctx)?;
-    let up = param(init(FFN, HIDDEN, 0.7)?, Some(0), ctx)?;
-    let down = param(init(HIDDEN, FFN, 0.8)?, Some(1), ctx)?;
-    let head = param(init(VOCAB, HIDDEN, 0.9)?, Some(0), ctx)?;
-    let params = [
-        &emb, &norm1, &wq, &wk, &wv, &wo, &norm2, &gate, &up, &down, &head,
-    ];
-    let rope = RotaryEmbedding::new(HEAD_DIM, 10000.0, &RopeScaling::Default)?;
-    let tp = ctx.tp();
-    let heads = HEADS / tp.size();
-    let col =
-        |p: &Param| ColumnParallelLinear::new(p.var.as_tensor().clone(), None, tp.clone(), false);
-    let row = |p: &Param| RowParallelLinear::new(p.var.as_tensor().clone(), None, tp.clone(), true);
-
+    // This rank's tokens (zigzag order), their global positions and next-token labels.
+    let (batch, labels) = Batch::from_sequences(ctx, &[tokens], AttnMask::Causal)?;
     let mut losses = Vec::with_capacity(STEPS);
     for _ in 0..STEPS {
-        let embed =
-            VocabParallelEmbedding::new(emb.var.as_tensor().clone(), VOCAB, tp.comm().clone())?;
-        let x = embed.forward(&local_ids)?; // (1, n, HIDDEN)
-        let n = x.dim(1)?;
-        let h = rms_norm(&x, norm1.var.as_tensor(), 1e-5)?;
-        let q = col(&wq).forward(&h)?.reshape((1, n, heads, HEAD_DIM))?;
-        let k = col(&wk).forward(&h)?.reshape((1, n, heads, HEAD_DIM))?;
-        let v = col(&wv).forward(&h)?.reshape((1, n, heads, HEAD_DIM))?;
-        let (q, k) = (rope.apply(&q, &positions)?, rope.apply(&k, &positions)?);
-        let call = AttnCall::new(AttnMask::Causal, 1.0 / (HEAD_DIM as f32).sqrt());
-        let a = ctx.attention().attention(&q, &k, &v, &call)?;
-        let x = (x + row(&wo).forward(&a.reshape((1, n, heads * HEAD_DIM))?)?)?;
-        let h = rms_norm(&x, norm2.var.as_tensor(), 1e-5)?;
-        let m = swiglu(&col(&gate).forward(&h)?, &col(&up).forward(&h)?)?;
-        let x = (x + row(&down).forward(&m)?)?;
-        let (sum, count) = vocab_parallel_cross_entropy(
-            &x.reshape((n, HIDDEN))?,
-            head.var.as_tensor(),
-            &local_labels,
-            tp.comm(),
-            &CrossEntropyOptions::default(),
-        )?;
+        let (sum, count) = model.loss_sum(&batch, &labels, &batch.pass(ctx)?)?;
         // Every rank's loss is its share of the global mean.
         let seq = ctx.sequence_group();
         let total = seq.all_reduce(&Tensor::new(&[count as f32], &Device::Cpu)?, ReduceOp::Sum)?;
         let loss = sum.broadcast_div(&total.reshape(())?)?;
         losses.push(seq.all_reduce(&loss, ReduceOp::Sum)?.to_scalar::<f32>()?);
-        let grads = loss.backward()?;
-        for p in params {
+        let grads = ctx.backward(&loss)?;
+        // SGD; each gradient summed over the ranks that share the parameter.
+        for p in params.sorted() {
+            let var = p.var.context("parameters are trainable")?;
             let g = grads
-                .get(p.var.as_tensor())
+                .get(var.as_tensor())
                 .context("a parameter received no gradient")?;
-            let g = ctx.grad_group(p.tp_sharded).all_reduce(g, ReduceOp::Sum)?;
-            p.var.set(&(p.var.as_tensor() - (g * LR)?)?)?;
+            let g = ctx.grad_group(&p.shard).all_reduce(g, ReduceOp::Sum)?;
+            var.set(&(var.as_tensor() - (g * LR)?)?)?;
         }
     }
     Ok(losses)
@@ -143,11 +139,13 @@ fn train(ctx: &ParallelCtx) -> Result<Vec<f32>> {
 
 /// Builds the mesh and parallel context of `tp × ring` local ranks and trains on each.
 fn run(tp: usize, ring: usize) -> Result<Vec<f32>> {
-    let sp = SpConfig::new(Strategy::Ring, 1, ring);
-    let mesh_cfg = MeshConfig::default().with_tp(tp).with_ring(ring);
-    let mut results = LocalWorld::run(tp * ring, |world| -> Result<Vec<f32>> {
-        let mesh = DeviceMesh::new(&mesh_cfg, world)?;
-        let ctx = ParallelCtx::new(&mesh, &sp, false)?;
+    let layout = Layout::new(
+        MeshConfig::default().with_tp(tp).with_ring(ring),
+        SpConfig::new(Strategy::Ring, 1, ring),
+        TpActivations::Replicated,
+    );
+    let mut results = LocalWorld::run(layout.ranks(), |world| -> Result<Vec<f32>> {
+        let (_mesh, ctx) = layout.context(world)?;
         train(&ctx)
     })
     .map_err(|e| anyhow::anyhow!("{e}"))?;

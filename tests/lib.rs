@@ -9,12 +9,15 @@ use std::path::PathBuf;
 use candle_core::{DType, Device, Tensor};
 use candle_parallel::attention::{AttnMask, SpConfig, Strategy};
 use candle_parallel::comm::{Comm, LocalWorld, ReduceOp};
-use candle_parallel::layers::{CrossEntropyOptions, ParallelCtx};
 use candle_parallel::mesh::{DeviceMesh, Dim, MeshConfig};
-use candle_parallel::optim::ZeroGroups;
+use candle_parallel::nn::{
+    Batch, CrossEntropyOptions, ParallelCtx, Param, ParamMode, TpActivations,
+};
+use candle_parallel::optim::{collect_gradients, reduce_gradients, ZeroStage};
+use candle_parallel::plan::{MemoryPlan, PlannedParams};
 use candle_parallel::recompute::Checkpointing;
 use models::hub::ModelFiles;
-use models::llama::{self, Batch};
+use models::llama;
 
 /// `tests/fixtures/llama/<name>`.
 pub fn fixture_dir(name: &str) -> PathBuf {
@@ -79,7 +82,7 @@ pub struct Layout {
     pub ranks: usize,
     pub mesh: MeshConfig,
     pub sp: SpConfig,
-    pub tp_sp: bool,
+    pub tp: TpActivations,
 }
 
 impl Layout {
@@ -105,7 +108,7 @@ impl Layout {
             ranks: tp * ulysses * ring,
             mesh,
             sp,
-            tp_sp: false,
+            tp: TpActivations::Replicated,
         }
     }
 
@@ -116,8 +119,15 @@ impl Layout {
     }
 
     pub fn with_tp_sp(mut self) -> Self {
-        self.tp_sp = true;
+        self.tp = TpActivations::SequenceSharded;
         self
+    }
+
+    /// This rank's mesh and parallel context (collective over `world`); errors name the layout.
+    pub fn context(&self, world: Comm) -> Result<(DeviceMesh, ParallelCtx), String> {
+        let plan = candle_parallel::plan::Layout::new(self.mesh.clone(), self.sp.clone(), self.tp);
+        plan.context(world)
+            .map_err(|e| format!("{}: {e}", self.name))
     }
 }
 
@@ -132,7 +142,7 @@ pub struct StepResult {
 }
 
 /// Gathers a tensor-parallel slice of a parameter's gradient to the full tensor.
-fn gather_param(g: &Tensor, p: &models::checkpoint::Param, tp: &Comm) -> Tensor {
+fn gather_param(g: &Tensor, p: &Param, tp: &Comm) -> Tensor {
     if p.shard.is_split() {
         tp.all_gather(&g.contiguous().unwrap(), p.shard.dim)
             .unwrap()
@@ -141,13 +151,13 @@ fn gather_param(g: &Tensor, p: &models::checkpoint::Param, tp: &Comm) -> Tensor 
     }
 }
 
-/// Where [`run_layout_with`] keeps parameters and activations.
+/// Where [`run_layout_with`] keeps parameters and activations, and their dtype.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct MemoryPlan {
+pub struct StepPlan {
     /// Activation checkpointing of every decoder layer (parameter gradients of recomputed
-    /// layers then arrive through the model's `GradSink`, not candle's autograd).
+    /// layers then arrive through the context's `GradSink`, not candle's autograd).
     pub checkpointing: Checkpointing,
-    /// ZeRO-3: every layer's parameters sharded over the ranks that hold the same parameters
+    /// ZeRO-3: every unit's parameters sharded over the ranks that hold the same parameters
     /// (`ulysses x ring`) and gathered for each use.
     pub zero3: bool,
     /// Dtype of the parameters and activations (`None`: f32). The loss, logits and gradients
@@ -155,38 +165,44 @@ pub struct MemoryPlan {
     pub dtype: Option<DType>,
 }
 
+impl StepPlan {
+    fn memory(&self) -> MemoryPlan {
+        MemoryPlan {
+            zero: if self.zero3 {
+                ZeroStage::Parameters
+            } else {
+                ZeroStage::Off
+            },
+            zero_group: None,
+            checkpointing: self.checkpointing,
+        }
+    }
+}
+
 /// [`run_layout_with`] with every parameter resident and no checkpointing.
 pub fn run_layout(name: &str, layout: &Layout) -> StepResult {
-    run_layout_with(name, layout, MemoryPlan::default())
+    run_layout_with(name, layout, StepPlan::default())
 }
 
 /// Loads fixture `name` under `layout` and `plan` on local ranks, runs forward (logits and loss
 /// with the transformers labels of the fixture, shifted) and backward, reduces the gradients and
 /// gathers everything to global form. Returns rank 0's result (every other rank's is checked to
 /// be bit-identical). Errors (as a panic naming the layout) when a parameter receives no gradient.
-pub fn run_layout_with(name: &str, layout: &Layout, plan: MemoryPlan) -> StepResult {
+pub fn run_layout_with(name: &str, layout: &Layout, plan: StepPlan) -> StepResult {
     let files = fixture_files(name);
     let r = reference(name);
     let labels = r.labels.to_vec2::<i64>().unwrap();
     let seqs = r.input_ids.clone();
     let mut results = LocalWorld::run(layout.ranks, |world| -> Result<StepResult, String> {
         let e = |e: &dyn std::fmt::Display| format!("{}: {e}", layout.name);
-        let mesh = DeviceMesh::new(&layout.mesh, world).map_err(|x| e(&x))?;
-        let ctx = ParallelCtx::new(&mesh, &layout.sp, layout.tp_sp).map_err(|x| e(&x))?;
-        let m = llama::load(&files, &ctx, Some(plan.dtype.unwrap_or(DType::F32)), true)
-            .map_err(|x| e(&x))?;
-        let mut model = m.model;
-        model.set_checkpointing(plan.checkpointing);
-        let params = m.params.sorted();
-        let zero = if plan.zero3 {
-            let z = ZeroGroups::new(&mesh, None).map_err(|x| e(&x))?;
-            let chunks = model
-                .shard_parameters(&params, &z.shard)
-                .map_err(|x| e(&x))?;
-            Some((z, chunks))
-        } else {
-            None
-        };
+        let (mesh, ctx) = layout.context(world)?;
+        let dtype = Some(plan.dtype.unwrap_or(DType::F32));
+        let mut model = llama::load(&files, &ctx, dtype, ParamMode::Trainable)
+            .map_err(|x| e(&x))?
+            .model;
+        let memory = plan.memory();
+        let zero = memory.zero_groups(&mesh).map_err(|x| e(&x))?;
+        let planned = memory.apply(&mut model, zero.as_ref()).map_err(|x| e(&x))?;
         let (batch, _) = Batch::from_sequences(&ctx, &seqs, AttnMask::Causal).map_err(|x| e(&x))?;
         // transformers' loss: logits[:, i] against labels[:, i + 1].
         let shifted: Vec<i64> = labels
@@ -218,12 +234,10 @@ pub fn run_layout_with(name: &str, layout: &Layout, plan: MemoryPlan) -> StepRes
             .unwrap();
         let grads = model.backward(&local_loss).map_err(|x| e(&x))?;
         let tp = mesh.comm(Dim::Tp);
-        let grads: HashMap<String, Tensor> = match &zero {
-            None => {
-                let collected =
-                    models::grads::collect_gradients(&params, &grads).map_err(|x| e(&x))?;
-                let reduced =
-                    models::grads::reduce_gradients(&params, collected, &ctx).map_err(|x| e(&x))?;
+        let grads: HashMap<String, Tensor> = match (&planned, &zero) {
+            (PlannedParams::Resident(params), _) => {
+                let collected = collect_gradients(params, &grads).map_err(|x| e(&x))?;
+                let reduced = reduce_gradients(params, collected, &ctx).map_err(|x| e(&x))?;
                 params
                     .iter()
                     .zip(reduced)
@@ -232,13 +246,14 @@ pub fn run_layout_with(name: &str, layout: &Layout, plan: MemoryPlan) -> StepRes
             }
             // A chunk's gradient is already summed over the sharding group (the backward of the
             // gather reduce-scatters); under TP-sp replicated parameters also sum over tp.
-            Some((z, chunks)) => chunks
+            (PlannedParams::Sharded(chunks), Some(z)) => chunks
                 .iter()
                 .map(|p| {
                     let g = grads.get(p.var.as_tensor()).ok_or_else(|| {
                         e(&format!("parameter `{}` received no gradient", p.name))
                     })?;
-                    let g = if layout.tp_sp && !p.shard.is_split() && z.replica_tp.size() > 1 {
+                    let tp_sp = layout.tp == TpActivations::SequenceSharded;
+                    let g = if tp_sp && !p.shard.is_split() && z.replica_tp.size() > 1 {
                         z.replica_tp
                             .all_reduce(g, ReduceOp::Sum)
                             .map_err(|x| e(&x))?
@@ -258,6 +273,7 @@ pub fn run_layout_with(name: &str, layout: &Layout, plan: MemoryPlan) -> StepRes
                     Ok((p.name.clone(), whole))
                 })
                 .collect::<Result<_, String>>()?,
+            (PlannedParams::Sharded(_), None) => return Err(e(&"ZeRO-3 without groups")),
         };
         let grads = grads
             .into_iter()

@@ -9,16 +9,16 @@ use candle_parallel::attention::{SeqLayout, Strategy};
 use candle_parallel::mesh::Placement;
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{
-    max_abs, rel_err, run_layout, run_layout_with, Layout, MemoryPlan, StepResult,
+    max_abs, rel_err, run_layout, run_layout_with, Layout, StepPlan, StepResult,
 };
 
 const TOL: f64 = 1e-5;
 
 fn compare(name: &str, layout: &Layout, want: &StepResult) {
-    compare_with(name, layout, MemoryPlan::default(), want)
+    compare_with(name, layout, StepPlan::default(), want)
 }
 
-fn compare_with(name: &str, layout: &Layout, plan: MemoryPlan, want: &StepResult) {
+fn compare_with(name: &str, layout: &Layout, plan: StepPlan, want: &StepResult) {
     let got = run_layout_with(name, layout, plan);
     let case = format!(
         "{name} / {} (checkpointing {}, zero3 {})",
@@ -104,7 +104,7 @@ fn tied_embeddings_under_tp_and_ring() {
 /// single-rank one, with plain autograd (1e-5 relative).
 #[test]
 fn memory_plans_give_every_parameter_its_gradient() {
-    let plan = |checkpointing, zero3| MemoryPlan {
+    let plan = |checkpointing, zero3| StepPlan {
         checkpointing,
         zero3,
         dtype: None,
@@ -162,10 +162,10 @@ fn memory_plans_give_every_parameter_its_gradient() {
 #[test]
 fn bf16_matches_f32_under_every_layout() {
     let want = run_layout("mha", &Layout::single());
-    let bf16 = |zero3| MemoryPlan {
+    let bf16 = |zero3| StepPlan {
         zero3,
         dtype: Some(candle_core::DType::BF16),
-        ..MemoryPlan::default()
+        ..StepPlan::default()
     };
     for (layout, plan) in [
         (Layout::single(), bf16(false)),

@@ -100,9 +100,9 @@ fn kv_cache_matches_full_forward() {
     use candle_core::{Device, Tensor};
     use candle_parallel::attention::AttnMask;
     use candle_parallel::comm::LocalWorld;
-    use candle_parallel::layers::ParallelCtx;
-    use candle_parallel::mesh::DeviceMesh;
-    use models::llama::{self, Batch, KvCache};
+    use candle_parallel::nn::{Batch, ParamMode};
+
+    use models::llama::{self, KvCache};
 
     for name in ["mha", "gqa"] {
         let files = cpl_integration_tests::fixture_files(name);
@@ -111,9 +111,8 @@ fn kv_cache_matches_full_forward() {
             Layout::new("tp2", 2, 1, 1, candle_parallel::attention::Strategy::Ring),
         ] {
             LocalWorld::run(layout.ranks, |world| -> Result<(), String> {
-                let mesh = DeviceMesh::new(&layout.mesh, world).map_err(|e| e.to_string())?;
-                let ctx = ParallelCtx::new(&mesh, &layout.sp, false).map_err(|e| e.to_string())?;
-                let m = llama::load(&files, &ctx, None, false)
+                let (_mesh, ctx) = layout.context(world)?;
+                let m = llama::load(&files, &ctx, None, ParamMode::Frozen)
                     .map_err(|e| e.to_string())?
                     .model;
                 let mut seq: Vec<u32> = vec![1, 17, 42, 99, 5];
@@ -163,8 +162,8 @@ fn kv_cache_matches_full_forward() {
 fn saved_checkpoints_reload_identically() {
     use candle_core::DType;
     use candle_parallel::comm::LocalWorld;
-    use candle_parallel::layers::ParallelCtx;
-    use candle_parallel::mesh::DeviceMesh;
+    use candle_parallel::nn::ParamMode;
+
     use models::checkpoint::{save_hf, SaveOptions};
     use models::llama;
 
@@ -198,9 +197,9 @@ fn saved_checkpoints_reload_identically() {
             extra_files: extra,
         };
         LocalWorld::run(2, |world| -> Result<(), String> {
-            let mesh = DeviceMesh::new(&layout.mesh, world).map_err(|e| e.to_string())?;
-            let ctx = ParallelCtx::new(&mesh, &layout.sp, false).map_err(|e| e.to_string())?;
-            let m = llama::load(&files, &ctx, None, false).map_err(|e| e.to_string())?;
+            let (_mesh, ctx) = layout.context(world)?;
+            let m =
+                llama::load(&files, &ctx, None, ParamMode::Frozen).map_err(|e| e.to_string())?;
             save_hf(&m.params.sorted(), ctx.tp().comm(), &dir, true, &opts)
                 .map_err(|e| e.to_string())
         })
@@ -216,11 +215,10 @@ fn saved_checkpoints_reload_identically() {
         let r = reference("mha");
         let got = LocalWorld::run(1, |world| -> Result<candle_core::Tensor, String> {
             let l = Layout::single();
-            let mesh = DeviceMesh::new(&l.mesh, world).map_err(|e| e.to_string())?;
-            let ctx = ParallelCtx::new(&mesh, &l.sp, false).map_err(|e| e.to_string())?;
-            let m =
-                llama::load(&saved, &ctx, Some(DType::F32), false).map_err(|e| e.to_string())?;
-            let (batch, _) = llama::Batch::from_sequences(
+            let (_mesh, ctx) = l.context(world)?;
+            let m = llama::load(&saved, &ctx, Some(DType::F32), ParamMode::Frozen)
+                .map_err(|e| e.to_string())?;
+            let (batch, _) = candle_parallel::nn::Batch::from_sequences(
                 &ctx,
                 &r.input_ids,
                 candle_parallel::attention::AttnMask::Causal,

@@ -20,11 +20,11 @@ use std::alloc::System;
 use candle_core::{DType, Device, Tensor};
 use candle_parallel::attention::{AttnMask, Strategy};
 use candle_parallel::comm::LocalWorld;
-use candle_parallel::layers::{CrossEntropyOptions, ParallelCtx};
-use candle_parallel::mesh::DeviceMesh;
+use candle_parallel::nn::{Batch, CrossEntropyOptions, ParamMode};
+use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::Layout;
-use models::llama::{self, Batch};
+use models::llama;
 use train::memory::CountingAlloc;
 
 #[global_allocator]
@@ -59,12 +59,15 @@ fn measure(layout: &Layout, ckpt: Checkpointing) -> Measured {
     let ids: Vec<u32> = (0..SEQ).map(|i| ((i * 7919 + 13) % 512) as u32).collect();
     let results = LocalWorld::run(layout.ranks, |world| -> Result<(f32, u64, isize), String> {
         let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
-        let mesh = DeviceMesh::new(&layout.mesh, world.clone()).map_err(|x| e(&x))?;
-        let ctx = ParallelCtx::new(&mesh, &layout.sp, layout.tp_sp).map_err(|x| e(&x))?;
-        let mut m = llama::load(&files, &ctx, Some(DType::F32), true)
+        let (_mesh, ctx) = layout.context(world.clone())?;
+        let mut m = llama::load(&files, &ctx, Some(DType::F32), ParamMode::Trainable)
             .map_err(|x| e(&x))?
             .model;
-        m.set_checkpointing(ckpt);
+        let plan = MemoryPlan {
+            checkpointing: ckpt,
+            ..MemoryPlan::default()
+        };
+        plan.apply(&mut m, None).map_err(|x| e(&x))?;
         let (batch, labels) =
             Batch::from_sequences(&ctx, std::slice::from_ref(&ids), AttnMask::Causal)
                 .map_err(|x| e(&x))?;

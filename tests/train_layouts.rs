@@ -13,12 +13,13 @@ use std::path::PathBuf;
 use candle_core::{DType, Device, Tensor};
 use candle_parallel::attention::{AttnMask, Strategy};
 use candle_parallel::comm::{LocalWorld, ReduceOp};
-use candle_parallel::layers::{CrossEntropyOptions, ParallelCtx};
-use candle_parallel::mesh::{DeviceMesh, Dim};
+use candle_parallel::mesh::Dim;
+use candle_parallel::nn::{Batch, CrossEntropyOptions, ParamMode, Track};
 use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
+use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{assert_identical, fixture_files, rel_err, Layout};
-use models::llama::{self, Batch};
+use models::llama;
 use testkit::assert_identical_scalars;
 use train::data::{PackedDataset, TokenStream};
 use train::trainer::{TrainConfig, Trainer};
@@ -50,9 +51,7 @@ fn config(steps: u64, batch: usize, grad_accum: usize, doc_mask: bool) -> TrainC
         },
         max_grad_norm: Some(1.0),
         loss_chunk_tokens: 16,
-        zero: ZeroStage::Off,
-        zero_group: None,
-        checkpointing: Checkpointing::None,
+        memory: MemoryPlan::default(),
     }
 }
 
@@ -111,11 +110,10 @@ fn train_files(
 ) -> Run {
     let mut results = LocalWorld::run(layout.ranks, |world| -> Result<Run, String> {
         let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
-        let mesh = DeviceMesh::new(&layout.mesh, world.clone()).map_err(|x| e(&x))?;
-        let ctx = ParallelCtx::new(&mesh, &layout.sp, layout.tp_sp).map_err(|x| e(&x))?;
-        let m = llama::load(&files, &ctx, Some(DType::F32), true).map_err(|x| e(&x))?;
-        let mut t = Trainer::new(m.model, m.params.sorted(), &mesh, &ctx, cfg.clone())
-            .map_err(|x| e(&x))?;
+        let (mesh, ctx) = layout.context(world.clone())?;
+        let m =
+            llama::load(&files, &ctx, Some(DType::F32), ParamMode::Trainable).map_err(|x| e(&x))?;
+        let mut t = Trainer::new(m.model, &mesh, &ctx, cfg.clone()).map_err(|x| e(&x))?;
         if let Some(dir) = resume {
             let state = train::checkpoint::read_state(dir).map_err(|x| e(&x))?;
             train::checkpoint::restore(&mut t, dir, &state).map_err(|x| e(&x))?;
@@ -206,9 +204,11 @@ struct Plan {
 impl Plan {
     fn config(&self, steps: u64, doc_mask: bool) -> TrainConfig {
         TrainConfig {
-            zero: self.zero,
-            zero_group: self.zero_group,
-            checkpointing: self.ckpt,
+            memory: MemoryPlan {
+                zero: self.zero,
+                zero_group: self.zero_group,
+                checkpointing: self.ckpt,
+            },
             ..layout_config(&self.layout, steps, doc_mask)
         }
     }
@@ -302,8 +302,11 @@ fn tied_embeddings_train_under_zero() {
         ),
     ] {
         let cfg = TrainConfig {
-            zero,
-            checkpointing: ckpt,
+            memory: MemoryPlan {
+                zero,
+                checkpointing: ckpt,
+                zero_group: None,
+            },
             ..config(4, 1, 2, false)
         };
         let run = train_files(tied(), &layout, &cfg, &data, None, None);
@@ -320,7 +323,10 @@ fn checkpointing_is_exact_on_one_rank() {
     let base = train_run(&Layout::single(), &config(3, 1, 2, true), &data, None, None);
     for ckpt in [Checkpointing::Full, Checkpointing::Selective] {
         let cfg = TrainConfig {
-            checkpointing: ckpt,
+            memory: MemoryPlan {
+                checkpointing: ckpt,
+                ..MemoryPlan::default()
+            },
             ..config(3, 1, 2, true)
         };
         let run = train_run(&Layout::single(), &cfg, &data, None, None);
@@ -589,9 +595,8 @@ fn packed_documents_score_like_separate_documents() {
         Layout::new("all-gather CP 4", 1, 1, 4, AllGather),
     ] {
         LocalWorld::run(layout.ranks, |world| -> Result<(), String> {
-            let mesh = DeviceMesh::new(&layout.mesh, world).map_err(|e| e.to_string())?;
-            let ctx = ParallelCtx::new(&mesh, &layout.sp, false).map_err(|e| e.to_string())?;
-            let m = llama::load(&files, &ctx, None, false)
+            let (_mesh, ctx) = layout.context(world)?;
+            let m = llama::load(&files, &ctx, None, ParamMode::Frozen)
                 .map_err(|e| e.to_string())?
                 .model;
             let opts = CrossEntropyOptions::default();
@@ -647,9 +652,8 @@ fn alone_loss(doc: &[u32], start: usize) -> f32 {
     let files = fixture_files("mha");
     LocalWorld::run(1, |world| -> Result<f32, String> {
         let l = Layout::single();
-        let mesh = DeviceMesh::new(&l.mesh, world).map_err(|e| e.to_string())?;
-        let ctx = ParallelCtx::new(&mesh, &l.sp, false).map_err(|e| e.to_string())?;
-        let m = llama::load(&files, &ctx, None, false)
+        let (_mesh, ctx) = l.context(world)?;
+        let m = llama::load(&files, &ctx, None, ParamMode::Frozen)
             .map_err(|e| e.to_string())?
             .model;
         let ids = Tensor::from_vec(doc.to_vec(), (1, doc.len()), &Device::Cpu).unwrap();
@@ -686,11 +690,15 @@ fn stages_run_alone_with_an_incoming_gradient() {
     ] {
         LocalWorld::run(layout.ranks, |world| -> Result<(), String> {
             let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
-            let mesh = DeviceMesh::new(&layout.mesh, world).map_err(|x| e(&x))?;
-            let ctx = ParallelCtx::new(&mesh, &layout.sp, false).map_err(|x| e(&x))?;
-            let loaded = llama::load(&files, &ctx, Some(DType::F32), true).map_err(|x| e(&x))?;
+            let (_mesh, ctx) = layout.context(world)?;
+            let loaded = llama::load(&files, &ctx, Some(DType::F32), ParamMode::Trainable)
+                .map_err(|x| e(&x))?;
             let mut m = loaded.model;
-            m.set_checkpointing(ckpt);
+            let plan = MemoryPlan {
+                checkpointing: ckpt,
+                ..MemoryPlan::default()
+            };
+            plan.apply(&mut m, None).map_err(|x| e(&x))?;
             let params = loaded.params.sorted();
             let (batch, labels) =
                 Batch::from_sequences(&ctx, std::slice::from_ref(&ids), AttnMask::Causal)
@@ -700,12 +708,12 @@ fn stages_run_alone_with_an_incoming_gradient() {
             let (whole, _) = m.loss_sum(&batch, &labels, &opts).map_err(|x| e(&x))?;
             let want = m.backward(&whole).map_err(|x| e(&x))?;
             // Stage 1 forward; its output crosses the stage border as a new leaf.
-            let ends = m.ends(true).map_err(|x| e(&x))?;
+            let ends = m.ends(Track::Grad).map_err(|x| e(&x))?;
             let x = m.embed(&ends, &batch).map_err(|x| e(&x))?;
             let y1 = m.run_layers(0..1, &x, &batch).map_err(|x| e(&x))?;
             let x2 = Var::from_tensor(&y1.detach()).map_err(|x| e(&x))?;
             // Stage 2 forward and backward.
-            let ends2 = m.ends(true).map_err(|x| e(&x))?;
+            let ends2 = m.ends(Track::Grad).map_err(|x| e(&x))?;
             let y2 = m.run_layers(1..2, &x2, &batch).map_err(|x| e(&x))?;
             let h = m.final_norm(&ends2, &y2).map_err(|x| e(&x))?;
             let (loss, _) = m.head_loss(&ends2, &h, &labels, &opts).map_err(|x| e(&x))?;
@@ -768,11 +776,11 @@ fn bad_optimizer_state_is_a_clear_error() {
         let files = models::hub::from_dir("resume", &ckpt).unwrap();
         let err = LocalWorld::run(1, |world| -> Result<String, String> {
             let l = Layout::single();
-            let mesh = DeviceMesh::new(&l.mesh, world).map_err(|e| e.to_string())?;
-            let ctx = ParallelCtx::new(&mesh, &l.sp, false).map_err(|e| e.to_string())?;
-            let m = llama::load(&files, &ctx, Some(DType::F32), true).map_err(|e| e.to_string())?;
-            let mut t = Trainer::new(m.model, m.params.sorted(), &mesh, &ctx, cfg.clone())
+            let (mesh, ctx) = l.context(world)?;
+            let m = llama::load(&files, &ctx, Some(DType::F32), ParamMode::Trainable)
                 .map_err(|e| e.to_string())?;
+            let mut t =
+                Trainer::new(m.model, &mesh, &ctx, cfg.clone()).map_err(|e| e.to_string())?;
             let state = train::checkpoint::read_state(&ckpt).map_err(|e| e.to_string())?;
             match train::checkpoint::restore(&mut t, &ckpt, &state) {
                 Ok(()) => Err(format!("{what}: restored")),

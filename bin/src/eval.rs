@@ -7,12 +7,12 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_parallel::attention::{AttnMask, ShardPlan};
 use candle_parallel::comm::ReduceOp;
-use candle_parallel::layers::CrossEntropyOptions;
 use candle_parallel::mesh::Dim;
-use models::llama::{self, Batch, LlamaConfig};
+use candle_parallel::nn::{Batch, CrossEntropyOptions, ParamMode};
+use models::llama::LlamaConfig;
 use models::tokenizer::Tokenizer;
 
-use crate::launch::{launch, Rank};
+use crate::launch::{launch, load_llama, Rank};
 use crate::layout::LayoutArgs;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -90,7 +90,7 @@ fn sequences(
 ) -> Result<Vec<Vec<u32>>> {
     let sp = args.layout.sp_config()?;
     if let Some(path) = &args.tokens {
-        let seqs = train::data::read_token_sequences(path, cfg.vocab_size)?;
+        let seqs = train::data::read_token_sequences(path, cfg.vocab_size, "--tokens")?;
         for (i, s) in seqs.iter().enumerate() {
             ShardPlan::new(s.len(), sp.layout, sp.ring, sp.ulysses).with_context(|| {
                 format!(
@@ -151,8 +151,7 @@ pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
     let seqs = sequences(args, &files, &cfg)?;
     let want_logits = args.logits_out.is_some();
     launch(&args.layout, |rank: &Rank| {
-        let loaded = llama::load(&files, &rank.ctx, dtype, false)?;
-        let model = loaded.model;
+        let model = load_llama(&files, rank, dtype, ParamMode::Frozen, &args.layout)?.model;
         let (dp, dp_rank) = (rank.mesh.size(Dim::Dp), rank.mesh.coord(Dim::Dp));
         let opts = CrossEntropyOptions::default();
         rank.world().barrier()?;

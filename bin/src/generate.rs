@@ -2,11 +2,12 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
+use candle_parallel::nn::ParamMode;
 use models::llama;
 use models::tokenizer::Tokenizer;
 
 use crate::eval::parse_dtype_flag;
-use crate::launch::launch;
+use crate::launch::{launch, load_llama};
 use crate::layout::LayoutArgs;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -112,7 +113,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         bail!("--prompt: the prompt encodes to no tokens");
     }
     let text = launch(&args.layout, |rank| {
-        let m = llama::load(&files, &rank.ctx, dtype, false)?;
+        let m = load_llama(&files, rank, dtype, ParamMode::Frozen, &args.layout)?;
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= m.config.vocab_size) {
             bail!("the prompt holds token id {bad}, outside the model's vocabulary");
         }

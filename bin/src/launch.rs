@@ -1,9 +1,12 @@
 //! Running one closure on every rank of a layout: local threads or MPI processes.
 
 use anyhow::{bail, Context, Result};
+use candle_core::DType;
 use candle_parallel::comm::Comm;
-use candle_parallel::layers::ParallelCtx;
 use candle_parallel::mesh::DeviceMesh;
+use candle_parallel::nn::{ParallelCtx, ParamMode, TpActivations};
+use models::hub::ModelFiles;
+use models::llama::{self, LoadedLlama};
 
 use crate::layout::LayoutArgs;
 
@@ -43,8 +46,12 @@ where
     }
     let run_rank = |world: Comm| -> Result<T> {
         let mesh = DeviceMesh::new(&mesh_cfg, world).context("building the device mesh")?;
-        let ctx =
-            ParallelCtx::new(&mesh, &sp_cfg, args.tp_sp).context("building the parallel layout")?;
+        let tp = if args.tp_sp {
+            TpActivations::SequenceSharded
+        } else {
+            TpActivations::Replicated
+        };
+        let ctx = ParallelCtx::new(&mesh, &sp_cfg, tp).context("building the parallel layout")?;
         f(&Rank { mesh, ctx })
     };
     match args.backend.as_str() {
@@ -87,4 +94,17 @@ where
     F: Fn(Comm) -> Result<T>,
 {
     bail!("--backend mpi: this cpl was built without MPI; rebuild with `cargo build -p cpl --features mpi`")
+}
+
+/// Loads the LLaMA `files` for `rank`'s layout; errors name the layout flags (`--tp 3`) when the
+/// layout does not fit the model.
+pub fn load_llama(
+    files: &ModelFiles,
+    rank: &Rank,
+    dtype: Option<DType>,
+    mode: ParamMode,
+    layout: &LayoutArgs,
+) -> Result<LoadedLlama> {
+    llama::load(files, &rank.ctx, dtype, mode)
+        .with_context(|| format!("loading {} with {}", files.source, layout.flags()))
 }

@@ -118,6 +118,34 @@ impl LayoutArgs {
 }
 
 impl LayoutArgs {
+    /// The layout flags that differ from their defaults, as typed (`--ranks 4 --tp 2 --ring 2`).
+    pub fn flags(&self) -> String {
+        let d = Self::default();
+        let mut f = vec![format!("--ranks {}", self.ranks)];
+        for (flag, v, default) in [
+            ("--tp", self.tp, d.tp),
+            ("--ulysses", self.ulysses, d.ulysses),
+            ("--ring", self.ring, d.ring),
+            ("--pp", self.pp, d.pp),
+            ("--inner-ring", self.inner_ring, d.inner_ring),
+            ("--team", self.team, d.team),
+        ] {
+            if v != default {
+                f.push(format!("{flag} {v}"));
+            }
+        }
+        if let Some(dp) = self.dp {
+            f.push(format!("--dp {dp}"));
+        }
+        if let Some(c) = &self.cp_impl {
+            f.push(format!("--cp-impl {c}"));
+        }
+        if self.tp_sp {
+            f.push("--tp-sp".into());
+        }
+        f.join(" ")
+    }
+
     /// The sequence-parallel attention these flags describe.
     pub fn sp_config(&self) -> Result<SpConfig> {
         let strategy = match &self.cp_impl {

@@ -15,16 +15,18 @@ use candle_core::{DType, Device, Tensor};
 use candle_parallel::attention::ShardPlan;
 use candle_parallel::comm::ReduceOp;
 use candle_parallel::mesh::{Dim, MeshLayout};
+use candle_parallel::nn::ParamMode;
 use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
+use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
-use models::llama::{self, LlamaConfig};
+use models::llama::LlamaConfig;
 use models::tokenizer::Tokenizer;
 use train::checkpoint;
 use train::data::{PackedDataset, TokenStream};
 use train::trainer::{StepStats, TrainConfig, Trainer};
 
 use crate::eval::parse_dtype_flag;
-use crate::launch::launch;
+use crate::launch::{launch, load_llama};
 use crate::layout::LayoutArgs;
 use crate::progress::{peak_rss_mib, Progress, StepLine};
 
@@ -271,9 +273,11 @@ impl TrainArgs {
             },
             max_grad_norm: (self.max_grad_norm > 0.0).then_some(self.max_grad_norm),
             loss_chunk_tokens: self.loss_chunk,
-            zero,
-            zero_group: self.zero_group,
-            checkpointing,
+            memory: MemoryPlan {
+                zero,
+                zero_group: self.zero_group,
+                checkpointing,
+            },
         })
     }
 }
@@ -299,7 +303,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let cfg = args.config()?;
     // Flag checks that need the layout, before the data is read and tokenized.
     let sp = args.layout.sp_config()?;
-    if let Some(z) = cfg.zero_group {
+    if let Some(z) = cfg.memory.zero_group {
         let mesh = args.layout.mesh_config()?;
         let g = MeshLayout::new(&mesh, args.layout.ranks)?.group_size(&[
             Dim::Ulysses,
@@ -329,7 +333,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     // Data: tokenized once, identical on every rank.
     let stream = if let Some(t) = &args.tokens {
         TokenStream::from_sequences(
-            &train::data::read_token_sequences(t, model_cfg.vocab_size)?,
+            &train::data::read_token_sequences(t, model_cfg.vocab_size, "--tokens")?,
             model_cfg.vocab_size,
         )?
     } else {
@@ -342,7 +346,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         let docs = train::data::read_corpus(&paths, &args.text_field, "--data")?;
         TokenStream::from_documents(&tok, &docs, model_cfg.vocab_size)?
     };
-    let data = PackedDataset::new(stream, cfg.seq_len, cfg.doc_mask)?;
+    let data = PackedDataset::new(stream, cfg.seq_len, cfg.doc_mask)
+        .with_context(|| format!("--seq-len {}", cfg.seq_len))?;
     // Resume point.
     let resume_from = if args.resume {
         match checkpoint::list_checkpoints(&args.out).pop() {
@@ -402,11 +407,15 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let final_history = launch(&args.layout, |rank| {
         // The loaded parameter list is dropped here, so that under ZeRO-3 the whole tensors
         // are freed once the trainer has sharded them.
-        let (model, params) = {
-            let loaded = llama::load(&load_files, &rank.ctx, Some(dtype), true)?;
-            (loaded.model, loaded.params.sorted())
-        };
-        let mut trainer = Trainer::new(model, params, &rank.mesh, &rank.ctx, cfg.clone())?;
+        let model = load_llama(
+            &load_files,
+            rank,
+            Some(dtype),
+            ParamMode::Trainable,
+            &args.layout,
+        )?
+        .model;
+        let mut trainer = Trainer::new(model, &rank.mesh, &rank.ctx, cfg.clone())?;
         if let (Some(dir), Some(state)) = (&resume_from, &resume_state) {
             checkpoint::restore(&mut trainer, dir, state)?;
         }
@@ -516,8 +525,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                     "peak memory: {mine:.0} MiB (RSS of this process, {} local rank(s); ZeRO {}, \
                      checkpointing {})",
                     world.size(),
-                    cfg.zero,
-                    cfg.checkpointing
+                    cfg.memory.zero,
+                    cfg.memory.checkpointing
                 );
             }
         }

@@ -43,6 +43,14 @@ pub enum Error {
     #[error("invalid parallel layout: {0}")]
     Layout(String),
 
+    /// A parameter is missing from its source, or has the wrong shape.
+    #[error("checkpoint {location}: tensor `{name}`: {msg}")]
+    Tensor {
+        location: String,
+        name: String,
+        msg: String,
+    },
+
     /// An error reported by the MPI backend.
     #[error("MPI: {0}")]
     Mpi(String),

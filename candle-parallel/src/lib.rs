@@ -3,11 +3,13 @@
 //! Data flows through the modules in this order and never back:
 //! [`comm`] (how ranks talk: local threads, MPI) → [`mesh`] (who talks to whom: tp × ulysses ×
 //! ring × pp × dp groups) → [`collectives`] (differentiable communication inside candle graphs)
-//! → [`attention`] (every sequence-parallel attention strategy behind one trait), [`ops`] (fused
-//! RMSNorm, RoPE, SwiGLU with backward) and [`layers`] (tensor-parallel linear layers,
-//! vocab-parallel embedding and loss, the [`layers::ParallelCtx`] a model is built with) →
-//! [`recompute`] (activation checkpointing, full or selective) and [`optim`] (AdamW with f32
-//! master weights, clipping, schedules, ZeRO sharding).
+//! → [`attention`] (every sequence-parallel attention strategy behind one contract), [`ops`]
+//! (fused RMSNorm, RoPE, SwiGLU with backward) → [`nn`] (the building blocks of parallel models:
+//! column- and row-parallel linear, vocab-parallel embedding and LM head with the fused loss,
+//! attention over any strategy, MLP, norms, parameters loaded by slice, units; and the
+//! [`nn::ParallelCtx`] a model is built with) → [`recompute`] (activation checkpointing, full or
+//! selective), [`optim`] (AdamW with f32 master weights, clipping, schedules, ZeRO sharding) and
+//! [`plan`] (layout and memory plan, applied to a built model by walking its units).
 //!
 //! A tensor-parallel MLP on two local ranks, trained through an activation-checkpointed block,
 //! equals the single-device computation:
@@ -15,7 +17,9 @@
 //! ```
 //! use std::sync::Arc;
 //! use candle_core::{Device, Tensor, Var};
-//! use candle_parallel::layers::{ColumnParallelLinear, RowParallelLinear, TpGroup};
+//! use candle_parallel::nn::{
+//!     ColumnOutput, ColumnParallelLinear, RowInput, RowParallelLinear, TpActivations, TpGroup,
+//! };
 //! use candle_parallel::recompute::{checkpoint, Block, Checkpointing, GradSink};
 //! use candle_parallel::{LocalWorld, SequenceParallelAttention, SpAttention, SpConfig, Strategy};
 //!
@@ -24,12 +28,14 @@
 //! let w2 = Tensor::randn(0f32, 1., (d, h), &Device::Cpu)?;
 //! let x = Tensor::randn(0f32, 1., (1, 4, d), &Device::Cpu)?;
 //! let grads = LocalWorld::run(2, |comm| -> candle_parallel::Result<Tensor> {
-//!     let (r, tp) = (comm.rank(), TpGroup::new(comm.clone(), false));
+//!     let (r, tp) = (comm.rank(), TpGroup::new(comm.clone(), TpActivations::Replicated));
 //!     // Each rank holds half of the hidden units: rows of w1, columns of w2.
 //!     let w1r = Var::from_tensor(&w1.narrow(0, r * h / 2, h / 2)?)?;
 //!     let w2r = Var::from_tensor(&w2.narrow(1, r * h / 2, h / 2)?)?;
-//!     let up = ColumnParallelLinear::new(w1r.as_tensor().clone(), None, tp.clone(), false);
-//!     let down = RowParallelLinear::new(w2r.as_tensor().clone(), None, tp, true);
+//!     let up = ColumnParallelLinear::from_weights(
+//!         w1r.as_tensor().clone(), None, tp.clone(), ColumnOutput::Sharded);
+//!     let down = RowParallelLinear::from_weights(
+//!         w2r.as_tensor().clone(), None, tp, RowInput::Sharded);
 //!     let block: Block = Arc::new(move |x, _attn| down.forward(&up.forward(x)?.relu()?));
 //!     // No attention in this block; a one-rank attention stands in for the argument.
 //!     let solo = comm.split(r, 0)?;
@@ -53,10 +59,11 @@ pub mod attention;
 pub mod collectives;
 pub mod comm;
 pub mod error;
-pub mod layers;
 pub mod mesh;
+pub mod nn;
 pub mod ops;
 pub mod optim;
+pub mod plan;
 pub mod recompute;
 
 pub use attention::{

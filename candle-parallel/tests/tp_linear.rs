@@ -1,7 +1,7 @@
 //! Tensor-parallel linear layers (`ColumnParallelLinear`, `RowParallelLinear`) on 1, 2 and 4
 //! local ranks against the plain single-device `y = x W^T + b`, with and without biases, with
 //! `gather_output` / `input_is_parallel` on and off, and with and without Megatron sequence
-//! parallelism (TP-sp: `TpGroup::new(comm, true)`), plus a column → row MLP pair.
+//! parallelism (TP-sp: `TpActivations::SequenceSharded`), plus a column → row MLP pair.
 //!
 //! Every rank builds its layer from its slice of one random global weight (and bias), runs
 //! forward on random non-zero input, and backpropagates `Σ y ⊙ G` for a random output weight `G`
@@ -24,7 +24,18 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_parallel::comm::{Comm, LocalWorld};
-use candle_parallel::layers::{ColumnParallelLinear, RowParallelLinear, TpGroup};
+use candle_parallel::nn::{
+    ColumnOutput, ColumnParallelLinear, RowInput, RowParallelLinear, TpActivations, TpGroup,
+};
+
+/// The activations of TP-sp (`sp`) or plain tensor parallelism.
+fn activations(sp: bool) -> TpActivations {
+    if sp {
+        TpActivations::SequenceSharded
+    } else {
+        TpActivations::Replicated
+    }
+}
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -170,7 +181,7 @@ fn check_column(rf: &Reference, p: usize, sp: bool, gather_output: bool) {
     );
     let ranks = world(p, |comm| {
         let r = comm.rank();
-        let tp = TpGroup::new(comm, sp);
+        let tp = TpGroup::new(comm, activations(sp));
         // TP-sp is off on one rank: the layer then sees the plain layout.
         assert_eq!(tp.sequence_parallel(), sp && p > 1);
         let w = Var::from_tensor(&chunk(&rf.w, 0, p, r)?)?;
@@ -184,11 +195,16 @@ fn check_column(rf: &Reference, p: usize, sp: bool, gather_output: bool) {
             rf.x.clone()
         };
         let x = Var::from_tensor(&x)?;
-        let layer = ColumnParallelLinear::new(
+        let output = if gather_output {
+            ColumnOutput::Gathered
+        } else {
+            ColumnOutput::Sharded
+        };
+        let layer = ColumnParallelLinear::from_weights(
             w.as_tensor().clone(),
             b.as_ref().map(|b| b.as_tensor().clone()),
             tp,
-            gather_output,
+            output,
         );
         let y = layer.forward(x.as_tensor())?;
         // Gathered: every rank computes the whole loss; otherwise its columns of it.
@@ -237,7 +253,7 @@ fn check_row(rf: &Reference, p: usize, sp: bool, input_is_parallel: bool) {
     );
     let ranks = world(p, |comm| {
         let r = comm.rank();
-        let tp = TpGroup::new(comm, sp);
+        let tp = TpGroup::new(comm, activations(sp));
         // TP-sp is off on one rank: the layer then sees the plain layout.
         assert_eq!(tp.sequence_parallel(), sp && p > 1);
         let w = Var::from_tensor(&chunk(&rf.w, 1, p, r)?)?;
@@ -253,11 +269,16 @@ fn check_row(rf: &Reference, p: usize, sp: bool, input_is_parallel: bool) {
         } else {
             rf.g.clone()
         };
-        let layer = RowParallelLinear::new(
+        let input = if input_is_parallel {
+            RowInput::Sharded
+        } else {
+            RowInput::Whole
+        };
+        let layer = RowParallelLinear::from_weights(
             w.as_tensor().clone(),
             b.as_ref().map(|b| b.as_tensor().clone()),
             tp,
-            input_is_parallel,
+            input,
         );
         let y = layer.forward(x.as_tensor())?;
         backprop(y, &g, &x, &w, b.as_ref(), r)
@@ -376,7 +397,7 @@ fn column_then_row_matches_single_device() {
             let what = format!("column→row p={p} sp={sp}");
             let ranks = world(p, |comm| {
                 let r = comm.rank();
-                let tp = TpGroup::new(comm, sp);
+                let tp = TpGroup::new(comm, activations(sp));
                 // TP-sp is off on one rank: the layer then sees the plain layout.
                 assert_eq!(tp.sequence_parallel(), sp && p > 1);
                 let w1 = Var::from_tensor(&chunk(&w1, 0, p, r)?)?;
@@ -389,17 +410,17 @@ fn column_then_row_matches_single_device() {
                     (x.clone(), g.clone())
                 };
                 let xl = Var::from_tensor(&xl)?;
-                let up = ColumnParallelLinear::new(
+                let up = ColumnParallelLinear::from_weights(
                     w1.as_tensor().clone(),
                     Some(b1.as_tensor().clone()),
                     tp.clone(),
-                    false,
+                    ColumnOutput::Sharded,
                 );
-                let down = RowParallelLinear::new(
+                let down = RowParallelLinear::from_weights(
                     w2.as_tensor().clone(),
                     Some(b2.as_tensor().clone()),
                     tp,
-                    true,
+                    RowInput::Sharded,
                 );
                 let y = down.forward(&up.forward(xl.as_tensor())?)?;
                 let grads = (&y * &gl)?.sum_all()?.backward()?;

@@ -10,14 +10,18 @@ use std::time::Duration;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use candle_parallel::comm::{Comm, LocalWorld};
-use candle_parallel::layers::cross_entropy::{
-    vocab_parallel_cross_entropy, CrossEntropyOptions, IGNORE_INDEX,
+use candle_parallel::nn::{
+    vocab_parallel_cross_entropy, CrossEntropyOptions, TpActivations, TpGroup,
+    VocabParallelEmbedding, IGNORE_INDEX,
 };
-use candle_parallel::layers::embedding::VocabParallelEmbedding;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 const WORLDS: [usize; 3] = [1, 2, 4];
+
+fn tp(comm: &Comm) -> TpGroup {
+    TpGroup::new(comm.clone(), TpActivations::Replicated)
+}
 const TOL: f64 = 1e-5;
 /// Tolerance of the bf16 case (inputs rounded to bf16; arithmetic in f32 on both sides).
 const BF16_TOL: f64 = 1e-2;
@@ -341,7 +345,7 @@ fn embedding_matches_single_rank() {
         let out = world(p, |comm| {
             let r = comm.rank();
             let wr = Var::from_tensor(&shard(&weight, p, r)?)?;
-            let emb = VocabParallelEmbedding::new(wr.as_tensor().clone(), v, comm.clone())
+            let emb = VocabParallelEmbedding::from_weight(wr.as_tensor().clone(), v, tp(&comm))
                 .map_err(candle_core::Error::wrap)?;
             assert_eq!(emb.vocab_range(), r * v / p..(r + 1) * v / p);
             assert_eq!(emb.weight().dims(), &[v / p, h]);
@@ -366,13 +370,13 @@ fn embedding_rejects_bad_input() {
     let weight = Tensor::zeros((8, 4), DType::F32, &Device::Cpu).unwrap();
     let errs = world(2, |comm| {
         let r = comm.rank();
-        let indivisible = VocabParallelEmbedding::new(weight.clone(), 15, comm.clone())
+        let indivisible = VocabParallelEmbedding::from_weight(weight.clone(), 15, tp(&comm))
             .expect_err("V % P != 0 accepted")
             .to_string();
-        let wrong_rows = VocabParallelEmbedding::new(weight.clone(), 32, comm.clone())
+        let wrong_rows = VocabParallelEmbedding::from_weight(weight.clone(), 32, tp(&comm))
             .expect_err("wrong shard rows accepted")
             .to_string();
-        let emb = VocabParallelEmbedding::new(shard(&weight, 2, r)?, 8, comm.clone())
+        let emb = VocabParallelEmbedding::from_weight(shard(&weight, 2, r)?, 8, tp(&comm))
             .map_err(candle_core::Error::wrap)?;
         let ids = Tensor::new(&[[1u32, 8]], &Device::Cpu)?;
         let out_of_range = emb.forward(&ids).expect_err("id >= V accepted").to_string();

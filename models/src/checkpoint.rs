@@ -2,56 +2,20 @@
 //!
 //! [`CheckpointReader`] memory-maps the checkpoint's files (single or sharded with
 //! `model.safetensors.index.json`) and reads a tensor, or only this rank's slice of it along one
-//! dim, straight from the map. [`ParamStore`] is the candle `VarBuilder` backend that model
-//! constructors load through (`vb.pp("q_proj").get_with_hints(shape, "weight", Shard::..)`,
-//! with the keys of the checkpoint): it converts the dtype, wraps trainable parameters in
-//! [`Var`]s and records every parameter with its name and split ([`Param`]), so that the
-//! training loop, the gradient reduction and [`save_hf`] work on the same list, in name order.
+//! dim, straight from the map. It is the [`TensorSource`] model constructors load through (a
+//! [`candle_parallel::nn::ParamBuilder`]), so every rank reads only its slices. [`save_hf`]
+//! writes a model's parameters back as a Hugging Face model directory, atomically.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 
-use candle_core::{DType, Device, Shape, Tensor, Var};
-use candle_nn::var_builder::{Backend, VarBuilderArgs};
+use candle_core::{DType, Device, Tensor};
 use candle_parallel::comm::Comm;
+use candle_parallel::nn::{Param, Shard, TensorSource};
 use safetensors::tensor::{Metadata, SafeTensors, TensorInfo};
 
 use crate::error::{Error, Result};
-
-/// How a parameter is split over the tensor-parallel group: rank `rank` of `world` holds the
-/// `rank`-th of `world` equal blocks along `dim`. `world == 1`: replicated (the default).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Shard {
-    pub dim: usize,
-    pub rank: usize,
-    pub world: usize,
-}
-
-impl Default for Shard {
-    fn default() -> Self {
-        Self::replicated()
-    }
-}
-
-impl Shard {
-    pub fn replicated() -> Self {
-        Self {
-            dim: 0,
-            rank: 0,
-            world: 1,
-        }
-    }
-
-    pub fn new(dim: usize, rank: usize, world: usize) -> Self {
-        Self { dim, rank, world }
-    }
-
-    pub fn is_split(&self) -> bool {
-        self.world > 1
-    }
-}
 
 struct MappedFile {
     path: PathBuf,
@@ -223,184 +187,29 @@ impl CheckpointReader {
     }
 }
 
-/// One parameter of a model: its checkpoint name, its value on this rank and its split.
-#[derive(Debug, Clone)]
-pub struct Param {
-    pub name: String,
-    /// The (local) tensor; a [`Var`] when the store is trainable.
-    pub var: Option<Var>,
-    pub tensor: Tensor,
-    pub shard: Shard,
-    /// The shape of the whole parameter, as in the checkpoint.
-    pub global_shape: Vec<usize>,
-}
+impl TensorSource for CheckpointReader {
+    fn location(&self) -> String {
+        self.location.clone()
+    }
 
-/// The candle `VarBuilder` backend of our models: reads parameters from a checkpoint (only this
-/// rank's slice of split ones) and records them; or, built by [`ParamStore::from_params`], hands
-/// out given tensors (a module rebuilt from gathered ZeRO-3 shards).
-pub struct ParamStore {
-    /// `None`: only the given `params` exist.
-    reader: Option<Arc<CheckpointReader>>,
-    trainable: bool,
-    params: Arc<Mutex<Vec<Param>>>,
-}
+    fn contains(&self, name: &str) -> bool {
+        CheckpointReader::contains(self, name)
+    }
 
-/// The recorded parameters of a [`ParamStore`], readable after the model is built.
-#[derive(Clone, Default)]
-pub struct ParamList(Arc<Mutex<Vec<Param>>>);
+    fn shape(&self, name: &str) -> candle_parallel::Result<Vec<usize>> {
+        Ok(self.meta(name).map_err(parallel)?.shape)
+    }
 
-impl ParamList {
-    /// The parameters, sorted by name (the order every rank agrees on).
-    pub fn sorted(&self) -> Vec<Param> {
-        let mut v = match self.0.lock() {
-            Ok(g) => g.clone(),
-            Err(p) => p.into_inner().clone(),
-        };
-        v.sort_by(|a, b| a.name.cmp(&b.name));
-        v
+    fn read(&self, name: &str, shard: Shard, dev: &Device) -> candle_parallel::Result<Tensor> {
+        CheckpointReader::read(self, name, shard, dev).map_err(parallel)
     }
 }
 
-/// A `VarBuilder` over a [`ParamStore`]; `get_with_hints(shape, name, Shard)` loads a parameter
-/// (`shape` the local shape).
-pub type ParamBuilder<'a> = VarBuilderArgs<'a, ParamStore>;
-
-impl ParamStore {
-    /// A builder loading from `reader` in `dtype` on `dev`; parameters become [`Var`]s when
-    /// `trainable`. The returned [`ParamList`] sees every parameter the model loads.
-    pub fn builder(
-        reader: Arc<CheckpointReader>,
-        dtype: DType,
-        dev: &Device,
-        trainable: bool,
-    ) -> (ParamBuilder<'static>, ParamList) {
-        let params = Arc::new(Mutex::new(Vec::new()));
-        let store = ParamStore {
-            reader: Some(reader),
-            trainable,
-            params: params.clone(),
-        };
-        (
-            VarBuilderArgs::new_with_args(store, dtype, dev),
-            ParamList(params),
-        )
-    }
-
-    /// A builder that hands out exactly `params` (by name and split; tensors as they are, no
-    /// copy, gradients flowing through them) and errors on any other name.
-    pub fn from_params(params: Vec<Param>, dtype: DType, dev: &Device) -> ParamBuilder<'static> {
-        let store = ParamStore {
-            reader: None,
-            trainable: false,
-            params: Arc::new(Mutex::new(params)),
-        };
-        VarBuilderArgs::new_with_args(store, dtype, dev)
-    }
-
-    fn reader(&self, name: &str) -> Result<&CheckpointReader> {
-        self.reader.as_deref().ok_or_else(|| Error::Tensor {
-            location: "gathered parameters".into(),
-            name: name.into(),
-            msg: "is not among the parameters of this module".into(),
-        })
-    }
-
-    fn load(
-        &self,
-        shape: &Shape,
-        name: &str,
-        shard: Shard,
-        dtype: DType,
-        dev: &Device,
-    ) -> Result<Tensor> {
-        if let Ok(params) = self.params.lock() {
-            if let Some(p) = params.iter().find(|p| p.name == name && p.shard == shard) {
-                if p.tensor.dims() != shape.dims() {
-                    return Err(Error::Tensor {
-                        location: "loaded parameters".into(),
-                        name: name.into(),
-                        msg: format!(
-                            "has shape {:?}, the model expects {:?}",
-                            p.tensor.dims(),
-                            shape.dims()
-                        ),
-                    });
-                }
-                return Ok(p.tensor.clone());
-            }
-        }
-        let reader = self.reader(name)?;
-        let meta = reader.meta(name)?;
-        let mut want_global = shape.dims().to_vec();
-        if shard.is_split() {
-            if shard.dim >= want_global.len() {
-                return Err(reader.err(name, format!("bad split {shard:?}")));
-            }
-            want_global[shard.dim] *= shard.world;
-        }
-        if meta.shape != want_global {
-            return Err(reader.err(
-                name,
-                format!(
-                    "has shape {:?} in {}, the model config expects {want_global:?}",
-                    meta.shape,
-                    meta.file.display()
-                ),
-            ));
-        }
-        let t = reader.read(name, shard, dev)?.to_dtype(dtype)?;
-        let (var, tensor) = if self.trainable {
-            let v = Var::from_tensor(&t)?;
-            let t = v.as_tensor().clone();
-            (Some(v), t)
-        } else {
-            (None, t)
-        };
-        if let Ok(mut params) = self.params.lock() {
-            params.push(Param {
-                name: name.into(),
-                var,
-                tensor: tensor.clone(),
-                shard,
-                global_shape: meta.shape,
-            });
-        }
-        Ok(tensor)
-    }
-}
-
-impl Backend for ParamStore {
-    type Hints = Shard;
-
-    fn get(
-        &self,
-        s: Shape,
-        name: &str,
-        h: Shard,
-        dtype: DType,
-        dev: &Device,
-    ) -> candle_core::Result<Tensor> {
-        Ok(self.load(&s, name, h, dtype, dev)?)
-    }
-
-    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        let meta = self.reader(name)?.meta(name)?;
-        Ok(self.load(
-            &Shape::from(meta.shape),
-            name,
-            Shard::replicated(),
-            dtype,
-            dev,
-        )?)
-    }
-
-    fn contains_tensor(&self, name: &str) -> bool {
-        let given = self
-            .params
-            .lock()
-            .map(|p| p.iter().any(|p| p.name == name))
-            .unwrap_or(false);
-        given || self.reader.as_ref().is_some_and(|r| r.contains(name))
+/// A model-zoo error as a candle-parallel one (the message is kept).
+fn parallel(e: Error) -> candle_parallel::Error {
+    match e {
+        Error::Parallel(p) => p,
+        other => candle_parallel::Error::Candle(other.into()),
     }
 }
 

@@ -29,9 +29,10 @@ use std::time::Instant;
 use candle_core::DType;
 use candle_parallel::attention::{SpConfig, Strategy};
 use candle_parallel::comm::LocalWorld;
-use candle_parallel::layers::ParallelCtx;
 use candle_parallel::mesh::{DeviceMesh, MeshConfig};
+use candle_parallel::nn::{ParallelCtx, ParamMode, TpActivations};
 use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
+use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
 use models::llama;
 use train::data::{PackedDataset, TokenStream};
@@ -166,19 +167,20 @@ fn measure(l: &Layout, plan: Plan, seq: usize, loss_chunk: usize) -> Result<Meas
         },
         max_grad_norm: Some(1.0),
         loss_chunk_tokens: loss_chunk,
-        zero: plan.zero,
-        zero_group: None,
-        checkpointing: plan.ckpt,
+        memory: MemoryPlan {
+            zero: plan.zero,
+            zero_group: None,
+            checkpointing: plan.ckpt,
+        },
     };
     let out = LocalWorld::run(l.ranks, |world| -> Result<Measured, String> {
         let e = |x: &dyn std::fmt::Display| x.to_string();
         let mesh = DeviceMesh::new(&l.mesh, world.clone()).map_err(|x| e(&x))?;
-        let ctx = ParallelCtx::new(&mesh, &l.sp, false).map_err(|x| e(&x))?;
-        let (model, params) = {
-            let m = llama::load(&files, &ctx, Some(DType::F32), true).map_err(|x| e(&x))?;
-            (m.model, m.params.sorted())
-        };
-        let mut t = Trainer::new(model, params, &mesh, &ctx, cfg.clone()).map_err(|x| e(&x))?;
+        let ctx = ParallelCtx::new(&mesh, &l.sp, TpActivations::Replicated).map_err(|x| e(&x))?;
+        let model = llama::load(&files, &ctx, Some(DType::F32), ParamMode::Trainable)
+            .map_err(|x| e(&x))?
+            .model;
+        let mut t = Trainer::new(model, &mesh, &ctx, cfg.clone()).map_err(|x| e(&x))?;
         world.barrier().map_err(|x| e(&x))?;
         let state = ALLOC.current();
         if world.rank() == 0 {

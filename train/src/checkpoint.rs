@@ -17,7 +17,7 @@ use models::checkpoint::{save_hf, CheckpointReader, SaveOptions};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::trainer::{StepStats, TrainConfig, Trainer};
+use crate::trainer::{LanguageModel, StepStats, TrainConfig, Trainer};
 
 /// `trainer_state.json`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -56,8 +56,8 @@ pub fn list_checkpoints(out: &Path) -> Vec<(u64, PathBuf)> {
 /// Collective over the world: saves the trainer's model and state as `out/step-N` (written by
 /// world rank 0), then removes all but the last `keep` checkpoints. `extra_files` (config.json,
 /// tokenizer files) are copied into the model directory.
-pub fn save(
-    trainer: &Trainer,
+pub fn save<M: LanguageModel>(
+    trainer: &Trainer<M>,
     out: &Path,
     world: &Comm,
     extra_files: &[(String, Vec<u8>)],
@@ -129,7 +129,11 @@ pub fn read_state(dir: &Path) -> Result<TrainerState> {
 
 /// Restores the optimizer state and step of `trainer` (whose model was loaded from the same
 /// checkpoint) from `dir`, reading only this rank's slices.
-pub fn restore(trainer: &mut Trainer, dir: &Path, state: &TrainerState) -> Result<()> {
+pub fn restore<M: LanguageModel>(
+    trainer: &mut Trainer<M>,
+    dir: &Path,
+    state: &TrainerState,
+) -> Result<()> {
     if state.global_batch != trainer.global_batch() {
         return Err(Error::Checkpoint {
             path: dir.to_path_buf(),

@@ -12,12 +12,13 @@
 
 use std::path::{Path, PathBuf};
 
+use candle_parallel::attention::AttnMask;
 use models::tokenizer::Tokenizer;
 
 use crate::error::{Error, Result};
 
 /// Label value that the loss skips.
-pub const IGNORE: i64 = candle_parallel::layers::IGNORE_INDEX;
+pub const IGNORE: i64 = candle_parallel::nn::IGNORE_INDEX;
 
 /// The file kinds [`read_documents`] reads, by extension.
 const DATA_EXTENSIONS: [&str; 4] = ["txt", "jsonl", "ndjson", "parquet"];
@@ -145,10 +146,11 @@ pub fn read_corpus(paths: &[PathBuf], field: &str, flag: &str) -> Result<Vec<Str
     Ok(docs)
 }
 
-/// A JSON array of token-id arrays (`--tokens`), each id below `vocab_size`.
-pub fn read_token_sequences(path: &Path, vocab_size: usize) -> Result<Vec<Vec<u32>>> {
+/// A JSON array of token-id arrays, each id below `vocab_size`. `flag` names the command-line
+/// flag in errors.
+pub fn read_token_sequences(path: &Path, vocab_size: usize, flag: &str) -> Result<Vec<Vec<u32>>> {
     let err = |msg: String| Error::Data {
-        flag: "--tokens".into(),
+        flag: flag.into(),
         path: path.to_path_buf(),
         msg,
     };
@@ -262,11 +264,13 @@ impl PackedDataset {
     /// Errors when the stream is shorter than one window.
     pub fn new(stream: TokenStream, seq_len: usize, doc_mask: bool) -> Result<Self> {
         if seq_len == 0 {
-            return Err(Error::Invalid("--seq-len must be at least 1".into()));
+            return Err(Error::Invalid(
+                "the sequence length must be at least 1".into(),
+            ));
         }
         if stream.len() < seq_len + 1 {
             return Err(Error::Invalid(format!(
-                "the data has {} tokens, fewer than one window of --seq-len {seq_len} + 1",
+                "the data has {} tokens, fewer than one window of sequence length {seq_len} + 1",
                 stream.len()
             )));
         }
@@ -361,6 +365,85 @@ impl Sampler {
         let per_step = (dp * micro) as u64;
         let base = step * per_step + (dp_rank * micro) as u64;
         (0..micro as u64).map(|j| base + j).collect()
+    }
+}
+
+/// How each optimizer step's global batch is dealt: `dp` data-parallel replicas, each training
+/// on `grad_accum` micro-batches of `batch` windows (with document masks, one forward per
+/// window, each with its own mask). The windows come from the [`Sampler`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batching {
+    pub dp: usize,
+    pub batch: usize,
+    pub grad_accum: usize,
+    pub doc_mask: bool,
+    pub seed: u64,
+    pub shuffle: bool,
+}
+
+/// The sequences of one forward and backward pass, in global (unsharded) form.
+#[derive(Debug, Clone)]
+pub struct MicroBatch {
+    pub ids: Vec<Vec<u32>>,
+    pub labels: Vec<Vec<i64>>,
+    pub mask: AttnMask,
+}
+
+impl Batching {
+    /// Sequences per optimizer step over all data-parallel ranks.
+    pub fn global_batch(&self) -> usize {
+        self.dp * self.batch * self.grad_accum
+    }
+
+    fn sampler(&self, data: &PackedDataset) -> Sampler {
+        Sampler {
+            num_windows: data.num_windows(),
+            seed: self.seed,
+            shuffle: self.shuffle,
+        }
+    }
+
+    /// The windows data-parallel rank `d` trains on in `step`.
+    pub fn windows(&self, data: &PackedDataset, step: u64, d: usize) -> Vec<Window> {
+        let s = self.sampler(data);
+        s.samples(step, self.dp, d, self.batch * self.grad_accum)
+            .into_iter()
+            .map(|k| data.window(s.window_of(k)))
+            .collect()
+    }
+
+    /// Labelled tokens in the global batch of `step` (known to every rank without
+    /// communication).
+    pub fn global_tokens(&self, data: &PackedDataset, step: u64) -> u64 {
+        (0..self.dp)
+            .flat_map(|d| self.windows(data, step, d))
+            .map(|w| w.labels.iter().filter(|&&l| l != IGNORE).count() as u64)
+            .sum()
+    }
+
+    /// Data-parallel rank `d`'s micro-batches of `step`.
+    pub fn micro_batches(&self, data: &PackedDataset, step: u64, d: usize) -> Vec<MicroBatch> {
+        let windows = self.windows(data, step, d);
+        let mut out = Vec::new();
+        for micro in windows.chunks(self.batch) {
+            let groups: Vec<&[Window]> = if self.doc_mask {
+                micro.chunks(1).collect()
+            } else {
+                vec![micro]
+            };
+            for g in groups {
+                out.push(MicroBatch {
+                    ids: g.iter().map(|w| w.ids.clone()).collect(),
+                    labels: g.iter().map(|w| w.labels.clone()).collect(),
+                    mask: if self.doc_mask {
+                        AttnMask::documents(g[0].doc_ids.clone())
+                    } else {
+                        AttnMask::Causal
+                    },
+                });
+            }
+        }
+        out
     }
 }
 

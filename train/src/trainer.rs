@@ -2,43 +2,63 @@
 //! step that turns a global batch of windows into an optimizer update.
 //!
 //! Contract of [`Trainer::step`] (collective over the world, every rank calls it with the same
-//! step number): the step's global batch is `dp · batch · grad_accum` windows chosen by the
-//! [`Sampler`]; data-parallel rank `d` trains on its `batch · grad_accum`; each micro-batch of
-//! `batch` windows is cut into this rank's sequence shard by the layout, run forward and
-//! backward on its own ([`Trainer::forward_backward`]), with this rank's loss scaled to its
-//! share of the global mean; gradients are accumulated in f32, summed over the ranks sharing
-//! each parameter, clipped by the global norm, and applied by AdamW (f32 master weights and
-//! moments) in [`Trainer::apply`]. The mean loss over the global batch is returned, identical on
-//! every rank.
+//! step number): the step's global batch is `dp · batch · grad_accum` windows dealt by
+//! [`Batching`]; data-parallel rank `d` trains on its `batch · grad_accum`; each micro-batch is
+//! cut into this rank's sequence shard by the layout, run forward and backward on its own
+//! ([`Trainer::forward_backward`]), with this rank's loss scaled to its share of the global
+//! mean; gradients are accumulated in f32, summed over the ranks sharing each parameter, clipped
+//! by the global norm, and applied by AdamW (f32 master weights and moments) in
+//! [`Trainer::apply`]. The mean loss over the global batch is returned, identical on every rank.
 //!
-//! Memory plans ([`TrainConfig::zero`], [`TrainConfig::checkpointing`]): ZeRO stage 1 keeps
-//! each rank's optimizer state for its chunk of every parameter only (all-gathering the updated
-//! parameters after the step), stage 2 also reduce-scatters each micro-batch's gradients into
-//! chunks, stage 3 also shards the parameters themselves (the model gathers each layer for each
-//! use; see [`models::unit`]). The sharding group is `ulysses × ring × dp` or a part of it
-//! ([`ZeroGroups`]). Activation checkpointing recomputes each decoder layer in backward
-//! ([`candle_parallel::recompute`]). None of these changes a loss or a weight beyond rounding
-//! (the tests assert 1e-5 against the single-rank run).
+//! The memory plan ([`TrainConfig::memory`]) is applied to the model's units by
+//! [`MemoryPlan::apply`]: ZeRO stage 1 keeps each rank's optimizer state for its chunk of every
+//! parameter only (all-gathering the updated parameters after the step), stage 2 also
+//! reduce-scatters each micro-batch's gradients into chunks, stage 3 also shards the parameters
+//! themselves (each unit gathers its parameters for each use; see [`candle_parallel::nn::unit`]).
+//! The sharding group is `ulysses × ring × dp` or a part of it ([`ZeroGroups`]). Activation
+//! checkpointing recomputes each block in backward ([`candle_parallel::recompute`]). None of
+//! these changes a loss or a weight beyond rounding (the tests assert 1e-5 against the
+//! single-rank run).
 
 use std::collections::HashMap;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
-use candle_parallel::attention::AttnMask;
 use candle_parallel::comm::{Comm, ReduceOp};
-use candle_parallel::layers::{CrossEntropyOptions, ParallelCtx};
 use candle_parallel::mesh::{DeviceMesh, Dim};
+use candle_parallel::nn::{Batch, CrossEntropyOptions, ParallelCtx, Param, Shard};
 use candle_parallel::optim::{
     clip_grad_norm, decays, global_grad_norm, AdamW, AdamWConfig, FlatShard, LrSchedule,
     OptimParam, ZeroGroups, ZeroStage,
 };
-use candle_parallel::recompute::Checkpointing;
-use models::checkpoint::{Param, Shard};
-use models::grads::{accumulate, collect_gradients, reduce_gradients};
-use models::llama::{Batch, Llama};
+use candle_parallel::plan::{MemoryPlan, Parallelize, PlannedParams};
+use models::llama::Llama;
 use serde::{Deserialize, Serialize};
 
-use crate::data::{PackedDataset, Sampler, Window, IGNORE};
+use crate::data::{Batching, MicroBatch, PackedDataset};
 use crate::error::{Error, Result};
+
+/// A language model the trainer trains: the summed next-token loss of a batch (see
+/// [`Llama::loss_sum`]), and units a memory plan can walk.
+pub trait LanguageModel: Parallelize + Send {
+    fn loss_sum(
+        &self,
+        batch: &Batch,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<(Tensor, usize)>;
+}
+
+impl LanguageModel for Llama {
+    fn loss_sum(
+        &self,
+        batch: &Batch,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<(Tensor, usize)> {
+        Ok(Llama::loss_sum(self, batch, labels, opts)?)
+    }
+}
 
 /// Settings of a training run that the step needs (the CLI adds paths and logging).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -62,15 +82,9 @@ pub struct TrainConfig {
     pub max_grad_norm: Option<f64>,
     /// Tokens per chunk of the vocab-parallel loss.
     pub loss_chunk_tokens: usize,
-    /// ZeRO stage.
-    #[serde(default)]
-    pub zero: ZeroStage,
-    /// Ranks per ZeRO sharding group (none: all of ulysses × ring × dp).
-    #[serde(default)]
-    pub zero_group: Option<usize>,
-    /// Activation checkpointing of the decoder layers.
-    #[serde(default)]
-    pub checkpointing: Checkpointing,
+    /// ZeRO stage and groups, activation checkpointing.
+    #[serde(flatten)]
+    pub memory: MemoryPlan,
 }
 
 /// What one optimizer step reports.
@@ -87,12 +101,19 @@ pub struct StepStats {
     pub tokens: u64,
 }
 
-/// The sequences of one forward and backward pass, in global (unsharded) form.
-#[derive(Debug, Clone)]
-pub struct MicroBatch {
-    pub ids: Vec<Vec<u32>>,
-    pub labels: Vec<Vec<i64>>,
-    pub mask: AttnMask,
+/// Where a trainable parameter's value lives under the memory plan.
+enum ParamState {
+    /// The model's whole tensor-parallel slice, trained in place (no ZeRO).
+    Whole(Var),
+    /// ZeRO-1/2: the model keeps the whole slice; the optimizer trains this rank's chunk (a
+    /// copy), gathered into the whole after each step.
+    Mirrored {
+        whole: Var,
+        flat: FlatShard,
+        chunk: Var,
+    },
+    /// ZeRO-3: the model's unit holds only this rank's chunk, trained directly.
+    Sharded { flat: FlatShard, chunk: Var },
 }
 
 /// One trainable parameter as the trainer handles it.
@@ -103,16 +124,37 @@ struct TrainParam {
     global_shape: Vec<usize>,
     /// Shape of this rank's tensor-parallel slice.
     local_shape: Vec<usize>,
-    /// The model's parameter (whole slice); `None` under ZeRO-3.
-    var: Option<Var>,
-    /// Under ZeRO: this rank's chunk and the `Var` the optimizer updates (under ZeRO-3 the
-    /// model's own; under stages 1 and 2 a copy whose update is gathered into `var`).
-    chunk: Option<(FlatShard, Var)>,
+    state: ParamState,
 }
 
-/// One rank's trainer.
-pub struct Trainer {
-    pub model: Llama,
+impl TrainParam {
+    /// The variable the optimizer updates.
+    fn optimized(&self) -> &Var {
+        match &self.state {
+            ParamState::Whole(v) => v,
+            ParamState::Mirrored { chunk, .. } | ParamState::Sharded { chunk, .. } => chunk,
+        }
+    }
+
+    /// The variable autograd differentiates (whole slice or, under ZeRO-3, the chunk).
+    fn differentiated(&self) -> &Var {
+        match &self.state {
+            ParamState::Whole(v) | ParamState::Mirrored { whole: v, .. } => v,
+            ParamState::Sharded { chunk, .. } => chunk,
+        }
+    }
+
+    fn flat(&self) -> Option<&FlatShard> {
+        match &self.state {
+            ParamState::Whole(_) => None,
+            ParamState::Mirrored { flat, .. } | ParamState::Sharded { flat, .. } => Some(flat),
+        }
+    }
+}
+
+/// One rank's trainer of a model `M`.
+pub struct Trainer<M = Llama> {
+    pub model: M,
     params: Vec<TrainParam>,
     pub optimizer: AdamW,
     pub cfg: TrainConfig,
@@ -121,105 +163,98 @@ pub struct Trainer {
     zero: Option<ZeroGroups>,
     /// ulysses × ring × dp: the ranks whose losses add up to the global loss.
     loss_group: Comm,
-    dp: usize,
+    batching: Batching,
     dp_rank: usize,
     /// Optimizer steps taken (the next step's index).
     pub step: u64,
 }
 
-impl Trainer {
-    /// Builds the optimizer over `params` (the model's, as loaded; no weight decay on 1-D
-    /// tensors), applies the configured checkpointing and ZeRO stage (under stage 3 the model's
-    /// parameters become chunks and `params` is dropped). Collective over the world.
+fn no_gradient(name: &str) -> Error {
+    Error::Invalid(format!("parameter `{name}` received no gradient"))
+}
+
+impl<M: LanguageModel> Trainer<M> {
+    /// Applies the memory plan to `model` (built for `ctx` on `mesh`, trainable) and builds the
+    /// optimizer over its parameters (no weight decay on 1-D tensors). Collective over the
+    /// world.
     pub fn new(
-        mut model: Llama,
-        params: Vec<Param>,
+        mut model: M,
         mesh: &DeviceMesh,
         ctx: &ParallelCtx,
         cfg: TrainConfig,
     ) -> Result<Self> {
         if cfg.batch == 0 || cfg.grad_accum == 0 {
             return Err(Error::Invalid(
-                "--batch and --grad-accum must be at least 1".into(),
+                "the batch size and gradient accumulation must be at least 1".into(),
             ));
         }
-        let mut params = params;
-        params.sort_by(|a, b| a.name.cmp(&b.name));
-        if let Some(p) = params.iter().find(|p| p.var.is_none()) {
-            return Err(Error::Invalid(format!(
-                "parameter `{}` is not trainable",
-                p.name
-            )));
-        }
-        model.set_checkpointing(cfg.checkpointing);
-        let zero = match cfg.zero {
-            ZeroStage::Off => None,
-            _ => Some(ZeroGroups::new(mesh, cfg.zero_group)?),
-        };
-        let train_params: Vec<TrainParam> = match (&zero, cfg.zero) {
-            (Some(z), ZeroStage::Parameters) => model
-                .shard_parameters(&params, &z.shard)?
+        let zero = cfg.memory.zero_groups(mesh)?;
+        let param_meta = |p: &Param| (p.name.clone(), p.shard, p.global_shape.clone());
+        let params: Vec<TrainParam> = match cfg.memory.apply(&mut model, zero.as_ref())? {
+            PlannedParams::Sharded(chunks) => chunks
                 .into_iter()
                 .map(|s| TrainParam {
                     name: s.name,
                     shard: s.shard,
                     global_shape: s.global_shape,
                     local_shape: s.local_shape,
-                    var: None,
-                    chunk: Some((s.flat, s.var)),
+                    state: ParamState::Sharded {
+                        flat: s.flat,
+                        chunk: s.var,
+                    },
                 })
                 .collect(),
-            (zero, _) => params
+            PlannedParams::Resident(params) => params
                 .iter()
                 .map(|p| {
-                    let chunk = match zero {
+                    let whole = p.var.clone().ok_or_else(|| {
+                        Error::Invalid(format!("parameter `{}` is not trainable", p.name))
+                    })?;
+                    let state = match &zero {
                         Some(z) => {
                             let flat = z.flat_shard(p.tensor.elem_count())?;
-                            Some((flat, Var::from_tensor(&flat.take(&p.tensor)?)?))
+                            let chunk = Var::from_tensor(&flat.take(&p.tensor)?)?;
+                            ParamState::Mirrored { whole, flat, chunk }
                         }
-                        None => None,
+                        None => ParamState::Whole(whole),
                     };
+                    let (name, shard, global_shape) = param_meta(p);
                     Ok(TrainParam {
-                        name: p.name.clone(),
-                        shard: p.shard,
-                        global_shape: p.global_shape.clone(),
+                        name,
+                        shard,
+                        global_shape,
                         local_shape: p.tensor.dims().to_vec(),
-                        var: p.var.clone(),
-                        chunk,
+                        state,
                     })
                 })
                 .collect::<Result<Vec<_>>>()?,
         };
-        drop(params);
-        let optim_params = train_params
+        let optim_params = params
             .iter()
-            .map(|p| {
-                let var = match (&p.chunk, &p.var) {
-                    (Some((_, v)), _) | (None, Some(v)) => v.clone(),
-                    (None, None) => {
-                        return Err(Error::Invalid(format!(
-                            "parameter `{}` has neither a value nor a chunk",
-                            p.name
-                        )))
-                    }
-                };
-                Ok(OptimParam {
-                    name: p.name.clone(),
-                    var,
-                    weight_decay: decays(&p.name, &p.global_shape),
-                })
+            .map(|p| OptimParam {
+                name: p.name.clone(),
+                var: p.optimized().clone(),
+                weight_decay: decays(&p.name, &p.global_shape),
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect();
         let optimizer = AdamW::new(optim_params, cfg.adamw)?;
+        let batching = Batching {
+            dp: mesh.size(Dim::Dp),
+            batch: cfg.batch,
+            grad_accum: cfg.grad_accum,
+            doc_mask: cfg.doc_mask,
+            seed: cfg.seed,
+            shuffle: cfg.shuffle,
+        };
         Ok(Self {
             model,
-            params: train_params,
+            params,
             optimizer,
             ctx: ctx.clone(),
             tp: mesh.comm(Dim::Tp),
             zero,
             loss_group: mesh.group(&[Dim::Ulysses, Dim::Ring, Dim::Dp])?,
-            dp: mesh.size(Dim::Dp),
+            batching,
             dp_rank: mesh.coord(Dim::Dp),
             cfg,
             step: 0,
@@ -235,9 +270,14 @@ impl Trainer {
         &self.tp
     }
 
+    /// How the step's global batch is dealt.
+    pub fn batching(&self) -> &Batching {
+        &self.batching
+    }
+
     /// Sequences per optimizer step over all data-parallel ranks.
     pub fn global_batch(&self) -> usize {
-        self.dp * self.cfg.batch * self.cfg.grad_accum
+        self.batching.global_batch()
     }
 
     /// The tensor-parallel split of the parameter an optimizer state entry (`exp_avg.<name>`,
@@ -253,14 +293,16 @@ impl Trainer {
         self.params
             .iter()
             .map(|p| {
-                let tensor = match (&p.var, &p.chunk, &self.zero) {
-                    (Some(v), _, _) => v.as_tensor().detach(),
-                    (None, Some((flat, c)), Some(z)) => {
-                        flat.gather(&c.as_tensor().detach(), &z.shard, &p.local_shape)?
+                let tensor = match (&p.state, &self.zero) {
+                    (ParamState::Whole(v) | ParamState::Mirrored { whole: v, .. }, _) => {
+                        v.as_tensor().detach()
                     }
-                    _ => {
+                    (ParamState::Sharded { flat, chunk }, Some(z)) => {
+                        flat.gather(&chunk.as_tensor().detach(), &z.shard, &p.local_shape)?
+                    }
+                    (ParamState::Sharded { .. }, None) => {
                         return Err(Error::Invalid(format!(
-                            "parameter `{}` has no value",
+                            "internal: parameter `{}` is sharded without ZeRO groups",
                             p.name
                         )))
                     }
@@ -291,8 +333,8 @@ impl Trainer {
         let mut out = Vec::new();
         for (entry, t) in self.optimizer.state_tensors()? {
             let p = self.param(&entry)?;
-            let t = match (&p.chunk, &self.zero) {
-                (Some((flat, _)), Some(z)) => flat.gather(&t, &z.shard, &p.local_shape)?,
+            let t = match (p.flat(), &self.zero) {
+                (Some(flat), Some(z)) => flat.gather(&t, &z.shard, &p.local_shape)?,
                 _ => t,
             };
             out.push((entry, t));
@@ -319,8 +361,8 @@ impl Trainer {
                     p.local_shape
                 )));
             }
-            let t = match &p.chunk {
-                Some((flat, _)) => flat.take(&t)?,
+            let t = match p.flat() {
+                Some(flat) => flat.take(&t)?,
                 None => t,
             };
             local.insert(entry, t);
@@ -329,59 +371,6 @@ impl Trainer {
         self.gather_updated()?;
         self.step = step;
         Ok(())
-    }
-
-    fn sampler(&self, data: &PackedDataset) -> Sampler {
-        Sampler {
-            num_windows: data.num_windows(),
-            seed: self.cfg.seed,
-            shuffle: self.cfg.shuffle,
-        }
-    }
-
-    /// The windows data-parallel rank `d` trains on in `step`.
-    fn windows(&self, data: &PackedDataset, step: u64, d: usize) -> Vec<Window> {
-        let s = self.sampler(data);
-        let micro = self.cfg.batch * self.cfg.grad_accum;
-        s.samples(step, self.dp, d, micro)
-            .into_iter()
-            .map(|k| data.window(s.window_of(k)))
-            .collect()
-    }
-
-    /// Labelled tokens in the global batch of `step` (known to every rank without
-    /// communication).
-    pub fn global_tokens(&self, data: &PackedDataset, step: u64) -> u64 {
-        (0..self.dp)
-            .flat_map(|d| self.windows(data, step, d))
-            .map(|w| w.labels.iter().filter(|&&l| l != IGNORE).count() as u64)
-            .sum()
-    }
-
-    /// This rank's micro-batches of `step`: `grad_accum` groups of `batch` windows (with
-    /// document masks one forward per sequence, each with its own mask).
-    pub fn micro_batches(&self, data: &PackedDataset, step: u64) -> Vec<MicroBatch> {
-        let windows = self.windows(data, step, self.dp_rank);
-        let mut out = Vec::new();
-        for micro in windows.chunks(self.cfg.batch) {
-            let groups: Vec<&[Window]> = if self.cfg.doc_mask {
-                micro.chunks(1).collect()
-            } else {
-                vec![micro]
-            };
-            for g in groups {
-                out.push(MicroBatch {
-                    ids: g.iter().map(|w| w.ids.clone()).collect(),
-                    labels: g.iter().map(|w| w.labels.clone()).collect(),
-                    mask: if self.cfg.doc_mask {
-                        AttnMask::documents(g[0].doc_ids.clone())
-                    } else {
-                        AttnMask::Causal
-                    },
-                });
-            }
-        }
-        out
     }
 
     /// Forward and backward of one micro-batch, this rank's loss scaled by `1 / global_tokens`.
@@ -402,48 +391,27 @@ impl Trainer {
         let (sum, _) = self.model.loss_sum(&batch, &labels, &opts)?;
         let loss_sum = sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         let share = (sum / global_tokens as f64)?;
-        let store = self.model.backward(&share)?;
-        let grads = match (self.cfg.zero, &self.zero) {
-            (ZeroStage::Parameters, _) => self
-                .params
-                .iter()
-                .map(|p| {
-                    let (_, chunk) = p.chunk.as_ref().ok_or_else(|| no_chunk(&p.name))?;
-                    let g = store.get(chunk.as_tensor()).ok_or_else(|| {
-                        Error::Invalid(format!("parameter `{}` received no gradient", p.name))
-                    })?;
-                    Ok((p.name.clone(), g.to_dtype(DType::F32)?))
-                })
-                .collect::<Result<Vec<_>>>()?,
-            (ZeroStage::Gradients, Some(z)) => {
-                let whole = collect_gradients(&self.whole_param_handles(), &store)?;
-                self.params
-                    .iter()
-                    .zip(whole)
-                    .map(|(p, (n, g))| {
-                        let (flat, _) = p.chunk.as_ref().ok_or_else(|| no_chunk(&p.name))?;
-                        Ok((n, flat.reduce_scatter(&g, &z.shard)?))
-                    })
-                    .collect::<Result<Vec<_>>>()?
-            }
-            _ => collect_gradients(&self.whole_param_handles(), &store)?,
-        };
-        Ok((loss_sum, grads))
+        let store = self.ctx.backward(&share)?;
+        Ok((loss_sum, self.collect(&store)?))
     }
 
-    /// The model's whole parameters as [`Param`]s (stages 0 to 2), for gradient collection.
-    fn whole_param_handles(&self) -> Vec<Param> {
+    /// Every parameter's gradient from `store` in name order, f32; under ZeRO-2 this rank's
+    /// chunk of it, reduce-scattered over the sharding group (collective then).
+    fn collect(&self, store: &GradStore) -> Result<Vec<(String, Tensor)>> {
+        let stage2 = self.cfg.memory.zero == ZeroStage::Gradients;
         self.params
             .iter()
-            .filter_map(|p| {
-                let v = p.var.as_ref()?;
-                Some(Param {
-                    name: p.name.clone(),
-                    var: Some(v.clone()),
-                    tensor: v.as_tensor().clone(),
-                    shard: p.shard,
-                    global_shape: p.global_shape.clone(),
-                })
+            .map(|p| {
+                let g = store
+                    .get(p.differentiated().as_tensor())
+                    .ok_or_else(|| no_gradient(&p.name))?;
+                let g = match (&p.state, &self.zero) {
+                    (ParamState::Mirrored { flat, .. }, Some(z)) if stage2 => {
+                        flat.reduce_scatter(g, &z.shard)?
+                    }
+                    _ => g.to_dtype(DType::F32)?,
+                };
+                Ok((p.name.clone(), g))
             })
             .collect()
     }
@@ -453,44 +421,47 @@ impl Trainer {
     /// and 2 then gathers the updated parameters. Returns the norm before clipping and the
     /// learning rate. Collective over the world.
     pub fn apply(&mut self, acc: Vec<(String, Tensor)>, step: u64) -> Result<(f64, f64)> {
-        let mut grads = match (self.cfg.zero, &self.zero) {
-            (ZeroStage::Off, _) | (_, None) => {
-                reduce_gradients(&self.whole_param_handles(), acc, &self.ctx)?
+        if acc.len() != self.params.len() {
+            return Err(Error::Invalid(format!(
+                "{} gradients for {} parameters",
+                acc.len(),
+                self.params.len()
+            )));
+        }
+        let tp_sp = self.ctx.tp().sequence_parallel();
+        let stage = self.cfg.memory.zero;
+        let mut grads = Vec::with_capacity(acc.len());
+        for (p, (n, g)) in self.params.iter().zip(acc) {
+            if p.name != n {
+                return Err(Error::Invalid(format!(
+                    "gradient `{n}` given for parameter `{}`",
+                    p.name
+                )));
             }
-            (ZeroStage::OptimizerStates, Some(_)) => {
-                let whole = reduce_gradients(&self.whole_param_handles(), acc, &self.ctx)?;
-                self.params
-                    .iter()
-                    .zip(whole)
-                    .map(|(p, (n, g))| {
-                        let (flat, _) = p.chunk.as_ref().ok_or_else(|| no_chunk(&p.name))?;
-                        Ok((n, flat.take(&g)?))
-                    })
-                    .collect::<Result<Vec<_>>>()?
-            }
-            (_, Some(z)) => {
-                // Chunks are summed over the sharding group: add the replicas (and, for
+            let g = match (&self.zero, stage) {
+                // Whole gradients: sum over the ranks sharing the parameter (ZeRO-1 then keeps
+                // this rank's chunk).
+                (None, _) | (Some(_), ZeroStage::Off | ZeroStage::OptimizerStates) => {
+                    let group = self.ctx.grad_group(&p.shard);
+                    let g = all_reduce_if(group, g)?;
+                    match p.flat() {
+                        Some(flat) => flat.take(&g)?,
+                        None => g,
+                    }
+                }
+                // Chunks already summed over the sharding group: add the replicas (and, for
                 // replicated parameters under TP-sp, the tensor-parallel ranks).
-                let tp_sp = self.ctx.tp().sequence_parallel();
-                self.params
-                    .iter()
-                    .zip(acc)
-                    .map(|(p, (n, g))| {
-                        let group = if tp_sp && !p.shard.is_split() {
-                            &z.replica_tp
-                        } else {
-                            &z.replica
-                        };
-                        let g = if group.size() > 1 {
-                            group.all_reduce(&g, ReduceOp::Sum)?
-                        } else {
-                            g
-                        };
-                        Ok((n, g))
-                    })
-                    .collect::<Result<Vec<_>>>()?
-            }
-        };
+                (Some(z), ZeroStage::Gradients | ZeroStage::Parameters) => {
+                    let group = if tp_sp && !p.shard.is_split() {
+                        &z.replica_tp
+                    } else {
+                        &z.replica
+                    };
+                    all_reduce_if(group, g)?
+                }
+            };
+            grads.push((n, g));
+        }
         let split: HashMap<&str, bool> = self
             .params
             .iter()
@@ -520,9 +491,8 @@ impl Trainer {
     fn gather_updated(&self) -> Result<()> {
         let Some(z) = &self.zero else { return Ok(()) };
         for p in &self.params {
-            if let (Some(var), Some((flat, chunk))) = (&p.var, &p.chunk) {
-                let whole = flat.gather(chunk.as_tensor(), &z.shard, &p.local_shape)?;
-                var.set(&whole)?;
+            if let ParamState::Mirrored { whole, flat, chunk } = &p.state {
+                whole.set(&flat.gather(chunk.as_tensor(), &z.shard, &p.local_shape)?)?;
             }
         }
         Ok(())
@@ -531,7 +501,7 @@ impl Trainer {
     /// Runs optimizer step `self.step` on `data` and advances. Collective over the world.
     pub fn step(&mut self, data: &PackedDataset) -> Result<StepStats> {
         let step = self.step;
-        let global_tokens = self.global_tokens(data, step);
+        let global_tokens = self.batching.global_tokens(data, step);
         if global_tokens == 0 {
             return Err(Error::Invalid(format!(
                 "step {step}: no labelled token in the batch"
@@ -539,10 +509,10 @@ impl Trainer {
         }
         let mut acc: Vec<(String, Tensor)> = Vec::new();
         let mut loss_sum = 0f64;
-        for micro in self.micro_batches(data, step) {
+        for micro in self.batching.micro_batches(data, step, self.dp_rank) {
             let (sum, grads) = self.forward_backward(&micro, global_tokens)?;
             loss_sum += sum;
-            accumulate(&mut acc, grads)?;
+            candle_parallel::optim::accumulate(&mut acc, grads)?;
         }
         let (grad_norm, lr) = self.apply(acc, step)?;
         let total = self
@@ -560,6 +530,11 @@ impl Trainer {
     }
 }
 
-fn no_chunk(name: &str) -> Error {
-    Error::Invalid(format!("internal: parameter `{name}` has no ZeRO chunk"))
+/// `g` summed over `group` (itself when the group has one rank).
+fn all_reduce_if(group: &Comm, g: Tensor) -> Result<Tensor> {
+    Ok(if group.size() > 1 {
+        group.all_reduce(&g, ReduceOp::Sum)?
+    } else {
+        g
+    })
 }

@@ -1,6 +1,8 @@
 //! Training optimizer: AdamW with fp32 master weights ([`AdamW`]), global gradient-norm clipping
 //! across tensor-parallel shards ([`clip_grad_norm`]), learning-rate schedules ([`LrSchedule`])
-//! and ZeRO sharding of optimizer states, gradients and parameters ([`zero`]).
+//! and ZeRO sharding of optimizer states, gradients and parameters ([`zero`]); [`grads`]
+//! collects a model's gradients, accumulates them over micro-batches and sums them over the
+//! ranks that share each parameter.
 //!
 //! candle-nn's `AdamW` keeps its moments in the parameter dtype, has no clipping, no schedule and
 //! no state save/load; this module provides all four. One training step is:
@@ -12,12 +14,14 @@
 //! ```
 
 pub mod adamw;
+pub mod grads;
 pub mod schedule;
 pub mod zero;
 
 use candle_core::{DType, Tensor, Var};
 
 pub use adamw::{AdamW, AdamWConfig};
+pub use grads::{accumulate, collect_gradients, reduce_gradients};
 pub use schedule::{Decay, LrSchedule};
 pub use zero::{FlatShard, ZeroGroups, ZeroStage};
 

@@ -7,13 +7,13 @@ pub mod random;
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
-use candle_parallel::layers::ParallelCtx;
+use candle_parallel::nn::{ParallelCtx, ParamBuilder, ParamList, ParamMode};
 
 pub use config::LlamaConfig;
-pub use model::{Attention, Batch, DecoderLayer, Ends, KvCache, Llama, Mlp, RmsNorm};
+pub use model::{DecoderLayer, Ends, KvCache, Llama};
 pub use random::write_random_checkpoint;
 
-use crate::checkpoint::{CheckpointReader, ParamList, ParamStore};
+use crate::checkpoint::CheckpointReader;
 use crate::error::Result;
 use crate::hub::ModelFiles;
 
@@ -26,12 +26,12 @@ pub struct LoadedLlama {
 
 /// Loads `files` for this rank's layout: only this rank's slice of each split parameter is read.
 /// `dtype` defaults to the checkpoint's declared dtype (f32 when none); parameters are `Var`s
-/// when `trainable`.
+/// when [`ParamMode::Trainable`].
 pub fn load(
     files: &ModelFiles,
     ctx: &ParallelCtx,
     dtype: Option<DType>,
-    trainable: bool,
+    mode: ParamMode,
 ) -> Result<LoadedLlama> {
     let config = LlamaConfig::from_file(&files.config)?;
     let dtype = match dtype {
@@ -39,8 +39,8 @@ pub fn load(
         None => config.stored_dtype(&files.config)?.unwrap_or(DType::F32),
     };
     let reader = Arc::new(CheckpointReader::open(&files.weights)?);
-    let (vb, params) = ParamStore::builder(reader, dtype, &Device::Cpu, trainable);
-    let model = Llama::new(&config, ctx, vb)?;
+    let (vb, params) = ParamBuilder::new(reader, dtype, &Device::Cpu, mode);
+    let model = Llama::new(&config, vb, ctx)?;
     Ok(LoadedLlama {
         model,
         params,

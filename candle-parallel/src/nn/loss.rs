@@ -29,6 +29,8 @@ use candle_core::{
     Storage, Tensor,
 };
 
+use super::embedding::load_vocab_rows;
+use super::{EmbeddingConfig, ParallelCtx, ParamBuilder, TpGroup, VocabParallelEmbedding};
 use crate::comm::{Comm, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -98,6 +100,81 @@ pub fn vocab_parallel_cross_entropy(
         },
     )?;
     Ok((node, count))
+}
+
+/// The output projection of a language model, `(V, H)` split by vocabulary rows over the
+/// tensor-parallel group, with the fused chunked loss: the full-vocabulary logits of long
+/// sequences are never formed.
+#[derive(Debug, Clone)]
+pub struct LmHead {
+    /// This rank's rows `(V/P, H)`.
+    weight: Tensor,
+    tp: TpGroup,
+}
+
+impl LmHead {
+    /// Loads this rank's rows of `vb`'s `weight` (`lm_head.weight`).
+    pub fn new(cfg: &EmbeddingConfig, vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
+        Ok(Self {
+            weight: load_vocab_rows(cfg, &vb, ctx)?,
+            tp: ctx.tp().clone(),
+        })
+    }
+
+    /// The head tied to `embedding` (`tie_word_embeddings`): the same tensor, one parameter.
+    pub fn tied(embedding: &VocabParallelEmbedding, ctx: &ParallelCtx) -> Self {
+        Self {
+            weight: embedding.weight().clone(),
+            tp: ctx.tp().clone(),
+        }
+    }
+
+    /// This rank's rows `(V/P, H)`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The summed cross-entropy of final hidden states `h` `(batch, tokens', H)` (under TP-sp
+    /// this rank's part of the tokens) against `labels` `(batch, tokens)` i64 (already shifted:
+    /// the label of token i is the id of token i+1; [`IGNORE_INDEX`] skipped), and the number of
+    /// labels counted. Divide by the global count for the mean. Collective over tp.
+    pub fn loss_sum(
+        &self,
+        h: &Tensor,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<(Tensor, usize)> {
+        let h = self.tp.gather_tokens(h)?;
+        let (b, n, hd) = h.dims3()?;
+        vocab_parallel_cross_entropy(
+            &h.reshape((b * n, hd))?,
+            &self.weight,
+            &labels.flatten_all()?,
+            self.tp.comm(),
+            opts,
+        )
+    }
+
+    /// Logits `(.., tokens, V)` f32 of final hidden states `(.., tokens', H)` (under TP-sp this
+    /// rank's part of the tokens), all-gathered over the vocabulary shards: for evaluation and
+    /// generation, not for long-context training. Collective over tp.
+    pub fn logits(&self, h: &Tensor) -> Result<Tensor> {
+        let h = if h.rank() >= 2 {
+            self.tp.gather_tokens(h)?
+        } else {
+            h.clone()
+        };
+        let local = super::linear(
+            &h.to_dtype(DType::F32)?,
+            &self.weight.to_dtype(DType::F32)?,
+            None,
+        )?;
+        if self.tp.size() == 1 {
+            return Ok(local);
+        }
+        let last = local.rank() - 1;
+        Ok(crate::collectives::gather(&local, self.tp.comm(), last)?)
+    }
 }
 
 /// Everything about the labels and the split that forward and backward share.

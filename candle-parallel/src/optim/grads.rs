@@ -2,11 +2,14 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
-use candle_parallel::comm::ReduceOp;
-use candle_parallel::layers::ParallelCtx;
 
-use crate::checkpoint::Param;
+use crate::comm::ReduceOp;
 use crate::error::{Error, Result};
+use crate::nn::{ParallelCtx, Param};
+
+fn invalid(msg: String) -> Error {
+    Error::invalid("gradients", msg)
+}
 
 /// Every parameter's gradient from `grads` (in name order, the order every rank agrees on).
 /// Errors naming a trainable parameter that received no gradient.
@@ -17,14 +20,14 @@ pub fn collect_gradients(params: &[Param], grads: &GradStore) -> Result<Vec<(Str
         .into_iter()
         .map(|p| {
             let var = p.var.as_ref().ok_or_else(|| {
-                Error::Invalid(format!(
+                invalid(format!(
                     "parameter `{}` was loaded as not trainable",
                     p.name
                 ))
             })?;
-            let g = grads.get(var.as_tensor()).ok_or_else(|| {
-                Error::Invalid(format!("parameter `{}` received no gradient", p.name))
-            })?;
+            let g = grads
+                .get(var.as_tensor())
+                .ok_or_else(|| invalid(format!("parameter `{}` received no gradient", p.name)))?;
             Ok((p.name.clone(), g.clone()))
         })
         .collect()
@@ -39,13 +42,11 @@ pub fn accumulate(acc: &mut Vec<(String, Tensor)>, more: Vec<(String, Tensor)>) 
         return Ok(());
     }
     if acc.len() != more.len() {
-        return Err(Error::Invalid("gradient lists of different lengths".into()));
+        return Err(invalid("gradient lists of different lengths".into()));
     }
     for ((n, a), (m, g)) in acc.iter_mut().zip(more) {
         if *n != m {
-            return Err(Error::Invalid(format!(
-                "gradient order differs: `{n}` vs `{m}`"
-            )));
+            return Err(invalid(format!("gradient order differs: `{n}` vs `{m}`")));
         }
         *a = (&*a + g.to_dtype(DType::F32)?)?;
     }
@@ -64,7 +65,7 @@ pub fn reduce_gradients(
     let mut sorted: Vec<&Param> = params.iter().collect();
     sorted.sort_by(|a, b| a.name.cmp(&b.name));
     if sorted.len() != grads.len() {
-        return Err(Error::Invalid(format!(
+        return Err(invalid(format!(
             "{} gradients for {} parameters",
             grads.len(),
             sorted.len()
@@ -75,12 +76,12 @@ pub fn reduce_gradients(
         .zip(grads)
         .map(|(p, (n, g))| {
             if p.name != n {
-                return Err(Error::Invalid(format!(
+                return Err(invalid(format!(
                     "gradient `{n}` given for parameter `{}`",
                     p.name
                 )));
             }
-            let group = ctx.grad_group(p.shard.is_split());
+            let group = ctx.grad_group(&p.shard);
             let g = if group.size() > 1 {
                 group.all_reduce(&g, ReduceOp::Sum)?
             } else {

@@ -1,27 +1,58 @@
-//! Tensor-parallel building blocks (Megatron-LM) and the parallel context a model is built with.
+//! The building blocks of parallel models: each a module with `fn new(cfg, vb, ctx)` (the
+//! [`ParamBuilder`] path mirroring checkpoint keys) and a forward with no rank in its signature.
+//! A model file written with them names no rank, no communicator and no collective: the
+//! [`ParallelCtx`] a module is built with decides how it is split, and the [`Pass`] its forward
+//! gets carries the positions, mask and sequence-parallel attention of the batch.
 //!
-//! - [`linear`]: column- and row-parallel linear layers (with TP-sp sequence parallelism);
-//! - [`embedding`]: the vocab-parallel embedding;
-//! - [`cross_entropy`]: the vocab-parallel, chunked cross-entropy fused with the LM head;
-//! - [`ParallelCtx`]: everything a model file needs to know about the layout of its rank, so
-//!   that the model never branches on a rank or names a communicator.
+//! | module        | file            | what is split over the tensor-parallel group                    |
+//! |---------------|-----------------|------------------------------------------------------------------|
+//! | [`ColumnParallelLinear`], [`RowParallelLinear`] | [`linear`] | output rows / input columns of the weight (Megatron) |
+//! | [`VocabParallelEmbedding`] | [`embedding`] | vocabulary rows                                        |
+//! | [`LmHead`] and [`vocab_parallel_cross_entropy`] | [`loss`] | vocabulary rows; chunked, fused loss   |
+//! | [`ParallelAttention`] | [`attention`] | heads (q/k/v column-, o row-parallel); tokens over the sequence-parallel group by any [`Strategy`](crate::attention::Strategy) |
+//! | [`Mlp`]       | [`mlp`]         | hidden units (SwiGLU or GELU)                                     |
+//! | [`RmsNorm`], [`LayerNorm`] | [`norm`] | nothing: local to each token (under TP-sp each rank normalises its own tokens) |
+//!
+//! [`param`] loads parameters (only this rank's slice), [`unit`] groups a module's parameters
+//! into a unit that a [`crate::plan::Plan`] shards (ZeRO-3) or recomputes (activation
+//! checkpointing) from outside the model.
+//!
+//! Activations are `(batch, tokens, features)` over this rank's sequence shard; under TP-sp
+//! (Megatron sequence parallelism, [`TpActivations::SequenceSharded`]) each tensor-parallel rank
+//! holds a contiguous part of those tokens outside the tensor-parallel regions, and the modules
+//! gather and scatter them where they enter and leave those regions.
 
-pub mod cross_entropy;
+pub mod attention;
+pub mod batch;
 pub mod embedding;
 pub mod linear;
+pub mod loss;
+pub mod mlp;
+pub mod norm;
+pub mod param;
+pub mod unit;
 
 use std::sync::Arc;
 
 use candle_core::Tensor;
 
-use crate::attention::{SequenceParallelAttention, SpAttention, SpConfig};
+use crate::attention::{AttnMask, SequenceParallelAttention, SpAttention, SpConfig};
 use crate::comm::Comm;
 use crate::error::{Error, Result};
 use crate::mesh::{DeviceMesh, Dim};
+use crate::recompute::GradSink;
 
-pub use cross_entropy::{vocab_parallel_cross_entropy, CrossEntropyOptions, IGNORE_INDEX};
-pub use embedding::VocabParallelEmbedding;
-pub use linear::{linear, ColumnParallelLinear, RowParallelLinear};
+pub use attention::{AttentionConfig, LayerKv, ParallelAttention};
+pub use batch::Batch;
+pub use embedding::{EmbeddingConfig, VocabParallelEmbedding};
+pub use linear::{
+    linear, ColumnOutput, ColumnParallelLinear, LinearConfig, RowInput, RowParallelLinear,
+};
+pub use loss::{vocab_parallel_cross_entropy, CrossEntropyOptions, LmHead, IGNORE_INDEX};
+pub use mlp::{Activation, Mlp, MlpConfig};
+pub use norm::{LayerNorm, NormConfig, RmsNorm};
+pub use param::{Param, ParamBuilder, ParamList, ParamMode, Shard, TensorMap, TensorSource};
+pub use unit::{Block, ShardedParam, Track, Unit, UnitOps};
 
 /// The token dim of a `(.., tokens, features)` activation.
 pub(crate) fn token_dim(x: &Tensor) -> Result<usize> {
@@ -37,9 +68,17 @@ pub(crate) fn token_dim(x: &Tensor) -> Result<usize> {
     }
 }
 
-/// The tensor-parallel group of one rank and whether Megatron sequence parallelism (TP-sp) is on:
-/// activations outside the tensor-parallel regions (norms, residuals) are then split along the
-/// token dim over the group instead of replicated.
+/// Where activations outside the tensor-parallel regions (norms, residuals) live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TpActivations {
+    /// Replicated on every rank of the tensor-parallel group (Megatron tensor parallelism).
+    #[default]
+    Replicated,
+    /// Split along the tokens over the group (Megatron sequence parallelism, TP-sp).
+    SequenceSharded,
+}
+
+/// The tensor-parallel group of one rank and where its activations live ([`TpActivations`]).
 #[derive(Clone)]
 pub struct TpGroup {
     comm: Comm,
@@ -57,8 +96,8 @@ impl std::fmt::Debug for TpGroup {
 }
 
 impl TpGroup {
-    pub fn new(comm: Comm, sequence_parallel: bool) -> Self {
-        let sequence_parallel = sequence_parallel && comm.size() > 1;
+    pub fn new(comm: Comm, activations: TpActivations) -> Self {
+        let sequence_parallel = activations == TpActivations::SequenceSharded && comm.size() > 1;
         Self {
             comm,
             sequence_parallel,
@@ -133,8 +172,9 @@ impl TpGroup {
 }
 
 /// The parallel layout of one rank as the model layers see it: the tensor-parallel group, the
-/// configured sequence-parallel attention (ulysses × ring), and the groups over which gradients
-/// of replicated parameters are summed. Built collectively from a [`DeviceMesh`].
+/// configured sequence-parallel attention (ulysses × ring), the groups over which gradients of
+/// replicated parameters are summed, and the sink of the gradients of recomputed units. Built
+/// collectively from a [`DeviceMesh`]; cheap to clone (shared).
 ///
 /// Token layout: a global sequence of `S` tokens is cut by the attention's
 /// [`ShardPlan`](crate::attention::ShardPlan) into `S / (ulysses·ring)` local tokens per
@@ -151,6 +191,7 @@ pub struct ParallelCtx {
     sharded_grad_group: Comm,
     /// ulysses × ring: ranks that hold different tokens of one sequence.
     sequence_group: Comm,
+    sink: GradSink,
 }
 
 impl std::fmt::Debug for ParallelCtx {
@@ -165,12 +206,8 @@ impl std::fmt::Debug for ParallelCtx {
 impl ParallelCtx {
     /// Collective over the mesh's world: every rank calls it with the same arguments.
     /// `attention`'s ulysses and ring degrees and placement must be the mesh's.
-    pub fn new(
-        mesh: &DeviceMesh,
-        attention: &SpConfig,
-        tp_sequence_parallel: bool,
-    ) -> Result<Self> {
-        let tp = TpGroup::new(mesh.comm(Dim::Tp), tp_sequence_parallel);
+    pub fn new(mesh: &DeviceMesh, attention: &SpConfig, tp: TpActivations) -> Result<Self> {
+        let tp = TpGroup::new(mesh.comm(Dim::Tp), tp);
         let attention = Arc::new(SpAttention::new(attention, mesh)?);
         let sequence_group = mesh.group(&[Dim::Ulysses, Dim::Ring])?;
         let sharded_grad_group = mesh.group(&[Dim::Ulysses, Dim::Ring, Dim::Dp])?;
@@ -185,6 +222,7 @@ impl ParallelCtx {
             replicated_grad_group,
             sharded_grad_group,
             sequence_group,
+            sink: GradSink::new(),
         })
     }
 
@@ -203,6 +241,17 @@ impl ParallelCtx {
         self.attention.clone()
     }
 
+    /// Where recomputed units put their parameters' gradients (see [`ParallelCtx::backward`]).
+    pub fn grad_sink(&self) -> &GradSink {
+        &self.sink
+    }
+
+    /// `loss.backward()` with the gradients of recomputed (checkpointed) units merged in: use
+    /// it in place of `loss.backward()` for models built with this context.
+    pub fn backward(&self, loss: &Tensor) -> Result<candle_core::backprop::GradStore> {
+        self.sink.backward(loss)
+    }
+
     /// Ranks that hold different tokens of one sequence (ulysses × ring).
     pub fn sequence_group(&self) -> &Comm {
         &self.sequence_group
@@ -211,8 +260,8 @@ impl ParallelCtx {
     /// The group over which the gradient of a parameter is summed after backward: tensor-parallel
     /// shards (`tp_sharded`) over ulysses × ring × dp; replicated parameters also over tp under
     /// TP-sp, where each tensor-parallel rank sees only its tokens.
-    pub fn grad_group(&self, tp_sharded: bool) -> &Comm {
-        if tp_sharded {
+    pub fn grad_group(&self, shard: &Shard) -> &Comm {
+        if shard.is_split() {
             &self.sharded_grad_group
         } else {
             &self.replicated_grad_group
@@ -242,5 +291,39 @@ impl ParallelCtx {
     /// Number of tokens of a global sequence of `seq_len` that this rank's sequence shard holds.
     pub fn local_tokens(&self, seq_len: usize) -> Result<usize> {
         Ok(self.attention.plan(seq_len)?.local_len())
+    }
+
+    /// Fails naming `what` (a config field) unless the tensor-parallel degree divides `n`.
+    pub fn check_tp_divides(&self, what: &str, n: usize) -> Result<()> {
+        self.tp.share(what, n).map(|_| ())
+    }
+}
+
+/// What the layers of one forward pass share besides their input: the context, the global
+/// positions (RoPE) of the tokens attention sees on this rank, the attention mask of the global
+/// sequence, and the sequence-parallel attention to run (the context's, or the recording or
+/// replaying one of a checkpointed unit). Model code passes it through unchanged.
+#[derive(Clone, Copy)]
+pub struct Pass<'a> {
+    pub ctx: &'a ParallelCtx,
+    pub positions: &'a [u32],
+    pub mask: &'a AttnMask,
+    pub attention: &'a dyn SequenceParallelAttention,
+}
+
+impl<'a> Pass<'a> {
+    /// A pass of `ctx`'s configured attention.
+    pub fn new(ctx: &'a ParallelCtx, positions: &'a [u32], mask: &'a AttnMask) -> Self {
+        Self {
+            ctx,
+            positions,
+            mask,
+            attention: ctx.attention(),
+        }
+    }
+
+    /// The same pass with another attention (inside a checkpointed unit).
+    pub fn with_attention(&self, attention: &'a dyn SequenceParallelAttention) -> Self {
+        Self { attention, ..*self }
     }
 }

@@ -4,27 +4,36 @@
 //! rows `[r·V/P, (r+1)·V/P)`. Each rank looks up the ids that fall in its range (the others
 //! contribute zeros) and the partial results are summed over the group with
 //! [`reduce_from_parallel_region`] (all-reduce in forward, identity in backward), so every rank
-//! obtains the full embedding and its shard receives the gradient of its own rows.
+//! obtains the full embedding and its shard receives the gradient of its own rows. Under TP-sp
+//! each rank then keeps its own part of the tokens.
 
 use std::ops::Range;
 
 use candle_core::{DType, Tensor};
 
+use super::{ParallelCtx, ParamBuilder, Shard, TpGroup};
 use crate::collectives::reduce_from_parallel_region;
-use crate::comm::Comm;
 use crate::error::{Error, Result};
 
 const OP: &str = "VocabParallelEmbedding";
 
-/// Embedding whose vocabulary is split over the ranks of a communicator.
+/// The shape of an embedding table `weight` `(vocab_size, hidden_size)` (also that of a
+/// vocab-parallel LM head).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EmbeddingConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+}
+
+/// Embedding whose vocabulary is split over the tensor-parallel group.
 ///
-/// Rank `r` of `comm` (`P` ranks) holds rows `[r·V/P, (r+1)·V/P)` of the `(V, hidden)` table
+/// Rank `r` of the group (`P` ranks) holds rows `[r·V/P, (r+1)·V/P)` of the `(V, hidden)` table
 /// (`V % P == 0`).
 #[derive(Clone)]
 pub struct VocabParallelEmbedding {
     weight: Tensor,
     vocab_size: usize,
-    comm: Comm,
+    tp: TpGroup,
 }
 
 impl std::fmt::Debug for VocabParallelEmbedding {
@@ -32,16 +41,23 @@ impl std::fmt::Debug for VocabParallelEmbedding {
         f.debug_struct("VocabParallelEmbedding")
             .field("weight", &self.weight.dims())
             .field("vocab_size", &self.vocab_size)
-            .field("rank", &self.comm.rank())
-            .field("size", &self.comm.size())
+            .field("rank", &self.tp.rank())
+            .field("size", &self.tp.size())
             .finish()
     }
 }
 
 impl VocabParallelEmbedding {
+    /// Loads this rank's rows of `vb`'s `weight`. Errors when the tensor-parallel degree does
+    /// not divide the vocabulary.
+    pub fn new(cfg: &EmbeddingConfig, vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
+        let w = load_vocab_rows(cfg, &vb, ctx)?;
+        Self::from_weight(w, cfg.vocab_size, ctx.tp().clone())
+    }
+
     /// `weight`: this rank's shard `(V/P, hidden)` (usually a `Var`'s tensor); `vocab_size`: `V`.
-    pub fn new(weight: Tensor, vocab_size: usize, comm: Comm) -> Result<Self> {
-        let p = comm.size();
+    pub fn from_weight(weight: Tensor, vocab_size: usize, tp: TpGroup) -> Result<Self> {
+        let p = tp.size();
         if vocab_size == 0 || !vocab_size.is_multiple_of(p) {
             return Err(Error::invalid(
                 OP,
@@ -69,7 +85,7 @@ impl VocabParallelEmbedding {
         Ok(Self {
             weight,
             vocab_size,
-            comm,
+            tp,
         })
     }
 
@@ -85,17 +101,25 @@ impl VocabParallelEmbedding {
 
     /// The ids whose rows this rank holds.
     pub fn vocab_range(&self) -> Range<usize> {
-        let shard = self.vocab_size / self.comm.size();
-        let start = self.comm.rank() * shard;
+        let shard = self.vocab_size / self.tp.size();
+        let start = self.tp.rank() * shard;
         start..start + shard
     }
 
-    /// Looks up `ids` (u32, any shape `(..)`) and returns `(.., hidden)`, identical on every rank.
+    /// Looks up `ids` `(batch, tokens)` (u32) and returns `(batch, tokens', hidden)`: every
+    /// token, identical on every rank, or under TP-sp this rank's part of the tokens.
     ///
-    /// Collective: every rank of the communicator calls it with the same ids (one all-reduce of
-    /// the output in forward; nothing in backward). With one rank there is no communication.
-    /// Ids `>= V` are an error, reported before any communication.
+    /// Collective over the tensor-parallel group: every rank calls it with the same ids (one
+    /// all-reduce of the output in forward; nothing in backward, or the gather of TP-sp). Ids
+    /// `>= V` are an error, reported before any communication.
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let full = self.lookup(ids)?;
+        self.tp.split_tokens(&full)
+    }
+
+    /// Looks up `ids` (u32, any shape `(..)`) and returns `(.., hidden)`, identical on every
+    /// rank (no TP-sp split). Collective like [`VocabParallelEmbedding::forward`].
+    pub fn lookup(&self, ids: &Tensor) -> Result<Tensor> {
         if ids.dtype() != DType::U32 {
             return Err(Error::invalid(
                 OP,
@@ -121,7 +145,7 @@ impl VocabParallelEmbedding {
         }
         let device = self.weight.device();
         let n = flat.len();
-        if self.comm.size() == 1 {
+        if self.tp.size() == 1 {
             let idx = Tensor::from_vec(flat, n, device)?;
             return Ok(self.weight.index_select(&idx, 0)?.reshape(out_dims)?);
         }
@@ -142,7 +166,22 @@ impl VocabParallelEmbedding {
         // index_select and the mask product are differentiable: the shard's gradient is the
         // index-add of the output gradient's rows whose ids fall in this rank's range.
         let partial = self.weight.index_select(&idx, 0)?.broadcast_mul(&mask)?;
-        let full = reduce_from_parallel_region(&partial, &self.comm)?;
+        let full = reduce_from_parallel_region(&partial, self.tp.comm())?;
         Ok(full.reshape(out_dims)?)
     }
+}
+
+/// This rank's rows `(V/P, H)` of `vb`'s `weight` (an embedding table or an LM head).
+pub(crate) fn load_vocab_rows(
+    cfg: &EmbeddingConfig,
+    vb: &ParamBuilder,
+    ctx: &ParallelCtx,
+) -> Result<Tensor> {
+    let tp = ctx.tp();
+    let (_, rows) = tp.share(
+        &format!("{}.weight rows (vocab_size)", vb.prefix()),
+        cfg.vocab_size,
+    )?;
+    let shard = Shard::new(0, tp.rank(), tp.size());
+    vb.get_with_hints((rows, cfg.hidden_size), "weight", shard)
 }

@@ -13,9 +13,54 @@
 
 use candle_core::{Tensor, D};
 
-use super::{token_dim, TpGroup};
+use super::{token_dim, ParallelCtx, ParamBuilder, Shard, TpGroup};
 use crate::collectives::{gather, reduce_from_parallel_region, reduce_scatter, scatter};
 use crate::error::{Error, Result};
+
+/// The shape of a linear layer as the checkpoint stores it: `weight` `(out_features,
+/// in_features)` and, with `bias`, `bias` `(out_features)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearConfig {
+    pub in_features: usize,
+    pub out_features: usize,
+    pub bias: bool,
+}
+
+impl LinearConfig {
+    /// A layer without bias.
+    pub fn new(in_features: usize, out_features: usize) -> Self {
+        Self {
+            in_features,
+            out_features,
+            bias: false,
+        }
+    }
+
+    pub fn with_bias(mut self, bias: bool) -> Self {
+        self.bias = bias;
+        self
+    }
+}
+
+/// What a column-parallel layer returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ColumnOutput {
+    /// This rank's slice of the output features (the input of a row-parallel layer).
+    #[default]
+    Sharded,
+    /// All output features, gathered over the group.
+    Gathered,
+}
+
+/// What a row-parallel layer is given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RowInput {
+    /// This rank's slice of the input features (the output of a column-parallel layer).
+    #[default]
+    Sharded,
+    /// All input features, which the layer splits.
+    Whole,
+}
 
 /// `x @ w^T (+ b)` for `x` `(.., in)` and `w` `(out, in)`, as one 2-D matmul.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
@@ -48,23 +93,44 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 ///
 /// Weight `(out/P, in)` (this rank's rows), optional bias `(out/P)`. `forward` takes the full
 /// input on every rank (or, under TP-sp, this rank's tokens) and returns this rank's output
-/// features `(.., tokens, out/P)` for every token of the group, or all `out` features when built
-/// with `gather_output`. Every rank of the group calls it (collective).
+/// features `(.., tokens, out/P)` for every token of the group, or all `out` features
+/// ([`ColumnOutput::Gathered`]). Every rank of the group calls it (collective).
 #[derive(Debug, Clone)]
 pub struct ColumnParallelLinear {
     weight: Tensor,
     bias: Option<Tensor>,
     tp: TpGroup,
-    gather_output: bool,
+    output: ColumnOutput,
 }
 
 impl ColumnParallelLinear {
-    pub fn new(weight: Tensor, bias: Option<Tensor>, tp: TpGroup, gather_output: bool) -> Self {
+    /// Loads this rank's rows of `vb`'s `weight` (and `bias`); the output stays sharded.
+    /// Errors when the tensor-parallel degree does not divide `out_features`.
+    pub fn new(cfg: &LinearConfig, vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
+        let tp = ctx.tp();
+        let (_, rows) = tp.share(&format!("{}.weight rows", vb.prefix()), cfg.out_features)?;
+        let shard = Shard::new(0, tp.rank(), tp.size());
+        let w = vb.get_with_hints((rows, cfg.in_features), "weight", shard)?;
+        let b = if cfg.bias {
+            Some(vb.get_with_hints(rows, "bias", shard)?)
+        } else {
+            None
+        };
+        Ok(Self::from_weights(w, b, tp.clone(), ColumnOutput::Sharded))
+    }
+
+    /// From this rank's rows `(out/P, in)` of the weight (and of the bias).
+    pub fn from_weights(
+        weight: Tensor,
+        bias: Option<Tensor>,
+        tp: TpGroup,
+        output: ColumnOutput,
+    ) -> Self {
         Self {
             weight,
             bias,
             tp,
-            gather_output,
+            output,
         }
     }
 
@@ -85,7 +151,7 @@ impl ColumnParallelLinear {
     /// one gather.
     pub fn forward_entered(&self, x: &Tensor) -> Result<Tensor> {
         let y = linear(x, &self.weight, self.bias.as_ref())?;
-        if self.gather_output && self.tp.size() > 1 {
+        if self.output == ColumnOutput::Gathered && self.tp.size() > 1 {
             Ok(gather(&y, self.tp.comm(), D::Minus1)?)
         } else {
             Ok(y)
@@ -97,7 +163,7 @@ impl ColumnParallelLinear {
 ///
 /// Weight `(out, in/P)` (this rank's columns), optional bias `(out)` (replicated, added once
 /// after the reduction). `forward` takes this rank's input features `(.., tokens, in/P)`
-/// (`input_is_parallel`, the output of a column-parallel layer) or the full input, which it then
+/// ([`RowInput::Sharded`], the output of a column-parallel layer) or the full input, which it then
 /// splits; it returns the full output `(.., tokens, out)`, or under TP-sp this rank's tokens of
 /// it. Every rank of the group calls it (collective).
 #[derive(Debug, Clone)]
@@ -105,16 +171,37 @@ pub struct RowParallelLinear {
     weight: Tensor,
     bias: Option<Tensor>,
     tp: TpGroup,
-    input_is_parallel: bool,
+    input: RowInput,
 }
 
 impl RowParallelLinear {
-    pub fn new(weight: Tensor, bias: Option<Tensor>, tp: TpGroup, input_is_parallel: bool) -> Self {
+    /// Loads this rank's columns of `vb`'s `weight` (and the whole `bias`); the input is
+    /// expected sharded. Errors when the tensor-parallel degree does not divide `in_features`.
+    pub fn new(cfg: &LinearConfig, vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
+        let tp = ctx.tp();
+        let (_, cols) = tp.share(&format!("{}.weight columns", vb.prefix()), cfg.in_features)?;
+        let shard = Shard::new(1, tp.rank(), tp.size());
+        let w = vb.get_with_hints((cfg.out_features, cols), "weight", shard)?;
+        let b = if cfg.bias {
+            Some(vb.get(cfg.out_features, "bias")?)
+        } else {
+            None
+        };
+        Ok(Self::from_weights(w, b, tp.clone(), RowInput::Sharded))
+    }
+
+    /// From this rank's columns `(out, in/P)` of the weight and the whole bias.
+    pub fn from_weights(
+        weight: Tensor,
+        bias: Option<Tensor>,
+        tp: TpGroup,
+        input: RowInput,
+    ) -> Self {
         Self {
             weight,
             bias,
             tp,
-            input_is_parallel,
+            input,
         }
     }
 
@@ -131,10 +218,9 @@ impl RowParallelLinear {
         if p == 1 {
             return linear(x, &self.weight, self.bias.as_ref());
         }
-        let x = if self.input_is_parallel {
-            x.clone()
-        } else {
-            scatter(x, self.tp.comm(), D::Minus1)?
+        let x = match self.input {
+            RowInput::Sharded => x.clone(),
+            RowInput::Whole => scatter(x, self.tp.comm(), D::Minus1)?,
         };
         let partial = linear(&x, &self.weight, None)?;
         let y = if self.tp.sequence_parallel() {

@@ -1,0 +1,210 @@
+//! Multi-head attention over any parallel layout: q/k/v projections column-parallel (heads
+//! split over the tensor-parallel group), optional rotary embeddings at the tokens' global
+//! positions, the pass's sequence-parallel attention over the ulysses × ring group (any
+//! [`Strategy`](crate::attention::Strategy), any [`AttnMask`](crate::attention::AttnMask): causal,
+//! full, documents), GQA with any ratio, and a row-parallel output projection. The same module
+//! serves a causal LM, a DiT block (full mask, no RoPE) and a vision tower.
+
+use candle_core::Tensor;
+
+use super::{
+    ColumnParallelLinear, LinearConfig, ParallelCtx, ParamBuilder, Pass, RowParallelLinear, TpGroup,
+};
+use crate::attention::AttnCall;
+use crate::error::{Error, Result};
+use crate::ops::RotaryEmbedding;
+
+/// The shape and checkpoint names of a [`ParallelAttention`]: `q` `(heads·head_dim, hidden)`,
+/// `k`, `v` `(kv_heads·head_dim, hidden)`, `o` `(hidden, heads·head_dim)`.
+#[derive(Debug, Clone)]
+pub struct AttentionConfig {
+    pub hidden_size: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Biases on q, k, v and o.
+    pub bias: bool,
+    /// Rotary embeddings of q and k at the tokens' global positions (none: no RoPE).
+    pub rope: Option<RotaryEmbedding>,
+    /// Softmax scale (default `1/sqrt(head_dim)`).
+    pub scale: f32,
+    /// Sub-module names of the four projections (`vb.pp(..)` keys).
+    pub q: String,
+    pub k: String,
+    pub v: String,
+    pub o: String,
+}
+
+impl AttentionConfig {
+    /// `q_proj`, `k_proj`, `v_proj`, `o_proj` without bias or RoPE, scale `1/sqrt(head_dim)`.
+    pub fn new(hidden_size: usize, num_heads: usize, num_kv_heads: usize, head_dim: usize) -> Self {
+        Self {
+            hidden_size,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            bias: false,
+            rope: None,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            q: "q_proj".into(),
+            k: "k_proj".into(),
+            v: "v_proj".into(),
+            o: "o_proj".into(),
+        }
+    }
+
+    pub fn with_bias(mut self, bias: bool) -> Self {
+        self.bias = bias;
+        self
+    }
+
+    pub fn with_rope(mut self, rope: RotaryEmbedding) -> Self {
+        self.rope = Some(rope);
+        self
+    }
+
+    /// Other checkpoint names of the q, k, v and output projections (CLIP's `out_proj`,
+    /// diffusers' `to_q`, ..., `to_out.0`).
+    pub fn with_names(mut self, q: &str, k: &str, v: &str, o: &str) -> Self {
+        (self.q, self.k, self.v, self.o) = (q.into(), k.into(), v.into(), o.into());
+        self
+    }
+}
+
+/// The keys and values one attention layer has seen, for incremental generation.
+pub type LayerKv = Option<(Tensor, Tensor)>;
+
+/// Attention over any parallel layout; see the [module docs](self).
+#[derive(Debug, Clone)]
+pub struct ParallelAttention {
+    q_proj: ColumnParallelLinear,
+    k_proj: ColumnParallelLinear,
+    v_proj: ColumnParallelLinear,
+    o_proj: RowParallelLinear,
+    rope: Option<RotaryEmbedding>,
+    /// Heads of this tensor-parallel rank.
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    tp: TpGroup,
+}
+
+impl ParallelAttention {
+    /// Loads this rank's heads. Errors (naming the config fields) when the tensor-parallel
+    /// degree does not divide the heads and kv heads, when the q heads are not a multiple of the
+    /// kv heads, or when the ulysses degree does not divide the heads of a tensor-parallel rank.
+    pub fn new(cfg: &AttentionConfig, vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
+        let tp = ctx.tp().clone();
+        let (hq, hkv, d, h) = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.hidden_size,
+        );
+        if hkv == 0 || !hq.is_multiple_of(hkv) {
+            return Err(Error::invalid(
+                "attention",
+                format!("num_attention_heads {hq} is not a multiple of num_key_value_heads {hkv}"),
+            ));
+        }
+        ctx.check_tp_divides("num_attention_heads", hq)?;
+        ctx.check_tp_divides("num_key_value_heads", hkv)?;
+        let u = ctx.attention().group().ulysses.size();
+        if !(hq / tp.size()).is_multiple_of(u) {
+            return Err(Error::Layout(format!(
+                "the ulysses degree {u} does not divide the {} attention heads per \
+                 tensor-parallel rank (num_attention_heads {hq} / tp {})",
+                hq / tp.size(),
+                tp.size()
+            )));
+        }
+        if let Some(rope) = &cfg.rope {
+            if rope.head_dim() != d {
+                return Err(Error::invalid(
+                    "attention",
+                    format!(
+                        "rotary embeddings of dim {} for head_dim {d}",
+                        rope.head_dim()
+                    ),
+                ));
+            }
+        }
+        let lin = |out: usize| LinearConfig::new(h, out).with_bias(cfg.bias);
+        Ok(Self {
+            q_proj: ColumnParallelLinear::new(&lin(hq * d), vb.pp(&cfg.q), ctx)?,
+            k_proj: ColumnParallelLinear::new(&lin(hkv * d), vb.pp(&cfg.k), ctx)?,
+            v_proj: ColumnParallelLinear::new(&lin(hkv * d), vb.pp(&cfg.v), ctx)?,
+            o_proj: RowParallelLinear::new(
+                &LinearConfig::new(hq * d, h).with_bias(cfg.bias),
+                vb.pp(&cfg.o),
+                ctx,
+            )?,
+            rope: cfg.rope.clone(),
+            q_heads: hq / tp.size(),
+            kv_heads: hkv / tp.size(),
+            head_dim: d,
+            scale: cfg.scale,
+            tp,
+        })
+    }
+
+    /// q, k, v `(b, n, heads, head_dim)` of this rank's heads, rotated at `positions`, from `x`
+    /// `(b, n', hidden)` (under TP-sp `n'` is this rank's part of the `n` tokens).
+    fn qkv(&self, x: &Tensor, positions: &[u32]) -> Result<(Tensor, Tensor, Tensor)> {
+        let x = self.tp.enter(x)?;
+        let (b, n, _) = x.dims3()?;
+        let heads = |p: &ColumnParallelLinear, h: usize| -> Result<Tensor> {
+            Ok(p.forward_entered(&x)?.reshape((b, n, h, self.head_dim))?)
+        };
+        let (q, k) = (
+            heads(&self.q_proj, self.q_heads)?,
+            heads(&self.k_proj, self.kv_heads)?,
+        );
+        let (q, k) = match &self.rope {
+            Some(rope) => (rope.apply(&q, positions)?, rope.apply(&k, positions)?),
+            None => (q, k),
+        };
+        Ok((q, k, heads(&self.v_proj, self.kv_heads)?))
+    }
+
+    /// `x` `(batch, tokens', hidden)` → the same shape: attention of this rank's tokens over
+    /// the whole sequence with the pass's mask and strategy. Collective over tp and the
+    /// sequence-parallel group.
+    pub fn forward(&self, x: &Tensor, pass: &Pass) -> Result<Tensor> {
+        let (q, k, v) = self.qkv(x, pass.positions)?;
+        let (b, n) = (q.dim(0)?, q.dim(1)?);
+        let call = AttnCall::new(pass.mask.clone(), self.scale);
+        let o = pass.attention.attention(&q, &k, &v, &call)?;
+        self.o_proj
+            .forward(&o.reshape((b, n, self.q_heads * self.head_dim))?)
+    }
+
+    /// Incremental causal attention for generation (no sequence parallelism): `x` `(b, n,
+    /// hidden)` new tokens at `positions`, appended to `cache` (keys and values of the earlier
+    /// tokens, at positions `0..`). Collective over tp.
+    pub fn forward_cached(
+        &self,
+        x: &Tensor,
+        positions: &[u32],
+        cache: &mut LayerKv,
+    ) -> Result<Tensor> {
+        let (q, k, v) = self.qkv(x, positions)?;
+        let (b, n) = (q.dim(0)?, q.dim(1)?);
+        let (k, v) = match cache.take() {
+            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 1)?, Tensor::cat(&[&pv, &v], 1)?),
+            None => (k, v),
+        };
+        *cache = Some((k.clone(), v.clone()));
+        let spec = flash_ring::AttnSpec::new(
+            self.scale,
+            flash_ring::MaskKind::Causal,
+            flash_ring::Positions::list(positions.to_vec()),
+            flash_ring::Positions::range(0, k.dim(1)?),
+        );
+        let (o, _) =
+            flash_ring::flash_fwd(&q, &k, &v, &spec).map_err(|e| Error::Candle(e.into()))?;
+        self.o_proj
+            .forward(&o.reshape((b, n, self.q_heads * self.head_dim))?)
+    }
+}

@@ -1,0 +1,122 @@
+//! The feed-forward block: a column-parallel up projection (and gate), the activation, a
+//! row-parallel down projection (Megatron's MLP: one all-reduce, or under TP-sp one all-gather
+//! and one reduce-scatter, in forward and in backward).
+
+use candle_core::Tensor;
+
+use super::{
+    ColumnParallelLinear, LinearConfig, ParallelCtx, ParamBuilder, RowParallelLinear, TpGroup,
+};
+use crate::error::Result;
+use crate::ops::swiglu;
+
+/// The nonlinearity of an [`Mlp`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `silu(gate(x)) * up(x)` (LLaMA): needs a gate projection.
+    SwiGlu,
+    /// GELU with the exact erf (PyTorch's `gelu`, CLIP's `gelu`).
+    Gelu,
+    /// GELU with the tanh approximation (`gelu_pytorch_tanh`: SigLIP, DiT).
+    GeluTanh,
+}
+
+/// The shape and checkpoint names of an [`Mlp`]: `up` `(intermediate, hidden)`, `down`
+/// `(hidden, intermediate)`, and for [`Activation::SwiGlu`] `gate` like `up`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MlpConfig {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub activation: Activation,
+    pub bias: bool,
+    /// Sub-module names of the up, gate and down projections (`vb.pp(..)` keys; may contain
+    /// dots, e.g. diffusers' `net.0.proj`).
+    pub up: String,
+    pub gate: String,
+    pub down: String,
+}
+
+impl MlpConfig {
+    /// LLaMA's SwiGLU MLP: `gate_proj`, `up_proj`, `down_proj`, no bias.
+    pub fn swiglu(hidden_size: usize, intermediate_size: usize) -> Self {
+        Self {
+            hidden_size,
+            intermediate_size,
+            activation: Activation::SwiGlu,
+            bias: false,
+            up: "up_proj".into(),
+            gate: "gate_proj".into(),
+            down: "down_proj".into(),
+        }
+    }
+
+    /// A GELU MLP `fc1`, `fc2` with biases (CLIP, ViT); `activation` [`Activation::Gelu`] or
+    /// [`Activation::GeluTanh`].
+    pub fn gelu(hidden_size: usize, intermediate_size: usize, activation: Activation) -> Self {
+        Self {
+            hidden_size,
+            intermediate_size,
+            activation,
+            bias: true,
+            up: "fc1".into(),
+            gate: String::new(),
+            down: "fc2".into(),
+        }
+    }
+
+    pub fn with_bias(mut self, bias: bool) -> Self {
+        self.bias = bias;
+        self
+    }
+
+    /// Other checkpoint names for the up and down projections (and the gate, for SwiGLU).
+    pub fn with_names(mut self, up: &str, down: &str, gate: &str) -> Self {
+        (self.up, self.down, self.gate) = (up.into(), down.into(), gate.into());
+        self
+    }
+}
+
+/// The feed-forward block; see the [module docs](self). Hidden units are split over the
+/// tensor-parallel group.
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    gate: Option<ColumnParallelLinear>,
+    up: ColumnParallelLinear,
+    down: RowParallelLinear,
+    activation: Activation,
+    tp: TpGroup,
+}
+
+impl Mlp {
+    pub fn new(cfg: &MlpConfig, vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let up_cfg = LinearConfig::new(h, i).with_bias(cfg.bias);
+        let gate = match cfg.activation {
+            Activation::SwiGlu => Some(ColumnParallelLinear::new(&up_cfg, vb.pp(&cfg.gate), ctx)?),
+            Activation::Gelu | Activation::GeluTanh => None,
+        };
+        Ok(Self {
+            gate,
+            up: ColumnParallelLinear::new(&up_cfg, vb.pp(&cfg.up), ctx)?,
+            down: RowParallelLinear::new(
+                &LinearConfig::new(i, h).with_bias(cfg.bias),
+                vb.pp(&cfg.down),
+                ctx,
+            )?,
+            activation: cfg.activation,
+            tp: ctx.tp().clone(),
+        })
+    }
+
+    /// `x` `(batch, tokens', hidden)` → the same shape. Collective over tp.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = self.tp.enter(x)?;
+        let up = self.up.forward_entered(&x)?;
+        let h = match (&self.gate, self.activation) {
+            (Some(gate), _) => swiglu(&gate.forward_entered(&x)?, &up)?,
+            (None, Activation::GeluTanh) => up.gelu()?,
+            (None, _) => up.gelu_erf()?,
+        };
+        self.down.forward(&h)
+    }
+}
