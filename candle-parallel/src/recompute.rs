@@ -39,7 +39,8 @@ use std::sync::{Arc, Mutex};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, TensorId, Var};
 
-use crate::attention::{AttnCall, Saved, SequenceParallelAttention, SpGroup};
+use crate::attention::op::record_attention;
+use crate::attention::{AttnCall, AttnOut, Grads, Qkv, Saved, SequenceParallelAttention, SpGroup};
 use crate::error::{Error, Result};
 
 /// Which activations a checkpointed block keeps; see the [module docs](self).
@@ -257,17 +258,8 @@ impl SequenceParallelAttention for Recording<'_> {
         self.inner.group()
     }
 
-    fn forward(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        call: &AttnCall,
-        want_lse: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let (out, lse) = self
-            .inner
-            .forward(&q.detach(), &k.detach(), &v.detach(), call, true)?;
+    fn forward(&self, qkv: &Qkv, call: &AttnCall, want_lse: bool) -> Result<AttnOut> {
+        let (out, lse) = self.inner.forward(&qkv.detached(), call, true)?;
         let lse = lse.ok_or_else(|| Error::invalid(self.name(), "the strategy returned no lse"))?;
         self.kept
             .lock()
@@ -276,12 +268,7 @@ impl SequenceParallelAttention for Recording<'_> {
         Ok((out, want_lse.then_some(lse)))
     }
 
-    fn backward(
-        &self,
-        saved: &Saved,
-        dout: &Tensor,
-        call: &AttnCall,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    fn backward(&self, saved: &Saved, dout: &Tensor, call: &AttnCall) -> Result<Grads> {
         self.inner.backward(saved, dout, call)
     }
 }
@@ -324,14 +311,7 @@ impl SequenceParallelAttention for Replay {
         self.inner.group()
     }
 
-    fn forward(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        call: &AttnCall,
-        want_lse: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
+    fn forward(&self, qkv: &Qkv, call: &AttnCall, want_lse: bool) -> Result<AttnOut> {
         let (out, lse) = self
             .kept
             .lock()
@@ -343,37 +323,24 @@ impl SequenceParallelAttention for Replay {
                     "the recomputed block made more attention calls than its forward",
                 )
             })?;
-        if out.dims() != q.dims() {
+        if out.dims() != qkv.q.dims() {
             return Err(Error::invalid(
                 "checkpoint",
                 format!(
                     "recomputed q has shape {:?}, the kept attention output {:?}",
-                    q.dims(),
+                    qkv.q.dims(),
                     out.dims()
                 ),
             ));
         }
-        let (inner, call_b, lse_b) = (self.inner.clone(), call.clone(), lse.clone());
-        let backward = move |q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, dout: &Tensor| {
-            inner.backward(&Saved::new(q, k, v, out, &lse_b), dout, &call_b)
-        };
-        let out = crate::attention::op::record3(
-            "cpl-replayed-attention",
-            q,
-            k,
-            v,
-            out,
-            Box::new(backward),
-        )?;
+        let (inner, call) = (self.inner.clone(), call.clone());
+        let out = record_attention("cpl-replayed-attention", qkv, out, &lse, move |s, dout| {
+            inner.backward(s, dout, &call)
+        })?;
         Ok((out, want_lse.then_some(lse)))
     }
 
-    fn backward(
-        &self,
-        saved: &Saved,
-        dout: &Tensor,
-        call: &AttnCall,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    fn backward(&self, saved: &Saved, dout: &Tensor, call: &AttnCall) -> Result<Grads> {
         self.inner.backward(saved, dout, call)
     }
 }

@@ -16,6 +16,7 @@
 
 mod common;
 use common::grad;
+use common::{rand_t, world};
 
 use std::time::Duration;
 
@@ -24,29 +25,13 @@ use candle_parallel::collectives::{
     all_gather, all_to_all, copy_to_parallel_region, gather, reduce_from_parallel_region,
     reduce_scatter, scatter,
 };
-use candle_parallel::comm::{Comm, LocalWorld};
+use candle_parallel::comm::LocalWorld;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
 /// World sizes under test; every sharded dim below is a multiple of 24.
 const WORLDS: [usize; 5] = [1, 2, 3, 4, 8];
 const TOL: f64 = 1e-5;
-
-/// Uniform values with magnitude in [0.25, 1) and a random sign: never zero.
-fn rand_t(rng: &mut StdRng, dims: &[usize]) -> Tensor {
-    let n = dims.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            let m: f32 = rng.random_range(0.25..1.0);
-            if rng.random_bool(0.5) {
-                m
-            } else {
-                -m
-            }
-        })
-        .collect();
-    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
-}
 
 fn rand_ts(rng: &mut StdRng, n: usize, dims: &[usize]) -> Vec<Tensor> {
     (0..n).map(|_| rand_t(rng, dims)).collect()
@@ -65,11 +50,6 @@ fn weighted_sq(y: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 fn assert_close(got: &Tensor, want: &Tensor, what: &str) {
     common::assert_close(got, want, TOL, what);
-}
-
-/// Runs `f` on `p` local ranks; panics with the failing rank's error.
-fn world<T: Send>(p: usize, f: impl Fn(Comm) -> Result<T> + Sync) -> Vec<T> {
-    LocalWorld::run(p, f).unwrap_or_else(|e| panic!("world of {p} ranks: {e}"))
 }
 
 /// Sum over ranks. Each rank `r` holds `X[chunk r along dim]`; `all_gather` rebuilds `X` on every

@@ -19,11 +19,9 @@
 
 mod common;
 use common::grad;
+use common::{rand_t, world};
 
-use std::time::Duration;
-
-use candle_core::{DType, Device, Result, Tensor, Var};
-use candle_parallel::comm::{Comm, LocalWorld};
+use candle_core::{DType, Result, Tensor, Var};
 use candle_parallel::nn::{
     ColumnOutput, ColumnParallelLinear, RowInput, RowParallelLinear, TpActivations, TpGroup,
 };
@@ -37,7 +35,7 @@ fn activations(sp: bool) -> TpActivations {
     }
 }
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
 const WORLDS: [usize; 3] = [1, 2, 4];
 const TOL: f64 = 1e-5;
@@ -46,22 +44,6 @@ const B: usize = 2;
 const T: usize = 8;
 const IN: usize = 12;
 const OUT: usize = 16;
-
-/// Uniform values with magnitude in [0.25, 1) and a random sign: never zero.
-fn rand_t(rng: &mut StdRng, dims: &[usize]) -> Tensor {
-    let n = dims.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            let m: f32 = rng.random_range(0.25..1.0);
-            if rng.random_bool(0.5) {
-                m
-            } else {
-                -m
-            }
-        })
-        .collect();
-    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
-}
 
 /// Chunk `r` of `p` equal chunks of `t` along `dim`.
 fn chunk(t: &Tensor, dim: usize, p: usize, r: usize) -> Result<Tensor> {
@@ -84,13 +66,6 @@ fn sum(parts: &[Tensor]) -> Tensor {
         acc = (acc + p).unwrap();
     }
     acc
-}
-
-fn world<T: Send>(p: usize, f: impl Fn(Comm) -> Result<T> + Sync) -> Vec<T> {
-    LocalWorld::new(p)
-        .with_timeout(Duration::from_secs(60))
-        .launch(f)
-        .unwrap_or_else(|e| panic!("world of {p} ranks: {e}"))
 }
 
 /// The plain single-device `x W^T + b` on `(B, T, in)` input, as one 2-D matmul.

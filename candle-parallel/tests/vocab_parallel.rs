@@ -5,11 +5,12 @@
 //! the single-rank gradient (f32, relative error `max|a - b| / max|ref|`). A missing gradient is
 //! an error (the rank fails, so the test fails).
 
-use std::time::Duration;
+mod common;
+use common::{rand_t, world};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
-use candle_parallel::comm::{Comm, LocalWorld};
+use candle_parallel::comm::Comm;
 use candle_parallel::nn::{
     vocab_parallel_cross_entropy, CrossEntropyOptions, TpActivations, TpGroup,
     VocabParallelEmbedding, IGNORE_INDEX,
@@ -25,22 +26,6 @@ fn tp(comm: &Comm) -> TpGroup {
 const TOL: f64 = 1e-5;
 /// Tolerance of the bf16 case (inputs rounded to bf16; arithmetic in f32 on both sides).
 const BF16_TOL: f64 = 1e-2;
-
-/// Uniform values with magnitude in [0.25, 1) and a random sign: never zero.
-fn rand_t(rng: &mut StdRng, dims: &[usize]) -> Tensor {
-    let n = dims.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            let m: f32 = rng.random_range(0.25..1.0);
-            if rng.random_bool(0.5) {
-                m
-            } else {
-                -m
-            }
-        })
-        .collect();
-    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
-}
 
 /// Labels in `[0, vocab)`, every `ignore_every`-th one (and the first) set to `IGNORE_INDEX`.
 fn rand_labels(rng: &mut StdRng, n: usize, vocab: usize, ignore_every: usize) -> Vec<i64> {
@@ -78,13 +63,6 @@ fn assert_close(got: &Tensor, want: &Tensor, what: &str) {
 
 fn assert_scalar_close(got: f32, want: f32, tol: f64, what: &str) {
     testkit::assert_close_scalar(got as f64, want as f64, tol, what)
-}
-
-fn world<T: Send>(p: usize, f: impl Fn(Comm) -> Result<T> + Sync) -> Vec<T> {
-    LocalWorld::new(p)
-        .with_timeout(Duration::from_secs(60))
-        .launch(f)
-        .unwrap_or_else(|e| panic!("world of {p} ranks: {e}"))
 }
 
 /// Reference: `Σ_{i not ignored} -log_softmax(h W^T)[i, label_i]` with plain differentiable ops.

@@ -16,42 +16,20 @@
 
 mod common;
 use common::{assert_close, grad};
+use common::{rand_t, world};
 
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor, Var};
-use candle_parallel::comm::{Comm, LocalWorld, ReduceOp};
+use candle_parallel::comm::{LocalWorld, ReduceOp};
 use candle_parallel::mesh::{DeviceMesh, MeshConfig};
 use candle_parallel::optim::{FlatShard, ZeroGroups};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
 const TOL: f64 = 1e-5;
 /// Element counts 1 (fewer than the ranks), 10, 12 and 42.
 const SHAPES: [&[usize]; 4] = [&[1], &[2, 5], &[3, 4], &[7, 3, 2]];
-
-/// Uniform values with magnitude in [0.25, 1) and a random sign: never zero.
-fn rand_t(rng: &mut StdRng, dims: &[usize]) -> Tensor {
-    let n = dims.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            let m: f32 = rng.random_range(0.25..1.0);
-            if rng.random_bool(0.5) {
-                m
-            } else {
-                -m
-            }
-        })
-        .collect();
-    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
-}
-
-fn world<T: Send>(p: usize, f: impl Fn(Comm) -> candle_parallel::Result<T> + Sync) -> Vec<T> {
-    LocalWorld::new(p)
-        .with_timeout(Duration::from_secs(60))
-        .launch(f)
-        .unwrap_or_else(|e| panic!("world of {p} ranks: {e}"))
-}
 
 fn flat_vec(t: &Tensor) -> Vec<f32> {
     t.to_dtype(DType::F32)
@@ -121,7 +99,7 @@ fn reduce_scatter_gives_each_rank_its_chunk_of_the_sum() {
                 let numel = want.elem_count();
                 let chunks = world(p, |comm| {
                     let fs = FlatShard::new(numel, comm.rank(), comm.size())?;
-                    fs.reduce_scatter(&fulls[comm.rank()], &comm)
+                    Ok(fs.reduce_scatter(&fulls[comm.rank()], &comm)?)
                 });
                 let what = format!("p={p} shape={shape:?} {dtype:?}");
                 for c in &chunks {

@@ -15,7 +15,9 @@ use candle_core::Tensor;
 
 use super::block::kernel_err;
 use super::layout::{positions, ShardPlan};
-use super::{AttnCall, Saved, SequenceParallelAttention, SpGroup};
+use super::{
+    strategy_accessors, AttnCall, AttnOut, Grads, Qkv, Saved, SequenceParallelAttention, SpGroup,
+};
 use crate::collectives;
 use crate::comm::ReduceOp;
 use crate::error::Result;
@@ -41,46 +43,28 @@ impl AllGatherAttention {
 }
 
 impl SequenceParallelAttention for AllGatherAttention {
-    fn name(&self) -> &'static str {
-        "all-gather"
-    }
+    strategy_accessors!("all-gather");
 
-    fn group(&self) -> &SpGroup {
-        &self.group
-    }
-
-    fn forward(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        call: &AttnCall,
-        want_lse: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let (_, plan) = self.group.check(self.name(), q, k, v, &call.mask)?;
+    fn forward(&self, qkv: &Qkv, call: &AttnCall, want_lse: bool) -> Result<AttnOut> {
+        let (_, plan) = self.group.check(self.name(), qkv, &call.mask)?;
         let cp = &self.group.ring;
         let (k_all, v_all) = if cp.size() > 1 {
             (
-                collectives::all_gather(k, cp, 1)?,
-                collectives::all_gather(v, cp, 1)?,
+                collectives::all_gather(&qkv.k, cp, 1)?,
+                collectives::all_gather(&qkv.v, cp, 1)?,
             )
         } else {
-            (k.clone(), v.clone())
+            (qkv.k.clone(), qkv.v.clone())
         };
         let spec = self.spec(&plan, call);
-        let (out, lse) =
-            flash_ring::flash_attention_with_lse(q, &k_all, &v_all, &spec).map_err(kernel_err)?;
+        let (out, lse) = flash_ring::flash_attention_with_lse(&qkv.q, &k_all, &v_all, &spec)
+            .map_err(kernel_err)?;
         Ok((out, want_lse.then_some(lse)))
     }
 
     /// All-gathers K and V again (the forward did not keep them), runs the kernel's backward
     /// and reduce-scatters dK, dV to their owners.
-    fn backward(
-        &self,
-        saved: &Saved,
-        dout: &Tensor,
-        call: &AttnCall,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    fn backward(&self, saved: &Saved, dout: &Tensor, call: &AttnCall) -> Result<Grads> {
         let (_, plan) = self
             .group
             .check_backward(self.name(), saved, dout, &call.mask)?;

@@ -33,10 +33,12 @@ use super::block::{block_bwd, block_fwd, Partial, QRows};
 use super::layout::ShardPlan;
 use super::mask::{AttnMask, MaskBlock};
 use super::multi_ring_plan::DoubleRingPlan;
-use super::op::record3;
+use super::op::record_attention;
 use super::ring::RingComm;
 use super::ulysses::HeadParallel;
-use super::{AttnCall, Saved, SequenceParallelAttention, SpGroup};
+use super::{
+    strategy_accessors, AttnCall, AttnOut, Grads, Qkv, Saved, SequenceParallelAttention, SpGroup,
+};
 use crate::comm::{Comm, Pending};
 use crate::error::{Error, Result};
 
@@ -260,27 +262,19 @@ pub fn double_ring_backward(
 /// `(b, hq, nq)` f32. The backward runs [`double_ring_backward`] (collective).
 pub fn double_ring_attention(
     dr: &DoubleRingComm,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    qkv: &Qkv,
     blocks: Arc<DoubleRingBlocks>,
     call: &AttnCall,
 ) -> Result<(Tensor, Tensor)> {
-    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
-    let (out, lse) = double_ring_forward(dr, &qd, &kd, &vd, &blocks, call)?.finish(&qd)?;
-    let (dr_b, call_b, lse_b) = (dr.clone(), call.clone(), lse.clone());
-    let backward = move |q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, dout: &Tensor| {
-        let saved = Saved::new(q, k, v, out, &lse_b);
-        let grads = double_ring_backward(&dr_b, &saved.rows(dout), k, v, &blocks, &call_b)?;
-        saved.cast_grads(grads)
-    };
-    let out = record3(
+    let x = qkv.detached();
+    let (out, lse) = double_ring_forward(dr, &x.q, &x.k, &x.v, &blocks, call)?.finish(&x.q)?;
+    let (dr, call) = (dr.clone(), call.clone());
+    let out = record_attention(
         "cpl-double-ring-attention",
-        q,
-        k,
-        v,
+        qkv,
         out,
-        Box::new(backward),
+        &lse,
+        move |s, dout| double_ring_backward(&dr, &s.rows(dout), &s.k, &s.v, &blocks, &call),
     )?;
     Ok((out, lse))
 }
@@ -302,49 +296,22 @@ impl DoubleRingAttention {
     pub fn double_ring(&self) -> &DoubleRingComm {
         &self.dr
     }
-
-    fn head_parallel(&self) -> HeadParallel<'_> {
-        HeadParallel {
-            name: self.name(),
-            group: &self.group,
-        }
-    }
 }
 
 impl SequenceParallelAttention for DoubleRingAttention {
-    fn name(&self) -> &'static str {
-        "double-ring"
+    strategy_accessors!("double-ring");
+
+    fn forward(&self, qkv: &Qkv, call: &AttnCall, want_lse: bool) -> Result<AttnOut> {
+        HeadParallel::of(self).forward(qkv, call, want_lse, |h, plan| {
+            let blocks = DoubleRingBlocks::natural(plan, self.dr.rank(), &call.mask);
+            double_ring_attention(&self.dr, h, Arc::new(blocks), call)
+        })
     }
 
-    fn group(&self) -> &SpGroup {
-        &self.group
-    }
-
-    fn forward(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        call: &AttnCall,
-        want_lse: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        self.head_parallel()
-            .forward(q, k, v, call, want_lse, |q, k, v, plan| {
-                let blocks = DoubleRingBlocks::natural(plan, self.dr.rank(), &call.mask);
-                double_ring_attention(&self.dr, q, k, v, Arc::new(blocks), call)
-            })
-    }
-
-    fn backward(
-        &self,
-        saved: &Saved,
-        dout: &Tensor,
-        call: &AttnCall,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        self.head_parallel()
-            .backward(saved, dout, call, |h, dout, plan| {
-                let blocks = DoubleRingBlocks::natural(plan, self.dr.rank(), &call.mask);
-                double_ring_backward(&self.dr, &h.rows(dout), &h.k, &h.v, &blocks, call)
-            })
+    fn backward(&self, saved: &Saved, dout: &Tensor, call: &AttnCall) -> Result<Grads> {
+        HeadParallel::of(self).backward(saved, dout, call, |h, dout, plan| {
+            let blocks = DoubleRingBlocks::natural(plan, self.dr.rank(), &call.mask);
+            double_ring_backward(&self.dr, &h.rows(dout), &h.k, &h.v, &blocks, call)
+        })
     }
 }

@@ -109,6 +109,50 @@ impl AttnCall {
     }
 }
 
+/// This rank's q, k, v of one attention call: `q` `(batch, n, q_heads, head_dim)`, `k`, `v`
+/// `(batch, n, kv_heads, head_dim)`, rows in [`ShardPlan`] order.
+#[derive(Debug, Clone)]
+pub struct Qkv {
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+}
+
+impl Qkv {
+    pub fn new(q: &Tensor, k: &Tensor, v: &Tensor) -> Self {
+        Self {
+            q: q.clone(),
+            k: k.clone(),
+            v: v.clone(),
+        }
+    }
+
+    /// The same tensors, detached.
+    pub fn detached(&self) -> Self {
+        Self::new(&self.q.detach(), &self.k.detach(), &self.v.detach())
+    }
+}
+
+/// What a forward returns: `out` and, when asked for, `lse`.
+pub type AttnOut = (Tensor, Option<Tensor>);
+
+/// `(dq, dk, dv)`.
+pub type Grads = (Tensor, Tensor, Tensor);
+
+/// The two accessors every strategy implements alike: its name and its group (field `group`).
+macro_rules! strategy_accessors {
+    ($name:literal) => {
+        fn name(&self) -> &'static str {
+            $name
+        }
+
+        fn group(&self) -> &SpGroup {
+            &self.group
+        }
+    };
+}
+pub(crate) use strategy_accessors;
+
 /// What the backward of one attention call needs: this rank's inputs and its FINAL results
 /// (`out` in q's shape, `lse` `(batch, q_heads, n)` f32), as [`SequenceParallelAttention::forward`]
 /// returned them with `want_lse`.
@@ -196,30 +240,18 @@ pub trait SequenceParallelAttention: Send + Sync {
     }
 
     /// Runs the strategy; see the trait docs. `want_lse = false` saves the communication of lse.
-    fn forward(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        call: &AttnCall,
-        want_lse: bool,
-    ) -> Result<(Tensor, Option<Tensor>)>;
+    fn forward(&self, qkv: &Qkv, call: &AttnCall, want_lse: bool) -> Result<AttnOut>;
 
     /// The backward of [`SequenceParallelAttention::forward`] from its inputs and FINAL results
     /// (`saved`) and the output gradient `dout`: `(dq, dk, dv)` shaped and typed like `q`, `k`,
     /// `v` (this rank's shard). Collective like `forward`. Records nothing. Selective activation
     /// recomputation uses it to replay a layer's attention without running it again: it keeps
     /// `out` and `lse` and recomputes `q`, `k`, `v` (see [`crate::recompute`]).
-    fn backward(
-        &self,
-        saved: &Saved,
-        dout: &Tensor,
-        call: &AttnCall,
-    ) -> Result<(Tensor, Tensor, Tensor)>;
+    fn backward(&self, saved: &Saved, dout: &Tensor, call: &AttnCall) -> Result<Grads>;
 
     /// Differentiable attention of this rank's shard: `out` `(batch, n, q_heads, head_dim)`.
     fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, call: &AttnCall) -> Result<Tensor> {
-        Ok(self.forward(q, k, v, call, false)?.0)
+        Ok(self.forward(&Qkv::new(q, k, v), call, false)?.0)
     }
 
     /// As [`SequenceParallelAttention::attention`], also returning lse `(batch, q_heads, n)` f32.
@@ -230,7 +262,7 @@ pub trait SequenceParallelAttention: Send + Sync {
         v: &Tensor,
         call: &AttnCall,
     ) -> Result<(Tensor, Tensor)> {
-        let (out, lse) = self.forward(q, k, v, call, true)?;
+        let (out, lse) = self.forward(&Qkv::new(q, k, v), call, true)?;
         let lse = lse
             .ok_or_else(|| Error::invalid(self.name(), "internal: the strategy returned no lse"))?;
         Ok((out, lse))
@@ -239,7 +271,7 @@ pub trait SequenceParallelAttention: Send + Sync {
 
 /// The sequence-parallel group of one rank: its Ulysses (head-parallel) and ring
 /// (context-parallel) communicators and the sequence layout of the ring.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct SpGroup {
     /// Head-parallel group (all-to-all); size 1 when unused.
     pub ulysses: Comm,
@@ -247,16 +279,6 @@ pub struct SpGroup {
     pub ring: Comm,
     /// How the sequence is split over the ring ranks.
     pub layout: SeqLayout,
-}
-
-impl std::fmt::Debug for SpGroup {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SpGroup")
-            .field("ulysses", &(self.ulysses.rank(), self.ulysses.size()))
-            .field("ring", &(self.ring.rank(), self.ring.size()))
-            .field("layout", &self.layout)
-            .finish()
-    }
 }
 
 impl SpGroup {
@@ -300,12 +322,10 @@ impl SpGroup {
     pub fn check(
         &self,
         op: &'static str,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        x: &Qkv,
         mask: &AttnMask,
     ) -> Result<(QkvDims, ShardPlan)> {
-        let dims = QkvDims::check(op, q, k, v)?;
+        let dims = QkvDims::check(op, &x.q, &x.k, &x.v)?;
         let seq_len = dims.n * self.degree();
         let plan = self.plan(seq_len)?;
         mask.check(op, seq_len)?;
@@ -323,7 +343,8 @@ impl SpGroup {
         dout: &Tensor,
         mask: &AttnMask,
     ) -> Result<(QkvDims, ShardPlan)> {
-        let (dims, plan) = self.check(op, &saved.q, &saved.k, &saved.v, mask)?;
+        let qkv = Qkv::new(&saved.q, &saved.k, &saved.v);
+        let (dims, plan) = self.check(op, &qkv, mask)?;
         for (name, t) in [("out", &saved.out), ("dout", dout)] {
             if t.dims() != saved.q.dims() {
                 return Err(Error::invalid(
@@ -538,23 +559,11 @@ impl SequenceParallelAttention for SpAttention {
         &self.group
     }
 
-    fn forward(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        call: &AttnCall,
-        want_lse: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        self.imp.forward(q, k, v, call, want_lse)
+    fn forward(&self, qkv: &Qkv, call: &AttnCall, want_lse: bool) -> Result<AttnOut> {
+        self.imp.forward(qkv, call, want_lse)
     }
 
-    fn backward(
-        &self,
-        saved: &Saved,
-        dout: &Tensor,
-        call: &AttnCall,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    fn backward(&self, saved: &Saved, dout: &Tensor, call: &AttnCall) -> Result<Grads> {
         self.imp.backward(saved, dout, call)
     }
 }

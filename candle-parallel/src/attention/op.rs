@@ -15,6 +15,7 @@ use candle_core::{
     CpuStorage, CudaStorage, CustomOp3, Layout, MetalStorage, Shape, Storage, Tensor,
 };
 
+use super::{Grads, Qkv, Saved};
 use crate::error::Result;
 
 /// The backward of a recorded node: `(q, k, v, out, grad_out) -> (dq, dk, dv)`, each gradient
@@ -51,6 +52,24 @@ pub fn record3(
             backward,
         },
     )?)
+}
+
+/// Records `out` (computed from `qkv`, detached) as a node of `qkv` whose backward is
+/// `backward(saved, dout)`: the f32 gradients of `saved` (the inputs, `out` and `lse`), cast
+/// here to the inputs' dtypes. What every blockwise strategy attaches to its result.
+pub fn record_attention(
+    name: &'static str,
+    qkv: &Qkv,
+    out: Tensor,
+    lse: &Tensor,
+    backward: impl Fn(&Saved, &Tensor) -> Result<Grads> + Send + Sync + 'static,
+) -> Result<Tensor> {
+    let lse = lse.clone();
+    let bwd = move |q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, dout: &Tensor| {
+        let saved = Saved::new(q, k, v, out, &lse);
+        saved.cast_grads(backward(&saved, dout)?)
+    };
+    record3(name, &qkv.q, &qkv.k, &qkv.v, out, Box::new(bwd))
 }
 
 struct Recorded3 {

@@ -23,28 +23,19 @@ use candle_core::{DType, Tensor};
 use super::block::{block_bwd, block_fwd, Partial, QRows};
 use super::layout::ShardPlan;
 use super::mask::{AttnMask, MaskBlock};
-use super::op::record3;
-use super::{AttnCall, Saved, SequenceParallelAttention, SpGroup};
+use super::op::record_attention;
+use super::{
+    strategy_accessors, AttnCall, AttnOut, Grads, Qkv, Saved, SequenceParallelAttention, SpGroup,
+};
 use crate::comm::{Comm, Pending, RecvSpec};
 use crate::error::{Error, Result};
 
 /// One ring over a communicator: this rank sends to `next` and receives from `prev`.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct RingComm {
     comm: Comm,
     next: usize,
     prev: usize,
-}
-
-impl std::fmt::Debug for RingComm {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RingComm")
-            .field("rank", &self.comm.rank())
-            .field("size", &self.comm.size())
-            .field("next", &self.next)
-            .field("prev", &self.prev)
-            .finish()
-    }
 }
 
 impl RingComm {
@@ -272,21 +263,16 @@ fn add_opt(acc: Option<Tensor>, x: Tensor) -> Result<Tensor> {
 /// The backward runs [`ring_backward`] (collective over the ring).
 pub fn ring_attention(
     ring: &RingComm,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    qkv: &Qkv,
     blocks: Arc<RingBlocks>,
     call: &AttnCall,
 ) -> Result<(Tensor, Tensor)> {
-    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
-    let (out, lse) = ring_forward(ring, &qd, &kd, &vd, &blocks, call)?.finish(&qd)?;
-    let (ring_b, call_b, lse_b) = (ring.clone(), call.clone(), lse.clone());
-    let backward = move |q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, dout: &Tensor| {
-        let saved = Saved::new(q, k, v, out, &lse_b);
-        let grads = ring_backward(&ring_b, &saved.rows(dout), k, v, &blocks, &call_b)?;
-        saved.cast_grads(grads)
-    };
-    let out = record3("cpl-ring-attention", q, k, v, out, Box::new(backward))?;
+    let x = qkv.detached();
+    let (out, lse) = ring_forward(ring, &x.q, &x.k, &x.v, &blocks, call)?.finish(&x.q)?;
+    let (ring, call) = (ring.clone(), call.clone());
+    let out = record_attention("cpl-ring-attention", qkv, out, &lse, move |s, dout| {
+        ring_backward(&ring, &s.rows(dout), &s.k, &s.v, &blocks, &call)
+    })?;
     Ok((out, lse))
 }
 
@@ -306,34 +292,16 @@ impl RingAttention {
 }
 
 impl SequenceParallelAttention for RingAttention {
-    fn name(&self) -> &'static str {
-        "ring"
-    }
+    strategy_accessors!("ring");
 
-    fn group(&self) -> &SpGroup {
-        &self.group
-    }
-
-    fn forward(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        call: &AttnCall,
-        want_lse: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let (_, plan) = self.group.check(self.name(), q, k, v, &call.mask)?;
+    fn forward(&self, qkv: &Qkv, call: &AttnCall, want_lse: bool) -> Result<AttnOut> {
+        let (_, plan) = self.group.check(self.name(), qkv, &call.mask)?;
         let blocks = Arc::new(RingBlocks::natural(&plan, &self.ring, &call.mask));
-        let (out, lse) = ring_attention(&self.ring, q, k, v, blocks, call)?;
+        let (out, lse) = ring_attention(&self.ring, qkv, blocks, call)?;
         Ok((out, want_lse.then_some(lse)))
     }
 
-    fn backward(
-        &self,
-        saved: &Saved,
-        dout: &Tensor,
-        call: &AttnCall,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    fn backward(&self, saved: &Saved, dout: &Tensor, call: &AttnCall) -> Result<Grads> {
         let (_, plan) = self
             .group
             .check_backward(self.name(), saved, dout, &call.mask)?;

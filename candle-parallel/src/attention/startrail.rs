@@ -37,9 +37,11 @@ use super::block::{block_bwd, block_fwd, Partial, QRows};
 use super::layout::ShardPlan;
 use super::mask::{AttnMask, MaskBlock};
 use super::multi_ring_plan::StarTrailPlan;
-use super::op::record3;
+use super::op::record_attention;
 use super::ring::RingComm;
-use super::{AttnCall, Saved, SequenceParallelAttention, SpGroup};
+use super::{
+    strategy_accessors, AttnCall, AttnOut, Grads, Qkv, Saved, SequenceParallelAttention, SpGroup,
+};
 use crate::comm::{Comm, Pending, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -57,14 +59,8 @@ pub struct StarTrailComm {
     team: Option<TeamComm>,
 }
 
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 struct TeamComm(Comm);
-
-impl std::fmt::Debug for TeamComm {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "TeamComm(rank {} of {})", self.0.rank(), self.0.size())
-    }
-}
 
 impl StarTrailComm {
     /// Builds the teams of `c` ranks over `comm` (`P = comm.size()`). Fails before any
@@ -340,21 +336,16 @@ pub fn startrail_backward(
 /// recorded on `q`, `k`, `v`) and `lse` `(b, hq, n)` f32. Collective.
 pub fn startrail_attention(
     st: &StarTrailComm,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    qkv: &Qkv,
     blocks: Arc<StarTrailBlocks>,
     call: &AttnCall,
 ) -> Result<(Tensor, Tensor)> {
-    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
-    let (out, lse, placed) = startrail_forward(st, &qd, &kd, &vd, &blocks, call)?;
-    let (st_b, call_b, lse_b) = (st.clone(), call.clone(), lse.clone());
-    let backward = move |q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, dout: &Tensor| {
-        let saved = Saved::new(q, k, v, out, &lse_b);
-        let grads = startrail_backward(&st_b, &placed, &saved.rows(dout), &blocks, &call_b)?;
-        saved.cast_grads(grads)
-    };
-    let out = record3("cpl-startrail-attention", q, k, v, out, Box::new(backward))?;
+    let x = qkv.detached();
+    let (out, lse, placed) = startrail_forward(st, &x.q, &x.k, &x.v, &blocks, call)?;
+    let (st, call) = (st.clone(), call.clone());
+    let out = record_attention("cpl-startrail-attention", qkv, out, &lse, move |s, dout| {
+        startrail_backward(&st, &placed, &s.rows(dout), &blocks, &call)
+    })?;
     Ok((out, lse))
 }
 
@@ -379,34 +370,16 @@ impl StarTrailAttention {
 }
 
 impl SequenceParallelAttention for StarTrailAttention {
-    fn name(&self) -> &'static str {
-        "startrail"
-    }
+    strategy_accessors!("startrail");
 
-    fn group(&self) -> &SpGroup {
-        &self.group
-    }
-
-    fn forward(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        call: &AttnCall,
-        want_lse: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let (_, plan) = self.group.check(self.name(), q, k, v, &call.mask)?;
+    fn forward(&self, qkv: &Qkv, call: &AttnCall, want_lse: bool) -> Result<AttnOut> {
+        let (_, plan) = self.group.check(self.name(), qkv, &call.mask)?;
         let blocks = Arc::new(StarTrailBlocks::natural(&plan, &self.st.plan, &call.mask));
-        let (out, lse) = startrail_attention(&self.st, q, k, v, blocks, call)?;
+        let (out, lse) = startrail_attention(&self.st, qkv, blocks, call)?;
         Ok((out, want_lse.then_some(lse)))
     }
 
-    fn backward(
-        &self,
-        saved: &Saved,
-        dout: &Tensor,
-        call: &AttnCall,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    fn backward(&self, saved: &Saved, dout: &Tensor, call: &AttnCall) -> Result<Grads> {
         let (_, plan) = self
             .group
             .check_backward(self.name(), saved, dout, &call.mask)?;

@@ -21,8 +21,11 @@
 
 use candle_core::{DType, Tensor};
 
+use super::block::kernel_err;
 use super::layout::{positions, ShardPlan};
-use super::{block::kernel_err, AttnCall, Saved, SequenceParallelAttention, SpGroup};
+use super::{
+    strategy_accessors, AttnCall, AttnOut, Grads, Qkv, Saved, SequenceParallelAttention, SpGroup,
+};
 use crate::collectives;
 use crate::comm::Comm;
 use crate::error::{Error, Result};
@@ -114,26 +117,34 @@ pub(crate) struct HeadParallel<'a> {
     pub group: &'a SpGroup,
 }
 
-impl HeadParallel<'_> {
+impl<'a> HeadParallel<'a> {
+    /// The head-parallel wrapping of `strategy` (its name and group).
+    pub fn of(strategy: &'a impl SequenceParallelAttention) -> Self {
+        Self {
+            name: strategy.name(),
+            group: strategy.group(),
+        }
+    }
+
     /// Checks the inputs, moves q, k, v to the head-parallel view, runs `inner` there (it
     /// returns a differentiable `out` and the detached `lse` of that view, given the plan of the
     /// global sequence) and moves `out` (and, when wanted, `lse`) back. Collective.
     pub fn forward(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        qkv: &Qkv,
         call: &AttnCall,
         want_lse: bool,
-        inner: impl FnOnce(&Tensor, &Tensor, &Tensor, &ShardPlan) -> Result<(Tensor, Tensor)>,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let (dims, plan) = self.group.check(self.name, q, k, v, &call.mask)?;
+        inner: impl FnOnce(&Qkv, &ShardPlan) -> Result<(Tensor, Tensor)>,
+    ) -> Result<AttnOut> {
+        let (dims, plan) = self.group.check(self.name, qkv, &call.mask)?;
         let comm = &self.group.ulysses;
         let rep = kv_replication(dims.q_heads, dims.kv_heads, comm.size())?;
-        let q2 = seq_to_heads(q, comm)?;
-        let k2 = seq_to_heads(&repeat_kv(k, rep)?, comm)?;
-        let v2 = seq_to_heads(&repeat_kv(v, rep)?, comm)?;
-        let (out, lse) = inner(&q2, &k2, &v2, &plan)?;
+        let heads = Qkv {
+            q: seq_to_heads(&qkv.q, comm)?,
+            k: seq_to_heads(&repeat_kv(&qkv.k, rep)?, comm)?,
+            v: seq_to_heads(&repeat_kv(&qkv.v, rep)?, comm)?,
+        };
+        let (out, lse) = inner(&heads, &plan)?;
         let out = heads_to_seq(&out, comm)?;
         let lse = if want_lse {
             Some(lse_heads_to_seq(&lse, comm)?)
@@ -152,8 +163,8 @@ impl HeadParallel<'_> {
         saved: &Saved,
         dout: &Tensor,
         call: &AttnCall,
-        inner: impl FnOnce(&Saved, &Tensor, &ShardPlan) -> Result<(Tensor, Tensor, Tensor)>,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+        inner: impl FnOnce(&Saved, &Tensor, &ShardPlan) -> Result<Grads>,
+    ) -> Result<Grads> {
         let (dims, plan) = self
             .group
             .check_backward(self.name, saved, dout, &call.mask)?;
@@ -203,52 +214,25 @@ impl UlyssesAttention {
         }
         Ok(Self { group })
     }
-
-    fn head_parallel(&self) -> HeadParallel<'_> {
-        HeadParallel {
-            name: self.name(),
-            group: &self.group,
-        }
-    }
 }
 
 impl SequenceParallelAttention for UlyssesAttention {
-    fn name(&self) -> &'static str {
-        "ulysses"
-    }
+    strategy_accessors!("ulysses");
 
-    fn group(&self) -> &SpGroup {
-        &self.group
-    }
-
-    fn forward(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        call: &AttnCall,
-        want_lse: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
+    fn forward(&self, qkv: &Qkv, call: &AttnCall, want_lse: bool) -> Result<AttnOut> {
         // Ring degree 1: after the all-to-all every rank holds the whole sequence, in order.
-        self.head_parallel()
-            .forward(q, k, v, call, want_lse, |q, k, v, plan| {
-                let spec = whole_sequence(plan, call);
-                flash_ring::flash_attention_with_lse(q, k, v, &spec).map_err(kernel_err)
-            })
+        HeadParallel::of(self).forward(qkv, call, want_lse, |h, plan| {
+            let spec = whole_sequence(plan, call);
+            flash_ring::flash_attention_with_lse(&h.q, &h.k, &h.v, &spec).map_err(kernel_err)
+        })
     }
 
-    fn backward(
-        &self,
-        saved: &Saved,
-        dout: &Tensor,
-        call: &AttnCall,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        self.head_parallel()
-            .backward(saved, dout, call, |h, dout, plan| {
-                let spec = whole_sequence(plan, call);
-                flash_ring::flash_bwd_f32(&h.q, &h.k, &h.v, &h.out, &h.lse, dout, &spec)
-                    .map_err(kernel_err)
-            })
+    fn backward(&self, saved: &Saved, dout: &Tensor, call: &AttnCall) -> Result<Grads> {
+        HeadParallel::of(self).backward(saved, dout, call, |h, dout, plan| {
+            let spec = whole_sequence(plan, call);
+            flash_ring::flash_bwd_f32(&h.q, &h.k, &h.v, &h.out, &h.lse, dout, &spec)
+                .map_err(kernel_err)
+        })
     }
 }
 

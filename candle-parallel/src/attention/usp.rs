@@ -17,7 +17,9 @@ use candle_core::Tensor;
 
 use super::ring::{ring_attention, ring_backward, RingBlocks, RingComm};
 use super::ulysses::HeadParallel;
-use super::{AttnCall, Saved, SequenceParallelAttention, SpGroup};
+use super::{
+    strategy_accessors, AttnCall, AttnOut, Grads, Qkv, Saved, SequenceParallelAttention, SpGroup,
+};
 use crate::error::Result;
 
 /// Unified sequence parallelism: Ulysses over the ulysses group × ring over the ring group.
@@ -31,49 +33,22 @@ impl UspAttention {
         let ring = RingComm::new(group.ring.clone());
         Ok(Self { group, ring })
     }
-
-    fn head_parallel(&self) -> HeadParallel<'_> {
-        HeadParallel {
-            name: self.name(),
-            group: &self.group,
-        }
-    }
 }
 
 impl SequenceParallelAttention for UspAttention {
-    fn name(&self) -> &'static str {
-        "usp"
+    strategy_accessors!("usp");
+
+    fn forward(&self, qkv: &Qkv, call: &AttnCall, want_lse: bool) -> Result<AttnOut> {
+        HeadParallel::of(self).forward(qkv, call, want_lse, |h, plan| {
+            let blocks = Arc::new(RingBlocks::natural(plan, &self.ring, &call.mask));
+            ring_attention(&self.ring, h, blocks, call)
+        })
     }
 
-    fn group(&self) -> &SpGroup {
-        &self.group
-    }
-
-    fn forward(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        call: &AttnCall,
-        want_lse: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        self.head_parallel()
-            .forward(q, k, v, call, want_lse, |q, k, v, plan| {
-                let blocks = Arc::new(RingBlocks::natural(plan, &self.ring, &call.mask));
-                ring_attention(&self.ring, q, k, v, blocks, call)
-            })
-    }
-
-    fn backward(
-        &self,
-        saved: &Saved,
-        dout: &Tensor,
-        call: &AttnCall,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        self.head_parallel()
-            .backward(saved, dout, call, |h, dout, plan| {
-                let blocks = RingBlocks::natural(plan, &self.ring, &call.mask);
-                ring_backward(&self.ring, &h.rows(dout), &h.k, &h.v, &blocks, call)
-            })
+    fn backward(&self, saved: &Saved, dout: &Tensor, call: &AttnCall) -> Result<Grads> {
+        HeadParallel::of(self).backward(saved, dout, call, |h, dout, plan| {
+            let blocks = RingBlocks::natural(plan, &self.ring, &call.mask);
+            ring_backward(&self.ring, &h.rows(dout), &h.k, &h.v, &blocks, call)
+        })
     }
 }

@@ -33,6 +33,10 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Shape, Tensor};
 
+use super::rules::{
+    self, check_dim, check_divisible, check_exchange, check_rank, chunk_bounds, op_code,
+    panic_message,
+};
 use super::traffic::{OpKind, Traffic};
 use super::{payload_bytes, Comm, Communicator, Pending, PendingOp, RecvSpec, ReduceOp};
 use crate::error::{Error, Result};
@@ -178,16 +182,6 @@ impl LocalWorld {
         })?;
         let first = shared.lock().failed.clone();
         Ok((results, first))
-    }
-}
-
-fn panic_message(payload: &Box<dyn std::any::Any + Send>) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        s.to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "unknown panic payload".to_string()
     }
 }
 
@@ -364,47 +358,6 @@ impl LocalComm {
         self.ep.members.len()
     }
 
-    fn check_rank(&self, op: &'static str, what: &str, r: usize) -> Result<()> {
-        if r >= self.size_() {
-            return Err(Error::invalid(
-                op,
-                format!(
-                    "{what} {r} is out of range for a communicator of {} ranks",
-                    self.size_()
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    fn check_dim(op: &'static str, x: &Tensor, dim: usize) -> Result<()> {
-        if dim >= x.rank() {
-            return Err(Error::invalid(
-                op,
-                format!(
-                    "dim {dim} is out of range for a tensor of shape {:?}",
-                    x.dims()
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    fn check_divisible(&self, op: &'static str, x: &Tensor, dim: usize) -> Result<usize> {
-        let n = x.dim(dim)?;
-        let p = self.size_();
-        if n % p != 0 {
-            return Err(Error::invalid(
-                op,
-                format!(
-                    "dim {dim} of shape {:?} has size {n}, not divisible by the {p} ranks",
-                    x.dims()
-                ),
-            ));
-        }
-        Ok(n / p)
-    }
-
     /// Sends one message of the current collective to every other rank.
     fn post_all(
         &self,
@@ -473,20 +426,6 @@ impl LocalComm {
             }
         }
         Ok(m)
-    }
-
-    /// Records an all_reduce: reduce-scatter then all-gather of the chunks in `bounds`.
-    fn record_all_reduce(&self, bounds: &[(usize, usize)], el: u64) {
-        let (me, p) = (self.ep.rank, self.size_() as u64);
-        let others: u64 = bounds
-            .iter()
-            .enumerate()
-            .filter(|(j, _)| *j != me)
-            .map(|(_, &(_, l))| l as u64)
-            .sum();
-        let mine = bounds[me].1 as u64 * (p - 1);
-        let b = (others + mine) * el;
-        self.traffic.record(OpKind::AllReduce, b, b);
     }
 
     /// Sends one tensor-less message of the current collective to `dst`.
@@ -592,36 +531,12 @@ impl LocalComm {
     }
 }
 
-fn op_code(op: ReduceOp) -> usize {
-    match op {
-        ReduceOp::Sum => 0,
-        ReduceOp::Avg => 1,
-        ReduceOp::Max => 2,
-    }
-}
-
 /// Combines the ranks' contributions in rank order, in f32 for half-precision inputs.
 fn reduce_in_rank_order(parts: &[Tensor], op: ReduceOp, world: usize) -> Result<Tensor> {
-    if let Some(out) = fused::reduce(parts, op, world)? {
-        return Ok(out);
+    match fused::reduce(parts, op, world)? {
+        Some(out) => Ok(out),
+        None => rules::reduce_in_rank_order(parts, op, world),
     }
-    let dtype = parts[0].dtype();
-    let acc_dtype = match dtype {
-        DType::BF16 | DType::F16 => DType::F32,
-        d => d,
-    };
-    let mut acc = parts[0].to_dtype(acc_dtype)?;
-    for p in &parts[1..] {
-        let p = p.to_dtype(acc_dtype)?;
-        acc = match op {
-            ReduceOp::Sum | ReduceOp::Avg => (acc + p)?,
-            ReduceOp::Max => acc.maximum(&p)?,
-        };
-    }
-    if op == ReduceOp::Avg {
-        acc = (acc / world as f64)?;
-    }
-    Ok(acc.to_dtype(dtype)?.contiguous()?)
 }
 
 impl Communicator for LocalComm {
@@ -649,13 +564,7 @@ impl Communicator for LocalComm {
         let n = x.elem_count();
         let el = x.dtype().size_in_bytes() as u64;
         let flat = x.detach().flatten_all()?;
-        let bounds: Vec<(usize, usize)> = (0..p)
-            .map(|j| {
-                let len = n / p + usize::from(j < n % p);
-                let start = j * (n / p) + j.min(n % p);
-                (start, len)
-            })
-            .collect();
+        let bounds = chunk_bounds(n, p);
         let chunks = bounds
             .iter()
             // Empty chunks (fewer elements than ranks) start at 0: candle places an empty view
@@ -696,7 +605,7 @@ impl Communicator for LocalComm {
                     self.take_checked(leader, seq, kind, &args, Some((x.shape(), x.dtype())))?;
                 Self::tensor_of(m, kind.name())?
             };
-            self.record_all_reduce(&bounds, el);
+            self.traffic.record_all_reduce(&bounds, me, el);
             return Ok(out);
         }
         let reduced = reduce_in_rank_order(&parts, op, p)?;
@@ -725,13 +634,13 @@ impl Communicator for LocalComm {
             let m = self.take_checked(leader, seq, kind, &args, Some((x.shape(), x.dtype())))?;
             Self::tensor_of(m, kind.name())?
         };
-        self.record_all_reduce(&bounds, el);
+        self.traffic.record_all_reduce(&bounds, me, el);
         Ok(out)
     }
 
     fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
         let kind = OpKind::AllGather;
-        Self::check_dim(kind.name(), x, dim)?;
+        check_dim(kind.name(), x, dim)?;
         let seq = self.next_seq();
         let args = [dim];
         let x = x.detach();
@@ -761,31 +670,31 @@ impl Communicator for LocalComm {
             let m = self.take_checked(leader, seq, kind, &[dim, 1], Some((&shape, x.dtype())))?;
             Self::tensor_of(m, kind.name())?
         };
-        let b = payload_bytes(&x) * (self.size_() as u64 - 1);
-        self.traffic.record(kind, b, b);
+        self.traffic
+            .record_symmetric(kind, payload_bytes(&x), self.size_());
         Ok(out)
     }
 
     fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
         let kind = OpKind::ReduceScatter;
-        Self::check_dim(kind.name(), x, dim)?;
-        let c = self.check_divisible(kind.name(), x, dim)?;
+        check_dim(kind.name(), x, dim)?;
+        let c = check_divisible(kind.name(), x, dim, self.size_())?;
         let seq = self.next_seq();
         let chunks = (0..self.size_())
             .map(|j| x.narrow(dim, j * c, c))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let args = [dim, op_code(op)];
         let out = self.reduce_chunks(chunks, kind, seq, &args, op)?;
-        let b = payload_bytes(&out) * (self.size_() as u64 - 1);
-        self.traffic.record(kind, b, b);
+        self.traffic
+            .record_symmetric(kind, payload_bytes(&out), self.size_());
         Ok(out)
     }
 
     fn all_to_all(&self, x: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
         let kind = OpKind::AllToAll;
-        Self::check_dim(kind.name(), x, split_dim)?;
-        Self::check_dim(kind.name(), x, concat_dim)?;
-        let c = self.check_divisible(kind.name(), x, split_dim)?;
+        check_dim(kind.name(), x, split_dim)?;
+        check_dim(kind.name(), x, concat_dim)?;
+        let c = check_divisible(kind.name(), x, split_dim, self.size_())?;
         let seq = self.next_seq();
         let args = [split_dim, concat_dim];
         let x = x.detach();
@@ -805,14 +714,14 @@ impl Communicator for LocalComm {
             }
         }
         let out = Tensor::cat(&parts, concat_dim)?.contiguous()?;
-        let b = payload_bytes(&pieces[me]) * (self.size_() as u64 - 1);
-        self.traffic.record(kind, b, b);
+        self.traffic
+            .record_symmetric(kind, payload_bytes(&pieces[me]), self.size_());
         Ok(out)
     }
 
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
         let kind = OpKind::Broadcast;
-        self.check_rank(kind.name(), "root", root)?;
+        check_rank(kind.name(), "root", root, self.size_())?;
         let seq = self.next_seq();
         let args = [root];
         let b = payload_bytes(x);
@@ -831,7 +740,7 @@ impl Communicator for LocalComm {
 
     fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
         let kind = OpKind::Send;
-        self.check_rank(kind.name(), "destination", dst)?;
+        check_rank(kind.name(), "destination", dst, self.size_())?;
         self.ep.post(
             dst,
             true,
@@ -843,42 +752,22 @@ impl Communicator for LocalComm {
                 shared: None,
             },
         )?;
-        let b = if dst == self.ep.rank {
-            0
-        } else {
-            payload_bytes(x)
-        };
-        self.traffic.record(kind, b, 0);
+        self.traffic.record_send(x, self.ep.rank, dst);
         Ok(())
     }
 
     fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor> {
         let kind = OpKind::Recv;
-        self.check_rank(kind.name(), "source", src)?;
+        check_rank(kind.name(), "source", src, self.size_())?;
         let t = recv_p2p(&self.ep, src, shape, dtype, kind.name())?;
-        let b = if src == self.ep.rank {
-            0
-        } else {
-            payload_bytes(&t)
-        };
-        self.traffic.record(kind, 0, b);
+        self.traffic.record_recv(&t, self.ep.rank, src);
         Ok(t)
     }
 
     fn exchange(&self, sends: Vec<(usize, Tensor)>, recvs: Vec<RecvSpec>) -> Result<Pending> {
-        let kind = OpKind::Exchange;
-        for (dst, _) in &sends {
-            self.check_rank(kind.name(), "destination", *dst)?;
-        }
-        for r in &recvs {
-            self.check_rank(kind.name(), "source", r.src)?;
-        }
-        let me = self.ep.rank;
-        let mut sent = 0;
+        check_exchange(&sends, &recvs, self.size_())?;
+        self.traffic.record_exchange(&sends, &recvs, self.ep.rank);
         for (dst, t) in sends {
-            if dst != me {
-                sent += payload_bytes(&t);
-            }
             self.ep.post(
                 dst,
                 true,
@@ -891,12 +780,6 @@ impl Communicator for LocalComm {
                 },
             )?;
         }
-        let recv_bytes: u64 = recvs
-            .iter()
-            .filter(|r| r.src != me)
-            .map(|r| (r.shape.elem_count() * r.dtype.size_in_bytes()) as u64)
-            .sum();
-        self.traffic.record(kind, sent, recv_bytes);
         Ok(Pending::new(Box::new(LocalPending {
             ep: self.ep.clone(),
             recvs,

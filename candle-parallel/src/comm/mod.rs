@@ -22,6 +22,7 @@
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+mod rules;
 pub mod traffic;
 
 use std::sync::Arc;
@@ -98,6 +99,13 @@ pub trait Communicator: Send + Sync {
 
     /// This rank's index in the world this communicator was split from.
     fn world_rank(&self) -> usize;
+}
+
+/// A communicator prints as its rank and size (so that structs holding one derive `Debug`).
+impl std::fmt::Debug for dyn Communicator + '_ {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Comm(rank {} of {})", self.rank(), self.size())
+    }
 }
 
 /// What one receive of an [`Communicator::exchange`] expects.

@@ -66,6 +66,10 @@ use candle_core::{CpuStorage, DType, Device, Shape, Storage, Tensor};
 use mpi::ffi;
 use mpi::Threading;
 
+use super::rules::{
+    check_dim, check_divisible, check_exchange, check_rank, chunk_bounds, op_code, panic_message,
+    reduce_in_rank_order,
+};
 use super::traffic::{OpKind, Traffic};
 use super::{payload_bytes, Comm, Communicator, Pending, PendingOp, RecvSpec, ReduceOp};
 use crate::error::{Error, Result};
@@ -375,46 +379,6 @@ fn concat_blocks(flat: &Tensor, piece: &[usize], p: usize, dim: usize) -> Result
         .reshape(out)?)
 }
 
-fn op_code(op: ReduceOp) -> u64 {
-    match op {
-        ReduceOp::Sum => 0,
-        ReduceOp::Avg => 1,
-        ReduceOp::Max => 2,
-    }
-}
-
-/// Combines the ranks' contributions in rank order, in f32 for half-precision inputs (the same
-/// arithmetic as the local backend, so both give bit-identical results).
-fn reduce_in_rank_order(parts: &[Tensor], op: ReduceOp, world: usize) -> Result<Tensor> {
-    let dtype = parts[0].dtype();
-    let acc_dtype = match dtype {
-        DType::BF16 | DType::F16 => DType::F32,
-        d => d,
-    };
-    let mut acc = parts[0].to_dtype(acc_dtype)?;
-    for p in &parts[1..] {
-        let p = p.to_dtype(acc_dtype)?;
-        acc = match op {
-            ReduceOp::Sum | ReduceOp::Avg => (acc + p)?,
-            ReduceOp::Max => acc.maximum(&p)?,
-        };
-    }
-    if op == ReduceOp::Avg {
-        acc = (acc / world as f64)?;
-    }
-    Ok(acc.to_dtype(dtype)?.contiguous()?)
-}
-
-fn panic_message(payload: &Box<dyn std::any::Any + Send>) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        s.to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "unknown panic payload".to_string()
-    }
-}
-
 /// An MPI communicator handle.
 ///
 /// SAFETY of `Send`/`Sync`: an `MPI_Comm` is a process-wide handle, not tied to the thread that
@@ -626,45 +590,42 @@ pub struct MpiComm {
 }
 
 impl MpiComm {
-    fn check_rank(&self, op: &'static str, what: &str, r: usize) -> Result<()> {
-        if r >= self.inner.size {
-            return Err(Error::invalid(
-                op,
-                format!(
-                    "{what} {r} is out of range for a communicator of {} ranks",
-                    self.inner.size
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    fn check_dim(op: &'static str, x: &Tensor, dim: usize) -> Result<()> {
-        if dim >= x.rank() {
-            return Err(Error::invalid(
-                op,
-                format!(
-                    "dim {dim} is out of range for a tensor of shape {:?}",
-                    x.dims()
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    fn check_divisible(&self, op: &'static str, x: &Tensor, dim: usize) -> Result<usize> {
-        let n = x.dim(dim)?;
+    /// The all-to-all of `x`'s `p` chunks along `dim` (chunk `j` to rank `j`): the received
+    /// chunks in rank order, flattened `(n,)` on the CPU, with the chunk length `m` and the
+    /// element size. Inside a [`MpiComm::collective`].
+    fn alltoall_chunks(
+        &self,
+        name: &'static str,
+        x: &Tensor,
+        dim: usize,
+    ) -> Result<(Tensor, usize, usize)> {
+        let el = elem_size(name, x.dtype())?;
         let p = self.inner.size;
-        if n % p != 0 {
-            return Err(Error::invalid(
-                op,
-                format!(
-                    "dim {dim} of shape {:?} has size {n}, not divisible by the {p} ranks",
-                    x.dims()
-                ),
-            ));
-        }
-        Ok(n / p)
+        let n = x.elem_count();
+        to_count(name, n)?;
+        let m = n / p;
+        let count = to_count(name, m)?;
+        let unit = unit_type(el);
+        let comm = self.inner.comm();
+        let packed = pack_chunks(x, dim, p)?;
+        let mut recv = Buf::zeroed(n * el);
+        with_bytes(name, &packed, |b| {
+            // SAFETY: `b` and `recv` hold p * m elements.
+            let rc = self.locked(|| unsafe {
+                ffi::MPI_Alltoall(
+                    b.as_ptr().cast(),
+                    count,
+                    unit,
+                    recv.mut_ptr(),
+                    count,
+                    unit,
+                    comm,
+                )
+            });
+            check(rc, "MPI_Alltoall")
+        })?;
+        let flat = tensor_from_bytes(recv.bytes(), x.dtype(), &[n], &Device::Cpu)?;
+        Ok((flat, m, el))
     }
 
     /// Runs `f`, an MPI call, under the serial lock when MPI is not thread-multiple.
@@ -839,24 +800,23 @@ impl Communicator for MpiComm {
         let kind = OpKind::AllReduce;
         let name = kind.name();
         let meta = Some((x.shape(), x.dtype()));
-        self.collective(kind, [op_code(op), 0], true, meta, |_| {
+        self.collective(kind, [op_code(op) as u64, 0], true, meta, |_| {
             let el = elem_size(name, x.dtype())?;
             let p = self.inner.size;
             let me = self.inner.rank;
             let n = x.elem_count();
             to_count(name, n)?;
             // Chunk j (of ceil/floor size) is reduced by rank j, as on the local backend.
-            let lens: Vec<usize> = (0..p).map(|j| n / p + usize::from(j < n % p)).collect();
-            let starts: Vec<usize> = (0..p).map(|j| j * (n / p) + j.min(n % p)).collect();
-            let counts = lens
+            let bounds = chunk_bounds(n, p);
+            let counts = bounds
                 .iter()
-                .map(|&l| to_count(name, l))
+                .map(|&(_, l)| to_count(name, l))
                 .collect::<Result<Vec<_>>>()?;
-            let displs = starts
+            let displs = bounds
                 .iter()
-                .map(|&s| to_count(name, s))
+                .map(|&(s, _)| to_count(name, s))
                 .collect::<Result<Vec<_>>>()?;
-            let m = lens[me];
+            let m = bounds[me].1;
             to_count(name, m * p)?;
             let rcounts = vec![counts[me]; p];
             let rdispls = (0..p)
@@ -908,15 +868,7 @@ impl Communicator for MpiComm {
                 check(rc, "MPI_Allgatherv (all_reduce)")
             })?;
             let out = tensor_from_bytes(full.bytes(), x.dtype(), x.dims(), x.device())?;
-            let others: u64 = lens
-                .iter()
-                .enumerate()
-                .filter(|(j, _)| *j != me)
-                .map(|(_, &l)| l as u64)
-                .sum();
-            let mine = m as u64 * (p as u64 - 1);
-            let b = (others + mine) * el as u64;
-            self.traffic.record(kind, b, b);
+            self.traffic.record_all_reduce(&bounds, me, el as u64);
             Ok(out)
         })
     }
@@ -926,7 +878,7 @@ impl Communicator for MpiComm {
         let name = kind.name();
         let meta = Some((x.shape(), x.dtype()));
         self.collective(kind, [dim as u64, 0], true, meta, |_| {
-            Self::check_dim(name, x, dim)?;
+            check_dim(name, x, dim)?;
             let el = elem_size(name, x.dtype())?;
             let p = self.inner.size;
             let n = x.elem_count();
@@ -966,35 +918,11 @@ impl Communicator for MpiComm {
         let kind = OpKind::ReduceScatter;
         let name = kind.name();
         let meta = Some((x.shape(), x.dtype()));
-        self.collective(kind, [dim as u64, op_code(op)], true, meta, |_| {
-            Self::check_dim(name, x, dim)?;
-            let c = self.check_divisible(name, x, dim)?;
-            let el = elem_size(name, x.dtype())?;
+        self.collective(kind, [dim as u64, op_code(op) as u64], true, meta, |_| {
+            check_dim(name, x, dim)?;
+            let c = check_divisible(name, x, dim, self.inner.size)?;
             let p = self.inner.size;
-            let n = x.elem_count();
-            to_count(name, n)?;
-            let m = n / p;
-            let count = to_count(name, m)?;
-            let unit = unit_type(el);
-            let comm = self.inner.comm();
-            let packed = pack_chunks(x, dim, p)?;
-            let mut recv = Buf::zeroed(n * el);
-            with_bytes(name, &packed, |b| {
-                // SAFETY: `b` and `recv` hold p * m elements.
-                let rc = self.locked(|| unsafe {
-                    ffi::MPI_Alltoall(
-                        b.as_ptr().cast(),
-                        count,
-                        unit,
-                        recv.mut_ptr(),
-                        count,
-                        unit,
-                        comm,
-                    )
-                });
-                check(rc, "MPI_Alltoall (reduce_scatter)")
-            })?;
-            let flat = tensor_from_bytes(recv.bytes(), x.dtype(), &[n], &Device::Cpu)?;
+            let (flat, m, el) = self.alltoall_chunks(name, x, dim)?;
             let parts = (0..p)
                 .map(|r| flat.narrow(0, r * m, m))
                 .collect::<candle_core::Result<Vec<_>>>()?;
@@ -1006,8 +934,7 @@ impl Communicator for MpiComm {
             } else {
                 out.to_device(x.device())?
             };
-            let b = (m * el) as u64 * (p as u64 - 1);
-            self.traffic.record(kind, b, b);
+            self.traffic.record_symmetric(kind, (m * el) as u64, p);
             Ok(out)
         })
     }
@@ -1018,35 +945,11 @@ impl Communicator for MpiComm {
         let meta = Some((x.shape(), x.dtype()));
         let args = [split_dim as u64, concat_dim as u64];
         self.collective(kind, args, true, meta, |_| {
-            Self::check_dim(name, x, split_dim)?;
-            Self::check_dim(name, x, concat_dim)?;
-            let c = self.check_divisible(name, x, split_dim)?;
-            let el = elem_size(name, x.dtype())?;
+            check_dim(name, x, split_dim)?;
+            check_dim(name, x, concat_dim)?;
+            let c = check_divisible(name, x, split_dim, self.inner.size)?;
             let p = self.inner.size;
-            let n = x.elem_count();
-            to_count(name, n)?;
-            let m = n / p;
-            let count = to_count(name, m)?;
-            let unit = unit_type(el);
-            let comm = self.inner.comm();
-            let packed = pack_chunks(x, split_dim, p)?;
-            let mut recv = Buf::zeroed(n * el);
-            with_bytes(name, &packed, |b| {
-                // SAFETY: `b` and `recv` hold p * m elements.
-                let rc = self.locked(|| unsafe {
-                    ffi::MPI_Alltoall(
-                        b.as_ptr().cast(),
-                        count,
-                        unit,
-                        recv.mut_ptr(),
-                        count,
-                        unit,
-                        comm,
-                    )
-                });
-                check(rc, "MPI_Alltoall")
-            })?;
-            let flat = tensor_from_bytes(recv.bytes(), x.dtype(), &[n], &Device::Cpu)?;
+            let (flat, m, el) = self.alltoall_chunks(name, x, split_dim)?;
             let mut piece = x.dims().to_vec();
             piece[split_dim] = c;
             let out = concat_blocks(&flat, &piece, p, concat_dim)?;
@@ -1055,8 +958,7 @@ impl Communicator for MpiComm {
             } else {
                 out.to_device(x.device())?
             };
-            let b = (m * el) as u64 * (p as u64 - 1);
-            self.traffic.record(kind, b, b);
+            self.traffic.record_symmetric(kind, (m * el) as u64, p);
             Ok(out)
         })
     }
@@ -1066,7 +968,7 @@ impl Communicator for MpiComm {
         let name = kind.name();
         let meta = Some((x.shape(), x.dtype()));
         self.collective(kind, [root as u64, 0], true, meta, |_| {
-            self.check_rank(name, "root", root)?;
+            check_rank(name, "root", root, self.inner.size)?;
             let el = elem_size(name, x.dtype())?;
             let p = self.inner.size;
             let n = x.elem_count();
@@ -1100,52 +1002,27 @@ impl Communicator for MpiComm {
 
     fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
         let kind = OpKind::Send;
-        self.check_rank(kind.name(), "destination", dst)?;
+        check_rank(kind.name(), "destination", dst, self.inner.size)?;
         self.post_send(kind.name(), x, dst)?;
-        let b = if dst == self.inner.rank {
-            0
-        } else {
-            payload_bytes(x)
-        };
-        self.traffic.record(kind, b, 0);
+        self.traffic.record_send(x, self.inner.rank, dst);
         Ok(())
     }
 
     fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor> {
         let kind = OpKind::Recv;
-        self.check_rank(kind.name(), "source", src)?;
+        check_rank(kind.name(), "source", src, self.inner.size)?;
         let t = self.inner.recv_one(src, shape, dtype, kind.name())?;
-        let b = if src == self.inner.rank {
-            0
-        } else {
-            payload_bytes(&t)
-        };
-        self.traffic.record(kind, 0, b);
+        self.traffic.record_recv(&t, self.inner.rank, src);
         Ok(t)
     }
 
     fn exchange(&self, sends: Vec<(usize, Tensor)>, recvs: Vec<RecvSpec>) -> Result<Pending> {
-        let kind = OpKind::Exchange;
-        for (dst, _) in &sends {
-            self.check_rank(kind.name(), "destination", *dst)?;
-        }
-        for r in &recvs {
-            self.check_rank(kind.name(), "source", r.src)?;
-        }
-        let me = self.inner.rank;
-        let mut sent = 0;
+        check_exchange(&sends, &recvs, self.inner.size)?;
         for (dst, t) in &sends {
-            self.post_send(kind.name(), t, *dst)?;
-            if *dst != me {
-                sent += payload_bytes(t);
-            }
+            self.post_send(OpKind::Exchange.name(), t, *dst)?;
         }
-        let recv_bytes: u64 = recvs
-            .iter()
-            .filter(|r| r.src != me)
-            .map(|r| (r.shape.elem_count() * r.dtype.size_in_bytes()) as u64)
-            .sum();
-        self.traffic.record(kind, sent, recv_bytes);
+        self.traffic
+            .record_exchange(&sends, &recvs, self.inner.rank);
         Ok(Pending::new(Box::new(MpiPending {
             inner: self.inner.clone(),
             recvs,

@@ -29,22 +29,11 @@ pub struct EmbeddingConfig {
 ///
 /// Rank `r` of the group (`P` ranks) holds rows `[r·V/P, (r+1)·V/P)` of the `(V, hidden)` table
 /// (`V % P == 0`).
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct VocabParallelEmbedding {
     weight: Tensor,
     vocab_size: usize,
     tp: TpGroup,
-}
-
-impl std::fmt::Debug for VocabParallelEmbedding {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VocabParallelEmbedding")
-            .field("weight", &self.weight.dims())
-            .field("vocab_size", &self.vocab_size)
-            .field("rank", &self.tp.rank())
-            .field("size", &self.tp.size())
-            .finish()
-    }
 }
 
 impl VocabParallelEmbedding {

@@ -79,20 +79,10 @@ pub enum TpActivations {
 }
 
 /// The tensor-parallel group of one rank and where its activations live ([`TpActivations`]).
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct TpGroup {
     comm: Comm,
     sequence_parallel: bool,
-}
-
-impl std::fmt::Debug for TpGroup {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TpGroup")
-            .field("rank", &self.comm.rank())
-            .field("size", &self.comm.size())
-            .field("sequence_parallel", &self.sequence_parallel)
-            .finish()
-    }
 }
 
 impl TpGroup {

@@ -235,7 +235,7 @@ impl FlatShard {
 }
 
 /// The communicators of ZeRO sharding for one rank; see the [module docs](self).
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct ZeroGroups {
     /// The sharding group: ranks holding different chunks of the same tensors.
     pub shard: Comm,
@@ -249,15 +249,6 @@ pub struct ZeroGroups {
     /// `shard` together with the tensor-parallel group: the ranks whose chunks make up every
     /// tensor-parallel slice of a split parameter once (for its global norm).
     pub shard_tp: Comm,
-}
-
-impl std::fmt::Debug for ZeroGroups {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ZeroGroups")
-            .field("shard", &(self.shard.rank(), self.shard.size()))
-            .field("replica", &(self.replica.rank(), self.replica.size()))
-            .finish()
-    }
 }
 
 impl ZeroGroups {
