@@ -200,7 +200,7 @@ fn saved_checkpoints_reload_identically() {
             let (_mesh, ctx) = layout.context(world)?;
             let m =
                 llama::load(&files, &ctx, None, ParamMode::Frozen).map_err(|e| e.to_string())?;
-            save_hf(&m.params.sorted(), ctx.tp().comm(), &dir, true, &opts)
+            save_hf(&m.params.sorted(), ctx.tp().comm(), Some(&dir), &opts)
                 .map_err(|e| e.to_string())
         })
         .unwrap();
@@ -248,16 +248,20 @@ fn tokenizer_matches_transformers() {
             .map(|v| v.as_u64().unwrap() as u32)
             .collect()
     };
+    use models::tokenizer::SpecialTokens;
     let tok = models::tokenizer::Tokenizer::from_files(
         &dir.join("tokenizer.json"),
         Some(&dir.join("tokenizer_config.json")),
     )
     .unwrap();
     let text = sample["text"].as_str().unwrap();
-    assert_eq!(tok.encode(text, false).unwrap(), ids("ids"));
-    assert_eq!(tok.encode(text, true).unwrap(), ids("ids_with_special"));
+    assert_eq!(tok.encode(text, SpecialTokens::Drop).unwrap(), ids("ids"));
+    assert_eq!(
+        tok.encode(text, SpecialTokens::Keep).unwrap(),
+        ids("ids_with_special")
+    );
     assert_eq!(tok.bos_token_id, Some(1));
     assert_eq!(tok.eos_token_id, Some(2));
     assert_eq!(tok.vocab_size(), 256);
-    assert_eq!(tok.decode(&ids("ids"), true).unwrap(), text);
+    assert_eq!(tok.decode(&ids("ids"), SpecialTokens::Drop).unwrap(), text);
 }

@@ -25,7 +25,7 @@ use candle_parallel::plan::{MemoryPlan, Parallelize};
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{assert_identical, rel_err, Layout};
 use testkit::{assert_close_scalar, assert_finite, max_abs};
-use train::data::{PackedDataset, TokenStream};
+use train::data::{PackedDataset, Packing, TokenStream};
 use train::trainer::{LanguageModel, TrainConfig, Trainer};
 
 // ------------------------------------------------------------------------------------------
@@ -265,7 +265,12 @@ fn data() -> PackedDataset {
                 .collect()
         })
         .collect();
-    PackedDataset::new(TokenStream::from_sequences(&docs, 64).unwrap(), 32, false).unwrap()
+    PackedDataset::new(
+        TokenStream::from_sequences(&docs, 64).unwrap(),
+        32,
+        Packing::Continuous,
+    )
+    .unwrap()
 }
 
 struct Run {

@@ -21,7 +21,7 @@ use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{assert_identical, fixture_files, rel_err, Layout};
 use models::llama;
 use testkit::assert_identical_scalars;
-use train::data::{PackedDataset, TokenStream};
+use train::data::{PackedDataset, Packing, TokenStream};
 use train::trainer::{TrainConfig, Trainer};
 
 const TOL: f64 = 1e-5;
@@ -57,23 +57,18 @@ fn config(steps: u64, batch: usize, grad_accum: usize, doc_mask: bool) -> TrainC
 
 /// Random documents of varied lengths (3..40 tokens) over the fixture's 256-token vocabulary.
 fn dataset(doc_mask: bool) -> PackedDataset {
-    let mut state = 0x1234_5678u64;
-    let mut next = |m: u64| {
-        state = state
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (state >> 33) % m
-    };
-    let docs: Vec<Vec<u32>> = (0..40)
-        .map(|_| {
-            let len = 3 + next(38) as usize;
-            (0..len).map(|_| next(256) as u32).collect()
-        })
-        .collect();
+    packed(
+        testkit::random_docs(0x1234_5678, 40, 3..41, 256),
+        32,
+        Packing::with_doc_mask(doc_mask),
+    )
+}
+
+fn packed(docs: Vec<Vec<u32>>, seq_len: usize, packing: Packing) -> PackedDataset {
     PackedDataset::new(
         TokenStream::from_sequences(&docs, 256).unwrap(),
-        32,
-        doc_mask,
+        seq_len,
+        packing,
     )
     .unwrap()
 }
@@ -132,7 +127,7 @@ fn train_files(
                     std::fs::read(cpl_integration_tests::fixture_dir("mha").join("config.json"))
                         .unwrap(),
                 )],
-                &[],
+                &Default::default(),
                 5,
             )
             .map_err(|x| e(&x))?;
@@ -433,25 +428,11 @@ fn repeated_runs_are_bit_identical() {
 
 /// Random documents of 50..600 tokens, packed into windows of `seq_len`.
 fn long_dataset(seq_len: usize) -> PackedDataset {
-    let mut state = 0x9e37_79b9u64;
-    let mut next = |m: u64| {
-        state = state
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (state >> 33) % m
-    };
-    let docs: Vec<Vec<u32>> = (0..24)
-        .map(|_| {
-            let len = 50 + next(550) as usize;
-            (0..len).map(|_| next(256) as u32).collect()
-        })
-        .collect();
-    PackedDataset::new(
-        TokenStream::from_sequences(&docs, 256).unwrap(),
+    packed(
+        testkit::random_docs(0x9e37_79b9, 24, 50..600, 256),
         seq_len,
-        true,
+        Packing::Documents,
     )
-    .unwrap()
 }
 
 #[test]

@@ -33,9 +33,9 @@ pub struct EvalArgs {
     /// The text field of .jsonl records and the text column of .parquet files.
     #[arg(long, default_value = "text")]
     pub text_field: String,
-    /// Compute dtype: f32, bf16 or f16 (default: the checkpoint's).
-    #[arg(long)]
-    pub dtype: Option<String>,
+    /// Compute dtype (default: the checkpoint's).
+    #[arg(long, value_enum)]
+    pub dtype: Option<DtypeArg>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
@@ -60,12 +60,21 @@ pub struct EvalReport {
     pub tokens_per_sec: f64,
 }
 
-pub fn parse_dtype_flag(flag: &str, value: &Option<String>) -> Result<Option<DType>> {
-    match value {
-        None => Ok(None),
-        Some(v) => models::llama::config::parse_dtype(v)
-            .map(Some)
-            .with_context(|| format!("{flag} {v:?}: expected f32, bf16 or f16")),
+/// A compute dtype flag.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DtypeArg {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl From<DtypeArg> for DType {
+    fn from(d: DtypeArg) -> Self {
+        match d {
+            DtypeArg::F32 => DType::F32,
+            DtypeArg::Bf16 => DType::BF16,
+            DtypeArg::F16 => DType::F16,
+        }
     }
 }
 
@@ -147,7 +156,7 @@ fn sequences(
 pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
     let files = models::hub::resolve(&args.model)?;
     let cfg = LlamaConfig::from_file(&files.config)?;
-    let dtype = parse_dtype_flag("--dtype", &args.dtype)?;
+    let dtype = args.dtype.map(DType::from);
     let seqs = sequences(args, &files, &cfg)?;
     let want_logits = args.logits_out.is_some();
     launch(&args.layout, |rank: &Rank| {

@@ -4,9 +4,9 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_parallel::nn::ParamMode;
 use models::llama;
-use models::tokenizer::Tokenizer;
+use models::tokenizer::{SpecialTokens, Tokenizer};
 
-use crate::eval::parse_dtype_flag;
+use crate::eval::DtypeArg;
 use crate::launch::{launch, load_llama};
 use crate::layout::LayoutArgs;
 
@@ -28,9 +28,9 @@ pub struct GenerateArgs {
     pub top_p: f64,
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
-    /// Compute dtype: f32, bf16 or f16 (default: the checkpoint's).
-    #[arg(long)]
-    pub dtype: Option<String>,
+    /// Compute dtype (default: the checkpoint's).
+    #[arg(long, value_enum)]
+    pub dtype: Option<DtypeArg>,
     #[command(flatten)]
     pub layout: LayoutArgs,
 }
@@ -107,8 +107,8 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     }
     let files = models::hub::resolve(&args.model)?;
     let tok = Tokenizer::from_model(&files)?;
-    let dtype = parse_dtype_flag("--dtype", &args.dtype)?;
-    let prompt = tok.encode(&args.prompt, true)?;
+    let dtype = args.dtype.map(DType::from);
+    let prompt = tok.encode(&args.prompt, SpecialTokens::Keep)?;
     if prompt.is_empty() {
         bail!("--prompt: the prompt encodes to no tokens");
     }
@@ -131,7 +131,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             }
             next = Tensor::from_vec(vec![t], (1, 1), &Device::Cpu)?;
         }
-        Ok(tok.decode(&out, true)?)
+        Ok(tok.decode(&out, SpecialTokens::Drop)?)
     })
     .context("generating")?;
     if let Some(text) = text {

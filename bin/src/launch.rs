@@ -8,7 +8,7 @@ use candle_parallel::nn::{ParallelCtx, ParamMode, TpActivations};
 use models::hub::ModelFiles;
 use models::llama::{self, LoadedLlama};
 
-use crate::layout::LayoutArgs;
+use crate::layout::{Backend, LayoutArgs};
 
 /// What a rank works with: its mesh and the parallel context the model is built with.
 pub struct Rank {
@@ -54,8 +54,8 @@ where
         let ctx = ParallelCtx::new(&mesh, &sp_cfg, tp).context("building the parallel layout")?;
         f(&Rank { mesh, ctx })
     };
-    match args.backend.as_str() {
-        "local" => {
+    match args.backend {
+        Backend::Local => {
             let mut results = candle_parallel::comm::LocalWorld::run(args.ranks, |world| {
                 run_rank(world).map_err(|e| format!("{e:#}"))
             })
@@ -65,8 +65,7 @@ where
             }
             Ok(Some(results.swap_remove(0)))
         }
-        "mpi" => launch_mpi(args, run_rank),
-        other => bail!("--backend {other:?}: expected local or mpi"),
+        Backend::Mpi => launch_mpi(args, run_rank),
     }
 }
 

@@ -27,17 +27,16 @@ pub struct LayoutArgs {
     /// Rank order, innermost first, e.g. "tp,ulysses,ring,dp,pp" (default) or "tp,ulysses,ring,pp,dp" (Llama 3).
     #[arg(long)]
     pub order: Option<String>,
-    /// Placement of the (ulysses, ring) grid: head-first or context-first (LoongTrain).
-    #[arg(long, default_value = "head-first")]
-    pub placement: String,
-    /// How the sequence is split over the ring ranks: contiguous, zigzag or striped.
-    #[arg(long, default_value = "zigzag")]
-    pub ring_layout: String,
-    /// Sequence-parallel attention: ring, ulysses, usp, double-ring, startrail or allgather.
-    /// Default: usp when both --ulysses and --ring exceed 1, ulysses when only --ulysses does,
-    /// ring otherwise.
-    #[arg(long)]
-    pub cp_impl: Option<String>,
+    /// Placement of the (ulysses, ring) grid (LoongTrain).
+    #[arg(long, value_enum, default_value_t = Placement::HeadFirst)]
+    pub placement: Placement,
+    /// How the sequence is split over the ring ranks.
+    #[arg(long, value_enum, default_value_t = SeqLayout::Zigzag)]
+    pub ring_layout: SeqLayout,
+    /// Sequence-parallel attention. Default: usp when both --ulysses and --ring exceed 1,
+    /// ulysses when only --ulysses does, ring otherwise.
+    #[arg(long, value_enum)]
+    pub cp_impl: Option<Strategy>,
     /// Inner ring size of --cp-impl double-ring (divides --ring).
     #[arg(long, default_value_t = 1)]
     pub inner_ring: usize,
@@ -48,10 +47,18 @@ pub struct LayoutArgs {
     /// split along the sequence over --tp ranks).
     #[arg(long)]
     pub tp_sp: bool,
-    /// How ranks run: local (threads of this process) or mpi (one process per rank under
-    /// mpirun; needs a build with --features mpi).
-    #[arg(long, default_value = "local")]
-    pub backend: String,
+    /// How ranks run.
+    #[arg(long, value_enum, default_value_t = Backend::Local)]
+    pub backend: Backend,
+}
+
+/// How the ranks of a command run.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// Threads of this process.
+    Local,
+    /// One process per rank under mpirun (needs a build with --features mpi).
+    Mpi,
 }
 
 impl Default for LayoutArgs {
@@ -64,13 +71,13 @@ impl Default for LayoutArgs {
             pp: 1,
             dp: None,
             order: None,
-            placement: "head-first".into(),
-            ring_layout: "zigzag".into(),
+            placement: Placement::HeadFirst,
+            ring_layout: SeqLayout::Zigzag,
             cp_impl: None,
             inner_ring: 1,
             team: 1,
             tp_sp: false,
-            backend: "local".into(),
+            backend: Backend::Local,
         }
     }
 }
@@ -92,11 +99,7 @@ impl LayoutArgs {
             cfg.effective_order()
                 .with_context(|| format!("--order {order:?}"))?;
         }
-        let placement: Placement = self
-            .placement
-            .parse()
-            .with_context(|| format!("--placement {:?}", self.placement))?;
-        cfg = cfg.with_placement(placement);
+        cfg = cfg.with_placement(self.placement);
         let dp = match self.dp {
             Some(dp) => dp,
             None => {
@@ -137,7 +140,7 @@ impl LayoutArgs {
         if let Some(dp) = self.dp {
             f.push(format!("--dp {dp}"));
         }
-        if let Some(c) = &self.cp_impl {
+        if let Some(c) = self.cp_impl {
             f.push(format!("--cp-impl {c}"));
         }
         if self.tp_sp {
@@ -148,27 +151,17 @@ impl LayoutArgs {
 
     /// The sequence-parallel attention these flags describe.
     pub fn sp_config(&self) -> Result<SpConfig> {
-        let strategy = match &self.cp_impl {
-            Some(s) => s
-                .parse::<Strategy>()
-                .with_context(|| format!("--cp-impl {s:?}"))?,
+        let strategy = match self.cp_impl {
+            Some(s) => s,
             None if self.ulysses > 1 && self.ring > 1 => Strategy::Usp,
             None if self.ulysses > 1 => Strategy::Ulysses,
             None => Strategy::Ring,
         };
-        let layout: SeqLayout = self
-            .ring_layout
-            .parse()
-            .with_context(|| format!("--ring-layout {:?}", self.ring_layout))?;
-        let placement: Placement = self
-            .placement
-            .parse()
-            .with_context(|| format!("--placement {:?}", self.placement))?;
         let cfg = SpConfig::new(strategy, self.ulysses, self.ring)
-            .with_layout(layout)
+            .with_layout(self.ring_layout)
             .with_inner_ring(self.inner_ring)
             .with_team(self.team)
-            .with_placement(placement);
+            .with_placement(self.placement);
         cfg.validate().with_context(|| {
             format!(
                 "--cp-impl {} with --ulysses {} --ring {} --inner-ring {} --team {}",

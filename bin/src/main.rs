@@ -80,7 +80,15 @@ fn main() {
         }
     };
     let bare_train = raw.len() == 2 && raw[1] == "train";
-    let cli = Cli::parse_from(raw);
+    // Bad flags fail like every other error (exit 1); help and version exit 0.
+    let cli = match Cli::try_parse_from(raw) {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) => {
+            let _ = e.print();
+            std::process::exit(1);
+        }
+    };
     let result: Result<()> = match cli.command {
         None => train_cmd::run(&train_cmd::TrainArgs::embedded_default()),
         // `cpl train` alone is the README's main job, like `cpl`.

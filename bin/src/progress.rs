@@ -1,14 +1,17 @@
-//! Progress of a training run on the terminal, and the process's peak memory.
+//! Progress of a training run on the terminal (an `indicatif` bar), in logs (a line every few
+//! steps), and the process's peak memory.
 
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 
-/// Progress of `cpl train`: on a terminal, one bar redrawn after every step; otherwise (logs,
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+/// Progress of `cpl train`: on a terminal, a bar updated after every step; otherwise (logs,
 /// pipes) a line every `log_every` steps.
 pub struct Progress {
     total: u64,
     log_every: u64,
-    tty: bool,
-    drawn: bool,
+    /// The bar, on a terminal.
+    bar: Option<ProgressBar>,
 }
 
 /// What one step reports to [`Progress::step`].
@@ -24,11 +27,18 @@ pub struct StepLine {
 
 impl Progress {
     pub fn new(total: u64, log_every: u64) -> Self {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+            // The template is a constant: it parses.
+            if let Ok(style) = ProgressStyle::with_template("[{bar:24}] {pos:>5}/{len}  {msg}") {
+                bar.set_style(style.progress_chars("#>-"));
+            }
+            bar
+        });
         Self {
             total,
             log_every: log_every.max(1),
-            tty: std::io::stderr().is_terminal(),
-            drawn: false,
+            bar,
         }
     }
 
@@ -42,42 +52,32 @@ impl Progress {
             100.0 * s.mfu,
             fmt_duration(s.eta_secs)
         );
-        if self.tty {
-            const WIDTH: u64 = 24;
-            let filled = (WIDTH * s.step / self.total.max(1)).min(WIDTH) as usize;
-            let bar = format!(
-                "{}{}",
-                "#".repeat(filled),
-                "-".repeat(WIDTH as usize - filled)
-            );
-            eprint!("\r\x1b[2K[{bar}] {:>5}/{}  {stats}", s.step, self.total);
-            let _ = std::io::stderr().flush();
-            self.drawn = true;
-            if s.step == self.total {
-                self.end_line();
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(s.step);
+                bar.set_message(stats);
             }
-        } else if s.step.is_multiple_of(self.log_every) || s.step == self.total {
-            eprintln!("step {:>5}/{}  {stats}", s.step, self.total);
+            None if s.step.is_multiple_of(self.log_every) || s.step == self.total => {
+                eprintln!("step {:>5}/{}  {stats}", s.step, self.total);
+            }
+            None => {}
         }
     }
 
-    /// Prints a message on its own line (below the bar on a terminal).
+    /// Prints a message on its own line (above the bar on a terminal).
     pub fn message(&mut self, msg: &str) {
-        self.end_line();
-        eprintln!("{msg}");
-    }
-
-    fn end_line(&mut self) {
-        if self.drawn {
-            eprintln!();
-            self.drawn = false;
+        match &self.bar {
+            Some(bar) => bar.println(msg),
+            None => eprintln!("{msg}"),
         }
     }
 }
 
 impl Drop for Progress {
     fn drop(&mut self) {
-        self.end_line();
+        if let Some(bar) = &self.bar {
+            bar.finish();
+        }
     }
 }
 

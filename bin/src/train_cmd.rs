@@ -22,10 +22,11 @@ use candle_parallel::recompute::Checkpointing;
 use models::llama::LlamaConfig;
 use models::tokenizer::Tokenizer;
 use train::checkpoint;
-use train::data::{PackedDataset, TokenStream};
-use train::trainer::{StepStats, TrainConfig, Trainer};
+use train::checkpoint::EvalPoint;
+use train::data::{PackedDataset, Packing, TokenStream};
+use train::trainer::{TrainConfig, Trainer};
 
-use crate::eval::parse_dtype_flag;
+use crate::eval::DtypeArg;
 use crate::launch::{launch, load_llama};
 use crate::layout::LayoutArgs;
 use crate::progress::{peak_rss_mib, Progress, StepLine};
@@ -78,9 +79,9 @@ pub struct TrainArgs {
     /// Warmup steps (linear from 0, as in transformers: step 0 has lr 0).
     #[arg(long, default_value_t = 10)]
     pub warmup: u64,
-    /// Decay after warmup: cosine, linear or constant.
-    #[arg(long, default_value = "cosine")]
-    pub decay: String,
+    /// Decay after warmup.
+    #[arg(long, value_enum, default_value_t = Decay::Cosine)]
+    pub decay: Decay,
     #[arg(long, default_value_t = 0.1)]
     pub weight_decay: f64,
     #[arg(long, default_value_t = 0.9)]
@@ -92,10 +93,9 @@ pub struct TrainArgs {
     /// Clip gradients to this global norm (0: no clipping).
     #[arg(long, default_value_t = 1.0)]
     pub max_grad_norm: f64,
-    /// Parameter dtype: f32, bf16 or f16 (master weights and moments are f32 regardless).
-    /// Default: f32.
-    #[arg(long)]
-    pub dtype: Option<String>,
+    /// Parameter dtype (master weights and moments are f32 regardless). Default: f32.
+    #[arg(long, value_enum)]
+    pub dtype: Option<DtypeArg>,
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,
     /// Keep the data in stream order.
@@ -113,6 +113,19 @@ pub struct TrainArgs {
     /// Continue from the last checkpoint in --out.
     #[arg(long)]
     pub resume: bool,
+    /// Held-out text to evaluate on (same formats as --data); its mean loss goes to eval.jsonl
+    /// and loss.png.
+    #[arg(long, num_args = 1.., help_heading = "Evaluation")]
+    pub eval_data: Vec<PathBuf>,
+    /// Held-out pre-tokenized documents (a JSON array of token-id arrays).
+    #[arg(long, conflicts_with = "eval_data", help_heading = "Evaluation")]
+    pub eval_tokens: Option<PathBuf>,
+    /// Evaluate every K steps (0: only after the last step).
+    #[arg(long, default_value_t = 0, help_heading = "Evaluation")]
+    pub eval_every: u64,
+    /// Windows of --seq-len tokens evaluated each time (the first ones of the eval data).
+    #[arg(long, default_value_t = 16, help_heading = "Evaluation")]
+    pub eval_windows: usize,
     /// Tokens per chunk of the vocab-parallel loss. A chunk's logits (chunk x vocab / tp f32
     /// values) are a fixed memory cost of every rank that more ranks do not shrink: lower it
     /// (e.g. 128) to save memory at long context or with a large vocabulary.
@@ -120,17 +133,17 @@ pub struct TrainArgs {
     pub loss_chunk: usize,
     /// ZeRO stage: 0 (off), 1 (shard optimizer states), 2 (and gradients), 3 (and parameters),
     /// over the ulysses x ring x dp ranks.
-    #[arg(long, default_value_t = 0, help_heading = "Memory")]
-    pub zero: u8,
+    #[arg(long, value_enum, default_value_t = ZeroStage::Off, help_heading = "Memory")]
+    pub zero: ZeroStage,
     /// Ranks per ZeRO sharding group (divides ulysses x ring x dp; default: all of them; 1:
     /// full replicas; between: hybrid sharding, replicated across groups).
     #[arg(long, help_heading = "Memory")]
     pub zero_group: Option<usize>,
-    /// Activation checkpointing of every decoder layer: none, full (keep each layer's input,
-    /// recompute the layer) or selective (also keep attention's output and lse: attention and
-    /// its communication run once).
-    #[arg(long, default_value = "none", help_heading = "Memory")]
-    pub checkpointing: String,
+    /// Activation checkpointing of every decoder layer: full keeps each layer's input and
+    /// recomputes the layer; selective also keeps attention's output and lse, so attention and
+    /// its communication run once.
+    #[arg(long, value_enum, default_value_t = Checkpointing::None, help_heading = "Memory")]
+    pub checkpointing: Checkpointing,
     /// Print a progress line every N steps (when stderr is not a terminal; a terminal shows a
     /// progress bar redrawn every step).
     #[arg(long, default_value_t = 10)]
@@ -203,15 +216,6 @@ impl TrainArgs {
         a
     }
 
-    fn decay(&self) -> Result<Decay> {
-        Ok(match self.decay.as_str() {
-            "cosine" => Decay::Cosine,
-            "linear" => Decay::Linear,
-            "constant" => Decay::Constant,
-            other => bail!("--decay {other:?}: expected cosine, linear or constant"),
-        })
-    }
-
     fn config(&self) -> Result<TrainConfig> {
         if self.seq_len < 2 {
             bail!("--seq-len {} must be at least 2", self.seq_len);
@@ -235,20 +239,14 @@ impl TrainArgs {
         if self.loss_chunk == 0 {
             bail!("--loss-chunk must be at least 1");
         }
-        let zero = ZeroStage::try_from(self.zero)
-            .map_err(|_| anyhow::anyhow!("--zero {}: expected 0, 1, 2 or 3", self.zero))?;
+        let zero = self.zero;
         if self.zero_group == Some(0) {
             bail!("--zero-group must be at least 1");
         }
         if self.zero_group.is_some() && zero == ZeroStage::Off {
             bail!("--zero-group needs --zero 1, 2 or 3");
         }
-        let checkpointing: Checkpointing = self.checkpointing.parse().map_err(|_| {
-            anyhow::anyhow!(
-                "--checkpointing {:?}: expected none, full or selective",
-                self.checkpointing
-            )
-        })?;
+        let checkpointing = self.checkpointing;
         Ok(TrainConfig {
             seq_len: self.seq_len,
             steps: self.steps,
@@ -269,7 +267,7 @@ impl TrainArgs {
                 min_lr: self.min_lr,
                 warmup_steps: self.warmup,
                 total_steps: self.steps,
-                decay: self.decay()?,
+                decay: self.decay,
             },
             max_grad_norm: (self.max_grad_norm > 0.0).then_some(self.max_grad_norm),
             loss_chunk_tokens: self.loss_chunk,
@@ -329,25 +327,28 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     };
     let files = models::hub::resolve(&model_id)?;
     let model_cfg = LlamaConfig::from_file(&files.config)?;
-    let dtype = parse_dtype_flag("--dtype", &args.dtype)?.unwrap_or(DType::F32);
+    let dtype = args.dtype.map(DType::from).unwrap_or(DType::F32);
     // Data: tokenized once, identical on every rank.
-    let stream = if let Some(t) = &args.tokens {
-        TokenStream::from_sequences(
-            &train::data::read_token_sequences(t, model_cfg.vocab_size, "--tokens")?,
-            model_cfg.vocab_size,
-        )?
-    } else {
-        let paths = if args.data.is_empty() {
-            vec![default_asset("corpus/shakespeare.jsonl")]
-        } else {
-            args.data.clone()
-        };
-        let tok = Tokenizer::from_model(&files)?;
-        let docs = train::data::read_corpus(&paths, &args.text_field, "--data")?;
-        TokenStream::from_documents(&tok, &docs, model_cfg.vocab_size)?
-    };
-    let data = PackedDataset::new(stream, cfg.seq_len, cfg.doc_mask)
-        .with_context(|| format!("--seq-len {}", cfg.seq_len))?;
+    let tokenizer = || Tokenizer::from_model(&files);
+    let data = dataset(
+        args.tokens.as_ref().map(|t| (t, "--tokens")),
+        (&args.data, "--data"),
+        Some(default_asset("corpus/shakespeare.jsonl")),
+        &tokenizer,
+        &args.text_field,
+        model_cfg.vocab_size,
+        &cfg,
+    )?
+    .context("no training data")?;
+    let eval_data = dataset(
+        args.eval_tokens.as_ref().map(|t| (t, "--eval-tokens")),
+        (&args.eval_data, "--eval-data"),
+        None,
+        &tokenizer,
+        &args.text_field,
+        model_cfg.vocab_size,
+        &cfg,
+    )?;
     // Resume point.
     let resume_from = if args.resume {
         match checkpoint::list_checkpoints(&args.out).pop() {
@@ -391,19 +392,20 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             * model_cfg.num_attention_heads
             * model_cfg.head_dim()) as f64;
     let flops_per_token = 6.0 * n_params + attn_flops_per_token;
-    let mut state_history: Vec<StepStats> = Vec::new();
     let resume_state = match &resume_from {
         Some(dir) => Some(checkpoint::read_state(dir)?),
         None => None,
     };
-    if let Some(s) = &resume_state {
-        state_history = s.history.clone();
-    }
+    let state_history = resume_state
+        .as_ref()
+        .map(|s| s.history.clone())
+        .unwrap_or_default();
     let load_files = match &resume_from {
         Some(dir) => models::hub::from_dir(&dir.display().to_string(), dir)?,
         None => files.clone(),
     };
     let metrics_path = args.out.join("metrics.jsonl");
+    let eval_path = args.out.join("eval.jsonl");
     let final_history = launch(&args.layout, |rank| {
         // The loaded parameter list is dropped here, so that under ZeRO-3 the whole tensors
         // are freed once the trainer has sharded them.
@@ -422,28 +424,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         let world = rank.world();
         let main = rank.is_main();
         let mut history = state_history.clone();
-        let mut metrics = if main {
-            // Metrics of steps after the resume point (from a run that died later) are dropped.
-            let kept: Vec<String> = std::fs::read_to_string(&metrics_path)
-                .unwrap_or_default()
-                .lines()
-                .filter(|l| {
-                    serde_json::from_str::<serde_json::Value>(l)
-                        .ok()
-                        .and_then(|v| v["step"].as_u64())
-                        .is_some_and(|s| s < trainer.step)
-                })
-                .map(String::from)
-                .collect();
-            let mut f = std::fs::File::create(&metrics_path)
-                .with_context(|| format!("creating {}", metrics_path.display()))?;
-            for l in kept {
-                writeln!(f, "{l}")?;
-            }
-            Some(f)
-        } else {
-            None
-        };
+        // Lines of steps after the resume point (from a run that died later) are dropped.
+        let mut metrics = main
+            .then(|| JsonLines::continue_at(&metrics_path, trainer.step))
+            .transpose()?;
+        let mut evals = main
+            .then(|| JsonLines::continue_at(&eval_path, trainer.step + 1))
+            .transpose()?;
         if main {
             eprintln!(
                 "cpl train: {} ({:.2} M params) on {} tokens, seq {} x {} sequences/step, {} steps, {} rank(s), {}",
@@ -465,15 +452,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             let stats = trainer.step(&data)?;
             let dt = t0.elapsed().as_secs_f64();
             let tps = stats.tokens as f64 / dt;
-            history.push(stats);
+            history.steps.push(stats);
             if let Some(f) = metrics.as_mut() {
-                let line = serde_json::json!({
+                f.write(&serde_json::json!({
                     "step": stats.step, "loss": stats.loss, "lr": stats.lr,
                     "grad_norm": stats.grad_norm, "tokens": stats.tokens,
                     "tokens_per_sec": tps, "seconds": dt, "peak_rss_mib": peak_rss_mib(),
-                });
-                writeln!(f, "{line}")?;
-                f.flush()?;
+                }))?;
             }
             if let Some(p) = progress.as_mut() {
                 let done = trainer.step - first;
@@ -487,6 +472,25 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                     mfu: tps * flops_per_token / (peak * 1e9),
                     eta_secs: elapsed / done as f64 * (cfg.steps - trainer.step) as f64,
                 });
+            }
+            let eval_due = args.eval_every > 0 && trainer.step % args.eval_every == 0;
+            if let (Some(ed), true) = (&eval_data, eval_due || trainer.step == cfg.steps) {
+                let (loss, tokens) = trainer.eval_loss(ed, args.eval_windows)?;
+                let point = EvalPoint {
+                    step: trainer.step,
+                    loss,
+                    tokens,
+                };
+                history.evals.push(point);
+                if let Some(f) = evals.as_mut() {
+                    f.write(&serde_json::to_value(point)?)?;
+                }
+                if let Some(p) = progress.as_mut() {
+                    p.message(&format!(
+                        "step {}: eval loss {loss:.4} ({tokens} tokens)",
+                        point.step
+                    ));
+                }
             }
             // Ctrl-C on any rank stops every rank after this step, with a checkpoint.
             let stop = f32::from(interrupted.load(Ordering::SeqCst));
@@ -516,7 +520,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             .all_gather(&Tensor::new(&[mine], &Device::Cpu)?, 0)?
             .to_vec1::<f64>()?;
         if main && mine.is_finite() {
-            if args.layout.backend == "mpi" {
+            if args.layout.backend == crate::layout::Backend::Mpi {
                 let max = peaks.iter().copied().fold(f64::MIN, f64::max);
                 let min = peaks.iter().copied().fold(f64::MAX, f64::min);
                 eprintln!("peak memory per rank (RSS): max {max:.0} MiB, min {min:.0} MiB");
@@ -532,20 +536,85 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         }
         Ok(history)
     })?;
-    let Some(final_history) = final_history else {
+    let Some(history) = final_history else {
         return Ok(());
     };
-    if let (Some(first), Some(last)) = (final_history.first(), final_history.last()) {
+    if let (Some(first), Some(last)) = (history.steps.first(), history.steps.last()) {
         eprintln!(
             "loss {:.4} -> {:.4} over {} steps; metrics in {}",
             first.loss,
             last.loss,
-            final_history.len(),
+            history.steps.len(),
             metrics_path.display()
         );
         let png = args.out.join("loss.png");
-        crate::plot::loss_curve(&final_history, &png)?;
+        let model_name = std::path::Path::new(&model_id)
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| model_id.clone());
+        let title = format!("{model_name}: {} ({})", args.layout.flags(), sp.strategy);
+        crate::plot::loss_curve(&history.steps, &history.evals, &title, &png)?;
         eprintln!("loss curve in {}", png.display());
     }
     Ok(())
+}
+
+/// The packed dataset of `tokens` (a token file and its flag) or of the files of `data` (and
+/// their flag), `default` when neither is given; `None` when there is nothing.
+fn dataset(
+    tokens: Option<(&PathBuf, &str)>,
+    (data, data_flag): (&[PathBuf], &str),
+    default: Option<PathBuf>,
+    tokenizer: &dyn Fn() -> models::Result<Tokenizer>,
+    text_field: &str,
+    vocab_size: usize,
+    cfg: &TrainConfig,
+) -> Result<Option<PackedDataset>> {
+    let stream = if let Some((t, flag)) = tokens {
+        let seqs = train::data::read_token_sequences(t, vocab_size, flag)?;
+        TokenStream::from_sequences(&seqs, vocab_size)?
+    } else {
+        let paths = match (data.is_empty(), default) {
+            (false, _) => data.to_vec(),
+            (true, Some(d)) => vec![d],
+            (true, None) => return Ok(None),
+        };
+        let docs = train::data::read_corpus(&paths, text_field, data_flag)?;
+        TokenStream::from_documents(&tokenizer()?, &docs, vocab_size)?
+    };
+    let flag = tokens.map(|t| t.1).unwrap_or(data_flag);
+    let data = PackedDataset::new(stream, cfg.seq_len, Packing::with_doc_mask(cfg.doc_mask))
+        .with_context(|| format!("{flag} with --seq-len {}", cfg.seq_len))?;
+    Ok(Some(data))
+}
+
+/// A JSON-lines log (metrics, evaluations) continued by a resumed run.
+struct JsonLines(std::fs::File);
+
+impl JsonLines {
+    /// `path` with the lines of steps before `step` kept (a later run's are dropped).
+    fn continue_at(path: &std::path::Path, step: u64) -> Result<Self> {
+        let kept: Vec<String> = std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| {
+                serde_json::from_str::<serde_json::Value>(l)
+                    .ok()
+                    .and_then(|v| v["step"].as_u64())
+                    .is_some_and(|s| s < step)
+            })
+            .map(String::from)
+            .collect();
+        let mut f =
+            std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+        for l in kept {
+            writeln!(f, "{l}")?;
+        }
+        Ok(Self(f))
+    }
+
+    fn write(&mut self, line: &serde_json::Value) -> Result<()> {
+        writeln!(self.0, "{line}")?;
+        Ok(self.0.flush()?)
+    }
 }

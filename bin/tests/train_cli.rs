@@ -36,18 +36,13 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+fn be32(b: &[u8]) -> u32 {
+    u32::from_be_bytes([b[0], b[1], b[2], b[3]])
+}
+
 /// 60 pseudo-random documents of 5..60 tokens as a `--tokens` file.
 fn docs_file(dir: &Path) -> PathBuf {
-    let mut state = 99u64;
-    let mut next = |m: u64| {
-        state = state
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (state >> 33) % m
-    };
-    let docs: Vec<Vec<u32>> = (0..60)
-        .map(|_| (0..5 + next(55)).map(|_| next(256) as u32).collect())
-        .collect();
+    let docs = testkit::random_docs(99, 60, 5..60, 256);
     let p = dir.join("docs.json");
     std::fs::write(&p, serde_json::to_string(&docs).unwrap()).unwrap();
     p
@@ -152,6 +147,9 @@ fn train_writes_metrics_checkpoints_and_a_loss_curve() {
     }
     let png = std::fs::read(out.join("loss.png")).unwrap();
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    // IHDR: the chart's 900 x 560 pixels.
+    assert_eq!(&png[12..16], b"IHDR");
+    assert_eq!((be32(&png[16..20]), be32(&png[20..24])), (900, 560));
     // The saved model evaluates.
     let e = cpl(&[
         "eval",
@@ -364,7 +362,7 @@ fn bad_training_input_fails_with_a_clear_error() {
                 .to_vec(),
             "--config",
         ),
-        (with(&["--zero", "5"]), "--zero 5"),
+        (with(&["--zero", "5"]), "invalid value '5' for '--zero"),
         (
             with(&["--zero", "1", "--zero-group", "3"]),
             "--zero-group 3",
@@ -717,5 +715,58 @@ fn doc_mask_trains_like_one_rank() {
             testkit::assert_close_scalar(*a, *b, 1e-5, &format!("{name}: step {i}"));
         }
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--eval-tokens` with `--eval-every`: eval.jsonl holds the mean loss on the held-out windows
+/// after every 2 steps and after the last; the last one is `cpl eval`'s loss of the saved
+/// checkpoint on the same tokens (one window of exactly --seq-len + 1 tokens), 1e-5.
+#[test]
+fn evaluation_during_training() {
+    let dir = tmpdir("evaluation");
+    let tokens = docs_file(&dir);
+    let held_out: Vec<u32> = (0..33).map(|i| (i * 11 + 5) % 256).collect();
+    let eval_tokens = dir.join("eval.json");
+    std::fs::write(&eval_tokens, serde_json::to_string(&[&held_out]).unwrap()).unwrap();
+    let out = dir.join("run");
+    let a = set_flags(
+        base_args(&tokens, &out, 5),
+        &[
+            "--eval-tokens",
+            eval_tokens.to_str().unwrap(),
+            "--eval-every",
+            "2",
+        ],
+    );
+    let o = cpl(&a);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("eval loss"), "{}", stderr(&o));
+    let evals: Vec<serde_json::Value> = std::fs::read_to_string(out.join("eval.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let steps: Vec<u64> = evals.iter().map(|v| v["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, vec![2, 4, 5]);
+    assert!(evals.iter().all(|v| v["tokens"].as_u64() == Some(32)));
+    let last = evals[2]["loss"].as_f64().unwrap();
+    let e = cpl(&[
+        "eval",
+        "--model",
+        out.join("step-5").to_str().unwrap(),
+        "--tokens",
+        eval_tokens.to_str().unwrap(),
+        "--json",
+    ]
+    .map(String::from));
+    assert!(e.status.success(), "{}", stderr(&e));
+    let r: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&e.stdout).trim()).unwrap();
+    testkit::assert_close_scalar(
+        last,
+        r["loss"].as_f64().unwrap(),
+        1e-5,
+        "eval loss vs cpl eval",
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

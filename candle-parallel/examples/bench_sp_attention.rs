@@ -21,7 +21,9 @@
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor, Var};
-use candle_parallel::attention::block::{serialize_block_kernels, take_block_compute_time};
+use candle_parallel::attention::block::{
+    set_kernel_scheduling, take_block_compute_time, KernelScheduling,
+};
 use candle_parallel::attention::{
     AttnCall, AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,
 };
@@ -441,7 +443,7 @@ fn main() {
         rows.push(row);
     }
     // Load balance without contention: the ring-based strategies again, kernels serialised.
-    serialize_block_kernels(true);
+    set_kernel_scheduling(KernelScheduling::Serialized);
     let balance: Vec<Row> = cfgs
         .iter()
         .filter(|c| matches!(c.strategy, Strategy::Ring | Strategy::Usp))
@@ -459,7 +461,7 @@ fn main() {
             row
         })
         .collect();
-    serialize_block_kernels(false);
+    set_kernel_scheduling(KernelScheduling::Concurrent);
     let section = report(&a, &rows, &balance);
     println!("{section}");
     if let Some(path) = &a.write {

@@ -46,10 +46,14 @@ use crate::error::{Error, Result};
 /// Which activations a checkpointed block keeps; see the [module docs](self).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Checkpointing {
+    /// Keep every activation.
     #[default]
     None,
+    /// Keep each block's input; recompute the block, attention included.
     Full,
+    /// Also keep attention's output and lse; recompute everything but attention.
     Selective,
 }
 

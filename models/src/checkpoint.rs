@@ -236,18 +236,13 @@ impl Default for SaveOptions {
 }
 
 /// Collective over `tp`: gathers every split parameter from the tensor-parallel group and, on
-/// `tp` rank 0 when `write` is set, writes a Hugging Face model directory `dir`:
+/// `tp` rank 0 when `dir` is given, writes the Hugging Face model directory `dir`:
 /// `model.safetensors` (or numbered shards plus `model.safetensors.index.json`) and the
 /// `extra_files`. The directory is written under a temporary name and renamed into place, so a
 /// crash never leaves a half-written `dir`, and an existing `dir` is replaced only once the new
 /// one is complete. `params` must be the same list (by name) on every rank.
-pub fn save_hf(
-    params: &[Param],
-    tp: &Comm,
-    dir: &Path,
-    write: bool,
-    opts: &SaveOptions,
-) -> Result<()> {
+pub fn save_hf(params: &[Param], tp: &Comm, dir: Option<&Path>, opts: &SaveOptions) -> Result<()> {
+    let dir = dir.filter(|_| tp.rank() == 0);
     let mut sorted: Vec<&Param> = params.iter().collect();
     sorted.sort_by(|a, b| a.name.cmp(&b.name));
     let mut full = Vec::with_capacity(sorted.len());
@@ -266,14 +261,14 @@ pub fn save_hf(
                 p.global_shape
             )));
         }
-        if write && tp.rank() == 0 {
+        if dir.is_some() {
             full.push((p.name.clone(), t.to_dtype(opts.dtype)?.contiguous()?));
         }
     }
-    if !(write && tp.rank() == 0) {
-        return Ok(());
+    match dir {
+        Some(dir) => write_hf_dir(&full, dir, opts),
+        None => Ok(()),
     }
-    write_hf_dir(&full, dir, opts)
 }
 
 /// Writes named tensors as a Hugging Face safetensors model directory (see [`save_hf`]).

@@ -6,6 +6,13 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::hub::ModelFiles;
 
+/// Whether special tokens (BOS, EOS, ...) are added when encoding and kept when decoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecialTokens {
+    Keep,
+    Drop,
+}
+
 /// A model's tokenizer with its special tokens.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -53,12 +60,12 @@ impl Tokenizer {
         Ok(tok)
     }
 
-    /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor
+    /// Token ids of `text`; [`SpecialTokens::Keep`] applies the tokenizer's post-processor
     /// (e.g. a BOS token), as `tokenizer(text)` does in transformers.
-    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+    pub fn encode(&self, text: &str, special: SpecialTokens) -> Result<Vec<u32>> {
         let enc = self
             .inner
-            .encode(text, add_special_tokens)
+            .encode(text, special == SpecialTokens::Keep)
             .map_err(|e| Error::Tokenizer {
                 path: self.path.clone(),
                 msg: e.to_string(),
@@ -66,9 +73,10 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
-    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+    /// The text of `ids`, with or without the special tokens' text.
+    pub fn decode(&self, ids: &[u32], special: SpecialTokens) -> Result<String> {
         self.inner
-            .decode(ids, skip_special_tokens)
+            .decode(ids, special == SpecialTokens::Drop)
             .map_err(|e| Error::Tokenizer {
                 path: self.path.clone(),
                 msg: e.to_string(),

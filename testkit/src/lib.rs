@@ -182,3 +182,27 @@ pub fn assert_close_scalar(got: f64, want: f64, tol: f64, what: &str) {
         "{what}: {got} vs {want}: relative error {e:.3e} > {tol:.0e}"
     );
 }
+
+/// `count` pseudo-random documents of `lens` tokens each (uniform lengths) with ids below
+/// `vocab`, the same for a given `seed` on every machine (an LCG): packed-data fixtures.
+pub fn random_docs(
+    seed: u64,
+    count: usize,
+    lens: std::ops::Range<usize>,
+    vocab: u32,
+) -> Vec<Vec<u32>> {
+    let mut state = seed;
+    let mut next = |m: u64| {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (state >> 33) % m
+    };
+    let span = (lens.end - lens.start).max(1) as u64;
+    (0..count)
+        .map(|_| {
+            let len = lens.start + next(span) as usize;
+            (0..len).map(|_| next(vocab as u64) as u32).collect()
+        })
+        .collect()
+}

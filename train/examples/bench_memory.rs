@@ -35,7 +35,7 @@ use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
 use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
 use models::llama;
-use train::data::{PackedDataset, TokenStream};
+use train::data::{PackedDataset, Packing, TokenStream};
 use train::memory::CountingAlloc;
 use train::trainer::{TrainConfig, Trainer};
 
@@ -146,7 +146,7 @@ fn measure(l: &Layout, plan: Plan, seq: usize, loss_chunk: usize) -> Result<Meas
     let data = PackedDataset::new(
         TokenStream::from_sequences(&[ids], VOCAB).map_err(|e| e.to_string())?,
         seq,
-        false,
+        Packing::Continuous,
     )
     .map_err(|e| e.to_string())?;
     let cfg = TrainConfig {

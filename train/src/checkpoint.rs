@@ -19,6 +19,26 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::trainer::{LanguageModel, StepStats, TrainConfig, Trainer};
 
+/// One evaluation of a run: the mean next-token loss on the evaluation data after `step`
+/// optimizer steps, over `tokens` labelled tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct EvalPoint {
+    pub step: u64,
+    pub loss: f64,
+    pub tokens: u64,
+}
+
+/// What a run has recorded so far (saved with every checkpoint, continued on resume).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct History {
+    /// Metrics of every step.
+    #[serde(rename = "history")]
+    pub steps: Vec<StepStats>,
+    /// Every evaluation.
+    #[serde(default)]
+    pub evals: Vec<EvalPoint>,
+}
+
 /// `trainer_state.json`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TrainerState {
@@ -27,8 +47,8 @@ pub struct TrainerState {
     /// Sequences per optimizer step over all data-parallel ranks when saved.
     pub global_batch: usize,
     pub config: TrainConfig,
-    /// Metrics of every step so far.
-    pub history: Vec<StepStats>,
+    #[serde(flatten)]
+    pub history: History,
 }
 
 /// The `step-N` directory of `out`.
@@ -61,7 +81,7 @@ pub fn save<M: LanguageModel>(
     out: &Path,
     world: &Comm,
     extra_files: &[(String, Vec<u8>)],
-    history: &[StepStats],
+    history: &History,
     keep: usize,
 ) -> Result<PathBuf> {
     let tp = trainer.tp().clone();
@@ -89,7 +109,7 @@ pub fn save<M: LanguageModel>(
             step: trainer.step,
             global_batch: trainer.global_batch(),
             config: trainer.cfg.clone(),
-            history: history.to_vec(),
+            history: history.clone(),
         };
         let json = serde_json::to_vec_pretty(&ts).map_err(|e| Error::Invalid(e.to_string()))?;
         files.push(("trainer_state.json".into(), json));
@@ -103,7 +123,7 @@ pub fn save<M: LanguageModel>(
         extra_files: files,
         ..Default::default()
     };
-    save_hf(&params, &tp, &dir, write, &opts)?;
+    save_hf(&params, &tp, write.then_some(dir.as_path()), &opts)?;
     if write {
         let all = list_checkpoints(out);
         if all.len() > keep.max(1) {

@@ -13,7 +13,7 @@
 use std::path::{Path, PathBuf};
 
 use candle_parallel::attention::AttnMask;
-use models::tokenizer::Tokenizer;
+use models::tokenizer::{SpecialTokens, Tokenizer};
 
 use crate::error::{Error, Result};
 
@@ -191,7 +191,7 @@ pub fn tokenize_documents(tok: &Tokenizer, docs: &[String]) -> Result<Vec<Vec<u3
     use rayon::prelude::*;
     docs.par_iter()
         .map(|text| {
-            let mut ids = tok.encode(text, false)?;
+            let mut ids = tok.encode(text, SpecialTokens::Drop)?;
             if let Some(eos) = tok.eos_token_id {
                 ids.push(eos);
             }
@@ -251,8 +251,29 @@ pub struct Window {
     pub doc_ids: Vec<u32>,
 }
 
+/// How packed windows treat the borders between documents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Packing {
+    /// One stream: every token's label is the next token, across documents.
+    Continuous,
+    /// Documents apart (Llama 3 document masking): the label that would cross into the next
+    /// document is ignored.
+    Documents,
+}
+
+impl Packing {
+    /// [`Packing::Documents`] with document masking (`doc_mask` of a config).
+    pub fn with_doc_mask(doc_mask: bool) -> Self {
+        if doc_mask {
+            Self::Documents
+        } else {
+            Self::Continuous
+        }
+    }
+}
+
 /// The stream cut into windows of `seq_len` inputs (windows of `seq_len + 1` tokens overlapping
-/// by one). With `doc_mask`, labels that cross a document border are ignored.
+/// by one), packed as [`Packing`] says.
 #[derive(Debug, Clone)]
 pub struct PackedDataset {
     stream: TokenStream,
@@ -262,7 +283,7 @@ pub struct PackedDataset {
 
 impl PackedDataset {
     /// Errors when the stream is shorter than one window.
-    pub fn new(stream: TokenStream, seq_len: usize, doc_mask: bool) -> Result<Self> {
+    pub fn new(stream: TokenStream, seq_len: usize, packing: Packing) -> Result<Self> {
         if seq_len == 0 {
             return Err(Error::Invalid(
                 "the sequence length must be at least 1".into(),
@@ -277,7 +298,7 @@ impl PackedDataset {
         Ok(Self {
             stream,
             seq_len,
-            doc_mask,
+            doc_mask: packing == Packing::Documents,
         })
     }
 
@@ -456,7 +477,7 @@ mod tests {
         let s =
             TokenStream::from_sequences(&[vec![5, 6, 7], vec![8, 9], vec![10, 11, 12, 13]], 100)
                 .unwrap();
-        let d = PackedDataset::new(s.clone(), 4, true).unwrap();
+        let d = PackedDataset::new(s.clone(), 4, Packing::Documents).unwrap();
         assert_eq!(d.num_windows(), 2);
         let w = d.window(0);
         assert_eq!(w.ids, vec![5, 6, 7, 8]);
@@ -466,7 +487,7 @@ mod tests {
         assert_eq!(w.ids, vec![9, 10, 11, 12]);
         assert_eq!(w.labels, vec![IGNORE, 11, 12, 13]);
         assert_eq!(w.doc_ids, vec![0, 1, 1, 1]);
-        let plain = PackedDataset::new(s, 4, false).unwrap();
+        let plain = PackedDataset::new(s, 4, Packing::Continuous).unwrap();
         assert_eq!(plain.window(0).labels, vec![6, 7, 8, 9]);
     }
 
@@ -552,6 +573,6 @@ mod tests {
     fn bad_data_is_an_error() {
         assert!(TokenStream::from_sequences(&[vec![1, 300]], 256).is_err());
         let s = TokenStream::from_sequences(&[vec![1, 2, 3]], 256).unwrap();
-        assert!(PackedDataset::new(s, 8, false).is_err());
+        assert!(PackedDataset::new(s, 8, Packing::Continuous).is_err());
     }
 }

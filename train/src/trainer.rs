@@ -498,6 +498,37 @@ impl<M: LanguageModel> Trainer<M> {
         Ok(())
     }
 
+    /// The mean next-token loss of the model on the first `max_windows` windows of `data` (in
+    /// stream order, dealt round-robin to the data-parallel ranks) and the labelled tokens it
+    /// counts. No gradient is applied. Collective over the world.
+    pub fn eval_loss(&self, data: &PackedDataset, max_windows: usize) -> Result<(f64, u64)> {
+        let opts = CrossEntropyOptions {
+            chunk_tokens: self.cfg.loss_chunk_tokens,
+            ..Default::default()
+        };
+        let n = data.num_windows().min(max_windows.max(1));
+        let (mut sum, mut count) = (0f64, 0f64);
+        for i in (self.dp_rank..n).step_by(self.batching.dp) {
+            let w = data.window(i);
+            let mask = if self.cfg.doc_mask {
+                candle_parallel::attention::AttnMask::documents(w.doc_ids.clone())
+            } else {
+                candle_parallel::attention::AttnMask::Causal
+            };
+            let (batch, labels) =
+                Batch::from_tokens(&self.ctx, &[w.ids], std::slice::from_ref(&w.labels), mask)?;
+            let (s, c) = self.model.loss_sum(&batch, &labels, &opts)?;
+            sum += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            count += c as f64;
+        }
+        let t = self
+            .loss_group
+            .all_reduce(&Tensor::new(&[sum, count], &Device::Cpu)?, ReduceOp::Sum)?
+            .to_vec1::<f64>()?;
+        // The sequence-parallel ranks of a window each count their part of its tokens.
+        Ok((t[0] / t[1].max(1.0), t[1] as u64))
+    }
+
     /// Runs optimizer step `self.step` on `data` and advances. Collective over the world.
     pub fn step(&mut self, data: &PackedDataset) -> Result<StepStats> {
         let step = self.step;

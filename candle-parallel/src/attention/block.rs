@@ -37,11 +37,20 @@ pub fn take_block_compute_time() -> Duration {
 static SERIALIZE: AtomicBool = AtomicBool::new(false);
 static KERNEL_LOCK: Mutex<()> = Mutex::new(());
 
-/// Benchmarking aid: when on, block kernels of all threads of the process run one at a time, so
-/// that [`take_block_compute_time`] measures each rank's compute without contention from the
-/// ranks that share its cores (wall times are then meaningless). Off by default.
-pub fn serialize_block_kernels(on: bool) {
-    SERIALIZE.store(on, Ordering::SeqCst);
+/// How the block kernels of the threads (ranks) of this process run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelScheduling {
+    /// Concurrently (the default).
+    Concurrent,
+    /// One at a time, so that [`take_block_compute_time`] measures each rank's compute without
+    /// contention from the ranks that share its cores (wall times are then meaningless): a
+    /// benchmarking aid.
+    Serialized,
+}
+
+/// Sets how block kernels run (see [`KernelScheduling`]).
+pub fn set_kernel_scheduling(s: KernelScheduling) {
+    SERIALIZE.store(s == KernelScheduling::Serialized, Ordering::SeqCst);
 }
 
 fn timed<T>(f: impl FnOnce() -> T) -> T {

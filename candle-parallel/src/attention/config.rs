@@ -8,18 +8,26 @@ use crate::mesh::{DeviceMesh, Dim, MeshConfig, Placement};
 
 /// Which sequence-parallel attention algorithm runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Strategy {
     /// Ring attention over the ring group (ulysses degree must be 1).
     Ring,
     /// DeepSpeed-Ulysses all-to-all over the ulysses group (ring degree must be 1).
     Ulysses,
     /// USP: Ulysses over the ulysses group × ring attention over the ring group.
+    #[cfg_attr(feature = "clap", value(alias = "hybrid"))]
     Usp,
     /// LoongTrain 2D attention: Ulysses × double ring with inner rings of `inner_ring` ranks.
+    #[cfg_attr(feature = "clap", value(alias = "doublering", alias = "loongtrain"))]
     DoubleRing,
     /// StarTrail / WallFacer concentric rings in teams of `team` ranks.
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "startrail", alias = "star-trail", alias = "wallfacer")
+    )]
     StarTrail,
     /// Llama 3 all-gather context parallelism over the ring group (ulysses degree must be 1).
+    #[cfg_attr(feature = "clap", value(alias = "allgather", alias = "llama3"))]
     AllGather,
 }
 
@@ -75,14 +83,18 @@ impl FromStr for Strategy {
 
 /// How the global sequence is split over the `P` ranks of the ring (context-parallel) group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum SeqLayout {
     /// Rank `r` holds tokens `[r·S/P, (r+1)·S/P)`. Causal work is unbalanced. `S % P == 0`.
+    #[cfg_attr(feature = "clap", value(alias = "contig"))]
     Contiguous,
     /// `2P` chunks; rank `r` holds chunks `r` and `2P-1-r` (in that order). Balanced for causal
     /// masks. `S % 2P == 0`.
     #[default]
+    #[cfg_attr(feature = "clap", value(alias = "load-balanced"))]
     Zigzag,
     /// Token `i` goes to rank `i mod P` (in increasing order). `S % P == 0`.
+    #[cfg_attr(feature = "clap", value(alias = "stripe"))]
     Striped,
 }
 

@@ -32,15 +32,15 @@ impl AttnMask {
         AttnMask::Documents(doc_ids.into())
     }
 
-    /// Causal (or, with `causal = false`, bidirectional) document mask from cumulative
-    /// sequence lengths `[0, l0, l0 + l1, ..., S]` (flash-attn varlen convention).
-    pub fn from_cu_seqlens(cu_seqlens: &[usize], causal: bool) -> Result<Self> {
+    /// A document mask from cumulative sequence lengths `[0, l0, l0 + l1, ..., S]` (flash-attn
+    /// varlen convention): causal within each document ([`MaskKind::Causal`]) or bidirectional
+    /// ([`MaskKind::Full`]).
+    pub fn from_cu_seqlens(cu_seqlens: &[usize], within: MaskKind) -> Result<Self> {
         let ids = flash_ring::doc_ids_from_cu_seqlens(cu_seqlens)
             .map_err(|e| Error::invalid("mask", e.to_string()))?;
-        Ok(if causal {
-            AttnMask::Documents(ids)
-        } else {
-            AttnMask::DocumentsFull(ids)
+        Ok(match within {
+            MaskKind::Causal => AttnMask::Documents(ids),
+            MaskKind::Full => AttnMask::DocumentsFull(ids),
         })
     }
 

@@ -77,6 +77,7 @@ impl FromStr for Dim {
 /// Of the two slots of the rank order that hold ulysses and ring, the placement decides which
 /// dim takes the inner one (see the [module docs](crate::mesh)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Placement {
     /// Ulysses inside ring: a head-parallel group's ranks are neighbours, so the Ulysses
     /// all-to-all runs intra-node and the ring P2P crosses nodes.

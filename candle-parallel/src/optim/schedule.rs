@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 /// The shape of the decay phase, after warmup.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Decay {
     /// Half a cosine from `peak_lr` (end of warmup) down to `min_lr` (at `total_steps`).
     Cosine,

@@ -36,15 +36,20 @@ use crate::mesh::{DeviceMesh, Dim};
     serde::Deserialize,
 )]
 #[serde(try_from = "u8", into = "u8")]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum ZeroStage {
     /// Nothing: every rank holds whole parameters, gradients and optimizer states.
     #[default]
+    #[cfg_attr(feature = "clap", value(name = "0"))]
     Off,
     /// Stage 1: optimizer states (f32 master weights and moments).
+    #[cfg_attr(feature = "clap", value(name = "1"))]
     OptimizerStates,
     /// Stage 2: optimizer states and gradients.
+    #[cfg_attr(feature = "clap", value(name = "2"))]
     Gradients,
     /// Stage 3: optimizer states, gradients and parameters (gathered for each use).
+    #[cfg_attr(feature = "clap", value(name = "3"))]
     Parameters,
 }
 

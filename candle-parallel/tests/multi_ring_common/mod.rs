@@ -12,6 +12,7 @@ use candle_parallel::attention::{
 use candle_parallel::comm::{LocalWorld, OpKind, TrafficSnapshot};
 use candle_parallel::mesh::DeviceMesh;
 use flash_ring::AttnSpec;
+use flash_ring::MaskKind;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -42,8 +43,8 @@ impl MaskSel {
         match self {
             MaskSel::Full => AttnMask::Full,
             MaskSel::Causal => AttnMask::Causal,
-            MaskSel::Docs => AttnMask::from_cu_seqlens(&cu, true).unwrap(),
-            MaskSel::DocsFull => AttnMask::from_cu_seqlens(&cu, false).unwrap(),
+            MaskSel::Docs => AttnMask::from_cu_seqlens(&cu, MaskKind::Causal).unwrap(),
+            MaskSel::DocsFull => AttnMask::from_cu_seqlens(&cu, MaskKind::Full).unwrap(),
         }
     }
 }
