@@ -185,6 +185,22 @@ fn reduce_from_parallel_region_grad() {
     }
 }
 
+/// The single-device gradients of `L = Σ (tanh(X A) B)² ⊙ W` with respect to X, A and B.
+fn mlp_reference(x: &Tensor, a: &Tensor, b: &Tensor, w: &Tensor) -> (Tensor, Tensor, Tensor) {
+    let (xv, av, bv) = (
+        Var::from_tensor(x).unwrap(),
+        Var::from_tensor(a).unwrap(),
+        Var::from_tensor(b).unwrap(),
+    );
+    let z = xv.matmul(&av).unwrap().tanh().unwrap().matmul(&bv).unwrap();
+    let grads = weighted_sq(&z, w).unwrap().backward().unwrap();
+    (
+        grad(&grads, &xv, "x").unwrap(),
+        grad(&grads, &av, "a").unwrap(),
+        grad(&grads, &bv, "b").unwrap(),
+    )
+}
+
 /// Replicated (Megatron tensor-parallel MLP, a chain of `f` and `g`): `X` replicated, `A`
 /// column-sharded, `B` row-sharded, `Z = g(tanh(f(X) A_r) B_r)`, every rank computes
 /// `L = Σ Z² ⊙ W`. Reference: `Z = tanh(X A) B`.
@@ -196,18 +212,7 @@ fn megatron_mlp_f_g_chain_grad() {
         let a = rand_t(&mut rng, &[8, 24]);
         let b = rand_t(&mut rng, &[24, 8]);
         let w = rand_t(&mut rng, &[6, 8]);
-        let (xv, av, bv) = (
-            Var::from_tensor(&x).unwrap(),
-            Var::from_tensor(&a).unwrap(),
-            Var::from_tensor(&b).unwrap(),
-        );
-        let z = xv.matmul(&av).unwrap().tanh().unwrap().matmul(&bv).unwrap();
-        let grads = weighted_sq(&z, &w).unwrap().backward().unwrap();
-        let (gx, ga, gb) = (
-            grad(&grads, &xv, "x").unwrap(),
-            grad(&grads, &av, "a").unwrap(),
-            grad(&grads, &bv, "b").unwrap(),
-        );
+        let (gx, ga, gb) = mlp_reference(&x, &a, &b, &w);
 
         let out = world(p, |comm| {
             let r = comm.rank();
@@ -244,18 +249,7 @@ fn sequence_parallel_mlp_chain_grad() {
         let a = rand_t(&mut rng, &[8, 24]);
         let b = rand_t(&mut rng, &[24, 8]);
         let w = rand_t(&mut rng, &[24, 8]);
-        let (xv, av, bv) = (
-            Var::from_tensor(&x).unwrap(),
-            Var::from_tensor(&a).unwrap(),
-            Var::from_tensor(&b).unwrap(),
-        );
-        let z = xv.matmul(&av).unwrap().tanh().unwrap().matmul(&bv).unwrap();
-        let grads = weighted_sq(&z, &w).unwrap().backward().unwrap();
-        let (gx, ga, gb) = (
-            grad(&grads, &xv, "x").unwrap(),
-            grad(&grads, &av, "a").unwrap(),
-            grad(&grads, &bv, "b").unwrap(),
-        );
+        let (gx, ga, gb) = mlp_reference(&x, &a, &b, &w);
 
         let out = world(p, |comm| {
             let r = comm.rank();

@@ -272,6 +272,34 @@ struct Case {
     dim: usize,
 }
 
+/// Runs every all_reduce case on `p` ranks and checks each rank's result against the reduction
+/// in rank order, its traffic (the closed form `2 (P-1) N / P` when `P` divides the element
+/// count) and that every rank holds the same bits.
+fn check_all_reduce(p: usize, cases: &[Case]) {
+    let outs = run(p, |comm| {
+        let r = comm.rank();
+        cases
+            .iter()
+            .map(|c| measure(&comm, || comm.all_reduce(&c.inputs[r], c.op)))
+            .collect::<R<Vec<_>>>()
+    });
+    for (i, c) in cases.iter().enumerate() {
+        let n = c.inputs[0].elem_count();
+        let el = c.inputs[0].dtype().size_in_bytes();
+        for (r, out) in outs.iter().enumerate() {
+            let (got, snap) = &out[i];
+            assert_reduced(got, &c.inputs, c.op, &format!("{} (rank {r})", c.ctx));
+            let b = all_reduce_bytes(n, el, p, r);
+            if n.is_multiple_of(p) {
+                assert_eq!(b, 2 * (p as u64 - 1) * payload(&c.inputs[0]) / p as u64);
+            }
+            assert_traffic(snap, &[(OpKind::AllReduce, 1, b, b)], &c.ctx);
+        }
+        let all: Vec<&Tensor> = outs.iter().map(|o| &o[i].0).collect();
+        assert_same_on_all_ranks(&all, &c.ctx);
+    }
+}
+
 #[test]
 fn all_reduce_matches_single_rank() {
     let shapes: [&[usize]; 2] = [&[4, 6], &[3, 5, 7]];
@@ -294,28 +322,7 @@ fn all_reduce_matches_single_rank() {
                 }
             }
         }
-        let outs = run(p, |comm| {
-            let r = comm.rank();
-            cases
-                .iter()
-                .map(|c| measure(&comm, || comm.all_reduce(&c.inputs[r], c.op)))
-                .collect::<R<Vec<_>>>()
-        });
-        for (i, c) in cases.iter().enumerate() {
-            let n = c.inputs[0].elem_count();
-            let el = c.inputs[0].dtype().size_in_bytes();
-            for (r, out) in outs.iter().enumerate() {
-                let (got, snap) = &out[i];
-                assert_reduced(got, &c.inputs, c.op, &format!("{} (rank {r})", c.ctx));
-                let b = all_reduce_bytes(n, el, p, r);
-                if n.is_multiple_of(p) {
-                    assert_eq!(b, 2 * (p as u64 - 1) * payload(&c.inputs[0]) / p as u64);
-                }
-                assert_traffic(snap, &[(OpKind::AllReduce, 1, b, b)], &c.ctx);
-            }
-            let all: Vec<&Tensor> = outs.iter().map(|o| &o[i].0).collect();
-            assert_same_on_all_ranks(&all, &c.ctx);
-        }
+        check_all_reduce(p, &cases);
     }
 }
 
@@ -346,25 +353,7 @@ fn all_reduce_of_tiny_tensors() {
                 }
             }
         }
-        let outs = run(p, |comm| {
-            let r = comm.rank();
-            cases
-                .iter()
-                .map(|c| measure(&comm, || comm.all_reduce(&c.inputs[r], c.op)))
-                .collect::<R<Vec<_>>>()
-        });
-        for (i, c) in cases.iter().enumerate() {
-            let n = c.inputs[0].elem_count();
-            let el = c.inputs[0].dtype().size_in_bytes();
-            for (r, out) in outs.iter().enumerate() {
-                let (got, snap) = &out[i];
-                assert_reduced(got, &c.inputs, c.op, &format!("{} (rank {r})", c.ctx));
-                let b = all_reduce_bytes(n, el, p, r);
-                assert_traffic(snap, &[(OpKind::AllReduce, 1, b, b)], &c.ctx);
-            }
-            let all: Vec<&Tensor> = outs.iter().map(|o| &o[i].0).collect();
-            assert_same_on_all_ranks(&all, &c.ctx);
-        }
+        check_all_reduce(p, &cases);
     }
 }
 

@@ -69,6 +69,13 @@ fn check_coords(l: &MeshLayout, expected: &[(Dim, &str)]) {
 
 /// Checks the groups of `dims` (as `MeshLayout::groups` lists them, and as seen from each member).
 /// `expected` lists the groups separated by `|`, each as its world ranks in group-rank order.
+/// [`check_groups`] of every `(dims, expected)`.
+fn check_all_groups(l: &MeshLayout, cases: &[(&[Dim], &str)]) {
+    for (dims, expected) in cases {
+        check_groups(l, dims, expected);
+    }
+}
+
 fn check_groups(l: &MeshLayout, dims: &[Dim], expected: &str) {
     let want: Vec<Vec<usize>> = expected
         .split('|')
@@ -199,38 +206,31 @@ fn tp_ulysses_ring_dp_head_first() {
             (Dp, "0000000011111111"),
         ],
     );
-    check_groups(
+    check_all_groups(
         &l,
-        &[Tp],
-        "0 1 | 2 3 | 4 5 | 6 7 | 8 9 | 10 11 | 12 13 | 14 15",
+        &[
+            (&[Tp], "0 1 | 2 3 | 4 5 | 6 7 | 8 9 | 10 11 | 12 13 | 14 15"),
+            (
+                &[Ulysses],
+                "0 2 | 1 3 | 4 6 | 5 7 | 8 10 | 9 11 | 12 14 | 13 15",
+            ),
+            (
+                &[Ring],
+                "0 4 | 1 5 | 2 6 | 3 7 | 8 12 | 9 13 | 10 14 | 11 15",
+            ),
+            (&[Dp], "0 8 | 1 9 | 2 10 | 3 11 | 4 12 | 5 13 | 6 14 | 7 15"),
+            (&[Pp], "0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15"),
+            (
+                &[Ring, Ulysses],
+                "0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15",
+            ),
+            (
+                &[Dp, Ring, Ulysses],
+                "0 2 4 6 8 10 12 14 | 1 3 5 7 9 11 13 15",
+            ),
+            (&[Tp, Dp], "0 1 8 9 | 2 3 10 11 | 4 5 12 13 | 6 7 14 15"),
+        ],
     );
-    check_groups(
-        &l,
-        &[Ulysses],
-        "0 2 | 1 3 | 4 6 | 5 7 | 8 10 | 9 11 | 12 14 | 13 15",
-    );
-    check_groups(
-        &l,
-        &[Ring],
-        "0 4 | 1 5 | 2 6 | 3 7 | 8 12 | 9 13 | 10 14 | 11 15",
-    );
-    check_groups(
-        &l,
-        &[Dp],
-        "0 8 | 1 9 | 2 10 | 3 11 | 4 12 | 5 13 | 6 14 | 7 15",
-    );
-    check_groups(&l, &[Pp], "0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15");
-    check_groups(
-        &l,
-        &[Ring, Ulysses],
-        "0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15",
-    );
-    check_groups(
-        &l,
-        &[Dp, Ring, Ulysses],
-        "0 2 4 6 8 10 12 14 | 1 3 5 7 9 11 13 15",
-    );
-    check_groups(&l, &[Tp, Dp], "0 1 8 9 | 2 3 10 11 | 4 5 12 13 | 6 7 14 15");
     check_invariants(&l);
 }
 
@@ -247,31 +247,36 @@ fn tp_ulysses_ring_dp_context_first() {
             (Dp, "0000000011111111"),
         ],
     );
-    check_groups(
+    check_all_groups(
         &l,
-        &[Ring],
-        "0 2 | 1 3 | 4 6 | 5 7 | 8 10 | 9 11 | 12 14 | 13 15",
-    );
-    check_groups(
-        &l,
-        &[Ulysses],
-        "0 4 | 1 5 | 2 6 | 3 7 | 8 12 | 9 13 | 10 14 | 11 15",
+        &[
+            (
+                &[Ring],
+                "0 2 | 1 3 | 4 6 | 5 7 | 8 10 | 9 11 | 12 14 | 13 15",
+            ),
+            (
+                &[Ulysses],
+                "0 4 | 1 5 | 2 6 | 3 7 | 8 12 | 9 13 | 10 14 | 11 15",
+            ),
+        ],
     );
     // Same members as head-first (the sp pair spans the same ranks), different roles inside.
-    check_groups(
+    check_all_groups(
         &l,
-        &[Ulysses, Ring],
-        "0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15",
-    );
-    check_groups(
-        &l,
-        &[Dp, Ring, Ulysses],
-        "0 2 4 6 8 10 12 14 | 1 3 5 7 9 11 13 15",
-    );
-    check_groups(
-        &l,
-        &[Ulysses, Dp],
-        "0 4 8 12 | 1 5 9 13 | 2 6 10 14 | 3 7 11 15",
+        &[
+            (
+                &[Ulysses, Ring],
+                "0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15",
+            ),
+            (
+                &[Dp, Ring, Ulysses],
+                "0 2 4 6 8 10 12 14 | 1 3 5 7 9 11 13 15",
+            ),
+            (
+                &[Ulysses, Dp],
+                "0 4 8 12 | 1 5 9 13 | 2 6 10 14 | 3 7 11 15",
+            ),
+        ],
     );
     assert_eq!(
         l.coords(6),
@@ -299,32 +304,26 @@ fn default_order_with_pp_head_first() {
             (Pp, "0000000011111111"),
         ],
     );
-    check_groups(
+    check_all_groups(
         &l,
-        &[Ulysses],
-        "0 1 | 2 3 | 4 5 | 6 7 | 8 9 | 10 11 | 12 13 | 14 15",
+        &[
+            (
+                &[Ulysses],
+                "0 1 | 2 3 | 4 5 | 6 7 | 8 9 | 10 11 | 12 13 | 14 15",
+            ),
+            (
+                &[Ring],
+                "0 2 | 1 3 | 4 6 | 5 7 | 8 10 | 9 11 | 12 14 | 13 15",
+            ),
+            (&[Dp], "0 4 | 1 5 | 2 6 | 3 7 | 8 12 | 9 13 | 10 14 | 11 15"),
+            (&[Pp], "0 8 | 1 9 | 2 10 | 3 11 | 4 12 | 5 13 | 6 14 | 7 15"),
+            (
+                &[Dp, Ring, Ulysses],
+                "0 1 2 3 4 5 6 7 | 8 9 10 11 12 13 14 15",
+            ),
+            (&[Pp, Dp], "0 4 8 12 | 1 5 9 13 | 2 6 10 14 | 3 7 11 15"),
+        ],
     );
-    check_groups(
-        &l,
-        &[Ring],
-        "0 2 | 1 3 | 4 6 | 5 7 | 8 10 | 9 11 | 12 14 | 13 15",
-    );
-    check_groups(
-        &l,
-        &[Dp],
-        "0 4 | 1 5 | 2 6 | 3 7 | 8 12 | 9 13 | 10 14 | 11 15",
-    );
-    check_groups(
-        &l,
-        &[Pp],
-        "0 8 | 1 9 | 2 10 | 3 11 | 4 12 | 5 13 | 6 14 | 7 15",
-    );
-    check_groups(
-        &l,
-        &[Dp, Ring, Ulysses],
-        "0 1 2 3 4 5 6 7 | 8 9 10 11 12 13 14 15",
-    );
-    check_groups(&l, &[Pp, Dp], "0 4 8 12 | 1 5 9 13 | 2 6 10 14 | 3 7 11 15");
     check_invariants(&l);
 }
 
@@ -341,25 +340,23 @@ fn default_order_with_pp_context_first() {
             (Pp, "0000000011111111"),
         ],
     );
-    check_groups(
+    check_all_groups(
         &l,
-        &[Ring],
-        "0 1 | 2 3 | 4 5 | 6 7 | 8 9 | 10 11 | 12 13 | 14 15",
-    );
-    check_groups(
-        &l,
-        &[Ulysses],
-        "0 2 | 1 3 | 4 6 | 5 7 | 8 10 | 9 11 | 12 14 | 13 15",
-    );
-    check_groups(
-        &l,
-        &[Dp],
-        "0 4 | 1 5 | 2 6 | 3 7 | 8 12 | 9 13 | 10 14 | 11 15",
-    );
-    check_groups(
-        &l,
-        &[Ulysses, Dp],
-        "0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15",
+        &[
+            (
+                &[Ring],
+                "0 1 | 2 3 | 4 5 | 6 7 | 8 9 | 10 11 | 12 13 | 14 15",
+            ),
+            (
+                &[Ulysses],
+                "0 2 | 1 3 | 4 6 | 5 7 | 8 10 | 9 11 | 12 14 | 13 15",
+            ),
+            (&[Dp], "0 4 | 1 5 | 2 6 | 3 7 | 8 12 | 9 13 | 10 14 | 11 15"),
+            (
+                &[Ulysses, Dp],
+                "0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15",
+            ),
+        ],
     );
     check_invariants(&l);
 }
@@ -377,25 +374,20 @@ fn llama3_order_with_pp_head_first() {
             (Dp, "0000000011111111"),
         ],
     );
-    check_groups(
+    check_all_groups(
         &l,
-        &[Ulysses],
-        "0 1 | 2 3 | 4 5 | 6 7 | 8 9 | 10 11 | 12 13 | 14 15",
-    );
-    check_groups(
-        &l,
-        &[Pp],
-        "0 4 | 1 5 | 2 6 | 3 7 | 8 12 | 9 13 | 10 14 | 11 15",
-    );
-    check_groups(
-        &l,
-        &[Dp],
-        "0 8 | 1 9 | 2 10 | 3 11 | 4 12 | 5 13 | 6 14 | 7 15",
-    );
-    check_groups(
-        &l,
-        &[Dp, Ring, Ulysses],
-        "0 1 2 3 8 9 10 11 | 4 5 6 7 12 13 14 15",
+        &[
+            (
+                &[Ulysses],
+                "0 1 | 2 3 | 4 5 | 6 7 | 8 9 | 10 11 | 12 13 | 14 15",
+            ),
+            (&[Pp], "0 4 | 1 5 | 2 6 | 3 7 | 8 12 | 9 13 | 10 14 | 11 15"),
+            (&[Dp], "0 8 | 1 9 | 2 10 | 3 11 | 4 12 | 5 13 | 6 14 | 7 15"),
+            (
+                &[Dp, Ring, Ulysses],
+                "0 1 2 3 8 9 10 11 | 4 5 6 7 12 13 14 15",
+            ),
+        ],
     );
     assert_eq!(l.group_rank(9, &[Ulysses, Ring, Dp]), 5);
     assert_eq!(l.group_index(13, &[Dp, Ring, Ulysses]), 1);
@@ -415,25 +407,20 @@ fn llama3_order_with_pp_context_first() {
             (Dp, "0000000011111111"),
         ],
     );
-    check_groups(
+    check_all_groups(
         &l,
-        &[Ring],
-        "0 1 | 2 3 | 4 5 | 6 7 | 8 9 | 10 11 | 12 13 | 14 15",
-    );
-    check_groups(
-        &l,
-        &[Ulysses],
-        "0 2 | 1 3 | 4 6 | 5 7 | 8 10 | 9 11 | 12 14 | 13 15",
-    );
-    check_groups(
-        &l,
-        &[Pp],
-        "0 4 | 1 5 | 2 6 | 3 7 | 8 12 | 9 13 | 10 14 | 11 15",
-    );
-    check_groups(
-        &l,
-        &[Ring, Dp],
-        "0 1 8 9 | 2 3 10 11 | 4 5 12 13 | 6 7 14 15",
+        &[
+            (
+                &[Ring],
+                "0 1 | 2 3 | 4 5 | 6 7 | 8 9 | 10 11 | 12 13 | 14 15",
+            ),
+            (
+                &[Ulysses],
+                "0 2 | 1 3 | 4 6 | 5 7 | 8 10 | 9 11 | 12 14 | 13 15",
+            ),
+            (&[Pp], "0 4 | 1 5 | 2 6 | 3 7 | 8 12 | 9 13 | 10 14 | 11 15"),
+            (&[Ring, Dp], "0 1 8 9 | 2 3 10 11 | 4 5 12 13 | 6 7 14 15"),
+        ],
     );
     // Group ranks follow the mesh order (ring fastest here), not the caller's listing.
     assert_eq!(

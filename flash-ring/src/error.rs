@@ -65,12 +65,10 @@ pub enum Error {
     Candle(#[from] candle_core::Error),
 }
 
+/// Into candle's error (for `?` in candle ops and custom ops); the message is kept.
 impl From<Error> for candle_core::Error {
     fn from(e: Error) -> Self {
-        match e {
-            Error::Candle(c) => c,
-            other => candle_core::Error::wrap(other),
-        }
+        candle_core::Error::wrap(e)
     }
 }
 

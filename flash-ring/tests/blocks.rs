@@ -29,7 +29,7 @@ fn check_blocks(case: &Case, parts: usize) {
     let (out1, lse1) = flash_fwd(&q, &k, &v, spec).expect("single fwd");
     let (dq1, dk1, dv1) = flash_bwd_f32(&q, &k, &v, &out1, &lse1, &dout, spec).expect("single bwd");
 
-    let blocks = split(case.sk, parts);
+    let blocks = split(case.shape.sk, parts);
     let mut acc: Option<(Tensor, Tensor)> = None;
     for &(off, len) in &blocks {
         let kb = k.narrow(1, off, len).expect("narrow"); // non-contiguous view

@@ -39,11 +39,10 @@ pub enum Error {
 }
 
 impl Error {
+    /// An I/O error on `path`.
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io {
-            path: path.into(),
-            source,
-        }
+        let path = path.into();
+        Error::Io { path, source }
     }
 }
 

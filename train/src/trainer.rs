@@ -307,13 +307,7 @@ impl<M: LanguageModel> Trainer<M> {
                         )))
                     }
                 };
-                Ok(Param {
-                    name: p.name.clone(),
-                    var: None,
-                    tensor,
-                    shard: p.shard,
-                    global_shape: p.global_shape.clone(),
-                })
+                Ok(Param::value(&p.name, tensor, p.shard, &p.global_shape))
             })
             .collect()
     }

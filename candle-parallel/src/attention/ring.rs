@@ -68,20 +68,22 @@ impl RingComm {
         &self.comm
     }
 
+    /// The rank this rank sends to.
+    pub fn next(&self) -> usize {
+        self.next
+    }
+
+    /// The rank this rank receives from.
+    pub fn prev(&self) -> usize {
+        self.prev
+    }
+
     pub fn rank(&self) -> usize {
         self.comm.rank()
     }
 
     pub fn size(&self) -> usize {
         self.comm.size()
-    }
-
-    pub fn next(&self) -> usize {
-        self.next
-    }
-
-    pub fn prev(&self) -> usize {
-        self.prev
     }
 
     /// On the natural ring ([`RingComm::new`]): the rank whose block this rank holds after

@@ -181,15 +181,10 @@ impl ParallelAttention {
     }
 
     /// Incremental causal attention for generation (no sequence parallelism): `x` `(b, n,
-    /// hidden)` new tokens at `positions`, appended to `cache` (keys and values of the earlier
+    /// hidden)` new tokens at positions `pos`, appended to `cache` (keys and values of the earlier
     /// tokens, at positions `0..`). Collective over tp.
-    pub fn forward_cached(
-        &self,
-        x: &Tensor,
-        positions: &[u32],
-        cache: &mut LayerKv,
-    ) -> Result<Tensor> {
-        let (q, k, v) = self.qkv(x, positions)?;
+    pub fn forward_cached(&self, x: &Tensor, pos: &[u32], cache: &mut LayerKv) -> Result<Tensor> {
+        let (q, k, v) = self.qkv(x, pos)?;
         let (b, n) = (q.dim(0)?, q.dim(1)?);
         let (k, v) = match cache.take() {
             Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 1)?, Tensor::cat(&[&pv, &v], 1)?),
@@ -199,7 +194,7 @@ impl ParallelAttention {
         let spec = flash_ring::AttnSpec::new(
             self.scale,
             flash_ring::MaskKind::Causal,
-            flash_ring::Positions::list(positions.to_vec()),
+            flash_ring::Positions::list(pos.to_vec()),
             flash_ring::Positions::range(0, k.dim(1)?),
         );
         let (o, _) =

@@ -101,6 +101,20 @@ pub struct Param {
     pub global_shape: Vec<usize>,
 }
 
+impl Param {
+    /// A parameter value that is not a variable (gathered, saved, compared).
+    pub fn value(name: &str, tensor: Tensor, shard: Shard, global_shape: &[usize]) -> Self {
+        let (name, global_shape) = (name.to_string(), global_shape.to_vec());
+        Self {
+            name,
+            var: None,
+            tensor,
+            shard,
+            global_shape,
+        }
+    }
+}
+
 /// Whether loaded parameters are variables (receive gradients) or plain tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ParamMode {

@@ -153,13 +153,7 @@ impl<T: Clone + Send + Sync + 'static> Unit<T> {
                                 p.flat.gather(&chunk.detach(), &s.group, &p.local_shape)?
                             }
                         };
-                        Ok(Param {
-                            name: p.name.clone(),
-                            var: None,
-                            tensor,
-                            shard: p.shard,
-                            global_shape: p.global_shape.clone(),
-                        })
+                        Ok(Param::value(&p.name, tensor, p.shard, &p.global_shape))
                     })
                     .collect::<Result<Vec<_>>>()?;
                 let vb = ParamBuilder::from_params(params, s.dtype, &s.device).at(&self.path);

@@ -17,6 +17,7 @@ use super::pool::PoolBuf;
 use super::simd::{self, MatMul, CHUNK};
 use super::{pack_panels, pack_rows, Dims, KernelConfig, View};
 use crate::error::{Error, Result};
+use crate::reference::RefShape;
 use crate::spec::{AttnSpec, BlockPos, MaskRule, TileClass};
 
 /// Rows per strip when a tile is partially masked.
@@ -63,15 +64,15 @@ pub(crate) fn backward(
     let isa = cfg.check()?;
     let dims = Dims::new(q, k, v)?;
     spec.validate(dims.sq, dims.sk)?;
-    let Dims {
+    let RefShape {
         b,
         sq,
         sk,
         hq,
         hkv,
         d,
-        dp,
-    } = dims;
+    } = dims.shape;
+    let dp = dims.dp;
     for (name, x) in [("out", out), ("dout", dout)] {
         if x.dims != q.dims {
             return Err(Error::Shape {

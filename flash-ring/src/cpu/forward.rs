@@ -7,6 +7,7 @@ use super::pool::PoolBuf;
 use super::simd::{self, Isa, MatMul, CHUNK};
 use super::{pack_panels, pack_rows, Dims, KernelConfig, SharedOut, View};
 use crate::error::Result;
+use crate::reference::RefShape;
 use crate::spec::{AttnSpec, BlockPos, MaskRule, TileClass};
 
 /// Rows per strip when a tile is partially masked.
@@ -39,15 +40,15 @@ pub(crate) fn forward(
     let isa = cfg.check()?;
     let dims = Dims::new(q, k, v)?;
     spec.validate(dims.sq, dims.sk)?;
-    let Dims {
+    let RefShape {
         b,
         sq,
         sk,
         hq,
         hkv,
         d,
-        dp,
-    } = dims;
+    } = dims.shape;
+    let dp = dims.dp;
     let (bq, bk) = (cfg.q_tile, cfg.k_tile);
     let mut out = vec![0.0f32; b * sq * hq * d];
     let mut lse = vec![f32::NEG_INFINITY; b * hq * sq];

@@ -17,6 +17,7 @@ use candle_core::{CpuStorage, DType, Layout, Storage};
 use half::{bf16, f16};
 
 use crate::error::{Error, Result};
+use crate::reference::RefShape;
 use pool::PoolBuf;
 pub use pool::{release_buffers, POOL_BYTES};
 pub use simd::Isa;
@@ -196,17 +197,20 @@ impl<'a> View<'a> {
     }
 }
 
-/// Validated sizes of an attention call.
+/// Validated sizes of an attention call: the shape (as the reference names it) and the packed
+/// row length.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Dims {
-    pub b: usize,
-    pub sq: usize,
-    pub sk: usize,
-    pub hq: usize,
-    pub hkv: usize,
-    pub d: usize,
+    pub shape: RefShape,
     /// `d` rounded up to a multiple of 16 (packed row length).
     pub dp: usize,
+}
+
+impl std::ops::Deref for Dims {
+    type Target = RefShape;
+    fn deref(&self) -> &RefShape {
+        &self.shape
+    }
 }
 
 impl Dims {
@@ -253,13 +257,16 @@ impl Dims {
                 expected: "head_dim >= 1".into(),
             });
         }
-        Ok(Dims {
+        let shape = RefShape {
             b,
             sq,
             sk,
             hq,
             hkv,
             d,
+        };
+        Ok(Dims {
+            shape,
             dp: d.div_ceil(16) * 16,
         })
     }

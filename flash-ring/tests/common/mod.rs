@@ -56,12 +56,7 @@ pub fn rounded(v: &[f32], dtype: DType) -> Vec<f64> {
 }
 
 pub struct Case {
-    pub b: usize,
-    pub sq: usize,
-    pub sk: usize,
-    pub hq: usize,
-    pub hkv: usize,
-    pub d: usize,
+    pub shape: RefShape,
     pub dtype: DType,
     pub spec: AttnSpec,
     pub cfg: KernelConfig,
@@ -79,12 +74,14 @@ impl Case {
         spec: AttnSpec,
     ) -> Self {
         Case {
-            b,
-            sq,
-            sk,
-            hq,
-            hkv,
-            d,
+            shape: RefShape {
+                b,
+                sq,
+                sk,
+                hq,
+                hkv,
+                d,
+            },
             dtype: DType::F32,
             spec,
             cfg: KernelConfig::default(),
@@ -103,21 +100,14 @@ impl Case {
     }
 
     pub fn shape(&self) -> RefShape {
-        RefShape {
-            b: self.b,
-            sq: self.sq,
-            sk: self.sk,
-            hq: self.hq,
-            hkv: self.hkv,
-            d: self.d,
-        }
+        self.shape
     }
 
     /// Random q, k, v, dout (f32 values) for this case.
     pub fn inputs(&self) -> [Vec<f32>; 4] {
         let mut r = rng(self.seed);
-        let nq = self.b * self.sq * self.hq * self.d;
-        let nk = self.b * self.sk * self.hkv * self.d;
+        let nq = self.shape.b * self.shape.sq * self.shape.hq * self.shape.d;
+        let nk = self.shape.b * self.shape.sk * self.shape.hkv * self.shape.d;
         // Scale q so the softmax is neither flat nor one-hot.
         let q: Vec<f32> = randv(&mut r, nq).iter().map(|x| x * 2.0).collect();
         [q, randv(&mut r, nk), randv(&mut r, nk), randv(&mut r, nq)]
@@ -127,15 +117,15 @@ impl Case {
         let [q, k, v, dout] = self.inputs();
         let dev = Device::Cpu;
         let mk = |x: Vec<f32>, s: usize, h: usize| {
-            Tensor::from_vec(x, (self.b, s, h, self.d), &dev)
+            Tensor::from_vec(x, (self.shape.b, s, h, self.shape.d), &dev)
                 .and_then(|t| t.to_dtype(self.dtype))
                 .expect("tensor")
         };
         [
-            mk(q, self.sq, self.hq),
-            mk(k, self.sk, self.hkv),
-            mk(v, self.sk, self.hkv),
-            mk(dout, self.sq, self.hq),
+            mk(q, self.shape.sq, self.shape.hq),
+            mk(k, self.shape.sk, self.shape.hkv),
+            mk(v, self.shape.sk, self.shape.hkv),
+            mk(dout, self.shape.sq, self.shape.hq),
         ]
     }
 
@@ -152,7 +142,7 @@ impl Case {
         assert_eq!(out.dtype(), self.dtype);
         assert_eq!(dq.dtype(), self.dtype);
         assert_eq!(lse.dtype(), DType::F32);
-        assert_eq!(lse.dims(), &[self.b, self.hq, self.sq]);
+        assert_eq!(lse.dims(), &[self.shape.b, self.shape.hq, self.shape.sq]);
         let (qf, kf, vf, df) = (to_f64(&q), to_f64(&k), to_f64(&v), to_f64(&dout));
         let (ro, rl) = attention_f64(&qf, &kf, &vf, self.shape(), &self.spec);
         let (rdq, rdk, rdv) = attention_bwd_f64(&qf, &kf, &vf, &df, self.shape(), &self.spec);
@@ -179,12 +169,12 @@ impl Case {
             assert!(
                 e <= tol,
                 "{name}: rel err {e:.3e} > {tol:.0e} (b={} sq={} sk={} hq={} hkv={} d={} {:?} {:?})",
-                self.b,
-                self.sq,
-                self.sk,
-                self.hq,
-                self.hkv,
-                self.d,
+                self.shape.b,
+                self.shape.sq,
+                self.shape.sk,
+                self.shape.hq,
+                self.shape.hkv,
+                self.shape.d,
                 self.dtype,
                 self.spec.mask
             );

@@ -77,14 +77,9 @@ impl DecoderLayer {
     }
 
     /// Incremental forward for generation, see [`ParallelAttention::forward_cached`].
-    pub fn forward_cached(
-        &self,
-        x: &Tensor,
-        positions: &[u32],
-        cache: &mut LayerKv,
-    ) -> Result<Tensor> {
+    pub fn forward_cached(&self, x: &Tensor, pos: &[u32], cache: &mut LayerKv) -> Result<Tensor> {
         let h = self.input_layernorm.forward(x)?;
-        let x = (x + self.self_attn.forward_cached(&h, positions, cache)?)?;
+        let x = (x + self.self_attn.forward_cached(&h, pos, cache)?)?;
         let h = self.post_attention_layernorm.forward(&x)?;
         Ok((&x + self.mlp.forward(&h)?)?)
     }
