@@ -17,7 +17,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def main():
+def bench_args():
+    """The flags both PyTorch benchmarks take; returns (args, model dir, torch dtype). Seeds torch."""
     p = argparse.ArgumentParser()
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
@@ -25,7 +26,11 @@ def main():
     p.add_argument("--dir", default="target/bench")
     a = p.parse_args()
     torch.manual_seed(0)
-    model_dir = os.path.join(a.dir, "llama-4l-512")
+    return a, os.path.join(a.dir, "llama-4l-512"), getattr(torch, a.dtype)
+
+
+def main():
+    a, model_dir, dtype = bench_args()
     if not os.path.exists(os.path.join(model_dir, "model.safetensors")):
         cfg = LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                           num_attention_heads=8, num_key_value_heads=8, vocab_size=32000,
@@ -34,7 +39,6 @@ def main():
     ids = torch.randint(0, 32000, (1, a.seq_len), generator=torch.Generator().manual_seed(1))
     with open(os.path.join(a.dir, "eval_tokens.json"), "w") as f:
         json.dump(ids.tolist(), f)
-    dtype = getattr(torch, a.dtype)
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=dtype, attn_implementation="sdpa").eval()
     best = float("inf")
     with torch.no_grad():

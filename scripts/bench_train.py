@@ -6,7 +6,6 @@ and times AdamW training steps (forward, backward, clip 1.0, step) on one sequen
 tokens, best of --repeats steps after one warm-up, f32 or bf16 parameters, sdpa attention.
 Prints JSON with tokens/s and the peak resident memory (ru_maxrss) of the process.
 """
-import argparse
 import json
 import os
 import resource
@@ -15,19 +14,13 @@ import time
 import torch
 from transformers import LlamaForCausalLM
 
+from bench_eval import bench_args  # same flags, model and tokens
+
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--dir", default="target/bench")
-    a = p.parse_args()
-    torch.manual_seed(0)
-    model_dir = os.path.join(a.dir, "llama-4l-512")
+    a, model_dir, dtype = bench_args()
     with open(os.path.join(a.dir, "eval_tokens.json")) as f:
         ids = torch.tensor(json.load(f))[:, : a.seq_len]
-    dtype = getattr(torch, a.dtype)
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=dtype, attn_implementation="sdpa").train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 

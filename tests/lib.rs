@@ -123,12 +123,34 @@ impl Layout {
         self
     }
 
+    /// The same layout replicated `dp` times (data parallel).
+    pub fn with_dp(mut self, dp: usize) -> Self {
+        self.mesh = self.mesh.with_dp(dp);
+        self.ranks *= dp;
+        self
+    }
+
     /// This rank's mesh and parallel context (collective over `world`); errors name the layout.
     pub fn context(&self, world: Comm) -> Result<(DeviceMesh, ParallelCtx), String> {
         let plan = candle_parallel::plan::Layout::new(self.mesh.clone(), self.sp.clone(), self.tp);
         plan.context(world)
             .map_err(|e| format!("{}: {e}", self.name))
     }
+}
+
+/// One layout per sequence-parallel strategy, plus TP with and without sequence-sharded
+/// activations: the set every model-level test runs. Tests add their own extra layouts.
+pub fn every_strategy() -> Vec<Layout> {
+    vec![
+        Layout::new("tp2", 2, 1, 1, Strategy::Ring),
+        Layout::new("tp2 + tp-sp", 2, 1, 1, Strategy::Ring).with_tp_sp(),
+        Layout::new("ulysses2 x ring2 (usp)", 1, 2, 2, Strategy::Usp),
+        Layout::new("zigzag ring4", 1, 1, 4, Strategy::Ring),
+        Layout::new("double ring w2 on 4", 1, 1, 4, Strategy::DoubleRing)
+            .with_sp(|s| s.with_inner_ring(2)),
+        Layout::new("startrail C2 on 8", 1, 1, 8, Strategy::StarTrail).with_sp(|s| s.with_team(2)),
+        Layout::new("all-gather CP 4", 1, 1, 4, Strategy::AllGather),
+    ]
 }
 
 /// What one rank of [`run_layout`] returns, already in global form (identical on every rank).

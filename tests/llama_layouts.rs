@@ -9,7 +9,7 @@ use candle_parallel::attention::{SeqLayout, Strategy};
 use candle_parallel::mesh::Placement;
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{
-    max_abs, rel_err, run_layout, run_layout_with, Layout, StepPlan, StepResult,
+    every_strategy, max_abs, rel_err, run_layout, run_layout_with, Layout, StepPlan, StepResult,
 };
 
 const TOL: f64 = 1e-5;
@@ -46,15 +46,10 @@ fn compare_with(name: &str, layout: &Layout, plan: StepPlan, want: &StepResult) 
 }
 
 fn layouts() -> Vec<Layout> {
-    vec![
-        Layout::new("tp2", 2, 1, 1, Strategy::Ring),
-        Layout::new("tp2 + tp-sp", 2, 1, 1, Strategy::Ring).with_tp_sp(),
-        Layout::new("ulysses2 x ring2 (usp)", 1, 2, 2, Strategy::Usp),
-        Layout::new("zigzag ring4", 1, 1, 4, Strategy::Ring),
+    let mut all = every_strategy();
+    all.extend([
         Layout::new("contiguous ring4", 1, 1, 4, Strategy::Ring)
             .with_sp(|s| s.with_layout(SeqLayout::Contiguous)),
-        Layout::new("double ring w2 on 4", 1, 1, 4, Strategy::DoubleRing)
-            .with_sp(|s| s.with_inner_ring(2)),
         Layout::new(
             "double ring 2x2 context-first",
             1,
@@ -63,11 +58,10 @@ fn layouts() -> Vec<Layout> {
             Strategy::DoubleRing,
         )
         .with_sp(|s| s.with_inner_ring(2).with_placement(Placement::ContextFirst)),
-        Layout::new("startrail C2 on 8", 1, 1, 8, Strategy::StarTrail).with_sp(|s| s.with_team(2)),
-        Layout::new("all-gather CP 4", 1, 1, 4, Strategy::AllGather),
         Layout::new("tp2 x ring2", 2, 1, 2, Strategy::Ring),
         Layout::new("tp2 + tp-sp x ulysses2", 2, 2, 1, Strategy::Ulysses).with_tp_sp(),
-    ]
+    ]);
+    all
 }
 
 #[test]

@@ -18,7 +18,7 @@ use candle_parallel::nn::{Batch, CrossEntropyOptions, ParamMode, Track};
 use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
 use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
-use cpl_integration_tests::{assert_identical, fixture_files, rel_err, Layout};
+use cpl_integration_tests::{assert_identical, every_strategy, fixture_files, rel_err, Layout};
 use models::llama;
 use testkit::assert_identical_scalars;
 use train::data::{PackedDataset, Packing, TokenStream};
@@ -176,12 +176,6 @@ fn assert_same(name: &str, got: &Run, want: &Run, tol: f64) {
 }
 
 /// `layout` with `dp` data-parallel replicas (the ranks multiply).
-fn with_dp(mut l: Layout, dp: usize) -> Layout {
-    l.mesh = l.mesh.with_dp(dp);
-    l.ranks *= dp;
-    l
-}
-
 /// The config of `layout`: dp halves the per-rank work, so that the global batch
 /// (dp x batch x grad-accum) stays 2, as on one rank with `config(steps, 1, 2, ..)`.
 fn layout_config(layout: &Layout, steps: u64, doc_mask: bool) -> TrainConfig {
@@ -219,7 +213,7 @@ fn plans() -> Vec<Plan> {
         Checkpointing::Selective,
     );
     let l = Layout::new;
-    let dp2 = |l| with_dp(l, 2);
+    let dp2 = |l: Layout| l.with_dp(2);
     // (layout, ZeRO stage, sharding group size, checkpointing)
     #[rustfmt::skip]
     let table = [
@@ -333,17 +327,9 @@ fn checkpointing_is_exact_on_one_rank() {
 }
 
 fn layouts() -> Vec<Layout> {
-    vec![
-        Layout::new("tp2", 2, 1, 1, Strategy::Ring),
-        Layout::new("tp2 + tp-sp", 2, 1, 1, Strategy::Ring).with_tp_sp(),
-        Layout::new("ulysses2 x ring2", 1, 2, 2, Strategy::Usp),
-        Layout::new("zigzag ring4", 1, 1, 4, Strategy::Ring),
-        Layout::new("double ring w2 on 4", 1, 1, 4, Strategy::DoubleRing)
-            .with_sp(|s| s.with_inner_ring(2)),
-        Layout::new("startrail C2 on 8", 1, 1, 8, Strategy::StarTrail).with_sp(|s| s.with_team(2)),
-        Layout::new("all-gather CP 4", 1, 1, 4, Strategy::AllGather),
-        with_dp(Layout::new("dp2 x ring2", 1, 1, 2, Strategy::Ring), 2),
-    ]
+    let mut all = every_strategy();
+    all.push(Layout::new("dp2 x ring2", 1, 1, 2, Strategy::Ring).with_dp(2));
+    all
 }
 
 #[test]
@@ -395,7 +381,7 @@ fn repeated_runs_are_bit_identical() {
         (l("double ring w2 on 4", 1, 1, 4, DoubleRing).with_sp(|s| s.with_inner_ring(2)), 0, keep),
         (l("startrail C2 on 8", 1, 1, 8, StarTrail).with_sp(|s| s.with_team(2)), 0, keep),
         (l("all-gather CP 4", 1, 1, 4, AllGather), 0, keep),
-        (with_dp(l("zero1 dp2 x ring2", 1, 1, 2, Ring), 2), 1, keep),
+        (l("zero1 dp2 x ring2", 1, 1, 2, Ring).with_dp(2), 1, keep),
         (l("zero2 ring4", 1, 1, 4, Ring), 2, keep),
         (l("zero3 tp2 x ring2", 2, 1, 2, Ring), 3, keep),
         (l("full ckpt, ring4", 1, 1, 4, Ring), 0, full),
@@ -832,7 +818,7 @@ fn resume_across_zero_stages() {
     }
     for p in [
         plan(
-            with_dp(Layout::new("zero1 dp2 x ring2", 1, 1, 2, Strategy::Ring), 2),
+            Layout::new("zero1 dp2 x ring2", 1, 1, 2, Strategy::Ring).with_dp(2),
             ZeroStage::OptimizerStates,
             Checkpointing::None,
         ),

@@ -1,17 +1,7 @@
 //! The `cpl` binary end to end: good runs succeed, bad flags give a clear error and exit 1.
 
-use std::process::{Command, Output};
-
-fn cpl(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_cpl"))
-        .args(args)
-        .output()
-        .expect("the cpl binary runs")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+mod common;
+use common::{assert_clear_errors, cpl, stderr};
 
 #[test]
 fn demo_agrees_with_single_rank() {
@@ -51,7 +41,7 @@ fn plan_prints_groups() {
 
 #[test]
 fn bad_layouts_fail_with_a_clear_error() {
-    for (args, needle) in [
+    assert_clear_errors(&[
         (
             vec!["plan", "--ranks", "16", "--tp", "3"],
             "cannot infer --dp",
@@ -74,14 +64,5 @@ fn bad_layouts_fail_with_a_clear_error() {
         ),
         (vec!["demo", "--ranks", "0"], "--ranks"),
         (vec!["demo", "--ranks", "3", "--elems", "10"], "divisible"),
-    ] {
-        let o = cpl(&args);
-        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
-        let err = stderr(&o);
-        assert!(
-            err.contains(needle),
-            "{args:?}: expected {needle:?} in {err:?}"
-        );
-        assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
-    }
+    ]);
 }

@@ -8,40 +8,14 @@
 //! input fails with exit code 1 and a message naming the file, tensor or flag, never a panic.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+
+mod common;
+use common::{assert_clear_errors, cpl, cpl_env, stderr, stdout, tmpdir, words};
 
 use candle_core::{DType, Device, Tensor, D};
 
 fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/llama")
-}
-
-fn cpl_env(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_cpl"));
-    c.args(args);
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    c.output().expect("the cpl binary runs")
-}
-
-fn cpl(args: &[&str]) -> Output {
-    cpl_env(args, &[])
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn tmpdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("cpl-cli-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::fixtures("llama")
 }
 
 fn copy_dir(src: &Path, dst: &Path) {
@@ -588,163 +562,80 @@ fn bad_input_fails_with_a_clear_error() {
 
     let cases: Vec<(Vec<String>, &str)> = vec![
         (
-            vec![
-                "eval".into(),
-                "--model".into(),
-                no_config.display().to_string(),
-                "--tokens".into(),
-                t.clone(),
-            ],
+            words(&format!(
+                "eval --model {} --tokens {t}",
+                no_config.display()
+            )),
             "config.json",
         ),
         (
-            vec![
-                "eval".into(),
-                "--model".into(),
-                bad_json.display().to_string(),
-                "--tokens".into(),
-                t.clone(),
-            ],
+            words(&format!("eval --model {} --tokens {t}", bad_json.display())),
             "config.json",
         ),
         (
-            vec![
-                "inspect".into(),
-                "--model".into(),
-                bad_arch.display().to_string(),
-            ],
+            words(&format!("inspect --model {}", bad_arch.display())),
             "GPT2LMHeadModel",
         ),
         (
-            vec![
-                "eval".into(),
-                "--model".into(),
-                missing.display().to_string(),
-                "--tokens".into(),
-                t.clone(),
-            ],
+            words(&format!("eval --model {} --tokens {t}", missing.display())),
             "model.layers.1.mlp.up_proj.weight",
         ),
         (
-            vec![
-                "eval".into(),
-                "--model".into(),
-                wrong_shape.display().to_string(),
-                "--tokens".into(),
-                t.clone(),
-            ],
+            words(&format!(
+                "eval --model {} --tokens {t}",
+                wrong_shape.display()
+            )),
             "model.layers.0.self_attn.q_proj.weight",
         ),
         (
-            vec![
-                "eval".into(),
-                "--model".into(),
-                good.clone(),
-                "--tokens".into(),
-                t.clone(),
-                "--ranks".into(),
-                "3".into(),
-                "--tp".into(),
-                "3".into(),
-            ],
+            words(&format!(
+                "eval --model {good} --tokens {t} --ranks 3 --tp 3"
+            )),
             "--tp 3",
         ),
         (
-            vec![
-                "eval".into(),
-                "--model".into(),
-                good.clone(),
-                "--tokens".into(),
-                t.clone(),
-                "--ranks".into(),
-                "8".into(),
-                "--ulysses".into(),
-                "8".into(),
-            ],
+            words(&format!(
+                "eval --model {good} --tokens {t} --ranks 8 --ulysses 8"
+            )),
             "--ulysses 8",
         ),
         (
-            vec![
-                "eval".into(),
-                "--model".into(),
-                good.clone(),
-                "--data".into(),
-                empty.display().to_string(),
-            ],
+            words(&format!("eval --model {good} --data {}", empty.display())),
             "--data",
         ),
         (
-            vec![
-                "eval".into(),
-                "--model".into(),
-                good.clone(),
-                "--tokens".into(),
-                bad_tokens.display().to_string(),
-            ],
+            words(&format!(
+                "eval --model {good} --tokens {}",
+                bad_tokens.display()
+            )),
             "99999",
         ),
         (
-            vec![
-                "eval".into(),
-                "--model".into(),
-                good.clone(),
-                "--tokens".into(),
-                not_json.display().to_string(),
-            ],
+            words(&format!(
+                "eval --model {good} --tokens {}",
+                not_json.display()
+            )),
             "--tokens",
         ),
         (
-            vec![
-                "eval".into(),
-                "--model".into(),
-                good.clone(),
-                "--tokens".into(),
-                t.clone(),
-                "--ranks".into(),
-                "4".into(),
-                "--ring".into(),
-                "4".into(),
-                "--cp-impl".into(),
-                "startrail".into(),
-                "--team".into(),
-                "3".into(),
-            ],
+            words(&format!(
+                "eval --model {good} --tokens {t} --ranks 4 --ring 4 --cp-impl startrail --team 3"
+            )),
             "team",
         ),
         (
-            vec![
-                "eval".into(),
-                "--model".into(),
-                base.join("nowhere").display().to_string(),
-                "--tokens".into(),
-                t.clone(),
-            ],
+            words(&format!(
+                "eval --model {} --tokens {t}",
+                base.join("nowhere").display()
+            )),
             "nowhere",
         ),
         (
-            vec![
-                "eval".into(),
-                "--model".into(),
-                good.clone(),
-                "--tokens".into(),
-                t.clone(),
-                "--dtype".into(),
-                "f8".into(),
-            ],
+            words(&format!("eval --model {good} --tokens {t} --dtype f8")),
             "--dtype",
         ),
     ];
-    for (args, needle) in cases {
-        let a: Vec<&str> = args.iter().map(String::as_str).collect();
-        let o = cpl(&a);
-        let err = stderr(&o);
-        assert_eq!(o.status.code(), Some(1), "{a:?}: {err}");
-        assert!(
-            err.contains(needle),
-            "{a:?}: expected {needle:?} in {err:?}"
-        );
-        assert!(!err.contains("panicked"), "{a:?} panicked: {err}");
-    }
+    assert_clear_errors(&cases);
     for d in [base, missing, wrong_shape] {
         std::fs::remove_dir_all(d).unwrap();
     }

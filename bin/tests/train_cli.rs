@@ -5,35 +5,18 @@
 //! `cpl data prepare`) fail with a clear error (exit 1, no panic).
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+use common::{assert_clear_errors, cpl, stderr, tmpdir, words};
+
 fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/llama/mha")
+    common::fixtures("llama/mha")
 }
 
 fn data_fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/data")
-        .join(name)
-}
-
-fn tmpdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("cpl-train-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn cpl(args: &[String]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_cpl"))
-        .args(args)
-        .output()
-        .expect("the cpl binary runs")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
+    common::fixtures("data").join(name)
 }
 
 fn be32(b: &[u8]) -> u32 {
@@ -299,18 +282,15 @@ fn a_toml_config_equals_the_same_flags() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Every `(args, needle)` fails with exit code 1 and a message containing `needle`, no panic.
-fn assert_clear_errors(cases: &[(Vec<String>, &str)]) {
-    for (args, needle) in cases {
-        let o = cpl(args);
-        let err = stderr(&o);
-        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
-        assert!(
-            err.contains(needle),
-            "{args:?}: expected {needle:?} in {err:?}"
-        );
-        assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+/// The arguments `head`, then each flag with its path, then `extra` (split on whitespace).
+fn command(head: &str, paths: &[(&str, &Path)], extra: &str) -> Vec<String> {
+    let mut a = words(head);
+    for (flag, path) in paths {
+        a.push(flag.to_string());
+        a.push(path.display().to_string());
     }
+    a.extend(words(extra));
+    a
 }
 
 /// A file named `*.parquet` that is not Parquet.
@@ -330,22 +310,9 @@ fn bad_training_input_fails_with_a_clear_error() {
     let corrupt = corrupt_parquet(&dir);
     let with = |extra: &[&str]| set_flags(base_args(&tokens, &out, 2), extra);
     // Training on text files instead of the token file.
-    let with_data = |data: &Path, extra: &[&str]| {
-        let mut a: Vec<String> = [
-            "train",
-            "--model",
-            fixture().to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "--seq-len",
-            "32",
-            "--out",
-            out.to_str().unwrap(),
-        ]
-        .map(String::from)
-        .to_vec();
-        a.extend(extra.iter().map(|s| s.to_string()));
-        a
+    let with_data = |data: &Path, extra: &str| {
+        let paths = [("--model", &*fixture()), ("--data", data), ("--out", &out)];
+        command("train --seq-len 32", &paths, extra)
     };
     let cases: Vec<(Vec<String>, &str)> = vec![
         (with(&["--seq-len", "30"]), "--seq-len 30"),
@@ -355,11 +322,9 @@ fn bad_training_input_fails_with_a_clear_error() {
         (with(&["--lr", "0"]), "--lr"),
         (with(&["--dtype", "int8"]), "--dtype"),
         (with(&["--seq-len", "4096"]), "--seq-len 4096"),
-        (with_data(&dir.join("missing.txt"), &[]), "missing.txt"),
+        (with_data(&dir.join("missing.txt"), ""), "missing.txt"),
         (
-            ["train", "--config", bad_toml.to_str().unwrap()]
-                .map(String::from)
-                .to_vec(),
+            words(&format!("train --config {}", bad_toml.display())),
             "--config",
         ),
         (with(&["--zero", "5"]), "invalid value '5' for '--zero"),
@@ -375,15 +340,12 @@ fn bad_training_input_fails_with_a_clear_error() {
         (with(&["--checkpointing", "sometimes"]), "--checkpointing"),
         (with(&["--loss-chunk", "0"]), "--loss-chunk"),
         (
-            with_data(&data_fixture("not-text.parquet"), &[]),
+            with_data(&data_fixture("not-text.parquet"), ""),
             "not-text.parquet",
         ),
-        (with_data(&corrupt, &[]), "not a valid Parquet file"),
+        (with_data(&corrupt, ""), "not a valid Parquet file"),
         (
-            with_data(
-                &data_fixture("docs-snappy.parquet"),
-                &["--text-field", "body"],
-            ),
+            with_data(&data_fixture("docs-snappy.parquet"), "--text-field body"),
             "no column \"body\"",
         ),
     ];
@@ -400,58 +362,44 @@ fn bad_data_prepare_input_fails_with_a_clear_error() {
     let empty_dir = dir.join("empty");
     std::fs::create_dir_all(&empty_dir).unwrap();
     let good_out = dir.join("ids.json");
-    let prepare = |model: &Path, data: &Path, out: &Path, extra: &[&str]| {
-        let mut a: Vec<String> = [
-            "data",
-            "prepare",
-            "--model",
-            model.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ]
-        .map(String::from)
-        .to_vec();
-        a.extend(extra.iter().map(|s| s.to_string()));
-        a
+    let prepare = |model: &Path, data: &Path, out: &Path, extra: &str| {
+        command(
+            "data prepare",
+            &[("--model", model), ("--data", data), ("--out", out)],
+            extra,
+        )
     };
     let docs = data_fixture("docs.jsonl");
     let cases: Vec<(Vec<String>, &str)> = vec![
         (
-            prepare(&dir.join("no-model"), &docs, &good_out, &[]),
+            prepare(&dir.join("no-model"), &docs, &good_out, ""),
             "no-model",
         ),
         (
-            prepare(&fixture(), &dir.join("missing.jsonl"), &good_out, &[]),
+            prepare(&fixture(), &dir.join("missing.jsonl"), &good_out, ""),
             "--data",
         ),
         (
-            prepare(&fixture(), &corrupt, &good_out, &[]),
+            prepare(&fixture(), &corrupt, &good_out, ""),
             "corrupt.parquet: not a valid Parquet file",
         ),
         (
-            prepare(&fixture(), &empty_dir, &good_out, &[]),
+            prepare(&fixture(), &empty_dir, &good_out, ""),
             "has no .txt, .jsonl or .parquet files",
         ),
         (
-            prepare(
-                &fixture(),
-                &data_fixture("not-text.parquet"),
-                &good_out,
-                &[],
-            ),
+            prepare(&fixture(), &data_fixture("not-text.parquet"), &good_out, ""),
             "not-text.parquet",
         ),
         (
-            prepare(&fixture(), &docs, &good_out, &["--text-field", "body"]),
+            prepare(&fixture(), &docs, &good_out, "--text-field body"),
             "no string field \"body\"",
         ),
         (
-            prepare(&fixture(), &docs, &dir.join("no-dir/ids.json"), &[]),
+            prepare(&fixture(), &docs, &dir.join("no-dir/ids.json"), ""),
             "--out",
         ),
-        (prepare(&fixture(), &docs, &empty_dir, &[]), "--out"),
+        (prepare(&fixture(), &docs, &empty_dir, ""), "--out"),
     ];
     assert_clear_errors(&cases);
     // A failed write leaves no temporary file behind.

@@ -34,6 +34,7 @@ use candle_parallel::{
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use testkit::assert_identical;
 
 const TOL: f64 = 1e-5;
 const B: usize = 1;
@@ -235,16 +236,6 @@ fn run_ranks(
         .unwrap_or_else(|e| panic!("{} {mode}: {e}", cfg.strategy))
 }
 
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .iter()
-        .map(|x| x.to_bits())
-        .collect()
-}
-
 fn configs() -> Vec<SpConfig> {
     vec![
         SpConfig::new(Strategy::Ring, 1, 2).with_layout(SeqLayout::Zigzag),
@@ -297,10 +288,7 @@ fn every_mode_and_strategy_matches_single_device() {
                             .into_iter()
                             .chain(a.dw.iter().zip(&b.dw).map(|(a, b)| (a, b, "weight grad")));
                         for (a, b, name) in pairs {
-                            assert!(
-                                bits(a) == bits(b),
-                                "{what}: rank {r} {name} differs from none"
-                            );
+                            assert_identical(a, b, &format!("{what}: rank {r} {name} vs none"));
                         }
                     }
                 }

@@ -5,14 +5,15 @@
 
 mod multi_ring_common;
 
-use candle_core::Tensor;
 use candle_parallel::attention::multi_ring_plan::DoubleRingPlan;
-use candle_parallel::attention::{
-    AttnCall, AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,
+use candle_parallel::attention::{SeqLayout, SpConfig, Strategy};
+use candle_parallel::comm::OpKind;
+use candle_parallel::mesh::Placement;
+use multi_ring_common::{
+    assert_build_rejected, assert_call_rejected, assert_sent, inputs, run, run_checked, Case,
+    MaskSel, RankOut,
 };
-use candle_parallel::comm::{LocalWorld, OpKind};
-use candle_parallel::mesh::{DeviceMesh, Placement};
-use multi_ring_common::{assert_sent, check_numerics, inputs, run, Case, MaskSel, RankOut};
+use testkit::assert_identical;
 
 fn config(hp: usize, cp: usize, w: usize, placement: Placement) -> SpConfig {
     SpConfig::new(Strategy::DoubleRing, hp, cp)
@@ -109,11 +110,7 @@ fn check_traffic(case: &Case, ranks: &[RankOut]) {
 }
 
 fn run_case(case: &Case, seed: u64) -> Vec<RankOut> {
-    let x = inputs(case, seed);
-    let ranks = run(case, &x);
-    check_numerics(case, &x, &ranks);
-    check_traffic(case, &ranks);
-    ranks
+    run_checked(case, seed, check_traffic)
 }
 
 /// The grid of the issue: 8 ranks = 2 (head-parallel) x 4 (context-parallel), w in {1, 2, 4},
@@ -187,7 +184,7 @@ fn double_ring_degenerates_to_usp() {
                 ("dk", &a.dk, &b.dk),
                 ("dv", &a.dv, &b.dv),
             ] {
-                assert_eq!(bits(ta), bits(tb), "w = {w}: {name} differs from usp");
+                assert_identical(ta, tb, &format!("w = {w}: {name} vs usp"));
             }
             assert_eq!(
                 a.fwd.bytes_sent(),
@@ -215,74 +212,16 @@ fn double_ring_batch_and_bf16() {
     run_case(&bf16, 401);
 }
 
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f32::to_bits)
-        .collect()
-}
-
 /// Invalid combinations fail on every rank with a clear message before any communication.
 #[test]
 fn double_ring_rejects_invalid_combinations() {
     // w does not divide the context-parallel degree.
     let cfg = config(1, 4, 3, Placement::HeadFirst);
-    let errs = LocalWorld::new(4).launch_each(|world| -> candle_parallel::Result<()> {
-        let mesh = DeviceMesh::new(&cfg.mesh_config(), world.clone())?;
-        world.traffic().reset();
-        let res = SpAttention::new(&cfg, &mesh).map(|_| ());
-        assert_eq!(world.traffic().snapshot().bytes_sent(), 0);
-        res
-    });
-    for e in errs {
-        let msg = e.unwrap_err().to_string();
-        assert!(msg.contains("inner ring size w = 3"), "{msg}");
-    }
+    assert_build_rejected(&cfg, 4, "inner ring size w = 3");
     // The sequence does not split: 60 tokens over 4 zigzag ranks (8 chunks); heads that do not
     // split over the head-parallel group.
-    for (cfg, s, hq, hkv, needle) in [
-        (
-            config(1, 4, 2, Placement::HeadFirst),
-            60,
-            4,
-            4,
-            "not a positive multiple",
-        ),
-        (
-            config(2, 2, 2, Placement::ContextFirst),
-            64,
-            3,
-            3,
-            "do not divide",
-        ),
-    ] {
-        let errs = LocalWorld::new(4).launch_each(|world| -> candle_parallel::Result<()> {
-            let mesh = DeviceMesh::new(&cfg.mesh_config(), world.clone())?;
-            let sp = SpAttention::new(&cfg, &mesh)?;
-            let n = s / 4;
-            let q = Tensor::zeros(
-                (1, n, hq, 8),
-                candle_core::DType::F32,
-                &candle_core::Device::Cpu,
-            )?;
-            let kv = Tensor::zeros(
-                (1, n, hkv, 8),
-                candle_core::DType::F32,
-                &candle_core::Device::Cpu,
-            )?;
-            world.traffic().reset();
-            let res = sp
-                .attention(&q, &kv, &kv, &AttnCall::new(AttnMask::Causal, 1.0))
-                .map(|_| ());
-            assert_eq!(world.traffic().snapshot().bytes_sent(), 0);
-            res
-        });
-        for e in errs {
-            let msg = e.unwrap_err().to_string();
-            assert!(msg.contains(needle), "{msg}");
-        }
-    }
+    let cfg = config(1, 4, 2, Placement::HeadFirst);
+    assert_call_rejected(&cfg, 4, (60, 4, 4), "not a positive multiple");
+    let cfg = config(2, 2, 2, Placement::ContextFirst);
+    assert_call_rejected(&cfg, 4, (64, 3, 3), "do not divide");
 }

@@ -5,16 +5,14 @@
 
 mod multi_ring_common;
 
-use candle_core::Tensor;
 use candle_parallel::attention::multi_ring_plan::{ShardElems, StarTrailPlan};
-use candle_parallel::attention::{
-    AttnCall, AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,
-};
-use candle_parallel::comm::{LocalWorld, OpKind};
-use candle_parallel::mesh::DeviceMesh;
+use candle_parallel::attention::{SeqLayout, SpConfig, Strategy};
+use candle_parallel::comm::OpKind;
 use multi_ring_common::{
-    assert_sent, check_numerics, inputs, rel_err, run, Case, MaskSel, RankOut,
+    assert_build_rejected, assert_call_rejected, assert_sent, inputs, rel_err, run, run_checked,
+    Case, MaskSel, RankOut,
 };
+use testkit::assert_identical;
 
 fn config(p: usize, c: usize) -> SpConfig {
     SpConfig::new(Strategy::StarTrail, 1, p).with_team(c)
@@ -160,11 +158,7 @@ fn check_traffic(case: &Case, ranks: &[RankOut]) {
 }
 
 fn run_case(case: &Case, seed: u64) -> Vec<RankOut> {
-    let x = inputs(case, seed);
-    let ranks = run(case, &x);
-    check_numerics(case, &x, &ranks);
-    check_traffic(case, &ranks);
-    ranks
+    run_checked(case, seed, check_traffic)
 }
 
 /// The grid of the issue: C in {1, 2}, P in {4, 8} (P = 4, C = 2 has one-team sub-rings),
@@ -210,8 +204,8 @@ fn startrail_c1_is_ring_attention() {
             let ring = run(&ring_case, &x);
             for (a, b) in st.iter().zip(&ring) {
                 assert_eq!(a.coords, b.coords);
-                assert_eq!(bits(&a.out), bits(&b.out), "out differs from ring");
-                assert_eq!(bits(&a.lse), bits(&b.lse), "lse differs from ring");
+                assert_identical(&a.out, &b.out, "out vs ring");
+                assert_identical(&a.lse, &b.lse, "lse vs ring");
                 assert_eq!(a.fwd, b.fwd, "forward traffic differs from ring");
                 for (name, ta, tb) in [
                     ("dq", &a.dq, &b.dq),
@@ -237,16 +231,6 @@ fn startrail_batch_and_bf16() {
     run_case(&bf16, 301);
 }
 
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f32::to_bits)
-        .collect()
-}
-
 /// Invalid combinations fail on every rank with a clear message before any communication.
 #[test]
 fn startrail_rejects_invalid_combinations() {
@@ -259,42 +243,11 @@ fn startrail_rejects_invalid_combinations() {
             "ring group only",
         ),
     ] {
-        let errs = LocalWorld::new(8).launch_each(|world| -> candle_parallel::Result<()> {
-            let mesh = DeviceMesh::new(&cfg.mesh_config(), world.clone())?;
-            world.traffic().reset();
-            let res = SpAttention::new(&cfg, &mesh).map(|_| ());
-            assert_eq!(world.traffic().snapshot().bytes_sent(), 0);
-            res
-        });
-        for e in errs {
-            let msg = e.unwrap_err().to_string();
-            assert!(msg.contains(needle), "{msg}");
-        }
+        assert_build_rejected(&cfg, 8, needle);
     }
     // The sequence does not split over 8 zigzag ranks (16 chunks), and q/kv heads that are not
     // a GQA pair.
     let cfg = config(8, 2);
-    for (s, hq, hkv, needle) in [
-        (40, 4, 4, "not a positive multiple"),
-        (64, 4, 3, "multiple of kv_heads"),
-    ] {
-        let errs = LocalWorld::new(8).launch_each(|world| -> candle_parallel::Result<()> {
-            let mesh = DeviceMesh::new(&cfg.mesh_config(), world.clone())?;
-            let sp = SpAttention::new(&cfg, &mesh)?;
-            let n = s / 8;
-            let dev = candle_core::Device::Cpu;
-            let q = Tensor::zeros((1, n, hq, 8), candle_core::DType::F32, &dev)?;
-            let kv = Tensor::zeros((1, n, hkv, 8), candle_core::DType::F32, &dev)?;
-            world.traffic().reset();
-            let res = sp
-                .attention(&q, &kv, &kv, &AttnCall::new(AttnMask::Causal, 1.0))
-                .map(|_| ());
-            assert_eq!(world.traffic().snapshot().bytes_sent(), 0);
-            res
-        });
-        for e in errs {
-            let msg = e.unwrap_err().to_string();
-            assert!(msg.contains(needle), "{msg}");
-        }
-    }
+    assert_call_rejected(&cfg, 8, (40, 4, 4), "not a positive multiple");
+    assert_call_rejected(&cfg, 8, (64, 4, 3), "multiple of kv_heads");
 }

@@ -6,9 +6,8 @@
 //! an error (the rank fails, so the test fails).
 
 mod common;
-use common::{rand_t, world};
+use common::{grad, rand_t, world};
 
-use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use candle_parallel::comm::Comm;
 use candle_parallel::nn::{
@@ -46,11 +45,19 @@ fn shard(t: &Tensor, p: usize, r: usize) -> Result<Tensor> {
     t.narrow(0, r * c, c)
 }
 
-fn grad(grads: &GradStore, v: &Var, what: &str) -> Result<Tensor> {
-    grads
-        .get(v.as_tensor())
-        .cloned()
-        .ok_or_else(|| candle_core::Error::Msg(format!("no gradient for {what}")))
+/// This rank's vocab-parallel loss and token count, with its trainable `hidden` and weight shard.
+fn rank_loss(
+    hidden: &Tensor,
+    weight: &Tensor,
+    labels: &Tensor,
+    comm: &Comm,
+    opts: &CrossEntropyOptions,
+) -> Result<(Tensor, usize, Var, Var)> {
+    let hr = Var::from_tensor(hidden)?;
+    let wr = Var::from_tensor(&shard(weight, comm.size(), comm.rank())?)?;
+    let (loss, count) =
+        vocab_parallel_cross_entropy(hr.as_tensor(), wr.as_tensor(), labels, comm, opts)?;
+    Ok((loss, count, hr, wr))
 }
 
 fn assert_close_tol(got: &Tensor, want: &Tensor, tol: f64, what: &str) {
@@ -124,15 +131,7 @@ fn check_cross_entropy(rng: &mut StdRng, case: &CeCase, dtype: DType, tol: f64) 
 
     for p in WORLDS {
         let out = world(p, |comm| {
-            let hr = Var::from_tensor(&hidden)?;
-            let wr = Var::from_tensor(&shard(&weight, p, comm.rank())?)?;
-            let (loss, count) = vocab_parallel_cross_entropy(
-                hr.as_tensor(),
-                wr.as_tensor(),
-                &labels_t,
-                &comm,
-                &opts,
-            )?;
+            let (loss, count, hr, wr) = rank_loss(&hidden, &weight, &labels_t, &comm, &opts)?;
             assert_eq!(loss.dtype(), DType::F32);
             assert_eq!(loss.dims(), &[] as &[usize]);
             let grads = loss.affine(scale, 0.)?.backward()?;
@@ -218,15 +217,7 @@ fn cross_entropy_all_ignored() {
     };
     for p in WORLDS {
         let out = world(p, |comm| {
-            let hr = Var::from_tensor(&hidden)?;
-            let wr = Var::from_tensor(&shard(&weight, p, comm.rank())?)?;
-            let (loss, count) = vocab_parallel_cross_entropy(
-                hr.as_tensor(),
-                wr.as_tensor(),
-                &labels,
-                &comm,
-                &opts,
-            )?;
+            let (loss, count, hr, wr) = rank_loss(&hidden, &weight, &labels, &comm, &opts)?;
             let grads = loss.backward()?;
             let gh = grad(&grads, &hr, "hidden")?;
             let gw = grad(&grads, &wr, "weight shard")?;

@@ -176,21 +176,18 @@ impl AttnSpec {
 
     /// Checks the positions against the row counts and the document table.
     pub(crate) fn validate(&self, seq_q: usize, seq_k: usize) -> Result<()> {
-        if self.q_pos.len() != seq_q {
-            return Err(Error::PositionsLen {
-                positions: "spec.q_pos",
-                tensor: "q",
-                len: self.q_pos.len(),
-                rows: seq_q,
-            });
-        }
-        if self.k_pos.len() != seq_k {
-            return Err(Error::PositionsLen {
-                positions: "spec.k_pos",
-                tensor: "k",
-                len: self.k_pos.len(),
-                rows: seq_k,
-            });
+        for (positions, tensor, len, rows) in [
+            ("spec.q_pos", "q", self.q_pos.len(), seq_q),
+            ("spec.k_pos", "k", self.k_pos.len(), seq_k),
+        ] {
+            if len != rows {
+                return Err(Error::PositionsLen {
+                    positions,
+                    tensor,
+                    len,
+                    rows,
+                });
+            }
         }
         if !self.scale.is_finite() {
             return Err(Error::Config(format!(

@@ -4,7 +4,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
-use common::{rel, to_f64, Case};
+use common::{rel, to_f64, vars, Case};
 use flash_ring::reference::{attention_bwd_f64, attention_f64};
 use flash_ring::{
     flash_attention, flash_attention_with_lse, flash_bwd, flash_fwd, naive_attention,
@@ -25,11 +25,7 @@ fn autograd_matches_reference_and_naive() {
     for spec in specs(70) {
         let case = Case::new(2, 70, 70, 4, 2, 32, spec.clone());
         let [q, k, v, dout] = case.tensors();
-        let (qv, kv, vv) = (
-            Var::from_tensor(&q).expect("var"),
-            Var::from_tensor(&k).expect("var"),
-            Var::from_tensor(&v).expect("var"),
-        );
+        let [qv, kv, vv] = vars([&q, &k, &v]);
         let loss = |o: Tensor| (o * &dout).and_then(|t| t.sum_all()).expect("loss");
         let out_f =
             flash_attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), &spec).expect("flash");
@@ -78,11 +74,7 @@ fn finite_difference_gradcheck() {
     .with_window(5);
     let case = Case::new(1, 5, 7, 2, 1, 8, spec.clone());
     let [q, k, v, w] = case.tensors();
-    let (qv, kv, vv) = (
-        Var::from_tensor(&q).expect("var"),
-        Var::from_tensor(&k).expect("var"),
-        Var::from_tensor(&v).expect("var"),
-    );
+    let [qv, kv, vv] = vars([&q, &k, &v]);
     let out = flash_attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), &spec).expect("fwd");
     let grads = (out * &w)
         .and_then(|t| t.sum_all())

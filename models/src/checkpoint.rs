@@ -407,37 +407,22 @@ impl TensorBytes {
         };
         let shape = t.dims().to_vec();
         let t = t.flatten_all()?;
+        // Little-endian element bytes, as safetensors stores them.
+        macro_rules! le_bytes {
+            ($ty:ty) => {
+                t.to_vec1::<$ty>()?
+                    .iter()
+                    .flat_map(|x| x.to_le_bytes())
+                    .collect()
+            };
+        }
         let data: Vec<u8> = match t.dtype() {
-            D::F32 => t
-                .to_vec1::<f32>()?
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-            D::BF16 => t
-                .to_vec1::<half::bf16>()?
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-            D::F16 => t
-                .to_vec1::<half::f16>()?
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-            D::F64 => t
-                .to_vec1::<f64>()?
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-            D::U32 => t
-                .to_vec1::<u32>()?
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-            D::I64 => t
-                .to_vec1::<i64>()?
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
+            D::F32 => le_bytes!(f32),
+            D::BF16 => le_bytes!(half::bf16),
+            D::F16 => le_bytes!(half::f16),
+            D::F64 => le_bytes!(f64),
+            D::U32 => le_bytes!(u32),
+            D::I64 => le_bytes!(i64),
             _ => t.to_vec1::<u8>()?,
         };
         Ok(Self { dtype, shape, data })

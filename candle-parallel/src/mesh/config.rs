@@ -5,6 +5,45 @@ use std::str::FromStr;
 
 use crate::error::{Error, Result};
 
+/// Per-dimension getter and setter for a struct with one `usize` field per [`Dim`]
+/// (`tp`, `ulysses`, `ring`, `pp`, `dp`).
+macro_rules! per_dim_fields {
+    ($ty:ty, $(#[$get_doc:meta])* $get:ident, $(#[$set_doc:meta])* $set:ident) => {
+        impl $ty {
+            $(#[$get_doc])*
+            pub fn $get(&self, dim: Dim) -> usize {
+                match dim {
+                    Dim::Tp => self.tp,
+                    Dim::Ulysses => self.ulysses,
+                    Dim::Ring => self.ring,
+                    Dim::Pp => self.pp,
+                    Dim::Dp => self.dp,
+                }
+            }
+
+            $(#[$set_doc])*
+            pub fn $set(&mut self, dim: Dim, value: usize) {
+                match dim {
+                    Dim::Tp => self.tp = value,
+                    Dim::Ulysses => self.ulysses = value,
+                    Dim::Ring => self.ring = value,
+                    Dim::Pp => self.pp = value,
+                    Dim::Dp => self.dp = value,
+                }
+            }
+        }
+    };
+}
+pub(crate) use per_dim_fields;
+
+per_dim_fields!(
+    MeshConfig,
+    /// The degree of `dim`.
+    degree,
+    /// Sets the degree of `dim`.
+    set_degree
+);
+
 /// One dimension of the device mesh.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Dim {
@@ -220,27 +259,6 @@ impl MeshConfig {
     pub fn with_placement(mut self, placement: Placement) -> Self {
         self.placement = placement;
         self
-    }
-
-    /// The degree of `dim`.
-    pub fn degree(&self, dim: Dim) -> usize {
-        match dim {
-            Dim::Tp => self.tp,
-            Dim::Ulysses => self.ulysses,
-            Dim::Ring => self.ring,
-            Dim::Pp => self.pp,
-            Dim::Dp => self.dp,
-        }
-    }
-
-    pub fn set_degree(&mut self, dim: Dim, degree: usize) {
-        match dim {
-            Dim::Tp => self.tp = degree,
-            Dim::Ulysses => self.ulysses = degree,
-            Dim::Ring => self.ring = degree,
-            Dim::Pp => self.pp = degree,
-            Dim::Dp => self.dp = degree,
-        }
     }
 
     /// The product of the five degrees, or `None` if it overflows `usize`.

@@ -4,7 +4,7 @@ use std::fmt;
 use std::fmt::Write as _;
 use std::ops::Index;
 
-use super::config::{Dim, MeshConfig, Placement};
+use super::config::{per_dim_fields, Dim, MeshConfig, Placement};
 use crate::error::{Error, Result};
 
 /// A rank's coordinate in each of the five dims.
@@ -17,28 +17,15 @@ pub struct Coords {
     pub dp: usize,
 }
 
-impl Coords {
+per_dim_fields!(
+    Coords,
     /// The coordinate in `dim`.
-    pub fn get(&self, dim: Dim) -> usize {
-        match dim {
-            Dim::Tp => self.tp,
-            Dim::Ulysses => self.ulysses,
-            Dim::Ring => self.ring,
-            Dim::Pp => self.pp,
-            Dim::Dp => self.dp,
-        }
-    }
+    get,
+    /// Sets the coordinate in `dim`.
+    set
+);
 
-    pub fn set(&mut self, dim: Dim, value: usize) {
-        match dim {
-            Dim::Tp => self.tp = value,
-            Dim::Ulysses => self.ulysses = value,
-            Dim::Ring => self.ring = value,
-            Dim::Pp => self.pp = value,
-            Dim::Dp => self.dp = value,
-        }
-    }
-
+impl Coords {
     /// A copy with the coordinate in `dim` replaced by `value`.
     pub fn with(mut self, dim: Dim, value: usize) -> Self {
         self.set(dim, value);

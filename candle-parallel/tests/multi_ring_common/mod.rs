@@ -293,3 +293,60 @@ pub fn assert_sent(t: &TrafficSnapshot, expected: &[(OpKind, u64)], what: &str) 
         t.ops
     );
 }
+
+/// Runs `case` on inputs from `seed`, checks every rank against the single-device reference
+/// and the traffic with the strategy's own `check_traffic`; returns the ranks' results.
+pub fn run_checked(
+    case: &Case,
+    seed: u64,
+    check_traffic: impl Fn(&Case, &[RankOut]),
+) -> Vec<RankOut> {
+    let x = inputs(case, seed);
+    let ranks = run(case, &x);
+    check_numerics(case, &x, &ranks);
+    check_traffic(case, &ranks);
+    ranks
+}
+
+/// Building the strategy of `cfg` fails on each of `ranks` ranks with a message containing
+/// `needle`, before any byte is sent.
+pub fn assert_build_rejected(cfg: &SpConfig, ranks: usize, needle: &str) {
+    assert_rejected(cfg, ranks, needle, |_| Ok(()));
+}
+
+/// A causal call over `seq` tokens (the global length) with `hq` query and `hkv` kv heads of
+/// width 8 fails on each of `ranks` ranks with a message containing `needle`, before any byte
+/// is sent.
+pub fn assert_call_rejected(
+    cfg: &SpConfig,
+    ranks: usize,
+    (seq, hq, hkv): (usize, usize, usize),
+    needle: &str,
+) {
+    assert_rejected(cfg, ranks, needle, |sp| {
+        let n = seq / ranks;
+        let q = Tensor::zeros((1, n, hq, 8), DType::F32, &Device::Cpu)?;
+        let kv = Tensor::zeros((1, n, hkv, 8), DType::F32, &Device::Cpu)?;
+        sp.attention(&q, &kv, &kv, &AttnCall::new(AttnMask::Causal, 1.0))
+            .map(|_| ())
+    });
+}
+
+fn assert_rejected(
+    cfg: &SpConfig,
+    ranks: usize,
+    needle: &str,
+    call: impl Fn(&SpAttention) -> candle_parallel::Result<()> + Sync,
+) {
+    let errs = LocalWorld::new(ranks).launch_each(|world| -> candle_parallel::Result<()> {
+        let mesh = DeviceMesh::new(&cfg.mesh_config(), world.clone())?;
+        world.traffic().reset();
+        let res = SpAttention::new(cfg, &mesh).and_then(|sp| call(&sp));
+        assert_eq!(world.traffic().snapshot().bytes_sent(), 0, "{needle}");
+        res
+    });
+    for e in errs {
+        let msg = e.expect_err(needle).to_string();
+        assert!(msg.contains(needle), "expected {needle:?} in {msg:?}");
+    }
+}

@@ -5,7 +5,7 @@
 //! and are left out of the norms).
 #![allow(dead_code)]
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 use flash_ring::reference::{attention_bwd_f64, attention_f64, RefShape};
 use flash_ring::{AttnSpec, KernelConfig};
 use rand::rngs::StdRng;
@@ -38,6 +38,11 @@ pub fn rel(a: &[f64], r: &[f64]) -> f64 {
 /// [`rel`] with the denominator floored at `floor` instead of 1e-30.
 pub fn rel_floor(a: &[f64], r: &[f64], floor: f64) -> f64 {
     testkit::rel_err_floor(a, r, floor)
+}
+
+/// Trainable copies of `q`, `k`, `v` (gradients are taken with respect to these).
+pub fn vars(qkv: [&Tensor; 3]) -> [Var; 3] {
+    qkv.map(|t| Var::from_tensor(t).expect("var"))
 }
 
 pub fn to_f64(t: &Tensor) -> Vec<f64> {

@@ -1,0 +1,66 @@
+//! What the `cpl` end-to-end tests share: running the binary, reading its output, scratch
+//! directories and the clear-error check.
+#![allow(dead_code)] // each test binary uses its own subset
+
+use std::ffi::OsStr;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// The test fixtures folder of the workspace, joined with `rel`.
+pub fn fixtures(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures")
+        .join(rel)
+}
+
+/// Runs `cpl args` with the extra environment `env` and waits for it.
+pub fn cpl_env<S: AsRef<OsStr>>(args: &[S], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_cpl"));
+    c.args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("the cpl binary runs")
+}
+
+/// Runs `cpl args` and waits for it.
+pub fn cpl<S: AsRef<OsStr>>(args: &[S]) -> Output {
+    cpl_env(args, &[])
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A fresh, empty scratch directory unique to this test process and `tag`.
+pub fn tmpdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("cpl-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Every `(args, needle)` fails with exit code 1 and a message containing `needle`, no panic.
+#[track_caller]
+pub fn assert_clear_errors<S: AsRef<OsStr> + std::fmt::Debug>(cases: &[(Vec<S>, &str)]) {
+    for (args, needle) in cases {
+        let o = cpl(args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains(needle),
+            "{args:?}: expected {needle:?} in {err:?}"
+        );
+        assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    }
+}
+
+/// The whitespace-separated words of `line`, as command-line arguments (paths in the tests'
+/// temporary directories have no spaces).
+pub fn words(line: &str) -> Vec<String> {
+    line.split_whitespace().map(str::to_string).collect()
+}
