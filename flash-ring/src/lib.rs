@@ -11,12 +11,16 @@
 //! call serves any (q block, kv block) pair of a ring, zigzag or striped layout. See
 //! [`AttnSpec`] for the rule.
 //!
+//! [`matmul`] is the dense product of the layers around attention, on the same CPU kernels,
+//! with short accumulation chains (accurate sums of large same-sign terms).
+//!
 //! Kernels run on the CPU ([`cpu`]); the functions here take candle tensors and dispatch on the
 //! device, so a CUDA kernel can be added behind the same API (other devices return
 //! [`Error::Device`] for now).
 
 pub mod cpu;
 mod error;
+mod matmul;
 mod merge;
 mod op;
 pub mod reference;
@@ -29,6 +33,7 @@ use rayon::prelude::*;
 
 pub use cpu::{Isa, KernelConfig};
 pub use error::{Error, Result};
+pub use matmul::{matmul, matmul_with_config};
 pub use merge::merge;
 pub use reference::{naive_attention, naive_attention_with_lse};
 pub use spec::{doc_ids_from_cu_seqlens, AttnSpec, MaskKind, Positions};

@@ -197,8 +197,8 @@ impl ParallelAttention {
             flash_ring::Positions::list(pos.to_vec()),
             flash_ring::Positions::range(0, k.dim(1)?),
         );
-        let (o, _) =
-            flash_ring::flash_fwd(&q, &k, &v, &spec).map_err(|e| Error::Candle(e.into()))?;
+        let (o, _) = flash_ring::flash_fwd(&q, &k, &v, &spec)
+            .map_err(crate::attention::block::kernel_err)?;
         self.o_proj
             .forward(&o.reshape((b, n, self.q_heads * self.head_dim))?)
     }

@@ -11,7 +11,7 @@
 //! the token dim (the second to last) over the group: the column-parallel layer all-gathers the
 //! tokens first, the row-parallel layer reduce-scatters them after.
 
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
 
 use super::{token_dim, ParallelCtx, ParamBuilder, Shard, TpGroup};
 use crate::collectives::{gather, reduce_from_parallel_region, reduce_scatter, scatter};
@@ -62,7 +62,25 @@ pub enum RowInput {
     Whole,
 }
 
-/// `x @ w^T (+ b)` for `x` `(.., in)` and `w` `(out, in)`, as one 2-D matmul.
+/// `a @ b` for 2-D `a` `(m, k)` and `b` `(k, n)`, differentiable.
+///
+/// On the CPU in f32, bf16 or f16 this is [`flash_ring::matmul`]: each output sums its `k`
+/// products in short register chains (64 products) and then adds the chain sums, where
+/// `Tensor::matmul` (the `gemm` crate) keeps one running sum over blocks of 512 or more. The
+/// large activations of a trained transformer are sums of many same-sign products, whose
+/// error grows with the chain length: the short chains keep it at PyTorch's level or below
+/// (see `docs/accuracy.md`). The backward is candle's matmul. Other devices and dtypes use
+/// `Tensor::matmul`.
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let kernel_dtype = matches!(a.dtype(), DType::F32 | DType::BF16 | DType::F16);
+    if a.device().is_cpu() && kernel_dtype && a.dtype() == b.dtype() {
+        flash_ring::matmul(a, b).map_err(crate::attention::block::kernel_err)
+    } else {
+        Ok(a.matmul(b)?)
+    }
+}
+
+/// `x @ w^T (+ b)` for `x` `(.., in)` and `w` `(out, in)`, as one 2-D [`matmul`].
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     let (out_f, in_f) = w.dims2()?;
@@ -79,7 +97,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
         ));
     }
     let rows: usize = dims[..dims.len() - 1].iter().product();
-    let y = x.reshape((rows, in_f))?.matmul(&w.t()?)?;
+    let y = matmul(&x.reshape((rows, in_f))?, &w.t()?)?;
     let y = match b {
         Some(b) => y.broadcast_add(b)?,
         None => y,

@@ -319,7 +319,7 @@ impl Plan {
     /// This chunk's f32 logits against the local shard: `(c, V/P)`.
     fn logits(&self, hidden: &Tensor, w32: &Tensor, s: usize, c: usize) -> Result<Tensor> {
         let h = hidden.narrow(0, s, c)?.to_dtype(DType::F32)?.contiguous()?;
-        Ok(h.matmul(&w32.t()?)?)
+        super::linear::matmul(&h, &w32.t()?)
     }
 
     /// Forward on detached inputs: the scalar f32 loss sum and the per-token lse `(N, 1)`.

@@ -46,7 +46,7 @@ pub use attention::{AttentionConfig, LayerKv, ParallelAttention};
 pub use batch::Batch;
 pub use embedding::{EmbeddingConfig, VocabParallelEmbedding};
 pub use linear::{
-    linear, ColumnOutput, ColumnParallelLinear, LinearConfig, RowInput, RowParallelLinear,
+    linear, matmul, ColumnOutput, ColumnParallelLinear, LinearConfig, RowInput, RowParallelLinear,
 };
 pub use loss::{vocab_parallel_cross_entropy, CrossEntropyOptions, LmHead, IGNORE_INDEX};
 pub use mlp::{Activation, Mlp, MlpConfig};

@@ -37,8 +37,8 @@ struct PackedQ {
     q: PoolBuf,
     /// dO, rows of length dp.
     dout: PoolBuf,
-    /// lse * log2 e per row.
-    lse2: Vec<f32>,
+    /// The rows' natural-log lse (see `simd::p_ds_row` for why not in log2 units).
+    lse: Vec<f32>,
     /// D = rowsum(dO * O) per row.
     dd: Vec<f32>,
 }
@@ -107,23 +107,15 @@ pub(crate) fn backward(
             let (bi, h) = (i / hq, i % hq);
             let qp = pack_rows(q, bi, h, sq, dp, qmul);
             let dop = pack_rows(dout, bi, h, sq, dp, 1.0);
-            let mut orow = vec![0.0f32; d];
+            // D in the order of dP's matmul (see `simd::row_dots`); fully masked rows (P = 0)
+            // do not use it.
+            let op = pack_rows(out, bi, h, sq, dp, 1.0);
             let mut dd = vec![0.0f32; sq];
-            let lse2: Vec<f32> = lse[i * sq..(i + 1) * sq]
-                .iter()
-                .map(|&x| x * LOG2_E)
-                .collect();
-            for (s, ddv) in dd.iter_mut().enumerate() {
-                if lse2[s] == f32::NEG_INFINITY {
-                    continue; // fully masked row: P = 0, D unused
-                }
-                out.read(bi, s, h, &mut orow, 1.0);
-                *ddv = simd::dot(isa, &orow, &dop[s * dp..s * dp + d]);
-            }
+            simd::row_dots(isa, &op, dp, &dop, dp, d, &mut dd);
             PackedQ {
                 q: qp,
                 dout: dop,
-                lse2,
+                lse: lse[i * sq..(i + 1) * sq].to_vec(),
                 dd,
             }
         })
@@ -241,12 +233,12 @@ pub(crate) fn backward(
                     };
                     nt.run(isa, qrows, &ks.kt[(k0 + c0) * dp..], sb);
                     nt.run(isa, dorows, &ks.vt[(k0 + c0) * dp..], gb);
-                    // P = 2^(S - lse2) (masked entries and dead rows: 0), dS = P (dP - D).
+                    // P = e^(S ln 2 - lse) (masked entries and dead rows: 0), dS = P (dP - D).
                     for i in r0..r0 + rn {
                         let row = &mut s[i * bk..i * bk + kn];
                         let grow = &mut g[i * bk + c0..i * bk + c1];
-                        let l2 = qs.lse2[q0 + i];
-                        if !l2.is_finite() {
+                        let l = qs.lse[q0 + i];
+                        if !l.is_finite() {
                             // Row with no allowed key anywhere (lse = -inf): P = dS = 0.
                             row[c0..c1].fill(0.0);
                             grow.fill(0.0);
@@ -255,7 +247,7 @@ pub(crate) fn backward(
                         if class == TileClass::Partial {
                             rule.mask_row(&qb, q0 + i, &kb, kt, row, f32::NEG_INFINITY);
                         }
-                        simd::p_ds_row(isa, &mut row[c0..c1], grow, l2, qs.dd[q0 + i]);
+                        simd::p_ds_row(isa, &mut row[c0..c1], grow, l, qs.dd[q0 + i]);
                     }
                     let sb = &s[r0 * bk + c0..];
                     let gb = &g[r0 * bk + c0..];

@@ -9,6 +9,7 @@
 
 pub(crate) mod backward;
 pub(crate) mod forward;
+pub mod gemm;
 pub(crate) mod pool;
 pub(crate) mod simd;
 
@@ -20,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::reference::RefShape;
 use pool::PoolBuf;
 pub use pool::{release_buffers, POOL_BYTES};
-pub use simd::Isa;
+pub use simd::{available, detect, Isa};
 
 /// Tile sizes and instruction set of the CPU kernels.
 #[derive(Clone, Debug, PartialEq, Eq)]

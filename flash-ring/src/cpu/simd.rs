@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 /// Instruction set used by the CPU kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
-    /// x86-64 AVX-512F (16 f32 lanes).
+    /// x86-64 AVX-512F (16 f32 lanes), on a CPU that also has AVX2 and FMA (all of them do).
     Avx512,
     /// x86-64 AVX2 with FMA (8 f32 lanes): AMD Zen 1-3, and Intel parts without AVX-512.
     Avx2,
@@ -21,7 +21,7 @@ pub fn detect() -> Isa {
     *ISA.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if std::arch::is_x86_feature_detected!("avx512f") && avx2_fma() {
                 return Isa::Avx512;
             }
             if avx2_fma() {
@@ -52,6 +52,21 @@ pub fn available() -> Vec<Isa> {
     all.push(Isa::Portable);
     all
 }
+
+/// Coefficients `c1..c5` of the vector kernels' `2^f = 1 + f (c1 + f (c2 + f (c3 + f (c4 + f c5))))`
+/// on `[-0.5, 0.5]` (Horner with FMAs in f32): a minimax fit of the relative error with the
+/// constant term pinned to 1, so that `2^0` is exactly 1 as in the portable code. Max relative
+/// error 1.62e-7 (1.4 ulp). The earlier free fit had 2.13e-7 and `2^0 = 1.0000001`: every row's
+/// largest probability, and so the one-hot rows of attention sinks, carried that factor.
+/// (`c1` is a fitted value, not `ln 2`.)
+#[allow(clippy::approx_constant)]
+const EXP2_POLY: [f32; 5] = [
+    0.693_147,
+    0.240_222_42,
+    0.055_507_217,
+    0.009_671_511,
+    0.001_326_821_5,
+];
 
 /// Width of a column chunk of the right-hand operand (two 16-lane vectors).
 pub const CHUNK: usize = 32;
@@ -154,37 +169,94 @@ pub fn scale_row(isa: Isa, x: &mut [f32], a: f32) {
     }
 }
 
-/// Backward row step: `p[j] = 2^(p[j] - l2)` (the probabilities, from scores in log2 units),
-/// then `g[j] = p[j] * (g[j] - d)` (dS from dP). `l2` must be finite; `p` as long as `g`.
-pub fn p_ds_row(isa: Isa, p: &mut [f32], g: &mut [f32], l2: f32, d: f32) {
+/// Backward row step: `p[j] = e^(p[j] ln 2 - lse)`, the probabilities from scores `p[j]` in
+/// log2 units and the row's natural-log `lse`, then `g[j] = p[j] * (g[j] - d)` (dS from dP).
+/// `lse` must be finite; `p` as long as `g`.
+///
+/// The score goes back to natural units as `p[j] * ln 2` rounded, the product the forward's
+/// `lse = (m + log2 l) * ln 2` rounds, and is then compared with `lse` in natural units: for a
+/// one-hot row (l = 1) the dominant key gets exactly `e^0 = 1`. Converting `lse` to log2 units
+/// instead (`lse * log2 e`) would not give back `m` and would scale the whole row's P, and the
+/// gradients, by about `1 + |lse| * 6e-8`.
+pub fn p_ds_row(isa: Isa, p: &mut [f32], g: &mut [f32], lse: f32, d: f32) {
     assert!(p.len() >= g.len());
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX-512F is present (see `detect`); both slices hold `g.len()` elements.
-        Isa::Avx512 => unsafe { avx512::p_ds_row(p, g, l2, d) },
+        Isa::Avx512 => unsafe { avx512::p_ds_row(p, g, lse, d) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX2 and FMA are present (see `Isa::Avx2`); the kernel stays in its slices.
-        Isa::Avx2 => unsafe { avx2::p_ds_row(p, g, l2, d) },
+        Isa::Avx2 => unsafe { avx2::p_ds_row(p, g, lse, d) },
         _ => {
             for (pv, gv) in p.iter_mut().zip(g.iter_mut()) {
-                *pv = portable::exp2(*pv - l2);
+                *pv = portable::p_of(*pv, lse);
                 *gv = *pv * (*gv - d);
             }
         }
     }
 }
 
-/// `sum a[j] * b[j]` over the shorter length.
-pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
+/// `out[r] = sum_t a[r * a_rs + t] * b[r * b_rs + t]` over `t < len`, for every `r <
+/// out.len()`, each summed in index order with the rounding of this ISA's [`MatMul`] (one fused
+/// multiply-add per term on AVX2 and AVX-512, a product then a sum in the portable code).
+///
+/// The backward's `D = rowsum(dO * O)` must use this order: when a softmax row is one-hot, `O` is
+/// the dominant key's value and `D` then equals that key's `dP` (a [`MatMul`] entry) bit for bit,
+/// so that `dS = P (dP - D)` is exactly 0, as it is mathematically. Any other summation order
+/// leaves a rounding difference that `dS` turns into gradients of about 1e-5 where the true ones
+/// are 0. Panics (internal bug) when a slice is too short.
+pub fn row_dots(
+    isa: Isa,
+    a: &[f32],
+    a_rs: usize,
+    b: &[f32],
+    b_rs: usize,
+    len: usize,
+    out: &mut [f32],
+) {
+    let rows = out.len();
+    if rows == 0 {
+        return;
+    }
+    if len > 0 {
+        assert!(a.len() >= (rows - 1) * a_rs + len, "row_dots: a too short");
+        assert!(b.len() >= (rows - 1) * b_rs + len, "row_dots: b too short");
+    }
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above; both slices hold `n` elements.
-        Isa::Avx512 => unsafe { avx512::dot(&a[..n], &b[..n]) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2 and FMA are present (see `Isa::Avx2`); the kernel stays in its slices.
-        Isa::Avx2 => unsafe { avx2::dot(&a[..n], &b[..n]) },
-        _ => a[..n].iter().zip(&b[..n]).map(|(x, y)| x * y).sum(),
+        // SAFETY: both vector ISAs imply FMA (see `detect`); the extents were checked above.
+        Isa::Avx512 | Isa::Avx2 => unsafe { fma_row_dots(a, a_rs, b, b_rs, len, out) },
+        _ => {
+            for (r, o) in out.iter_mut().enumerate() {
+                let (ar, br) = (&a[r * a_rs..r * a_rs + len], &b[r * b_rs..r * b_rs + len]);
+                *o = ar.iter().zip(br).fold(0.0f32, |s, (x, y)| s + x * y);
+            }
+        }
+    }
+}
+
+/// [`row_dots`] with a fused multiply-add per term; eight rows at a time, so that their
+/// dependency chains overlap.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn fma_row_dots(
+    a: &[f32],
+    a_rs: usize,
+    b: &[f32],
+    b_rs: usize,
+    len: usize,
+    out: &mut [f32],
+) {
+    const G: usize = 8;
+    for (g, o) in out.chunks_mut(G).enumerate() {
+        let r0 = g * G;
+        let mut acc = [0.0f32; G];
+        for t in 0..len {
+            for (r, s) in acc.iter_mut().enumerate().take(o.len()) {
+                *s = a[(r0 + r) * a_rs + t].mul_add(b[(r0 + r) * b_rs + t], *s);
+            }
+        }
+        o.copy_from_slice(&acc[..o.len()]);
     }
 }
 
@@ -219,6 +291,7 @@ fn for_each_block(s: &MatMul, mr: usize, mut block: impl FnMut(usize, usize, usi
 
 mod portable {
     use super::{MatMul, CHUNK};
+    use std::f32::consts::{LN_2, LOG2_E};
 
     /// Scalar `2^x` with the same convention as the vector one (0 below -126).
     #[inline]
@@ -230,23 +303,38 @@ mod portable {
         }
     }
 
+    /// `e^(s ln 2 - lse)` for a score `s` in log2 units, see `p_ds_row`.
+    #[inline]
+    pub fn p_of(s: f32, lse: f32) -> f32 {
+        exp2((s * LN_2 - lse) * LOG2_E)
+    }
+
+    /// Like the vector kernels, each output sums this call's `k` products from 0 and is then
+    /// added to C (with `accumulate`): successive calls over depth chunks do not extend one
+    /// running sum in C (which `gemm`'s short accumulation chains rely on).
     pub fn matmul(s: &MatMul, a: &[f32], b: &[f32], c: &mut [f32]) {
+        let mut acc = [0.0f32; CHUNK];
         for r in 0..s.m {
             let crow = &mut c[r * s.c_rs..r * s.c_rs + s.n];
-            if !s.accumulate {
-                crow.fill(0.0);
-            }
-            for t in 0..s.k {
-                let av = a[r * s.a_rs + t * s.a_ks];
-                let mut col0 = 0;
-                while col0 < s.n {
-                    let w = (s.n - col0).min(CHUNK);
+            let mut col0 = 0;
+            while col0 < s.n {
+                let w = (s.n - col0).min(CHUNK);
+                let acc = &mut acc[..w];
+                acc.fill(0.0);
+                for t in 0..s.k {
+                    let av = a[r * s.a_rs + t * s.a_ks];
                     let bo = (col0 / CHUNK) * s.b_cs + t * s.b_rs;
-                    for (cv, bv) in crow[col0..col0 + w].iter_mut().zip(&b[bo..bo + w]) {
-                        *cv += av * bv;
+                    for (x, bv) in acc.iter_mut().zip(&b[bo..bo + w]) {
+                        *x += av * bv;
                     }
-                    col0 += w;
                 }
+                let dst = &mut crow[col0..col0 + w];
+                if s.accumulate {
+                    dst.iter_mut().zip(acc.iter()).for_each(|(d, x)| *d += x);
+                } else {
+                    dst.copy_from_slice(acc);
+                }
+                col0 += w;
             }
         }
     }
@@ -254,8 +342,9 @@ mod portable {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{for_each_block, MatMul, CHUNK};
+    use super::{for_each_block, MatMul, CHUNK, EXP2_POLY};
     use std::arch::x86_64::*;
+    use std::f32::consts::{LN_2, LOG2_E};
 
     /// Register block: `MR` rows x `NV` 16-lane vectors of C, accumulated over `k`.
     #[inline]
@@ -381,21 +470,22 @@ mod avx512 {
         _mm512_reduce_max_ps(_mm512_max_ps(m0, m1))
     }
 
-    /// `2^x`, 0 below -126 (so `-inf` gives 0 without NaN), relative error about 2.5e-7; `+inf`
-    /// above 128 (the kernels only pass `x <= 0` up to rounding).
+    /// `2^x`, 0 below -126 (so `-inf` gives 0 without NaN), relative error below 1.7e-7 and
+    /// exactly 1 at 0 (see `EXP2_POLY`); `+inf` above 128 (the kernels only pass `x <= 0` up to
+    /// rounding).
     #[inline]
     #[target_feature(enable = "avx512f")]
     fn exp2(x: __m512) -> __m512 {
         let valid = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_set1_ps(-126.0));
         let n = _mm512_roundscale_ps::<0x08>(x);
         let f = _mm512_sub_ps(x, n);
-        // Degree-5 polynomial fit of 2^f on [-0.5, 0.5] (relative error < 2.4e-7 in f32).
-        let mut p = _mm512_set1_ps(1.327_647_1e-3);
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675_542e-3));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550_713e-2));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240_221_2));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693_146_94));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000_000_1));
+        // 2^f on [-0.5, 0.5], see `EXP2_POLY`: 1 + f (c1 + f (c2 + ...)).
+        let mut p = _mm512_set1_ps(EXP2_POLY[4]);
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_POLY[3]));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_POLY[2]));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_POLY[1]));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_POLY[0]));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0));
         _mm512_maskz_mov_ps(valid, _mm512_scalef_ps(p, n))
     }
 
@@ -442,46 +532,32 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn p_ds_row(pr: &mut [f32], gr: &mut [f32], l2: f32, d: f32) {
+    pub unsafe fn p_ds_row(pr: &mut [f32], gr: &mut [f32], lse: f32, d: f32) {
         let n = gr.len();
         let pp = pr.as_mut_ptr();
         let gp = gr.as_mut_ptr();
-        let lv = _mm512_set1_ps(l2);
+        let lv = _mm512_set1_ps(lse);
+        let (ln2, log2e) = (_mm512_set1_ps(LN_2), _mm512_set1_ps(LOG2_E));
         let dv = _mm512_set1_ps(d);
         let mut j = 0;
         while j < n {
             let k = tail_mask((n - j).min(16));
-            let p = exp2(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, pp.add(j)), lv));
+            // (s ln 2 - lse) log2 e with separate roundings, as `portable::p_of`.
+            let s = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, pp.add(j)), ln2);
+            let p = exp2(_mm512_mul_ps(_mm512_sub_ps(s, lv), log2e));
             _mm512_mask_storeu_ps(pp.add(j), k, p);
             let g = _mm512_maskz_loadu_ps(k, gp.add(j));
             _mm512_mask_storeu_ps(gp.add(j), k, _mm512_mul_ps(p, _mm512_sub_ps(g, dv)));
             j += 16;
         }
     }
-
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len();
-        let (ap, bp) = (a.as_ptr(), b.as_ptr());
-        let mut s = _mm512_setzero_ps();
-        let mut j = 0;
-        while j < n {
-            let k = tail_mask((n - j).min(16));
-            s = _mm512_fmadd_ps(
-                _mm512_maskz_loadu_ps(k, ap.add(j)),
-                _mm512_maskz_loadu_ps(k, bp.add(j)),
-                s,
-            );
-            j += 16;
-        }
-        _mm512_reduce_add_ps(s)
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{for_each_block, portable, MatMul, CHUNK};
+    use super::{for_each_block, portable, MatMul, CHUNK, EXP2_POLY};
     use std::arch::x86_64::*;
+    use std::f32::consts::{LN_2, LOG2_E};
 
     /// Register block: `MR` rows x `NV` 8-lane vectors of C, accumulated over `k`. With
     /// `MR = 3, NV = 4` it uses all 16 registers: 12 accumulators, 3 broadcasts of A and one
@@ -586,9 +662,9 @@ mod avx2 {
         _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps::<1>(s, s)))
     }
 
-    /// `2^x`, 0 below -126 (so `-inf` and NaN give 0), relative error about 2.5e-7 (the
-    /// polynomial of the AVX-512 kernel); inputs above 127 are clamped (the kernels only pass
-    /// `x <= 0` up to rounding).
+    /// `2^x`, 0 below -126 (so `-inf` and NaN give 0), relative error below 1.7e-7 and exactly
+    /// 1 at 0 (the polynomial of the AVX-512 kernel, `EXP2_POLY`); inputs above 127 are clamped
+    /// (the kernels only pass `x <= 0` up to rounding).
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     fn exp2(x: __m256) -> __m256 {
@@ -596,12 +672,12 @@ mod avx2 {
         let x = _mm256_min_ps(x, _mm256_set1_ps(127.0));
         let n = _mm256_round_ps::<0x08>(x);
         let f = _mm256_sub_ps(x, n);
-        let mut p = _mm256_set1_ps(1.327_647_1e-3);
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.675_542e-3));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550_713e-2));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.240_221_2));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.693_146_94));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.000_000_1));
+        let mut p = _mm256_set1_ps(EXP2_POLY[4]);
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_POLY[3]));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_POLY[2]));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_POLY[1]));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_POLY[0]));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0));
         // 2^n from its exponent bits; n is in [-126, 127] wherever `valid`.
         let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
             _mm256_cvtps_epi32(n),
@@ -677,48 +753,27 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn p_ds_row(pr: &mut [f32], gr: &mut [f32], l2: f32, d: f32) {
+    pub unsafe fn p_ds_row(pr: &mut [f32], gr: &mut [f32], lse: f32, d: f32) {
         let n = gr.len();
         let pp = pr.as_mut_ptr();
         let gp = gr.as_mut_ptr();
-        let lv = _mm256_set1_ps(l2);
+        let lv = _mm256_set1_ps(lse);
+        let (ln2, log2e) = (_mm256_set1_ps(LN_2), _mm256_set1_ps(LOG2_E));
         let dv = _mm256_set1_ps(d);
         let mut j = 0;
         while j + 8 <= n {
-            let p = exp2(_mm256_sub_ps(_mm256_loadu_ps(pp.add(j)), lv));
+            // (s ln 2 - lse) log2 e with separate roundings, as `portable::p_of`.
+            let s = _mm256_mul_ps(_mm256_loadu_ps(pp.add(j)), ln2);
+            let p = exp2(_mm256_mul_ps(_mm256_sub_ps(s, lv), log2e));
             _mm256_storeu_ps(pp.add(j), p);
             let g = _mm256_loadu_ps(gp.add(j));
             _mm256_storeu_ps(gp.add(j), _mm256_mul_ps(p, _mm256_sub_ps(g, dv)));
             j += 8;
         }
         for (pv, gv) in pr[j..n].iter_mut().zip(gr[j..].iter_mut()) {
-            *pv = portable::exp2(*pv - l2);
+            *pv = portable::p_of(*pv, lse);
             *gv = *pv * (*gv - d);
         }
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len();
-        let (ap, bp) = (a.as_ptr(), b.as_ptr());
-        let mut s0 = _mm256_setzero_ps();
-        let mut s1 = _mm256_setzero_ps();
-        let mut j = 0;
-        while j + 16 <= n {
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(j)), _mm256_loadu_ps(bp.add(j)), s0);
-            s1 = _mm256_fmadd_ps(
-                _mm256_loadu_ps(ap.add(j + 8)),
-                _mm256_loadu_ps(bp.add(j + 8)),
-                s1,
-            );
-            j += 16;
-        }
-        while j + 8 <= n {
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(j)), _mm256_loadu_ps(bp.add(j)), s0);
-            j += 8;
-        }
-        let tail: f32 = a[j..].iter().zip(&b[j..n]).map(|(x, y)| x * y).sum();
-        hsum(_mm256_add_ps(s0, s1)) + tail
     }
 }
 
@@ -818,9 +873,53 @@ mod tests {
                         "{isa:?}: {a} vs {b}"
                     );
                 }
-                let d1 = dot(Isa::Portable, &x[..n / 2], &y1);
-                let d2 = dot(isa, &x[..n / 2], &y1);
-                assert!((d1 - d2).abs() <= 1e-4 * d1.abs().max(1.0), "{isa:?}");
+                // Two rows: x[..n/2] (before the -inf) against y1 and against y1 shifted by one.
+                let h = n / 2;
+                let (mut d1, mut d2) = ([0.0f32; 2], [0.0f32; 2]);
+                row_dots(Isa::Portable, &x, 0, &y1, 1, h, &mut d1);
+                row_dots(isa, &x, 0, &y1, 1, h, &mut d2);
+                for (a, b) in d1.iter().zip(&d2) {
+                    assert!((a - b).abs() <= 1e-4 * a.abs().max(1.0), "{isa:?}");
+                }
+            }
+        }
+    }
+
+    /// `row_dots` of a row of A with row j of V equals the `MatMul` entry (A V^T)[r, j] bit for
+    /// bit, on every ISA (the backward's D relies on it).
+    #[test]
+    fn row_dots_equal_matmul_entries() {
+        let mut seed = 11;
+        let (m, n, k) = (7usize, 32usize, 80usize);
+        let a: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed) * 3.0).collect();
+        let v: Vec<f32> = (0..n * k).map(|_| lcg(&mut seed)).collect();
+        // V^T in one panel of 32 columns: element (t, j) at t * 32 + j.
+        let mut vt = vec![0.0f32; k * n];
+        for j in 0..n {
+            for t in 0..k {
+                vt[t * n + j] = v[j * k + t];
+            }
+        }
+        for isa in available() {
+            let mut c = vec![0.0f32; m * n];
+            MatMul {
+                m,
+                n,
+                k,
+                a_rs: k,
+                a_ks: 1,
+                b_rs: n,
+                b_cs: k * n,
+                c_rs: n,
+                accumulate: false,
+            }
+            .run(isa, &a, &vt, &mut c);
+            for j in 0..n {
+                let mut d = vec![0.0f32; m];
+                row_dots(isa, &a, k, &v[j * k..], 0, k, &mut d);
+                for r in 0..m {
+                    assert_eq!(d[r].to_bits(), c[r * n + j].to_bits(), "{isa:?} ({r}, {j})");
+                }
             }
         }
     }

@@ -1,0 +1,486 @@
+//! Dense f32 matrix product `C = A B` with short accumulation chains.
+//!
+//! Each element of C is a sum of `k` products. A GEMM that keeps one running sum per element
+//! over the whole depth (the `gemm` crate does, over blocks of at least 512) adds every product
+//! to a partial sum that grows to the size of the result: when the terms share a sign (the
+//! coherent sums that make a transformer's large activations) the rounding error grows with
+//! `k` (about `k/4` ulps of the result on average). Here every element is accumulated in
+//! registers over chunks of [`KC`] products only; each chunk's sum is then added to C, so an
+//! element's error is about `KC + k / KC` roundings of partial sums instead of `k` (about 5x
+//! smaller at k = 1536). The chunk boundaries and their order depend only on `k`, never on the
+//! thread count, so results are bit-reproducible.
+//!
+//! B is packed once per call into column panels of [`CHUNK`] columns; A is read in place
+//! through its strides. Work is split over rayon tasks of [`MB`] rows by [`NB`] columns of C;
+//! each task runs the register-blocked kernel of [`MatMul`] over its block one depth chunk at a
+//! time, so its block of C stays in the L2 cache between chunks.
+
+use rayon::prelude::*;
+
+use super::simd::{Isa, MatMul, CHUNK};
+
+/// Products per register accumulation chain (see the module docs).
+pub const KC: usize = 64;
+/// Depth of a super-chunk: the sums of its [`KC`]-chunks are added in a scratch block, which
+/// is then added to C, so even very long depths add only `k / SUPER` terms to C.
+const SUPER: usize = 16 * KC;
+/// Rows of C per task (a multiple of the AVX2 kernel's 3 rows and the AVX-512 kernel's 8).
+const MB: usize = 96;
+/// Columns of C per task (a multiple of [`CHUNK`]).
+const NB: usize = 256;
+/// Row blocks are multiples of this (the kernels' row counts: 3 for AVX2, 8 for AVX-512).
+const ROW_ALIGN: usize = 24;
+
+/// A strided f32 matrix: element `(r, c)` at `data[r * rs + c * cs]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Mat<'a> {
+    pub data: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a> Mat<'a> {
+    /// A `rows x cols` matrix stored row by row.
+    pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        Self {
+            data,
+            rows,
+            cols,
+            rs: cols,
+            cs: 1,
+        }
+    }
+
+    /// A `rows x cols` matrix stored column by column (the transpose of a row-major
+    /// `cols x rows` one, e.g. `W^T` of a `(out, in)` weight).
+    pub fn col_major(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        Self {
+            data,
+            rows,
+            cols,
+            rs: 1,
+            cs: rows,
+        }
+    }
+
+    /// The number of elements `data` must hold at least (0 for an empty matrix).
+    fn extent(&self) -> usize {
+        if self.rows == 0 || self.cols == 0 {
+            0
+        } else {
+            (self.rows - 1) * self.rs + (self.cols - 1) * self.cs + 1
+        }
+    }
+}
+
+/// A shared, disjointly written output.
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint blocks of C (see `gemm`); the buffer outlives them.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    fn get(&self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `C = A B` with `A` `(m, k)` and `B` `(k, n)`: returns C `(m, n)` row-major.
+///
+/// Panics (internal bug, never user input) when the operands disagree on `k` or a slice is
+/// shorter than its strides require.
+pub fn gemm(isa: Isa, a: Mat, b: Mat) -> Vec<f32> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert_eq!(b.rows, k, "gemm: inner dimensions differ");
+    assert!(a.data.len() >= a.extent(), "gemm: a too short");
+    assert!(b.data.len() >= b.extent(), "gemm: b too short");
+    if m == 0 || n == 0 {
+        return Vec::new();
+    }
+    if k == 0 {
+        return vec![0.0; m * n];
+    }
+    // The kernel broadcasts A's elements along its rows: give it rows that are contiguous in
+    // the depth (a column-major A, e.g. x^T of a weight gradient, is transposed once).
+    let a_rows;
+    let a = if a.cs != 1 && k > 1 {
+        a_rows = to_row_major(&a);
+        Mat::row_major(&a_rows, m, k)
+    } else {
+        a
+    };
+    if m <= FEW_ROWS && b.rs == 1 {
+        return few_rows(isa, a, b);
+    }
+    if b.rs == 1 && b.cs != 1 && m * SWAP_RATIO <= k.min(n) {
+        // B = W^T against a few rows (a weight against a short sequence): packing W would
+        // cost more than the product, so pack A^T instead, compute C^T = W A^T and transpose
+        // it. Every output sums the same products in the same chains: the same bits.
+        let w = Mat {
+            data: b.data,
+            rows: n,
+            cols: k,
+            rs: b.cs,
+            cs: 1,
+        };
+        let at = Mat {
+            data: a.data,
+            rows: k,
+            cols: m,
+            rs: 1,
+            cs: a.rs,
+        };
+        let ct = gemm(isa, w, at);
+        return to_row_major(&Mat::col_major(&ct, m, n));
+    }
+    // Padded row length of C: the kernel writes whole 16-column vectors.
+    let np = n.div_ceil(16) * 16;
+    let mut c = vec![0.0f32; m * np];
+    let col_blocks = np.div_ceil(NB);
+    let threads = rayon::current_num_threads().max(1);
+    let out = OutPtr(c.as_mut_ptr());
+    let c_len = c.len();
+    // Rows r0..r0+rows of C against packed columns c0..c0+cols (`panels` starts at column c0);
+    // `tmp` is scratch for depths beyond one super-chunk.
+    let block = |panels: &[f32],
+                 tmp: &mut Vec<f32>,
+                 r0: usize,
+                 rows: usize,
+                 c0: usize,
+                 cols: usize| {
+        let c_off = r0 * np + c0;
+        let c_need = (rows - 1) * np + cols;
+        assert!(c_off + c_need <= c_len, "gemm: c block out of range");
+        // SAFETY: every (row block, column block) pair is computed by exactly one task, and
+        // the range was checked above.
+        let cblk = unsafe { std::slice::from_raw_parts_mut(out.get().add(c_off), c_need) };
+        let chunks = |s0: usize, dst: &mut [f32], dst_rs: usize| {
+            for k0 in (s0..k.min(s0 + SUPER)).step_by(KC) {
+                MatMul {
+                    m: rows,
+                    n: cols,
+                    k: KC.min(k - k0),
+                    a_rs: a.rs,
+                    a_ks: 1,
+                    b_rs: CHUNK,
+                    b_cs: k * CHUNK,
+                    c_rs: dst_rs,
+                    accumulate: k0 > s0,
+                }
+                .run(isa, &a.data[r0 * a.rs + k0..], &panels[k0 * CHUNK..], dst);
+            }
+        };
+        chunks(0, cblk, np);
+        if k > SUPER {
+            tmp.resize(rows * cols, 0.0);
+            for s0 in (SUPER..k).step_by(SUPER) {
+                chunks(s0, tmp, cols);
+                for (crow, trow) in cblk.chunks_mut(np).zip(tmp.chunks_exact(cols)) {
+                    crow[..cols].iter_mut().zip(trow).for_each(|(c, t)| *c += t);
+                }
+            }
+        }
+    };
+    // Row blocks of at most MB rows, of equal size (a multiple of ROW_ALIGN but the last).
+    let nblk = m.div_ceil(MB);
+    let blk = m.div_ceil(nblk).div_ceil(ROW_ALIGN) * ROW_ALIGN;
+    let row_blocks = m.div_ceil(blk);
+    if col_blocks >= 8 * threads {
+        // Wide B (an LM head): each task packs one column block and runs every row against
+        // it while it is in cache.
+        (0..col_blocks).into_par_iter().for_each_init(
+            || (Vec::new(), Vec::new()),
+            |(panels, tmp), cb| {
+                let (c0, cols) = (cb * NB, NB.min(np - cb * NB));
+                pack_b(&b, c0, cols, panels);
+                for rb in 0..row_blocks {
+                    block(panels, tmp, rb * blk, blk.min(m - rb * blk), c0, cols);
+                }
+            },
+        );
+    } else {
+        // B packed once, shared by fine-grained (row block, column block) tasks.
+        let npan = np.div_ceil(CHUNK);
+        let mut panels = vec![0.0f32; npan * k * CHUNK];
+        panels
+            .par_chunks_mut(k * CHUNK)
+            .enumerate()
+            .for_each(|(p, panel)| pack_panel(&b, p * CHUNK, panel));
+        (0..row_blocks * col_blocks)
+            .into_par_iter()
+            .for_each_init(Vec::new, |tmp, task| {
+                let (rb, cb) = (task / col_blocks, task % col_blocks);
+                let c0 = cb * NB;
+                block(
+                    &panels[(c0 / CHUNK) * k * CHUNK..],
+                    tmp,
+                    rb * blk,
+                    blk.min(m - rb * blk),
+                    c0,
+                    NB.min(np - c0),
+                );
+            });
+    }
+    if np != n {
+        for r in 1..m {
+            c.copy_within(r * np..r * np + n, r * n);
+        }
+        c.truncate(m * n);
+    }
+    c
+}
+
+/// Rows of A up to which a product with a B of contiguous columns (`B = W^T`, a linear layer's
+/// weight) takes [`few_rows`]: packing B would cost as much as the product (decoding one token
+/// at a time, short sequences).
+const FEW_ROWS: usize = 32;
+/// A product with B = W^T is computed as `(W A^T)^T` when A has at most `1/SWAP_RATIO` as
+/// many rows as W has rows and columns (measured on 2 cores: 1.5x faster at 48 rows against
+/// a 576 x 1536 weight, slower from about 200 rows on, where transposing C costs more than
+/// packing W in cache-sized blocks).
+const SWAP_RATIO: usize = 8;
+/// Lanes of [`few_rows`]' accumulators (one AVX-512 or two AVX2 vectors).
+const LANES: usize = 16;
+/// Rows of A that [`few_rows`] runs against each column of B while it is in L1.
+const ROW_GROUP: usize = 4;
+
+/// `C = A B` for A with contiguous rows and B with contiguous columns, as dot products of A's
+/// rows with B's columns, reading B once and never packing it.
+///
+/// The same short chains as the blocked path: depth blocks of `LANES * KC` products, each lane
+/// summing at most [`KC`] of them, the lanes added pairwise, then the block sums added in order.
+/// Plain multiplies and adds (no FMA), so the result is the same on every instruction set;
+/// columns are split over rayon tasks, never the depth, so it does not depend on the thread
+/// count either.
+fn few_rows(isa: Isa, a: Mat, b: Mat) -> Vec<f32> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    let rows: Vec<&[f32]> = (0..m).map(|r| &a.data[r * a.rs..r * a.rs + k]).collect();
+    // Columns of C per task: enough work to amortise a task, at least two tasks per thread.
+    let per_task = (n / (2 * rayon::current_num_threads().max(1))).clamp(1, 64);
+    let blocks: Vec<Vec<f32>> = (0..n.div_ceil(per_task))
+        .into_par_iter()
+        .map(|blk| {
+            let (j0, j1) = (blk * per_task, (blk * per_task + per_task).min(n));
+            // This task's columns of C, column-major: (j - j0) * m + r.
+            let mut out = vec![0.0f32; (j1 - j0) * m];
+            for (j, dst) in (j0..j1).zip(out.chunks_exact_mut(m)) {
+                let col = &b.data[j * b.cs..j * b.cs + k];
+                for (group, d) in rows.chunks(ROW_GROUP).zip(dst.chunks_mut(ROW_GROUP)) {
+                    dot_group_dispatch(isa, group, col, d);
+                }
+            }
+            out
+        })
+        .collect();
+    let mut c = vec![0.0f32; m * n];
+    for (blk, out) in blocks.iter().enumerate() {
+        let j0 = blk * per_task;
+        for (jj, col) in out.chunks_exact(m).enumerate() {
+            for (r, v) in col.iter().enumerate() {
+                c[r * n + j0 + jj] = *v;
+            }
+        }
+    }
+    c
+}
+
+/// `out[r] = sum_t rows[r][t] col[t]` for up to [`ROW_GROUP`] rows, see [`few_rows`]: the
+/// vector kernels keep lane `l` of the accumulators in lane `l` of their registers and round
+/// every product and sum as the portable code does, so all give the same bits.
+fn dot_group_dispatch(isa: Isa, rows: &[&[f32]], col: &[f32], out: &mut [f32]) {
+    macro_rules! by_rows {
+        ($f:ident) => {
+            match rows.len() {
+                1 => $f::<1>(rows, col, out),
+                2 => $f::<2>(rows, col, out),
+                3 => $f::<3>(rows, col, out),
+                _ => $f::<ROW_GROUP>(rows, col, out),
+            }
+        };
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512F is present (see `simd::detect`); the kernel stays in its slices.
+        Isa::Avx512 => unsafe { by_rows!(dot_rows_avx512) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 is present (see `Isa::Avx2`); the kernel stays in its slices.
+        Isa::Avx2 => unsafe { by_rows!(dot_rows_avx2) },
+        _ => by_rows!(dot_rows),
+    }
+}
+
+/// Depth per block of [`few_rows`]: each lane sums at most [`KC`] products of a block.
+const BLOCK: usize = LANES * KC;
+
+/// Adds the tail `t in full..len` of a block to the lanes, reduces them pairwise (16, 8, 4, 2,
+/// 1) and returns the block's sum.
+#[inline(always)]
+fn finish_block(lanes: &mut [f32; LANES], x: &[f32], w: &[f32], full: usize) -> f32 {
+    for (l, t) in (full..w.len()).enumerate() {
+        lanes[l] += x[t] * w[t];
+    }
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for l in 0..width {
+            lanes[l] += lanes[l + width];
+        }
+    }
+    lanes[0]
+}
+
+fn dot_rows<const R: usize>(rows: &[&[f32]], col: &[f32], out: &mut [f32]) {
+    let mut total = [0.0f32; R];
+    for (bi, wb) in col.chunks(BLOCK).enumerate() {
+        let t0 = bi * BLOCK;
+        let xs: [&[f32]; R] = std::array::from_fn(|r| &rows[r][t0..t0 + wb.len()]);
+        let mut acc = [[0.0f32; LANES]; R];
+        let full = wb.len() / LANES * LANES;
+        for t in (0..full).step_by(LANES) {
+            for r in 0..R {
+                for l in 0..LANES {
+                    acc[r][l] += xs[r][t + l] * wb[t + l];
+                }
+            }
+        }
+        for r in 0..R {
+            total[r] += finish_block(&mut acc[r], xs[r], wb, full);
+        }
+    }
+    out[..R].copy_from_slice(&total);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_rows_avx512<const R: usize>(rows: &[&[f32]], col: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let mut total = [0.0f32; R];
+    for (bi, wb) in col.chunks(BLOCK).enumerate() {
+        let t0 = bi * BLOCK;
+        let xs: [&[f32]; R] = std::array::from_fn(|r| &rows[r][t0..t0 + wb.len()]);
+        let mut acc = [_mm512_setzero_ps(); R];
+        let full = wb.len() / LANES * LANES;
+        for t in (0..full).step_by(LANES) {
+            // SAFETY: t + 16 <= full <= every slice's length.
+            let w = unsafe { _mm512_loadu_ps(wb.as_ptr().add(t)) };
+            for r in 0..R {
+                let x = unsafe { _mm512_loadu_ps(xs[r].as_ptr().add(t)) };
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(x, w));
+            }
+        }
+        for r in 0..R {
+            let mut lanes = [0.0f32; LANES];
+            // SAFETY: `lanes` holds 16 floats.
+            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), acc[r]) };
+            total[r] += finish_block(&mut lanes, xs[r], wb, full);
+        }
+    }
+    out[..R].copy_from_slice(&total);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_rows_avx2<const R: usize>(rows: &[&[f32]], col: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let mut total = [0.0f32; R];
+    for (bi, wb) in col.chunks(BLOCK).enumerate() {
+        let t0 = bi * BLOCK;
+        let xs: [&[f32]; R] = std::array::from_fn(|r| &rows[r][t0..t0 + wb.len()]);
+        // Lanes 0-7 and 8-15.
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let full = wb.len() / LANES * LANES;
+        for t in (0..full).step_by(LANES) {
+            // SAFETY: t + 16 <= full <= every slice's length.
+            let w = unsafe {
+                [
+                    _mm256_loadu_ps(wb.as_ptr().add(t)),
+                    _mm256_loadu_ps(wb.as_ptr().add(t + 8)),
+                ]
+            };
+            for r in 0..R {
+                for h in 0..2 {
+                    let x = unsafe { _mm256_loadu_ps(xs[r].as_ptr().add(t + 8 * h)) };
+                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(x, w[h]));
+                }
+            }
+        }
+        for r in 0..R {
+            let mut lanes = [0.0f32; LANES];
+            // SAFETY: `lanes` holds 16 floats.
+            unsafe {
+                _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r][0]);
+                _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[r][1]);
+            }
+            total[r] += finish_block(&mut lanes, xs[r], wb, full);
+        }
+    }
+    out[..R].copy_from_slice(&total);
+}
+
+/// A copy of `a` with contiguous rows, transposed in 16 x 16 tiles (rows of the copy are
+/// far apart in memory: tiling keeps the writes from evicting each other).
+fn to_row_major(a: &Mat) -> Vec<f32> {
+    const T: usize = 16;
+    let (m, k) = (a.rows, a.cols);
+    let mut out = vec![0.0f32; m * k];
+    out.par_chunks_mut(k * T)
+        .enumerate()
+        .for_each(|(rt, rows)| {
+            let r0 = rt * T;
+            let nr = rows.len() / k;
+            let mut tile = [[0.0f32; T]; T];
+            for t0 in (0..k).step_by(T) {
+                let nt = T.min(k - t0);
+                for (tt, col) in tile.iter_mut().enumerate().take(nt) {
+                    for (r, v) in col.iter_mut().enumerate().take(nr) {
+                        *v = a.data[(r0 + r) * a.rs + (t0 + tt) * a.cs];
+                    }
+                }
+                for r in 0..nr {
+                    for tt in 0..nt {
+                        rows[r * k + t0 + tt] = tile[tt][r];
+                    }
+                }
+            }
+        });
+    out
+}
+
+/// Columns `c0..c0 + cols` of B `(k, n)` (columns past `n` are zeros) into `out` as panels
+/// of [`CHUNK`] columns (see [`pack_panel`]).
+fn pack_b(b: &Mat, c0: usize, cols: usize, out: &mut Vec<f32>) {
+    let k = b.rows;
+    out.clear();
+    out.resize(cols.div_ceil(CHUNK) * k * CHUNK, 0.0);
+    for (p, panel) in out.chunks_exact_mut(k * CHUNK).enumerate() {
+        pack_panel(b, c0 + p * CHUNK, panel);
+    }
+}
+
+/// Columns `j0..j0 + CHUNK` of B `(k, n)` into the zeroed `panel` (`k * CHUNK`): element
+/// `(t, j0 + j)` at `t * CHUNK + j`; columns past `n` stay zero.
+fn pack_panel(b: &Mat, j0: usize, panel: &mut [f32]) {
+    let k = b.rows;
+    let w = CHUNK.min(b.cols.saturating_sub(j0));
+    if b.cs == 1 {
+        for (t, row) in panel.chunks_exact_mut(CHUNK).enumerate() {
+            let s = t * b.rs + j0;
+            row[..w].copy_from_slice(&b.data[s..s + w]);
+        }
+    } else {
+        // Columns are the contiguous direction (B = W^T): transpose in blocks of rows so that
+        // reads and writes stay in L1.
+        const TB: usize = 64;
+        for t0 in (0..k).step_by(TB) {
+            let tn = TB.min(k - t0);
+            for jj in 0..w {
+                let src = (j0 + jj) * b.cs + t0 * b.rs;
+                for t in 0..tn {
+                    panel[(t0 + t) * CHUNK + jj] = b.data[src + t * b.rs];
+                }
+            }
+        }
+    }
+}
