@@ -3,6 +3,7 @@
 use anyhow::{bail, Context, Result};
 use candle_parallel::attention::{SeqLayout, SpConfig, Strategy};
 use candle_parallel::mesh::{Dim, MeshConfig, MeshLayout, Placement};
+use candle_parallel::pipeline::{PipelineSchedule, ScheduleKind};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct LayoutArgs {
@@ -177,9 +178,51 @@ impl LayoutArgs {
 }
 
 /// `cpl plan`: prints the mesh, its rank order and groups.
-pub fn plan(args: &LayoutArgs) -> Result<()> {
-    let cfg = args.mesh_config()?;
-    let layout = MeshLayout::new(&cfg, args.ranks)?;
+/// Pipeline schedule flags (`cpl plan`; training under a pipeline is not built yet).
+#[derive(clap::Args, Debug, Clone)]
+pub struct PipelineArgs {
+    /// Pipeline schedule.
+    #[arg(long, value_enum, default_value_t = ScheduleKind::OneFOneB)]
+    pub pp_schedule: ScheduleKind,
+    /// Micro-batches per optimizer step (any number: also not a multiple of --pp, or below it).
+    #[arg(long, default_value_t = 1)]
+    pub micro_batches: usize,
+    /// Model chunks per pipeline rank (--pp-schedule interleaved: 2 or more).
+    #[arg(long, default_value_t = 1)]
+    pub virtual_stages: usize,
+}
+
+/// `cpl plan`'s flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+    #[command(flatten)]
+    pub pipeline: PipelineArgs,
+}
+
+/// Prints the mesh and, under a pipeline, every rank's schedule as a timetable with its bubble.
+pub fn plan(args: &PlanArgs) -> Result<()> {
+    let cfg = args.layout.mesh_config()?;
+    let layout = MeshLayout::new(&cfg, args.layout.ranks)?;
     print!("{}", layout.describe());
+    let pp = &args.pipeline;
+    if args.layout.pp > 1 {
+        let schedule = PipelineSchedule::new(
+            pp.pp_schedule,
+            args.layout.pp,
+            pp.micro_batches,
+            pp.virtual_stages,
+        )
+        .with_context(|| {
+            format!(
+                "--pp {} --pp-schedule {} --micro-batches {} --virtual-stages {}",
+                args.layout.pp, pp.pp_schedule, pp.micro_batches, pp.virtual_stages
+            )
+        })?;
+        print!("{}", schedule.render()?);
+    } else if pp.micro_batches != 1 || pp.virtual_stages != 1 {
+        bail!("--micro-batches and --virtual-stages describe a pipeline: give --pp 2 or more");
+    }
     Ok(())
 }

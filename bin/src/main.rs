@@ -40,8 +40,9 @@ struct Cli {
 enum Command {
     /// Run all-reduce, all-gather and all-to-all across local ranks and check the results.
     Demo(demo::DemoArgs),
-    /// Print the device mesh of a parallel layout: each rank's coordinates and groups.
-    Plan(layout::LayoutArgs),
+    /// Print the device mesh of a parallel layout: each rank's coordinates and groups; with
+    /// --pp > 1 also the pipeline schedule's per-rank timetable and bubble.
+    Plan(layout::PlanArgs),
     /// Mean next-token loss, perplexity and token count of a model on a text, jsonl, Parquet or
     /// token file.
     Eval(eval::EvalArgs),

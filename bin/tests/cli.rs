@@ -39,6 +39,104 @@ fn plan_prints_groups() {
     assert!(out.contains("dp groups (4 of 2 ranks): [0, 4]"), "{out}");
 }
 
+/// `cpl plan` with a pipeline prints every rank's timetable and the bubble next to the formula
+/// (issue 13's example command), for a micro-batch count that is not a multiple of the stages.
+#[test]
+fn plan_prints_the_pipeline_timetable() {
+    let o = cpl(&[
+        "plan",
+        "--ranks",
+        "4",
+        "--pp",
+        "4",
+        "--micro-batches",
+        "6",
+        "--pp-schedule",
+        "interleaved",
+        "--virtual-stages",
+        "2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("interleaved schedule: 4 stages x 6 micro-batches x 2 chunk(s)"),
+        "{out}"
+    );
+    for r in 0..4 {
+        assert!(out.contains(&format!("rank {r}: ")), "{out}");
+    }
+    assert!(out.contains("formula (p-1)/(v*m+p-1) = 20.0%"), "{out}");
+    let o = cpl(&[
+        "plan",
+        "--ranks",
+        "2",
+        "--pp",
+        "2",
+        "--micro-batches",
+        "3",
+        "--pp-schedule",
+        "gpipe",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("rank 1: .  F0 F1 F2 B0 -  B1 -  B2 -"),
+        "{out}"
+    );
+}
+
+#[test]
+fn bad_pipeline_flags_fail_with_a_clear_error() {
+    assert_clear_errors(&[
+        (
+            vec![
+                "plan",
+                "--ranks",
+                "4",
+                "--pp",
+                "4",
+                "--micro-batches",
+                "8",
+                "--virtual-stages",
+                "2",
+            ],
+            "need the interleaved schedule",
+        ),
+        (
+            vec![
+                "plan",
+                "--ranks",
+                "2",
+                "--pp",
+                "2",
+                "--pp-schedule",
+                "interleaved",
+            ],
+            "at least 2 model chunks",
+        ),
+        (
+            vec!["plan", "--ranks", "2", "--pp", "2", "--micro-batches", "0"],
+            "at least one micro-batch",
+        ),
+        (
+            vec!["plan", "--ranks", "2", "--micro-batches", "4"],
+            "give --pp 2 or more",
+        ),
+        (
+            vec![
+                "plan",
+                "--ranks",
+                "2",
+                "--pp",
+                "2",
+                "--pp-schedule",
+                "zigzag",
+            ],
+            "--pp-schedule",
+        ),
+    ]);
+}
+
 #[test]
 fn bad_layouts_fail_with_a_clear_error() {
     assert_clear_errors(&[

@@ -63,6 +63,7 @@ pub mod mesh;
 pub mod nn;
 pub mod ops;
 pub mod optim;
+pub mod pipeline;
 pub mod plan;
 pub mod recompute;
 
