@@ -123,6 +123,13 @@ impl Layout {
         self
     }
 
+    /// The same layout in each of `pp` pipeline stages.
+    pub fn with_pp(mut self, pp: usize) -> Self {
+        self.mesh.pp = pp;
+        self.ranks *= pp;
+        self
+    }
+
     /// The same layout replicated `dp` times (data parallel).
     pub fn with_dp(mut self, dp: usize) -> Self {
         self.mesh = self.mesh.with_dp(dp);

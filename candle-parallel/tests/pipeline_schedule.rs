@@ -208,3 +208,155 @@ fn the_timetable_shows_every_rank_and_the_bubble() {
     assert!(t.contains("F0.c1"), "{t}");
     assert!(t.contains("formula (p-1)/(v*m+p-1) = 20.0%"), "{t}");
 }
+
+mod executor {
+    use candle_core::backprop::GradStore;
+    use candle_core::{DType, Device, Shape, Tensor, Var};
+    use candle_parallel::pipeline::{run_schedule, PipelineSchedule, ScheduleKind, StageModel};
+    use candle_parallel::LocalWorld;
+
+    /// Virtual stage `s` multiplies its input by `w[s]` (a scalar parameter) and adds `s`; the
+    /// first reads micro-batch `i`'s input `[i + 1, i + 2]`, the last sums its output (the
+    /// loss). Optionally fails at the forward of one micro-batch.
+    struct Toy {
+        rank: usize,
+        p: usize,
+        w: Vec<Var>,
+        grads: Vec<f64>,
+        fail_at: Option<usize>,
+    }
+
+    impl StageModel for Toy {
+        fn activation_spec(&self, _: usize, _: usize) -> candle_parallel::Result<(Shape, DType)> {
+            Ok((Shape::from(2), DType::F64))
+        }
+
+        fn forward(
+            &mut self,
+            chunk: usize,
+            mb: usize,
+            input: Option<&Tensor>,
+        ) -> candle_parallel::Result<Tensor> {
+            if self.fail_at == Some(mb) {
+                return Err(candle_parallel::Error::InvalidArgument {
+                    op: "toy",
+                    msg: "planted failure".into(),
+                });
+            }
+            let s = chunk * self.p + self.rank;
+            let x = match input {
+                Some(x) => x.clone(),
+                None => Tensor::new(&[mb as f64 + 1.0, mb as f64 + 2.0], &Device::Cpu)?,
+            };
+            let y = (x.broadcast_mul(self.w[chunk].as_tensor())? + s as f64)?;
+            let last = self.w.len() * self.p - 1;
+            Ok(if s == last { y.sum_all()? } else { y })
+        }
+
+        fn backward(&mut self, root: &Tensor) -> candle_parallel::Result<GradStore> {
+            let store = root.backward()?;
+            for (c, w) in self.w.iter().enumerate() {
+                if let Some(g) = store.get(w.as_tensor()) {
+                    self.grads[c] += g.to_scalar::<f64>()?;
+                }
+            }
+            Ok(store)
+        }
+    }
+
+    fn weight(s: usize) -> f64 {
+        0.5 + 0.25 * s as f64
+    }
+
+    /// d loss / d w_s summed over micro-batches, by hand: x_{s+1} = w_s x_s + s, loss = sum of
+    /// the last stage's output.
+    fn expected(stages: usize, m: usize) -> Vec<f64> {
+        let mut g = vec![0.0; stages];
+        for mb in 0..m {
+            for x0 in [mb as f64 + 1.0, mb as f64 + 2.0] {
+                let mut xs = vec![x0];
+                for s in 0..stages {
+                    xs.push(weight(s) * xs[s] + s as f64);
+                }
+                // d out / d w_s = x_s * prod_{t > s} w_t
+                for s in 0..stages {
+                    let tail: f64 = (s + 1..stages).map(weight).product();
+                    g[s] += xs[s] * tail;
+                }
+            }
+        }
+        g
+    }
+
+    #[test]
+    fn the_executor_gives_the_hand_computed_gradients() {
+        for (kind, p, v) in [
+            (ScheduleKind::GPipe, 3, 1),
+            (ScheduleKind::OneFOneB, 4, 1),
+            (ScheduleKind::Interleaved, 2, 3),
+            (ScheduleKind::Interleaved, 3, 2),
+        ] {
+            for m in [1, 2, 5] {
+                let sched = PipelineSchedule::new(kind, p, m, v).unwrap();
+                let got =
+                    LocalWorld::run(p, |comm| -> candle_parallel::Result<Vec<(usize, f64)>> {
+                        let rank = comm.rank();
+                        let w = (0..v)
+                            .map(|c| Var::new(weight(c * p + rank), &Device::Cpu))
+                            .collect::<candle_core::Result<Vec<_>>>()?;
+                        let mut toy = Toy {
+                            rank,
+                            p,
+                            w,
+                            grads: vec![0.0; v],
+                            fail_at: None,
+                        };
+                        run_schedule(&sched, &comm, &mut toy)?;
+                        Ok((0..v).map(|c| (c * p + rank, toy.grads[c])).collect())
+                    })
+                    .unwrap();
+                let want = expected(p * v, m);
+                for (s, g) in got.into_iter().flatten() {
+                    assert!(
+                        (g - want[s]).abs() <= 1e-12 * want[s].abs(),
+                        "{kind} p={p} v={v} m={m} stage {s}: {g} vs {}",
+                        want[s]
+                    );
+                }
+            }
+        }
+    }
+
+    /// A rank failing mid-pipeline: every other rank returns an error naming it, no hang.
+    #[test]
+    fn a_failing_rank_is_named_by_every_other_rank() {
+        let p = 3;
+        let sched = PipelineSchedule::new(ScheduleKind::OneFOneB, p, 4, 1).unwrap();
+        let errs = LocalWorld::run(p, |comm| -> candle_parallel::Result<Option<String>> {
+            let rank = comm.rank();
+            let w = vec![Var::new(weight(rank), &Device::Cpu)?];
+            let fail_at = (rank == 1).then_some(2);
+            let mut toy = Toy {
+                rank,
+                p,
+                w,
+                grads: vec![0.0],
+                fail_at,
+            };
+            Ok(run_schedule(&sched, &comm, &mut toy)
+                .err()
+                .map(|e| e.to_string()))
+        });
+        let errs = errs.unwrap();
+        assert!(
+            errs[1].as_deref().unwrap_or("").contains("planted failure"),
+            "{errs:?}"
+        );
+        for r in [0, 2] {
+            let e = errs[r]
+                .as_deref()
+                .unwrap_or_else(|| panic!("rank {r} succeeded: {errs:?}"));
+            assert!(e.contains("rank 1"), "rank {r}: {e}");
+        }
+    }
+}

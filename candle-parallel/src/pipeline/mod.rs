@@ -1,9 +1,15 @@
 //! Pipeline parallelism over the mesh's `pp` dimension.
 //!
-//! [`schedule`]: each rank's ordered list of forwards, backwards, sends and receives for GPipe,
-//! 1F1B and interleaved 1F1B, validated before it runs (no tensors involved). Executing a
-//! schedule on model stages is not built yet (issue 13).
+//! - [`schedule`]: each rank's ordered list of forwards, backwards, sends and receives for
+//!   GPipe, 1F1B and interleaved 1F1B, validated before it runs (no tensors involved).
+//! - [`stages`]: how a model's layers are cut into (virtual) stages.
+//! - [`executor`]: runs one rank's list on its model chunks ([`StageModel`]), sending and
+//!   receiving over the `pp` communicator.
 
+pub mod executor;
 pub mod schedule;
+pub mod stages;
 
+pub use executor::{run_schedule, StageModel};
 pub use schedule::{Action, ActionKind, PipelineSchedule, ScheduleKind, ScheduleStats};
+pub use stages::split_layers;

@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod model;
+pub mod pipeline;
 pub mod random;
 
 use std::sync::Arc;
@@ -11,6 +12,7 @@ use candle_parallel::nn::{ParallelCtx, ParamBuilder, ParamList, ParamMode};
 
 pub use config::LlamaConfig;
 pub use model::{DecoderLayer, Ends, KvCache, Llama};
+pub use pipeline::{LlamaStage, StageMicroBatch};
 pub use random::write_random_checkpoint;
 
 use crate::checkpoint::CheckpointReader;
@@ -34,13 +36,28 @@ pub fn load(
     mode: ParamMode,
 ) -> Result<LoadedLlama> {
     let config = LlamaConfig::from_file(&files.config)?;
+    let all = 0..config.num_hidden_layers;
+    load_stage(files, ctx, dtype, mode, std::slice::from_ref(&all), true)
+}
+
+/// [`load`] for a pipeline stage: only the decoder layers in `layers` (this rank's chunks)
+/// and, with `ends`, the embedding, final norm and head (see [`Llama::new_stage`]).
+pub fn load_stage(
+    files: &ModelFiles,
+    ctx: &ParallelCtx,
+    dtype: Option<DType>,
+    mode: ParamMode,
+    layers: &[std::ops::Range<usize>],
+    ends: bool,
+) -> Result<LoadedLlama> {
+    let config = LlamaConfig::from_file(&files.config)?;
     let dtype = match dtype {
         Some(d) => d,
         None => config.stored_dtype(&files.config)?.unwrap_or(DType::F32),
     };
     let reader = Arc::new(CheckpointReader::open(&files.weights)?);
     let (vb, params) = ParamBuilder::new(reader, dtype, &Device::Cpu, mode);
-    let model = Llama::new(&config, vb, ctx)?;
+    let model = Llama::new_stage(&config, vb, ctx, layers, ends)?;
     Ok(LoadedLlama {
         model,
         params,

@@ -145,8 +145,10 @@ impl Ends {
 /// [`Llama::backward`] (`loss.backward()` plus those of recomputed layers).
 #[derive(Debug, Clone)]
 pub struct Llama {
-    ends: Unit<Ends>,
-    layers: Vec<Unit<DecoderLayer>>,
+    /// `None` on a pipeline stage that holds neither the first nor the last layer.
+    ends: Option<Unit<Ends>>,
+    /// `None` for layers another pipeline stage holds.
+    layers: Vec<Option<Unit<DecoderLayer>>>,
     ctx: ParallelCtx,
     cfg: LlamaConfig,
 }
@@ -156,17 +158,47 @@ impl Llama {
     /// `vb` (keys as in the Hugging Face checkpoint). Local. Errors (naming the config field)
     /// when the layout does not divide the heads, the hidden units or the vocabulary.
     pub fn new(cfg: &LlamaConfig, vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
+        let all = 0..cfg.num_hidden_layers;
+        Self::new_stage(cfg, vb, ctx, std::slice::from_ref(&all), true)
+    }
+
+    /// A pipeline stage of the model: only the decoder layers in `layers` (one range per model
+    /// chunk of this rank) and, with `ends`, the embedding, final norm and head (the first and
+    /// the last stage hold them; see `pipeline::LlamaStage`). Loads nothing else.
+    pub fn new_stage(
+        cfg: &LlamaConfig,
+        vb: ParamBuilder,
+        ctx: &ParallelCtx,
+        layers: &[std::ops::Range<usize>],
+        ends: bool,
+    ) -> Result<Self> {
         let unit_err = |e: candle_parallel::Error| Error::Parallel(e);
-        let (c, x) = (cfg.clone(), ctx.clone());
-        let ends = Unit::new(&vb, move |vb| Ends::new(&c, vb, &x).map_err(parallel_err))
-            .map_err(unit_err)?;
+        if let Some(r) = layers.iter().find(|r| r.end > cfg.num_hidden_layers) {
+            return Err(Error::Invalid(format!(
+                "layers {r:?} of a model with {} layers (num_hidden_layers)",
+                cfg.num_hidden_layers
+            )));
+        }
+        let ends = if ends {
+            let (c, x) = (cfg.clone(), ctx.clone());
+            Some(
+                Unit::new(&vb, move |vb| Ends::new(&c, vb, &x).map_err(parallel_err))
+                    .map_err(unit_err)?,
+            )
+        } else {
+            None
+        };
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
+                if !layers.iter().any(|r| r.contains(&i)) {
+                    return Ok(None);
+                }
                 let (c, x) = (cfg.clone(), ctx.clone());
                 let vb = vb.pp("model").pp("layers").pp(i);
                 Unit::new(&vb, move |vb| {
                     DecoderLayer::new(&c, vb, &x).map_err(parallel_err)
                 })
+                .map(Some)
                 .map_err(unit_err)
             })
             .collect::<Result<Vec<_>>>()?;
@@ -193,7 +225,10 @@ impl Llama {
 
     /// The embedding/norm/head unit with whole weights (gathered under ZeRO-3).
     pub fn ends(&self, track: Track) -> Result<Ends> {
-        Ok(self.ends.get(track)?)
+        let ends = self.ends.as_ref().ok_or_else(|| {
+            Error::Invalid("this pipeline stage holds no embedding, norm or head".into())
+        })?;
+        Ok(ends.get(track)?)
     }
 
     /// The first stage's work: token embeddings `(batch, n', hidden)` of this rank's shard
@@ -219,10 +254,17 @@ impl Llama {
         }
         let pass = batch.pass(&self.ctx)?;
         let mut x = x.clone();
-        for unit in &self.layers[layers] {
-            x = unit.forward(&x, &pass)?;
+        for i in layers {
+            x = self.layer(i)?.forward(&x, &pass)?;
         }
         Ok(x)
+    }
+
+    /// Decoder layer `i`, or an error naming it when another pipeline stage holds it.
+    fn layer(&self, i: usize) -> Result<&Unit<DecoderLayer>> {
+        self.layers[i]
+            .as_ref()
+            .ok_or_else(|| Error::Invalid(format!("layer {i} is held by another pipeline stage")))
     }
 
     /// The last stage's work before the head: the final norm, `(batch, n', hidden)`.
@@ -291,8 +333,11 @@ impl Llama {
         }
         let ends = self.ends(Track::NoGrad)?;
         let mut x = ends.embed_tokens.lookup(ids)?;
-        for (unit, c) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            x = unit.get(Track::NoGrad)?.forward_cached(&x, &positions, c)?;
+        for (i, c) in cache.layers.iter_mut().enumerate() {
+            x = self
+                .layer(i)?
+                .get(Track::NoGrad)?
+                .forward_cached(&x, &positions, c)?;
         }
         cache.len += n;
         let x = ends.norm.forward(&x.narrow(1, n - 1, 1)?)?;
@@ -302,14 +347,20 @@ impl Llama {
 
 impl Parallelize for Llama {
     fn units(&mut self) -> Vec<&mut dyn UnitOps> {
-        let mut units: Vec<&mut dyn UnitOps> = vec![&mut self.ends];
-        units.extend(self.layers.iter_mut().map(|u| u as &mut dyn UnitOps));
+        let mut units: Vec<&mut dyn UnitOps> = Vec::new();
+        units.extend(self.ends.iter_mut().map(|u| u as &mut dyn UnitOps));
+        units.extend(
+            self.layers
+                .iter_mut()
+                .flatten()
+                .map(|u| u as &mut dyn UnitOps),
+        );
         units
     }
 }
 
 /// A candle-parallel error from a model error (for constructors run by units).
-fn parallel_err(e: Error) -> candle_parallel::Error {
+pub(crate) fn parallel_err(e: Error) -> candle_parallel::Error {
     match e {
         Error::Parallel(p) => p,
         other => candle_parallel::Error::Candle(other.into()),

@@ -1,0 +1,199 @@
+//! Runs one rank's list of a [`PipelineSchedule`] on its model chunks.
+//!
+//! The executor owns the communication and the bookkeeping: it receives activations and
+//! gradients from the neighbour ranks of the `pp` communicator, makes each received activation
+//! a leaf so its gradient can be read, keeps every micro-batch's output until its backward,
+//! differentiates `sum(output * received gradient)` (or the loss on the last virtual stage),
+//! and sends the input's gradient back. Sends are posted without waiting
+//! ([`Communicator::exchange`](crate::comm::Communicator::exchange)), as the validator assumes;
+//! they are completed before [`run_schedule`] returns.
+
+use std::collections::{HashMap, VecDeque};
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Shape, Tensor, Var};
+
+use super::schedule::{ActionKind, PipelineSchedule};
+use crate::comm::{Comm, Pending};
+use crate::error::{Error, Result};
+
+/// What a rank's model chunks do under a pipeline schedule.
+///
+/// Virtual stage `chunk * p + rank` is chunk `chunk` of this rank. The first virtual stage
+/// reads its micro-batch's input itself; the last computes the loss.
+pub trait StageModel {
+    /// Shape and dtype of the activation entering `chunk` for `micro_batch` (the gradient
+    /// leaving it has the same): what the executor receives.
+    fn activation_spec(&self, chunk: usize, micro_batch: usize) -> Result<(Shape, DType)>;
+
+    /// Forward of `chunk` on `micro_batch`. `input` is `None` on the first virtual stage and
+    /// the received activation otherwise. Returns the activation for the next virtual stage,
+    /// or on the last virtual stage the scalar to differentiate (this micro-batch's share of
+    /// the loss).
+    fn forward(
+        &mut self,
+        chunk: usize,
+        micro_batch: usize,
+        input: Option<&Tensor>,
+    ) -> Result<Tensor>;
+
+    /// Differentiates the scalar `root`, adds this rank's parameter gradients to its own
+    /// accumulators, and returns the store (the executor reads the input's gradient from it).
+    fn backward(&mut self, root: &Tensor) -> Result<GradStore>;
+}
+
+fn invalid(msg: impl Into<String>) -> Error {
+    Error::invalid("pipeline", msg)
+}
+
+/// Runs rank `comm.rank()`'s actions of `schedule`. Collective over `comm`, the pipeline
+/// communicator (its rank `r` is stage `r`): every rank of it must call this with the same
+/// schedule. A failing rank makes the others return the communicator's error naming it.
+pub fn run_schedule<M: StageModel>(
+    schedule: &PipelineSchedule,
+    comm: &Comm,
+    model: &mut M,
+) -> Result<()> {
+    let (p, rank) = (schedule.stages, comm.rank());
+    if comm.size() != p {
+        return Err(invalid(format!(
+            "a schedule for {p} stages on a pipeline group of {} ranks",
+            comm.size()
+        )));
+    }
+    let last = schedule.virtual_stages() - 1;
+    let owner = |vs: usize| vs % p;
+    // Messages between two ranks arrive in the order they were sent, which need not be the
+    // order the receiver uses them in (interleaved schedules, and p = 2 where activations and
+    // gradients share one channel). Every rank knows every list: for each sender, the
+    // messages it sends here, in order, as (kind, micro-batch, receiving chunk).
+    let mut expected: Vec<VecDeque<(ActionKind, usize, usize)>> = vec![VecDeque::new(); p];
+    for (src, acts) in schedule.ranks.iter().enumerate() {
+        for a in acts {
+            let vs = schedule.virtual_stage(src, a.chunk);
+            let (kind, to) = match a.kind {
+                ActionKind::SendActivation => (ActionKind::RecvActivation, vs + 1),
+                ActionKind::SendGradient if vs > 0 => (ActionKind::RecvGradient, vs - 1),
+                _ => continue,
+            };
+            if owner(to) == rank && src != rank {
+                expected[src].push_back((kind, a.micro_batch, to / p));
+            }
+        }
+    }
+    // Received (or sent to this rank itself) and not yet used: (kind, micro-batch, chunk).
+    let mut arrived: HashMap<(ActionKind, usize, usize), Tensor> = HashMap::new();
+    let mut inputs: HashMap<(usize, usize), Tensor> = HashMap::new();
+    let mut out_grads: HashMap<(usize, usize), Tensor> = HashMap::new();
+    // (micro-batch, chunk) -> (input leaf, output), from forward until backward.
+    let mut live: HashMap<(usize, usize), (Option<Var>, Tensor)> = HashMap::new();
+    let mut in_grads: HashMap<(usize, usize), Tensor> = HashMap::new();
+    let mut sends: Vec<Pending> = Vec::new();
+    // Posts `t` to rank `dst` without waiting, or keeps it when `dst` is this rank.
+    let send = |arrived: &mut HashMap<(ActionKind, usize, usize), Tensor>,
+                sends: &mut Vec<Pending>,
+                key: (ActionKind, usize, usize),
+                dst: usize,
+                t: Tensor|
+     -> Result<()> {
+        if dst == rank {
+            arrived.insert(key, t);
+        } else {
+            sends.push(comm.exchange(vec![(dst, t)], vec![])?);
+        }
+        Ok(())
+    };
+    for a in &schedule.ranks[rank] {
+        let key = (a.micro_batch, a.chunk);
+        let vs = schedule.virtual_stage(rank, a.chunk);
+        let missing = |what: &str| invalid(format!("rank {rank} at {a}: no {what}"));
+        match a.kind {
+            ActionKind::RecvActivation | ActionKind::RecvGradient => {
+                let want = (a.kind, a.micro_batch, a.chunk);
+                let src = if a.kind == ActionKind::RecvActivation {
+                    owner(vs + p * schedule.chunks - 1)
+                } else {
+                    owner(vs + 1)
+                };
+                // Receive from `src` in its send order until the wanted message is here.
+                while !arrived.contains_key(&want) {
+                    let next = expected[src].pop_front().ok_or_else(|| {
+                        invalid(format!("rank {rank} at {a}: rank {src} sends nothing more"))
+                    })?;
+                    let (shape, dtype) = model.activation_spec(next.2, next.1)?;
+                    arrived.insert(next, comm.recv(src, &shape, dtype)?);
+                }
+                let t = arrived.remove(&want).ok_or_else(|| missing("message"))?;
+                if a.kind == ActionKind::RecvActivation {
+                    inputs.insert(key, t);
+                } else {
+                    out_grads.insert(key, t);
+                }
+            }
+            ActionKind::Forward => {
+                let leaf = match inputs.remove(&key) {
+                    Some(x) => Some(Var::from_tensor(&x)?),
+                    None if vs == 0 => None,
+                    None => return Err(missing("received input")),
+                };
+                let out =
+                    model.forward(a.chunk, a.micro_batch, leaf.as_ref().map(|v| v.as_tensor()))?;
+                live.insert(key, (leaf, out));
+            }
+            ActionKind::SendActivation => {
+                let (_, out) = live.get(&key).ok_or_else(|| missing("forward output"))?;
+                let to = vs + 1;
+                send(
+                    &mut arrived,
+                    &mut sends,
+                    (ActionKind::RecvActivation, a.micro_batch, to / p),
+                    owner(to),
+                    out.detach(),
+                )?;
+            }
+            ActionKind::Backward => {
+                let (leaf, out) = live.remove(&key).ok_or_else(|| missing("forward"))?;
+                let root = if vs == last {
+                    out
+                } else {
+                    let g = out_grads
+                        .remove(&key)
+                        .ok_or_else(|| missing("received gradient"))?;
+                    (out * g)?.sum_all()?
+                };
+                let store = model.backward(&root)?;
+                if let Some(leaf) = leaf {
+                    let g = match store.get(leaf.as_tensor()) {
+                        Some(g) => g.clone(),
+                        // The input does not reach the output (cannot happen in a transformer,
+                        // but the gradient is then zero, not missing).
+                        None => leaf.as_tensor().zeros_like()?,
+                    };
+                    in_grads.insert(key, g);
+                }
+            }
+            ActionKind::SendGradient => {
+                let g = in_grads
+                    .remove(&key)
+                    .ok_or_else(|| missing("input gradient"))?;
+                let to = vs.checked_sub(1).ok_or_else(|| missing("previous stage"))?;
+                send(
+                    &mut arrived,
+                    &mut sends,
+                    (ActionKind::RecvGradient, a.micro_batch, to / p),
+                    owner(to),
+                    g,
+                )?;
+            }
+        }
+    }
+    for s in sends {
+        s.wait()?;
+    }
+    if let Some((mb, c)) = live.keys().next() {
+        return Err(invalid(format!(
+            "rank {rank}: micro-batch {mb} of chunk {c} ran forward without backward"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,216 @@
+//! LLaMA as pipeline stages: one rank's model chunks under a
+//! [`candle_parallel::pipeline::PipelineSchedule`].
+//!
+//! Virtual stage `c * p + r` (chunk `c` of pipeline rank `r`) runs the decoder layers
+//! [`split_layers`](candle_parallel::pipeline::split_layers) gives it; the first virtual stage
+//! also embeds the tokens, the last applies the final norm, the head and the loss. The ranks
+//! that hold the first and the last virtual stage both load the embedding, norm and head (one
+//! unit, [`Ends`](super::Ends)): each uses its part, and their gradients are summed between the
+//! two ranks after the step ([`LlamaStage::finish`]), so tied embeddings keep one value (and
+//! untied ends get their single gradient on both ranks). Activations between stages have the
+//! shape of the layers' input on this rank: `(batch, tokens, hidden)`, the tokens this rank's
+//! sequence shard (divided over tp under TP-sp).
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Shape, Tensor};
+use candle_parallel::comm::{Comm, ReduceOp};
+use candle_parallel::nn::{Batch, CrossEntropyOptions, Param, Track};
+use candle_parallel::pipeline::{PipelineSchedule, StageModel};
+
+use super::model::parallel_err;
+use super::Llama;
+use crate::error::{Error, Result};
+
+/// One micro-batch as every stage sees it: the batch (ids, positions, mask) and the shifted
+/// labels of this rank's tokens.
+pub struct StageMicroBatch {
+    pub batch: Batch,
+    pub labels: Tensor,
+}
+
+/// This rank's chunks of a pipelined LLaMA for one step (see the [module docs](self)).
+pub struct LlamaStage<'a> {
+    model: &'a Llama,
+    params: Vec<Param>,
+    rank: usize,
+    stages: usize,
+    chunks: Vec<Range<usize>>,
+    last_virtual: usize,
+    micro: &'a [StageMicroBatch],
+    global_tokens: f64,
+    opts: CrossEntropyOptions,
+    dtype: DType,
+    loss_sum: f64,
+    grads: HashMap<String, Tensor>,
+}
+
+impl<'a> LlamaStage<'a> {
+    /// `model` built with [`Llama::new_stage`] for `layers[c * p + rank]` of every chunk `c`;
+    /// `params` its parameters; `global_tokens` the labelled tokens of the whole step (the
+    /// loss is a sum over micro-batches divided by it, as on one rank).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        model: &'a Llama,
+        params: Vec<Param>,
+        schedule: &PipelineSchedule,
+        rank: usize,
+        layers: &[Range<usize>],
+        micro: &'a [StageMicroBatch],
+        global_tokens: u64,
+        opts: CrossEntropyOptions,
+        dtype: DType,
+    ) -> Result<Self> {
+        if layers.len() != schedule.virtual_stages() {
+            return Err(Error::Invalid(format!(
+                "{} layer ranges for {} virtual stages",
+                layers.len(),
+                schedule.virtual_stages()
+            )));
+        }
+        if micro.len() != schedule.micro_batches {
+            return Err(Error::Invalid(format!(
+                "{} micro-batches for a schedule of {}",
+                micro.len(),
+                schedule.micro_batches
+            )));
+        }
+        let chunks = (0..schedule.chunks)
+            .map(|c| layers[schedule.virtual_stage(rank, c)].clone())
+            .collect();
+        Ok(Self {
+            model,
+            params,
+            rank,
+            stages: schedule.stages,
+            chunks,
+            last_virtual: schedule.virtual_stages() - 1,
+            micro,
+            global_tokens: global_tokens as f64,
+            opts,
+            dtype,
+            loss_sum: 0.0,
+            grads: HashMap::new(),
+        })
+    }
+
+    fn micro(&self, mb: usize) -> Result<&StageMicroBatch> {
+        self.micro
+            .get(mb)
+            .ok_or_else(|| Error::Invalid(format!("no micro-batch {mb}")))
+    }
+
+    /// Completes the step on every pipeline rank (collective over `pp`): sums the embedding,
+    /// norm and head gradients between the first and the last stage's ranks, and gives every
+    /// rank the step's summed loss (computed on the last stage). Returns this rank's gradients
+    /// by parameter name (f32) and the loss sum (divide by the global tokens for the mean).
+    pub fn finish(self, pp: &Comm) -> Result<(HashMap<String, Tensor>, f64)> {
+        let p = self.stages;
+        let mut grads = self.grads;
+        let ends_rank = self.rank == 0 || self.rank == p - 1;
+        // Ranks 0 and p - 1 form one group; every other rank is alone.
+        let ends_group = pp.split(if ends_rank { 0 } else { 1 + self.rank }, self.rank)?;
+        if ends_rank && ends_group.size() > 1 {
+            for prm in self
+                .params
+                .iter()
+                .filter(|q| !q.name.starts_with("model.layers."))
+            {
+                let g = match grads.remove(&prm.name) {
+                    Some(g) => g,
+                    None => prm.tensor.to_dtype(DType::F32)?.zeros_like()?,
+                };
+                grads.insert(prm.name.clone(), ends_group.all_reduce(&g, ReduceOp::Sum)?);
+            }
+        }
+        let loss = pp
+            .all_reduce(
+                &Tensor::new(&[self.loss_sum], &candle_core::Device::Cpu)?,
+                ReduceOp::Sum,
+            )?
+            .to_vec1::<f64>()?[0];
+        Ok((grads, loss))
+    }
+}
+
+impl LlamaStage<'_> {
+    /// [`StageModel::forward`] with this crate's errors.
+    fn forward_chunk(&mut self, chunk: usize, mb: usize, input: Option<&Tensor>) -> Result<Tensor> {
+        let vs = chunk * self.stages + self.rank;
+        let micro = self.micro;
+        let m = micro
+            .get(mb)
+            .ok_or_else(|| Error::Invalid(format!("no micro-batch {mb}")))?;
+        let ends = if vs == 0 || vs == self.last_virtual {
+            Some(self.model.ends(Track::Grad)?)
+        } else {
+            None
+        };
+        let x = match (input, &ends) {
+            (Some(x), _) => x.clone(),
+            (None, Some(e)) if vs == 0 => self.model.embed(e, &m.batch)?,
+            _ => return Err(Error::Invalid(format!("virtual stage {vs} got no input"))),
+        };
+        let x = self
+            .model
+            .run_layers(self.chunks[chunk].clone(), &x, &m.batch)?;
+        match &ends {
+            Some(e) if vs == self.last_virtual => {
+                let h = self.model.final_norm(e, &x)?;
+                let (sum, _) = self.model.head_loss(e, &h, &m.labels, &self.opts)?;
+                self.loss_sum += sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                Ok((sum / self.global_tokens)?)
+            }
+            _ => Ok(x),
+        }
+    }
+}
+
+impl StageModel for LlamaStage<'_> {
+    fn activation_spec(
+        &self,
+        _chunk: usize,
+        micro_batch: usize,
+    ) -> candle_parallel::Result<(Shape, DType)> {
+        let m = self.micro(micro_batch).map_err(parallel_err)?;
+        let (b, n) = m.batch.input_ids.dims2()?;
+        let tp = self.model.ctx().tp();
+        let n = if tp.sequence_parallel() {
+            n / tp.size()
+        } else {
+            n
+        };
+        Ok((
+            Shape::from((b, n, self.model.config().hidden_size)),
+            self.dtype,
+        ))
+    }
+
+    fn forward(
+        &mut self,
+        chunk: usize,
+        micro_batch: usize,
+        input: Option<&Tensor>,
+    ) -> candle_parallel::Result<Tensor> {
+        self.forward_chunk(chunk, micro_batch, input)
+            .map_err(parallel_err)
+    }
+
+    fn backward(&mut self, root: &Tensor) -> candle_parallel::Result<GradStore> {
+        let store = self.model.backward(root).map_err(parallel_err)?;
+        for prm in &self.params {
+            let Some(var) = &prm.var else { continue };
+            if let Some(g) = store.get(var.as_tensor()) {
+                let g = g.to_dtype(DType::F32)?;
+                let sum = match self.grads.remove(&prm.name) {
+                    Some(a) => (a + g)?,
+                    None => g,
+                };
+                self.grads.insert(prm.name.clone(), sum);
+            }
+        }
+        Ok(store)
+    }
+}
