@@ -254,6 +254,7 @@ fn config(steps: u64, memory: MemoryPlan, grad_accum: usize) -> TrainConfig {
         max_grad_norm: Some(1.0),
         loss_chunk_tokens: 16,
         memory,
+        pipeline: None,
     }
 }
 

@@ -166,9 +166,13 @@ fn pipelined(
         let stage_micro: Vec<StageMicroBatch> =
             micro.iter().map(|mb| stage_batch(&ctx, mb)).collect();
         let params = loaded.params.sorted();
+        let vars = params
+            .iter()
+            .map(|p| (p.name.clone(), p.var.clone().expect("trainable")))
+            .collect();
         let mut stage = LlamaStage::new(
             &loaded.model,
-            params.clone(),
+            vars,
             &schedule,
             rank,
             &split,

@@ -52,6 +52,7 @@ fn config(steps: u64, batch: usize, grad_accum: usize, doc_mask: bool) -> TrainC
         max_grad_norm: Some(1.0),
         loss_chunk_tokens: 16,
         memory: MemoryPlan::default(),
+        pipeline: None,
     }
 }
 

@@ -3,7 +3,7 @@
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use candle_parallel::comm::Comm;
-use candle_parallel::mesh::DeviceMesh;
+use candle_parallel::mesh::{DeviceMesh, Dim};
 use candle_parallel::nn::{ParallelCtx, ParamMode, TpActivations};
 use models::hub::ModelFiles;
 use models::llama::{self, LoadedLlama};
@@ -36,14 +36,23 @@ where
     T: Send,
     F: Fn(&Rank) -> Result<T> + Sync,
 {
-    let mesh_cfg = args.mesh_config()?;
-    let sp_cfg = args.sp_config()?;
     if args.pp > 1 {
         bail!(
-            "--pp {}: pipeline parallelism is not available in this command yet",
+            "--pp {}: pipeline parallelism is available in `cpl train` only",
             args.pp
         );
     }
+    launch_pipelined(args, f)
+}
+
+/// [`launch`] for a command that runs pipeline stages (`--pp` above 1 allowed).
+pub fn launch_pipelined<T, F>(args: &LayoutArgs, f: F) -> Result<Option<T>>
+where
+    T: Send,
+    F: Fn(&Rank) -> Result<T> + Sync,
+{
+    let mesh_cfg = args.mesh_config()?;
+    let sp_cfg = args.sp_config()?;
     let run_rank = |world: Comm| -> Result<T> {
         let mesh = DeviceMesh::new(&mesh_cfg, world).context("building the device mesh")?;
         let tp = if args.tp_sp {
@@ -105,5 +114,21 @@ pub fn load_llama(
     layout: &LayoutArgs,
 ) -> Result<LoadedLlama> {
     llama::load(files, &rank.ctx, dtype, mode)
+        .with_context(|| format!("loading {} with {}", files.source, layout.flags()))
+}
+
+/// [`load_llama`] for this rank's pipeline stage: the decoder layers of its virtual stages
+/// `layers[c * pp + r]` and, on the first and last pipeline rank, the embedding, norm and head.
+pub fn load_llama_stage(
+    files: &ModelFiles,
+    rank: &Rank,
+    dtype: Option<DType>,
+    mode: ParamMode,
+    layout: &LayoutArgs,
+    layers: &[std::ops::Range<usize>],
+) -> Result<LoadedLlama> {
+    let (p, r) = (rank.mesh.size(Dim::Pp), rank.mesh.coord(Dim::Pp));
+    let mine: Vec<std::ops::Range<usize>> = layers.iter().skip(r).step_by(p).cloned().collect();
+    llama::load_stage(files, &rank.ctx, dtype, mode, &mine, r == 0 || r + 1 == p)
         .with_context(|| format!("loading {} with {}", files.source, layout.flags()))
 }

@@ -178,18 +178,59 @@ impl LayoutArgs {
 }
 
 /// `cpl plan`: prints the mesh, its rank order and groups.
-/// Pipeline schedule flags (`cpl plan`; training under a pipeline is not built yet).
+/// Pipeline schedule flags (`cpl plan` and `cpl train`; with `--pp` above 1).
 #[derive(clap::Args, Debug, Clone)]
 pub struct PipelineArgs {
     /// Pipeline schedule.
     #[arg(long, value_enum, default_value_t = ScheduleKind::OneFOneB)]
     pub pp_schedule: ScheduleKind,
-    /// Micro-batches per optimizer step (any number: also not a multiple of --pp, or below it).
-    #[arg(long, default_value_t = 1)]
-    pub micro_batches: usize,
+    /// Micro-batches per optimizer step (any number: also not a multiple of --pp, or below
+    /// it). `cpl train`: replaces --grad-accum under a pipeline (default: --grad-accum).
+    #[arg(long)]
+    pub micro_batches: Option<usize>,
     /// Model chunks per pipeline rank (--pp-schedule interleaved: 2 or more).
     #[arg(long, default_value_t = 1)]
     pub virtual_stages: usize,
+    /// Decoder layers of each virtual stage, e.g. 3,5,5,3 (default: even, with one layer less
+    /// on the first and the last stage, which hold the embedding and the loss).
+    #[arg(long, value_delimiter = ',')]
+    pub pp_layers: Vec<usize>,
+}
+
+impl PipelineArgs {
+    /// The schedule for `pp` ranks and `micro_batches`, with errors naming the flags; `None`
+    /// without a pipeline (when the pipeline flags are then an error).
+    pub fn schedule(&self, pp: usize, micro_batches: usize) -> Result<Option<PipelineSchedule>> {
+        if pp <= 1 {
+            if self.micro_batches.is_some()
+                || self.virtual_stages != 1
+                || !self.pp_layers.is_empty()
+            {
+                bail!(
+                    "--micro-batches, --virtual-stages and --pp-layers describe a pipeline: give \
+                     --pp 2 or more"
+                );
+            }
+            return Ok(None);
+        }
+        let s = PipelineSchedule::new(self.pp_schedule, pp, micro_batches, self.virtual_stages)
+            .with_context(|| {
+                format!(
+                    "--pp {pp} --pp-schedule {} --micro-batches {micro_batches} \
+                     --virtual-stages {}",
+                    self.pp_schedule, self.virtual_stages
+                )
+            })?;
+        if !self.pp_layers.is_empty() && self.pp_layers.len() != pp * self.virtual_stages {
+            bail!(
+                "--pp-layers gives {} counts; --pp {pp} x --virtual-stages {} needs {}",
+                self.pp_layers.len(),
+                self.virtual_stages,
+                pp * self.virtual_stages
+            );
+        }
+        Ok(Some(s))
+    }
 }
 
 /// `cpl plan`'s flags.
@@ -207,22 +248,9 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     let layout = MeshLayout::new(&cfg, args.layout.ranks)?;
     print!("{}", layout.describe());
     let pp = &args.pipeline;
-    if args.layout.pp > 1 {
-        let schedule = PipelineSchedule::new(
-            pp.pp_schedule,
-            args.layout.pp,
-            pp.micro_batches,
-            pp.virtual_stages,
-        )
-        .with_context(|| {
-            format!(
-                "--pp {} --pp-schedule {} --micro-batches {} --virtual-stages {}",
-                args.layout.pp, pp.pp_schedule, pp.micro_batches, pp.virtual_stages
-            )
-        })?;
+    let m = pp.micro_batches.unwrap_or(1);
+    if let Some(schedule) = pp.schedule(args.layout.pp, m)? {
         print!("{}", schedule.render()?);
-    } else if pp.micro_batches != 1 || pp.virtual_stages != 1 {
-        bail!("--micro-batches and --virtual-stages describe a pipeline: give --pp 2 or more");
     }
     Ok(())
 }

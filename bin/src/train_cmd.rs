@@ -17,6 +17,7 @@ use candle_parallel::comm::ReduceOp;
 use candle_parallel::mesh::{Dim, MeshLayout};
 use candle_parallel::nn::ParamMode;
 use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
+use candle_parallel::pipeline::split_layers;
 use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
 use models::llama::LlamaConfig;
@@ -24,11 +25,11 @@ use models::tokenizer::Tokenizer;
 use train::checkpoint;
 use train::checkpoint::EvalPoint;
 use train::data::{PackedDataset, Packing, TokenStream};
-use train::trainer::{TrainConfig, Trainer};
+use train::trainer::{PipelineConfig, TrainConfig, Trainer};
 
 use crate::eval::DtypeArg;
-use crate::launch::{launch, load_llama};
-use crate::layout::LayoutArgs;
+use crate::launch::{launch_pipelined, load_llama_stage};
+use crate::layout::{LayoutArgs, PipelineArgs};
 use crate::progress::{peak_rss_mib, Progress, StepLine};
 
 /// The repository's bundled default model and corpus.
@@ -150,6 +151,8 @@ pub struct TrainArgs {
     pub log_every: u64,
     #[command(flatten)]
     pub layout: LayoutArgs,
+    #[command(flatten)]
+    pub pipeline: PipelineArgs,
 }
 
 /// Turns the keys of a TOML config into command-line flags placed before the real ones.
@@ -276,6 +279,7 @@ impl TrainArgs {
                 zero_group: self.zero_group,
                 checkpointing,
             },
+            pipeline: None,
         })
     }
 }
@@ -298,7 +302,7 @@ fn matmul_gflops() -> f64 {
 }
 
 pub fn run(args: &TrainArgs) -> Result<()> {
-    let cfg = args.config()?;
+    let mut cfg = args.config()?;
     // Flag checks that need the layout, before the data is read and tokenized.
     let sp = args.layout.sp_config()?;
     if let Some(z) = cfg.memory.zero_group {
@@ -327,6 +331,35 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     };
     let files = models::hub::resolve(&model_id)?;
     let model_cfg = LlamaConfig::from_file(&files.config)?;
+    // Pipeline: the micro-batches of a step are --micro-batches (default --grad-accum).
+    let pp = args.layout.pp;
+    if pp > 1 {
+        cfg.grad_accum = args.pipeline.micro_batches.unwrap_or(cfg.grad_accum);
+    }
+    if let Some(schedule) = args.pipeline.schedule(pp, cfg.grad_accum)? {
+        if args.eval_tokens.is_some() || !args.eval_data.is_empty() {
+            bail!("--eval-data and --eval-tokens are not available with --pp yet");
+        }
+        let explicit =
+            (!args.pipeline.pp_layers.is_empty()).then_some(&args.pipeline.pp_layers[..]);
+        let ranges = split_layers(
+            model_cfg.num_hidden_layers,
+            schedule.virtual_stages(),
+            explicit,
+        )
+        .with_context(|| {
+            format!(
+                "--pp-layers for {} layers (num_hidden_layers of {})",
+                model_cfg.num_hidden_layers,
+                files.config.display()
+            )
+        })?;
+        cfg.pipeline = Some(PipelineConfig {
+            schedule: args.pipeline.pp_schedule,
+            virtual_stages: args.pipeline.virtual_stages,
+            layers: ranges.iter().map(|r| r.len()).collect(),
+        });
+    }
     let dtype = args.dtype.map(DType::from).unwrap_or(DType::F32);
     // Data: tokenized once, identical on every rank.
     let tokenizer = || Tokenizer::from_model(&files);
@@ -406,15 +439,21 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     };
     let metrics_path = args.out.join("metrics.jsonl");
     let eval_path = args.out.join("eval.jsonl");
-    let final_history = launch(&args.layout, |rank| {
+    let final_history = launch_pipelined(&args.layout, |rank| {
         // The loaded parameter list is dropped here, so that under ZeRO-3 the whole tensors
         // are freed once the trainer has sharded them.
-        let model = load_llama(
+        let all = 0..model_cfg.num_hidden_layers;
+        let ranges = match &cfg.pipeline {
+            Some(pc) => pc.ranges(),
+            None => vec![all],
+        };
+        let model = load_llama_stage(
             &load_files,
             rank,
             Some(dtype),
             ParamMode::Trainable,
             &args.layout,
+            &ranges,
         )?
         .model;
         let mut trainer = Trainer::new(model, &rank.mesh, &rank.ctx, cfg.clone())?;

@@ -718,3 +718,186 @@ fn evaluation_during_training() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// (loss, grad norm) of every step in metrics.jsonl.
+fn losses_and_norms(out: &Path) -> Vec<(f64, f64)> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (
+                v["loss"].as_f64().unwrap(),
+                v["grad_norm"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// The saved weights of `a` and `b` agree within `tol` (relative, per tensor).
+fn assert_same_weights(a: &Path, b: &Path, tol: f64, what: &str) {
+    let load = |d: &Path| {
+        candle_core::safetensors::load(d.join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap()
+    };
+    let (x, y) = (load(a), load(b));
+    let mut names: Vec<&String> = x.keys().collect();
+    names.sort();
+    assert_eq!(names.len(), y.len(), "{what}: tensor count");
+    for n in names {
+        testkit::assert_close(&x[n], &y[n], tol, &format!("{what}: {n}"));
+    }
+}
+
+/// Pipeline parallelism from the command line (issue 13): `--pp` with each schedule, with
+/// micro-batch counts that are not a multiple of the stages, inside tensor and ring layouts and
+/// ZeRO-2, gives the single-rank losses, gradient norms and final weights (f32, 1e-5), reports
+/// the loss once for the whole pipeline, and saves one Hugging Face checkpoint.
+#[test]
+fn pipeline_training_matches_one_rank() {
+    let dir = tmpdir("pp");
+    let tokens = docs_file(&dir);
+    let single_args = |out: &Path, extra: &[&str]| {
+        set_flags(
+            set_flags(base_args(&tokens, out, 4), &["--ranks", "1", "--ring", "1"]),
+            extra,
+        )
+    };
+    let plain = dir.join("plain");
+    let o = cpl(&single_args(&plain, &["--grad-accum", "3"]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want = losses_and_norms(&plain);
+    for (name, extra) in [
+        ("pp2 1f1b", vec!["--ranks", "2", "--pp", "2"]),
+        (
+            "pp2 gpipe",
+            vec!["--ranks", "2", "--pp", "2", "--pp-schedule", "gpipe"],
+        ),
+        (
+            "pp2 interleaved v2",
+            vec![
+                "--ranks",
+                "2",
+                "--pp",
+                "2",
+                "--pp-schedule",
+                "interleaved",
+                "--virtual-stages",
+                "2",
+            ],
+        ),
+        (
+            "pp4 1f1b, layers 0,1,1,0",
+            vec!["--ranks", "4", "--pp", "4"],
+        ),
+        (
+            "pp2 x ring2 zigzag, ZeRO-2, uneven layers 2,0",
+            vec![
+                "--ranks",
+                "4",
+                "--pp",
+                "2",
+                "--ring",
+                "2",
+                "--zero",
+                "2",
+                "--pp-layers",
+                "2,0",
+            ],
+        ),
+        ("pp2 x tp2", vec!["--ranks", "4", "--pp", "2", "--tp", "2"]),
+    ] {
+        let out = dir.join(name.replace([' ', ','], "_"));
+        let mut extra = extra;
+        extra.extend(["--micro-batches", "3"]);
+        let o = cpl(&single_args(&out, &extra));
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let got = losses_and_norms(&out);
+        assert_eq!(got.len(), want.len(), "{name}");
+        for (i, ((l, g), (wl, wg))) in got.iter().zip(&want).enumerate() {
+            testkit::assert_close_scalar(*l, *wl, 1e-5, &format!("{name}: step {i} loss"));
+            testkit::assert_close_scalar(*g, *wg, 1e-5, &format!("{name}: step {i} grad norm"));
+        }
+        assert_same_weights(&out.join("step-4"), &plain.join("step-4"), 1e-5, name);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A checkpoint written under a pipeline resumes without one and the other way round, and the
+/// resumed runs go on with the uninterrupted run's losses.
+#[test]
+fn pipeline_checkpoints_resume_under_other_layouts() {
+    let dir = tmpdir("pp-resume");
+    let tokens = docs_file(&dir);
+    let args = |out: &Path, steps: u64, extra: &[&str]| {
+        let a = set_flags(
+            base_args(&tokens, out, steps),
+            &["--ranks", "1", "--ring", "1"],
+        );
+        set_flags(
+            a,
+            &[&["--grad-accum", "3", "--save-every", "2"], extra].concat(),
+        )
+    };
+    let plain = dir.join("plain");
+    let o = cpl(&args(&plain, 4, &[]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want = losses(&plain);
+    let pp = ["--ranks", "2", "--pp", "2"];
+    for (name, first, second) in [
+        ("pp2 then one rank", &pp[..], &[][..]),
+        ("one rank then pp2", &[][..], &pp[..]),
+    ] {
+        let out = dir.join(name.replace(' ', "_"));
+        let o = cpl(&args(&out, 2, first));
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let o = cpl(&[args(&out, 4, second), vec!["--resume".into()]].concat());
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let got = losses(&out);
+        assert_eq!(got.len(), want.len(), "{name}");
+        for ((s, a), (_, b)) in got.iter().zip(&want) {
+            testkit::assert_close_scalar(*a, *b, 1e-5, &format!("{name}: step {s}"));
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_pipeline_training_flags_fail_with_a_clear_error() {
+    let dir = tmpdir("pp-bad");
+    let tokens = docs_file(&dir);
+    let out = dir.join("out");
+    let t = tokens.to_str().unwrap();
+    let o = out.to_str().unwrap();
+    let m = fixture();
+    let m = m.to_str().unwrap();
+    let train = |extra: &str| {
+        words(&format!(
+            "train --model {m} --tokens {t} --seq-len 32 --steps 1 --out {o} {extra}"
+        ))
+    };
+    assert_clear_errors(&[
+        (
+            train("--ranks 2 --pp 2 --pp-layers 1,2"),
+            "add up to 3, the model has 2 layers",
+        ),
+        (
+            train("--ranks 4 --pp 4 --pp-layers 1,1"),
+            "--pp-layers gives 2 counts",
+        ),
+        (train("--micro-batches 3"), "give --pp 2 or more"),
+        (
+            train("--ranks 2 --pp 2 --virtual-stages 2"),
+            "need the interleaved schedule",
+        ),
+        (
+            train("--ranks 2 --pp 2 --eval-tokens x.json"),
+            "not available with --pp",
+        ),
+        (
+            words(&format!("eval --model {m} --tokens {t} --ranks 2 --pp 2")),
+            "available in `cpl train` only",
+        ),
+    ]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

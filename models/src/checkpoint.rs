@@ -243,6 +243,21 @@ impl Default for SaveOptions {
 /// one is complete. `params` must be the same list (by name) on every rank.
 pub fn save_hf(params: &[Param], tp: &Comm, dir: Option<&Path>, opts: &SaveOptions) -> Result<()> {
     let dir = dir.filter(|_| tp.rank() == 0);
+    let full = gather_tp(params, tp, dir.is_some(), opts.dtype)?;
+    match dir {
+        Some(dir) => write_hf_dir(&full, dir, opts),
+        None => Ok(()),
+    }
+}
+
+/// Collective over `tp`: every parameter whole (split ones all-gathered), sorted by name, in
+/// `dtype`, checked against its global shape; an empty list unless `keep`.
+pub fn gather_tp(
+    params: &[Param],
+    tp: &Comm,
+    keep: bool,
+    dtype: DType,
+) -> Result<Vec<(String, Tensor)>> {
     let mut sorted: Vec<&Param> = params.iter().collect();
     sorted.sort_by(|a, b| a.name.cmp(&b.name));
     let mut full = Vec::with_capacity(sorted.len());
@@ -261,14 +276,11 @@ pub fn save_hf(params: &[Param], tp: &Comm, dir: Option<&Path>, opts: &SaveOptio
                 p.global_shape
             )));
         }
-        if dir.is_some() {
-            full.push((p.name.clone(), t.to_dtype(opts.dtype)?.contiguous()?));
+        if keep {
+            full.push((p.name.clone(), t.to_dtype(dtype)?.contiguous()?));
         }
     }
-    match dir {
-        Some(dir) => write_hf_dir(&full, dir, opts),
-        None => Ok(()),
-    }
+    Ok(full)
 }
 
 /// Writes named tensors as a Hugging Face safetensors model directory (see [`save_hf`]).

@@ -172,6 +172,7 @@ fn measure(l: &Layout, plan: Plan, seq: usize, loss_chunk: usize) -> Result<Meas
             zero_group: None,
             checkpointing: plan.ckpt,
         },
+        pipeline: None,
     };
     let out = LocalWorld::run(l.ranks, |world| -> Result<Measured, String> {
         let e = |x: &dyn std::fmt::Display| x.to_string();

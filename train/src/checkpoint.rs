@@ -13,7 +13,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::Device;
 use candle_parallel::comm::Comm;
-use models::checkpoint::{save_hf, CheckpointReader, SaveOptions};
+use candle_parallel::pipeline::gather_to_first;
+use models::checkpoint::{gather_tp, save_hf, write_hf_dir, CheckpointReader, SaveOptions};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -100,11 +101,13 @@ pub fn save<M: LanguageModel>(
     let params = trainer.whole_params()?;
     let mut files = extra_files.to_vec();
     let dir = step_dir(out, trainer.step);
-    if write {
+    if write && trainer.pp().size() == 1 {
         files.push((
             "optimizer.safetensors".into(),
             models::checkpoint::safetensors_bytes(&state)?,
         ));
+    }
+    if write {
         let ts = TrainerState {
             step: trainer.step,
             global_batch: trainer.global_batch(),
@@ -123,7 +126,28 @@ pub fn save<M: LanguageModel>(
         extra_files: files,
         ..Default::default()
     };
-    save_hf(&params, &tp, write.then_some(dir.as_path()), &opts)?;
+    let pp = trainer.pp();
+    if pp.size() > 1 {
+        // Each stage holds its own parameters: the whole model meets on pipeline rank 0 (world
+        // rank 0 is one), then is written as on one stage.
+        let full = gather_tp(&params, &tp, true, dtype)?;
+        let full = gather_to_first(pp, full)?;
+        let state = gather_to_first(pp, state)?;
+        if write {
+            let mut files = opts.extra_files.clone();
+            files.push((
+                "optimizer.safetensors".into(),
+                models::checkpoint::safetensors_bytes(&state)?,
+            ));
+            let opts = SaveOptions {
+                extra_files: files,
+                ..opts
+            };
+            write_hf_dir(&full, &dir, &opts)?;
+        }
+    } else {
+        save_hf(&params, &tp, write.then_some(dir.as_path()), &opts)?;
+    }
     if write {
         let all = list_checkpoints(out);
         if all.len() > keep.max(1) {
@@ -167,11 +191,19 @@ pub fn restore<M: LanguageModel>(
     }
     let reader = CheckpointReader::open(&[dir.join("optimizer.safetensors")])?;
     let mut tensors = HashMap::new();
+    let pipelined = trainer.pp().size() > 1;
     for name in reader.names() {
-        let shard = trainer.entry_shard(&name).map_err(|_| Error::Checkpoint {
-            path: dir.to_path_buf(),
-            msg: format!("optimizer state `{name}` names no parameter of the model"),
-        })?;
+        let shard = match trainer.entry_shard(&name) {
+            Ok(s) => s,
+            // A pipeline stage reads the state of its own parameters only.
+            Err(_) if pipelined => continue,
+            Err(_) => {
+                return Err(Error::Checkpoint {
+                    path: dir.to_path_buf(),
+                    msg: format!("optimizer state `{name}` names no parameter of the model"),
+                })
+            }
+        };
         tensors.insert(name.clone(), reader.read(&name, shard, &Device::Cpu)?);
     }
     trainer

@@ -16,7 +16,10 @@
 //! reduce-scatters each micro-batch's gradients into chunks, stage 3 also shards the parameters
 //! themselves (each unit gathers its parameters for each use; see [`candle_parallel::nn::unit`]).
 //! The sharding group is `ulysses × ring × dp` or a part of it ([`ZeroGroups`]). Activation
-//! checkpointing recomputes each block in backward ([`candle_parallel::recompute`]). None of
+//! checkpointing recomputes each block in backward ([`candle_parallel::recompute`]). Under a
+//! pipeline ([`TrainConfig::pipeline`]) each rank holds one stage's parameters and a step's
+//! micro-batches run through the stages by the schedule ([`LanguageModel::pipeline_step`]); the
+//! gradient norm adds over the stages, counting a parameter held by two stages once. None of
 //! these changes a loss or a weight beyond rounding (the tests assert 1e-5 against the
 //! single-rank run).
 
@@ -28,11 +31,12 @@ use candle_parallel::comm::{Comm, ReduceOp};
 use candle_parallel::mesh::{DeviceMesh, Dim};
 use candle_parallel::nn::{Batch, CrossEntropyOptions, ParallelCtx, Param, Shard};
 use candle_parallel::optim::{
-    clip_grad_norm, decays, global_grad_norm, AdamW, AdamWConfig, FlatShard, LrSchedule,
-    OptimParam, ZeroGroups, ZeroStage,
+    clip_grad_norm_staged, decays, global_grad_norm_staged, AdamW, AdamWConfig, FlatShard,
+    LrSchedule, OptimParam, StageNorm, ZeroGroups, ZeroStage,
 };
+use candle_parallel::pipeline::{run_schedule, PipelineSchedule, ScheduleKind};
 use candle_parallel::plan::{MemoryPlan, Parallelize, PlannedParams};
-use models::llama::Llama;
+use models::llama::{Llama, LlamaStage, StageMicroBatch};
 use serde::{Deserialize, Serialize};
 
 use crate::data::{Batching, MicroBatch, PackedDataset};
@@ -47,6 +51,41 @@ pub trait LanguageModel: Parallelize + Send {
         labels: &Tensor,
         opts: &CrossEntropyOptions,
     ) -> Result<(Tensor, usize)>;
+
+    /// Runs one step's micro-batches as this rank's pipeline stage (see [`PipelineStep`]):
+    /// returns the gradients of `vars` by name (f32, summed over the micro-batches, those of
+    /// parameters held by several stages summed between them) and the step's summed loss
+    /// (the same on every pipeline rank). Collective over the pipeline group. Models without
+    /// pipeline stages return an error.
+    fn pipeline_step(
+        &self,
+        step: &PipelineStep<'_>,
+        micro: &[StageMicroBatch],
+        vars: Vec<(String, Var)>,
+    ) -> Result<(HashMap<String, Tensor>, f64)> {
+        let _ = (step, micro, vars);
+        Err(Error::Invalid("this model has no pipeline stages".into()))
+    }
+
+    /// Whether parameter `name` is held by several pipeline stages (it then counts once in
+    /// the global gradient norm, on the first stage).
+    fn replicated_across_stages(&self, name: &str) -> bool {
+        let _ = name;
+        false
+    }
+}
+
+/// What a pipeline step needs besides the model and the data.
+pub struct PipelineStep<'a> {
+    pub schedule: &'a PipelineSchedule,
+    /// Decoder layers of every virtual stage.
+    pub layers: &'a [std::ops::Range<usize>],
+    /// The pipeline group (its rank `r` is stage `r`).
+    pub pp: &'a Comm,
+    pub global_tokens: u64,
+    pub opts: CrossEntropyOptions,
+    /// Dtype of the activations between stages.
+    pub dtype: DType,
 }
 
 impl LanguageModel for Llama {
@@ -57,6 +96,55 @@ impl LanguageModel for Llama {
         opts: &CrossEntropyOptions,
     ) -> Result<(Tensor, usize)> {
         Ok(Llama::loss_sum(self, batch, labels, opts)?)
+    }
+
+    fn pipeline_step(
+        &self,
+        step: &PipelineStep<'_>,
+        micro: &[StageMicroBatch],
+        vars: Vec<(String, Var)>,
+    ) -> Result<(HashMap<String, Tensor>, f64)> {
+        let mut stage = LlamaStage::new(
+            self,
+            vars,
+            step.schedule,
+            step.pp.rank(),
+            step.layers,
+            micro,
+            step.global_tokens,
+            step.opts,
+            step.dtype,
+        )?;
+        run_schedule(step.schedule, step.pp, &mut stage)?;
+        Ok(stage.finish(step.pp)?)
+    }
+
+    fn replicated_across_stages(&self, name: &str) -> bool {
+        models::llama::replicated_across_stages(name)
+    }
+}
+
+/// Pipeline settings of a run (`--pp` above 1).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PipelineConfig {
+    pub schedule: ScheduleKind,
+    /// Model chunks per pipeline rank (2 or more for the interleaved schedule).
+    pub virtual_stages: usize,
+    /// Decoder layers of every virtual stage, in order (`--pp-layers`, or the default split).
+    pub layers: Vec<usize>,
+}
+
+impl PipelineConfig {
+    /// The layer ranges of the virtual stages.
+    pub fn ranges(&self) -> Vec<std::ops::Range<usize>> {
+        let mut start = 0;
+        self.layers
+            .iter()
+            .map(|&n| {
+                start += n;
+                start - n..start
+            })
+            .collect()
     }
 }
 
@@ -85,6 +173,9 @@ pub struct TrainConfig {
     /// ZeRO stage and groups, activation checkpointing.
     #[serde(flatten)]
     pub memory: MemoryPlan,
+    /// Pipeline schedule and stages (`None`: no pipeline).
+    #[serde(default)]
+    pub pipeline: Option<PipelineConfig>,
 }
 
 /// What one optimizer step reports.
@@ -165,6 +256,10 @@ pub struct Trainer<M = Llama> {
     loss_group: Comm,
     batching: Batching,
     dp_rank: usize,
+    /// The pipeline group (one rank without a pipeline).
+    pp: Comm,
+    /// Schedules by micro-batch count, made when first needed.
+    schedules: HashMap<usize, PipelineSchedule>,
     /// Optimizer steps taken (the next step's index).
     pub step: u64,
 }
@@ -187,6 +282,22 @@ impl<M: LanguageModel> Trainer<M> {
             return Err(Error::Invalid(
                 "the batch size and gradient accumulation must be at least 1".into(),
             ));
+        }
+        match &cfg.pipeline {
+            Some(pc) if pc.layers.len() != mesh.size(Dim::Pp) * pc.virtual_stages => {
+                return Err(Error::Invalid(format!(
+                    "{} layer counts for {} pipeline ranks x {} virtual stages",
+                    pc.layers.len(),
+                    mesh.size(Dim::Pp),
+                    pc.virtual_stages
+                )))
+            }
+            None if mesh.size(Dim::Pp) > 1 => {
+                return Err(Error::Invalid(
+                    "a pipeline mesh (pp > 1) needs a pipeline configuration".into(),
+                ))
+            }
+            _ => {}
         }
         let zero = cfg.memory.zero_groups(mesh)?;
         let param_meta = |p: &Param| (p.name.clone(), p.shard, p.global_shape.clone());
@@ -256,9 +367,16 @@ impl<M: LanguageModel> Trainer<M> {
             loss_group: mesh.group(&[Dim::Ulysses, Dim::Ring, Dim::Dp])?,
             batching,
             dp_rank: mesh.coord(Dim::Dp),
+            pp: mesh.comm(Dim::Pp),
+            schedules: HashMap::new(),
             cfg,
             step: 0,
         })
+    }
+
+    /// The pipeline group (one rank without a pipeline).
+    pub fn pp(&self) -> &Comm {
+        &self.pp
     }
 
     pub fn ctx(&self) -> &ParallelCtx {
@@ -389,16 +507,78 @@ impl<M: LanguageModel> Trainer<M> {
         Ok((loss_sum, self.collect(&store)?))
     }
 
+    /// The step's micro-batches through this rank's pipeline stage: the loss summed over the
+    /// step (the same on every pipeline rank; this rank's sequence shard) and this rank's
+    /// accumulated gradients as [`Trainer::forward_backward`] returns them. Collective over
+    /// the world.
+    fn pipeline_forward_backward(
+        &mut self,
+        micro: &[MicroBatch],
+        global_tokens: u64,
+    ) -> Result<(f64, Vec<(String, Tensor)>)> {
+        let pc = self
+            .cfg
+            .pipeline
+            .clone()
+            .ok_or_else(|| Error::Invalid("no pipeline configured".into()))?;
+        let m = micro.len();
+        if !self.schedules.contains_key(&m) {
+            let s = PipelineSchedule::new(pc.schedule, self.pp.size(), m, pc.virtual_stages)?;
+            self.schedules.insert(m, s);
+        }
+        let schedule = &self.schedules[&m];
+        let stage_micro = micro
+            .iter()
+            .map(|mb| {
+                let (batch, labels) =
+                    Batch::from_tokens(&self.ctx, &mb.ids, &mb.labels, mb.mask.clone())?;
+                Ok(StageMicroBatch { batch, labels })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let vars = self
+            .params
+            .iter()
+            .map(|p| (p.name.clone(), p.differentiated().clone()))
+            .collect();
+        let dtype = self
+            .params
+            .first()
+            .map(|p| p.differentiated().dtype())
+            .unwrap_or(DType::F32);
+        let ranges = pc.ranges();
+        let step = PipelineStep {
+            schedule,
+            layers: &ranges,
+            pp: &self.pp,
+            global_tokens,
+            opts: CrossEntropyOptions {
+                chunk_tokens: self.cfg.loss_chunk_tokens,
+                ..Default::default()
+            },
+            dtype,
+        };
+        let (mut grads, loss) = self.model.pipeline_step(&step, &stage_micro, vars)?;
+        let acc = self.collect_with(|p| grads.remove(&p.name))?;
+        Ok((loss, acc))
+    }
+
     /// Every parameter's gradient from `store` in name order, f32; under ZeRO-2 this rank's
     /// chunk of it, reduce-scattered over the sharding group (collective then).
     fn collect(&self, store: &GradStore) -> Result<Vec<(String, Tensor)>> {
+        self.collect_with(|p| store.get(p.differentiated().as_tensor()).cloned())
+    }
+
+    /// [`Trainer::collect`] from any source of the differentiated variables' gradients.
+    fn collect_with(
+        &self,
+        mut grad_of: impl FnMut(&TrainParam) -> Option<Tensor>,
+    ) -> Result<Vec<(String, Tensor)>> {
         let stage2 = self.cfg.memory.zero == ZeroStage::Gradients;
         self.params
             .iter()
             .map(|p| {
-                let g = store
-                    .get(p.differentiated().as_tensor())
-                    .ok_or_else(|| no_gradient(&p.name))?;
+                let g = grad_of(p).ok_or_else(|| no_gradient(&p.name))?;
+                let g = &g;
                 let g = match (&p.state, &self.zero) {
                     (ParamState::Mirrored { flat, .. }, Some(z)) if stage2 => {
                         flat.reduce_scatter(g, &z.shard)?
@@ -470,9 +650,18 @@ impl<M: LanguageModel> Trainer<M> {
                 Some(z) => Some(z.shard.clone()),
             }
         };
+        // Under a pipeline each stage adds its parameters; one held by several stages counts
+        // on the first.
+        let first_stage = self.pp.rank() == 0;
+        let counted = |name: &str| first_stage || !self.model.replicated_across_stages(name);
+        let staged = StageNorm {
+            comm: &self.pp,
+            counted: &counted,
+        };
+        let stages = (self.pp.size() > 1).then_some(&staged);
         let grad_norm = match self.cfg.max_grad_norm {
-            Some(max) => clip_grad_norm(&mut grads, max, &group_of)?,
-            None => global_grad_norm(&grads, &group_of)?,
+            Some(max) => clip_grad_norm_staged(&mut grads, max, &group_of, stages)?,
+            None => global_grad_norm_staged(&grads, &group_of, stages)?,
         };
         let lr = self.cfg.schedule.lr(step);
         self.optimizer.step(&grads, lr)?;
@@ -496,6 +685,11 @@ impl<M: LanguageModel> Trainer<M> {
     /// stream order, dealt round-robin to the data-parallel ranks) and the labelled tokens it
     /// counts. No gradient is applied. Collective over the world.
     pub fn eval_loss(&self, data: &PackedDataset, max_windows: usize) -> Result<(f64, u64)> {
+        if self.cfg.pipeline.is_some() {
+            return Err(Error::Invalid(
+                "evaluation during training is not available under a pipeline (--pp) yet".into(),
+            ));
+        }
         let opts = CrossEntropyOptions {
             chunk_tokens: self.cfg.loss_chunk_tokens,
             ..Default::default()
@@ -532,13 +726,19 @@ impl<M: LanguageModel> Trainer<M> {
                 "step {step}: no labelled token in the batch"
             )));
         }
-        let mut acc: Vec<(String, Tensor)> = Vec::new();
-        let mut loss_sum = 0f64;
-        for micro in self.batching.micro_batches(data, step, self.dp_rank) {
-            let (sum, grads) = self.forward_backward(&micro, global_tokens)?;
-            loss_sum += sum;
-            candle_parallel::optim::accumulate(&mut acc, grads)?;
-        }
+        let micro = self.batching.micro_batches(data, step, self.dp_rank);
+        let (loss_sum, acc) = if self.cfg.pipeline.is_some() {
+            self.pipeline_forward_backward(&micro, global_tokens)?
+        } else {
+            let mut acc: Vec<(String, Tensor)> = Vec::new();
+            let mut loss_sum = 0f64;
+            for micro in &micro {
+                let (sum, grads) = self.forward_backward(micro, global_tokens)?;
+                loss_sum += sum;
+                candle_parallel::optim::accumulate(&mut acc, grads)?;
+            }
+            (loss_sum, acc)
+        };
         let (grad_norm, lr) = self.apply(acc, step)?;
         let total = self
             .loss_group

@@ -69,6 +69,25 @@ pub fn global_grad_norm(
     grads: &[(String, Tensor)],
     sharded: &dyn Fn(&str) -> Option<Comm>,
 ) -> Result<f64> {
+    global_grad_norm_staged(grads, sharded, None)
+}
+
+/// How the pipeline stages of a model share a global gradient norm: each stage holds its own
+/// parameters, so the squared sums add over `comm` (the `pp` group); a parameter that several
+/// stages hold (a tied embedding on the first and last stage) counts only where
+/// `counted(name)` is true.
+pub struct StageNorm<'a> {
+    pub comm: &'a Comm,
+    pub counted: &'a dyn Fn(&str) -> bool,
+}
+
+/// [`global_grad_norm`] over pipeline stages (see [`StageNorm`]); `None` is one stage.
+/// Collective over each shard group and, with stages, over their communicator.
+pub fn global_grad_norm_staged(
+    grads: &[(String, Tensor)],
+    sharded: &dyn Fn(&str) -> Option<Comm>,
+    stages: Option<&StageNorm>,
+) -> Result<f64> {
     let mut order: Vec<&(String, Tensor)> = grads.iter().collect();
     order.sort_by(|a, b| a.0.cmp(&b.0));
     if let Some(w) = order.windows(2).find(|w| w[0].0 == w[1].0) {
@@ -80,13 +99,25 @@ pub fn global_grad_norm(
     let mut total = 0.0f64;
     for (name, g) in order {
         let sq = g.to_dtype(DType::F64)?.sqr()?.sum_all()?;
-        total += match sharded(name) {
+        let sq = match sharded(name) {
             Some(comm) => comm
                 .all_reduce(&sq.reshape(1)?, ReduceOp::Sum)?
                 .to_device(&candle_core::Device::Cpu)?
                 .to_vec1::<f64>()?[0],
             None => sq.to_scalar::<f64>()?,
         };
+        if stages.is_none_or(|s| (s.counted)(name)) {
+            total += sq;
+        }
+    }
+    if let Some(s) = stages.filter(|s| s.comm.size() > 1) {
+        total = s
+            .comm
+            .all_reduce(
+                &Tensor::new(&[total], &candle_core::Device::Cpu)?,
+                ReduceOp::Sum,
+            )?
+            .to_vec1::<f64>()?[0];
     }
     Ok(total.sqrt())
 }
@@ -101,13 +132,23 @@ pub fn clip_grad_norm(
     max_norm: f64,
     sharded: &dyn Fn(&str) -> Option<Comm>,
 ) -> Result<f64> {
+    clip_grad_norm_staged(grads, max_norm, sharded, None)
+}
+
+/// [`clip_grad_norm`] with the norm over pipeline stages ([`global_grad_norm_staged`]).
+pub fn clip_grad_norm_staged(
+    grads: &mut [(String, Tensor)],
+    max_norm: f64,
+    sharded: &dyn Fn(&str) -> Option<Comm>,
+    stages: Option<&StageNorm>,
+) -> Result<f64> {
     if !(max_norm.is_finite() && max_norm >= 0.0) {
         return Err(Error::invalid(
             "clip_grad_norm",
             format!("max_norm must be finite and >= 0, got {max_norm}"),
         ));
     }
-    let norm = global_grad_norm(grads, sharded)?;
+    let norm = global_grad_norm_staged(grads, sharded, stages)?;
     if !norm.is_finite() {
         return Ok(norm);
     }

@@ -12,4 +12,4 @@ pub mod stages;
 
 pub use executor::{run_schedule, StageModel};
 pub use schedule::{Action, ActionKind, PipelineSchedule, ScheduleKind, ScheduleStats};
-pub use stages::split_layers;
+pub use stages::{gather_to_first, split_layers};

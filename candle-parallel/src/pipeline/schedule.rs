@@ -17,19 +17,22 @@ use std::fmt::Write as _;
 use crate::error::{Error, Result};
 
 /// Which schedule to generate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum ScheduleKind {
     /// Every forward, then every backward (GPipe). Holds all `m` micro-batches' activations.
     #[cfg_attr(feature = "clap", value(name = "gpipe"))]
+    #[serde(rename = "gpipe")]
     GPipe,
     /// One forward, one backward after a warm-up of `p - rank - 1` forwards (PipeDream-Flush,
     /// Megatron's default). Holds at most `p - rank` micro-batches' activations.
     #[cfg_attr(feature = "clap", value(name = "1f1b"))]
+    #[serde(rename = "1f1b")]
     OneFOneB,
     /// 1F1B over `v` model chunks per rank (Megatron's virtual pipeline): the bubble shrinks by
     /// `v`, point-to-point traffic grows by `v`.
     #[cfg_attr(feature = "clap", value(name = "interleaved"))]
+    #[serde(rename = "interleaved")]
     Interleaved,
 }
 

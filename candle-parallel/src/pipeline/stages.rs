@@ -79,6 +79,62 @@ pub fn split_layers(
         .collect())
 }
 
+/// Collective over the pipeline group `pp`: every rank's named tensors arrive on rank 0, which
+/// returns all of them sorted by name (a name that several stages hold, such as a tied
+/// embedding, is kept once, from the lowest rank); the other ranks return an empty list. For
+/// saving a whole model from its stages.
+pub fn gather_to_first(
+    pp: &crate::comm::Comm,
+    named: Vec<(String, candle_core::Tensor)>,
+) -> Result<Vec<(String, candle_core::Tensor)>> {
+    use candle_core::{DType, Device, Shape, Tensor};
+    if pp.rank() != 0 {
+        // Header: one line `name <tab> dims <tab> dtype` per tensor, after its byte length.
+        let header: String = named
+            .iter()
+            .map(|(n, t)| {
+                let dims: Vec<String> = t.dims().iter().map(|d| d.to_string()).collect();
+                format!("{n}\t{}\t{}\n", dims.join(","), t.dtype().as_str())
+            })
+            .collect();
+        let bytes = header.into_bytes();
+        let len = bytes.len();
+        pp.send(&Tensor::new(&[len as u32], &Device::Cpu)?, 0)?;
+        pp.send(&Tensor::from_vec(bytes, len, &Device::Cpu)?, 0)?;
+        for (_, t) in &named {
+            pp.send(&t.contiguous()?, 0)?;
+        }
+        return Ok(Vec::new());
+    }
+    let mut all: std::collections::BTreeMap<String, Tensor> = named.into_iter().collect();
+    for src in 1..pp.size() {
+        let len = pp
+            .recv(src, &Shape::from(1), DType::U32)?
+            .to_vec1::<u32>()?[0] as usize;
+        let bytes = pp
+            .recv(src, &Shape::from(len), DType::U8)?
+            .to_vec1::<u8>()?;
+        let header = String::from_utf8(bytes).map_err(|e| invalid(e.to_string()))?;
+        for line in header.lines() {
+            let bad = || invalid(format!("rank {src} sent a bad header line `{line}`"));
+            let mut f = line.split('\t');
+            let (name, dims, dtype) = match (f.next(), f.next(), f.next()) {
+                (Some(n), Some(d), Some(t)) => (n, d, t),
+                _ => return Err(bad()),
+            };
+            let dims = dims
+                .split(',')
+                .filter(|d| !d.is_empty())
+                .map(|d| d.parse::<usize>().map_err(|_| bad()))
+                .collect::<Result<Vec<_>>>()?;
+            let dtype: DType = dtype.parse().map_err(|_| bad())?;
+            let t = pp.recv(src, &Shape::from(dims), dtype)?;
+            all.entry(name.to_string()).or_insert(t);
+        }
+    }
+    Ok(all.into_iter().collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,7 +12,7 @@ use candle_parallel::nn::{ParallelCtx, ParamBuilder, ParamList, ParamMode};
 
 pub use config::LlamaConfig;
 pub use model::{DecoderLayer, Ends, KvCache, Llama};
-pub use pipeline::{LlamaStage, StageMicroBatch};
+pub use pipeline::{replicated_across_stages, LlamaStage, StageMicroBatch};
 pub use random::write_random_checkpoint;
 
 use crate::checkpoint::CheckpointReader;

@@ -15,14 +15,21 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Shape, Tensor};
+use candle_core::{DType, Shape, Tensor, Var};
 use candle_parallel::comm::{Comm, ReduceOp};
-use candle_parallel::nn::{Batch, CrossEntropyOptions, Param, Track};
+use candle_parallel::nn::{Batch, CrossEntropyOptions, Track};
 use candle_parallel::pipeline::{PipelineSchedule, StageModel};
 
 use super::model::parallel_err;
 use super::Llama;
 use crate::error::{Error, Result};
+
+/// Whether parameter `name` is held by both the first and the last pipeline stage (the
+/// embedding, final norm and head), so that its gradient is summed between them and it counts
+/// once in a global gradient norm.
+pub fn replicated_across_stages(name: &str) -> bool {
+    !name.starts_with("model.layers.")
+}
 
 /// One micro-batch as every stage sees it: the batch (ids, positions, mask) and the shifted
 /// labels of this rank's tokens.
@@ -34,7 +41,7 @@ pub struct StageMicroBatch {
 /// This rank's chunks of a pipelined LLaMA for one step (see the [module docs](self)).
 pub struct LlamaStage<'a> {
     model: &'a Llama,
-    params: Vec<Param>,
+    params: Vec<(String, Var)>,
     rank: usize,
     stages: usize,
     chunks: Vec<Range<usize>>,
@@ -49,12 +56,13 @@ pub struct LlamaStage<'a> {
 
 impl<'a> LlamaStage<'a> {
     /// `model` built with [`Llama::new_stage`] for `layers[c * p + rank]` of every chunk `c`;
-    /// `params` its parameters; `global_tokens` the labelled tokens of the whole step (the
+    /// `params` the variables whose gradients to accumulate, by parameter name (the model's
+    /// parameters, or under ZeRO-3 the chunks it differentiates); `global_tokens` the labelled tokens of the whole step (the
     /// loss is a sum over micro-batches divided by it, as on one rank).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         model: &'a Llama,
-        params: Vec<Param>,
+        params: Vec<(String, Var)>,
         schedule: &PipelineSchedule,
         rank: usize,
         layers: &[Range<usize>],
@@ -113,16 +121,16 @@ impl<'a> LlamaStage<'a> {
         // Ranks 0 and p - 1 form one group; every other rank is alone.
         let ends_group = pp.split(if ends_rank { 0 } else { 1 + self.rank }, self.rank)?;
         if ends_rank && ends_group.size() > 1 {
-            for prm in self
+            let shared = self
                 .params
                 .iter()
-                .filter(|q| !q.name.starts_with("model.layers."))
-            {
-                let g = match grads.remove(&prm.name) {
+                .filter(|(n, _)| replicated_across_stages(n));
+            for (name, var) in shared {
+                let g = match grads.remove(name) {
                     Some(g) => g,
-                    None => prm.tensor.to_dtype(DType::F32)?.zeros_like()?,
+                    None => var.as_tensor().to_dtype(DType::F32)?.zeros_like()?,
                 };
-                grads.insert(prm.name.clone(), ends_group.all_reduce(&g, ReduceOp::Sum)?);
+                grads.insert(name.clone(), ends_group.all_reduce(&g, ReduceOp::Sum)?);
             }
         }
         let loss = pp
@@ -200,15 +208,14 @@ impl StageModel for LlamaStage<'_> {
 
     fn backward(&mut self, root: &Tensor) -> candle_parallel::Result<GradStore> {
         let store = self.model.backward(root).map_err(parallel_err)?;
-        for prm in &self.params {
-            let Some(var) = &prm.var else { continue };
+        for (name, var) in &self.params {
             if let Some(g) = store.get(var.as_tensor()) {
                 let g = g.to_dtype(DType::F32)?;
-                let sum = match self.grads.remove(&prm.name) {
+                let sum = match self.grads.remove(name) {
                     Some(a) => (a + g)?,
                     None => g,
                 };
-                self.grads.insert(prm.name.clone(), sum);
+                self.grads.insert(name.clone(), sum);
             }
         }
         Ok(store)
