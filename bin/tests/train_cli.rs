@@ -823,6 +823,57 @@ fn pipeline_training_matches_one_rank() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The pipeline inside a full layout: pp2 x ulysses2 x dp2 on 8 ranks with ZeRO-3 and selective
+/// checkpointing (2 micro-batches per data-parallel rank), against one rank with the same global
+/// batch (4 micro-batches).
+#[test]
+fn pipeline_composes_with_zero3_checkpointing_and_data_parallelism() {
+    let dir = tmpdir("pp-zero3");
+    let tokens = docs_file(&dir);
+    let args = |out: &Path, extra: &[&str]| {
+        let a = set_flags(base_args(&tokens, out, 3), &["--ranks", "1", "--ring", "1"]);
+        set_flags(a, extra)
+    };
+    let plain = dir.join("plain");
+    let o = cpl(&args(&plain, &["--grad-accum", "4"]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want = losses_and_norms(&plain);
+    let out = dir.join("pp");
+    let o = cpl(&args(
+        &out,
+        &[
+            "--ranks",
+            "8",
+            "--pp",
+            "2",
+            "--ulysses",
+            "2",
+            "--dp",
+            "2",
+            "--micro-batches",
+            "2",
+            "--zero",
+            "3",
+            "--checkpointing",
+            "selective",
+        ],
+    ));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got = losses_and_norms(&out);
+    assert_eq!(got.len(), want.len());
+    for (i, ((l, g), (wl, wg))) in got.iter().zip(&want).enumerate() {
+        testkit::assert_close_scalar(*l, *wl, 1e-5, &format!("step {i} loss"));
+        testkit::assert_close_scalar(*g, *wg, 1e-5, &format!("step {i} grad norm"));
+    }
+    assert_same_weights(
+        &out.join("step-3"),
+        &plain.join("step-3"),
+        1e-5,
+        "pp2 x ulysses2 x dp2",
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A checkpoint written under a pipeline resumes without one and the other way round, and the
 /// resumed runs go on with the uninterrupted run's losses.
 #[test]
