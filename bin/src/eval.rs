@@ -9,11 +9,12 @@ use candle_parallel::attention::{AttnMask, ShardPlan};
 use candle_parallel::comm::ReduceOp;
 use candle_parallel::mesh::Dim;
 use candle_parallel::nn::{Batch, CrossEntropyOptions, ParamMode};
-use models::llama::LlamaConfig;
+use models::llama::{LlamaConfig, StageMicroBatch};
 use models::tokenizer::Tokenizer;
+use train::trainer::pipeline_eval;
 
-use crate::launch::{launch, load_llama, Rank};
-use crate::layout::LayoutArgs;
+use crate::launch::{launch_pipelined, load_llama_stage, Rank};
+use crate::layout::{LayoutArgs, PipelineArgs};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct EvalArgs {
@@ -45,6 +46,10 @@ pub struct EvalArgs {
     pub logits_out: Option<PathBuf>,
     #[command(flatten)]
     pub layout: LayoutArgs,
+    /// With --pp: the model's stages (--virtual-stages, --pp-layers); the sequences run forward
+    /// through them one after the other.
+    #[command(flatten)]
+    pub pipeline: PipelineArgs,
 }
 
 /// The result of an evaluation.
@@ -159,15 +164,52 @@ pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
     let dtype = args.dtype.map(DType::from);
     let seqs = sequences(args, &files, &cfg)?;
     let want_logits = args.logits_out.is_some();
-    launch(&args.layout, |rank: &Rank| {
-        let model = load_llama(&files, rank, dtype, ParamMode::Frozen, &args.layout)?.model;
+    let pipeline = args.pipeline.stages(args.layout.pp, &cfg, &files.config)?;
+    if pipeline.is_some() && want_logits {
+        bail!("--logits-out is not available with --pp");
+    }
+    launch_pipelined(&args.layout, |rank: &Rank| {
+        let all = 0..cfg.num_hidden_layers;
+        let ranges = pipeline.as_ref().map(|pc| pc.ranges()).unwrap_or(vec![all]);
+        let loaded = load_llama_stage(
+            &files,
+            rank,
+            dtype,
+            ParamMode::Frozen,
+            &args.layout,
+            &ranges,
+        )?;
+        let model = loaded.model;
         let (dp, dp_rank) = (rank.mesh.size(Dim::Dp), rank.mesh.coord(Dim::Dp));
         let opts = CrossEntropyOptions::default();
         rank.world().barrier()?;
         let start = std::time::Instant::now();
         let (mut sum, mut count) = (0f64, 0u64);
         let mut logits = Vec::new();
-        for (i, seq) in seqs.iter().enumerate() {
+        if let Some(pc) = &pipeline {
+            // This data-parallel rank's sequences, forward through the stages.
+            let micro = seqs
+                .iter()
+                .skip(dp_rank)
+                .step_by(dp)
+                .map(|seq| {
+                    let (batch, labels) = Batch::from_sequences(
+                        &rank.ctx,
+                        std::slice::from_ref(seq),
+                        AttnMask::Causal,
+                    )?;
+                    Ok(StageMicroBatch { batch, labels })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let act = loaded
+                .params
+                .sorted()
+                .first()
+                .map(|p| p.tensor.dtype())
+                .unwrap_or(DType::F32);
+            (sum, count) = pipeline_eval(&model, &rank.mesh.comm(Dim::Pp), pc, &micro, opts, act)?;
+        }
+        for (i, seq) in seqs.iter().enumerate().filter(|_| pipeline.is_none()) {
             if i % dp != dp_rank && !want_logits {
                 continue;
             }

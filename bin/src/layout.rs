@@ -3,7 +3,10 @@
 use anyhow::{bail, Context, Result};
 use candle_parallel::attention::{SeqLayout, SpConfig, Strategy};
 use candle_parallel::mesh::{Dim, MeshConfig, MeshLayout, Placement};
-use candle_parallel::pipeline::{PipelineSchedule, ScheduleKind};
+use candle_parallel::pipeline::{split_layers, PipelineSchedule, ScheduleKind};
+use models::llama::LlamaConfig;
+use std::path::Path;
+use train::trainer::PipelineConfig;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct LayoutArgs {
@@ -198,6 +201,32 @@ pub struct PipelineArgs {
 }
 
 impl PipelineArgs {
+    /// The layers of every virtual stage of `model` (its config at `config_path`) for `pp`
+    /// ranks: `--pp-layers`, or the default split. `None` without a pipeline.
+    pub fn stages(
+        &self,
+        pp: usize,
+        model: &LlamaConfig,
+        config_path: &Path,
+    ) -> Result<Option<PipelineConfig>> {
+        if pp <= 1 {
+            return Ok(None);
+        }
+        let explicit = (!self.pp_layers.is_empty()).then_some(&self.pp_layers[..]);
+        let n = model.num_hidden_layers;
+        let ranges = split_layers(n, pp * self.virtual_stages, explicit).with_context(|| {
+            format!(
+                "--pp-layers for {n} layers (num_hidden_layers of {})",
+                config_path.display()
+            )
+        })?;
+        Ok(Some(PipelineConfig {
+            schedule: self.pp_schedule,
+            virtual_stages: self.virtual_stages,
+            layers: ranges.iter().map(|r| r.len()).collect(),
+        }))
+    }
+
     /// The schedule for `pp` ranks and `micro_batches`, with errors naming the flags; `None`
     /// without a pipeline (when the pipeline flags are then an error).
     pub fn schedule(&self, pp: usize, micro_batches: usize) -> Result<Option<PipelineSchedule>> {

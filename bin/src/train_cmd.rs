@@ -17,7 +17,6 @@ use candle_parallel::comm::ReduceOp;
 use candle_parallel::mesh::{Dim, MeshLayout};
 use candle_parallel::nn::ParamMode;
 use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
-use candle_parallel::pipeline::split_layers;
 use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
 use models::llama::LlamaConfig;
@@ -25,7 +24,7 @@ use models::tokenizer::Tokenizer;
 use train::checkpoint;
 use train::checkpoint::EvalPoint;
 use train::data::{PackedDataset, Packing, TokenStream};
-use train::trainer::{PipelineConfig, TrainConfig, Trainer};
+use train::trainer::{TrainConfig, Trainer};
 
 use crate::eval::DtypeArg;
 use crate::launch::{launch_pipelined, load_llama_stage};
@@ -336,29 +335,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if pp > 1 {
         cfg.grad_accum = args.pipeline.micro_batches.unwrap_or(cfg.grad_accum);
     }
-    if let Some(schedule) = args.pipeline.schedule(pp, cfg.grad_accum)? {
-        if args.eval_tokens.is_some() || !args.eval_data.is_empty() {
-            bail!("--eval-data and --eval-tokens are not available with --pp yet");
-        }
-        let explicit =
-            (!args.pipeline.pp_layers.is_empty()).then_some(&args.pipeline.pp_layers[..]);
-        let ranges = split_layers(
-            model_cfg.num_hidden_layers,
-            schedule.virtual_stages(),
-            explicit,
-        )
-        .with_context(|| {
-            format!(
-                "--pp-layers for {} layers (num_hidden_layers of {})",
-                model_cfg.num_hidden_layers,
-                files.config.display()
-            )
-        })?;
-        cfg.pipeline = Some(PipelineConfig {
-            schedule: args.pipeline.pp_schedule,
-            virtual_stages: args.pipeline.virtual_stages,
-            layers: ranges.iter().map(|r| r.len()).collect(),
-        });
+    if args.pipeline.schedule(pp, cfg.grad_accum)?.is_some() {
+        cfg.pipeline = args.pipeline.stages(pp, &model_cfg, &files.config)?;
     }
     let dtype = args.dtype.map(DType::from).unwrap_or(DType::F32);
     // Data: tokenized once, identical on every rank.

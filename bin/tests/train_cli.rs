@@ -942,13 +942,89 @@ fn bad_pipeline_training_flags_fail_with_a_clear_error() {
             "need the interleaved schedule",
         ),
         (
-            train("--ranks 2 --pp 2 --eval-tokens x.json"),
-            "not available with --pp",
+            words(&format!(
+                "eval --model {m} --tokens {t} --ranks 2 --pp 2 --logits-out x"
+            )),
+            "--logits-out is not available with --pp",
         ),
         (
-            words(&format!("eval --model {m} --tokens {t} --ranks 2 --pp 2")),
+            words(&format!(
+                "generate --model {m} --prompt hi --ranks 2 --pp 2"
+            )),
             "available in `cpl train` only",
         ),
     ]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Evaluation through a pipeline: `cpl eval --pp` (forward-only schedule, with ring and data
+/// parallelism and interleaved chunks) gives the loss of one rank, and evaluation during
+/// pipelined training writes the eval losses of the single-rank run (1e-5).
+#[test]
+fn pipeline_evaluation_matches_one_rank() {
+    let dir = tmpdir("pp-eval");
+    let tokens = docs_file(&dir);
+    let m = fixture();
+    let (m, t) = (m.to_str().unwrap(), tokens.to_str().unwrap());
+    // Sequences whose lengths every layout below can split.
+    let seqs = common::fixtures("llama/tokens.json");
+    let s = seqs.to_str().unwrap();
+    let eval = |extra: &str| {
+        let o = cpl(&words(&format!(
+            "eval --model {m} --tokens {s} --json {extra}"
+        )));
+        assert!(o.status.success(), "{extra}: {}", stderr(&o));
+        let line = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .last()
+            .unwrap()
+            .to_string();
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        (v["loss"].as_f64().unwrap(), v["tokens"].as_u64().unwrap())
+    };
+    let (want, n) = eval("");
+    for extra in [
+        "--ranks 2 --pp 2",
+        "--ranks 8 --pp 2 --ring 2 --dp 2 --virtual-stages 2",
+    ] {
+        let (got, k) = eval(extra);
+        assert_eq!(k, n, "{extra}: tokens");
+        testkit::assert_close_scalar(got, want, 1e-5, &format!("eval {extra}"));
+    }
+    let eval_losses = |out: &Path| -> Vec<f64> {
+        std::fs::read_to_string(out.join("eval.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let run = |out: &Path, extra: &[&str]| {
+        let a = set_flags(base_args(&tokens, out, 4), &["--ranks", "1", "--ring", "1"]);
+        let a = set_flags(
+            a,
+            &[
+                &["--grad-accum", "2", "--eval-tokens", t, "--eval-every", "2"],
+                extra,
+            ]
+            .concat(),
+        );
+        let o = cpl(&a);
+        assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
+        eval_losses(out)
+    };
+    let want = run(&dir.join("plain"), &[]);
+    let got = run(
+        &dir.join("pp"),
+        &["--ranks", "4", "--pp", "2", "--ring", "2"],
+    );
+    assert_eq!(got.len(), 2);
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(&want) {
+        testkit::assert_close_scalar(*g, *w, 1e-5, "eval during pipelined training");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -189,6 +189,36 @@ fn the_validator_rejects_planted_defects() {
     expect_invalid(&s, "no such chunk or micro-batch");
 }
 
+/// Evaluation schedules: forwards only, every micro-batch through every virtual stage, valid
+/// for any stages, micro-batches and chunks; a backward planted in one is rejected.
+#[test]
+fn forward_only_schedules_validate() {
+    for p in 1..=5 {
+        for m in 1..=7 {
+            for v in 1..=3 {
+                let s = PipelineSchedule::forward_only(p, m, v)
+                    .unwrap_or_else(|e| panic!("p={p} m={m} v={v}: {e}"));
+                for acts in &s.ranks {
+                    assert_eq!(
+                        acts.iter()
+                            .filter(|a| a.kind == ActionKind::Forward)
+                            .count(),
+                        m * v
+                    );
+                    assert!(acts.iter().all(|a| a.kind != ActionKind::Backward));
+                }
+            }
+        }
+    }
+    let mut s = PipelineSchedule::forward_only(2, 2, 1).unwrap();
+    s.ranks[1].push(Action {
+        kind: ActionKind::Backward,
+        micro_batch: 0,
+        chunk: 0,
+    });
+    expect_invalid(&s, "backward in a forward-only schedule");
+}
+
 #[test]
 fn bad_arguments_are_clear_errors() {
     let err = |k, p, m, v| PipelineSchedule::new(k, p, m, v).unwrap_err().to_string();

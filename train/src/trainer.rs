@@ -29,7 +29,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_parallel::comm::{Comm, ReduceOp};
 use candle_parallel::mesh::{DeviceMesh, Dim};
-use candle_parallel::nn::{Batch, CrossEntropyOptions, ParallelCtx, Param, Shard};
+use candle_parallel::nn::{Batch, CrossEntropyOptions, ParallelCtx, Param, Shard, IGNORE_INDEX};
 use candle_parallel::optim::{
     clip_grad_norm_staged, decays, global_grad_norm_staged, AdamW, AdamWConfig, FlatShard,
     LrSchedule, OptimParam, StageNorm, ZeroGroups, ZeroStage,
@@ -122,6 +122,40 @@ impl LanguageModel for Llama {
     fn replicated_across_stages(&self, name: &str) -> bool {
         models::llama::replicated_across_stages(name)
     }
+}
+
+/// Evaluation through a pipeline: `micro` (this rank's sequence shards) forward through the
+/// stages ([`PipelineSchedule::forward_only`]). Returns the summed loss (the same on every
+/// pipeline rank) and the labelled tokens of this rank's shards. Collective over `pp`; nothing
+/// to do (and no communication) when `micro` is empty, which it then is on every rank of `pp`.
+pub fn pipeline_eval<M: LanguageModel>(
+    model: &M,
+    pp: &Comm,
+    pc: &PipelineConfig,
+    micro: &[StageMicroBatch],
+    opts: CrossEntropyOptions,
+    dtype: DType,
+) -> Result<(f64, u64)> {
+    if micro.is_empty() {
+        return Ok((0.0, 0));
+    }
+    let schedule = PipelineSchedule::forward_only(pp.size(), micro.len(), pc.virtual_stages)?;
+    let ranges = pc.ranges();
+    let step = PipelineStep {
+        schedule: &schedule,
+        layers: &ranges,
+        pp,
+        global_tokens: 1,
+        opts,
+        dtype,
+    };
+    let (_, loss) = model.pipeline_step(&step, micro, Vec::new())?;
+    let mut count = 0u64;
+    for m in micro {
+        let labels = m.labels.flatten_all()?.to_vec1::<i64>()?;
+        count += labels.iter().filter(|&&l| l != IGNORE_INDEX).count() as u64;
+    }
+    Ok((loss, count))
 }
 
 /// Pipeline settings of a run (`--pp` above 1).
@@ -685,17 +719,13 @@ impl<M: LanguageModel> Trainer<M> {
     /// stream order, dealt round-robin to the data-parallel ranks) and the labelled tokens it
     /// counts. No gradient is applied. Collective over the world.
     pub fn eval_loss(&self, data: &PackedDataset, max_windows: usize) -> Result<(f64, u64)> {
-        if self.cfg.pipeline.is_some() {
-            return Err(Error::Invalid(
-                "evaluation during training is not available under a pipeline (--pp) yet".into(),
-            ));
-        }
         let opts = CrossEntropyOptions {
             chunk_tokens: self.cfg.loss_chunk_tokens,
             ..Default::default()
         };
         let n = data.num_windows().min(max_windows.max(1));
         let (mut sum, mut count) = (0f64, 0f64);
+        let mut micro = Vec::new();
         for i in (self.dp_rank..n).step_by(self.batching.dp) {
             let w = data.window(i);
             let mask = if self.cfg.doc_mask {
@@ -705,9 +735,23 @@ impl<M: LanguageModel> Trainer<M> {
             };
             let (batch, labels) =
                 Batch::from_tokens(&self.ctx, &[w.ids], std::slice::from_ref(&w.labels), mask)?;
+            if self.cfg.pipeline.is_some() {
+                micro.push(StageMicroBatch { batch, labels });
+                continue;
+            }
             let (s, c) = self.model.loss_sum(&batch, &labels, &opts)?;
             sum += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             count += c as f64;
+        }
+        if let Some(pc) = &self.cfg.pipeline {
+            let dtype = self
+                .params
+                .first()
+                .map(|p| p.differentiated().dtype())
+                .unwrap_or(DType::F32);
+            let (s, c) = pipeline_eval(&self.model, &self.pp, pc, &micro, opts, dtype)?;
+            sum = s;
+            count = c as f64;
         }
         let t = self
             .loss_group

@@ -130,6 +130,16 @@ pub fn run_schedule<M: StageModel>(
                     out_grads.insert(key, t);
                 }
             }
+            ActionKind::Forward if schedule.forward_only => {
+                let x = inputs.remove(&key);
+                if x.is_none() && vs > 0 {
+                    return Err(missing("received input"));
+                }
+                let out = model.forward(a.chunk, a.micro_batch, x.as_ref())?;
+                if vs < last {
+                    live.insert(key, (None, out.detach()));
+                }
+            }
             ActionKind::Forward => {
                 let leaf = match inputs.remove(&key) {
                     Some(x) => Some(Var::from_tensor(&x)?),
@@ -141,7 +151,12 @@ pub fn run_schedule<M: StageModel>(
                 live.insert(key, (leaf, out));
             }
             ActionKind::SendActivation => {
-                let (_, out) = live.get(&key).ok_or_else(|| missing("forward output"))?;
+                let out = if schedule.forward_only {
+                    live.remove(&key).map(|(_, o)| o)
+                } else {
+                    live.get(&key).map(|(_, o)| o.clone())
+                };
+                let out = out.ok_or_else(|| missing("forward output"))?;
                 let to = vs + 1;
                 send(
                     &mut arrived,

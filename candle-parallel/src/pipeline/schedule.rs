@@ -105,6 +105,9 @@ pub struct PipelineSchedule {
     pub chunks: usize,
     /// `ranks[r]`: rank `r`'s actions, in order.
     pub ranks: Vec<Vec<Action>>,
+    /// Forwards only (evaluation, [`PipelineSchedule::forward_only`]): no backward, and an
+    /// activation is dropped once sent.
+    pub forward_only: bool,
 }
 
 /// What [`PipelineSchedule::validate`] measured by running the schedule with unit costs
@@ -186,6 +189,7 @@ impl PipelineSchedule {
             micro_batches,
             chunks,
             ranks,
+            forward_only: false,
         };
         s.validate().map_err(|e| {
             invalid(format!(
@@ -193,6 +197,33 @@ impl PipelineSchedule {
                  {chunks} chunk(s) per rank: {e}"
             ))
         })?;
+        Ok(s)
+    }
+
+    /// An evaluation schedule: every micro-batch through every virtual stage, forwards only,
+    /// in micro-batch order, for `stages` ranks with `chunks` model chunks each (any number:
+    /// the chunks of a rank are consecutive virtual stages `c * p + rank`). Validated.
+    pub fn forward_only(stages: usize, micro_batches: usize, chunks: usize) -> Result<Self> {
+        if stages == 0 || micro_batches == 0 || chunks == 0 {
+            return Err(invalid(
+                "an evaluation pipeline needs at least one stage, micro-batch and chunk",
+            ));
+        }
+        let order: Vec<Action> = (0..micro_batches)
+            .flat_map(|mb| (0..chunks).map(move |c| compute(ActionKind::Forward, mb, c)))
+            .collect();
+        let ranks = (0..stages)
+            .map(|r| with_communication(&order, r, stages, chunks))
+            .collect();
+        let s = Self {
+            kind: ScheduleKind::GPipe,
+            stages,
+            micro_batches,
+            chunks,
+            ranks,
+            forward_only: true,
+        };
+        s.validate()?;
         Ok(s)
     }
 
@@ -264,8 +295,13 @@ impl PipelineSchedule {
                             starts[r].push((a, clock[r]));
                             clock[r] += FORWARD_COST;
                             busy[r] += FORWARD_COST;
-                            in_flight[r] += 1;
-                            peak[r] = peak[r].max(in_flight[r]);
+                            if !self.forward_only {
+                                in_flight[r] += 1;
+                                peak[r] = peak[r].max(in_flight[r]);
+                            }
+                        }
+                        ActionKind::Backward if self.forward_only => {
+                            return Err(invalid(at("backward in a forward-only schedule")));
                         }
                         ActionKind::Backward => {
                             if !done_fwd.contains(&key) {
@@ -359,7 +395,8 @@ impl PipelineSchedule {
         }
         for mb in 0..m {
             for vs in 0..p * v {
-                if !done_fwd.contains(&(mb, vs)) || !done_bwd.contains(&(mb, vs)) {
+                let backward_done = self.forward_only || done_bwd.contains(&(mb, vs));
+                if !done_fwd.contains(&(mb, vs)) || !backward_done {
                     return Err(invalid(format!(
                         "micro-batch {mb} does not run forward and backward on virtual stage {vs}"
                     )));
