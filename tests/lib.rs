@@ -330,3 +330,16 @@ pub fn run_layout_with(name: &str, layout: &Layout, plan: StepPlan) -> StepResul
     }
     first
 }
+
+/// The trainable variables of `params` by name (what a pipeline stage differentiates).
+pub fn trainable_vars(params: &[Param]) -> Vec<(String, candle_core::Var)> {
+    params
+        .iter()
+        .map(|p| {
+            (
+                p.name.clone(),
+                p.var.clone().expect("parameters loaded as trainable"),
+            )
+        })
+        .collect()
+}

@@ -17,7 +17,7 @@ use candle_parallel::mesh::Dim;
 use candle_parallel::nn::{Batch, CrossEntropyOptions, ParallelCtx, ParamMode};
 use candle_parallel::optim::{collect_gradients, reduce_gradients};
 use candle_parallel::pipeline::{run_schedule, split_layers, PipelineSchedule, ScheduleKind};
-use cpl_integration_tests::Layout;
+use cpl_integration_tests::{trainable_vars, Layout};
 use models::llama::{self, LlamaStage, StageMicroBatch};
 
 const LAYERS: usize = 6;
@@ -166,13 +166,9 @@ fn pipelined(
         let stage_micro: Vec<StageMicroBatch> =
             micro.iter().map(|mb| stage_batch(&ctx, mb)).collect();
         let params = loaded.params.sorted();
-        let vars = params
-            .iter()
-            .map(|p| (p.name.clone(), p.var.clone().expect("trainable")))
-            .collect();
         let mut stage = LlamaStage::new(
             &loaded.model,
-            vars,
+            trainable_vars(&params),
             &schedule,
             rank,
             &split,

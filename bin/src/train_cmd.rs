@@ -471,11 +471,15 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             let tps = stats.tokens as f64 / dt;
             history.steps.push(stats);
             if let Some(f) = metrics.as_mut() {
-                f.write(&serde_json::json!({
+                let mut line = serde_json::json!({
                     "step": stats.step, "loss": stats.loss, "lr": stats.lr,
                     "grad_norm": stats.grad_norm, "tokens": stats.tokens,
                     "tokens_per_sec": tps, "seconds": dt, "peak_rss_mib": peak_rss_mib(),
-                }))?;
+                });
+                if let Some(b) = stats.pp_bubble {
+                    line["pp_bubble"] = serde_json::json!(b);
+                }
+                f.write(&line)?;
             }
             if let Some(p) = progress.as_mut() {
                 let done = trainer.step - first;

@@ -819,7 +819,21 @@ fn pipeline_training_matches_one_rank() {
             testkit::assert_close_scalar(*g, *wg, 1e-5, &format!("{name}: step {i} grad norm"));
         }
         assert_same_weights(&out.join("step-4"), &plain.join("step-4"), 1e-5, name);
+        // Every step reports the measured bubble of the pipeline.
+        for l in std::fs::read_to_string(out.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+        {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let b = v["pp_bubble"].as_f64().unwrap_or(f64::NAN);
+            assert!((0.0..1.0).contains(&b), "{name}: pp_bubble {b} in {l}");
+        }
     }
+    let line = std::fs::read_to_string(plain.join("metrics.jsonl")).unwrap();
+    assert!(
+        !line.contains("pp_bubble"),
+        "no pipeline, no bubble: {line}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

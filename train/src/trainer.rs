@@ -34,7 +34,7 @@ use candle_parallel::optim::{
     clip_grad_norm_staged, decays, global_grad_norm_staged, AdamW, AdamWConfig, FlatShard,
     LrSchedule, OptimParam, StageNorm, ZeroGroups, ZeroStage,
 };
-use candle_parallel::pipeline::{run_schedule, PipelineSchedule, ScheduleKind};
+use candle_parallel::pipeline::{run_schedule, ExecTimes, PipelineSchedule, ScheduleKind};
 use candle_parallel::plan::{MemoryPlan, Parallelize, PlannedParams};
 use models::llama::{Llama, LlamaStage, StageMicroBatch};
 use serde::{Deserialize, Serialize};
@@ -52,17 +52,15 @@ pub trait LanguageModel: Parallelize + Send {
         opts: &CrossEntropyOptions,
     ) -> Result<(Tensor, usize)>;
 
-    /// Runs one step's micro-batches as this rank's pipeline stage (see [`PipelineStep`]):
-    /// returns the gradients of `vars` by name (f32, summed over the micro-batches, those of
-    /// parameters held by several stages summed between them) and the step's summed loss
-    /// (the same on every pipeline rank). Collective over the pipeline group. Models without
-    /// pipeline stages return an error.
+    /// Runs one step's micro-batches as this rank's pipeline stage (see [`PipelineStep`] and
+    /// [`PipelineOutput`]). Collective over the pipeline group. Models without pipeline stages
+    /// return an error.
     fn pipeline_step(
         &self,
         step: &PipelineStep<'_>,
         micro: &[StageMicroBatch],
         vars: Vec<(String, Var)>,
-    ) -> Result<(HashMap<String, Tensor>, f64)> {
+    ) -> Result<PipelineOutput> {
         let _ = (step, micro, vars);
         Err(Error::Invalid("this model has no pipeline stages".into()))
     }
@@ -73,6 +71,21 @@ pub trait LanguageModel: Parallelize + Send {
         let _ = name;
         false
     }
+}
+
+/// A step's summed loss, this rank's accumulated gradients in parameter order, and under a
+/// pipeline its measured bubble.
+type StepGrads = (f64, Vec<(String, Tensor)>, Option<f64>);
+
+/// What a pipeline step returns on each rank.
+pub struct PipelineOutput {
+    /// Gradients of the step's variables by name (f32, summed over the micro-batches; those of
+    /// parameters held by several stages summed between them).
+    pub grads: HashMap<String, Tensor>,
+    /// The step's summed loss, the same on every pipeline rank.
+    pub loss_sum: f64,
+    /// Where this rank's time went.
+    pub times: ExecTimes,
 }
 
 /// What a pipeline step needs besides the model and the data.
@@ -103,7 +116,7 @@ impl LanguageModel for Llama {
         step: &PipelineStep<'_>,
         micro: &[StageMicroBatch],
         vars: Vec<(String, Var)>,
-    ) -> Result<(HashMap<String, Tensor>, f64)> {
+    ) -> Result<PipelineOutput> {
         let mut stage = LlamaStage::new(
             self,
             vars,
@@ -115,8 +128,13 @@ impl LanguageModel for Llama {
             step.opts,
             step.dtype,
         )?;
-        run_schedule(step.schedule, step.pp, &mut stage)?;
-        Ok(stage.finish(step.pp)?)
+        let times = run_schedule(step.schedule, step.pp, &mut stage)?;
+        let (grads, loss_sum) = stage.finish(step.pp)?;
+        Ok(PipelineOutput {
+            grads,
+            loss_sum,
+            times,
+        })
     }
 
     fn replicated_across_stages(&self, name: &str) -> bool {
@@ -149,7 +167,7 @@ pub fn pipeline_eval<M: LanguageModel>(
         opts,
         dtype,
     };
-    let (_, loss) = model.pipeline_step(&step, micro, Vec::new())?;
+    let loss = model.pipeline_step(&step, micro, Vec::new())?.loss_sum;
     let mut count = 0u64;
     for m in micro {
         let labels = m.labels.flatten_all()?.to_vec1::<i64>()?;
@@ -224,6 +242,10 @@ pub struct StepStats {
     pub grad_norm: f64,
     /// Tokens with a label in the global batch.
     pub tokens: u64,
+    /// Under a pipeline: the measured bubble, the fraction of the pipeline ranks' step time
+    /// outside the model's forward and backward (summed over the pipeline ranks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pp_bubble: Option<f64>,
 }
 
 /// Where a trainable parameter's value lives under the memory plan.
@@ -549,7 +571,7 @@ impl<M: LanguageModel> Trainer<M> {
         &mut self,
         micro: &[MicroBatch],
         global_tokens: u64,
-    ) -> Result<(f64, Vec<(String, Tensor)>)> {
+    ) -> Result<StepGrads> {
         let pc = self
             .cfg
             .pipeline
@@ -591,9 +613,16 @@ impl<M: LanguageModel> Trainer<M> {
             },
             dtype,
         };
-        let (mut grads, loss) = self.model.pipeline_step(&step, &stage_micro, vars)?;
-        let acc = self.collect_with(|p| grads.remove(&p.name))?;
-        Ok((loss, acc))
+        let mut out = self.model.pipeline_step(&step, &stage_micro, vars)?;
+        let acc = self.collect_with(|p| out.grads.remove(&p.name))?;
+        let t = Tensor::new(&[out.times.compute, out.times.wall], &Device::Cpu)?;
+        let t = self.pp.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f64>()?;
+        let bubble = ExecTimes {
+            compute: t[0],
+            wall: t[1],
+        }
+        .idle();
+        Ok((out.loss_sum, acc, Some(bubble)))
     }
 
     /// Every parameter's gradient from `store` in name order, f32; under ZeRO-2 this rank's
@@ -771,7 +800,7 @@ impl<M: LanguageModel> Trainer<M> {
             )));
         }
         let micro = self.batching.micro_batches(data, step, self.dp_rank);
-        let (loss_sum, acc) = if self.cfg.pipeline.is_some() {
+        let (loss_sum, acc, pp_bubble) = if self.cfg.pipeline.is_some() {
             self.pipeline_forward_backward(&micro, global_tokens)?
         } else {
             let mut acc: Vec<(String, Tensor)> = Vec::new();
@@ -781,7 +810,7 @@ impl<M: LanguageModel> Trainer<M> {
                 loss_sum += sum;
                 candle_parallel::optim::accumulate(&mut acc, grads)?;
             }
-            (loss_sum, acc)
+            (loss_sum, acc, None)
         };
         let (grad_norm, lr) = self.apply(acc, step)?;
         let total = self
@@ -795,6 +824,7 @@ impl<M: LanguageModel> Trainer<M> {
             lr,
             grad_norm,
             tokens: global_tokens,
+            pp_bubble,
         })
     }
 }

@@ -46,14 +46,44 @@ fn invalid(msg: impl Into<String>) -> Error {
     Error::invalid("pipeline", msg)
 }
 
-/// Runs rank `comm.rank()`'s actions of `schedule`. Collective over `comm`, the pipeline
-/// communicator (its rank `r` is stage `r`): every rank of it must call this with the same
-/// schedule. A failing rank makes the others return the communicator's error naming it.
+/// Where a rank's time went in [`run_schedule`].
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ExecTimes {
+    /// Seconds in the model's forward and backward.
+    pub compute: f64,
+    /// Seconds from the first action to the last send completed.
+    pub wall: f64,
+}
+
+impl ExecTimes {
+    /// The fraction of the wall time this rank did not compute (waiting for its neighbours,
+    /// communicating): the measured bubble.
+    pub fn idle(&self) -> f64 {
+        if self.wall > 0.0 {
+            (1.0 - self.compute / self.wall).max(0.0)
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Runs rank `comm.rank()`'s actions of `schedule` and returns where its time went. Collective
+/// over `comm`, the pipeline communicator (its rank `r` is stage `r`): every rank of it must
+/// call this with the same schedule. A failing rank makes the others return the
+/// communicator's error naming it.
 pub fn run_schedule<M: StageModel>(
     schedule: &PipelineSchedule,
     comm: &Comm,
     model: &mut M,
-) -> Result<()> {
+) -> Result<ExecTimes> {
+    let start = std::time::Instant::now();
+    let mut compute = 0.0f64;
+    let mut timed = |f: &mut dyn FnMut() -> Result<()>| -> Result<()> {
+        let t = std::time::Instant::now();
+        let r = f();
+        compute += t.elapsed().as_secs_f64();
+        r
+    };
     let (p, rank) = (schedule.stages, comm.rank());
     if comm.size() != p {
         return Err(invalid(format!(
@@ -135,7 +165,12 @@ pub fn run_schedule<M: StageModel>(
                 if x.is_none() && vs > 0 {
                     return Err(missing("received input"));
                 }
-                let out = model.forward(a.chunk, a.micro_batch, x.as_ref())?;
+                let mut out = None;
+                timed(&mut || {
+                    out = Some(model.forward(a.chunk, a.micro_batch, x.as_ref())?);
+                    Ok(())
+                })?;
+                let out = out.ok_or_else(|| missing("forward output"))?;
                 if vs < last {
                     live.insert(key, (None, out.detach()));
                 }
@@ -146,8 +181,13 @@ pub fn run_schedule<M: StageModel>(
                     None if vs == 0 => None,
                     None => return Err(missing("received input")),
                 };
-                let out =
-                    model.forward(a.chunk, a.micro_batch, leaf.as_ref().map(|v| v.as_tensor()))?;
+                let mut out = None;
+                timed(&mut || {
+                    let x = leaf.as_ref().map(|v| v.as_tensor());
+                    out = Some(model.forward(a.chunk, a.micro_batch, x)?);
+                    Ok(())
+                })?;
+                let out = out.ok_or_else(|| missing("forward output"))?;
                 live.insert(key, (leaf, out));
             }
             ActionKind::SendActivation => {
@@ -176,7 +216,12 @@ pub fn run_schedule<M: StageModel>(
                         .ok_or_else(|| missing("received gradient"))?;
                     (out * g)?.sum_all()?
                 };
-                let store = model.backward(&root)?;
+                let mut store = None;
+                timed(&mut || {
+                    store = Some(model.backward(&root)?);
+                    Ok(())
+                })?;
+                let store = store.ok_or_else(|| missing("gradients"))?;
                 if let Some(leaf) = leaf {
                     let g = match store.get(leaf.as_tensor()) {
                         Some(g) => g.clone(),
@@ -210,5 +255,8 @@ pub fn run_schedule<M: StageModel>(
             "rank {rank}: micro-batch {mb} of chunk {c} ran forward without backward"
         )));
     }
-    Ok(())
+    Ok(ExecTimes {
+        compute,
+        wall: start.elapsed().as_secs_f64(),
+    })
 }
