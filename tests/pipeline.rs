@@ -16,7 +16,9 @@ use candle_parallel::comm::{LocalWorld, ReduceOp};
 use candle_parallel::mesh::Dim;
 use candle_parallel::nn::{Batch, CrossEntropyOptions, ParallelCtx, ParamMode};
 use candle_parallel::optim::{collect_gradients, reduce_gradients};
-use candle_parallel::pipeline::{run_schedule, split_layers, PipelineSchedule, ScheduleKind};
+use candle_parallel::pipeline::{
+    finish_step, run_schedule, split_layers, PipelineSchedule, ScheduleKind,
+};
 use cpl_integration_tests::{trainable_vars, Layout};
 use models::llama::{self, LlamaStage, StageMicroBatch};
 
@@ -179,7 +181,9 @@ fn pipelined(
         )
         .map_err(|x| e(&x))?;
         run_schedule(&schedule, &pp_comm, &mut stage).map_err(|x| e(&x))?;
-        let (grads, loss) = stage.finish(&pp_comm).map_err(|x| e(&x))?;
+        let shared = stage.shared();
+        let (grads, loss) = stage.into_parts();
+        let (grads, loss) = finish_step(&pp_comm, grads, &shared, loss).map_err(|x| e(&x))?;
         // Every parameter this rank holds has a gradient.
         let list: Vec<(String, Tensor)> = params
             .iter()

@@ -34,7 +34,9 @@ use candle_parallel::optim::{
     clip_grad_norm_staged, decays, global_grad_norm_staged, AdamW, AdamWConfig, FlatShard,
     LrSchedule, OptimParam, StageNorm, ZeroGroups, ZeroStage,
 };
-use candle_parallel::pipeline::{run_schedule, ExecTimes, PipelineSchedule, ScheduleKind};
+use candle_parallel::pipeline::{
+    finish_step, run_schedule, ExecTimes, PipelineSchedule, ScheduleKind,
+};
 use candle_parallel::plan::{MemoryPlan, Parallelize, PlannedParams};
 use models::llama::{Llama, LlamaStage, StageMicroBatch};
 use serde::{Deserialize, Serialize};
@@ -129,7 +131,9 @@ impl LanguageModel for Llama {
             step.dtype,
         )?;
         let times = run_schedule(step.schedule, step.pp, &mut stage)?;
-        let (grads, loss_sum) = stage.finish(step.pp)?;
+        let shared = stage.shared();
+        let (grads, loss_sum) = stage.into_parts();
+        let (grads, loss_sum) = finish_step(step.pp, grads, &shared, loss_sum)?;
         Ok(PipelineOutput {
             grads,
             loss_sum,
@@ -430,6 +434,22 @@ impl<M: LanguageModel> Trainer<M> {
         })
     }
 
+    /// The loss options of this run (its `--loss-chunk`).
+    fn loss_options(&self) -> CrossEntropyOptions {
+        CrossEntropyOptions {
+            chunk_tokens: self.cfg.loss_chunk_tokens,
+            ..Default::default()
+        }
+    }
+
+    /// Dtype of the model's activations: that of its parameters.
+    fn activation_dtype(&self) -> DType {
+        self.params
+            .first()
+            .map(|p| p.differentiated().dtype())
+            .unwrap_or(DType::F32)
+    }
+
     /// The pipeline group (one rank without a pipeline).
     pub fn pp(&self) -> &Comm {
         &self.pp
@@ -550,10 +570,7 @@ impl<M: LanguageModel> Trainer<M> {
         micro: &MicroBatch,
         global_tokens: u64,
     ) -> Result<(f64, Vec<(String, Tensor)>)> {
-        let opts = CrossEntropyOptions {
-            chunk_tokens: self.cfg.loss_chunk_tokens,
-            ..Default::default()
-        };
+        let opts = self.loss_options();
         let (batch, labels) =
             Batch::from_tokens(&self.ctx, &micro.ids, &micro.labels, micro.mask.clone())?;
         let (sum, _) = self.model.loss_sum(&batch, &labels, &opts)?;
@@ -596,21 +613,14 @@ impl<M: LanguageModel> Trainer<M> {
             .iter()
             .map(|p| (p.name.clone(), p.differentiated().clone()))
             .collect();
-        let dtype = self
-            .params
-            .first()
-            .map(|p| p.differentiated().dtype())
-            .unwrap_or(DType::F32);
+        let dtype = self.activation_dtype();
         let ranges = pc.ranges();
         let step = PipelineStep {
             schedule,
             layers: &ranges,
             pp: &self.pp,
             global_tokens,
-            opts: CrossEntropyOptions {
-                chunk_tokens: self.cfg.loss_chunk_tokens,
-                ..Default::default()
-            },
+            opts: self.loss_options(),
             dtype,
         };
         let mut out = self.model.pipeline_step(&step, &stage_micro, vars)?;
@@ -748,10 +758,7 @@ impl<M: LanguageModel> Trainer<M> {
     /// stream order, dealt round-robin to the data-parallel ranks) and the labelled tokens it
     /// counts. No gradient is applied. Collective over the world.
     pub fn eval_loss(&self, data: &PackedDataset, max_windows: usize) -> Result<(f64, u64)> {
-        let opts = CrossEntropyOptions {
-            chunk_tokens: self.cfg.loss_chunk_tokens,
-            ..Default::default()
-        };
+        let opts = self.loss_options();
         let n = data.num_windows().min(max_windows.max(1));
         let (mut sum, mut count) = (0f64, 0f64);
         let mut micro = Vec::new();
@@ -773,11 +780,7 @@ impl<M: LanguageModel> Trainer<M> {
             count += c as f64;
         }
         if let Some(pc) = &self.cfg.pipeline {
-            let dtype = self
-                .params
-                .first()
-                .map(|p| p.differentiated().dtype())
-                .unwrap_or(DType::F32);
+            let dtype = self.activation_dtype();
             let (s, c) = pipeline_eval(&self.model, &self.pp, pc, &micro, opts, dtype)?;
             sum = s;
             count = c as f64;

@@ -14,7 +14,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Shape, Tensor, Var};
 
 use super::schedule::{ActionKind, PipelineSchedule};
-use crate::comm::{Comm, Pending};
+use crate::comm::{Comm, Pending, ReduceOp};
 use crate::error::{Error, Result};
 
 /// What a rank's model chunks do under a pipeline schedule.
@@ -259,4 +259,38 @@ pub fn run_schedule<M: StageModel>(
         compute,
         wall: start.elapsed().as_secs_f64(),
     })
+}
+
+/// Completes a pipeline step on every rank of `pp` (collective over it): the gradients of the
+/// parameters that both the first and the last stage hold (`shared`: name and the variable,
+/// whose shape gives a zero gradient where that stage did not use it) are summed between those
+/// two ranks, so the two copies stay equal after the optimizer step; and every rank gets the
+/// step's loss sum, computed on the last stage (`loss_sum`: this rank's part, 0 elsewhere).
+/// Returns this rank's gradients and the loss sum.
+pub fn finish_step(
+    pp: &Comm,
+    mut grads: HashMap<String, Tensor>,
+    shared: &[(String, Var)],
+    loss_sum: f64,
+) -> Result<(HashMap<String, Tensor>, f64)> {
+    let (p, rank) = (pp.size(), pp.rank());
+    let ends_rank = rank == 0 || rank + 1 == p;
+    // Ranks 0 and p - 1 form one group; every other rank is alone.
+    let ends_group = pp.split(if ends_rank { 0 } else { 1 + rank }, rank)?;
+    if ends_rank && ends_group.size() > 1 {
+        for (name, var) in shared {
+            let g = match grads.remove(name) {
+                Some(g) => g,
+                None => var.as_tensor().to_dtype(DType::F32)?.zeros_like()?,
+            };
+            grads.insert(name.clone(), ends_group.all_reduce(&g, ReduceOp::Sum)?);
+        }
+    }
+    let loss = pp
+        .all_reduce(
+            &Tensor::new(&[loss_sum], &candle_core::Device::Cpu)?,
+            ReduceOp::Sum,
+        )?
+        .to_vec1::<f64>()?[0];
+    Ok((grads, loss))
 }

@@ -6,8 +6,11 @@
 //! also embeds the tokens, the last applies the final norm, the head and the loss. The ranks
 //! that hold the first and the last virtual stage both load the embedding, norm and head (one
 //! unit, [`Ends`](super::Ends)): each uses its part, and their gradients are summed between the
-//! two ranks after the step ([`LlamaStage::finish`]), so tied embeddings keep one value (and
-//! untied ends get their single gradient on both ranks). Activations between stages have the
+//! two ranks after the step by the pipeline runtime
+//! ([`finish_step`](candle_parallel::pipeline::finish_step) with [`LlamaStage::shared`]), so
+//! tied embeddings keep one value (and untied ends get their single gradient on both ranks).
+//! This file names no communicator: the stage's position in the pipeline comes from the
+//! schedule. Activations between stages have the
 //! shape of the layers' input on this rank: `(batch, tokens, hidden)`, the tokens this rank's
 //! sequence shard (divided over tp under TP-sp).
 
@@ -16,7 +19,6 @@ use std::ops::Range;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Shape, Tensor, Var};
-use candle_parallel::comm::{Comm, ReduceOp};
 use candle_parallel::nn::{Batch, CrossEntropyOptions, Track};
 use candle_parallel::pipeline::{PipelineSchedule, StageModel};
 
@@ -104,53 +106,34 @@ impl<'a> LlamaStage<'a> {
         })
     }
 
-    fn micro(&self, mb: usize) -> Result<&StageMicroBatch> {
+    /// Micro-batch `mb` (borrowed from the caller's list, not from `self`).
+    fn micro(&self, mb: usize) -> Result<&'a StageMicroBatch> {
         self.micro
             .get(mb)
             .ok_or_else(|| Error::Invalid(format!("no micro-batch {mb}")))
     }
 
-    /// Completes the step on every pipeline rank (collective over `pp`): sums the embedding,
-    /// norm and head gradients between the first and the last stage's ranks, and gives every
-    /// rank the step's summed loss (computed on the last stage). Returns this rank's gradients
-    /// by parameter name (f32) and the loss sum (divide by the global tokens for the mean).
-    pub fn finish(self, pp: &Comm) -> Result<(HashMap<String, Tensor>, f64)> {
-        let p = self.stages;
-        let mut grads = self.grads;
-        let ends_rank = self.rank == 0 || self.rank == p - 1;
-        // Ranks 0 and p - 1 form one group; every other rank is alone.
-        let ends_group = pp.split(if ends_rank { 0 } else { 1 + self.rank }, self.rank)?;
-        if ends_rank && ends_group.size() > 1 {
-            let shared = self
-                .params
-                .iter()
-                .filter(|(n, _)| replicated_across_stages(n));
-            for (name, var) in shared {
-                let g = match grads.remove(name) {
-                    Some(g) => g,
-                    None => var.as_tensor().to_dtype(DType::F32)?.zeros_like()?,
-                };
-                grads.insert(name.clone(), ends_group.all_reduce(&g, ReduceOp::Sum)?);
-            }
-        }
-        let loss = pp
-            .all_reduce(
-                &Tensor::new(&[self.loss_sum], &candle_core::Device::Cpu)?,
-                ReduceOp::Sum,
-            )?
-            .to_vec1::<f64>()?[0];
-        Ok((grads, loss))
+    /// The parameters this stage shares with the other end of the pipeline (the embedding,
+    /// norm and head on the first and the last stage): what
+    /// [`finish_step`](candle_parallel::pipeline::finish_step) sums between them.
+    pub fn shared(&self) -> Vec<(String, Var)> {
+        self.params
+            .iter()
+            .filter(|(n, _)| replicated_across_stages(n))
+            .cloned()
+            .collect()
     }
-}
 
-impl LlamaStage<'_> {
+    /// This rank's accumulated gradients by name (f32) and the loss summed on this rank (the
+    /// last stage's; 0 elsewhere), once the schedule has run.
+    pub fn into_parts(self) -> (HashMap<String, Tensor>, f64) {
+        (self.grads, self.loss_sum)
+    }
+
     /// [`StageModel::forward`] with this crate's errors.
     fn forward_chunk(&mut self, chunk: usize, mb: usize, input: Option<&Tensor>) -> Result<Tensor> {
         let vs = chunk * self.stages + self.rank;
-        let micro = self.micro;
-        let m = micro
-            .get(mb)
-            .ok_or_else(|| Error::Invalid(format!("no micro-batch {mb}")))?;
+        let m = self.micro(mb)?;
         let ends = if vs == 0 || vs == self.last_virtual {
             Some(self.model.ends(Track::Grad)?)
         } else {
