@@ -13,7 +13,8 @@ use candle_parallel::mesh::{DeviceMesh, Dim, MeshConfig};
 use candle_parallel::nn::{
     Batch, CrossEntropyOptions, ParallelCtx, Param, ParamMode, TpActivations,
 };
-use candle_parallel::optim::{collect_gradients, reduce_gradients, ZeroStage};
+use candle_core::backprop::GradStore;
+use candle_parallel::optim::{collect_gradients, reduce_gradients, ZeroGroups, ZeroStage};
 use candle_parallel::plan::{MemoryPlan, PlannedParams};
 use candle_parallel::recompute::Checkpointing;
 use models::hub::ModelFiles;
@@ -262,11 +263,48 @@ pub fn run_layout_with(name: &str, layout: &Layout, plan: StepPlan) -> StepResul
             .to_scalar::<f32>()
             .unwrap();
         let grads = model.backward(&local_loss).map_err(|x| e(&x))?;
-        let tp = mesh.comm(Dim::Tp);
-        let grads: HashMap<String, Tensor> = match (&planned, &zero) {
+        let grads = global_gradients(layout, &mesh, &ctx, &planned, zero.as_ref(), &grads)?;
+        let logits = model.logits(&batch).map_err(|x| e(&x))?;
+        let logits = ctx.gather_tokens(&logits.detach()).map_err(|x| e(&x))?;
+        Ok(StepResult {
+            loss,
+            logits,
+            grads,
+        })
+    })
+    .unwrap_or_else(|e| panic!("{}: {e}", layout.name));
+    let first = results.swap_remove(0);
+    // Every rank holds the same global loss, logits and gradients, to the bit.
+    for (r, other) in results.iter().enumerate() {
+        let who = format!("{}: rank {} vs rank 0", layout.name, r + 1);
+        testkit::assert_identical_scalars(&[other.loss as f64], &[first.loss as f64], &who);
+        assert_identical(&other.logits, &first.logits, &format!("{who}: logits"));
+        assert_eq!(other.grads.len(), first.grads.len(), "{who}");
+        for (n, g) in &first.grads {
+            assert_identical(&other.grads[n], g, &format!("{who}: gradient of {n}"));
+        }
+    }
+    first
+}
+
+/// Every parameter's whole gradient (f32) from this rank's backward `grads` of a model loaded
+/// under `layout` with the memory plan's `planned` parameters: reduced over the ranks sharing
+/// each parameter and gathered over tp (and the ZeRO-3 sharding group). Collective over the
+/// world. Errors name the layout and any parameter without a gradient.
+pub fn global_gradients(
+    layout: &Layout,
+    mesh: &DeviceMesh,
+    ctx: &ParallelCtx,
+    planned: &PlannedParams,
+    zero: Option<&ZeroGroups>,
+    grads: &GradStore,
+) -> Result<HashMap<String, Tensor>, String> {
+    let e = |e: &dyn std::fmt::Display| format!("{}: {e}", layout.name);
+    let tp = mesh.comm(Dim::Tp);
+    let grads: HashMap<String, Tensor> = match (planned, zero) {
             (PlannedParams::Resident(params), _) => {
                 let collected = collect_gradients(params, &grads).map_err(|x| e(&x))?;
-                let reduced = reduce_gradients(params, collected, &ctx).map_err(|x| e(&x))?;
+                let reduced = reduce_gradients(params, collected, ctx).map_err(|x| e(&x))?;
                 params
                     .iter()
                     .zip(reduced)
@@ -304,31 +342,10 @@ pub fn run_layout_with(name: &str, layout: &Layout, plan: StepPlan) -> StepResul
                 .collect::<Result<_, String>>()?,
             (PlannedParams::Sharded(_), None) => return Err(e(&"ZeRO-3 without groups")),
         };
-        let grads = grads
-            .into_iter()
-            .map(|(n, g): (String, Tensor)| (n, g.to_dtype(DType::F32).unwrap()))
-            .collect();
-        let logits = model.logits(&batch).map_err(|x| e(&x))?;
-        let logits = ctx.gather_tokens(&logits.detach()).map_err(|x| e(&x))?;
-        Ok(StepResult {
-            loss,
-            logits,
-            grads,
-        })
-    })
-    .unwrap_or_else(|e| panic!("{}: {e}", layout.name));
-    let first = results.swap_remove(0);
-    // Every rank holds the same global loss, logits and gradients, to the bit.
-    for (r, other) in results.iter().enumerate() {
-        let who = format!("{}: rank {} vs rank 0", layout.name, r + 1);
-        testkit::assert_identical_scalars(&[other.loss as f64], &[first.loss as f64], &who);
-        assert_identical(&other.logits, &first.logits, &format!("{who}: logits"));
-        assert_eq!(other.grads.len(), first.grads.len(), "{who}");
-        for (n, g) in &first.grads {
-            assert_identical(&other.grads[n], g, &format!("{who}: gradient of {n}"));
-        }
-    }
-    first
+    Ok(grads
+        .into_iter()
+        .map(|(n, g): (String, Tensor)| (n, g.to_dtype(DType::F32).unwrap()))
+        .collect())
 }
 
 /// The trainable variables of `params` by name (what a pipeline stage differentiates).

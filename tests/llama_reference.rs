@@ -200,6 +200,7 @@ fn saved_checkpoints_reload_identically() {
             dtype,
             max_shard_bytes: 40_000,
             extra_files: extra,
+            ..Default::default()
         };
         LocalWorld::run(2, |world| -> Result<(), String> {
             let (_mesh, ctx) = layout.context(world)?;

@@ -44,6 +44,14 @@ pub struct EvalArgs {
     /// safetensors file.
     #[arg(long)]
     pub logits_out: Option<PathBuf>,
+    /// Diffusion models (DiT): a safetensors file with `sample` (B, C, H, W), `timestep` (B),
+    /// `class_labels` (B) and optionally `noise` (then `sample` is the clean image, noised at
+    /// `timestep`, and the DDPM loss is printed).
+    #[arg(long, help_heading = "Diffusion")]
+    pub inputs: Option<PathBuf>,
+    /// Diffusion models: write the model output (`sample`) to this safetensors file.
+    #[arg(long, help_heading = "Diffusion")]
+    pub outputs_out: Option<PathBuf>,
     #[command(flatten)]
     pub layout: LayoutArgs,
     /// With --pp: the model's stages (--virtual-stages, --pp-layers); the sequences run forward
@@ -259,6 +267,12 @@ pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
 }
 
 pub fn run(args: &EvalArgs) -> Result<()> {
+    if let Some(dir) = crate::dit_cmd::dit_dir(&args.model) {
+        return crate::dit_cmd::eval(args, &dir);
+    }
+    if args.inputs.is_some() || args.outputs_out.is_some() {
+        bail!("--inputs and --outputs-out are for diffusion models (DiT); {} is not one", args.model);
+    }
     let Some((report, logits)) = evaluate(args)? else {
         return Ok(());
     };

@@ -15,9 +15,9 @@ pub struct GenerateArgs {
     /// Model directory or Hugging Face Hub id.
     #[arg(long)]
     pub model: String,
-    /// The text to continue.
+    /// The text to continue (language models).
     #[arg(long)]
-    pub prompt: String,
+    pub prompt: Option<String>,
     #[arg(long, default_value_t = 64)]
     pub max_new_tokens: usize,
     /// Sampling temperature; 0 picks the most likely token (greedy).
@@ -31,6 +31,24 @@ pub struct GenerateArgs {
     /// Compute dtype (default: the checkpoint's).
     #[arg(long, value_enum)]
     pub dtype: Option<DtypeArg>,
+    /// Diffusion models (DiT): the classes to sample, e.g. `1,2,3` (one image each).
+    #[arg(long, help_heading = "Diffusion")]
+    pub class_labels: Option<String>,
+    /// Diffusion models: sampling steps.
+    #[arg(long, default_value_t = 50, help_heading = "Diffusion")]
+    pub steps: usize,
+    /// Diffusion models: classifier-free guidance scale (1: none).
+    #[arg(long, default_value_t = 4.0, help_heading = "Diffusion")]
+    pub guidance: f64,
+    /// Diffusion models: the sampler (flow for rectified-flow models).
+    #[arg(long, value_enum, default_value_t = crate::dit_cmd::SamplerArg::Ddim, help_heading = "Diffusion")]
+    pub sampler: crate::dit_cmd::SamplerArg,
+    /// Diffusion models: where the PNG grid of samples goes.
+    #[arg(long, help_heading = "Diffusion")]
+    pub out: Option<std::path::PathBuf>,
+    /// Diffusion models: pixels per image pixel in the grid.
+    #[arg(long, default_value_t = 4, help_heading = "Diffusion")]
+    pub scale: usize,
     #[command(flatten)]
     pub layout: LayoutArgs,
 }
@@ -96,6 +114,12 @@ fn sample(logits: &[f32], temperature: f64, top_p: f64, rng: &mut Rng) -> u32 {
 }
 
 pub fn run(args: &GenerateArgs) -> Result<()> {
+    if let Some(dir) = crate::dit_cmd::dit_dir(&args.model) {
+        return crate::dit_cmd::generate(args, &dir);
+    }
+    let Some(prompt) = &args.prompt else {
+        bail!("--prompt: the text to continue is required for a language model");
+    };
     if !(0.0..=1.0).contains(&args.top_p) || args.top_p == 0.0 {
         bail!("--top-p {} must be in (0, 1]", args.top_p);
     }
@@ -108,7 +132,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     let files = models::hub::resolve(&args.model)?;
     let tok = Tokenizer::from_model(&files)?;
     let dtype = args.dtype.map(DType::from);
-    let prompt = tok.encode(&args.prompt, SpecialTokens::Keep)?;
+    let prompt = tok.encode(prompt, SpecialTokens::Keep)?;
     if prompt.is_empty() {
         bail!("--prompt: the prompt encodes to no tokens");
     }

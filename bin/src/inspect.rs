@@ -14,6 +14,9 @@ pub struct InspectArgs {
 }
 
 pub fn run(args: &InspectArgs) -> Result<()> {
+    if let Some(dir) = crate::dit_cmd::dit_dir(&args.model) {
+        return crate::dit_cmd::inspect(&dir);
+    }
     let files = models::hub::resolve(&args.model)?;
     let cfg = LlamaConfig::from_file(&files.config)?;
     let reader = CheckpointReader::open(&files.weights)?;

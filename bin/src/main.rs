@@ -8,6 +8,7 @@
 
 mod data_cmd;
 mod demo;
+mod dit_cmd;
 mod eval;
 mod generate;
 mod inspect;

@@ -148,10 +148,36 @@ pub struct TrainArgs {
     /// progress bar redrawn every step).
     #[arg(long, default_value_t = 10)]
     pub log_every: u64,
+    /// Diffusion models (DiT): the training objective.
+    #[arg(long, value_enum, default_value_t = ObjectiveArg::Ddpm, help_heading = "Diffusion")]
+    pub objective: ObjectiveArg,
+    /// Diffusion models: probability of training a sample with the null class label
+    /// (classifier-free guidance).
+    #[arg(long, default_value_t = 0.1, help_heading = "Diffusion")]
+    pub class_dropout: f64,
     #[command(flatten)]
     pub layout: LayoutArgs,
     #[command(flatten)]
     pub pipeline: PipelineArgs,
+}
+
+/// `--objective` of diffusion models.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ObjectiveArg {
+    /// DDPM noise prediction with DiT's schedule (and the variational-bound term of a learned
+    /// sigma).
+    Ddpm,
+    /// Rectified flow (velocity noise - x0 at logit-normal s).
+    Flow,
+}
+
+impl From<ObjectiveArg> for models::dit::loss::Objective {
+    fn from(o: ObjectiveArg) -> Self {
+        match o {
+            ObjectiveArg::Ddpm => Self::Ddpm,
+            ObjectiveArg::Flow => Self::Flow,
+        }
+    }
 }
 
 /// Turns the keys of a TOML config into command-line flags placed before the real ones.
@@ -218,7 +244,8 @@ impl TrainArgs {
         a
     }
 
-    fn config(&self) -> Result<TrainConfig> {
+    /// The training settings of the flags (checked).
+    pub fn train_config(&self) -> Result<TrainConfig> {
         if self.seq_len < 2 {
             bail!("--seq-len {} must be at least 2", self.seq_len);
         }
@@ -301,7 +328,10 @@ fn matmul_gflops() -> f64 {
 }
 
 pub fn run(args: &TrainArgs) -> Result<()> {
-    let mut cfg = args.config()?;
+    if let Some(dir) = args.model.as_deref().and_then(crate::dit_cmd::dit_dir) {
+        return crate::dit_cmd::train(args, &dir);
+    }
+    let mut cfg = args.train_config()?;
     // Flag checks that need the layout, before the data is read and tokenized.
     let sp = args.layout.sp_config()?;
     if let Some(z) = cfg.memory.zero_group {
@@ -610,11 +640,11 @@ fn dataset(
 }
 
 /// A JSON-lines log (metrics, evaluations) continued by a resumed run.
-struct JsonLines(std::fs::File);
+pub struct JsonLines(std::fs::File);
 
 impl JsonLines {
     /// `path` with the lines of steps before `step` kept (a later run's are dropped).
-    fn continue_at(path: &std::path::Path, step: u64) -> Result<Self> {
+    pub fn continue_at(path: &std::path::Path, step: u64) -> Result<Self> {
         let kept: Vec<String> = std::fs::read_to_string(path)
             .unwrap_or_default()
             .lines()
@@ -634,7 +664,7 @@ impl JsonLines {
         Ok(Self(f))
     }
 
-    fn write(&mut self, line: &serde_json::Value) -> Result<()> {
+    pub fn write(&mut self, line: &serde_json::Value) -> Result<()> {
         writeln!(self.0, "{line}")?;
         Ok(self.0.flush()?)
     }

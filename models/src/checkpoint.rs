@@ -223,6 +223,10 @@ pub struct SaveOptions {
     pub max_shard_bytes: usize,
     /// Files copied verbatim into the directory (config.json, tokenizer files, ...).
     pub extra_files: Vec<(String, Vec<u8>)>,
+    /// Stem of the weight files: `model` (transformers: `model.safetensors`,
+    /// `model-00001-of-00002.safetensors`, `model.safetensors.index.json`) or
+    /// `diffusion_pytorch_model` (diffusers).
+    pub weights_name: String,
 }
 
 impl Default for SaveOptions {
@@ -231,6 +235,7 @@ impl Default for SaveOptions {
             dtype: DType::F32,
             max_shard_bytes: 5_000_000_000,
             extra_files: Vec::new(),
+            weights_name: "model".into(),
         }
     }
 }
@@ -315,10 +320,11 @@ pub fn write_hf_dir(tensors: &[(String, Tensor)], dir: &Path, opts: &SaveOptions
     let mut weight_map = serde_json::Map::new();
     let mut total = 0usize;
     for (i, group) in groups.iter().enumerate() {
+        let stem = &opts.weights_name;
         let file = if n == 1 {
-            "model.safetensors".to_string()
+            format!("{stem}.safetensors")
         } else {
-            format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
+            format!("{stem}-{:05}-of-{:05}.safetensors", i + 1, n)
         };
         let map: HashMap<String, Tensor> =
             group.iter().map(|(k, t)| (k.clone(), t.clone())).collect();
@@ -344,7 +350,7 @@ pub fn write_hf_dir(tensors: &[(String, Tensor)], dir: &Path, opts: &SaveOptions
             "weight_map": weight_map,
         });
         write_file(
-            &tmp.join("model.safetensors.index.json"),
+            &tmp.join(format!("{}.safetensors.index.json", opts.weights_name)),
             serde_json::to_vec_pretty(&index)
                 .map_err(|e| Error::Invalid(e.to_string()))?
                 .as_slice(),

@@ -99,8 +99,15 @@ pub fn resolve(model: &str) -> Result<ModelFiles> {
     })
 }
 
-/// The files of a local model directory.
+/// The files of a local model directory (transformers' `model.safetensors` naming).
 pub fn from_dir(source: &str, dir: &Path) -> Result<ModelFiles> {
+    from_dir_named(source, dir, "model")
+}
+
+/// The files of a local model directory whose weights are `{stem}.safetensors` or
+/// `{stem}-0000i-of-0000n.safetensors` with `{stem}.safetensors.index.json` (`model` for
+/// transformers, `diffusion_pytorch_model` for diffusers).
+pub fn from_dir_named(source: &str, dir: &Path, stem: &str) -> Result<ModelFiles> {
     let config = dir.join("config.json");
     if !config.is_file() {
         return Err(Error::NotFound {
@@ -108,7 +115,7 @@ pub fn from_dir(source: &str, dir: &Path) -> Result<ModelFiles> {
             msg: format!("{} does not exist", config.display()),
         });
     }
-    let index_path = dir.join("model.safetensors.index.json");
+    let index_path = dir.join(format!("{stem}.safetensors.index.json"));
     let (weights, index) = if index_path.is_file() {
         let files = index_files(&index_path)?
             .into_iter()
@@ -128,12 +135,12 @@ pub fn from_dir(source: &str, dir: &Path) -> Result<ModelFiles> {
         }
         (files, Some(index_path))
     } else {
-        let single = dir.join("model.safetensors");
+        let single = dir.join(format!("{stem}.safetensors"));
         if !single.is_file() {
             return Err(Error::NotFound {
                 model: source.into(),
                 msg: format!(
-                    "{} has neither model.safetensors nor model.safetensors.index.json",
+                    "{} has neither {stem}.safetensors nor {stem}.safetensors.index.json",
                     dir.display()
                 ),
             });

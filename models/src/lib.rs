@@ -11,9 +11,12 @@
 //!   [`TensorSource`](candle_parallel::nn::TensorSource) models load through), atomic saving in
 //!   the HF layout;
 //! - [`tokenizer`]: `tokenizer.json` and the special tokens of `tokenizer_config.json`;
-//! - [`llama`]: the `LlamaForCausalLM` model.
+//! - [`llama`]: the `LlamaForCausalLM` model;
+//! - [`dit`]: diffusers' `DiTTransformer2DModel` (class-conditional diffusion transformer).
 
 pub mod checkpoint;
+pub mod diffusion;
+pub mod dit;
 pub mod error;
 pub mod hub;
 pub mod llama;

@@ -18,7 +18,7 @@ use models::checkpoint::{gather_tp, save_hf, write_hf_dir, CheckpointReader, Sav
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::trainer::{LanguageModel, StepStats, TrainConfig, Trainer};
+use crate::trainer::{StepStats, TrainConfig, TrainModel, Trainer};
 
 /// One evaluation of a run: the mean next-token loss on the evaluation data after `step`
 /// optimizer steps, over `tokens` labelled tokens.
@@ -77,7 +77,7 @@ pub fn list_checkpoints(out: &Path) -> Vec<(u64, PathBuf)> {
 /// Collective over the world: saves the trainer's model and state as `out/step-N` (written by
 /// world rank 0), then removes all but the last `keep` checkpoints. `extra_files` (config.json,
 /// tokenizer files) are copied into the model directory.
-pub fn save<M: LanguageModel>(
+pub fn save<M: TrainModel>(
     trainer: &Trainer<M>,
     out: &Path,
     world: &Comm,
@@ -124,6 +124,7 @@ pub fn save<M: LanguageModel>(
     let opts = SaveOptions {
         dtype,
         extra_files: files,
+        weights_name: trainer.model.weights_name().into(),
         ..Default::default()
     };
     let pp = trainer.pp();
@@ -173,7 +174,7 @@ pub fn read_state(dir: &Path) -> Result<TrainerState> {
 
 /// Restores the optimizer state and step of `trainer` (whose model was loaded from the same
 /// checkpoint) from `dir`, reading only this rank's slices.
-pub fn restore<M: LanguageModel>(
+pub fn restore<M: TrainModel>(
     trainer: &mut Trainer<M>,
     dir: &Path,
     state: &TrainerState,

@@ -17,6 +17,11 @@ pub enum Error {
     #[error("checkpoint {path}: {msg}")]
     Checkpoint { path: PathBuf, msg: String },
 
+    /// An image dataset, image file or image grid that cannot be read or written; names the
+    /// file.
+    #[error("{path}: {msg}")]
+    Image { path: PathBuf, msg: String },
+
     /// Invalid settings or inputs.
     #[error("{0}")]
     Invalid(String),

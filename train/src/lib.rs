@@ -8,7 +8,9 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod diffusion;
 pub mod error;
+pub mod images;
 pub mod memory;
 pub mod trainer;
 

@@ -44,9 +44,26 @@ use serde::{Deserialize, Serialize};
 use crate::data::{Batching, MicroBatch, PackedDataset};
 use crate::error::{Error, Result};
 
+/// A model the trainer can optimise: units a memory plan can walk, and which parameters
+/// several pipeline stages hold.
+pub trait TrainModel: Parallelize + Send {
+    /// Whether parameter `name` is held by several pipeline stages (it then counts once in
+    /// the global gradient norm, on the first stage).
+    fn replicated_across_stages(&self, name: &str) -> bool {
+        let _ = name;
+        false
+    }
+
+    /// Stem of the checkpoint's weight files ([`models::checkpoint::SaveOptions::weights_name`]).
+    fn weights_name(&self) -> &'static str {
+        "model"
+    }
+}
+
 /// A language model the trainer trains: the summed next-token loss of a batch (see
-/// [`Llama::loss_sum`]), and units a memory plan can walk.
-pub trait LanguageModel: Parallelize + Send {
+/// [`Llama::loss_sum`]). Its steps are [`Trainer::step`]; other models (diffusion) build their
+/// step from [`Trainer::backward_collect`] and [`Trainer::apply_step`].
+pub trait LanguageModel: TrainModel {
     fn loss_sum(
         &self,
         batch: &Batch,
@@ -65,13 +82,6 @@ pub trait LanguageModel: Parallelize + Send {
     ) -> Result<PipelineOutput> {
         let _ = (step, micro, vars);
         Err(Error::Invalid("this model has no pipeline stages".into()))
-    }
-
-    /// Whether parameter `name` is held by several pipeline stages (it then counts once in
-    /// the global gradient norm, on the first stage).
-    fn replicated_across_stages(&self, name: &str) -> bool {
-        let _ = name;
-        false
     }
 }
 
@@ -140,7 +150,9 @@ impl LanguageModel for Llama {
             times,
         })
     }
+}
 
+impl TrainModel for Llama {
     fn replicated_across_stages(&self, name: &str) -> bool {
         models::llama::replicated_across_stages(name)
     }
@@ -328,7 +340,7 @@ fn no_gradient(name: &str) -> Error {
     Error::Invalid(format!("parameter `{name}` received no gradient"))
 }
 
-impl<M: LanguageModel> Trainer<M> {
+impl<M: TrainModel> Trainer<M> {
     /// Applies the memory plan to `model` (built for `ctx` on `mesh`, trainable) and builds the
     /// optimizer over its parameters (no weight decay on 1-D tensors). Collective over the
     /// world.
@@ -442,14 +454,6 @@ impl<M: LanguageModel> Trainer<M> {
         }
     }
 
-    /// Dtype of the model's activations: that of its parameters.
-    fn activation_dtype(&self) -> DType {
-        self.params
-            .first()
-            .map(|p| p.differentiated().dtype())
-            .unwrap_or(DType::F32)
-    }
-
     /// The pipeline group (one rank without a pipeline).
     pub fn pp(&self) -> &Comm {
         &self.pp
@@ -561,6 +565,59 @@ impl<M: LanguageModel> Trainer<M> {
         Ok(())
     }
 
+    /// Backward of this rank's summed loss `loss_sum` scaled by `1 / global_count` (the global
+    /// batch's count of what the loss sums: tokens, samples), and this rank's gradients as
+    /// [`Trainer::forward_backward`] returns them. Collective over the world.
+    pub fn backward_collect(
+        &self,
+        loss_sum: &Tensor,
+        global_count: u64,
+    ) -> Result<(f64, Vec<(String, Tensor)>)> {
+        let sum = loss_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let share = (loss_sum / global_count as f64)?;
+        let store = self.ctx.backward(&share)?;
+        Ok((sum, self.collect(&store)?))
+    }
+
+    /// Ends optimizer step `self.step`: applies the accumulated gradients `acc`
+    /// ([`Trainer::apply`]), sums this rank's `loss_sum` over the ranks holding different data
+    /// (ulysses × ring × dp) and advances. The loss reported is that sum over `global_count`.
+    /// Collective over the world.
+    pub fn apply_step(
+        &mut self,
+        acc: Vec<(String, Tensor)>,
+        loss_sum: f64,
+        global_count: u64,
+        pp_bubble: Option<f64>,
+    ) -> Result<StepStats> {
+        let step = self.step;
+        let (grad_norm, lr) = self.apply(acc, step)?;
+        let total = self
+            .loss_group
+            .all_reduce(&Tensor::new(&[loss_sum], &Device::Cpu)?, ReduceOp::Sum)?
+            .to_vec1::<f64>()?[0];
+        self.step += 1;
+        Ok(StepStats {
+            step,
+            loss: total / global_count as f64,
+            lr,
+            grad_norm,
+            tokens: global_count,
+            pp_bubble,
+        })
+    }
+
+    /// Sums `values` over the ranks holding different data (ulysses × ring × dp). Collective
+    /// over that group.
+    pub fn sum_over_data(&self, values: &[f64]) -> Result<Vec<f64>> {
+        Ok(self
+            .loss_group
+            .all_reduce(&Tensor::new(values, &Device::Cpu)?, ReduceOp::Sum)?
+            .to_vec1::<f64>()?)
+    }
+}
+
+impl<M: LanguageModel> Trainer<M> {
     /// Forward and backward of one micro-batch, this rank's loss scaled by `1 / global_tokens`.
     /// Returns this rank's summed loss and its gradients in name order: of the whole
     /// parameter slices, or under ZeRO stages 2 and 3 of this rank's chunks (reduce-scattered
@@ -574,10 +631,7 @@ impl<M: LanguageModel> Trainer<M> {
         let (batch, labels) =
             Batch::from_tokens(&self.ctx, &micro.ids, &micro.labels, micro.mask.clone())?;
         let (sum, _) = self.model.loss_sum(&batch, &labels, &opts)?;
-        let loss_sum = sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        let share = (sum / global_tokens as f64)?;
-        let store = self.ctx.backward(&share)?;
-        Ok((loss_sum, self.collect(&store)?))
+        self.backward_collect(&sum, global_tokens)
     }
 
     /// The step's micro-batches through this rank's pipeline stage: the loss summed over the
@@ -589,17 +643,7 @@ impl<M: LanguageModel> Trainer<M> {
         micro: &[MicroBatch],
         global_tokens: u64,
     ) -> Result<StepGrads> {
-        let pc = self
-            .cfg
-            .pipeline
-            .clone()
-            .ok_or_else(|| Error::Invalid("no pipeline configured".into()))?;
-        let m = micro.len();
-        if !self.schedules.contains_key(&m) {
-            let s = PipelineSchedule::new(pc.schedule, self.pp.size(), m, pc.virtual_stages)?;
-            self.schedules.insert(m, s);
-        }
-        let schedule = &self.schedules[&m];
+        let (schedule, ranges, vars) = self.pipeline_setup(micro.len())?;
         let stage_micro = micro
             .iter()
             .map(|mb| {
@@ -608,31 +652,80 @@ impl<M: LanguageModel> Trainer<M> {
                 Ok(StageMicroBatch { batch, labels })
             })
             .collect::<Result<Vec<_>>>()?;
+        let step = PipelineStep {
+            schedule: &schedule,
+            layers: &ranges,
+            pp: &self.pp,
+            global_tokens,
+            opts: self.loss_options(),
+            dtype: self.activation_dtype(),
+        };
+        let mut out = self.model.pipeline_step(&step, &stage_micro, vars)?;
+        let acc = self.collect_with(|p| out.grads.remove(&p.name))?;
+        let bubble = self.pipeline_bubble(out.times)?;
+        Ok((out.loss_sum, acc, Some(bubble)))
+    }
+
+}
+
+impl<M: TrainModel> Trainer<M> {
+    /// Under a pipeline: the schedule of a step of `micro_batches` (made once per count), the
+    /// blocks of every virtual stage, and the variables a stage differentiates by name (the
+    /// parameters, or under ZeRO-3 their chunks). Local.
+    pub fn pipeline_setup(
+        &mut self,
+        micro_batches: usize,
+    ) -> Result<(PipelineSchedule, Vec<std::ops::Range<usize>>, Vec<(String, Var)>)> {
+        let pc = self
+            .cfg
+            .pipeline
+            .clone()
+            .ok_or_else(|| Error::Invalid("no pipeline configured".into()))?;
+        if !self.schedules.contains_key(&micro_batches) {
+            let s = PipelineSchedule::new(
+                pc.schedule,
+                self.pp.size(),
+                micro_batches,
+                pc.virtual_stages,
+            )?;
+            self.schedules.insert(micro_batches, s);
+        }
         let vars = self
             .params
             .iter()
             .map(|p| (p.name.clone(), p.differentiated().clone()))
             .collect();
-        let dtype = self.activation_dtype();
-        let ranges = pc.ranges();
-        let step = PipelineStep {
-            schedule,
-            layers: &ranges,
-            pp: &self.pp,
-            global_tokens,
-            opts: self.loss_options(),
-            dtype,
-        };
-        let mut out = self.model.pipeline_step(&step, &stage_micro, vars)?;
-        let acc = self.collect_with(|p| out.grads.remove(&p.name))?;
-        let t = Tensor::new(&[out.times.compute, out.times.wall], &Device::Cpu)?;
+        Ok((self.schedules[&micro_batches].clone(), pc.ranges(), vars))
+    }
+
+    /// The pipeline's measured bubble of a step from this rank's executor times (see
+    /// [`StepStats::pp_bubble`]). Collective over the pipeline group.
+    pub fn pipeline_bubble(&self, times: ExecTimes) -> Result<f64> {
+        let t = Tensor::new(&[times.compute, times.wall], &Device::Cpu)?;
         let t = self.pp.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f64>()?;
-        let bubble = ExecTimes {
+        Ok(ExecTimes {
             compute: t[0],
             wall: t[1],
         }
-        .idle();
-        Ok((out.loss_sum, acc, Some(bubble)))
+        .idle())
+    }
+
+    /// Gradients by parameter name (a pipeline stage's accumulators) as
+    /// [`Trainer::forward_backward`] returns them: in parameter order, f32, under ZeRO-2 this
+    /// rank's chunks. Errors name a parameter without one. Collective under ZeRO-2.
+    pub fn collect_named(
+        &self,
+        mut grads: HashMap<String, Tensor>,
+    ) -> Result<Vec<(String, Tensor)>> {
+        self.collect_with(|p| grads.remove(&p.name))
+    }
+
+    /// Dtype of the model's activations: that of its parameters.
+    pub fn activation_dtype(&self) -> DType {
+        self.params
+            .first()
+            .map(|p| p.differentiated().dtype())
+            .unwrap_or(DType::F32)
     }
 
     /// Every parameter's gradient from `store` in name order, f32; under ZeRO-2 this rank's
@@ -754,6 +847,9 @@ impl<M: LanguageModel> Trainer<M> {
         Ok(())
     }
 
+}
+
+impl<M: LanguageModel> Trainer<M> {
     /// The mean next-token loss of the model on the first `max_windows` windows of `data` (in
     /// stream order, dealt round-robin to the data-parallel ranks) and the labelled tokens it
     /// counts. No gradient is applied. Collective over the world.
@@ -815,20 +911,7 @@ impl<M: LanguageModel> Trainer<M> {
             }
             (loss_sum, acc, None)
         };
-        let (grad_norm, lr) = self.apply(acc, step)?;
-        let total = self
-            .loss_group
-            .all_reduce(&Tensor::new(&[loss_sum], &Device::Cpu)?, ReduceOp::Sum)?
-            .to_vec1::<f64>()?[0];
-        self.step += 1;
-        Ok(StepStats {
-            step,
-            loss: total / global_tokens as f64,
-            lr,
-            grad_norm,
-            tokens: global_tokens,
-            pp_bubble,
-        })
+        self.apply_step(acc, loss_sum, global_tokens, pp_bubble)
     }
 }
 

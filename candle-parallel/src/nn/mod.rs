@@ -291,14 +291,19 @@ impl ParallelCtx {
 
 /// What the layers of one forward pass share besides their input: the context, the global
 /// positions (RoPE) of the tokens attention sees on this rank, the attention mask of the global
-/// sequence, and the sequence-parallel attention to run (the context's, or the recording or
-/// replaying one of a checkpointed unit). Model code passes it through unchanged.
+/// sequence, the sequence-parallel attention to run (the context's, or the recording or
+/// replaying one of a checkpointed unit), and an optional per-sample conditioning. Model code
+/// passes it through unchanged.
 #[derive(Clone, Copy)]
 pub struct Pass<'a> {
     pub ctx: &'a ParallelCtx,
     pub positions: &'a [u32],
     pub mask: &'a AttnMask,
     pub attention: &'a dyn SequenceParallelAttention,
+    /// Per-sample inputs every block reads besides its activations, `(batch, ..)` (a diffusion
+    /// model's timesteps and class labels). Not differentiated: checkpointed units keep a
+    /// detached copy, so it must not carry a gradient path.
+    pub cond: Option<&'a Tensor>,
 }
 
 impl<'a> Pass<'a> {
@@ -309,6 +314,15 @@ impl<'a> Pass<'a> {
             positions,
             mask,
             attention: ctx.attention(),
+            cond: None,
+        }
+    }
+
+    /// The same pass with the per-sample conditioning `cond` (see [`Pass::cond`]).
+    pub fn with_cond(&self, cond: &'a Tensor) -> Self {
+        Self {
+            cond: Some(cond),
+            ..*self
         }
     }
 

@@ -10,12 +10,14 @@ use crate::error::Result;
 use crate::ops::rms_norm;
 
 /// The shape of a normalisation layer over the last dim: `hidden_size` features, `eps` added
-/// to the variance, and for [`LayerNorm`] whether it has a `bias`.
+/// to the variance, and for [`LayerNorm`] whether it has a `bias` and whether it has learned
+/// parameters at all (`affine`; PyTorch's `elementwise_affine`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct NormConfig {
     pub hidden_size: usize,
     pub eps: f64,
     pub bias: bool,
+    pub affine: bool,
 }
 
 impl NormConfig {
@@ -25,11 +27,19 @@ impl NormConfig {
             hidden_size,
             eps,
             bias: false,
+            affine: true,
         }
     }
 
     pub fn with_bias(mut self, bias: bool) -> Self {
         self.bias = bias;
+        self
+    }
+
+    /// A [`LayerNorm`] without weight or bias (`elementwise_affine=False`: DiT's adaLN norms).
+    pub fn without_affine(mut self) -> Self {
+        self.affine = false;
+        self.bias = false;
         self
     }
 }
@@ -61,16 +71,21 @@ impl RmsNorm {
 /// `bias` `(hidden)`.
 #[derive(Debug, Clone)]
 pub struct LayerNorm {
-    weight: Tensor,
+    weight: Option<Tensor>,
     bias: Option<Tensor>,
     eps: f64,
 }
 
 impl LayerNorm {
+    /// Loads `weight` (and `bias`) unless the config has no affine parameters.
     pub fn new(cfg: &NormConfig, vb: ParamBuilder, _ctx: &ParallelCtx) -> Result<Self> {
         Ok(Self {
-            weight: vb.get(cfg.hidden_size, "weight")?,
-            bias: if cfg.bias {
+            weight: if cfg.affine {
+                Some(vb.get(cfg.hidden_size, "weight")?)
+            } else {
+                None
+            },
+            bias: if cfg.affine && cfg.bias {
                 Some(vb.get(cfg.hidden_size, "bias")?)
             } else {
                 None
@@ -86,7 +101,10 @@ impl LayerNorm {
         let centered = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
         let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
         let normed = centered.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        let y = normed.broadcast_mul(&self.weight.to_dtype(DType::F32)?)?;
+        let y = match &self.weight {
+            Some(w) => normed.broadcast_mul(&w.to_dtype(DType::F32)?)?,
+            None => normed,
+        };
         let y = match &self.bias {
             Some(b) => y.broadcast_add(&b.to_dtype(DType::F32)?)?,
             None => y,

@@ -222,6 +222,7 @@ impl<T: Block> Unit<T> {
         let unit = self.clone();
         let (ctx, mask) = (pass.ctx.clone(), pass.mask.clone());
         let positions: Arc<[u32]> = pass.positions.into();
+        let cond = pass.cond.map(|c| c.detach());
         let block: crate::recompute::Block = Arc::new(move |x, attention| {
             let track = if x.track_op() {
                 Track::Grad
@@ -233,6 +234,7 @@ impl<T: Block> Unit<T> {
                 positions: &positions,
                 mask: &mask,
                 attention,
+                cond: cond.as_ref(),
             };
             unit.get(track)?.forward(x, &pass)
         });

