@@ -15,13 +15,14 @@ use candle_parallel::nn::ParamMode;
 use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
 use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
-use cpl_integration_tests::{rel_err, Layout};
+use candle_parallel::pipeline::ScheduleKind;
+use cpl_integration_tests::{assert_identical, rel_err, Layout};
 use models::dit;
 use models::dit::loss::Objective;
 use testkit::assert_close_scalar;
 use train::diffusion::{DiffusionConfig, DiffusionTrainer};
 use train::images::{ImageDataset, ImageOptions};
-use train::trainer::{TrainConfig, Trainer};
+use train::trainer::{PipelineConfig, TrainConfig, Trainer};
 
 fn fixture_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/dit/tiny")
@@ -88,12 +89,31 @@ struct Run {
     weights: HashMap<String, Tensor>,
 }
 
-/// `steps` steps of a 4-image global batch (dp x batch x grad-accum) under `layout`.
+/// `steps` steps of a 4-image global batch (dp x batch x grad-accum) under `layout`; with
+/// pipeline stages (one block each) under `schedule`.
 fn train(layout: &Layout, memory: MemoryPlan, objective: Objective, steps: u64) -> Run {
+    train_with(layout, memory, objective, steps, ScheduleKind::OneFOneB)
+}
+
+fn train_with(
+    layout: &Layout,
+    memory: MemoryPlan,
+    objective: Objective,
+    steps: u64,
+    schedule: ScheduleKind,
+) -> Run {
     let data = dataset();
     let files = dit::files(&fixture_dir()).unwrap();
     let dp = layout.mesh.degree(Dim::Dp);
-    let cfg = config(steps, memory, 2, 2 / dp);
+    let pp = layout.mesh.pp;
+    let mut cfg = config(steps, memory, 2, 2 / dp);
+    if pp > 1 {
+        cfg.pipeline = Some(PipelineConfig {
+            schedule,
+            virtual_stages: 1,
+            layers: vec![1; pp],
+        });
+    }
     let dcfg = DiffusionConfig {
         objective,
         ..Default::default()
@@ -101,7 +121,13 @@ fn train(layout: &Layout, memory: MemoryPlan, objective: Objective, steps: u64) 
     let out = LocalWorld::run(layout.ranks, |world| -> Result<_, String> {
         let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
         let (mesh, ctx) = layout.context(world)?;
-        let model = dit::load(&files, &ctx, None, ParamMode::Trainable)
+        let (r, p) = (mesh.coord(Dim::Pp), pp);
+        let ranges = match &cfg.pipeline {
+            Some(pc) => vec![pc.ranges()[r].clone()],
+            None => vec![0..2],
+        };
+        let ends = r == 0 || r == p - 1;
+        let model = dit::load_stage(&files, &ctx, None, ParamMode::Trainable, &ranges, ends)
             .map_err(|x| e(&x))?
             .model;
         let trainer = Trainer::new(model, &mesh, &ctx, cfg.clone()).map_err(|x| e(&x))?;
@@ -131,7 +157,19 @@ fn train(layout: &Layout, memory: MemoryPlan, objective: Objective, steps: u64) 
         Ok((losses, weights))
     })
     .unwrap_or_else(|e| panic!("{e}"));
-    let (losses, weights) = out.into_iter().next().unwrap();
+    // Every stage's weights (a parameter held by two stages: the two copies are equal).
+    let mut weights = HashMap::new();
+    for (i, (_, w)) in out.iter().enumerate() {
+        for (n, t) in w {
+            if let Some(prev) = weights.insert(n.clone(), t.clone()) {
+                assert_identical(&prev, t, &format!("{}: rank {i}: copies of {n}", layout.name));
+            }
+        }
+    }
+    for (i, (l, _)) in out.iter().enumerate() {
+        testkit::assert_identical_scalars(l, &out[0].0, &format!("{}: rank {i} losses", layout.name));
+    }
+    let losses = out[0].0.clone();
     Run { losses, weights }
 }
 
@@ -177,14 +215,37 @@ fn training_steps_equal_one_rank() {
                     zero(ZeroStage::Parameters, Checkpointing::Selective),
                 ),
             ],
-            Objective::Flow => vec![(
-                Layout::new("all-gather CP 4", 1, 1, 4, Strategy::AllGather),
-                zero(ZeroStage::Parameters, Checkpointing::Full),
-            )],
+            Objective::Flow => vec![
+                (
+                    Layout::new("all-gather CP 4", 1, 1, 4, Strategy::AllGather),
+                    zero(ZeroStage::Parameters, Checkpointing::Full),
+                ),
+                (
+                    Layout::new("pp2 x ring2", 1, 1, 2, Strategy::Ring).with_pp(2),
+                    zero(ZeroStage::OptimizerStates, Checkpointing::None),
+                ),
+            ],
         };
         for (layout, memory) in cases {
             let run = train(&layout, memory, objective, steps);
             compare(&run, &single, &format!("{objective}: {}", layout.name));
         }
+    }
+}
+
+#[test]
+fn pipeline_schedules_equal_one_rank() {
+    let steps = 2;
+    let single = train(&Layout::single(), MemoryPlan::default(), Objective::Ddpm, steps);
+    for (name, kind, layout) in [
+        ("gpipe pp2", ScheduleKind::GPipe, Layout::single().with_pp(2)),
+        (
+            "1f1b pp2 x tp2",
+            ScheduleKind::OneFOneB,
+            Layout::new("tp2", 2, 1, 1, Strategy::Ring).with_pp(2),
+        ),
+    ] {
+        let run = train_with(&layout, MemoryPlan::default(), Objective::Ddpm, steps, kind);
+        compare(&run, &single, name);
     }
 }

@@ -12,11 +12,11 @@ use candle_core::{DType, Device, Tensor};
 use candle_parallel::comm::ReduceOp;
 use candle_parallel::nn::ParamMode;
 use models::checkpoint::CheckpointReader;
-use models::diffusion::{flow_sample_euler, GaussianDiffusion, Guidance};
+use models::diffusion::{flow_sample_euler, DrawStream, GaussianDiffusion, Guidance};
 use models::dit::loss::{loss_sum, NoiseLevel, NoisedBatch};
 use models::dit::{self, DitConfig, LoadedDit};
 use train::checkpoint;
-use train::diffusion::{DiffusionConfig, DiffusionTrainer, DrawStream};
+use train::diffusion::{DiffusionConfig, DiffusionTrainer};
 use train::images::{write_grid_png, ImageDataset, ImageOptions};
 use train::trainer::Trainer;
 
@@ -89,7 +89,20 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         Some(d) => Some(checkpoint::read_state(d)?),
         None => None,
     };
-    let load_dir = resume_from.clone().unwrap_or_else(|| dir.to_path_buf());
+    let load_dir = match (&resume_from, args.from_scratch) {
+        (Some(d), _) => d.clone(),
+        (None, true) => {
+            let init = args.out.join("init");
+            models::dit::init::write_initialized(
+                &model_cfg,
+                &extra[0].1,
+                &init,
+                args.seed,
+            )?;
+            init
+        }
+        (None, false) => dir.to_path_buf(),
+    };
     let interrupted = Arc::new(AtomicBool::new(false));
     {
         let flag = interrupted.clone();
@@ -97,6 +110,11 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
             .context("installing the Ctrl-C handler (needed to save a checkpoint on Ctrl-C)")?;
     }
     let tokens_per_image = (model_cfg.sample_size / model_cfg.patch_size).pow(2);
+    // Training FLOPs per patch token: 6 per parameter, and attention's 6 · layers · tokens ·
+    // hidden (the same estimate as for text models).
+    let flops_per_token = 6.0 * model_cfg.num_parameters() as f64
+        + 6.0 * (model_cfg.num_layers * tokens_per_image * model_cfg.hidden_size()) as f64;
+    let peak = crate::train_cmd::matmul_gflops();
     let dtype = args.dtype.map(DType::from).unwrap_or(DType::F32);
     let metrics_path = args.out.join("metrics.jsonl");
     let history = launch(&args.layout, |rank| {
@@ -150,7 +168,7 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
                     lr: s.stats.lr,
                     grad_norm: s.stats.grad_norm,
                     tokens_per_sec: images_per_sec * tokens_per_image as f64,
-                    mfu: f64::NAN,
+                    mfu: images_per_sec * tokens_per_image as f64 * flops_per_token / (peak * 1e9),
                     eta_secs: start.elapsed().as_secs_f64() / done as f64
                         * (cfg.steps - t.trainer.step) as f64,
                 });

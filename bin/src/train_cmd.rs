@@ -155,6 +155,11 @@ pub struct TrainArgs {
     /// (classifier-free guidance).
     #[arg(long, default_value_t = 0.1, help_heading = "Diffusion")]
     pub class_dropout: f64,
+    /// Diffusion models: train from scratch: initialise the weights from --model's
+    /// config.json as DiT does (adaLN-Zero; seeded by --seed) instead of reading them; the
+    /// initial checkpoint is written to OUT/init.
+    #[arg(long, help_heading = "Diffusion")]
+    pub from_scratch: bool,
     #[command(flatten)]
     pub layout: LayoutArgs,
     #[command(flatten)]
@@ -311,7 +316,7 @@ impl TrainArgs {
 }
 
 /// f32 matmul rate of this machine (GFLOP/s), for the MFU estimate.
-fn matmul_gflops() -> f64 {
+pub fn matmul_gflops() -> f64 {
     let n = 512usize;
     let Ok(a) = Tensor::ones((n, n), DType::F32, &Device::Cpu) else {
         return f64::NAN;
@@ -330,6 +335,9 @@ fn matmul_gflops() -> f64 {
 pub fn run(args: &TrainArgs) -> Result<()> {
     if let Some(dir) = args.model.as_deref().and_then(crate::dit_cmd::dit_dir) {
         return crate::dit_cmd::train(args, &dir);
+    }
+    if args.from_scratch {
+        bail!("--from-scratch: only diffusion models (DiT) are initialised from their config");
     }
     let mut cfg = args.train_config()?;
     // Flag checks that need the layout, before the data is read and tokenized.

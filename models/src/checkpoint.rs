@@ -197,21 +197,14 @@ impl TensorSource for CheckpointReader {
     }
 
     fn shape(&self, name: &str) -> candle_parallel::Result<Vec<usize>> {
-        Ok(self.meta(name).map_err(parallel)?.shape)
+        Ok(self.meta(name).map_err(candle_parallel::Error::from)?.shape)
     }
 
     fn read(&self, name: &str, shard: Shard, dev: &Device) -> candle_parallel::Result<Tensor> {
-        CheckpointReader::read(self, name, shard, dev).map_err(parallel)
+        CheckpointReader::read(self, name, shard, dev).map_err(candle_parallel::Error::from)
     }
 }
 
-/// A model-zoo error as a candle-parallel one (the message is kept).
-fn parallel(e: Error) -> candle_parallel::Error {
-    match e {
-        Error::Parallel(p) => p,
-        other => candle_parallel::Error::Candle(other.into()),
-    }
-}
 
 /// Options of [`save_hf`].
 #[derive(Debug, Clone)]

@@ -62,6 +62,17 @@ impl Error {
     }
 }
 
+/// Into the runtime's error (for module constructors and blocks run by units, pipeline stages);
+/// the message is kept.
+impl From<Error> for candle_parallel::Error {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Parallel(p) => p,
+            other => candle_parallel::Error::Candle(other.into()),
+        }
+    }
+}
+
 /// Into candle's error (for `?` in candle ops and custom ops); the message is kept.
 impl From<Error> for candle_core::Error {
     fn from(e: Error) -> Self {

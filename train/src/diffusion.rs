@@ -12,7 +12,7 @@
 use candle_core::{Device, Tensor};
 use candle_parallel::comm::ReduceOp;
 use candle_parallel::pipeline::{finish_step, run_schedule};
-use models::diffusion::GaussianDiffusion;
+use models::diffusion::{logit_normal, DrawStream, GaussianDiffusion};
 use models::dit::pipeline::{DitMicroBatch, DitStage};
 use models::dit::loss::{loss_sum, NoiseLevel, NoisedBatch, Objective};
 use models::dit::Dit;
@@ -50,49 +50,6 @@ impl Default for DiffusionConfig {
             class_dropout: 0.1,
             num_timesteps: 1000,
         }
-    }
-}
-
-/// A deterministic stream of uniform and normal numbers (splitmix64, Box–Muller): one per
-/// (seed, global sample), stable across crate versions and platforms.
-pub struct DrawStream {
-    state: u64,
-    spare: Option<f64>,
-}
-
-impl DrawStream {
-    pub fn new(seed: u64, sample: u64) -> Self {
-        let mut s = Self {
-            state: seed ^ sample.wrapping_mul(0xD1B5_4A32_D192_ED03),
-            spare: None,
-        };
-        s.next_u64();
-        s
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `(0, 1)`.
-    pub fn uniform(&mut self) -> f64 {
-        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-
-    /// Standard normal.
-    pub fn normal(&mut self) -> f64 {
-        if let Some(z) = self.spare.take() {
-            return z;
-        }
-        let (u, v) = (self.uniform(), self.uniform());
-        let r = (-2.0 * u.ln()).sqrt();
-        let a = 2.0 * std::f64::consts::PI * v;
-        self.spare = Some(r * a.sin());
-        r * a.cos()
     }
 }
 
@@ -174,9 +131,7 @@ impl DiffusionTrainer {
                     ((d.uniform() * self.cfg.num_timesteps as f64) as u32)
                         .min(self.cfg.num_timesteps as u32 - 1),
                 ),
-                Objective::Flow => {
-                    flow.push((1.0 / (1.0 + (-d.normal()).exp())) as f32)
-                }
+                Objective::Flow => flow.extend(logit_normal(1, || d.normal())),
             }
             let drop = d.uniform() < self.cfg.class_dropout;
             out_labels.push(if drop { null } else { label });
@@ -195,18 +150,20 @@ impl DiffusionTrainer {
         })
     }
 
-    /// This rank's micro-batches of `step` (global sample indices).
+    /// This rank's micro-batches of `step` (global sample indices; [`Sampler::samples`] does
+    /// not depend on the dataset).
     pub fn micro_samples(&self, step: u64) -> Vec<Vec<u64>> {
         let c = &self.trainer.cfg;
-        Sampler {
+        let sampler = Sampler {
             num_windows: 1,
             seed: c.seed,
             shuffle: false,
-        }
-        .samples(step, self.dp, self.dp_rank, c.batch * c.grad_accum)
-        .chunks(c.batch)
-        .map(|c| c.to_vec())
-        .collect()
+        };
+        sampler
+            .samples(step, self.dp, self.dp_rank, c.batch * c.grad_accum)
+            .chunks(c.batch)
+            .map(|c| c.to_vec())
+            .collect()
     }
 
     /// Forward and backward of one micro-batch, this rank's loss scaled by `1 / global_batch`.

@@ -6,6 +6,7 @@
 //! - [`objective`]: the DDPM training terms (noise MSE and the variational-bound term of a
 //!   learned variance, in bits) and rectified flow, as per-sample sums over the elements given,
 //!   so that ranks holding different tokens of a sample add their parts;
+//! - [`rng`]: a deterministic generator of uniform and normal draws (noise, timesteps);
 //! - [`sampler`]: DDPM (ancestral) and DDIM sampling on a (respaced) schedule and Euler sampling
 //!   of a rectified flow, with classifier-free guidance.
 //!
@@ -14,9 +15,11 @@
 //! Rust crate implements DiT's learned-variance bound.
 
 pub mod objective;
+pub mod rng;
 pub mod sampler;
 pub mod schedule;
 
 pub use objective::{flow_sample, flow_terms, flow_timestep, logit_normal, DdpmTerms};
+pub use rng::DrawStream;
 pub use sampler::{flow_sample_euler, Guidance, ModelFn};
 pub use schedule::GaussianDiffusion;

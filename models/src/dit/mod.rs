@@ -3,6 +3,7 @@
 //! or numbered shards with `diffusion_pytorch_model.safetensors.index.json`).
 
 pub mod config;
+pub mod init;
 pub mod loss;
 pub mod model;
 pub mod pipeline;

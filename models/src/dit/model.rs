@@ -166,26 +166,20 @@ impl Block for DitBlock {
             msg: "the pass carries no conditioning".into(),
         }
         })?;
-        let e = self.emb.forward(cond).map_err(to_parallel)?;
-        let m = self.ada.forward(&e.silu()?).map_err(to_parallel)?;
+        let e = self.emb.forward(cond).map_err(candle_parallel::Error::from)?;
+        let m = self.ada.forward(&e.silu()?).map_err(candle_parallel::Error::from)?;
         let m = m.chunk(6, 1)?;
         let (shift_msa, scale_msa, gate_msa) = (&m[0], &m[1], &m[2]);
         let (shift_mlp, scale_mlp, gate_mlp) = (&m[3], &m[4], &m[5]);
-        let h = modulate(&self.norm1.forward(x)?, shift_msa, scale_msa).map_err(to_parallel)?;
+        let h = modulate(&self.norm1.forward(x)?, shift_msa, scale_msa).map_err(candle_parallel::Error::from)?;
         let a = self.attn1.forward(&h, pass)?;
         let x = (x + a.broadcast_mul(&gate_msa.unsqueeze(1)?)?)?;
-        let h = modulate(&self.norm2.forward(&x)?, shift_mlp, scale_mlp).map_err(to_parallel)?;
+        let h = modulate(&self.norm2.forward(&x)?, shift_mlp, scale_mlp).map_err(candle_parallel::Error::from)?;
         let f = self.ff.forward(&h)?;
         Ok((&x + f.broadcast_mul(&gate_mlp.unsqueeze(1)?)?)?)
     }
 }
 
-fn to_parallel(e: Error) -> candle_parallel::Error {
-    match e {
-        Error::Parallel(p) => p,
-        other => candle_parallel::Error::Candle(other.into()),
-    }
-}
 
 /// The patch embedding and the output layer: one unit.
 #[derive(Debug, Clone)]
@@ -337,7 +331,7 @@ impl Dit {
         let ends_unit = if ends {
             let (c, x) = (cfg.clone(), ctx.clone());
             Some(
-                Unit::new(&vb, move |vb| DitEnds::new(&c, vb, &x).map_err(to_parallel))
+                Unit::new(&vb, move |vb| DitEnds::new(&c, vb, &x).map_err(candle_parallel::Error::from))
                     .map_err(unit_err)?,
             )
         } else {
@@ -350,7 +344,7 @@ impl Dit {
                 }
                 let (c, x) = (cfg.clone(), ctx.clone());
                 Unit::new(&vb.pp("transformer_blocks").pp(i), move |vb| {
-                    DitBlock::new(&c, vb, &x).map_err(to_parallel)
+                    DitBlock::new(&c, vb, &x).map_err(candle_parallel::Error::from)
                 })
                 .map(Some)
                 .map_err(unit_err)
@@ -361,7 +355,7 @@ impl Dit {
             let path = vb.pp("transformer_blocks").pp(0).pp("norm1").pp("emb");
             Some(
                 Unit::new(&path, move |vb| {
-                    ConditionEmbedding::new(&c, vb).map_err(to_parallel)
+                    ConditionEmbedding::new(&c, vb).map_err(candle_parallel::Error::from)
                 })
                 .map_err(unit_err)?,
             )

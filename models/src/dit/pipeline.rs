@@ -169,12 +169,6 @@ impl<'a> DitStage<'a> {
     }
 }
 
-fn parallel_err(e: Error) -> candle_parallel::Error {
-    match e {
-        Error::Parallel(p) => p,
-        other => candle_parallel::Error::Candle(other.into()),
-    }
-}
 
 impl StageModel for DitStage<'_> {
     fn activation_spec(
@@ -182,8 +176,8 @@ impl StageModel for DitStage<'_> {
         _chunk: usize,
         micro_batch: usize,
     ) -> candle_parallel::Result<(Shape, DType)> {
-        let m = self.micro(micro_batch).map_err(parallel_err)?;
-        let (gh, gw) = self.model.check_input(&m.x_in).map_err(parallel_err)?;
+        let m = self.micro(micro_batch).map_err(candle_parallel::Error::from)?;
+        let (gh, gw) = self.model.check_input(&m.x_in).map_err(candle_parallel::Error::from)?;
         let ctx = self.model.ctx();
         let n = ctx.local_tokens(gh * gw)?;
         let tp = ctx.tp();
@@ -206,7 +200,7 @@ impl StageModel for DitStage<'_> {
         input: Option<&Tensor>,
     ) -> candle_parallel::Result<Tensor> {
         self.forward_chunk(chunk, micro_batch, input)
-            .map_err(parallel_err)
+            .map_err(candle_parallel::Error::from)
     }
 
     fn backward(&mut self, root: &Tensor) -> candle_parallel::Result<GradStore> {

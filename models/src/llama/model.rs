@@ -182,7 +182,7 @@ impl Llama {
         let ends = if ends {
             let (c, x) = (cfg.clone(), ctx.clone());
             Some(
-                Unit::new(&vb, move |vb| Ends::new(&c, vb, &x).map_err(parallel_err))
+                Unit::new(&vb, move |vb| Ends::new(&c, vb, &x).map_err(candle_parallel::Error::from))
                     .map_err(unit_err)?,
             )
         } else {
@@ -196,7 +196,7 @@ impl Llama {
                 let (c, x) = (cfg.clone(), ctx.clone());
                 let vb = vb.pp("model").pp("layers").pp(i);
                 Unit::new(&vb, move |vb| {
-                    DecoderLayer::new(&c, vb, &x).map_err(parallel_err)
+                    DecoderLayer::new(&c, vb, &x).map_err(candle_parallel::Error::from)
                 })
                 .map(Some)
                 .map_err(unit_err)
@@ -359,10 +359,3 @@ impl Parallelize for Llama {
     }
 }
 
-/// A candle-parallel error from a model error (for constructors run by units).
-pub(crate) fn parallel_err(e: Error) -> candle_parallel::Error {
-    match e {
-        Error::Parallel(p) => p,
-        other => candle_parallel::Error::Candle(other.into()),
-    }
-}

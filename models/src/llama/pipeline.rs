@@ -22,7 +22,6 @@ use candle_core::{DType, Shape, Tensor, Var};
 use candle_parallel::nn::{Batch, CrossEntropyOptions, Track};
 use candle_parallel::pipeline::{PipelineSchedule, StageModel};
 
-use super::model::parallel_err;
 use super::Llama;
 use crate::error::{Error, Result};
 
@@ -165,7 +164,7 @@ impl StageModel for LlamaStage<'_> {
         _chunk: usize,
         micro_batch: usize,
     ) -> candle_parallel::Result<(Shape, DType)> {
-        let m = self.micro(micro_batch).map_err(parallel_err)?;
+        let m = self.micro(micro_batch).map_err(candle_parallel::Error::from)?;
         let (b, n) = m.batch.input_ids.dims2()?;
         let tp = self.model.ctx().tp();
         let n = if tp.sequence_parallel() {
@@ -186,11 +185,11 @@ impl StageModel for LlamaStage<'_> {
         input: Option<&Tensor>,
     ) -> candle_parallel::Result<Tensor> {
         self.forward_chunk(chunk, micro_batch, input)
-            .map_err(parallel_err)
+            .map_err(candle_parallel::Error::from)
     }
 
     fn backward(&mut self, root: &Tensor) -> candle_parallel::Result<GradStore> {
-        let store = self.model.backward(root).map_err(parallel_err)?;
+        let store = self.model.backward(root).map_err(candle_parallel::Error::from)?;
         for (name, var) in &self.params {
             if let Some(g) = store.get(var.as_tensor()) {
                 let g = g.to_dtype(DType::F32)?;
