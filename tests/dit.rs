@@ -19,8 +19,8 @@ use candle_parallel::attention::Strategy;
 use candle_parallel::comm::{LocalWorld, ReduceOp};
 use candle_parallel::mesh::Dim;
 use candle_parallel::nn::{Param, ParamMode};
-use candle_parallel::plan::MemoryPlan;
 use candle_parallel::optim::ZeroStage;
+use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{assert_identical, every_strategy, global_gradients, rel_err, Layout};
 use models::diffusion::{GaussianDiffusion, Guidance};
@@ -34,7 +34,8 @@ fn fixture_dir() -> PathBuf {
 
 fn reference() -> HashMap<String, Tensor> {
     let p = fixture_dir().join("reference.safetensors");
-    candle_core::safetensors::load(&p, &Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+    candle_core::safetensors::load(&p, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
 fn config() -> DitConfig {
@@ -42,7 +43,13 @@ fn config() -> DitConfig {
 }
 
 fn ints(t: &Tensor) -> Vec<u32> {
-    t.to_dtype(DType::I64).unwrap().to_vec1::<i64>().unwrap().iter().map(|&x| x as u32).collect()
+    t.to_dtype(DType::I64)
+        .unwrap()
+        .to_vec1::<i64>()
+        .unwrap()
+        .iter()
+        .map(|&x| x as u32)
+        .collect()
 }
 
 fn floats(t: &Tensor) -> Vec<f32> {
@@ -78,14 +85,24 @@ fn assert_rel(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
 fn forward_equals_diffusers() {
     let r = reference();
     let m = single_model();
-    for (t, out) in [("fwd.timestep", "fwd.output"), ("fwd.timestep_float", "fwd.output_float")] {
+    for (t, out) in [
+        ("fwd.timestep", "fwd.output"),
+        ("fwd.timestep_float", "fwd.output_float"),
+    ] {
         let y = m
-            .forward(&r["fwd.sample"], &floats(&r[t]), &ints(&r["fwd.class_labels"]))
+            .forward(
+                &r["fwd.sample"],
+                &floats(&r[t]),
+                &ints(&r["fwd.class_labels"]),
+            )
             .unwrap();
         assert_rel(&y, &r[out], 3e-5, out);
         let exact = &r[&format!("{out}64")];
         let (ours, torch) = (rel_err(&y, exact), rel_err(&r[out], exact));
-        assert!(ours <= (1.5 * torch).max(1e-6), "{out}: error against float64 {ours:e}, diffusers' {torch:e}");
+        assert!(
+            ours <= (1.5 * torch).max(1e-6),
+            "{out}: error against float64 {ours:e}, diffusers' {torch:e}"
+        );
     }
 }
 
@@ -94,7 +111,9 @@ fn ddpm_loss_and_gradients_equal_pytorch() {
     let r = reference();
     let diffusion = GaussianDiffusion::linear(1000).unwrap();
     let t = ints(&r["ddpm.t"]);
-    let x_t = diffusion.q_sample(&r["ddpm.x0"], &t, &r["ddpm.noise"]).unwrap();
+    let x_t = diffusion
+        .q_sample(&r["ddpm.x0"], &t, &r["ddpm.noise"])
+        .unwrap();
     assert_rel(&x_t, &r["ddpm.x_t"], 1e-6, "q_sample");
     let loaded = single();
     let m = &loaded.model;
@@ -116,9 +135,17 @@ fn ddpm_loss_and_gradients_equal_pytorch() {
     let vb64 = avg("ddpm.vb64");
     let torch_vb = (avg("ddpm.vb") - vb64).abs();
     let ours_vb = (l.vb / b - vb64).abs();
-    assert!(ours_vb <= 1e-5 * vb64.abs(), "vb: ours off float64 by {ours_vb:e} (PyTorch f32 {torch_vb:e})");
+    assert!(
+        ours_vb <= 1e-5 * vb64.abs(),
+        "vb: ours off float64 by {ours_vb:e} (PyTorch f32 {torch_vb:e})"
+    );
     let loss64 = r["ddpm.loss64"].to_scalar::<f32>().unwrap() as f64;
-    assert_close_scalar(mean.to_scalar::<f32>().unwrap() as f64, loss64, 1e-5, "ddpm loss vs float64");
+    assert_close_scalar(
+        mean.to_scalar::<f32>().unwrap() as f64,
+        loss64,
+        1e-5,
+        "ddpm loss vs float64",
+    );
     let grads = m.ctx().backward(&mean).unwrap();
     check_grads(&loaded.params.sorted(), &grads, &r, "ddpm");
 }
@@ -138,8 +165,18 @@ fn flow_loss_and_gradients_equal_pytorch() {
     let l = loss_sum(m, &diffusion, &batch).unwrap();
     let mean = (l.total / batch.labels.len() as f64).unwrap();
     let got = mean.to_scalar::<f32>().unwrap() as f64;
-    assert_close_scalar(got, r["flow.loss"].to_scalar::<f32>().unwrap() as f64, 1e-5, "flow loss");
-    assert_close_scalar(got, r["flow.loss64"].to_scalar::<f32>().unwrap() as f64, 1e-5, "flow loss vs float64");
+    assert_close_scalar(
+        got,
+        r["flow.loss"].to_scalar::<f32>().unwrap() as f64,
+        1e-5,
+        "flow loss",
+    );
+    assert_close_scalar(
+        got,
+        r["flow.loss64"].to_scalar::<f32>().unwrap() as f64,
+        1e-5,
+        "flow loss vs float64",
+    );
     let grads = m.ctx().backward(&mean).unwrap();
     check_grads(&loaded.params.sorted(), &grads, &r, "flow");
 }
@@ -170,7 +207,11 @@ fn check_grads(
         );
         n += 1;
     }
-    assert_eq!(n, config().parameter_shapes().len(), "{prefix}: every parameter checked");
+    assert_eq!(
+        n,
+        config().parameter_shapes().len(),
+        "{prefix}: every parameter checked"
+    );
 }
 
 /// `g` against `want` (1e-5 relative); the key bias against the scale of the query bias's
@@ -179,7 +220,10 @@ fn check_grad(what: &str, name: &str, g: &Tensor, want: &Tensor, q_scale: f64, t
     if name.ends_with("to_k.bias") {
         // Exactly zero in exact arithmetic (softmax is shift invariant per query).
         let d = testkit::max_abs(&(g - want).unwrap());
-        assert!(d <= tol * q_scale, "{what}: {name}: |diff| {d:e} vs scale {q_scale:e}");
+        assert!(
+            d <= tol * q_scale,
+            "{what}: {name}: |diff| {d:e} vs scale {q_scale:e}"
+        );
     } else {
         assert_rel(g, want, tol, &format!("{what}: gradient of {name}"));
     }
@@ -212,11 +256,17 @@ fn run(layout: &Layout, memory: MemoryPlan) -> (f64, HashMap<String, Tensor>, Te
         labels: ints(&r["ddpm.labels"]),
         level: NoiseLevel::Ddpm(t),
     };
-    let fwd = (r["fwd.sample"].clone(), floats(&r["fwd.timestep"]), ints(&r["fwd.class_labels"]));
+    let fwd = (
+        r["fwd.sample"].clone(),
+        floats(&r["fwd.timestep"]),
+        ints(&r["fwd.class_labels"]),
+    );
     let mut out = LocalWorld::run(layout.ranks, |world| -> Result<_, String> {
         let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
         let (mesh, ctx) = layout.context(world)?;
-        let mut model = dit::load(&files, &ctx, None, ParamMode::Trainable).map_err(|x| e(&x))?.model;
+        let mut model = dit::load(&files, &ctx, None, ParamMode::Trainable)
+            .map_err(|x| e(&x))?
+            .model;
         let zero = memory.zero_groups(&mesh).map_err(|x| e(&x))?;
         let planned = memory.apply(&mut model, zero.as_ref()).map_err(|x| e(&x))?;
         let diffusion = GaussianDiffusion::linear(1000).map_err(|x| e(&x))?;
@@ -235,7 +285,11 @@ fn run(layout: &Layout, memory: MemoryPlan) -> (f64, HashMap<String, Tensor>, Te
     })
     .unwrap_or_else(|e| panic!("{e}"));
     for (i, o) in out.iter().enumerate().skip(1) {
-        testkit::assert_identical_scalars(&[o.0], &[out[0].0], &format!("{}: rank {i} loss", layout.name));
+        testkit::assert_identical_scalars(
+            &[o.0],
+            &[out[0].0],
+            &format!("{}: rank {i} loss", layout.name),
+        );
     }
     out.swap_remove(0)
 }
@@ -244,34 +298,56 @@ fn run(layout: &Layout, memory: MemoryPlan) -> (f64, HashMap<String, Tensor>, Te
 fn every_layout_equals_one_rank() {
     let r = reference();
     let (loss1, grads1, y1) = run(&Layout::single(), MemoryPlan::default());
-    assert_close_scalar(loss1, r["ddpm.loss64"].to_scalar::<f32>().unwrap() as f64, 1e-5, "one rank");
-    let names: Vec<String> = config().parameter_shapes().into_iter().map(|(n, _)| n).collect();
+    assert_close_scalar(
+        loss1,
+        r["ddpm.loss64"].to_scalar::<f32>().unwrap() as f64,
+        1e-5,
+        "one rank",
+    );
+    let names: Vec<String> = config()
+        .parameter_shapes()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
     let zero3 = |c| MemoryPlan {
         zero: ZeroStage::Parameters,
         zero_group: None,
         checkpointing: c,
     };
-    let mut layouts: Vec<(Layout, MemoryPlan)> =
-        every_strategy().into_iter().map(|l| (l, MemoryPlan::default())).collect();
-    layouts.push((Layout::new("zero3 + full checkpointing, ring4", 1, 1, 4, Strategy::Ring), zero3(Checkpointing::Full)));
-    layouts.push((Layout::new("zero3 + selective, tp2 x usp2", 2, 2, 1, Strategy::Usp), zero3(Checkpointing::Selective)));
+    let mut layouts: Vec<(Layout, MemoryPlan)> = every_strategy()
+        .into_iter()
+        .map(|l| (l, MemoryPlan::default()))
+        .collect();
+    layouts.push((
+        Layout::new("zero3 + full checkpointing, ring4", 1, 1, 4, Strategy::Ring),
+        zero3(Checkpointing::Full),
+    ));
+    layouts.push((
+        Layout::new("zero3 + selective, tp2 x usp2", 2, 2, 1, Strategy::Usp),
+        zero3(Checkpointing::Selective),
+    ));
     for (layout, memory) in layouts {
         let (loss, grads, y) = run(&layout, memory);
         assert_close_scalar(loss, loss1, 1e-5, &format!("{}: loss", layout.name));
         assert_rel(&y, &y1, 1e-5, &format!("{}: forward output", layout.name));
         assert_eq!(grads.len(), names.len(), "{}: gradient count", layout.name);
         for n in &names {
-            let g = grads.get(n).unwrap_or_else(|| panic!("{}: no gradient for {n}", layout.name));
+            let g = grads
+                .get(n)
+                .unwrap_or_else(|| panic!("{}: no gradient for {n}", layout.name));
             testkit::assert_finite(g, &format!("{}: {n}", layout.name));
             let scale = q_scale(&grads1, n, "");
             check_grad(layout.name, n, g, &grads1[n], scale, 1e-5);
             if !n.ends_with("to_k.bias") {
-                assert!(testkit::max_abs(g) > 0.0, "{}: the gradient of {n} is zero", layout.name);
+                assert!(
+                    testkit::max_abs(g) > 0.0,
+                    "{}: the gradient of {n} is zero",
+                    layout.name
+                );
             }
         }
     }
 }
-
 
 #[test]
 fn save_and_reload_give_the_same_output() {
@@ -294,20 +370,30 @@ fn save_and_reload_give_the_same_output() {
             .map_err(|e| e.to_string())
     })
     .unwrap();
-    assert!(out_dir.join("diffusion_pytorch_model.safetensors.index.json").is_file());
+    assert!(out_dir
+        .join("diffusion_pytorch_model.safetensors.index.json")
+        .is_file());
     let saved = dit::files(&out_dir).unwrap();
     assert!(saved.weights.len() > 1, "saved sharded");
     let y = LocalWorld::run(1, |world| -> Result<Tensor, String> {
         let (_, ctx) = Layout::single().context(world)?;
         let m = dit::load(&saved, &ctx, None, ParamMode::Frozen).map_err(|e| e.to_string())?;
         m.model
-            .forward(&r["fwd.sample"], &floats(&r["fwd.timestep"]), &ints(&r["fwd.class_labels"]))
+            .forward(
+                &r["fwd.sample"],
+                &floats(&r["fwd.timestep"]),
+                &ints(&r["fwd.class_labels"]),
+            )
             .map_err(|e| e.to_string())
     })
     .unwrap()
     .remove(0);
     let before = single_model()
-        .forward(&r["fwd.sample"], &floats(&r["fwd.timestep"]), &ints(&r["fwd.class_labels"]))
+        .forward(
+            &r["fwd.sample"],
+            &floats(&r["fwd.timestep"]),
+            &ints(&r["fwd.class_labels"]),
+        )
         .unwrap();
     assert_identical(&y, &before, "reloaded output");
 }
@@ -322,9 +408,15 @@ fn bad_inputs_give_clear_errors() {
     let odd = Tensor::zeros((1, 4, 7, 8), DType::F32, &Device::Cpu).unwrap();
     let e = m.forward(&odd, &[1.0], &[0]).unwrap_err().to_string();
     assert!(e.contains("2x2 patches"), "{e}");
-    let e = m.forward(&r["fwd.sample"], &[1.0, 2.0, 3.0], &[0, 11, 1]).unwrap_err().to_string();
+    let e = m
+        .forward(&r["fwd.sample"], &[1.0, 2.0, 3.0], &[0, 11, 1])
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("class label 11"), "{e}");
-    let e = m.forward(&r["fwd.sample"], &[1.0], &[0]).unwrap_err().to_string();
+    let e = m
+        .forward(&r["fwd.sample"], &[1.0], &[0])
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("batch of 3"), "{e}");
     // 16 patch tokens cannot be cut into the 2 x 3 zigzag chunks of ring 3.
     let files = dit::files(&fixture_dir()).unwrap();
@@ -333,7 +425,11 @@ fn bad_inputs_give_clear_errors() {
         let (_, ctx) = layout.context(world)?;
         let m = dit::load(&files, &ctx, None, ParamMode::Frozen).map_err(|e| e.to_string())?;
         Ok(m.model
-            .forward(&r["fwd.sample"], &floats(&r["fwd.timestep"]), &ints(&r["fwd.class_labels"]))
+            .forward(
+                &r["fwd.sample"],
+                &floats(&r["fwd.timestep"]),
+                &ints(&r["fwd.class_labels"]),
+            )
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default())
@@ -349,9 +445,11 @@ fn bad_inputs_give_clear_errors() {
     let p = dir.join("config.json");
     std::fs::write(&p, text).unwrap();
     let e = DitConfig::from_file(&p).unwrap_err().to_string();
-    assert!(e.contains("config.json") && e.contains("ada_norm_single"), "{e}");
+    assert!(
+        e.contains("config.json") && e.contains("ada_norm_single"),
+        "{e}"
+    );
 }
-
 
 /// The respaced schedules, DDIM with guidance and ancestral DDPM from fixed noise, against
 /// DiT's formulas run by PyTorch with the same model (DDIM 1e-5, DDPM 2e-5: five model calls
@@ -365,9 +463,15 @@ fn samplers_equal_pytorch() {
         let betas = r[&format!("respace{n}.betas")].to_vec1::<f64>().unwrap();
         assert_eq!(sp.betas.len(), n);
         for (a, b) in sp.betas.iter().zip(&betas) {
-            assert!((a - b).abs() <= 1e-12 * b.abs(), "respace{n}: beta {a} vs {b}");
+            assert!(
+                (a - b).abs() <= 1e-12 * b.abs(),
+                "respace{n}: beta {a} vs {b}"
+            );
         }
-        assert_eq!(sp.timestep_map, ints(&r[&format!("respace{n}.timestep_map")]));
+        assert_eq!(
+            sp.timestep_map,
+            ints(&r[&format!("respace{n}.timestep_map")])
+        );
     }
     let m = single_model();
     let mut model = |x: &Tensor, t: &[f32], y: &[u32]| m.forward(x, t, y);
@@ -377,7 +481,12 @@ fn samplers_equal_pytorch() {
         null_label: 10,
     };
     let out = sp
-        .ddim_sample(&mut model, &r["ddim.noise"], &ints(&r["ddim.labels"]), Some(g))
+        .ddim_sample(
+            &mut model,
+            &r["ddim.noise"],
+            &ints(&r["ddim.labels"]),
+            Some(g),
+        )
         .unwrap();
     assert_rel(&out, &r["ddim.out"], 1e-5, "ddim");
     let steps = r["ddpm_sample.step_noise"].clone();

@@ -13,9 +13,9 @@ use candle_parallel::comm::LocalWorld;
 use candle_parallel::mesh::Dim;
 use candle_parallel::nn::ParamMode;
 use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
+use candle_parallel::pipeline::ScheduleKind;
 use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
-use candle_parallel::pipeline::ScheduleKind;
 use cpl_integration_tests::{assert_identical, rel_err, Layout};
 use models::dit;
 use models::dit::loss::Objective;
@@ -51,7 +51,14 @@ fn dataset() -> ImageDataset {
     let tmp = dir.join(format!("dit-train-latents.{}.tmp", std::process::id()));
     candle_core::safetensors::save(&map, &tmp).unwrap();
     std::fs::rename(&tmp, &path).unwrap();
-    ImageDataset::load(&path, &ImageOptions { channels: 4, size: 8 }).unwrap()
+    ImageDataset::load(
+        &path,
+        &ImageOptions {
+            channels: 4,
+            size: 8,
+        },
+    )
+    .unwrap()
 }
 
 fn config(steps: u64, memory: MemoryPlan, batch: usize, grad_accum: usize) -> TrainConfig {
@@ -124,7 +131,7 @@ fn train_with(
         let (r, p) = (mesh.coord(Dim::Pp), pp);
         let ranges = match &cfg.pipeline {
             Some(pc) => vec![pc.ranges()[r].clone()],
-            None => vec![0..2],
+            None => std::iter::once(0..2).collect(),
         };
         let ends = r == 0 || r == p - 1;
         let model = dit::load_stage(&files, &ctx, None, ParamMode::Trainable, &ranges, ends)
@@ -162,12 +169,20 @@ fn train_with(
     for (i, (_, w)) in out.iter().enumerate() {
         for (n, t) in w {
             if let Some(prev) = weights.insert(n.clone(), t.clone()) {
-                assert_identical(&prev, t, &format!("{}: rank {i}: copies of {n}", layout.name));
+                assert_identical(
+                    &prev,
+                    t,
+                    &format!("{}: rank {i}: copies of {n}", layout.name),
+                );
             }
         }
     }
     for (i, (l, _)) in out.iter().enumerate() {
-        testkit::assert_identical_scalars(l, &out[0].0, &format!("{}: rank {i} losses", layout.name));
+        testkit::assert_identical_scalars(
+            l,
+            &out[0].0,
+            &format!("{}: rank {i} losses", layout.name),
+        );
     }
     let losses = out[0].0.clone();
     Run { losses, weights }
@@ -201,7 +216,10 @@ fn training_steps_equal_one_rank() {
         };
         let cases: Vec<(Layout, MemoryPlan)> = match objective {
             Objective::Ddpm => vec![
-                (Layout::new("tp2", 2, 1, 1, Strategy::Ring), MemoryPlan::default()),
+                (
+                    Layout::new("tp2", 2, 1, 1, Strategy::Ring),
+                    MemoryPlan::default(),
+                ),
                 (
                     Layout::new("ulysses2 x ring2", 1, 2, 2, Strategy::Usp),
                     zero(ZeroStage::OptimizerStates, Checkpointing::None),
@@ -236,9 +254,18 @@ fn training_steps_equal_one_rank() {
 #[test]
 fn pipeline_schedules_equal_one_rank() {
     let steps = 2;
-    let single = train(&Layout::single(), MemoryPlan::default(), Objective::Ddpm, steps);
+    let single = train(
+        &Layout::single(),
+        MemoryPlan::default(),
+        Objective::Ddpm,
+        steps,
+    );
     for (name, kind, layout) in [
-        ("gpipe pp2", ScheduleKind::GPipe, Layout::single().with_pp(2)),
+        (
+            "gpipe pp2",
+            ScheduleKind::GPipe,
+            Layout::single().with_pp(2),
+        ),
         (
             "1f1b pp2 x tp2",
             ScheduleKind::OneFOneB,

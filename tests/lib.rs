@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use candle_parallel::attention::{AttnMask, SpConfig, Strategy};
 use candle_parallel::comm::{Comm, LocalWorld, ReduceOp};
@@ -13,7 +14,6 @@ use candle_parallel::mesh::{DeviceMesh, Dim, MeshConfig};
 use candle_parallel::nn::{
     Batch, CrossEntropyOptions, ParallelCtx, Param, ParamMode, TpActivations,
 };
-use candle_core::backprop::GradStore;
 use candle_parallel::optim::{collect_gradients, reduce_gradients, ZeroGroups, ZeroStage};
 use candle_parallel::plan::{MemoryPlan, PlannedParams};
 use candle_parallel::recompute::Checkpointing;
@@ -302,46 +302,46 @@ pub fn global_gradients(
     let e = |e: &dyn std::fmt::Display| format!("{}: {e}", layout.name);
     let tp = mesh.comm(Dim::Tp);
     let grads: HashMap<String, Tensor> = match (planned, zero) {
-            (PlannedParams::Resident(params), _) => {
-                let collected = collect_gradients(params, &grads).map_err(|x| e(&x))?;
-                let reduced = reduce_gradients(params, collected, ctx).map_err(|x| e(&x))?;
-                params
-                    .iter()
-                    .zip(reduced)
-                    .map(|(p, (n, g))| (n, gather_param(&g, p, &tp)))
-                    .collect()
-            }
-            // A chunk's gradient is already summed over the sharding group (the backward of the
-            // gather reduce-scatters); under TP-sp replicated parameters also sum over tp.
-            (PlannedParams::Sharded(chunks), Some(z)) => chunks
+        (PlannedParams::Resident(params), _) => {
+            let collected = collect_gradients(params, grads).map_err(|x| e(&x))?;
+            let reduced = reduce_gradients(params, collected, ctx).map_err(|x| e(&x))?;
+            params
                 .iter()
-                .map(|p| {
-                    let g = grads.get(p.var.as_tensor()).ok_or_else(|| {
-                        e(&format!("parameter `{}` received no gradient", p.name))
-                    })?;
-                    let tp_sp = layout.tp == TpActivations::SequenceSharded;
-                    let g = if tp_sp && !p.shard.is_split() && z.replica_tp.size() > 1 {
-                        z.replica_tp
-                            .all_reduce(g, ReduceOp::Sum)
-                            .map_err(|x| e(&x))?
-                    } else {
-                        g.clone()
-                    };
-                    let whole = p
-                        .flat
-                        .gather(&g, &z.shard, &p.local_shape)
-                        .map_err(|x| e(&x))?;
-                    let whole = if p.shard.is_split() {
-                        tp.all_gather(&whole.contiguous().unwrap(), p.shard.dim)
-                            .unwrap()
-                    } else {
-                        whole
-                    };
-                    Ok((p.name.clone(), whole))
-                })
-                .collect::<Result<_, String>>()?,
-            (PlannedParams::Sharded(_), None) => return Err(e(&"ZeRO-3 without groups")),
-        };
+                .zip(reduced)
+                .map(|(p, (n, g))| (n, gather_param(&g, p, &tp)))
+                .collect()
+        }
+        // A chunk's gradient is already summed over the sharding group (the backward of the
+        // gather reduce-scatters); under TP-sp replicated parameters also sum over tp.
+        (PlannedParams::Sharded(chunks), Some(z)) => chunks
+            .iter()
+            .map(|p| {
+                let g = grads
+                    .get(p.var.as_tensor())
+                    .ok_or_else(|| e(&format!("parameter `{}` received no gradient", p.name)))?;
+                let tp_sp = layout.tp == TpActivations::SequenceSharded;
+                let g = if tp_sp && !p.shard.is_split() && z.replica_tp.size() > 1 {
+                    z.replica_tp
+                        .all_reduce(g, ReduceOp::Sum)
+                        .map_err(|x| e(&x))?
+                } else {
+                    g.clone()
+                };
+                let whole = p
+                    .flat
+                    .gather(&g, &z.shard, &p.local_shape)
+                    .map_err(|x| e(&x))?;
+                let whole = if p.shard.is_split() {
+                    tp.all_gather(&whole.contiguous().unwrap(), p.shard.dim)
+                        .unwrap()
+                } else {
+                    whole
+                };
+                Ok((p.name.clone(), whole))
+            })
+            .collect::<Result<_, String>>()?,
+        (PlannedParams::Sharded(_), None) => return Err(e(&"ZeRO-3 without groups")),
+    };
     Ok(grads
         .into_iter()
         .map(|(n, g): (String, Tensor)| (n, g.to_dtype(DType::F32).unwrap()))

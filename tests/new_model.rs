@@ -26,7 +26,7 @@ use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{assert_identical, rel_err, Layout};
 use testkit::{assert_close_scalar, assert_finite, max_abs};
 use train::data::{PackedDataset, Packing, TokenStream};
-use train::trainer::{LanguageModel, TrainConfig, Trainer};
+use train::trainer::{LanguageModel, TrainConfig, TrainModel, Trainer};
 
 // ------------------------------------------------------------------------------------------
 // The model
@@ -146,6 +146,8 @@ impl Parallelize for Encoder {
         units
     }
 }
+
+impl TrainModel for Encoder {}
 
 impl LanguageModel for Encoder {
     fn loss_sum(

@@ -93,12 +93,7 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         (Some(d), _) => d.clone(),
         (None, true) => {
             let init = args.out.join("init");
-            models::dit::init::write_initialized(
-                &model_cfg,
-                &extra[0].1,
-                &init,
-                args.seed,
-            )?;
+            models::dit::init::write_initialized(&model_cfg, &extra[0].1, &init, args.seed)?;
             init
         }
         (None, false) => dir.to_path_buf(),
@@ -126,7 +121,10 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         }
         let world = rank.world();
         let main = rank.is_main();
-        let mut history = resume_state.as_ref().map(|s| s.history.clone()).unwrap_or_default();
+        let mut history = resume_state
+            .as_ref()
+            .map(|s| s.history.clone())
+            .unwrap_or_default();
         let mut metrics = main
             .then(|| JsonLines::continue_at(&metrics_path, t.trainer.step))
             .transpose()?;
@@ -180,13 +178,17 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
                 > 0.0;
             let periodic = args.save_every > 0 && t.trainer.step % args.save_every == 0;
             if periodic || stop || t.trainer.step == cfg.steps {
-                let d = checkpoint::save(&t.trainer, &args.out, &world, &extra, &history, args.keep)?;
+                let d =
+                    checkpoint::save(&t.trainer, &args.out, &world, &extra, &history, args.keep)?;
                 if let Some(p) = progress.as_mut() {
                     p.message(&format!("saved {}", d.display()));
                 }
             }
             if stop {
-                bail!("interrupted (Ctrl-C) after step {}; resume with --resume", t.trainer.step);
+                bail!(
+                    "interrupted (Ctrl-C) after step {}; resume with --resume",
+                    t.trainer.step
+                );
             }
         }
         Ok(history)
@@ -249,17 +251,27 @@ pub fn eval(args: &EvalArgs, dir: &Path) -> Result<()> {
     let Some(path) = &args.inputs else {
         bail!("--inputs: a DiT evaluates a safetensors file with `sample` (B, C, H, W), `timestep` (B), `class_labels` (B) and optionally `noise`");
     };
-    let map = candle_core::safetensors::load(path, &Device::Cpu)
-        .with_context(|| format!("--inputs {}: not a readable safetensors file", path.display()))?;
+    let map = candle_core::safetensors::load(path, &Device::Cpu).with_context(|| {
+        format!(
+            "--inputs {}: not a readable safetensors file",
+            path.display()
+        )
+    })?;
     let sample = input(&map, path, "sample")?.to_dtype(DType::F32)?;
     let b = sample.dims().first().copied().unwrap_or(0);
     let timestep = values(&input(&map, path, "timestep")?, path, "timestep", b)?;
     let labels = values(&input(&map, path, "class_labels")?, path, "class_labels", b)?;
     if let Some(l) = labels.iter().find(|l| **l < 0.0 || l.fract() != 0.0) {
-        bail!("--inputs {}: class label {l} is not a class index", path.display());
+        bail!(
+            "--inputs {}: class label {l} is not a class index",
+            path.display()
+        );
     }
     let labels: Vec<u32> = labels.iter().map(|&l| l as u32).collect();
-    let noise = map.get("noise").map(|n| n.to_dtype(DType::F32)).transpose()?;
+    let noise = map
+        .get("noise")
+        .map(|n| n.to_dtype(DType::F32))
+        .transpose()?;
     let dtype = args.dtype.map(DType::from);
     let t0 = Instant::now();
     let out = launch(&args.layout, |rank| {
@@ -272,7 +284,10 @@ pub fn eval(args: &EvalArgs, dir: &Path) -> Result<()> {
         let loss = match &noise {
             Some(noise) => {
                 if timestep.iter().any(|t| t.fract() != 0.0 || *t < 0.0) {
-                    bail!("--inputs {}: the DDPM loss needs integer timesteps", path.display());
+                    bail!(
+                        "--inputs {}: the DDPM loss needs integer timesteps",
+                        path.display()
+                    );
                 }
                 let diffusion = GaussianDiffusion::linear(1000)?;
                 let batch = NoisedBatch {
@@ -283,7 +298,10 @@ pub fn eval(args: &EvalArgs, dir: &Path) -> Result<()> {
                 };
                 let l = loss_sum(model, &diffusion, &batch)?;
                 let s = rank.ctx.sequence_group().all_reduce(
-                    &Tensor::new(&[l.total.to_scalar::<f32>()? as f64, l.mse, l.vb], &Device::Cpu)?,
+                    &Tensor::new(
+                        &[l.total.to_scalar::<f32>()? as f64, l.mse, l.vb],
+                        &Device::Cpu,
+                    )?,
                     ReduceOp::Sum,
                 )?;
                 Some(s.to_vec1::<f64>()?)
@@ -326,7 +344,10 @@ pub fn generate(args: &GenerateArgs, dir: &Path) -> Result<()> {
     }
     let cfg = DitConfig::from_file(&dir.join("config.json"))?;
     if let Some(l) = labels.iter().find(|&&l| l as usize >= cfg.num_classes()) {
-        bail!("--class-labels: {l} is not a class of this model (0..{})", cfg.num_classes());
+        bail!(
+            "--class-labels: {l} is not a class of this model (0..{})",
+            cfg.num_classes()
+        );
     }
     let out_path = args
         .out
@@ -363,13 +384,9 @@ pub fn generate(args: &GenerateArgs, dir: &Path) -> Result<()> {
                     let v: Vec<f32> = (0..n).map(|_| stream.normal() as f32).collect();
                     Ok(Tensor::from_vec(v, shape.clone(), &Device::Cpu)?)
                 };
-                GaussianDiffusion::linear(1000)?.respaced(steps)?.ddpm_sample(
-                    &mut model,
-                    &noise,
-                    &labels,
-                    guidance,
-                    &mut step_noise,
-                )?
+                GaussianDiffusion::linear(1000)?
+                    .respaced(steps)?
+                    .ddpm_sample(&mut model, &noise, &labels, guidance, &mut step_noise)?
             }
             SamplerArg::Flow => flow_sample_euler(&mut model, &noise, &labels, guidance, steps)?,
         };
@@ -392,7 +409,9 @@ pub fn generate(args: &GenerateArgs, dir: &Path) -> Result<()> {
 /// `--class-labels 1,2,3`.
 fn parse_labels(text: &Option<String>) -> Result<Vec<u32>> {
     let Some(text) = text else {
-        bail!("--class-labels: a DiT generates samples of given classes, e.g. --class-labels 0,1,2");
+        bail!(
+            "--class-labels: a DiT generates samples of given classes, e.g. --class-labels 0,1,2"
+        );
     };
     let labels = text
         .split(',')
@@ -454,7 +473,11 @@ pub fn inspect(dir: &Path) -> Result<()> {
     for (name, shape) in &expected {
         let meta = reader.meta(name)?;
         if &meta.shape != shape {
-            bail!("{}: `{name}` has shape {:?}, the config implies {shape:?}", files.source, meta.shape);
+            bail!(
+                "{}: `{name}` has shape {:?}, the config implies {shape:?}",
+                files.source,
+                meta.shape
+            );
         }
         total += shape.iter().product::<usize>();
     }

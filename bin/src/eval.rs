@@ -271,7 +271,10 @@ pub fn run(args: &EvalArgs) -> Result<()> {
         return crate::dit_cmd::eval(args, &dir);
     }
     if args.inputs.is_some() || args.outputs_out.is_some() {
-        bail!("--inputs and --outputs-out are for diffusion models (DiT); {} is not one", args.model);
+        bail!(
+            "--inputs and --outputs-out are for diffusion models (DiT); {} is not one",
+            args.model
+        );
     }
     let Some((report, logits)) = evaluate(args)? else {
         return Ok(());

@@ -94,20 +94,32 @@ fn losses(out: &Path) -> Vec<f64> {
     std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
         .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
         .collect()
 }
 
 /// 32 latents of 4x8x8 (the fixture's shape) with labels 0..9.
 fn latents(dir: &Path) -> PathBuf {
     let n = 32;
-    let v: Vec<f32> = (0..n * 256).map(|i| ((i * 37 % 101) as f32 / 50.0 - 1.0)).collect();
+    let v: Vec<f32> = (0..n * 256)
+        .map(|i| (i * 37 % 101) as f32 / 50.0 - 1.0)
+        .collect();
     let labels: Vec<i64> = (0..n as i64).map(|i| i % 10).collect();
     let path = dir.join("latents.safetensors");
     candle_core::safetensors::save(
         &HashMap::from([
-            ("latents".to_string(), Tensor::from_vec(v, (n, 4, 8, 8), &Device::Cpu).unwrap()),
-            ("labels".to_string(), Tensor::from_vec(labels, n, &Device::Cpu).unwrap()),
+            (
+                "latents".to_string(),
+                Tensor::from_vec(v, (n, 4, 8, 8), &Device::Cpu).unwrap(),
+            ),
+            (
+                "labels".to_string(),
+                Tensor::from_vec(labels, n, &Device::Cpu).unwrap(),
+            ),
         ]),
         &path,
     )
@@ -145,26 +157,42 @@ fn train_layouts_resume_and_reload() {
     ] {
         let l = losses(&run(name, extra));
         for (i, (a, b)) in l.iter().zip(&single).enumerate() {
-            assert!((a - b).abs() <= 1e-5 * b.abs(), "{name}: step {i}: {a} vs {b}");
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs(),
+                "{name}: step {i}: {a} vs {b}"
+            );
         }
     }
     // Stopped after 2 steps and resumed: the same losses to the bit.
     let out = dir.join("resumed");
-    let o = cpl(&words(&format!("{common} --out {} --save-every 2", out.display()).replace("--steps 4", "--steps 2")));
+    let o = cpl(&words(
+        &format!("{common} --out {} --save-every 2", out.display())
+            .replace("--steps 4", "--steps 2"),
+    ));
     assert!(o.status.success(), "{}", stderr(&o));
-    let o = cpl(&words(&format!("{common} --out {} --resume", out.display())));
+    let o = cpl(&words(&format!(
+        "{common} --out {} --resume",
+        out.display()
+    )));
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(losses(&out), single, "resumed run");
     // The checkpoint is a diffusers directory that eval and inspect read.
     let ckpt = out.join("step-4");
     assert!(ckpt.join("diffusion_pytorch_model.safetensors").is_file());
     let (fwd, _) = inputs(&dir);
-    let o = cpl(&words(&format!("eval --model {} --inputs {} --json", ckpt.display(), fwd.display())));
+    let o = cpl(&words(&format!(
+        "eval --model {} --inputs {} --json",
+        ckpt.display(),
+        fwd.display()
+    )));
     assert!(o.status.success(), "{}", stderr(&o));
     let o = cpl(&words(&format!("inspect --model {}", ckpt.display())));
     assert!(o.status.success(), "{}", stderr(&o));
     let text = stdout(&o);
-    assert!(text.contains("DiTTransformer2DModel") && text.contains("16 patch tokens"), "{text}");
+    assert!(
+        text.contains("DiTTransformer2DModel") && text.contains("16 patch tokens"),
+        "{text}"
+    );
 }
 
 /// Writes an 8x8 grayscale PNG per (class folder, index) under `dir`.
@@ -195,7 +223,9 @@ fn from_scratch_on_image_folders_then_generate() {
         out.display()
     )));
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(out.join("init/diffusion_pytorch_model.safetensors").is_file());
+    assert!(out
+        .join("init/diffusion_pytorch_model.safetensors")
+        .is_file());
     let l = losses(&out);
     assert!(l.iter().all(|x| x.is_finite() && *x > 0.0), "{l:?}");
     for sampler in ["ddim", "ddpm", "flow"] {
@@ -208,7 +238,11 @@ fn from_scratch_on_image_folders_then_generate() {
         assert!(o.status.success(), "{sampler}: {}", stderr(&o));
         let img = image::open(&png).unwrap();
         // 2 columns of 8x8 images at scale 2 with a 2-pixel separator.
-        assert_eq!((img.width(), img.height()), (2 * 16 + 2, 2 * 16 + 2), "{sampler}");
+        assert_eq!(
+            (img.width(), img.height()),
+            (2 * 16 + 2, 2 * 16 + 2),
+            "{sampler}"
+        );
     }
 }
 
@@ -221,9 +255,18 @@ fn bad_inputs_fail_clearly() {
     let bad = dir.join("bad.safetensors");
     candle_core::safetensors::save(
         &HashMap::from([
-            ("sample".to_string(), Tensor::zeros((1, 3, 8, 8), DType::F32, &Device::Cpu).unwrap()),
-            ("timestep".to_string(), Tensor::new(&[1i64], &Device::Cpu).unwrap()),
-            ("class_labels".to_string(), Tensor::new(&[1i64], &Device::Cpu).unwrap()),
+            (
+                "sample".to_string(),
+                Tensor::zeros((1, 3, 8, 8), DType::F32, &Device::Cpu).unwrap(),
+            ),
+            (
+                "timestep".to_string(),
+                Tensor::new(&[1i64], &Device::Cpu).unwrap(),
+            ),
+            (
+                "class_labels".to_string(),
+                Tensor::new(&[1i64], &Device::Cpu).unwrap(),
+            ),
         ]),
         &bad,
     )
@@ -231,8 +274,14 @@ fn bad_inputs_fail_clearly() {
     let nolabels = dir.join("nolabels.safetensors");
     candle_core::safetensors::save(
         &HashMap::from([
-            ("sample".to_string(), Tensor::zeros((1, 4, 8, 8), DType::F32, &Device::Cpu).unwrap()),
-            ("timestep".to_string(), Tensor::new(&[1i64], &Device::Cpu).unwrap()),
+            (
+                "sample".to_string(),
+                Tensor::zeros((1, 4, 8, 8), DType::F32, &Device::Cpu).unwrap(),
+            ),
+            (
+                "timestep".to_string(),
+                Tensor::new(&[1i64], &Device::Cpu).unwrap(),
+            ),
         ]),
         &nolabels,
     )
@@ -244,21 +293,58 @@ fn bad_inputs_fail_clearly() {
     let latents4 = latents(&dir);
     let s = |x: &str| words(x);
     assert_clear_errors(&[
-        (s(&format!("eval --model {t} --inputs {}", bad.display())), "in_channels 4"),
-        (s(&format!("eval --model {t} --inputs {}", nolabels.display())), "class_labels"),
-        (s(&format!("eval --model {t}")), "--inputs"),
-        (s(&format!("eval --model {t} --inputs {} --ranks 3 --ring 3", fwd.display())), "16 patch tokens"),
-        (s(&format!("generate --model {t} --steps 4")), "--class-labels"),
-        (s(&format!("generate --model {t} --class-labels 3,x")), "`x`"),
-        (s(&format!("generate --model {t} --class-labels 10")), "not a class"),
         (
-            s(&format!("train --model {}/dit --data {} --from-scratch --steps 1 --out {}", digits.display(), dir.join("imgs").display(), dir.join("o").display())),
+            s(&format!("eval --model {t} --inputs {}", bad.display())),
+            "in_channels 4",
+        ),
+        (
+            s(&format!("eval --model {t} --inputs {}", nolabels.display())),
+            "class_labels",
+        ),
+        (s(&format!("eval --model {t}")), "--inputs"),
+        (
+            s(&format!(
+                "eval --model {t} --inputs {} --ranks 3 --ring 3",
+                fwd.display()
+            )),
+            "16 patch tokens",
+        ),
+        (
+            s(&format!("generate --model {t} --steps 4")),
+            "--class-labels",
+        ),
+        (
+            s(&format!("generate --model {t} --class-labels 3,x")),
+            "`x`",
+        ),
+        (
+            s(&format!("generate --model {t} --class-labels 10")),
+            "not a class",
+        ),
+        (
+            s(&format!(
+                "train --model {}/dit --data {} --from-scratch --steps 1 --out {}",
+                digits.display(),
+                dir.join("imgs").display(),
+                dir.join("o").display()
+            )),
             "x.png",
         ),
         (
-            s(&format!("train --model {}/dit --data {} --steps 1 --from-scratch --out {}", digits.display(), latents4.display(), dir.join("o2").display())),
+            s(&format!(
+                "train --model {}/dit --data {} --steps 1 --from-scratch --out {}",
+                digits.display(),
+                latents4.display(),
+                dir.join("o2").display()
+            )),
             "latents",
         ),
-        (s(&format!("train --model {t} --steps 1 --out {}", dir.join("o3").display())), "--data"),
+        (
+            s(&format!(
+                "train --model {t} --steps 1 --out {}",
+                dir.join("o3").display()
+            )),
+            "--data",
+        ),
     ]);
 }

@@ -205,7 +205,6 @@ impl TensorSource for CheckpointReader {
     }
 }
 
-
 /// Options of [`save_hf`].
 #[derive(Debug, Clone)]
 pub struct SaveOptions {

@@ -13,8 +13,8 @@ use candle_core::{Device, Tensor};
 use candle_parallel::comm::ReduceOp;
 use candle_parallel::pipeline::{finish_step, run_schedule};
 use models::diffusion::{logit_normal, DrawStream, GaussianDiffusion};
-use models::dit::pipeline::{DitMicroBatch, DitStage};
 use models::dit::loss::{loss_sum, NoiseLevel, NoisedBatch, Objective};
+use models::dit::pipeline::{DitMicroBatch, DitStage};
 use models::dit::Dit;
 use serde::{Deserialize, Serialize};
 
@@ -52,6 +52,9 @@ impl Default for DiffusionConfig {
         }
     }
 }
+
+/// A micro-batch's summed loss, its (mse, vb) parts and this rank's gradients.
+pub type MicroGrads = (f64, (f64, f64), Vec<(String, Tensor)>);
 
 /// A pipeline step's summed loss, its (mse, vb) parts, this rank's gradients and the bubble.
 type PipelineGrads = (f64, (f64, f64), Vec<(String, Tensor)>, Option<f64>);
@@ -168,10 +171,7 @@ impl DiffusionTrainer {
 
     /// Forward and backward of one micro-batch, this rank's loss scaled by `1 / global_batch`.
     /// Returns this rank's summed loss, its (mse, vb) parts and its gradients. Collective.
-    pub fn forward_backward(
-        &self,
-        batch: &NoisedBatch,
-    ) -> Result<(f64, (f64, f64), Vec<(String, Tensor)>)> {
+    pub fn forward_backward(&self, batch: &NoisedBatch) -> Result<MicroGrads> {
         let l = loss_sum(&self.trainer.model, &self.diffusion, batch)?;
         let (sum, grads) = self
             .trainer

@@ -85,6 +85,14 @@ pub trait LanguageModel: TrainModel {
     }
 }
 
+/// A pipeline step's schedule, the blocks of every virtual stage, and the variables a stage
+/// differentiates by name ([`Trainer::pipeline_setup`]).
+pub type PipelineSetup = (
+    PipelineSchedule,
+    Vec<std::ops::Range<usize>>,
+    Vec<(String, Var)>,
+);
+
 /// A step's summed loss, this rank's accumulated gradients in parameter order, and under a
 /// pipeline its measured bubble.
 type StepGrads = (f64, Vec<(String, Tensor)>, Option<f64>);
@@ -665,17 +673,13 @@ impl<M: LanguageModel> Trainer<M> {
         let bubble = self.pipeline_bubble(out.times)?;
         Ok((out.loss_sum, acc, Some(bubble)))
     }
-
 }
 
 impl<M: TrainModel> Trainer<M> {
     /// Under a pipeline: the schedule of a step of `micro_batches` (made once per count), the
     /// blocks of every virtual stage, and the variables a stage differentiates by name (the
     /// parameters, or under ZeRO-3 their chunks). Local.
-    pub fn pipeline_setup(
-        &mut self,
-        micro_batches: usize,
-    ) -> Result<(PipelineSchedule, Vec<std::ops::Range<usize>>, Vec<(String, Var)>)> {
+    pub fn pipeline_setup(&mut self, micro_batches: usize) -> Result<PipelineSetup> {
         let pc = self
             .cfg
             .pipeline
@@ -846,7 +850,6 @@ impl<M: TrainModel> Trainer<M> {
         }
         Ok(())
     }
-
 }
 
 impl<M: LanguageModel> Trainer<M> {

@@ -155,7 +155,9 @@ pub fn flow_sample_euler(
 ) -> Result<Tensor> {
     check(noise, labels)?;
     if steps == 0 {
-        return Err(Error::Invalid("flow sampling needs at least one step".into()));
+        return Err(Error::Invalid(
+            "flow sampling needs at least one step".into(),
+        ));
     }
     let (b, c) = (labels.len(), noise.dim(1)?);
     let mut x = noise.detach();

@@ -45,7 +45,9 @@ impl GaussianDiffusion {
     /// The tables of `betas` (DiT's `GaussianDiffusion.__init__`).
     pub fn from_betas(betas: Vec<f64>, timestep_map: Vec<u32>) -> Result<Self> {
         if betas.iter().any(|b| !(*b > 0.0 && *b <= 1.0)) || betas.len() < 2 {
-            return Err(Error::Invalid("betas must be in (0, 1], at least two".into()));
+            return Err(Error::Invalid(
+                "betas must be in (0, 1], at least two".into(),
+            ));
         }
         let n = betas.len();
         let mut ac = Vec::with_capacity(n);
@@ -132,14 +134,14 @@ pub fn extract(table: &[f64], t: &[u32], ndim: usize) -> Result<Tensor> {
 
 /// [`extract`] in `dtype` (rounded once from the float64 table).
 pub fn extract_as(table: &[f64], t: &[u32], ndim: usize, dtype: DType) -> Result<Tensor> {
-    let v = t
-        .iter()
-        .map(|&t| {
-            table.get(t as usize).copied().ok_or_else(|| {
-                Error::Invalid(format!("timestep {t} outside 0..{}", table.len()))
+    let v =
+        t.iter()
+            .map(|&t| {
+                table.get(t as usize).copied().ok_or_else(|| {
+                    Error::Invalid(format!("timestep {t} outside 0..{}", table.len()))
+                })
             })
-        })
-        .collect::<Result<Vec<f64>>>()?;
+            .collect::<Result<Vec<f64>>>()?;
     let mut shape = vec![t.len()];
     shape.extend(std::iter::repeat_n(1, ndim.saturating_sub(1)));
     Ok(Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dtype)?)

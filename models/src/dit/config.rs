@@ -11,9 +11,17 @@ use crate::error::{Error, Result};
 /// checked to hold the only value it supports.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DitConfig {
-    #[serde(rename = "_class_name", default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        rename = "_class_name",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
     pub class_name: Option<String>,
-    #[serde(rename = "_diffusers_version", default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        rename = "_diffusers_version",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
     pub diffusers_version: Option<String>,
     pub num_attention_heads: usize,
     pub attention_head_dim: usize,
@@ -91,7 +99,9 @@ impl DitConfig {
         let bad = |msg: String| Err(Error::config(path, msg));
         if let Some(c) = &self.class_name {
             if c != DIT_CLASS {
-                return bad(format!("unsupported _class_name `{c}` (supported: {DIT_CLASS})"));
+                return bad(format!(
+                    "unsupported _class_name `{c}` (supported: {DIT_CLASS})"
+                ));
             }
         }
         if self.norm_type != "ada_norm_zero" {
@@ -221,7 +231,10 @@ impl DitConfig {
                     vec![h, TIMESTEP_CHANNELS],
                 ),
                 (b(&format!("{e}.timestep_embedder.linear_1.bias")), vec![h]),
-                (b(&format!("{e}.timestep_embedder.linear_2.weight")), vec![h, h]),
+                (
+                    b(&format!("{e}.timestep_embedder.linear_2.weight")),
+                    vec![h, h],
+                ),
                 (b(&format!("{e}.timestep_embedder.linear_2.bias")), vec![h]),
                 (b("norm1.linear.weight"), vec![6 * h, h]),
                 (b("norm1.linear.bias"), vec![6 * h]),

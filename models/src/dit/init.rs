@@ -28,7 +28,9 @@ pub fn initial_weights(cfg: &DitConfig, seed: u64) -> Result<Vec<(String, Tensor
             let fan_out = shape[0];
             let fan_in = n / fan_out;
             let a = (6.0 / (fan_in + fan_out) as f64).sqrt();
-            (0..n).map(|_| (a * (2.0 * d.uniform() - 1.0)) as f32).collect()
+            (0..n)
+                .map(|_| (a * (2.0 * d.uniform() - 1.0)) as f32)
+                .collect()
         };
         out.push((name, Tensor::from_vec(v, shape, &Device::Cpu)?));
     }
@@ -38,7 +40,12 @@ pub fn initial_weights(cfg: &DitConfig, seed: u64) -> Result<Vec<(String, Tensor
 
 /// Writes a diffusers DiT directory `dir` (atomically) with `config_json` and the initial
 /// weights of `seed`.
-pub fn write_initialized(cfg: &DitConfig, config_json: &[u8], dir: &std::path::Path, seed: u64) -> Result<()> {
+pub fn write_initialized(
+    cfg: &DitConfig,
+    config_json: &[u8],
+    dir: &std::path::Path,
+    seed: u64,
+) -> Result<()> {
     let opts = SaveOptions {
         extra_files: vec![("config.json".into(), config_json.to_vec())],
         weights_name: super::WEIGHTS_NAME.into(),

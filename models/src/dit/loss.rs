@@ -181,7 +181,11 @@ pub fn loss_from_output(
 
 /// This rank's share of the summed loss of `batch` (see the [module docs](self)). Collective
 /// over the model-parallel group.
-pub fn loss_sum(model: &Dit, diffusion: &GaussianDiffusion, batch: &NoisedBatch) -> Result<LossSum> {
+pub fn loss_sum(
+    model: &Dit,
+    diffusion: &GaussianDiffusion,
+    batch: &NoisedBatch,
+) -> Result<LossSum> {
     let cfg = model.config();
     let (x_in, cond) = model_input(cfg, diffusion, batch)?;
     let out = model.forward_tokens(&x_in, &cond)?;

@@ -66,7 +66,11 @@ pub fn timestep_features(t: &Tensor) -> Result<Tensor> {
         out.extend(freqs.iter().map(|f| (t * f).cos() as f32));
         out.extend(freqs.iter().map(|f| (t * f).sin() as f32));
     }
-    Ok(Tensor::from_vec(out, (t.len(), TIMESTEP_CHANNELS), &Device::Cpu)?)
+    Ok(Tensor::from_vec(
+        out,
+        (t.len(), TIMESTEP_CHANNELS),
+        &Device::Cpu,
+    )?)
 }
 
 /// `transformer_blocks.N.norm1.emb`: timestep MLP plus class embedding (diffusers'
@@ -160,26 +164,33 @@ impl DitBlock {
 
 impl Block for DitBlock {
     fn forward(&self, x: &Tensor, pass: &Pass) -> candle_parallel::Result<Tensor> {
-        let cond = pass.cond.ok_or_else(|| {
-            candle_parallel::Error::InvalidArgument {
-            op: "DiT block",
-            msg: "the pass carries no conditioning".into(),
-        }
-        })?;
-        let e = self.emb.forward(cond).map_err(candle_parallel::Error::from)?;
-        let m = self.ada.forward(&e.silu()?).map_err(candle_parallel::Error::from)?;
+        let cond = pass
+            .cond
+            .ok_or_else(|| candle_parallel::Error::InvalidArgument {
+                op: "DiT block",
+                msg: "the pass carries no conditioning".into(),
+            })?;
+        let e = self
+            .emb
+            .forward(cond)
+            .map_err(candle_parallel::Error::from)?;
+        let m = self
+            .ada
+            .forward(&e.silu()?)
+            .map_err(candle_parallel::Error::from)?;
         let m = m.chunk(6, 1)?;
         let (shift_msa, scale_msa, gate_msa) = (&m[0], &m[1], &m[2]);
         let (shift_mlp, scale_mlp, gate_mlp) = (&m[3], &m[4], &m[5]);
-        let h = modulate(&self.norm1.forward(x)?, shift_msa, scale_msa).map_err(candle_parallel::Error::from)?;
+        let h = modulate(&self.norm1.forward(x)?, shift_msa, scale_msa)
+            .map_err(candle_parallel::Error::from)?;
         let a = self.attn1.forward(&h, pass)?;
         let x = (x + a.broadcast_mul(&gate_msa.unsqueeze(1)?)?)?;
-        let h = modulate(&self.norm2.forward(&x)?, shift_mlp, scale_mlp).map_err(candle_parallel::Error::from)?;
+        let h = modulate(&self.norm2.forward(&x)?, shift_mlp, scale_mlp)
+            .map_err(candle_parallel::Error::from)?;
         let f = self.ff.forward(&h)?;
         Ok((&x + f.broadcast_mul(&gate_mlp.unsqueeze(1)?)?)?)
     }
 }
-
 
 /// The patch embedding and the output layer: one unit.
 #[derive(Debug, Clone)]
@@ -331,8 +342,10 @@ impl Dit {
         let ends_unit = if ends {
             let (c, x) = (cfg.clone(), ctx.clone());
             Some(
-                Unit::new(&vb, move |vb| DitEnds::new(&c, vb, &x).map_err(candle_parallel::Error::from))
-                    .map_err(unit_err)?,
+                Unit::new(&vb, move |vb| {
+                    DitEnds::new(&c, vb, &x).map_err(candle_parallel::Error::from)
+                })
+                .map_err(unit_err)?,
             )
         } else {
             None
@@ -444,9 +457,8 @@ impl Dit {
         // Under TP-sp each tensor-parallel rank embeds only its part of the tokens, so that
         // the replicated patch weights' gradients add up over the group.
         let tp = self.ctx.tp();
-        let local = |x: &Tensor| -> Result<Tensor> {
-            Ok(tp.split_tokens(&self.ctx.shard_tokens(x)?)?)
-        };
+        let local =
+            |x: &Tensor| -> Result<Tensor> { Ok(tp.split_tokens(&self.ctx.shard_tokens(x)?)?) };
         let tokens = local(&patchify_input(&sample.to_dtype(dtype)?, p)?)?;
         let pos = local(&pos.to_dtype(dtype)?)?;
         Ok(ends.patch.forward(&tokens)?.broadcast_add(&pos)?)
@@ -537,16 +549,27 @@ impl Parallelize for Dit {
         let mut units: Vec<&mut dyn UnitOps> = Vec::new();
         units.extend(self.ends.iter_mut().map(|u| u as &mut dyn UnitOps));
         units.extend(self.out_cond.iter_mut().map(|u| u as &mut dyn UnitOps));
-        units.extend(self.blocks.iter_mut().flatten().map(|u| u as &mut dyn UnitOps));
+        units.extend(
+            self.blocks
+                .iter_mut()
+                .flatten()
+                .map(|u| u as &mut dyn UnitOps),
+        );
         units
     }
 }
 
 /// The last dim of a `(.., p·p·out_channels)` output token split into the noise prediction
 /// and (with a learned sigma) the variance values, each `(.., p·p·C)`.
-pub fn split_output(tokens: &Tensor, out_channels: usize, in_channels: usize) -> Result<(Tensor, Option<Tensor>)> {
+pub fn split_output(
+    tokens: &Tensor,
+    out_channels: usize,
+    in_channels: usize,
+) -> Result<(Tensor, Option<Tensor>)> {
     let dims = tokens.dims().to_vec();
-    let f = *dims.last().ok_or_else(|| Error::Invalid("scalar model output".into()))?;
+    let f = *dims
+        .last()
+        .ok_or_else(|| Error::Invalid("scalar model output".into()))?;
     let pp = f / out_channels;
     let mut split = dims.clone();
     *split.last_mut().expect("non-empty") = pp;
@@ -556,7 +579,10 @@ pub fn split_output(tokens: &Tensor, out_channels: usize, in_channels: usize) ->
     *flat.last_mut().expect("non-empty") = pp * in_channels;
     let eps = t.narrow(D::Minus1, 0, in_channels)?.reshape(flat.clone())?;
     let var = if out_channels == 2 * in_channels {
-        Some(t.narrow(D::Minus1, in_channels, in_channels)?.reshape(flat)?)
+        Some(
+            t.narrow(D::Minus1, in_channels, in_channels)?
+                .reshape(flat)?,
+        )
     } else {
         None
     };

@@ -169,15 +169,19 @@ impl<'a> DitStage<'a> {
     }
 }
 
-
 impl StageModel for DitStage<'_> {
     fn activation_spec(
         &self,
         _chunk: usize,
         micro_batch: usize,
     ) -> candle_parallel::Result<(Shape, DType)> {
-        let m = self.micro(micro_batch).map_err(candle_parallel::Error::from)?;
-        let (gh, gw) = self.model.check_input(&m.x_in).map_err(candle_parallel::Error::from)?;
+        let m = self
+            .micro(micro_batch)
+            .map_err(candle_parallel::Error::from)?;
+        let (gh, gw) = self
+            .model
+            .check_input(&m.x_in)
+            .map_err(candle_parallel::Error::from)?;
         let ctx = self.model.ctx();
         let n = ctx.local_tokens(gh * gw)?;
         let tp = ctx.tp();

@@ -182,8 +182,10 @@ impl Llama {
         let ends = if ends {
             let (c, x) = (cfg.clone(), ctx.clone());
             Some(
-                Unit::new(&vb, move |vb| Ends::new(&c, vb, &x).map_err(candle_parallel::Error::from))
-                    .map_err(unit_err)?,
+                Unit::new(&vb, move |vb| {
+                    Ends::new(&c, vb, &x).map_err(candle_parallel::Error::from)
+                })
+                .map_err(unit_err)?,
             )
         } else {
             None
@@ -358,4 +360,3 @@ impl Parallelize for Llama {
         units
     }
 }
-

@@ -164,7 +164,9 @@ impl StageModel for LlamaStage<'_> {
         _chunk: usize,
         micro_batch: usize,
     ) -> candle_parallel::Result<(Shape, DType)> {
-        let m = self.micro(micro_batch).map_err(candle_parallel::Error::from)?;
+        let m = self
+            .micro(micro_batch)
+            .map_err(candle_parallel::Error::from)?;
         let (b, n) = m.batch.input_ids.dims2()?;
         let tp = self.model.ctx().tp();
         let n = if tp.sequence_parallel() {
@@ -189,7 +191,10 @@ impl StageModel for LlamaStage<'_> {
     }
 
     fn backward(&mut self, root: &Tensor) -> candle_parallel::Result<GradStore> {
-        let store = self.model.backward(root).map_err(candle_parallel::Error::from)?;
+        let store = self
+            .model
+            .backward(root)
+            .map_err(candle_parallel::Error::from)?;
         for (name, var) in &self.params {
             if let Some(g) = store.get(var.as_tensor()) {
                 let g = g.to_dtype(DType::F32)?;
