@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use candle_parallel::attention::Strategy;
 use candle_parallel::comm::LocalWorld;
 use candle_parallel::mesh::Dim;
@@ -16,7 +16,7 @@ use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
 use candle_parallel::pipeline::ScheduleKind;
 use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
-use cpl_integration_tests::{assert_identical, rel_err, Layout};
+use cpl_integration_tests::{assert_identical, rel_err, whole_weights, Layout};
 use models::dit;
 use models::dit::loss::Objective;
 use testkit::assert_close_scalar;
@@ -145,22 +145,7 @@ fn train_with(
             assert!(s.mse > 0.0);
             losses.push(s.stats.loss);
         }
-        let tp = mesh.comm(Dim::Tp);
-        let weights = t
-            .trainer
-            .whole_params()
-            .map_err(|x| e(&x))?
-            .into_iter()
-            .map(|p| {
-                let w = if p.shard.is_split() {
-                    tp.all_gather(&p.tensor.contiguous().unwrap(), p.shard.dim)
-                        .unwrap()
-                } else {
-                    p.tensor
-                };
-                (p.name, w.to_dtype(DType::F32).unwrap())
-            })
-            .collect::<HashMap<_, _>>();
+        let weights = whole_weights(&t.trainer, &mesh)?;
         Ok((losses, weights))
     })
     .unwrap_or_else(|e| panic!("{e}"));

@@ -348,6 +348,32 @@ pub fn global_gradients(
         .collect())
 }
 
+/// Every parameter of `trainer`'s model whole (tensor-parallel slices gathered), by name, in
+/// the parameters' dtype. Collective over the world (ZeRO-3 gathers, tp gathers).
+pub fn whole_weights<M: train::trainer::TrainModel>(
+    trainer: &train::trainer::Trainer<M>,
+    mesh: &DeviceMesh,
+) -> Result<HashMap<String, Tensor>, String> {
+    let tp = mesh.comm(Dim::Tp);
+    trainer
+        .whole_params()
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .map(|p| {
+            let w = if p.shard.is_split() {
+                tp.all_gather(
+                    &p.tensor.contiguous().map_err(|e| e.to_string())?,
+                    p.shard.dim,
+                )
+                .map_err(|e| e.to_string())?
+            } else {
+                p.tensor
+            };
+            Ok((p.name, w))
+        })
+        .collect()
+}
+
 /// The trainable variables of `params` by name (what a pipeline stage differentiates).
 pub fn trainable_vars(params: &[Param]) -> Vec<(String, candle_core::Var)> {
     params

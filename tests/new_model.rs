@@ -23,7 +23,7 @@ use candle_parallel::nn::{
 use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
 use candle_parallel::plan::{MemoryPlan, Parallelize};
 use candle_parallel::recompute::Checkpointing;
-use cpl_integration_tests::{assert_identical, rel_err, Layout};
+use cpl_integration_tests::{assert_identical, rel_err, whole_weights, Layout};
 use testkit::{assert_close_scalar, assert_finite, max_abs};
 use train::data::{PackedDataset, Packing, TokenStream};
 use train::trainer::{LanguageModel, TrainConfig, TrainModel, Trainer};
@@ -316,21 +316,7 @@ fn train_run(layout: &Layout, memory: MemoryPlan, steps: u64) -> Run {
         while t.step < steps {
             losses.push(t.step(&data).map_err(|x| e(&x))?.loss);
         }
-        let tp = mesh.comm(candle_parallel::mesh::Dim::Tp);
-        let weights = t
-            .whole_params()
-            .map_err(|x| e(&x))?
-            .into_iter()
-            .map(|p| {
-                let w = if p.shard.is_split() {
-                    tp.all_gather(&p.tensor.contiguous().unwrap(), p.shard.dim)
-                        .unwrap()
-                } else {
-                    p.tensor
-                };
-                (p.name, w)
-            })
-            .collect::<HashMap<_, _>>();
+        let weights = whole_weights(&t, &mesh)?;
         Ok((losses, weights, grad_max))
     })
     .unwrap_or_else(|e| panic!("{e}"));

@@ -18,7 +18,9 @@ use candle_parallel::nn::{Batch, CrossEntropyOptions, ParamMode, Track};
 use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
 use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
-use cpl_integration_tests::{assert_identical, every_strategy, fixture_files, rel_err, Layout};
+use cpl_integration_tests::{
+    assert_identical, every_strategy, fixture_files, rel_err, whole_weights, Layout,
+};
 use models::llama;
 use testkit::assert_identical_scalars;
 use train::data::{PackedDataset, Packing, TokenStream};
@@ -133,22 +135,7 @@ fn train_files(
             )
             .map_err(|x| e(&x))?;
         }
-        let tp = mesh.comm(Dim::Tp);
-        let weights = t
-            .whole_params()
-            .map_err(|x| e(&x))?
-            .into_iter()
-            .map(|p| {
-                let w = p.tensor.clone();
-                let w = if p.shard.is_split() {
-                    tp.all_gather(&w.contiguous().unwrap(), p.shard.dim)
-                        .unwrap()
-                } else {
-                    w
-                };
-                (p.name.clone(), w)
-            })
-            .collect();
+        let weights = whole_weights(&t, &mesh)?;
         Ok(Run { losses, weights })
     })
     .unwrap_or_else(|e| panic!("{e}"));

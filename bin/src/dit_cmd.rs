@@ -393,7 +393,10 @@ pub fn generate(args: &GenerateArgs, dir: &Path) -> Result<()> {
         Ok(out)
     })?;
     let Some(images) = images else { return Ok(()) };
-    let cols = (labels.len() as f64).sqrt().ceil() as usize;
+    let cols = match args.cols {
+        0 => (labels.len() as f64).sqrt().ceil() as usize,
+        c => c,
+    };
     write_grid_png(&images, cols.max(1), args.scale, &out_path)?;
     eprintln!(
         "{} samples ({} steps, {:?}, guidance {}) in {}",

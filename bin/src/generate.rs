@@ -46,6 +46,9 @@ pub struct GenerateArgs {
     /// Diffusion models: where the PNG grid of samples goes.
     #[arg(long, help_heading = "Diffusion")]
     pub out: Option<std::path::PathBuf>,
+    /// Diffusion models: images per row of the grid (0: a square grid).
+    #[arg(long, default_value_t = 0, help_heading = "Diffusion")]
+    pub cols: usize,
     /// Diffusion models: pixels per image pixel in the grid.
     #[arg(long, default_value_t = 4, help_heading = "Diffusion")]
     pub scale: usize,

@@ -42,6 +42,54 @@ pub trait StageModel {
     fn backward(&mut self, root: &Tensor) -> Result<GradStore>;
 }
 
+/// The gradient accumulators of a pipeline stage over one step: every backward's gradients of
+/// the stage's variables (by parameter name) added up in f32.
+#[derive(Debug, Default)]
+pub struct StageGrads {
+    params: Vec<(String, Var)>,
+    grads: HashMap<String, Tensor>,
+}
+
+impl StageGrads {
+    /// Accumulators of `params` (name and the variable differentiated).
+    pub fn new(params: Vec<(String, Var)>) -> Self {
+        Self {
+            params,
+            grads: HashMap::new(),
+        }
+    }
+
+    /// Adds the gradients of the stage's variables found in `store`.
+    pub fn add(&mut self, store: &GradStore) -> Result<()> {
+        for (name, var) in &self.params {
+            if let Some(g) = store.get(var.as_tensor()) {
+                let g = g.to_dtype(DType::F32)?;
+                let sum = match self.grads.remove(name) {
+                    Some(a) => (a + g)?,
+                    None => g,
+                };
+                self.grads.insert(name.clone(), sum);
+            }
+        }
+        Ok(())
+    }
+
+    /// The variables whose names `shared` selects (those both ends of the pipeline hold, for
+    /// [`finish_step`]).
+    pub fn shared(&self, shared: impl Fn(&str) -> bool) -> Vec<(String, Var)> {
+        self.params
+            .iter()
+            .filter(|(n, _)| shared(n))
+            .cloned()
+            .collect()
+    }
+
+    /// The accumulated gradients by name.
+    pub fn into_grads(self) -> HashMap<String, Tensor> {
+        self.grads
+    }
+}
+
 fn invalid(msg: impl Into<String>) -> Error {
     Error::invalid("pipeline", msg)
 }

@@ -10,6 +10,6 @@ pub mod executor;
 pub mod schedule;
 pub mod stages;
 
-pub use executor::{finish_step, run_schedule, ExecTimes, StageModel};
+pub use executor::{finish_step, run_schedule, ExecTimes, StageGrads, StageModel};
 pub use schedule::{Action, ActionKind, PipelineSchedule, ScheduleKind, ScheduleStats};
 pub use stages::{gather_to_first, split_layers};

@@ -18,7 +18,7 @@ use std::ops::Range;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Shape, Tensor, Var};
 use candle_parallel::nn::Track;
-use candle_parallel::pipeline::{PipelineSchedule, StageModel};
+use candle_parallel::pipeline::{PipelineSchedule, StageGrads, StageModel};
 
 use super::loss::{loss_from_output, model_input, NoisedBatch};
 use super::model::Dit;
@@ -51,7 +51,7 @@ impl DitMicroBatch {
 pub struct DitStage<'a> {
     model: &'a Dit,
     diffusion: &'a GaussianDiffusion,
-    params: Vec<(String, Var)>,
+    grads: StageGrads,
     rank: usize,
     stages: usize,
     chunks: Vec<Range<usize>>,
@@ -61,7 +61,6 @@ pub struct DitStage<'a> {
     dtype: DType,
     loss_sum: f64,
     parts: (f64, f64),
-    grads: HashMap<String, Tensor>,
 }
 
 impl<'a> DitStage<'a> {
@@ -96,7 +95,7 @@ impl<'a> DitStage<'a> {
         Ok(Self {
             model,
             diffusion,
-            params,
+            grads: StageGrads::new(params),
             rank,
             stages: schedule.stages,
             chunks,
@@ -106,7 +105,6 @@ impl<'a> DitStage<'a> {
             dtype,
             loss_sum: 0.0,
             parts: (0.0, 0.0),
-            grads: HashMap::new(),
         })
     }
 
@@ -118,17 +116,13 @@ impl<'a> DitStage<'a> {
 
     /// The parameters this stage shares with the other end of the pipeline.
     pub fn shared(&self) -> Vec<(String, Var)> {
-        self.params
-            .iter()
-            .filter(|(n, _)| replicated_across_stages(n))
-            .cloned()
-            .collect()
+        self.grads.shared(replicated_across_stages)
     }
 
     /// This rank's accumulated gradients (f32), the loss summed on this rank and its (mse, vb)
     /// parts (the last stage's; 0 elsewhere), once the schedule has run.
     pub fn into_parts(self) -> (HashMap<String, Tensor>, f64, (f64, f64)) {
-        (self.grads, self.loss_sum, self.parts)
+        (self.grads.into_grads(), self.loss_sum, self.parts)
     }
 
     fn forward_chunk(&mut self, chunk: usize, mb: usize, input: Option<&Tensor>) -> Result<Tensor> {
@@ -209,16 +203,7 @@ impl StageModel for DitStage<'_> {
 
     fn backward(&mut self, root: &Tensor) -> candle_parallel::Result<GradStore> {
         let store = self.model.ctx().backward(root)?;
-        for (name, var) in &self.params {
-            if let Some(g) = store.get(var.as_tensor()) {
-                let g = g.to_dtype(DType::F32)?;
-                let sum = match self.grads.remove(name) {
-                    Some(a) => (a + g)?,
-                    None => g,
-                };
-                self.grads.insert(name.clone(), sum);
-            }
-        }
+        self.grads.add(&store)?;
         Ok(store)
     }
 }

@@ -20,7 +20,7 @@ use std::ops::Range;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Shape, Tensor, Var};
 use candle_parallel::nn::{Batch, CrossEntropyOptions, Track};
-use candle_parallel::pipeline::{PipelineSchedule, StageModel};
+use candle_parallel::pipeline::{PipelineSchedule, StageGrads, StageModel};
 
 use super::Llama;
 use crate::error::{Error, Result};
@@ -42,7 +42,7 @@ pub struct StageMicroBatch {
 /// This rank's chunks of a pipelined LLaMA for one step (see the [module docs](self)).
 pub struct LlamaStage<'a> {
     model: &'a Llama,
-    params: Vec<(String, Var)>,
+    grads: StageGrads,
     rank: usize,
     stages: usize,
     chunks: Vec<Range<usize>>,
@@ -52,7 +52,6 @@ pub struct LlamaStage<'a> {
     opts: CrossEntropyOptions,
     dtype: DType,
     loss_sum: f64,
-    grads: HashMap<String, Tensor>,
 }
 
 impl<'a> LlamaStage<'a> {
@@ -91,7 +90,7 @@ impl<'a> LlamaStage<'a> {
             .collect();
         Ok(Self {
             model,
-            params,
+            grads: StageGrads::new(params),
             rank,
             stages: schedule.stages,
             chunks,
@@ -101,7 +100,6 @@ impl<'a> LlamaStage<'a> {
             opts,
             dtype,
             loss_sum: 0.0,
-            grads: HashMap::new(),
         })
     }
 
@@ -116,17 +114,13 @@ impl<'a> LlamaStage<'a> {
     /// norm and head on the first and the last stage): what
     /// [`finish_step`](candle_parallel::pipeline::finish_step) sums between them.
     pub fn shared(&self) -> Vec<(String, Var)> {
-        self.params
-            .iter()
-            .filter(|(n, _)| replicated_across_stages(n))
-            .cloned()
-            .collect()
+        self.grads.shared(replicated_across_stages)
     }
 
     /// This rank's accumulated gradients by name (f32) and the loss summed on this rank (the
     /// last stage's; 0 elsewhere), once the schedule has run.
     pub fn into_parts(self) -> (HashMap<String, Tensor>, f64) {
-        (self.grads, self.loss_sum)
+        (self.grads.into_grads(), self.loss_sum)
     }
 
     /// [`StageModel::forward`] with this crate's errors.
@@ -195,16 +189,7 @@ impl StageModel for LlamaStage<'_> {
             .model
             .backward(root)
             .map_err(candle_parallel::Error::from)?;
-        for (name, var) in &self.params {
-            if let Some(g) = store.get(var.as_tensor()) {
-                let g = g.to_dtype(DType::F32)?;
-                let sum = match self.grads.remove(name) {
-                    Some(a) => (a + g)?,
-                    None => g,
-                };
-                self.grads.insert(name.clone(), sum);
-            }
-        }
+        self.grads.add(&store)?;
         Ok(store)
     }
 }
