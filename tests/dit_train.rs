@@ -261,3 +261,66 @@ fn pipeline_schedules_equal_one_rank() {
         compare(&run, &single, name);
     }
 }
+
+/// From DiT's initialisation (adaLN-Zero: the modulation and output layers start at zero, so
+/// at step 0 only the output projection has a non-zero gradient) every parameter is trained:
+/// each has a gradient entry from the first step on, and after a few steps every gradient is
+/// non-zero (the key biases excepted: their exact gradient is 0).
+#[test]
+fn from_dits_initialisation_every_parameter_is_trained() {
+    let cfg = models::dit::DitConfig::from_file(&fixture_dir().join("config.json")).unwrap();
+    let weights = models::dit::init::initial_weights(&cfg, 5).unwrap();
+    let zero_at_init: Vec<&String> = weights
+        .iter()
+        .filter(|(n, _)| n.contains("norm1.linear") || n.starts_with("proj_out_"))
+        .map(|(n, _)| n)
+        .collect();
+    for (n, w) in &weights {
+        let zero = testkit::max_abs(w) == 0.0;
+        assert_eq!(
+            zero,
+            zero_at_init.contains(&n) || n.ends_with(".bias"),
+            "{n}: zero at initialisation"
+        );
+    }
+    let source = std::sync::Arc::new(candle_parallel::nn::TensorMap::new(
+        weights.into_iter().collect(),
+        "DiT init",
+    ));
+    let data = dataset();
+    let out = LocalWorld::run(2, |world| -> Result<Vec<(String, f64)>, String> {
+        let layout = Layout::new("ring2", 1, 1, 2, Strategy::Ring);
+        let (mesh, ctx) = layout.context(world)?;
+        let (vb, _) = candle_parallel::nn::ParamBuilder::new(
+            source.clone(),
+            candle_core::DType::F32,
+            &Device::Cpu,
+            ParamMode::Trainable,
+        );
+        let model = dit::Dit::new(&cfg, vb, &ctx).map_err(|e| e.to_string())?;
+        let trainer = Trainer::new(model, &mesh, &ctx, config(6, MemoryPlan::default(), 2, 1))
+            .map_err(|e| e.to_string())?;
+        let mut t = DiffusionTrainer::new(trainer, &mesh, DiffusionConfig::default())
+            .map_err(|e| e.to_string())?;
+        let first = t.noised_batch(&data, &[0, 1]).map_err(|e| e.to_string())?;
+        let (_, _, g0) = t.forward_backward(&first).map_err(|e| e.to_string())?;
+        let nonzero0: Vec<String> = g0
+            .iter()
+            .filter(|(_, g)| testkit::max_abs(g) > 0.0)
+            .map(|(n, _)| n.clone())
+            .collect();
+        assert!(nonzero0.iter().all(|n| n.starts_with("proj_out_2")), "{nonzero0:?}");
+        assert_eq!(g0.len(), cfg.parameter_shapes().len(), "a gradient entry for every parameter");
+        while t.trainer.step < 5 {
+            t.step(&data).map_err(|e| e.to_string())?;
+        }
+        let (_, _, g) = t.forward_backward(&first).map_err(|e| e.to_string())?;
+        Ok(g.into_iter().map(|(n, g)| (n, testkit::max_abs(&g))).collect())
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    for (n, m) in &out[0] {
+        if !n.ends_with("to_k.bias") {
+            assert!(*m > 0.0, "after 5 steps the gradient of {n} is still zero");
+        }
+    }
+}
