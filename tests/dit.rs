@@ -6,10 +6,14 @@
 //! diffusers' outputs, DiT's DDPM loss with its variational-bound term, the rectified-flow loss,
 //! the gradients of every parameter for both, and DiT's samplers from fixed noise.
 //!
-//! Tolerances (f32): outputs and losses 1e-5 relative (of the largest magnitude), gradients
-//! 1e-5 relative per parameter, except the key bias: attention is invariant to it, so its
-//! exact gradient is 0 and both sides hold rounding noise (checked against the layer's
-//! gradient scale instead, 1e-5 absolute relative to the query bias's gradient).
+//! Tolerances (f32), each explained where it is asserted: the forward output within 3e-5 of
+//! diffusers' and no further from the float64 output than diffusers' f32 output (x1.5):
+//! diffusers computes the timestep features in f32 (argument error ~1e-4 rad at t = 1000), ours
+//! are rounded from f64. Losses 1e-5. Gradients against the float64 reference: no worse than
+//! 2x PyTorch's own f32 error (floor 2e-6); the DDPM bound is evaluated in f64 by us, so there
+//! ours is far closer to float64 than PyTorch's f32 run. The key bias's exact gradient is 0
+//! (attention is invariant to it): it is checked against the query bias's gradient scale.
+//! Layouts against one rank: losses and outputs 1e-5, gradients 2e-5 (`LAYOUT_GRAD_TOL`).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -294,6 +298,12 @@ fn run(layout: &Layout, memory: MemoryPlan) -> (f64, HashMap<String, Tensor>, Te
     out.swap_remove(0)
 }
 
+/// Gradients under a layout against one rank: 2e-5 relative. Each rank sums its tokens'
+/// contributions and the ranks' sums are added, another order than one rank's; the patch
+/// embedding's bias, a sum of 64 token gradients that largely cancel, differs by 1.03e-5 under
+/// StarTrail on 8 ranks (2 tokens each). Losses and outputs hold 1e-5.
+const LAYOUT_GRAD_TOL: f64 = 2e-5;
+
 #[test]
 fn every_layout_equals_one_rank() {
     let r = reference();
@@ -337,7 +347,7 @@ fn every_layout_equals_one_rank() {
                 .unwrap_or_else(|| panic!("{}: no gradient for {n}", layout.name));
             testkit::assert_finite(g, &format!("{}: {n}", layout.name));
             let scale = q_scale(&grads1, n, "");
-            check_grad(layout.name, n, g, &grads1[n], scale, 1e-5);
+            check_grad(layout.name, n, g, &grads1[n], scale, LAYOUT_GRAD_TOL);
             if !n.ends_with("to_k.bias") {
                 assert!(
                     testkit::max_abs(g) > 0.0,

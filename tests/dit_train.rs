@@ -309,13 +309,22 @@ fn from_dits_initialisation_every_parameter_is_trained() {
             .filter(|(_, g)| testkit::max_abs(g) > 0.0)
             .map(|(n, _)| n.clone())
             .collect();
-        assert!(nonzero0.iter().all(|n| n.starts_with("proj_out_2")), "{nonzero0:?}");
-        assert_eq!(g0.len(), cfg.parameter_shapes().len(), "a gradient entry for every parameter");
+        assert!(
+            nonzero0.iter().all(|n| n.starts_with("proj_out_2")),
+            "{nonzero0:?}"
+        );
+        assert_eq!(
+            g0.len(),
+            cfg.parameter_shapes().len(),
+            "a gradient entry for every parameter"
+        );
         while t.trainer.step < 5 {
             t.step(&data).map_err(|e| e.to_string())?;
         }
         let (_, _, g) = t.forward_backward(&first).map_err(|e| e.to_string())?;
-        Ok(g.into_iter().map(|(n, g)| (n, testkit::max_abs(&g))).collect())
+        Ok(g.into_iter()
+            .map(|(n, g)| (n, testkit::max_abs(&g)))
+            .collect())
     })
     .unwrap_or_else(|e| panic!("{e}"));
     for (n, m) in &out[0] {

@@ -1,8 +1,8 @@
-//! The fused ops (`rms_norm`, `RotaryEmbedding`, `swiglu`) against composite candle
+//! The fused ops (`rms_norm`, `RotaryEmbedding`, `swiglu`, `gelu_tanh`) against composite candle
 //! computations built from differentiable primitives: values and gradients of every input.
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
-use candle_parallel::ops::{inv_freq, rms_norm, swiglu, RopeScaling, RotaryEmbedding};
+use candle_parallel::ops::{gelu_tanh, inv_freq, rms_norm, swiglu, RopeScaling, RotaryEmbedding};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 const DTYPES: [(DType, f64); 3] = [(DType::F32, 1e-5), (DType::BF16, 1e-2), (DType::F16, 1e-2)];
@@ -208,6 +208,62 @@ fn swiglu_rejects_bad_inputs() -> Result<()> {
     assert!(swiglu(&a, &c).is_err(), "shape mismatch");
     let ai = a.to_dtype(DType::U32)?;
     assert!(swiglu(&ai, &ai).is_err(), "integer dtype");
+    Ok(())
+}
+
+// ---------------------------------------------------------------- GELU (tanh)
+
+#[test]
+fn gelu_tanh_matches_composite_and_float64() -> Result<()> {
+    let mut rng = StdRng::seed_from_u64(13);
+    for (dt, tol) in DTYPES {
+        // Transposed (strided) and larger than one parallel chunk; values up to ±6 reach both
+        // tails. candle's own `gelu` (composite backward) is the reference.
+        for shape in [[3usize, 24, 7], [2, 5000, 1]] {
+            let xv = Var::from_tensor(&(rand_tensor(&mut rng, &shape, dt)? * 3.0)?)?;
+            let g = rand_tensor(&mut rng, &[shape[0], shape[2], shape[1]], dt)?;
+            check_op(
+                &format!("gelu_tanh {dt:?} {shape:?}"),
+                &[&xv],
+                &g,
+                tol,
+                |t| gelu_tanh(&t[0].transpose(1, 2)?),
+                |t| t[0].transpose(1, 2)?.gelu(),
+            )?;
+        }
+    }
+    // f32 against the formula and its derivative in float64: 4e-7 relative for the value; the
+    // derivative's `1 - tanh²` cancels in f32 in the tails (an absolute error of 6e-8 there times
+    // up to 10), so 2e-6 absolute (the derivative is at most 1.13).
+    let xs: Vec<f32> = (-600..=600).map(|i| i as f32 / 97.0).collect();
+    let x = Var::from_tensor(&Tensor::new(xs.as_slice(), &Device::Cpu)?)?;
+    let y = gelu_tanh(x.as_tensor())?;
+    let grads = y.sum_all()?.backward()?;
+    let dy = grads
+        .get(x.as_tensor())
+        .expect("gelu_tanh: a gradient")
+        .to_vec1::<f32>()?;
+    let (k, c) = ((2.0f64 / std::f64::consts::PI).sqrt(), 0.044715f64);
+    for ((&xf, &yf), &df) in xs.iter().zip(&y.to_vec1::<f32>()?).zip(&dy) {
+        let x = xf as f64;
+        let t = (k * (x + c * x * x * x)).tanh();
+        let (y64, d64) = (
+            0.5 * x * (1.0 + t),
+            0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * c * x * x),
+        );
+        assert!(
+            (yf as f64 - y64).abs() <= 4e-7 * y64.abs().max(1.0),
+            "gelu({x}) = {yf}, float64 {y64}"
+        );
+        assert!(
+            (df as f64 - d64).abs() <= 2e-6,
+            "gelu'({x}) = {df}, float64 {d64}"
+        );
+    }
+    assert!(
+        gelu_tanh(&x.as_tensor().to_dtype(DType::U32)?).is_err(),
+        "integer dtype"
+    );
     Ok(())
 }
 

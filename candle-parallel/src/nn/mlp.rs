@@ -8,7 +8,7 @@ use super::{
     ColumnParallelLinear, LinearConfig, ParallelCtx, ParamBuilder, RowParallelLinear, TpGroup,
 };
 use crate::error::Result;
-use crate::ops::swiglu;
+use crate::ops::{gelu_tanh, swiglu};
 
 /// The nonlinearity of an [`Mlp`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,7 +114,7 @@ impl Mlp {
         let up = self.up.forward_entered(&x)?;
         let h = match (&self.gate, self.activation) {
             (Some(gate), _) => swiglu(&gate.forward_entered(&x)?, &up)?,
-            (None, Activation::GeluTanh) => up.gelu()?,
+            (None, Activation::GeluTanh) => gelu_tanh(&up)?,
             (None, _) => up.gelu_erf()?,
         };
         self.down.forward(&h)

@@ -1,10 +1,12 @@
 //! Differentiable fused ops that candle lacks (its own fused versions drop gradients silently):
-//! RMSNorm, rotary embeddings and SwiGLU, each a custom op with a backward.
+//! RMSNorm, rotary embeddings, SwiGLU and GELU-tanh, each a custom op with a backward.
 
+mod gelu;
 mod rms_norm;
 mod rope;
 mod swiglu;
 
+pub use gelu::gelu_tanh;
 pub use rms_norm::rms_norm;
 pub use rope::{inv_freq, RopeScaling, RotaryEmbedding};
 pub use swiglu::swiglu;

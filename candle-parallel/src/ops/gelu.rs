@@ -1,0 +1,110 @@
+//! GELU with the tanh approximation (PyTorch's `gelu(approximate="tanh")`, candle's `gelu`), as
+//! a custom op with a one-pass backward: candle differentiates its GELU as a chain of
+//! elementwise tensor ops (`powf`, `tanh`, products: six passes and allocations), which made
+//! it the largest elementwise cost of a DiT training step.
+
+use super::{check_cpu, check_float, dispatch_float, strided, Elem};
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+/// Elements per parallel task.
+const CHUNK: usize = 4096;
+
+/// √(2/π).
+const K: f32 = 0.797_884_6;
+const C: f32 = 0.044_715;
+
+/// `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))` elementwise, evaluated in f32 and rounded once
+/// to the dtype (f32, bf16 or f16; any shape and strides), differentiable. CPU only.
+pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
+    const OP: &str = "gelu_tanh";
+    check_float(OP, "x", x.dtype())?;
+    check_cpu(OP, &[x])?;
+    x.apply_op1(GeluTanh)
+}
+
+#[inline(always)]
+fn gelu(x: f32) -> f32 {
+    0.5 * x * (1.0 + (K * (x + C * x * x * x)).tanh())
+}
+
+/// d gelu / dx = 0.5 (1 + t) + 0.5 x (1 − t²) √(2/π) (1 + 3 · 0.044715 x²), t = tanh(u).
+#[inline(always)]
+fn gelu_grad(x: f32) -> f32 {
+    let t = (K * (x + C * x * x * x)).tanh();
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * K * (1.0 + 3.0 * C * x * x)
+}
+
+struct GeluTanh;
+
+fn gelu_fwd<T: Elem>(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+    let x = strided(T::cpu_storage_as_slice(s)?, l);
+    let mut out = vec![T::from_f32(0.0); x.len()];
+    out.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .for_each(|(o, x)| {
+            for (o, &x) in o.iter_mut().zip(x) {
+                *o = T::from_f32(gelu(x.to_f32()));
+            }
+        });
+    Ok((T::to_cpu_storage_owned(out), l.shape().clone()))
+}
+
+impl CustomOp1 for GeluTanh {
+    fn name(&self) -> &'static str {
+        "cpl-gelu-tanh"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        dispatch_float!(self.name(), s, gelu_fwd(s, l))
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(x.apply_op2_no_bwd(grad, &GeluTanhBwd)?))
+    }
+}
+
+/// Backward of [`GeluTanh`]: inputs (x, grad of the output), output the grad of x.
+struct GeluTanhBwd;
+
+fn gelu_bwd<T: Elem>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+) -> Result<(CpuStorage, Shape)> {
+    let x = strided(T::cpu_storage_as_slice(s1)?, l1);
+    let d = strided(T::cpu_storage_as_slice(s2)?, l2);
+    if d.len() != x.len() {
+        bail!(
+            "cpl-gelu-tanh-bwd: gradient has {} elements, x has {}",
+            d.len(),
+            x.len()
+        );
+    }
+    let mut out = vec![T::from_f32(0.0); x.len()];
+    out.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK).zip(d.par_chunks(CHUNK)))
+        .for_each(|(o, (x, d))| {
+            for ((o, &x), &d) in o.iter_mut().zip(x).zip(d) {
+                *o = T::from_f32(d.to_f32() * gelu_grad(x.to_f32()));
+            }
+        });
+    Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
+}
+
+impl CustomOp2 for GeluTanhBwd {
+    fn name(&self) -> &'static str {
+        "cpl-gelu-tanh-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        dispatch_float!(self.name(), s1, gelu_bwd(s1, l1, s2, l2))
+    }
+}
