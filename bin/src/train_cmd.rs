@@ -48,7 +48,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub model: Option<String>,
     /// Training text: .txt, .jsonl or .parquet (Hugging Face datasets) files, or directories of
-    /// them.
+    /// them. For a diffusion model (DiT): a .safetensors file of `latents` (N, C, H, W) and
+    /// `labels` (N), or a folder with one sub-folder of PNG/JPEG images per class.
     #[arg(long, num_args = 1..)]
     pub data: Vec<PathBuf>,
     /// Pre-tokenized documents: a JSON array of token-id arrays.
