@@ -10,11 +10,11 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_parallel::comm::ReduceOp;
-use candle_parallel::nn::ParamMode;
+use candle_parallel::nn::{ParamBuilder, ParamMode, TensorMap};
 use models::checkpoint::CheckpointReader;
 use models::diffusion::{flow_sample_euler, DrawStream, GaussianDiffusion, Guidance};
 use models::dit::loss::{loss_sum, NoiseLevel, NoisedBatch};
-use models::dit::{self, DitConfig, LoadedDit};
+use models::dit::{self, Dit, DitConfig, LoadedDit};
 use train::checkpoint;
 use train::diffusion::{DiffusionConfig, DiffusionTrainer};
 use train::images::{write_grid_png, ImageDataset, ImageOptions};
@@ -89,15 +89,18 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         Some(d) => Some(checkpoint::read_state(d)?),
         None => None,
     };
-    let load_dir = match (&resume_from, args.from_scratch) {
-        (Some(d), _) => d.clone(),
-        (None, true) => {
-            let init = args.out.join("init");
-            models::dit::init::write_initialized(&model_cfg, &extra[0].1, &init, args.seed)?;
-            init
-        }
-        (None, false) => dir.to_path_buf(),
+    // From scratch: DiT's initial weights, made in memory by every process alike (no file a
+    // multi-process job would race on); otherwise the checkpoint to continue.
+    let initial = match (&resume_from, args.from_scratch) {
+        (None, true) => Some(Arc::new(TensorMap::new(
+            models::dit::init::initial_weights(&model_cfg, args.seed)?
+                .into_iter()
+                .collect(),
+            "DiT initialisation (--from-scratch)",
+        ))),
+        _ => None,
     };
+    let load_dir = resume_from.clone().unwrap_or_else(|| dir.to_path_buf());
     let interrupted = Arc::new(AtomicBool::new(false));
     {
         let flag = interrupted.clone();
@@ -113,7 +116,14 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
     let dtype = args.dtype.map(DType::from).unwrap_or(DType::F32);
     let metrics_path = args.out.join("metrics.jsonl");
     let history = launch(&args.layout, |rank| {
-        let model = load(&load_dir, rank, Some(dtype), ParamMode::Trainable)?.model;
+        let model = match &initial {
+            Some(w) => {
+                let (vb, _) =
+                    ParamBuilder::new(w.clone(), dtype, &Device::Cpu, ParamMode::Trainable);
+                Dit::new(&model_cfg, vb, &rank.ctx)?
+            }
+            None => load(&load_dir, rank, Some(dtype), ParamMode::Trainable)?.model,
+        };
         let trainer = Trainer::new(model, &rank.mesh, &rank.ctx, cfg.clone())?;
         let mut t = DiffusionTrainer::new(trainer, &rank.mesh, dcfg)?;
         if let (Some(d), Some(state)) = (&resume_from, &resume_state) {

@@ -157,8 +157,7 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 0.1, help_heading = "Diffusion")]
     pub class_dropout: f64,
     /// Diffusion models: train from scratch: initialise the weights from --model's
-    /// config.json as DiT does (adaLN-Zero; seeded by --seed) instead of reading them; the
-    /// initial checkpoint is written to OUT/init.
+    /// config.json as DiT does (adaLN-Zero; seeded by --seed) instead of reading them.
     #[arg(long, help_heading = "Diffusion")]
     pub from_scratch: bool,
     #[command(flatten)]

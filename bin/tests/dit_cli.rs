@@ -223,9 +223,6 @@ fn from_scratch_on_image_folders_then_generate() {
         out.display()
     )));
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(out
-        .join("init/diffusion_pytorch_model.safetensors")
-        .is_file());
     let l = losses(&out);
     assert!(l.iter().all(|x| x.is_finite() && *x > 0.0), "{l:?}");
     for sampler in ["ddim", "ddpm", "flow"] {

@@ -6,7 +6,6 @@
 use candle_core::{Device, Tensor};
 
 use super::config::DitConfig;
-use crate::checkpoint::{write_hf_dir, SaveOptions};
 use crate::diffusion::DrawStream;
 use crate::error::Result;
 
@@ -36,20 +35,4 @@ pub fn initial_weights(cfg: &DitConfig, seed: u64) -> Result<Vec<(String, Tensor
     }
     out.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(out)
-}
-
-/// Writes a diffusers DiT directory `dir` (atomically) with `config_json` and the initial
-/// weights of `seed`.
-pub fn write_initialized(
-    cfg: &DitConfig,
-    config_json: &[u8],
-    dir: &std::path::Path,
-    seed: u64,
-) -> Result<()> {
-    let opts = SaveOptions {
-        extra_files: vec![("config.json".into(), config_json.to_vec())],
-        weights_name: super::WEIGHTS_NAME.into(),
-        ..Default::default()
-    };
-    write_hf_dir(&initial_weights(cfg, seed)?, dir, &opts)
 }
