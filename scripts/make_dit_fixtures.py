@@ -23,11 +23,22 @@ and OUT_DIR/reference.safetensors:
   ddim.*         DDIM (eta 0) in 5 respaced steps with classifier-free guidance 4 from fixed noise
   ddpm_sample.*  ancestral DDPM in 5 respaced steps from fixed per-step noise
 
+Timestep features. diffusers computes the sinusoidal timestep features in float32 (argument error
+~1e-4 rad at t = 1000). `fwd.output*`, `fwd.cond` and `ddpm.*` (f32) are diffusers as it is. The
+float64 runs (`*64`) and, deliberately, the f32 `flow.loss`, `flow.grad.*`, `ddim.out` and
+`ddpm_sample.out` use the features computed in float64 (cast to the model dtype by diffusers), as
+the Rust port computes them; `flow.loss_diffusers`, `ddim.out_diffusers` and
+`ddpm_sample.out_diffusers` are the same three with diffusers' own f32 features.
+
+Every model call is in eval mode: diffusers' `LabelEmbedding` (class_dropout_prob 0.1) replaces
+labels by the null class at random in train mode; there is no other dropout in this config.
+
 The diffusion formulas are written here from DiT's `gaussian_diffusion.py`, `diffusion_utils.py`
 and `respace.py` (float64 numpy tables, per-sample values cast to float32 as its
 `_extract_into_tensor` does). Guidance is applied to all `in_channels` noise channels (DiT's
 `forward_with_cfg` hard-codes 3 of 4 latent channels; we guide every noise channel).
 """
+import contextlib
 import copy
 import math
 import sys
@@ -37,7 +48,7 @@ import numpy as np
 import torch
 from diffusers import DiTTransformer2DModel
 from diffusers.models import embeddings
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 torch.manual_seed(0)
 np.random.seed(0)
@@ -163,6 +174,17 @@ def timestep_embedding64(timesteps, embedding_dim, flip_sin_to_cos=False, downsc
     return emb
 
 
+@contextlib.contextmanager
+def f64_timestep_features():
+    """diffusers' timestep features computed in float64 while inside (see the docstring)."""
+    orig = embeddings.get_timestep_embedding
+    embeddings.get_timestep_embedding = timestep_embedding64
+    try:
+        yield
+    finally:
+        embeddings.get_timestep_embedding = orig
+
+
 def mean_flat(x):
     return x.mean(dim=list(range(1, x.ndim)))
 
@@ -188,12 +210,15 @@ def ddpm_losses(d, model, x0, t, labels, noise):
 def main():
     OUT.mkdir(parents=True, exist_ok=True)
     model = DiTTransformer2DModel(**CONFIG)
+    # The null (guidance) class: a table of num_classes + 1 rows when class_dropout_prob > 0.
+    table = model.transformer_blocks[0].norm1.emb.class_embedder.embedding_table
+    assert table.weight.shape == (NULL + 1, CONFIG["num_attention_heads"] * CONFIG["attention_head_dim"])
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             std = 0.5 if "embedding_table" in name else (0.1 if name.endswith("bias") else 0.2)
             p.copy_(torch.randn(p.shape, generator=g) * std)
-    model.eval()
+    model.eval()  # for every call below: train mode would drop class labels at random
     model.save_pretrained(OUT, safe_serialization=True)
     ref = {}
     C, S = CONFIG["in_channels"], CONFIG["sample_size"]
@@ -234,15 +259,15 @@ def main():
     # The same in float64 (the timestep features too: diffusers computes them in float32).
     m64 = copy.deepcopy(model).double()
     DTYPE[0] = torch.float64
-    embeddings.get_timestep_embedding = timestep_embedding64
-    m64.zero_grad()
-    _, mse64, vb64 = ddpm_losses(d, m64, x0.double(), t, yl, noise.double())
-    loss64 = (mse64 + vb64).mean()
-    loss64.backward()
-    ref["ddpm.loss64"] = loss64.detach().float()
-    with torch.no_grad():
-        for key, ts_ in (("fwd.output64", ts), ("fwd.output_float64", tf)):
-            ref[key] = m64(sample.double(), timestep=ts_.double(), class_labels=labels).sample.float()
+    with f64_timestep_features():
+        m64.zero_grad()
+        _, mse64, vb64 = ddpm_losses(d, m64, x0.double(), t, yl, noise.double())
+        loss64 = (mse64 + vb64).mean()
+        loss64.backward()
+        ref["ddpm.loss64"] = loss64.detach().float()
+        with torch.no_grad():
+            for key, ts_ in (("fwd.output64", ts), ("fwd.output_float64", tf)):
+                ref[key] = m64(sample.double(), timestep=ts_.double(), class_labels=labels).sample.float()
     ref["ddpm.mse64"] = mse64.detach().float()
     ref["ddpm.vb64"] = vb64.detach().float()
     for name, p in m64.named_parameters():
@@ -264,11 +289,14 @@ def main():
         loss.backward()
         return loss
 
-    floss = flow_loss(model, x0, noise, s)
+    with f64_timestep_features():
+        floss = flow_loss(model, x0, noise, s)
     ref.update({"flow.x0": x0, "flow.noise": noise, "flow.labels": yl, "flow.s": s, "flow.loss": floss.detach()})
     for name, p in model.named_parameters():
         ref[f"flow.grad.{name}"] = p.grad.detach().clone()
-    floss64 = flow_loss(m64, x0.double(), noise.double(), s.double())
+    ref["flow.loss_diffusers"] = flow_loss(model, x0, noise, s).detach()
+    with f64_timestep_features():
+        floss64 = flow_loss(m64, x0.double(), noise.double(), s.double())
     ref["flow.loss64"] = floss64.detach().float()
     for name, p in m64.named_parameters():
         ref[f"flow.grad64.{name}"] = p.grad.detach().float()
@@ -290,32 +318,59 @@ def main():
         eps = unc[:, :C] + scale * (cond[:, :C] - unc[:, :C])
         return torch.cat([eps, cond[:, C:]], dim=1)
 
-    with torch.no_grad():
-        r = d.respaced(5)
-        z = torch.randn(2, C, S, S, generator=g)
-        y = torch.tensor([2, 6])
+    r = d.respaced(5)
+
+    def ddim(z, y, scale):
         x = z
         for i in reversed(range(r.num_timesteps)):
             t = torch.tensor([i] * 2)
-            out = guided(r, x, i, y, 4.0)
+            out = guided(r, x, i, y, scale)
             _, _, px0 = p_mean_variance(r, out, x, t)
             eps = (ex(r.sqrt_recip_alphas_cumprod, t) * x - px0) / ex(r.sqrt_recipm1_alphas_cumprod, t)
             ab_prev = ex(r.alphas_cumprod_prev, t)
             x = px0 * torch.sqrt(ab_prev) + torch.sqrt(1 - ab_prev) * eps
-        ref.update({"ddim.noise": z, "ddim.labels": y, "ddim.guidance": torch.tensor(4.0), "ddim.out": x})
+        return x
 
-        z = torch.randn(2, C, S, S, generator=g)
-        steps = torch.randn(r.num_timesteps, 2, C, S, S, generator=g)
-        y = torch.tensor([1, 8])
+    def ddpm_sample(z, y, steps):
         x = z
         for k, i in enumerate(reversed(range(r.num_timesteps))):
             t = torch.tensor([i] * 2)
             out = guided(r, x, i, y, None)
             mean, lv, _ = p_mean_variance(r, out, x, t)
             x = mean + (0.0 if i == 0 else 1.0) * torch.exp(0.5 * lv) * steps[k]
+        return x
+
+    with torch.no_grad():
+        z = torch.randn(2, C, S, S, generator=g)
+        y = torch.tensor([2, 6])
+        with f64_timestep_features():
+            x = ddim(z, y, 4.0)
+        ref.update({"ddim.noise": z, "ddim.labels": y, "ddim.guidance": torch.tensor(4.0), "ddim.out": x})
+        ref["ddim.out_diffusers"] = ddim(z, y, 4.0)
+
+        z = torch.randn(2, C, S, S, generator=g)
+        steps = torch.randn(r.num_timesteps, 2, C, S, S, generator=g)
+        y = torch.tensor([1, 8])
+        with f64_timestep_features():
+            x = ddpm_sample(z, y, steps)
         ref.update({"ddpm_sample.noise": z, "ddpm_sample.step_noise": steps, "ddpm_sample.labels": y, "ddpm_sample.out": x})
+        ref["ddpm_sample.out_diffusers"] = ddpm_sample(z, y, steps)
 
     save_file({k: v.contiguous() for k, v in ref.items()}, OUT / "reference.safetensors")
+
+    # Reload both files: the checkpoint loads with no missing or unexpected keys and reproduces
+    # the forward output exactly; every parameter has a gradient for both objectives.
+    back = load_file(str(OUT / "reference.safetensors"))
+    assert back.keys() == ref.keys() and all(torch.equal(back[k], ref[k].contiguous()) for k in ref)
+    again, info = DiTTransformer2DModel.from_pretrained(OUT, output_loading_info=True)
+    assert not any(info.values()), info
+    with torch.no_grad():
+        out = again.eval()(sample, timestep=ts, class_labels=labels).sample
+    assert torch.equal(out, back["fwd.output"])
+    names = [n for n, _ in again.named_parameters()]
+    assert sorted(names) == sorted(load_file(str(OUT / "diffusion_pytorch_model.safetensors")).keys())
+    for pre in ("ddpm.grad.", "flow.grad.", "ddpm.grad64.", "flow.grad64."):
+        assert all(pre + n in back for n in names), pre
     print(f"wrote {OUT}: {len(ref)} reference tensors")
 
 
