@@ -462,8 +462,10 @@ fn bad_inputs_give_clear_errors() {
 }
 
 /// The respaced schedules, DDIM with guidance and ancestral DDPM from fixed noise, against
-/// DiT's formulas run by PyTorch with the same model (DDIM 1e-5, DDPM 2e-5: five model calls
-/// compound f32 rounding, and our timestep features are rounded from f64, diffusers' are not).
+/// DiT's formulas run by PyTorch with the same model and, like ours, timestep features
+/// computed in f64 (`ddim.out`, `ddpm_sample.out`; the fixture also holds diffusers' own
+/// f32-feature results, 4e-5 and 1.3e-4 away): DDIM 1e-5, DDPM 2e-5 (five model calls and the
+/// ancestral noise compound f32 rounding).
 #[test]
 fn samplers_equal_pytorch() {
     let r = reference();
