@@ -36,6 +36,16 @@ fn same_shape(what: &str, a: &Tensor, b: &Tensor) -> Result<()> {
     Ok(())
 }
 
+fn one_step_per_sample(what: &str, t: usize, x: &Tensor) -> Result<()> {
+    if x.rank() == 0 || t != x.dim(0)? {
+        return Err(Error::Invalid(format!(
+            "{what}: {t} timesteps for a batch of shape {:?}",
+            x.dims()
+        )));
+    }
+    Ok(())
+}
+
 /// DiT's `approx_standard_normal_cdf`: `0.5 (1 + tanh(√(2/π) (x + 0.044715 x³)))`.
 fn approx_cdf(x: &Tensor) -> Result<Tensor> {
     let c = (2.0f64 / std::f64::consts::PI).sqrt();
@@ -49,9 +59,11 @@ fn clamped_log(x: &Tensor) -> Result<Tensor> {
 }
 
 impl GaussianDiffusion {
-    /// `√ᾱ_t · x0 + √(1 − ᾱ_t) · noise`.
+    /// `√ᾱ_t · x0 + √(1 − ᾱ_t) · noise` (coefficients as f32), `x0` and `noise` f32 of one shape
+    /// `(batch, ..)`, `t` one step per sample.
     pub fn q_sample(&self, x0: &Tensor, t: &[u32], noise: &Tensor) -> Result<Tensor> {
         same_shape("q_sample", x0, noise)?;
+        one_step_per_sample("q_sample", t.len(), x0)?;
         let n = x0.rank();
         let a = extract(&self.sqrt_alphas_cumprod, t, n)?;
         let b = extract(&self.sqrt_one_minus_alphas_cumprod, t, n)?;
@@ -66,7 +78,8 @@ impl GaussianDiffusion {
         Ok((x0.broadcast_mul(&c1)? + x_t.broadcast_mul(&c2)?)?)
     }
 
-    /// x0 predicted from the noise prediction `eps` at `x_t`.
+    /// x0 predicted from the noise prediction `eps` at `x_t`: `√(1/ᾱ_t) x_t − √(1/ᾱ_t − 1) eps`
+    /// (coefficients rounded to `x_t`'s dtype).
     pub fn predict_x0(&self, x_t: &Tensor, t: &[u32], eps: &Tensor) -> Result<Tensor> {
         let (n, d) = (x_t.rank(), x_t.dtype());
         let a = extract_as(&self.sqrt_recip_alphas_cumprod, t, n, d)?;
@@ -74,8 +87,12 @@ impl GaussianDiffusion {
         Ok((x_t.broadcast_mul(&a)? - eps.broadcast_mul(&b)?)?)
     }
 
-    /// The model's distribution p(x_{t−1} | x_t): mean (from `eps`), log variance (learned range
-    /// from `var` in [−1, 1], else DiT's fixed-large variance) and predicted x0.
+    /// The model's distribution p(x_{t−1} | x_t) as DiT's `p_mean_variance` (no clipping):
+    /// `(mean, log variance, predicted x0)`, all of `x_t`'s shape and dtype. The log variance is
+    /// the learned range `frac·log β_t + (1 − frac)·posterior_log_variance_clipped_t` with
+    /// `frac = (var + 1)/2` when `var` is given, else DiT's default for a model without a learned
+    /// sigma (`create_diffusion(learn_sigma=False)`: FIXED_LARGE, `log β_t`, at t = 0 the clipped
+    /// posterior log variance).
     pub fn p_mean_variance(
         &self,
         x_t: &Tensor,
@@ -93,11 +110,11 @@ impl GaussianDiffusion {
                 (frac.broadcast_mul(&max_log)? + one_minus.broadcast_mul(&min_log)?)?
             }
             None => {
-                // FIXED_LARGE: [posterior_variance[1], betas[1..]].
+                // FIXED_LARGE: log [posterior_variance[1], betas[1..]].
                 let large: Vec<f64> = (0..self.num_timesteps())
                     .map(|i| {
                         if i == 0 {
-                            self.posterior_variance[1].ln()
+                            self.posterior_log_variance_clipped[0]
                         } else {
                             self.log_betas[i]
                         }
@@ -115,7 +132,10 @@ impl GaussianDiffusion {
 
     /// The DDPM terms of DiT's `training_losses` (MSE loss, learned-range variance). `eps_pred`
     /// and `var_pred` are the model's two output halves on the elements given; the bound's
-    /// mean uses `eps_pred` detached, so the bound trains only the variance.
+    /// mean uses `eps_pred` detached, so the bound trains only the variance. Each sample takes
+    /// the likelihood (t = 0) or the KL (t > 0) by a 0/1 mask: the other branch is finite (the
+    /// 1e-12 clamps) and adds exactly zero to values and gradients. `mse_sum` is f32 with the
+    /// gradient `2 (ε̂ − noise)`; `vb_sum` f32.
     ///
     /// The bound is evaluated in f64 (returned in f32): in f32 DiT's formulas cancel badly,
     /// the KL of two nearly equal variances at large t (`exp(Δ) − 1 − Δ`) and the difference
@@ -139,13 +159,7 @@ impl GaussianDiffusion {
         ] {
             same_shape(what, x0, x)?;
         }
-        if t.len() != x0.dim(0)? {
-            return Err(Error::Invalid(format!(
-                "{} timesteps for a batch of {}",
-                t.len(),
-                x0.dim(0)?
-            )));
-        }
+        one_step_per_sample("ddpm_terms", t.len(), x0)?;
         let n = x0.rank();
         let mse_sum = per_sample(&(noise - eps_pred)?.sqr()?)?;
         let wide = |x: &Tensor| x.to_dtype(DType::F64);

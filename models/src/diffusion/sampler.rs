@@ -11,15 +11,32 @@ use crate::error::{Error, Result};
 /// (noise or velocity, then a learned variance's values when 2C).
 pub type ModelFn<'a> = dyn FnMut(&Tensor, &[f32], &[u32]) -> Result<Tensor> + 'a;
 
-/// Classifier-free guidance: the model also runs on `null_label`, and the prediction is
-/// `uncond + scale · (cond − uncond)`.
+/// Classifier-free guidance (DiT's `forward_with_cfg`): the model runs on the batch doubled as
+/// `[cond; uncond]` (labels, then `null_label` for every sample), and the noise channels are
+/// `uncond + scale · (cond − uncond)`; a learned variance comes from the conditional half. A
+/// scale of 1 is no guidance (one model call on the labels, as DiT's `sample.py`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Guidance {
+    /// The guidance scale (1: off).
     pub scale: f32,
+    /// The label of the unconditional model (the number of classes in DiT).
     pub null_label: u32,
 }
 
-/// The guided prediction `(batch, C_out, H, W)` at `x` (a learned variance untouched).
+/// `model(x, times, labels)`, checked to be `(batch, C or 2C, ..)` for `x` `(batch, C, ..)`.
+fn call(model: &mut ModelFn, x: &Tensor, times: &[f32], labels: &[u32]) -> Result<Tensor> {
+    let out = model(x, times, labels)?;
+    let (od, xd) = (out.dims(), x.dims());
+    let channels_ok = od.len() >= 2 && (od[1] == xd[1] || od[1] == 2 * xd[1]);
+    if od.len() != xd.len() || od[0] != xd[0] || !channels_ok || od[2..] != xd[2..] {
+        return Err(Error::Invalid(format!(
+            "the model returned shape {od:?} for input {xd:?} (want C or 2C channels)"
+        )));
+    }
+    Ok(out)
+}
+
+/// The (guided) prediction `(batch, C_out, ..)` at `x`.
 fn predict(
     model: &mut ModelFn,
     x: &Tensor,
@@ -27,17 +44,16 @@ fn predict(
     labels: &[u32],
     guidance: Option<Guidance>,
 ) -> Result<Tensor> {
-    let c = x.dim(1)?;
-    let Some(g) = guidance else {
-        return model(x, times, labels);
+    let Some(g) = guidance.filter(|g| g.scale != 1.0) else {
+        return call(model, x, times, labels);
     };
-    let b = labels.len();
+    let (b, c) = (labels.len(), x.dim(1)?);
     let both = Tensor::cat(&[x, x], 0)?;
     let mut t2 = times.to_vec();
     t2.extend_from_slice(times);
     let mut y2 = labels.to_vec();
     y2.extend(std::iter::repeat_n(g.null_label, b));
-    let out = model(&both, &t2, &y2)?;
+    let out = call(model, &both, &t2, &y2)?;
     let cond = out.narrow(0, 0, b)?;
     let uncond = out.narrow(0, b, b)?;
     let (ce, ue) = (cond.narrow(1, 0, c)?, uncond.narrow(1, 0, c)?);
@@ -79,8 +95,11 @@ impl GaussianDiffusion {
         vec![self.timestep_map[i] as f32; b]
     }
 
-    /// DiT's `ddim_sample_loop` with eta 0 and no clipping, from `noise`, over every step of
-    /// this (respaced) schedule.
+    /// DiT's `ddim_sample_loop` with eta 0 and no clipping, from `noise` `(batch, C, ..)`, over
+    /// every step of this (respaced) schedule, largest first; the model sees the steps'
+    /// `timestep_map` values. Per step: x0 = `predict_x0(x, ε̂)`, ε = (√(1/ᾱ_t) x − x0) /
+    /// √(1/ᾱ_t − 1), x ← √ᾱ_{t−1} x0 + √(1 − ᾱ_{t−1}) ε (a learned variance is ignored). Runs
+    /// detached; returns the f32 samples.
     pub fn ddim_sample(
         &self,
         model: &mut ModelFn,
@@ -107,9 +126,12 @@ impl GaussianDiffusion {
         Ok(x)
     }
 
-    /// DiT's `p_sample_loop` (no clipping) from `noise`: each step draws `step_noise(k)` (`k`
-    /// = 0 at the largest timestep) and adds it scaled by the model's standard deviation,
-    /// except at the last step (t = 0).
+    /// DiT's `p_sample_loop` (no clipping) from `noise` `(batch, C, ..)`: step `k` (0 at the
+    /// largest timestep) takes x ← mean + exp(log_var / 2) · `step_noise(k)` with the mean and
+    /// log variance of [`p_mean_variance`](Self::p_mean_variance) (learned range when the model
+    /// returns 2C channels, else DiT's fixed-large default). `step_noise` is called once per
+    /// step, in order, the last step (t = 0) included as DiT draws there too, but that step adds
+    /// no noise. Runs detached.
     pub fn ddpm_sample(
         &self,
         model: &mut ModelFn,
@@ -145,7 +167,8 @@ impl GaussianDiffusion {
 }
 
 /// Euler integration of a rectified flow from `noise` (s = 1) to s = 0 in `steps` uniform
-/// steps: `x ← x + (s_next − s) · v(x, 1000 s)`, `v` the predicted `noise − x0`.
+/// steps `s_k = 1 − k/steps`: `x ← x + (s_{k+1} − s_k) · v(x, 1000 s_k)`, `v` the predicted
+/// `noise − x0` (the first C channels of the model's output). Runs detached.
 pub fn flow_sample_euler(
     model: &mut ModelFn,
     noise: &Tensor,
