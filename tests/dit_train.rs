@@ -93,6 +93,9 @@ fn config(steps: u64, memory: MemoryPlan, batch: usize, grad_accum: usize) -> Tr
 
 struct Run {
     losses: Vec<f64>,
+    /// Global gradient norm of every step (before clipping): Adam's update is nearly blind to
+    /// a gradient's scale, the norm is not.
+    grad_norms: Vec<f64>,
     weights: HashMap<String, Tensor>,
 }
 
@@ -138,20 +141,21 @@ fn train_with(
             .map_err(|x| e(&x))?
             .model;
         let trainer = Trainer::new(model, &mesh, &ctx, cfg.clone()).map_err(|x| e(&x))?;
-        let mut t = DiffusionTrainer::new(trainer, &mesh, dcfg).map_err(|x| e(&x))?;
-        let mut losses = Vec::new();
+        let mut t = DiffusionTrainer::new(trainer, dcfg).map_err(|x| e(&x))?;
+        let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
         while t.trainer.step < steps {
             let s = t.step(&data).map_err(|x| e(&x))?;
             assert!(s.mse > 0.0);
             losses.push(s.stats.loss);
+            grad_norms.push(s.stats.grad_norm);
         }
         let weights = whole_weights(&t.trainer, &mesh)?;
-        Ok((losses, weights))
+        Ok((losses, weights, grad_norms))
     })
     .unwrap_or_else(|e| panic!("{e}"));
     // Every stage's weights (a parameter held by two stages: the two copies are equal).
     let mut weights = HashMap::new();
-    for (i, (_, w)) in out.iter().enumerate() {
+    for (i, (_, w, _)) in out.iter().enumerate() {
         for (n, t) in w {
             if let Some(prev) = weights.insert(n.clone(), t.clone()) {
                 assert_identical(
@@ -162,20 +166,26 @@ fn train_with(
             }
         }
     }
-    for (i, (l, _)) in out.iter().enumerate() {
-        testkit::assert_identical_scalars(
-            l,
-            &out[0].0,
-            &format!("{}: rank {i} losses", layout.name),
-        );
+    for (i, (l, _, g)) in out.iter().enumerate() {
+        let who = format!("{}: rank {i}", layout.name);
+        testkit::assert_identical_scalars(l, &out[0].0, &format!("{who} losses"));
+        testkit::assert_identical_scalars(g, &out[0].2, &format!("{who} gradient norms"));
     }
-    let losses = out[0].0.clone();
-    Run { losses, weights }
+    let (losses, grad_norms) = (out[0].0.clone(), out[0].2.clone());
+    Run {
+        losses,
+        grad_norms,
+        weights,
+    }
 }
 
 fn compare(run: &Run, single: &Run, name: &str) {
+    assert_eq!(run.losses.len(), single.losses.len(), "{name}: steps");
     for (i, (a, b)) in run.losses.iter().zip(&single.losses).enumerate() {
         assert_close_scalar(*a, *b, 1e-5, &format!("{name}: step {i} loss"));
+    }
+    for (i, (a, b)) in run.grad_norms.iter().zip(&single.grad_norms).enumerate() {
+        assert_close_scalar(*a, *b, 1e-5, &format!("{name}: step {i} gradient norm"));
     }
     assert_eq!(run.weights.len(), single.weights.len(), "{name}");
     for (n, w) in &single.weights {
@@ -300,7 +310,7 @@ fn from_dits_initialisation_every_parameter_is_trained() {
         let model = dit::Dit::new(&cfg, vb, &ctx).map_err(|e| e.to_string())?;
         let trainer = Trainer::new(model, &mesh, &ctx, config(6, MemoryPlan::default(), 2, 1))
             .map_err(|e| e.to_string())?;
-        let mut t = DiffusionTrainer::new(trainer, &mesh, DiffusionConfig::default())
+        let mut t = DiffusionTrainer::new(trainer, DiffusionConfig::default())
             .map_err(|e| e.to_string())?;
         let first = t.noised_batch(&data, &[0, 1]).map_err(|e| e.to_string())?;
         let (_, _, g0) = t.forward_backward(&first).map_err(|e| e.to_string())?;

@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -22,9 +21,9 @@ use train::trainer::Trainer;
 
 use crate::eval::EvalArgs;
 use crate::generate::GenerateArgs;
-use crate::launch::{launch, Rank};
+use crate::launch::{launch, launch_pipelined, stage_layers, Rank};
 use crate::progress::{peak_rss_mib, Progress, StepLine};
-use crate::train_cmd::{JsonLines, TrainArgs};
+use crate::train_cmd::{interrupt_flag, stop_requested, JsonLines, TrainArgs};
 
 /// The directory of `model` when it is a local diffusers DiT.
 pub fn dit_dir(model: &str) -> Option<PathBuf> {
@@ -41,12 +40,25 @@ fn load(dir: &Path, rank: &Rank, dtype: Option<DType>, mode: ParamMode) -> Resul
 
 /// `cpl train` on a DiT.
 pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
-    if args.layout.pp > 1 {
-        bail!("--pp: pipeline stages are not implemented for DiT yet (use tp, sequence parallelism, dp, ZeRO)");
-    }
     let mut cfg = args.train_config()?;
     cfg.seq_len = 0;
-    let model_cfg = DitConfig::from_file(&dir.join("config.json"))?;
+    let config_path = dir.join("config.json");
+    let model_cfg = DitConfig::from_file(&config_path)?;
+    // Pipeline: a step's micro-batches are --micro-batches (default --grad-accum).
+    let pp = args.layout.pp;
+    if pp > 1 {
+        cfg.grad_accum = args.pipeline.micro_batches.unwrap_or(cfg.grad_accum);
+    }
+    if args.pipeline.schedule(pp, cfg.grad_accum)?.is_some() {
+        cfg.pipeline = args
+            .pipeline
+            .stages(pp, model_cfg.num_layers, &config_path)?;
+    }
+    let all = 0..model_cfg.num_layers;
+    let ranges = match &cfg.pipeline {
+        Some(pc) => pc.ranges(),
+        None => vec![all],
+    };
     let Some(data_path) = args.data.first() else {
         bail!("--data: a DiT trains on images: a .safetensors file of `latents` and `labels`, or a folder with one sub-folder of PNG/JPEG images per class");
     };
@@ -101,12 +113,7 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         _ => None,
     };
     let load_dir = resume_from.clone().unwrap_or_else(|| dir.to_path_buf());
-    let interrupted = Arc::new(AtomicBool::new(false));
-    {
-        let flag = interrupted.clone();
-        ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
-            .context("installing the Ctrl-C handler (needed to save a checkpoint on Ctrl-C)")?;
-    }
+    let interrupted = interrupt_flag()?;
     let tokens_per_image = (model_cfg.sample_size / model_cfg.patch_size).pow(2);
     // Training FLOPs per patch token: 6 per parameter, and attention's 6 · layers · tokens ·
     // hidden (the same estimate as for text models).
@@ -115,17 +122,22 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
     let peak = crate::train_cmd::matmul_gflops();
     let dtype = args.dtype.map(DType::from).unwrap_or(DType::F32);
     let metrics_path = args.out.join("metrics.jsonl");
-    let history = launch(&args.layout, |rank| {
+    let history = launch_pipelined(&args.layout, |rank| {
+        let (mine, ends) = stage_layers(rank, &ranges);
         let model = match &initial {
             Some(w) => {
                 let (vb, _) =
                     ParamBuilder::new(w.clone(), dtype, &Device::Cpu, ParamMode::Trainable);
-                Dit::new(&model_cfg, vb, &rank.ctx)?
+                Dit::new_stage(&model_cfg, vb, &rank.ctx, &mine, ends)?
             }
-            None => load(&load_dir, rank, Some(dtype), ParamMode::Trainable)?.model,
+            None => {
+                let files = dit::files(&load_dir)?;
+                let trainable = ParamMode::Trainable;
+                dit::load_stage(&files, &rank.ctx, Some(dtype), trainable, &mine, ends)?.model
+            }
         };
         let trainer = Trainer::new(model, &rank.mesh, &rank.ctx, cfg.clone())?;
-        let mut t = DiffusionTrainer::new(trainer, &rank.mesh, dcfg)?;
+        let mut t = DiffusionTrainer::new(trainer, dcfg)?;
         if let (Some(d), Some(state)) = (&resume_from, &resume_state) {
             checkpoint::restore(&mut t.trainer, d, state)?;
         }
@@ -181,11 +193,7 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
                         * (cfg.steps - t.trainer.step) as f64,
                 });
             }
-            let stop = f32::from(interrupted.load(Ordering::SeqCst));
-            let stop = world
-                .all_reduce(&Tensor::new(&[stop], &Device::Cpu)?, ReduceOp::Max)?
-                .to_vec1::<f32>()?[0]
-                > 0.0;
+            let stop = stop_requested(&world, &interrupted)?;
             let periodic = args.save_every > 0 && t.trainer.step % args.save_every == 0;
             if periodic || stop || t.trainer.step == cfg.steps {
                 let d =

@@ -172,7 +172,9 @@ pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
     let dtype = args.dtype.map(DType::from);
     let seqs = sequences(args, &files, &cfg)?;
     let want_logits = args.logits_out.is_some();
-    let pipeline = args.pipeline.stages(args.layout.pp, &cfg, &files.config)?;
+    let pipeline = args
+        .pipeline
+        .stages(args.layout.pp, cfg.num_hidden_layers, &files.config)?;
     if pipeline.is_some() && want_logits {
         bail!("--logits-out is not available with --pp");
     }

@@ -127,8 +127,18 @@ pub fn load_llama_stage(
     layout: &LayoutArgs,
     layers: &[std::ops::Range<usize>],
 ) -> Result<LoadedLlama> {
-    let (p, r) = (rank.mesh.size(Dim::Pp), rank.mesh.coord(Dim::Pp));
-    let mine: Vec<std::ops::Range<usize>> = layers.iter().skip(r).step_by(p).cloned().collect();
-    llama::load_stage(files, &rank.ctx, dtype, mode, &mine, r == 0 || r + 1 == p)
+    let (mine, ends) = stage_layers(rank, layers);
+    llama::load_stage(files, &rank.ctx, dtype, mode, &mine, ends)
         .with_context(|| format!("loading {} with {}", files.source, layout.flags()))
+}
+
+/// This rank's layer ranges among every virtual stage's `layers` (chunk `c` is virtual stage
+/// `c · pp + rank`), and whether it holds the first or last stage (the model's two ends).
+pub fn stage_layers(
+    rank: &Rank,
+    layers: &[std::ops::Range<usize>],
+) -> (Vec<std::ops::Range<usize>>, bool) {
+    let (p, r) = (rank.mesh.size(Dim::Pp), rank.mesh.coord(Dim::Pp));
+    let mine = layers.iter().skip(r).step_by(p).cloned().collect();
+    (mine, r == 0 || r + 1 == p)
 }

@@ -4,7 +4,6 @@ use anyhow::{bail, Context, Result};
 use candle_parallel::attention::{SeqLayout, SpConfig, Strategy};
 use candle_parallel::mesh::{Dim, MeshConfig, MeshLayout, Placement};
 use candle_parallel::pipeline::{split_layers, PipelineSchedule, ScheduleKind};
-use models::llama::LlamaConfig;
 use std::path::Path;
 use train::trainer::PipelineConfig;
 
@@ -206,17 +205,17 @@ impl PipelineArgs {
     pub fn stages(
         &self,
         pp: usize,
-        model: &LlamaConfig,
+        num_layers: usize,
         config_path: &Path,
     ) -> Result<Option<PipelineConfig>> {
         if pp <= 1 {
             return Ok(None);
         }
         let explicit = (!self.pp_layers.is_empty()).then_some(&self.pp_layers[..]);
-        let n = model.num_hidden_layers;
+        let n = num_layers;
         let ranges = split_layers(n, pp * self.virtual_stages, explicit).with_context(|| {
             format!(
-                "--pp-layers for {n} layers (num_hidden_layers of {})",
+                "--pp-layers for the {n} layers of {}",
                 config_path.display()
             )
         })?;

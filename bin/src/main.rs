@@ -2,7 +2,7 @@
 //!
 //! Subcommands: `train` (with no arguments, like `cpl` alone: the bundled default job),
 //! `data prepare` (tokenize a corpus once), `eval`, `generate`, `inspect` (models from Hugging
-//! Face checkpoints under any parallel layout), `plan` (how a world of ranks is cut into
+//! Face checkpoints, LLaMA or diffusers DiT, under any parallel layout), `plan` (how a world of ranks is cut into
 //! groups), `demo` (collectives across local ranks). `finetune` and `bench` come with later
 //! issues.
 
@@ -45,12 +45,14 @@ enum Command {
     /// --pp > 1 also the pipeline schedule's per-rank timetable and bubble.
     Plan(layout::PlanArgs),
     /// Mean next-token loss, perplexity and token count of a model on a text, jsonl, Parquet or
-    /// token file.
+    /// token file; for a DiT, its output (and DDPM loss) on an --inputs file.
     Eval(eval::EvalArgs),
-    /// Continue a prompt with a model (KV cache; one rank or tensor parallel).
+    /// Continue a prompt with a model (KV cache; one rank or tensor parallel); for a DiT, a PNG
+    /// grid of samples of --class-labels.
     Generate(generate::GenerateArgs),
     /// Continued pretraining of a Hugging Face checkpoint under any layout, with ZeRO and
-    /// activation checkpointing (no arguments: the bundled default).
+    /// activation checkpointing (no arguments: the bundled default); a diffusers DiT trains on
+    /// latents or image folders (--objective ddpm|flow, --from-scratch).
     Train(Box<train_cmd::TrainArgs>),
     /// Data preparation: `cpl data prepare` tokenizes a corpus (text, jsonl, Parquet) once into a
     /// `--tokens` file.

@@ -374,7 +374,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         cfg.grad_accum = args.pipeline.micro_batches.unwrap_or(cfg.grad_accum);
     }
     if args.pipeline.schedule(pp, cfg.grad_accum)?.is_some() {
-        cfg.pipeline = args.pipeline.stages(pp, &model_cfg, &files.config)?;
+        cfg.pipeline = args
+            .pipeline
+            .stages(pp, model_cfg.num_hidden_layers, &files.config)?;
     }
     let dtype = args.dtype.map(DType::from).unwrap_or(DType::F32);
     // Data: tokenized once, identical on every rank.
@@ -426,13 +428,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         let bytes = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
         extra.push((name, bytes));
     }
-    let interrupted = Arc::new(AtomicBool::new(false));
-    {
-        // Without the handler Ctrl-C would kill the run without its checkpoint: not optional.
-        let flag = interrupted.clone();
-        ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
-            .context("installing the Ctrl-C handler (needed to save a checkpoint on Ctrl-C)")?;
-    }
+    let interrupted = interrupt_flag()?;
     let peak = matmul_gflops();
     let n_params = model_cfg.num_parameters() as f64;
     let attn_flops_per_token = 6.0
@@ -552,11 +548,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                 }
             }
             // Ctrl-C on any rank stops every rank after this step, with a checkpoint.
-            let stop = f32::from(interrupted.load(Ordering::SeqCst));
-            let stop = world
-                .all_reduce(&Tensor::new(&[stop], &Device::Cpu)?, ReduceOp::Max)?
-                .to_vec1::<f32>()?[0]
-                > 0.0;
+            let stop = stop_requested(&world, &interrupted)?;
             let periodic = args.save_every > 0 && trainer.step % args.save_every == 0;
             if periodic || stop || trainer.step == cfg.steps {
                 let dir =
@@ -645,6 +637,26 @@ fn dataset(
     let data = PackedDataset::new(stream, cfg.seq_len, Packing::with_doc_mask(cfg.doc_mask))
         .with_context(|| format!("{flag} with --seq-len {}", cfg.seq_len))?;
     Ok(Some(data))
+}
+
+/// Set by Ctrl-C (the handler is installed here): a training loop checks it after each step
+/// with [`stop_requested`] and stops with a checkpoint. Without the handler Ctrl-C would kill
+/// the run without its checkpoint: not optional.
+pub fn interrupt_flag() -> Result<Arc<AtomicBool>> {
+    let interrupted = Arc::new(AtomicBool::new(false));
+    let flag = interrupted.clone();
+    ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
+        .context("installing the Ctrl-C handler (needed to save a checkpoint on Ctrl-C)")?;
+    Ok(interrupted)
+}
+
+/// Whether Ctrl-C reached any rank of `world` (collective over it).
+pub fn stop_requested(world: &candle_parallel::comm::Comm, flag: &AtomicBool) -> Result<bool> {
+    let stop = f32::from(flag.load(Ordering::SeqCst));
+    Ok(world
+        .all_reduce(&Tensor::new(&[stop], &Device::Cpu)?, ReduceOp::Max)?
+        .to_vec1::<f32>()?[0]
+        > 0.0)
 }
 
 /// A JSON-lines log (metrics, evaluations) continued by a resumed run.

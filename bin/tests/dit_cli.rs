@@ -90,16 +90,21 @@ fn eval_matches_diffusers_under_layouts() {
     }
 }
 
-fn losses(out: &Path) -> Vec<f64> {
+/// `key` of every line of `out/metrics.jsonl`.
+fn metric(out: &Path, key: &str) -> Vec<f64> {
     std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
         .lines()
         .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+            serde_json::from_str::<serde_json::Value>(l).unwrap()[key]
                 .as_f64()
                 .unwrap()
         })
         .collect()
+}
+
+fn losses(out: &Path) -> Vec<f64> {
+    metric(out, "loss")
 }
 
 /// 32 latents of 4x8x8 (the fixture's shape) with labels 0..9.
@@ -149,18 +154,27 @@ fn train_layouts_resume_and_reload() {
         assert!(o.status.success(), "{name}: {}", stderr(&o));
         out
     };
-    let single = losses(&run("single", ""));
+    let single_out = run("single", "");
+    let single = losses(&single_out);
+    let single_norms = metric(&single_out, "grad_norm");
     assert_eq!(single.len(), 4);
+    // Losses and global gradient norms (Adam's update hides a gradient's scale; the norm
+    // does not) step by step.
     for (name, extra) in [
         ("ring2", "--ranks 2 --ring 2 --zero 3 --checkpointing full"),
         ("tp2-dp2", "--ranks 4 --tp 2 --dp 2 --objective ddpm"),
+        ("pp2-1f1b", "--ranks 2 --pp 2"),
     ] {
-        let l = losses(&run(name, extra));
-        for (i, (a, b)) in l.iter().zip(&single).enumerate() {
-            assert!(
-                (a - b).abs() <= 1e-5 * b.abs(),
-                "{name}: step {i}: {a} vs {b}"
-            );
+        let out = run(name, extra);
+        for (key, want) in [("loss", &single), ("grad_norm", &single_norms)] {
+            let got = metric(&out, key);
+            assert_eq!(got.len(), want.len(), "{name}: {key}");
+            for (i, (a, b)) in got.iter().zip(want).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-5 * b.abs(),
+                    "{name}: step {i}: {key} {a} vs {b}"
+                );
+            }
         }
     }
     // Stopped after 2 steps and resumed: the same losses to the bit.

@@ -1,7 +1,7 @@
 //! The training step of a diffusion transformer (DiT) under any layout and memory plan.
 //!
 //! Contract of [`DiffusionTrainer::step`] (collective over the world): the step's global batch
-//! is `dp · batch · grad_accum` images dealt by the same [`Sampler`] as text windows (epoch
+//! is `dp · batch · grad_accum` images dealt by the same [`Sampler`](crate::data::Sampler) as text windows (epoch
 //! permutations of the dataset); data-parallel rank `d` trains on its `batch · grad_accum` in
 //! micro-batches of `batch`. Each image's random draws (timestep or `s`, noise, label dropout)
 //! come from a generator seeded by the run's seed and the image's global sample index, so every
@@ -18,7 +18,6 @@ use models::dit::pipeline::{DitMicroBatch, DitStage};
 use models::dit::Dit;
 use serde::{Deserialize, Serialize};
 
-use crate::data::Sampler;
 use crate::error::{Error, Result};
 use crate::images::ImageDataset;
 use crate::trainer::{StepStats, TrainModel, Trainer};
@@ -64,8 +63,6 @@ pub struct DiffusionTrainer {
     pub trainer: Trainer<Dit>,
     pub diffusion: GaussianDiffusion,
     pub cfg: DiffusionConfig,
-    dp: usize,
-    dp_rank: usize,
 }
 
 /// What a step reports besides [`StepStats`] (its `tokens` field counts images).
@@ -79,13 +76,8 @@ pub struct DiffusionStats {
 }
 
 impl DiffusionTrainer {
-    /// Wraps `trainer` (built on `mesh`'s layout). Errors on an impossible configuration.
-    pub fn new(
-        trainer: Trainer<Dit>,
-        mesh: &candle_parallel::mesh::DeviceMesh,
-        cfg: DiffusionConfig,
-    ) -> Result<Self> {
-        use candle_parallel::mesh::Dim;
+    /// Wraps `trainer`. Errors on an impossible configuration.
+    pub fn new(trainer: Trainer<Dit>, cfg: DiffusionConfig) -> Result<Self> {
         if !(0.0..1.0).contains(&cfg.class_dropout) {
             return Err(Error::Invalid(format!(
                 "the class dropout {} must be in [0, 1)",
@@ -97,8 +89,6 @@ impl DiffusionTrainer {
             trainer,
             diffusion,
             cfg,
-            dp: mesh.size(Dim::Dp),
-            dp_rank: mesh.coord(Dim::Dp),
         })
     }
 
@@ -107,17 +97,10 @@ impl DiffusionTrainer {
         self.trainer.global_batch()
     }
 
-    fn sampler(&self, data: &ImageDataset) -> Sampler {
-        Sampler {
-            num_windows: data.len(),
-            seed: self.trainer.cfg.seed,
-            shuffle: self.trainer.cfg.shuffle,
-        }
-    }
-
     /// The micro-batch of images `samples` (global sample indices) with their draws.
     pub fn noised_batch(&self, data: &ImageDataset, samples: &[u64]) -> Result<NoisedBatch> {
-        let sampler = self.sampler(data);
+        let c = &self.trainer.cfg;
+        let sampler = data.sampler(c.seed, c.shuffle);
         let indices: Vec<usize> = samples.iter().map(|&k| sampler.window_of(k)).collect();
         let (x0, labels) = data.batch(&indices)?;
         let null = data.num_classes as u32;
@@ -153,17 +136,12 @@ impl DiffusionTrainer {
         })
     }
 
-    /// This rank's micro-batches of `step` (global sample indices; [`Sampler::samples`] does
-    /// not depend on the dataset).
-    pub fn micro_samples(&self, step: u64) -> Vec<Vec<u64>> {
+    /// This rank's micro-batches of `step` (global sample indices, the same for any dataset).
+    pub fn micro_samples(&self, data: &ImageDataset, step: u64) -> Vec<Vec<u64>> {
         let c = &self.trainer.cfg;
-        let sampler = Sampler {
-            num_windows: 1,
-            seed: c.seed,
-            shuffle: false,
-        };
-        sampler
-            .samples(step, self.dp, self.dp_rank, c.batch * c.grad_accum)
+        let dp = self.trainer.batching().dp;
+        data.sampler(c.seed, c.shuffle)
+            .samples(step, dp, self.trainer.dp_rank(), c.batch * c.grad_accum)
             .chunks(c.batch)
             .map(|c| c.to_vec())
             .collect()
@@ -224,7 +202,7 @@ impl DiffusionTrainer {
         let step = self.trainer.step;
         let n = self.global_batch() as u64;
         let batches = self
-            .micro_samples(step)
+            .micro_samples(data, step)
             .iter()
             .map(|s| self.noised_batch(data, s))
             .collect::<Result<Vec<_>>>()?;

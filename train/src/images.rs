@@ -19,10 +19,9 @@
 //! problem (a missing tensor, a wrong shape, a negative label, an unreadable image, a class
 //! directory without images) is an error naming the file and what is wrong.
 //!
-//! Order: epoch `e` visits the images in [`permutation`]`(N, seed + e)` (or in stored order
+//! Order: epoch `e` visits the images in [`permutation`](crate::data::permutation)`(N, seed + e)` (or in stored order
 //! without shuffling), and global sample `k` is image `order_{k / N}[k mod N]`: the order of
-//! [`Sampler`], so [`ImageDataset::sample_indices`] gives the images a trainer driven by a
-//! [`Sampler`] sees.
+//! [`Sampler`] ([`ImageDataset::sampler`]), which trainers deal images with.
 //!
 //! [`write_grid_png`] tiles a batch of images in `[-1, 1]` into one PNG, written atomically.
 
@@ -32,7 +31,7 @@ use candle_core::{DType, Device, Tensor};
 use image::imageops::{self, FilterType};
 use image::{DynamicImage, ExtendedColorType, ImageEncoder};
 
-use crate::data::{permutation, Sampler};
+use crate::data::Sampler;
 use crate::error::{Error, Result};
 
 /// The image extensions a class folder's files are read with (compared case-insensitively).
@@ -307,45 +306,8 @@ impl ImageDataset {
         Ok((images, labels))
     }
 
-    /// The order in which epoch `epoch` visits the images: [`permutation`]`(len, seed + epoch)`
-    /// with `shuffle`, else `0..len`. Deterministic, and the same as [`Sampler`]'s.
-    pub fn epoch_order(&self, seed: u64, epoch: u64, shuffle: bool) -> Vec<usize> {
-        if shuffle {
-            permutation(self.len(), seed.wrapping_add(epoch))
-        } else {
-            (0..self.len()).collect()
-        }
-    }
-
-    /// The `batch` image indices of global step `step` when every step takes `batch` images:
-    /// global samples `step · batch ..  (step + 1) · batch`, walking the epoch orders
-    /// ([`ImageDataset::epoch_order`]) one after another, so a step may span an epoch boundary.
-    /// Sample `k` is [`Sampler::window_of`]`(k)`. Empty for an empty dataset.
-    pub fn sample_indices(&self, step: u64, batch: usize, seed: u64, shuffle: bool) -> Vec<usize> {
-        let n = self.len() as u64;
-        if n == 0 {
-            return Vec::new();
-        }
-        let start = step.wrapping_mul(batch as u64);
-        let mut order: Option<(u64, Vec<usize>)> = None;
-        (0..batch as u64)
-            .map(|j| {
-                let k = start.wrapping_add(j);
-                let epoch = k / n;
-                let order = match &mut order {
-                    Some((e, o)) if *e == epoch => o,
-                    slot => {
-                        &mut slot
-                            .insert((epoch, self.epoch_order(seed, epoch, shuffle)))
-                            .1
-                    }
-                };
-                order[(k % n) as usize]
-            })
-            .collect()
-    }
-
-    /// The [`Sampler`] over this dataset that [`ImageDataset::sample_indices`] agrees with.
+    /// The [`Sampler`] of this dataset: which image each global sample is (see the module
+    /// docs).
     pub fn sampler(&self, seed: u64, shuffle: bool) -> Sampler {
         Sampler {
             num_windows: self.len(),

@@ -481,6 +481,11 @@ impl<M: TrainModel> Trainer<M> {
         &self.batching
     }
 
+    /// This rank's coordinate on the data-parallel dimension.
+    pub fn dp_rank(&self) -> usize {
+        self.dp_rank
+    }
+
     /// Sequences per optimizer step over all data-parallel ranks.
     pub fn global_batch(&self) -> usize {
         self.batching.global_batch()

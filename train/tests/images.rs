@@ -379,40 +379,47 @@ fn dataset(n: usize) -> ImageDataset {
     }
 }
 
-#[test]
-fn epoch_orders_are_deterministic_permutations() {
-    let d = dataset(20);
-    let o = d.epoch_order(7, 0, true);
-    let mut sorted = o.clone();
-    sorted.sort();
-    assert_eq!(sorted, (0..20).collect::<Vec<_>>());
-    assert_eq!(o, d.epoch_order(7, 0, true));
-    assert_ne!(o, d.epoch_order(8, 0, true));
-    assert_ne!(o, d.epoch_order(7, 1, true));
-    assert_eq!(d.epoch_order(7, 3, false), (0..20).collect::<Vec<_>>());
+/// Epoch `e`'s order of the images under [`ImageDataset::sampler`].
+fn epoch_order(d: &ImageDataset, seed: u64, epoch: u64, shuffle: bool) -> Vec<usize> {
+    let s = d.sampler(seed, shuffle);
+    let n = d.len() as u64;
+    (epoch * n..(epoch + 1) * n)
+        .map(|k| s.window_of(k))
+        .collect()
 }
 
 #[test]
-fn sample_indices_walk_the_epochs() {
+fn epoch_orders_are_deterministic_permutations() {
+    let d = dataset(20);
+    let o = epoch_order(&d, 7, 0, true);
+    let mut sorted = o.clone();
+    sorted.sort();
+    assert_eq!(sorted, (0..20).collect::<Vec<_>>());
+    assert_eq!(o, epoch_order(&d, 7, 0, true));
+    assert_ne!(o, epoch_order(&d, 8, 0, true));
+    assert_ne!(o, epoch_order(&d, 7, 1, true));
+    assert_eq!(epoch_order(&d, 7, 3, false), (0..20).collect::<Vec<_>>());
+}
+
+#[test]
+fn samples_walk_the_epochs() {
     let d = dataset(10);
-    let (e0, e1) = (d.epoch_order(3, 0, true), d.epoch_order(3, 1, true));
-    // Batch 4: step 2 takes samples 8..12, the last two of epoch 0 and the first two of epoch 1.
-    assert_eq!(d.sample_indices(0, 4, 3, true), e0[..4].to_vec());
-    assert_eq!(
-        d.sample_indices(2, 4, 3, true),
-        vec![e0[8], e0[9], e1[0], e1[1]]
-    );
-    // A batch longer than the dataset spans several epochs.
-    let many = d.sample_indices(1, 25, 3, true);
-    let want: Vec<usize> = (25..50u64)
-        .map(|k| d.epoch_order(3, k / 10, true)[(k % 10) as usize])
-        .collect();
-    assert_eq!(many, want);
-    // The same order as the trainers' Sampler.
     let s: Sampler = d.sampler(3, true);
-    let via_sampler: Vec<usize> = (25..50).map(|k| s.window_of(k)).collect();
-    assert_eq!(many, via_sampler);
-    assert_eq!(d.sample_indices(3, 4, 3, false), vec![2, 3, 4, 5]);
+    let (e0, e1) = (epoch_order(&d, 3, 0, true), epoch_order(&d, 3, 1, true));
+    // Batch 4: step 2 takes samples 8..12, the last two of epoch 0 and the first two of epoch 1.
+    let step = |step: u64, batch: u64, s: &Sampler| -> Vec<usize> {
+        (step * batch..(step + 1) * batch)
+            .map(|k| s.window_of(k))
+            .collect()
+    };
+    assert_eq!(step(0, 4, &s), e0[..4].to_vec());
+    assert_eq!(step(2, 4, &s), vec![e0[8], e0[9], e1[0], e1[1]]);
+    // A batch longer than the dataset spans several epochs.
+    let want: Vec<usize> = (25..50u64)
+        .map(|k| epoch_order(&d, 3, k / 10, true)[(k % 10) as usize])
+        .collect();
+    assert_eq!(step(1, 25, &s), want);
+    assert_eq!(step(3, 4, &d.sampler(3, false)), vec![2, 3, 4, 5]);
 }
 
 #[test]

@@ -266,6 +266,33 @@ impl ParallelCtx {
         self.attention.shard(global, 1)
     }
 
+    /// The tokens of a global `(batch, seq, ..)` tensor that this rank's layers work on: its
+    /// sequence-parallel shard ([`ParallelCtx::shard_tokens`]) and under TP-sp its
+    /// tensor-parallel part of that (backward all-gathers over tp). For inputs a model embeds
+    /// with replicated weights (patches, positions), whose gradients then add up over the
+    /// group. Local.
+    pub fn layer_tokens(&self, global: &Tensor) -> Result<Tensor> {
+        self.tp.split_tokens(&self.shard_tokens(global)?)
+    }
+
+    /// The inverse of the tensor-parallel part of [`ParallelCtx::layer_tokens`]: this rank's
+    /// whole sequence shard from its layers' tokens `(batch, n', ..)`, replicated over tp under
+    /// TP-sp (backward keeps this rank's part: what consumes it must compute the same on every
+    /// tensor-parallel rank). The identity otherwise. Collective over tp.
+    pub fn gather_layer_tokens(&self, x: &Tensor) -> Result<Tensor> {
+        self.tp.gather_tokens(x)
+    }
+
+    /// How many tokens the layers of this rank see of a sequence shard of `local` tokens (under
+    /// TP-sp its tensor-parallel part).
+    pub fn layer_token_count(&self, local: usize) -> usize {
+        if self.tp.sequence_parallel() {
+            local / self.tp.size()
+        } else {
+            local
+        }
+    }
+
     /// The global tensor from every sequence-parallel rank's shard (dim 1 the sequence), on
     /// every rank. Collective over the sequence group; differentiable (replicated semantics).
     pub fn gather_tokens(&self, local: &Tensor) -> Result<Tensor> {

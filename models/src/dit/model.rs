@@ -456,11 +456,10 @@ impl Dit {
         let pos = sincos_positions(h, gh, gw, base)?.unsqueeze(0)?;
         // Under TP-sp each tensor-parallel rank embeds only its part of the tokens, so that
         // the replicated patch weights' gradients add up over the group.
-        let tp = self.ctx.tp();
-        let local =
-            |x: &Tensor| -> Result<Tensor> { Ok(tp.split_tokens(&self.ctx.shard_tokens(x)?)?) };
-        let tokens = local(&patchify_input(&sample.to_dtype(dtype)?, p)?)?;
-        let pos = local(&pos.to_dtype(dtype)?)?;
+        let tokens = self
+            .ctx
+            .layer_tokens(&patchify_input(&sample.to_dtype(dtype)?, p)?)?;
+        let pos = self.ctx.layer_tokens(&pos.to_dtype(dtype)?)?;
         Ok(ends.patch.forward(&tokens)?.broadcast_add(&pos)?)
     }
 
@@ -510,7 +509,9 @@ impl Dit {
         let c = emb.forward(cond)?;
         let m = ends.proj_out_1.forward(&c.silu()?)?.chunk(2, 1)?;
         let x = modulate(&ends.norm_out.forward(x)?, &m[0], &m[1])?;
-        Ok(self.ctx.tp().gather_tokens(&ends.proj_out_2.forward(&x)?)?)
+        Ok(self
+            .ctx
+            .gather_layer_tokens(&ends.proj_out_2.forward(&x)?)?)
     }
 
     /// This rank's output tokens `(batch, n, p·p·out_channels)` (its sequence-parallel shard,

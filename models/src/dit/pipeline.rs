@@ -177,13 +177,7 @@ impl StageModel for DitStage<'_> {
             .check_input(&m.x_in)
             .map_err(candle_parallel::Error::from)?;
         let ctx = self.model.ctx();
-        let n = ctx.local_tokens(gh * gw)?;
-        let tp = ctx.tp();
-        let n = if tp.sequence_parallel() {
-            n / tp.size()
-        } else {
-            n
-        };
+        let n = ctx.layer_token_count(ctx.local_tokens(gh * gw)?);
         let b = m.batch.labels.len();
         Ok((
             Shape::from((b, n, self.model.config().hidden_size())),

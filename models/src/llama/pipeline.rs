@@ -162,12 +162,7 @@ impl StageModel for LlamaStage<'_> {
             .micro(micro_batch)
             .map_err(candle_parallel::Error::from)?;
         let (b, n) = m.batch.input_ids.dims2()?;
-        let tp = self.model.ctx().tp();
-        let n = if tp.sequence_parallel() {
-            n / tp.size()
-        } else {
-            n
-        };
+        let n = self.model.ctx().layer_token_count(n);
         Ok((
             Shape::from((b, n, self.model.config().hidden_size)),
             self.dtype,
