@@ -1,4 +1,5 @@
-//! `cpl data prepare`: tokenize a corpus once and cache it as a `--tokens` file.
+//! `cpl data prepare`: tokenize a corpus once and cache it as a `--tokens` file; `cpl data
+//! render`: show how chat data is rendered by a chat template and which tokens are trained.
 
 use std::path::PathBuf;
 
@@ -15,6 +16,40 @@ pub enum DataCommand {
     /// `cpl train --tokens OUT` then trains exactly as `cpl train --data FILES`, without
     /// tokenizing again.
     Prepare(PrepareArgs),
+    /// Show chat data as fine-tuning sees it: each conversation rendered by the chat template,
+    /// its token ids, and which tokens are trained.
+    ///
+    /// Reads conversations (Alpaca, ShareGPT or OpenAI `messages` records from .jsonl, .json
+    /// or .parquet). The human form prints the rendered text with the trained spans wrapped in
+    /// ⟦ ⟧, then the ids and a 0/1 line of trained tokens; `--json` prints one object per
+    /// line: {"source", "text", "ids", "trained"}.
+    Render(RenderArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct RenderArgs {
+    /// Model directory (only its tokenizer files are read) or Hugging Face Hub id.
+    #[arg(long)]
+    pub model: String,
+    /// Chat data: a .jsonl, .json or .parquet file.
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Chat template: a built-in name (chatml, plain) or a .jinja file; default: the model's
+    /// own (chat_template.jinja or tokenizer_config.json).
+    #[arg(long)]
+    pub template: Option<String>,
+    /// Train on the prompt too (every token is trained).
+    #[arg(long)]
+    pub train_on_prompt: bool,
+    /// Train only on the last assistant turn of each conversation.
+    #[arg(long)]
+    pub mask_history: bool,
+    /// Render only the first N conversations.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// One JSON object per line instead of the human form.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -34,7 +69,13 @@ pub struct PrepareArgs {
 }
 
 pub fn run(cmd: &DataCommand) -> Result<()> {
-    let DataCommand::Prepare(a) = cmd;
+    match cmd {
+        DataCommand::Prepare(a) => prepare(a),
+        DataCommand::Render(a) => render(a),
+    }
+}
+
+fn prepare(a: &PrepareArgs) -> Result<()> {
     let files = models::hub::resolve(&a.model)?;
     let cfg = LlamaConfig::from_file(&files.config)?;
     let tok = Tokenizer::from_model(&files)?;
@@ -57,4 +98,89 @@ pub fn run(cmd: &DataCommand) -> Result<()> {
         a.out.display()
     );
     Ok(())
+}
+
+fn render(a: &RenderArgs) -> Result<()> {
+    use std::io::Write;
+    use train::chat::{self, ChatTemplate, TrainOn};
+
+    // A local directory needs only its tokenizer files; a Hub id is resolved as usual.
+    let dir = std::path::Path::new(&a.model);
+    let files = if dir.is_dir() {
+        chat::tokenizer_files(dir)
+    } else {
+        models::hub::resolve(&a.model).with_context(|| format!("--model {}", a.model))?
+    };
+    let tok = Tokenizer::from_model(&files).with_context(|| format!("--model {}", a.model))?;
+    let tpl = ChatTemplate::resolve(a.template.as_deref(), &files, &tok, "--template")
+        .context("--template")?;
+    let convs = chat::read_conversations(&a.data, "--data")?;
+    let train_on = TrainOn {
+        prompt: a.train_on_prompt,
+        mask_history: a.mask_history,
+    };
+    let limit = a.limit.unwrap_or(usize::MAX);
+    let mut out = std::io::stdout().lock();
+    for conv in convs.iter().take(limit) {
+        let r = chat::render_example(&tpl, &tok, conv, train_on)?;
+        if a.json {
+            let obj = serde_json::json!({
+                "source": r.example.source,
+                "text": r.text,
+                "ids": r.example.ids,
+                "trained": r.example.trained,
+            });
+            writeln!(out, "{obj}")?;
+        } else {
+            writeln!(
+                out,
+                "=== {} ({} tokens, {} trained; template {}) ===",
+                r.example.source,
+                r.example.ids.len(),
+                r.example.num_trained(),
+                tpl.name()
+            )?;
+            writeln!(out, "{}", marked_text(&r))?;
+            writeln!(out, "ids: {:?}", r.example.ids)?;
+            let bits: String = r
+                .example
+                .trained
+                .iter()
+                .map(|&t| if t { '1' } else { '0' })
+                .collect();
+            writeln!(out, "trained: {bits}\n")?;
+        }
+    }
+    Ok(())
+}
+
+/// The rendered text with each run of trained tokens wrapped in ⟦ ⟧.
+fn marked_text(r: &train::chat::RenderedExample) -> String {
+    let mut out = String::new();
+    let mut pos = 0;
+    let mut run: Option<(usize, usize)> = None;
+    let close = |out: &mut String, pos: &mut usize, (s, e): (usize, usize)| {
+        let s = s.max(*pos);
+        out.push_str(r.text.get(*pos..s).unwrap_or_default());
+        out.push('⟦');
+        out.push_str(r.text.get(s..e).unwrap_or_default());
+        out.push('⟧');
+        *pos = e.max(*pos);
+    };
+    for (&(s, e), &t) in r.offsets.iter().zip(&r.example.trained) {
+        match (t, run) {
+            (true, Some((rs, _))) => run = Some((rs, e)),
+            (true, None) => run = Some((s, e)),
+            (false, Some(span)) => {
+                close(&mut out, &mut pos, span);
+                run = None;
+            }
+            (false, None) => {}
+        }
+    }
+    if let Some(span) = run {
+        close(&mut out, &mut pos, span);
+    }
+    out.push_str(r.text.get(pos..).unwrap_or_default());
+    out
 }

@@ -21,6 +21,9 @@ pub struct EvalArgs {
     /// Model directory (config.json, *.safetensors, tokenizer.json) or Hugging Face Hub id.
     #[arg(long)]
     pub model: String,
+    /// A LoRA adapter (PEFT directory, e.g. a `cpl finetune` checkpoint) applied to --model.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
     /// Text (.txt), JSON-lines (.jsonl) or Parquet (.parquet) file to evaluate on; documents
     /// are joined with EOS and cut into windows of --seq-len tokens.
     #[arg(long, conflicts_with = "tokens")]
@@ -178,6 +181,7 @@ pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
     if pipeline.is_some() && want_logits {
         bail!("--logits-out is not available with --pp");
     }
+    let adapter = crate::launch::read_adapter(args.adapter.as_deref())?;
     launch_pipelined(&args.layout, |rank: &Rank| {
         let all = 0..cfg.num_hidden_layers;
         let ranges = pipeline.as_ref().map(|pc| pc.ranges()).unwrap_or(vec![all]);
@@ -188,6 +192,7 @@ pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
             ParamMode::Frozen,
             &args.layout,
             &ranges,
+            adapter.as_ref(),
         )?;
         let model = loaded.model;
         let (dp, dp_rank) = (rank.mesh.size(Dim::Dp), rank.mesh.coord(Dim::Dp));

@@ -15,6 +15,9 @@ pub struct GenerateArgs {
     /// Model directory or Hugging Face Hub id.
     #[arg(long)]
     pub model: String,
+    /// A LoRA adapter (PEFT directory, e.g. a `cpl finetune` checkpoint) applied to --model.
+    #[arg(long)]
+    pub adapter: Option<std::path::PathBuf>,
     /// The text to continue (language models).
     #[arg(long)]
     pub prompt: Option<String>,
@@ -139,8 +142,16 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("--prompt: the prompt encodes to no tokens");
     }
+    let adapter = crate::launch::read_adapter(args.adapter.as_deref())?;
     let text = launch(&args.layout, |rank| {
-        let m = load_llama(&files, rank, dtype, ParamMode::Frozen, &args.layout)?;
+        let m = load_llama(
+            &files,
+            rank,
+            dtype,
+            ParamMode::Frozen,
+            &args.layout,
+            adapter.as_ref(),
+        )?;
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= m.config.vocab_size) {
             bail!("the prompt holds token id {bad}, outside the model's vocabulary");
         }

@@ -4,9 +4,12 @@ use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use candle_parallel::comm::Comm;
 use candle_parallel::mesh::{DeviceMesh, Dim};
-use candle_parallel::nn::{ParallelCtx, ParamMode, TpActivations};
+use std::sync::Arc;
+
+use candle_parallel::nn::{Adapters, ParallelCtx, ParamMode, TensorSource, TpActivations};
 use models::hub::ModelFiles;
-use models::llama::{self, LoadedLlama};
+use models::llama::{self, LlamaConfig, LoadedLlama};
+use models::peft::Adapter;
 
 use crate::layout::{Backend, LayoutArgs};
 
@@ -104,17 +107,18 @@ where
     bail!("--backend mpi: this cpl was built without MPI; rebuild with `cargo build -p cpl --features mpi`")
 }
 
-/// Loads the LLaMA `files` for `rank`'s layout; errors name the layout flags (`--tp 3`) when the
-/// layout does not fit the model.
+/// Loads the LLaMA `files` for `rank`'s layout, with the LoRA `adapter` when given; errors name
+/// the layout flags (`--tp 3`) when the layout does not fit the model.
 pub fn load_llama(
     files: &ModelFiles,
     rank: &Rank,
     dtype: Option<DType>,
     mode: ParamMode,
     layout: &LayoutArgs,
+    adapter: Option<&Adapter>,
 ) -> Result<LoadedLlama> {
-    llama::load(files, &rank.ctx, dtype, mode)
-        .with_context(|| format!("loading {} with {}", files.source, layout.flags()))
+    let all = 0..LlamaConfig::from_file(&files.config)?.num_hidden_layers;
+    load_llama_stage(files, rank, dtype, mode, layout, &[all], adapter)
 }
 
 /// [`load_llama`] for this rank's pipeline stage: the decoder layers of its virtual stages
@@ -126,10 +130,25 @@ pub fn load_llama_stage(
     mode: ParamMode,
     layout: &LayoutArgs,
     layers: &[std::ops::Range<usize>],
+    adapter: Option<&Adapter>,
 ) -> Result<LoadedLlama> {
     let (mine, ends) = stage_layers(rank, layers);
-    llama::load_stage(files, &rank.ctx, dtype, mode, &mine, ends)
+    let adapters = adapter
+        .map(|a| {
+            Adapters::new(
+                a.lora.clone(),
+                Some(a.source.clone() as Arc<dyn TensorSource>),
+            )
+        })
+        .transpose()?;
+    llama::load_stage_adapted(files, &rank.ctx, dtype, mode, &mine, ends, adapters)
         .with_context(|| format!("loading {} with {}", files.source, layout.flags()))
+}
+
+/// The PEFT adapter of an `--adapter DIR` flag.
+pub fn read_adapter(dir: Option<&std::path::Path>) -> Result<Option<Adapter>> {
+    dir.map(|d| models::peft::load(d).with_context(|| format!("--adapter {}", d.display())))
+        .transpose()
 }
 
 /// This rank's layer ranges among every virtual stage's `layers` (chunk `c` is virtual stage

@@ -10,6 +10,7 @@ mod data_cmd;
 mod demo;
 mod dit_cmd;
 mod eval;
+mod finetune_cmd;
 mod generate;
 mod inspect;
 mod launch;
@@ -54,6 +55,11 @@ enum Command {
     /// activation checkpointing (no arguments: the bundled default); a diffusers DiT trains on
     /// latents or image folders (--objective ddpm|flow, --from-scratch).
     Train(Box<train_cmd::TrainArgs>),
+    /// Fine-tuning on chat data: SFT or DPO (--stage), LoRA or full (--finetuning-type), every
+    /// layout and memory flag of `cpl train`, LLaMA-Factory configs (--config x.yaml); no
+    /// arguments: LoRA SFT of the bundled model on the bundled dialogue data. `cpl finetune
+    /// merge` folds an adapter into its base.
+    Finetune(finetune_cmd::FinetuneCli),
     /// Data preparation: `cpl data prepare` tokenizes a corpus (text, jsonl, Parquet) once into a
     /// `--tokens` file.
     #[command(subcommand)]
@@ -102,6 +108,7 @@ fn main() {
         Some(Command::Train(args)) => train_cmd::run(&args),
         Some(Command::Demo(args)) => demo::run(&args),
         Some(Command::Data(cmd)) => data_cmd::run(&cmd),
+        Some(Command::Finetune(cli)) => finetune_cmd::run(&cli),
         Some(Command::Plan(args)) => layout::plan(&args),
         Some(Command::Eval(args)) => eval::run(&args),
         Some(Command::Generate(args)) => generate::run(&args),

@@ -193,6 +193,24 @@ pub fn args_with_config(raw: Vec<String>) -> Result<Vec<String>> {
     let Some(path) = raw.get(pos + 1) else {
         bail!("--config needs a file");
     };
+    if raw.get(1).map(String::as_str) == Some("finetune") {
+        // LLaMA-Factory's YAML (or TOML) keys; the file's own flags are dropped from the line.
+        let mut out = raw[..2].to_vec();
+        for (flag, values) in crate::finetune_cmd::config_flags(path)? {
+            if !raw.contains(&flag) {
+                out.push(flag);
+                out.extend(values);
+            }
+        }
+        out.extend(
+            raw[2..]
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i + 2 != pos && *i + 2 != pos + 1)
+                .map(|(_, a)| a.clone()),
+        );
+        return Ok(out);
+    }
     let text =
         std::fs::read_to_string(path).with_context(|| format!("--config {path}: cannot read"))?;
     let table: toml::Table = text
@@ -466,6 +484,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             ParamMode::Trainable,
             &args.layout,
             &ranges,
+            None,
         )?
         .model;
         let mut trainer = Trainer::new(model, &rank.mesh, &rank.ctx, cfg.clone())?;

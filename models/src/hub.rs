@@ -24,6 +24,9 @@ pub struct ModelFiles {
     pub index: Option<PathBuf>,
     pub tokenizer: Option<PathBuf>,
     pub tokenizer_config: Option<PathBuf>,
+    /// `chat_template.jinja`: the chat template, when saved apart from `tokenizer_config.json`
+    /// (as transformers does since 4.48).
+    pub chat_template: Option<PathBuf>,
     pub generation_config: Option<PathBuf>,
 }
 
@@ -95,6 +98,7 @@ pub fn resolve(model: &str) -> Result<ModelFiles> {
         index,
         tokenizer: fetcher.get(model, "tokenizer.json", false)?,
         tokenizer_config: fetcher.get(model, "tokenizer_config.json", false)?,
+        chat_template: fetcher.get(model, "chat_template.jinja", false)?,
         generation_config: fetcher.get(model, "generation_config.json", false)?,
     })
 }
@@ -158,6 +162,7 @@ pub fn from_dir_named(source: &str, dir: &Path, stem: &str) -> Result<ModelFiles
         index,
         tokenizer: opt("tokenizer.json"),
         tokenizer_config: opt("tokenizer_config.json"),
+        chat_template: opt("chat_template.jinja"),
         generation_config: opt("generation_config.json"),
     })
 }

@@ -12,6 +12,7 @@
 //!   the HF layout;
 //! - [`tokenizer`]: `tokenizer.json` and the special tokens of `tokenizer_config.json`;
 //! - [`llama`]: the `LlamaForCausalLM` model;
+//! - [`peft`]: LoRA adapters in PEFT's format (load, save, merge);
 //! - [`dit`]: diffusers' `DiTTransformer2DModel` (class-conditional diffusion transformer).
 
 pub mod checkpoint;
@@ -20,6 +21,7 @@ pub mod dit;
 pub mod error;
 pub mod hub;
 pub mod llama;
+pub mod peft;
 pub mod tokenizer;
 
 pub use error::{Error, Result};

@@ -13,6 +13,9 @@ pub enum SpecialTokens {
     Drop,
 }
 
+/// The byte range `(start, end)` of the text that each token comes from.
+pub type Offsets = Vec<(usize, usize)>;
+
 /// A model's tokenizer with its special tokens.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -71,6 +74,27 @@ impl Tokenizer {
                 msg: e.to_string(),
             })?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of `text` with the byte range of `text` each token comes from, without adding
+    /// special tokens (no post-processor BOS/EOS): `tokenizer(text, add_special_tokens=False,
+    /// return_offsets_mapping=True)` in transformers, but with offsets in bytes rather than
+    /// characters. Special tokens written in `text` (e.g. `<|im_end|>`) are still matched.
+    pub fn encode_with_offsets(&self, text: &str) -> Result<(Vec<u32>, Offsets)> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer {
+                path: self.path.clone(),
+                msg: e.to_string(),
+            })?;
+        Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
+    }
+
+    /// The id of token `token` (e.g. a special token such as `<|im_end|>`), if in the
+    /// vocabulary.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
     }
 
     /// The text of `ids`, with or without the special tokens' text.

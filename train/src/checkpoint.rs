@@ -98,7 +98,11 @@ pub fn save<M: TrainModel>(
         };
         state.push((name, t));
     }
-    let params = trainer.whole_params()?;
+    let prefix = trainer.model.saved_prefix();
+    let mut params = trainer.whole_params()?;
+    for p in &mut params {
+        p.name = format!("{prefix}{}", p.name);
+    }
     let mut files = extra_files.to_vec();
     let dir = step_dir(out, trainer.step);
     if write && trainer.pp().size() == 1 {

@@ -109,6 +109,94 @@ fn read_parquet_column(path: &Path, field: &str) -> std::result::Result<Vec<Stri
     Ok(docs)
 }
 
+/// Every row of a Parquet file as a JSON object (column name to value): strings (and UTF-8
+/// byte arrays) as JSON strings, numbers and booleans as such, nulls as `null`, lists as arrays
+/// and structs and maps as objects, so nested chat columns (a list of `{role, content}`
+/// structs, as Hugging Face datasets store them) read like their JSON-lines form. Errors are
+/// messages for [`Error::Data`] naming the row (numbered from 0).
+pub(crate) fn read_parquet_rows(
+    path: &Path,
+) -> std::result::Result<Vec<serde_json::Value>, String> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read: {e}"))?;
+    let reader =
+        SerializedFileReader::new(file).map_err(|e| format!("not a valid Parquet file: {e}"))?;
+    let rows = reader
+        .get_row_iter(None)
+        .map_err(|e| format!("cannot read rows: {e}"))?;
+    let mut out = Vec::new();
+    for (i, row) in rows.enumerate() {
+        let row = row.map_err(|e| format!("row {i}: {e}"))?;
+        let mut obj = serde_json::Map::new();
+        for (name, value) in row.get_column_iter() {
+            obj.insert(
+                name.clone(),
+                parquet_json(value).map_err(|e| format!("row {i}: column {name:?}: {e}"))?,
+            );
+        }
+        out.push(serde_json::Value::Object(obj));
+    }
+    Ok(out)
+}
+
+/// One Parquet value as JSON (see [`read_parquet_rows`]).
+fn parquet_json(f: &parquet::record::Field) -> std::result::Result<serde_json::Value, String> {
+    use parquet::record::Field;
+    use serde_json::Value;
+    let float = |x: f64| {
+        serde_json::Number::from_f64(x)
+            .map(Value::Number)
+            .unwrap_or(Value::Null)
+    };
+    Ok(match f {
+        Field::Null => Value::Null,
+        Field::Bool(b) => Value::Bool(*b),
+        Field::Byte(n) => Value::from(*n),
+        Field::Short(n) => Value::from(*n),
+        Field::Int(n) => Value::from(*n),
+        Field::Long(n) => Value::from(*n),
+        Field::UByte(n) => Value::from(*n),
+        Field::UShort(n) => Value::from(*n),
+        Field::UInt(n) => Value::from(*n),
+        Field::ULong(n) => Value::from(*n),
+        Field::Float16(x) => float(f64::from(*x)),
+        Field::Float(x) => float(f64::from(*x)),
+        Field::Double(x) => float(*x),
+        Field::Str(s) => Value::String(s.clone()),
+        Field::Bytes(b) => Value::String(
+            std::str::from_utf8(b.data())
+                .map_err(|_| "binary data that is not UTF-8 text".to_string())?
+                .to_string(),
+        ),
+        Field::Group(row) => {
+            let mut obj = serde_json::Map::new();
+            for (name, value) in row.get_column_iter() {
+                obj.insert(name.clone(), parquet_json(value)?);
+            }
+            Value::Object(obj)
+        }
+        Field::ListInternal(list) => Value::Array(
+            list.elements()
+                .iter()
+                .map(parquet_json)
+                .collect::<std::result::Result<_, _>>()?,
+        ),
+        Field::MapInternal(map) => {
+            let mut obj = serde_json::Map::new();
+            for (k, v) in map.entries() {
+                let key = match parquet_json(k)? {
+                    Value::String(s) => s,
+                    other => other.to_string(),
+                };
+                obj.insert(key, parquet_json(v)?);
+            }
+            Value::Object(obj)
+        }
+        other => Value::String(other.to_string()),
+    })
+}
+
 /// Documents of every file in `paths` (files, or directories whose `.txt`, `.jsonl` and
 /// `.parquet` files are read in name order).
 pub fn read_corpus(paths: &[PathBuf], field: &str, flag: &str) -> Result<Vec<String>> {
@@ -338,6 +426,24 @@ impl PackedDataset {
     }
 }
 
+/// Training sequences that [`Batching`] deals out: packed pretraining windows
+/// ([`PackedDataset`]) or fine-tuning examples ([`crate::finetune::SftDataset`]).
+pub trait Windows {
+    fn num_windows(&self) -> usize;
+    /// Window `i`, `0 <= i < num_windows()`.
+    fn window(&self, i: usize) -> Window;
+}
+
+impl Windows for PackedDataset {
+    fn num_windows(&self) -> usize {
+        PackedDataset::num_windows(self)
+    }
+
+    fn window(&self, i: usize) -> Window {
+        PackedDataset::window(self, i)
+    }
+}
+
 /// A deterministic permutation of `0..n` from `seed` (splitmix64 + Fisher-Yates).
 pub fn permutation(n: usize, seed: u64) -> Vec<usize> {
     let mut state = seed ^ 0x5DEE_CE66_D1CE_4E5B;
@@ -416,7 +522,7 @@ impl Batching {
         self.dp * self.batch * self.grad_accum
     }
 
-    fn sampler(&self, data: &PackedDataset) -> Sampler {
+    fn sampler(&self, data: &impl Windows) -> Sampler {
         Sampler {
             num_windows: data.num_windows(),
             seed: self.seed,
@@ -425,7 +531,7 @@ impl Batching {
     }
 
     /// The windows data-parallel rank `d` trains on in `step`.
-    pub fn windows(&self, data: &PackedDataset, step: u64, d: usize) -> Vec<Window> {
+    pub fn windows(&self, data: &impl Windows, step: u64, d: usize) -> Vec<Window> {
         let s = self.sampler(data);
         s.samples(step, self.dp, d, self.batch * self.grad_accum)
             .into_iter()
@@ -435,7 +541,7 @@ impl Batching {
 
     /// Labelled tokens in the global batch of `step` (known to every rank without
     /// communication).
-    pub fn global_tokens(&self, data: &PackedDataset, step: u64) -> u64 {
+    pub fn global_tokens(&self, data: &impl Windows, step: u64) -> u64 {
         (0..self.dp)
             .flat_map(|d| self.windows(data, step, d))
             .map(|w| w.labels.iter().filter(|&&l| l != IGNORE).count() as u64)
@@ -443,7 +549,7 @@ impl Batching {
     }
 
     /// Data-parallel rank `d`'s micro-batches of `step`.
-    pub fn micro_batches(&self, data: &PackedDataset, step: u64, d: usize) -> Vec<MicroBatch> {
+    pub fn micro_batches(&self, data: &impl Windows, step: u64, d: usize) -> Vec<MicroBatch> {
         let windows = self.windows(data, step, d);
         let mut out = Vec::new();
         for micro in windows.chunks(self.batch) {

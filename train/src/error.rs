@@ -22,6 +22,11 @@ pub enum Error {
     #[error("{path}: {msg}")]
     Image { path: PathBuf, msg: String },
 
+    /// A chat template that cannot be read, compiled or rendered, or that cannot mark the
+    /// trained tokens of an example; names the template (and the example, in `msg`).
+    #[error("chat template {template}: {msg}")]
+    Template { template: String, msg: String },
+
     /// Invalid settings or inputs.
     #[error("{0}")]
     Invalid(String),

@@ -6,10 +6,12 @@
 //! and its gradients are accumulated in f32, so pipeline schedules can later drive the same
 //! micro-batches stage by stage.
 
+pub mod chat;
 pub mod checkpoint;
 pub mod data;
 pub mod diffusion;
 pub mod error;
+pub mod finetune;
 pub mod images;
 pub mod memory;
 pub mod trainer;

@@ -41,7 +41,7 @@ use candle_parallel::plan::{MemoryPlan, Parallelize, PlannedParams};
 use models::llama::{Llama, LlamaStage, StageMicroBatch};
 use serde::{Deserialize, Serialize};
 
-use crate::data::{Batching, MicroBatch, PackedDataset};
+use crate::data::{Batching, MicroBatch, Windows};
 use crate::error::{Error, Result};
 
 /// A model the trainer can optimise: units a memory plan can walk, and which parameters
@@ -57,6 +57,11 @@ pub trait TrainModel: Parallelize + Send {
     /// Stem of the checkpoint's weight files ([`models::checkpoint::SaveOptions::weights_name`]).
     fn weights_name(&self) -> &'static str {
         "model"
+    }
+
+    /// Prefix of every saved parameter name (PEFT's `base_model.model.` for adapters).
+    fn saved_prefix(&self) -> &'static str {
+        ""
     }
 }
 
@@ -163,6 +168,23 @@ impl LanguageModel for Llama {
 impl TrainModel for Llama {
     fn replicated_across_stages(&self, name: &str) -> bool {
         models::llama::replicated_across_stages(name)
+    }
+
+    /// With LoRA only the adapters train, and checkpoints are PEFT adapters.
+    fn weights_name(&self) -> &'static str {
+        if self.adapters().is_some() {
+            models::peft::WEIGHTS_NAME
+        } else {
+            "model"
+        }
+    }
+
+    fn saved_prefix(&self) -> &'static str {
+        if self.adapters().is_some() {
+            models::peft::PREFIX
+        } else {
+            ""
+        }
     }
 }
 
@@ -382,8 +404,10 @@ impl<M: TrainModel> Trainer<M> {
         let zero = cfg.memory.zero_groups(mesh)?;
         let param_meta = |p: &Param| (p.name.clone(), p.shard, p.global_shape.clone());
         let params: Vec<TrainParam> = match cfg.memory.apply(&mut model, zero.as_ref())? {
+            // Frozen parameters (the base model under LoRA) are not trained.
             PlannedParams::Sharded(chunks) => chunks
                 .into_iter()
+                .filter(|s| s.trainable)
                 .map(|s| TrainParam {
                     name: s.name,
                     shard: s.shard,
@@ -397,10 +421,8 @@ impl<M: TrainModel> Trainer<M> {
                 .collect(),
             PlannedParams::Resident(params) => params
                 .iter()
-                .map(|p| {
-                    let whole = p.var.clone().ok_or_else(|| {
-                        Error::Invalid(format!("parameter `{}` is not trainable", p.name))
-                    })?;
+                .filter_map(|p| p.var.clone().map(|whole| (p, whole)))
+                .map(|(p, whole)| {
                     let state = match &zero {
                         Some(z) => {
                             let flat = z.flat_shard(p.tensor.elem_count())?;
@@ -420,6 +442,11 @@ impl<M: TrainModel> Trainer<M> {
                 })
                 .collect::<Result<Vec<_>>>()?,
         };
+        if params.is_empty() {
+            return Err(Error::Invalid(
+                "the model has no trainable parameter (was it loaded frozen?)".into(),
+            ));
+        }
         let optim_params = params
             .iter()
             .map(|p| OptimParam {
@@ -861,7 +888,7 @@ impl<M: LanguageModel> Trainer<M> {
     /// The mean next-token loss of the model on the first `max_windows` windows of `data` (in
     /// stream order, dealt round-robin to the data-parallel ranks) and the labelled tokens it
     /// counts. No gradient is applied. Collective over the world.
-    pub fn eval_loss(&self, data: &PackedDataset, max_windows: usize) -> Result<(f64, u64)> {
+    pub fn eval_loss(&self, data: &impl Windows, max_windows: usize) -> Result<(f64, u64)> {
         let opts = self.loss_options();
         let n = data.num_windows().min(max_windows.max(1));
         let (mut sum, mut count) = (0f64, 0f64);
@@ -898,7 +925,7 @@ impl<M: LanguageModel> Trainer<M> {
     }
 
     /// Runs optimizer step `self.step` on `data` and advances. Collective over the world.
-    pub fn step(&mut self, data: &PackedDataset) -> Result<StepStats> {
+    pub fn step(&mut self, data: &impl Windows) -> Result<StepStats> {
         let step = self.step;
         let global_tokens = self.batching.global_tokens(data, step);
         if global_tokens == 0 {

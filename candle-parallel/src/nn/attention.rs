@@ -8,7 +8,8 @@
 use candle_core::Tensor;
 
 use super::{
-    ColumnParallelLinear, LinearConfig, ParallelCtx, ParamBuilder, Pass, RowParallelLinear, TpGroup,
+    ColumnParallelLinear, Entered, LinearConfig, ParallelCtx, ParamBuilder, Pass,
+    RowParallelLinear, TpGroup,
 };
 use crate::attention::AttnCall;
 use crate::error::{Error, Result};
@@ -152,8 +153,8 @@ impl ParallelAttention {
     /// q, k, v `(b, n, heads, head_dim)` of this rank's heads, rotated at `positions`, from `x`
     /// `(b, n', hidden)` (under TP-sp `n'` is this rank's part of the `n` tokens).
     fn qkv(&self, x: &Tensor, positions: &[u32]) -> Result<(Tensor, Tensor, Tensor)> {
-        let x = self.tp.enter(x)?;
-        let (b, n, _) = x.dims3()?;
+        let x = Entered::new(x, &self.tp)?;
+        let (b, n, _) = x.entered.dims3()?;
         let heads = |p: &ColumnParallelLinear, h: usize| -> Result<Tensor> {
             Ok(p.forward_entered(&x)?.reshape((b, n, h, self.head_dim))?)
         };

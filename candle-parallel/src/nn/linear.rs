@@ -13,6 +13,7 @@
 
 use candle_core::{DType, Tensor, D};
 
+use super::lora::LoraWeights;
 use super::{token_dim, ParallelCtx, ParamBuilder, Shard, TpGroup};
 use crate::collectives::{gather, reduce_from_parallel_region, reduce_scatter, scatter};
 use crate::error::{Error, Result};
@@ -119,6 +120,29 @@ pub struct ColumnParallelLinear {
     bias: Option<Tensor>,
     tp: TpGroup,
     output: ColumnOutput,
+    /// LoRA: `A` `(r, in)` replicated, `B` this rank's rows `(out/P, r)`.
+    lora: Option<LoraWeights>,
+}
+
+/// An input of column-parallel layers before and after it entered the tensor-parallel region
+/// ([`TpGroup::enter`]), so that several layers reading it (q, k, v; gate, up) share one
+/// gather, and LoRA adapters can take their low-rank product before the gather.
+#[derive(Debug, Clone)]
+pub struct Entered {
+    /// `(.., tokens', in)`: this rank's activations (under TP-sp its part of the tokens).
+    pub input: Tensor,
+    /// `(.., tokens, in)`: what the layers multiply (all tokens of the group).
+    pub entered: Tensor,
+}
+
+impl Entered {
+    /// `x` entered into `tp`'s region. Collective over tp.
+    pub fn new(x: &Tensor, tp: &TpGroup) -> Result<Self> {
+        Ok(Self {
+            input: x.clone(),
+            entered: tp.enter(x)?,
+        })
+    }
 }
 
 impl ColumnParallelLinear {
@@ -134,7 +158,31 @@ impl ColumnParallelLinear {
         } else {
             None
         };
-        Ok(Self::from_weights(w, b, tp.clone(), ColumnOutput::Sharded))
+        let lora = match vb.adapters_here() {
+            Some(ad) => {
+                let r = ad.cfg.rank;
+                let a = vb.pp("lora_A").get_adapter(
+                    (r, cfg.in_features),
+                    "weight",
+                    Shard::replicated(),
+                )?;
+                let bm = vb.pp("lora_B").get_adapter((rows, r), "weight", shard)?;
+                Some(LoraWeights::new(a, bm, ad.clone()))
+            }
+            None => None,
+        };
+        Ok(Self::from_weights(w, b, tp.clone(), ColumnOutput::Sharded).with_lora(lora))
+    }
+
+    /// This layer with a LoRA adapter (`A` `(r, in)`, `B` this rank's rows `(out/P, r)`).
+    pub fn with_lora(mut self, lora: Option<LoraWeights>) -> Self {
+        self.lora = lora;
+        self
+    }
+
+    /// The LoRA adapter, if any.
+    pub fn lora(&self) -> Option<&LoraWeights> {
+        self.lora.as_ref()
     }
 
     /// From this rank's rows `(out/P, in)` of the weight (and of the bias).
@@ -149,6 +197,7 @@ impl ColumnParallelLinear {
             bias,
             tp,
             output,
+            lora: None,
         }
     }
 
@@ -161,14 +210,20 @@ impl ColumnParallelLinear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.forward_entered(&self.tp.enter(x)?)
+        self.forward_entered(&Entered::new(x, &self.tp)?)
     }
 
-    /// As [`ColumnParallelLinear::forward`] on an input that already went through
-    /// [`TpGroup::enter`], so that several layers reading one input (q, k, v; gate, up) share
-    /// one gather.
-    pub fn forward_entered(&self, x: &Tensor) -> Result<Tensor> {
-        let y = linear(x, &self.weight, self.bias.as_ref())?;
+    /// As [`ColumnParallelLinear::forward`] on an input that already entered the region
+    /// ([`Entered`]), so that several layers reading one input share one gather.
+    pub fn forward_entered(&self, x: &Entered) -> Result<Tensor> {
+        let y = linear(&x.entered, &self.weight, self.bias.as_ref())?;
+        let y = match &self.lora {
+            Some(l) if l.enabled() => {
+                let h = self.tp.enter(&l.down(&x.input)?)?;
+                (y + l.up(&h)?)?
+            }
+            _ => y,
+        };
         if self.output == ColumnOutput::Gathered && self.tp.size() > 1 {
             Ok(gather(&y, self.tp.comm(), D::Minus1)?)
         } else {
@@ -190,6 +245,8 @@ pub struct RowParallelLinear {
     bias: Option<Tensor>,
     tp: TpGroup,
     input: RowInput,
+    /// LoRA: `A` this rank's columns `(r, in/P)`, `B` `(out, r)` replicated.
+    lora: Option<LoraWeights>,
 }
 
 impl RowParallelLinear {
@@ -205,7 +262,31 @@ impl RowParallelLinear {
         } else {
             None
         };
-        Ok(Self::from_weights(w, b, tp.clone(), RowInput::Sharded))
+        let lora = match vb.adapters_here() {
+            Some(ad) => {
+                let r = ad.cfg.rank;
+                let a = vb.pp("lora_A").get_adapter((r, cols), "weight", shard)?;
+                let bm = vb.pp("lora_B").get_adapter(
+                    (cfg.out_features, r),
+                    "weight",
+                    Shard::replicated(),
+                )?;
+                Some(LoraWeights::new(a, bm, ad.clone()))
+            }
+            None => None,
+        };
+        Ok(Self::from_weights(w, b, tp.clone(), RowInput::Sharded).with_lora(lora))
+    }
+
+    /// This layer with a LoRA adapter (`A` this rank's columns `(r, in/P)`, `B` `(out, r)`).
+    pub fn with_lora(mut self, lora: Option<LoraWeights>) -> Self {
+        self.lora = lora;
+        self
+    }
+
+    /// The LoRA adapter, if any.
+    pub fn lora(&self) -> Option<&LoraWeights> {
+        self.lora.as_ref()
     }
 
     /// From this rank's columns `(out, in/P)` of the weight and the whole bias.
@@ -220,6 +301,7 @@ impl RowParallelLinear {
             bias,
             tp,
             input,
+            lora: None,
         }
     }
 
@@ -232,20 +314,34 @@ impl RowParallelLinear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let lora = self.lora.as_ref().filter(|l| l.enabled());
         let p = self.tp.size();
         if p == 1 {
-            return linear(x, &self.weight, self.bias.as_ref());
+            let y = linear(x, &self.weight, self.bias.as_ref())?;
+            return match lora {
+                Some(l) => Ok((y + l.up(&l.down(x)?)?)?),
+                None => Ok(y),
+            };
         }
         let x = match self.input {
             RowInput::Sharded => x.clone(),
             RowInput::Whole => scatter(x, self.tp.comm(), D::Minus1)?,
         };
-        let partial = linear(&x, &self.weight, None)?;
-        let y = if self.tp.sequence_parallel() {
-            reduce_scatter(&partial, self.tp.comm(), token_dim(&partial)?)?
-        } else {
-            reduce_from_parallel_region(&partial, self.tp.comm())?
+        let reduce = |partial: &Tensor| -> Result<Tensor> {
+            if self.tp.sequence_parallel() {
+                Ok(reduce_scatter(
+                    partial,
+                    self.tp.comm(),
+                    token_dim(partial)?,
+                )?)
+            } else {
+                Ok(reduce_from_parallel_region(partial, self.tp.comm())?)
+            }
         };
+        let mut y = reduce(&linear(&x, &self.weight, None)?)?;
+        if let Some(l) = lora {
+            y = (y + l.up(&reduce(&l.down(&x)?)?)?)?;
+        }
         match &self.bias {
             Some(b) => Ok(y.broadcast_add(b)?),
             None => Ok(y),

@@ -355,14 +355,16 @@ impl Plan {
         Ok((loss, lse))
     }
 
-    /// Gradients of `g · loss_sum` (f32) with respect to `hidden` (all-reduced) and `weight`.
+    /// Gradients of `g · loss_sum` (f32) with respect to `hidden` (all-reduced) and, when
+    /// `want_weight` (the weight trains: not a frozen head under LoRA), `weight`.
     fn backward(
         &self,
         hidden: &Tensor,
         weight: &Tensor,
         lse: &Tensor,
         g: &Tensor,
-    ) -> Result<(Tensor, Tensor)> {
+        want_weight: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let hidden = hidden.detach();
         let device = hidden.device();
         let w32 = weight.detach().to_dtype(DType::F32)?;
@@ -380,17 +382,24 @@ impl Plan {
             let scale = self.valid.narrow(0, s, c)?.broadcast_mul(&g)?;
             let dlogits = probs.broadcast_mul(&scale)?;
             drop(probs);
-            let h = hidden.narrow(0, s, c)?.to_dtype(DType::F32)?.contiguous()?;
-            let dw = dlogits.t()?.matmul(&h)?;
-            d_weight = Some(match d_weight {
-                None => dw,
-                Some(acc) => add_assign(acc, &dw)?,
-            });
+            if want_weight {
+                let h = hidden.narrow(0, s, c)?.to_dtype(DType::F32)?.contiguous()?;
+                let dw = dlogits.t()?.matmul(&h)?;
+                d_weight = Some(match d_weight {
+                    None => dw,
+                    Some(acc) => add_assign(acc, &dw)?,
+                });
+            }
             d_hidden.push(dlogits.matmul(&w32)?);
         }
-        let d_weight = match d_weight {
-            Some(d) => d,
-            None => Tensor::zeros((self.shard, self.hidden_size), DType::F32, device)?,
+        let d_weight = match (d_weight, want_weight) {
+            (Some(d), _) => Some(d),
+            (None, true) => Some(Tensor::zeros(
+                (self.shard, self.hidden_size),
+                DType::F32,
+                device,
+            )?),
+            (None, false) => None,
         };
         let d_hidden = if d_hidden.is_empty() {
             Tensor::zeros((0, self.hidden_size), DType::F32, device)?
@@ -477,10 +486,12 @@ impl CustomOp2 for ChunkedCrossEntropy {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dh, dw) = self.plan.backward(hidden, weight, &self.lse, grad_res)?;
+        let (dh, dw) =
+            self.plan
+                .backward(hidden, weight, &self.lse, grad_res, weight.track_op())?;
         Ok((
             Some(dh.to_dtype(hidden.dtype())?),
-            Some(dw.to_dtype(weight.dtype())?),
+            dw.map(|d| d.to_dtype(weight.dtype())).transpose()?,
         ))
     }
 }

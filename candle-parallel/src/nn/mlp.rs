@@ -5,7 +5,8 @@
 use candle_core::Tensor;
 
 use super::{
-    ColumnParallelLinear, LinearConfig, ParallelCtx, ParamBuilder, RowParallelLinear, TpGroup,
+    ColumnParallelLinear, Entered, LinearConfig, ParallelCtx, ParamBuilder, RowParallelLinear,
+    TpGroup,
 };
 use crate::error::Result;
 use crate::ops::{gelu_tanh, swiglu};
@@ -110,7 +111,7 @@ impl Mlp {
 
     /// `x` `(batch, tokens', hidden)` → the same shape. Collective over tp.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = self.tp.enter(x)?;
+        let x = Entered::new(x, &self.tp)?;
         let up = self.up.forward_entered(&x)?;
         let h = match (&self.gate, self.activation) {
             (Some(gate), _) => swiglu(&gate.forward_entered(&x)?, &up)?,

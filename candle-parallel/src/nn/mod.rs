@@ -12,6 +12,7 @@
 //! | [`ParallelAttention`] | [`attention`] | heads (q/k/v column-, o row-parallel); tokens over the sequence-parallel group by any [`Strategy`](crate::attention::Strategy) |
 //! | [`Mlp`]       | [`mlp`]         | hidden units (SwiGLU or GELU)                                     |
 //! | [`RmsNorm`], [`LayerNorm`] | [`norm`] | nothing: local to each token (under TP-sp each rank normalises its own tokens) |
+//! | LoRA adapters of the linear layers | [`lora`] | with their layer: `B` rows (column-parallel), `A` columns (row-parallel) |
 //!
 //! [`param`] loads parameters (only this rank's slice), [`unit`] groups a module's parameters
 //! into a unit that a [`crate::plan::Plan`] shards (ZeRO-3) or recomputes (activation
@@ -26,6 +27,7 @@ pub mod attention;
 pub mod batch;
 pub mod embedding;
 pub mod linear;
+pub mod lora;
 pub mod loss;
 pub mod mlp;
 pub mod norm;
@@ -46,8 +48,10 @@ pub use attention::{AttentionConfig, LayerKv, ParallelAttention};
 pub use batch::Batch;
 pub use embedding::{EmbeddingConfig, VocabParallelEmbedding};
 pub use linear::{
-    linear, matmul, ColumnOutput, ColumnParallelLinear, LinearConfig, RowInput, RowParallelLinear,
+    linear, matmul, ColumnOutput, ColumnParallelLinear, Entered, LinearConfig, RowInput,
+    RowParallelLinear,
 };
+pub use lora::{Adapters, LoraConfig, LoraTargets, LoraWeights};
 pub use loss::{vocab_parallel_cross_entropy, CrossEntropyOptions, LmHead, IGNORE_INDEX};
 pub use mlp::{Activation, Mlp, MlpConfig};
 pub use norm::{LayerNorm, NormConfig, RmsNorm};

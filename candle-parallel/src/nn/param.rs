@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Shape, Tensor, Var};
 
+use super::lora::Adapters;
 use crate::error::{Error, Result};
 
 /// How a parameter is split over the tensor-parallel group: rank `rank` of `world` holds the
@@ -238,6 +239,9 @@ pub struct ParamBuilder {
     path: Vec<String>,
     dtype: DType,
     device: Device,
+    /// LoRA adapters of the linear layers built through this builder (base parameters are then
+    /// frozen; see [`super::lora`]).
+    adapters: Option<Arc<Adapters>>,
 }
 
 impl std::fmt::Debug for ParamBuilder {
@@ -285,7 +289,109 @@ impl ParamBuilder {
             path: Vec::new(),
             dtype,
             device: device.clone(),
+            adapters: None,
         }
+    }
+
+    /// This builder (and every builder derived from it) with LoRA `adapters`: the linear layers
+    /// they target load adapter weights, and every other parameter is loaded frozen.
+    pub fn with_adapters(mut self, adapters: Option<Arc<Adapters>>) -> Self {
+        self.adapters = adapters;
+        self
+    }
+
+    /// The LoRA adapters of the model being built, if any.
+    pub fn adapters(&self) -> Option<&Arc<Adapters>> {
+        self.adapters.as_ref()
+    }
+
+    /// The adapters of the linear layer this builder is at, when LoRA targets it.
+    pub fn adapters_here(&self) -> Option<&Arc<Adapters>> {
+        self.adapters
+            .as_ref()
+            .filter(|a| a.cfg.targets.matches(&self.prefix()))
+    }
+
+    /// This rank's `shard` of adapter parameter `name` (local shape `shape`): already loaded,
+    /// read from the adapters' source, or initialised ([`super::lora::initial_adapter`], the
+    /// whole tensor drawn then split). Trainable when the model is.
+    pub fn get_adapter(&self, shape: impl Into<Shape>, name: &str, shard: Shard) -> Result<Tensor> {
+        let shape = shape.into();
+        let full = self.full_name(name);
+        if self.store.all.find(&full, shard).is_some() || self.store.source.is_none() {
+            return self.get_with_hints(shape, name, shard);
+        }
+        let adapters = self.adapters.as_ref().ok_or_else(|| Error::Tensor {
+            location: "model".into(),
+            name: full.clone(),
+            msg: "is an adapter but the model has no LoRA configuration".into(),
+        })?;
+        let want = shard.global_shape(shape.dims())?;
+        let (t, stored) = match adapters.source() {
+            Some(src) if src.contains(&full) => {
+                let stored = src.shape(&full)?;
+                if stored != want {
+                    return Err(Error::Tensor {
+                        location: src.location(),
+                        name: full,
+                        msg: format!(
+                            "has shape {stored:?}, the LoRA configuration expects {want:?}"
+                        ),
+                    });
+                }
+                (src.read(&full, shard, &self.device)?, stored)
+            }
+            Some(src) => {
+                return Err(Error::Tensor {
+                    location: src.location(),
+                    name: full,
+                    msg: "missing: the adapter does not target this layer".into(),
+                })
+            }
+            None => {
+                let whole =
+                    super::lora::initial_adapter(&full, &want, adapters.cfg.seed, &self.device)?;
+                (shard.take(&whole)?.contiguous()?, want)
+            }
+        };
+        let t = t.to_dtype(self.dtype)?;
+        let p = self.record(
+            &full,
+            t,
+            shard,
+            stored,
+            self.store.mode == ParamMode::Trainable,
+        )?;
+        for s in &self.scopes {
+            s.add_once(&p);
+        }
+        Ok(p.tensor)
+    }
+
+    fn record(
+        &self,
+        name: &str,
+        t: Tensor,
+        shard: Shard,
+        global_shape: Vec<usize>,
+        trainable: bool,
+    ) -> Result<Param> {
+        let (var, tensor) = if trainable {
+            let v = Var::from_tensor(&t)?;
+            let t = v.as_tensor().clone();
+            (Some(v), t)
+        } else {
+            (None, t)
+        };
+        let p = Param {
+            name: name.into(),
+            var,
+            tensor,
+            shard,
+            global_shape,
+        };
+        self.store.all.add_once(&p);
+        Ok(p)
     }
 
     /// The builder of the sub-module `s` (`vb.pp("q_proj")`).
@@ -404,22 +510,8 @@ impl ParamBuilder {
         let t = source
             .read(name, shard, &self.device)?
             .to_dtype(self.dtype)?;
-        let (var, tensor) = match self.store.mode {
-            ParamMode::Trainable => {
-                let v = Var::from_tensor(&t)?;
-                let t = v.as_tensor().clone();
-                (Some(v), t)
-            }
-            ParamMode::Frozen => (None, t),
-        };
-        let p = Param {
-            name: name.into(),
-            var,
-            tensor,
-            shard,
-            global_shape: stored,
-        };
-        self.store.all.add_once(&p);
-        Ok(p)
+        // Under LoRA the base model is frozen.
+        let trainable = self.store.mode == ParamMode::Trainable && self.adapters.is_none();
+        self.record(name, t, shard, stored, trainable)
     }
 }

@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
 
+use super::lora::Adapters;
 use super::{Param, ParamBuilder, Pass, Shard};
 use crate::comm::Comm;
 use crate::error::{Error, Result};
@@ -57,6 +58,9 @@ pub struct ShardedParam {
     pub flat: FlatShard,
     /// This rank's chunk, `(flat.chunk,)` in the parameter's dtype.
     pub var: Var,
+    /// Whether the parameter trains (false: a frozen base weight under LoRA, gathered without
+    /// a gradient path).
+    pub trainable: bool,
 }
 
 type Build<T> = Arc<dyn Fn(ParamBuilder) -> Result<T> + Send + Sync>;
@@ -86,6 +90,8 @@ pub struct Unit<T> {
     params: Vec<Param>,
     state: State<T>,
     checkpointing: Checkpointing,
+    /// The LoRA adapters the module was built with (rebuilds get them too).
+    adapters: Option<Arc<Adapters>>,
 }
 
 impl<T> std::fmt::Debug for Unit<T> {
@@ -119,6 +125,7 @@ impl<T: Clone + Send + Sync + 'static> Unit<T> {
             params: list.in_order(),
             state: State::Resident(module),
             checkpointing: Checkpointing::None,
+            adapters: vb.adapters().cloned(),
         })
     }
 
@@ -145,18 +152,20 @@ impl<T: Clone + Send + Sync + 'static> Unit<T> {
                     .map(|p| {
                         let chunk = p.var.as_tensor();
                         let tensor = match track {
-                            Track::Grad => {
+                            Track::Grad if p.trainable => {
                                 p.flat
                                     .gather_differentiable(chunk, &s.group, &p.local_shape)?
                             }
-                            Track::NoGrad => {
+                            Track::Grad | Track::NoGrad => {
                                 p.flat.gather(&chunk.detach(), &s.group, &p.local_shape)?
                             }
                         };
                         Ok(Param::value(&p.name, tensor, p.shard, &p.global_shape))
                     })
                     .collect::<Result<Vec<_>>>()?;
-                let vb = ParamBuilder::from_params(params, s.dtype, &s.device).at(&self.path);
+                let vb = ParamBuilder::from_params(params, s.dtype, &s.device)
+                    .at(&self.path)
+                    .with_adapters(self.adapters.clone());
                 (self.build)(vb)
             }
         }
@@ -186,6 +195,7 @@ impl<T: Clone + Send + Sync + 'static> Unit<T> {
                     local_shape: p.tensor.dims().to_vec(),
                     flat,
                     var: Var::from_tensor(&chunk)?,
+                    trainable: p.var.is_some(),
                 })
             })
             .collect::<Result<Vec<_>>>()?;

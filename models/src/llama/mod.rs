@@ -8,7 +8,7 @@ pub mod random;
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
-use candle_parallel::nn::{ParallelCtx, ParamBuilder, ParamList, ParamMode};
+use candle_parallel::nn::{Adapters, ParallelCtx, ParamBuilder, ParamList, ParamMode};
 
 pub use config::LlamaConfig;
 pub use model::{DecoderLayer, Ends, KvCache, Llama};
@@ -50,6 +50,42 @@ pub fn load_stage(
     layers: &[std::ops::Range<usize>],
     ends: bool,
 ) -> Result<LoadedLlama> {
+    load_stage_adapted(files, ctx, dtype, mode, layers, ends, None)
+}
+
+/// [`load`] with LoRA `adapters` on the linear layers they target: the base parameters are
+/// frozen and, with [`ParamMode::Trainable`], the adapters train (see
+/// [`candle_parallel::nn::lora`]).
+pub fn load_adapted(
+    files: &ModelFiles,
+    ctx: &ParallelCtx,
+    dtype: Option<DType>,
+    mode: ParamMode,
+    adapters: Option<Arc<Adapters>>,
+) -> Result<LoadedLlama> {
+    let config = LlamaConfig::from_file(&files.config)?;
+    let all = 0..config.num_hidden_layers;
+    load_stage_adapted(
+        files,
+        ctx,
+        dtype,
+        mode,
+        std::slice::from_ref(&all),
+        true,
+        adapters,
+    )
+}
+
+/// [`load_stage`] with LoRA `adapters` (see [`load_adapted`]).
+pub fn load_stage_adapted(
+    files: &ModelFiles,
+    ctx: &ParallelCtx,
+    dtype: Option<DType>,
+    mode: ParamMode,
+    layers: &[std::ops::Range<usize>],
+    ends: bool,
+    adapters: Option<Arc<Adapters>>,
+) -> Result<LoadedLlama> {
     let config = LlamaConfig::from_file(&files.config)?;
     let dtype = match dtype {
         Some(d) => d,
@@ -57,7 +93,7 @@ pub fn load_stage(
     };
     let reader = Arc::new(CheckpointReader::open(&files.weights)?);
     let (vb, params) = ParamBuilder::new(reader, dtype, &Device::Cpu, mode);
-    let model = Llama::new_stage(&config, vb, ctx, layers, ends)?;
+    let model = Llama::new_stage(&config, vb.with_adapters(adapters), ctx, layers, ends)?;
     Ok(LoadedLlama {
         model,
         params,

@@ -11,9 +11,11 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
+use std::sync::Arc;
+
 use candle_parallel::nn::{
-    AttentionConfig, Batch, Block, CrossEntropyOptions, EmbeddingConfig, LayerKv, LmHead, Mlp,
-    MlpConfig, NormConfig, ParallelAttention, ParallelCtx, ParamBuilder, Pass, RmsNorm, Track,
+    Adapters, AttentionConfig, Batch, Block, CrossEntropyOptions, EmbeddingConfig, LayerKv, LmHead,
+    Mlp, MlpConfig, NormConfig, ParallelAttention, ParallelCtx, ParamBuilder, Pass, RmsNorm, Track,
     Unit, UnitOps, VocabParallelEmbedding,
 };
 use candle_parallel::ops::RotaryEmbedding;
@@ -151,6 +153,8 @@ pub struct Llama {
     layers: Vec<Option<Unit<DecoderLayer>>>,
     ctx: ParallelCtx,
     cfg: LlamaConfig,
+    /// The LoRA adapters the model was built with (see [`ParamBuilder::with_adapters`]).
+    adapters: Option<Arc<Adapters>>,
 }
 
 impl Llama {
@@ -209,11 +213,18 @@ impl Llama {
             layers,
             ctx: ctx.clone(),
             cfg: cfg.clone(),
+            adapters: vb.adapters().cloned(),
         })
     }
 
     pub fn config(&self) -> &LlamaConfig {
         &self.cfg
+    }
+
+    /// The LoRA adapters of the model, if it was built with them (switch them off with
+    /// [`Adapters::set_enabled`] for the base model's outputs).
+    pub fn adapters(&self) -> Option<&Arc<Adapters>> {
+        self.adapters.as_ref()
     }
 
     pub fn ctx(&self) -> &ParallelCtx {
@@ -293,6 +304,28 @@ impl Llama {
         let ends = self.ends(Track::Grad)?;
         let h = self.hidden_with(&ends, batch)?;
         self.head_loss(&ends, &h, labels, opts)
+    }
+
+    /// Per-sequence sums of this rank's token cross-entropies, `(batch,)` f32 (the negative
+    /// log-likelihood of each sequence's labelled tokens on this rank; sum over the sequence
+    /// group for the whole sequence), for preference losses (DPO). `labels` as in
+    /// [`Llama::loss_sum`]; a sequence with no labelled token here gives 0. Collective over tp.
+    pub fn sequence_loss_sums(
+        &self,
+        batch: &Batch,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<Tensor> {
+        let ends = self.ends(Track::Grad)?;
+        let h = self.hidden_with(&ends, batch)?;
+        let sums = (0..h.dim(0)?)
+            .map(|i| {
+                let (s, _) =
+                    self.head_loss(&ends, &h.narrow(0, i, 1)?, &labels.narrow(0, i, 1)?, opts)?;
+                Ok(s.reshape(1)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&sums, 0)?)
     }
 
     /// The loss of the LM head on final hidden states `h` (see [`Llama::loss_sum`]). Collective

@@ -1,0 +1,830 @@
+//! `cpl finetune`: supervised fine-tuning (SFT) and DPO of a Hugging Face checkpoint on chat
+//! data, with LoRA adapters or all weights, under every layout and memory flag of `cpl train`;
+//! `cpl finetune merge` folds an adapter into its base.
+//!
+//! With no `--data` it runs the bundled demo: LoRA SFT of `assets/default/model` on
+//! `assets/chat/dialogue.jsonl` (`--stage dpo`: `assets/chat/dialogue-dpo.jsonl`) with the
+//! built-in `plain` template (the bundled model has no chat template of its own).
+//!
+//! Checkpoints (`OUT/step-N/`) of a LoRA run are PEFT adapter directories (`adapter_config.json`,
+//! `adapter_model.safetensors`) plus the optimizer and trainer state; of a full run, Hugging Face
+//! model directories as `cpl train` writes them. `--resume` continues from the last one.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::DType;
+use candle_parallel::attention::ShardPlan;
+use candle_parallel::nn::{Adapters, LoraConfig, LoraTargets, ParamMode, TensorSource};
+use models::llama::LlamaConfig;
+use models::tokenizer::Tokenizer;
+use train::chat::{ChatTemplate, TokenizedExample, TrainOn};
+use train::checkpoint::{self, EvalPoint, History};
+use train::finetune::{
+    DpoConfig, DpoTrainer, Example, Overlong, PackStats, PairDataset, Reference, SftDataset,
+    SftOptions,
+};
+use train::trainer::{StepStats, Trainer};
+
+use crate::launch::{launch, Rank};
+use crate::progress::{peak_rss_mib, Progress, StepLine};
+use crate::train_cmd::{default_asset, interrupt_flag, stop_requested, JsonLines, TrainArgs};
+
+#[derive(clap::Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct FinetuneCli {
+    #[command(subcommand)]
+    pub command: Option<FinetuneCommand>,
+    #[command(flatten)]
+    pub args: Box<FinetuneArgs>,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum FinetuneCommand {
+    /// Fold a LoRA adapter into its base model (W + alpha/r · B A) and write a plain Hugging
+    /// Face model directory.
+    Merge(MergeArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct MergeArgs {
+    /// The base model (directory or Hub id).
+    #[arg(long)]
+    pub model: String,
+    /// The adapter directory (PEFT format: adapter_config.json + adapter_model.safetensors).
+    #[arg(long)]
+    pub adapter: PathBuf,
+    /// Output directory (written atomically).
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+/// `--stage`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Stage {
+    /// Supervised fine-tuning: next-token loss on the assistant tokens.
+    Sft,
+    /// Direct preference optimisation on chosen/rejected pairs (sigmoid loss).
+    Dpo,
+}
+
+/// `--finetuning-type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum FinetuningType {
+    /// Low-rank adapters on a frozen base.
+    Lora,
+    /// Every weight trains.
+    Full,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct FinetuneArgs {
+    /// SFT or DPO.
+    #[arg(long, value_enum, default_value_t = Stage::Sft, help_heading = "Fine-tuning")]
+    pub stage: Stage,
+    /// LoRA adapters or all weights.
+    #[arg(long, value_enum, default_value_t = FinetuningType::Lora, help_heading = "Fine-tuning")]
+    pub finetuning_type: FinetuningType,
+    /// LoRA rank r.
+    #[arg(long, default_value_t = 8, help_heading = "Fine-tuning")]
+    pub lora_rank: usize,
+    /// LoRA alpha (scale alpha / r). Default: 2 x rank.
+    #[arg(long, help_heading = "Fine-tuning")]
+    pub lora_alpha: Option<f64>,
+    /// LoRA dropout. Only 0 is supported (the default of PEFT and LLaMA-Factory).
+    #[arg(long, default_value_t = 0.0, help_heading = "Fine-tuning")]
+    pub lora_dropout: f64,
+    /// Layers that get adapters: all-linear, or names (q_proj,v_proj).
+    #[arg(long, default_value = "all-linear", help_heading = "Fine-tuning")]
+    pub lora_targets: String,
+    /// rsLoRA scaling alpha / sqrt(r).
+    #[arg(long, help_heading = "Fine-tuning")]
+    pub use_rslora: bool,
+    /// Start from this PEFT adapter (its rank, alpha and targets) instead of fresh adapters.
+    #[arg(long, help_heading = "Fine-tuning")]
+    pub adapter: Option<PathBuf>,
+    /// Chat template: a built-in name (chatml, plain) or a .jinja file. Default: the model's
+    /// own (chat_template.jinja or tokenizer_config.json).
+    #[arg(long, help_heading = "Fine-tuning")]
+    pub template: Option<String>,
+    /// Train on the prompt tokens too (system and user turns).
+    #[arg(long, help_heading = "Fine-tuning")]
+    pub train_on_prompt: bool,
+    /// Train on the last assistant turn only.
+    #[arg(long, help_heading = "Fine-tuning")]
+    pub mask_history: bool,
+    /// Pack several examples per --seq-len window (document masks keep them apart).
+    #[arg(long, help_heading = "Fine-tuning")]
+    pub packing: bool,
+    /// Examples longer than --seq-len: truncate or drop.
+    #[arg(long, default_value = "truncate", help_heading = "Fine-tuning")]
+    pub overlong: Overlong,
+    /// Use only the first N examples (pairs) of the data.
+    #[arg(long, help_heading = "Fine-tuning")]
+    pub max_examples: Option<usize>,
+    /// Train for this many passes over the data (overrides --steps).
+    #[arg(long, help_heading = "Fine-tuning")]
+    pub epochs: Option<f64>,
+    /// Warmup as a fraction of the steps (overrides --warmup).
+    #[arg(long, help_heading = "Fine-tuning")]
+    pub warmup_ratio: Option<f64>,
+    /// DPO beta.
+    #[arg(long, default_value_t = 0.1, help_heading = "Fine-tuning")]
+    pub dpo_beta: f64,
+    /// DPO reference model for full fine-tuning (default: --model). LoRA's reference is the
+    /// base model (adapters off).
+    #[arg(long, help_heading = "Fine-tuning")]
+    pub ref_model: Option<String>,
+    #[command(flatten)]
+    pub train: TrainArgs,
+}
+
+/// LLaMA-Factory config keys and the flags they mean here (`None`: accepted, no effect).
+const LLAMA_FACTORY_KEYS: &[(&str, Option<&str>)] = &[
+    ("model_name_or_path", Some("model")),
+    ("dataset", Some("data")),
+    ("eval_dataset", Some("eval-data")),
+    ("cutoff_len", Some("seq-len")),
+    ("learning_rate", Some("lr")),
+    ("num_train_epochs", Some("epochs")),
+    ("max_steps", Some("steps")),
+    ("per_device_train_batch_size", Some("batch")),
+    ("gradient_accumulation_steps", Some("grad-accum")),
+    ("lr_scheduler_type", Some("decay")),
+    ("warmup_steps", Some("warmup")),
+    ("lora_target", Some("lora-targets")),
+    ("pref_beta", Some("dpo-beta")),
+    ("output_dir", Some("out")),
+    ("save_steps", Some("save-every")),
+    ("logging_steps", Some("log-every")),
+    ("max_samples", Some("max-examples")),
+    ("neat_packing", Some("packing")),
+    ("adapter_name_or_path", Some("adapter")),
+    ("ref_model", Some("ref-model")),
+    ("do_train", None),
+    ("overwrite_output_dir", None),
+    ("overwrite_cache", None),
+    ("plot_loss", None),
+    ("report_to", None),
+    ("preprocessing_num_workers", None),
+    ("dataloader_num_workers", None),
+    ("ddp_timeout", None),
+    ("trust_remote_code", None),
+    ("resume_from_checkpoint", None),
+    ("save_only_model", None),
+];
+
+/// The flags of a `cpl finetune --config` file (YAML or TOML by extension; LLaMA-Factory's key
+/// names where they mean the same, or this command's flag names with `_` or `-`).
+pub fn config_flags(path: &str) -> Result<Vec<(String, Vec<String>)>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("--config {path}: cannot read"))?;
+    let table: Vec<(String, serde_json::Value)> =
+        if path.ends_with(".yaml") || path.ends_with(".yml") {
+            let v: serde_json::Value = serde_yaml::from_str(&text)
+                .with_context(|| format!("--config {path}: not valid YAML"))?;
+            match v {
+                serde_json::Value::Object(m) => m.into_iter().collect(),
+                serde_json::Value::Null => Vec::new(),
+                _ => bail!("--config {path}: expected a mapping of keys to values"),
+            }
+        } else {
+            let t: toml::Table = text
+                .parse()
+                .with_context(|| format!("--config {path}: not valid TOML"))?;
+            let v = serde_json::to_value(t)?;
+            v.as_object()
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .collect()
+        };
+    let mut out = Vec::new();
+    let scalar = |k: &str, v: &serde_json::Value| -> Result<String> {
+        Ok(match v {
+            serde_json::Value::String(s) => s.clone(),
+            serde_json::Value::Number(n) => n.to_string(),
+            other => bail!("--config {path}: key {k:?} has an unsupported value {other}"),
+        })
+    };
+    for (k, v) in table {
+        let err = |msg: &str| anyhow::anyhow!("--config {path}: key {k:?}: {msg}");
+        match k.as_str() {
+            "stage" => {
+                let s = scalar(&k, &v)?;
+                if s != "sft" && s != "dpo" {
+                    return Err(err(&format!("stage {s:?}: only sft and dpo are supported")));
+                }
+                out.push(("--stage".into(), vec![s]));
+                continue;
+            }
+            "finetuning_type" => {
+                let s = scalar(&k, &v)?;
+                if s != "lora" && s != "full" {
+                    return Err(err(&format!("{s:?}: only lora and full are supported")));
+                }
+                out.push(("--finetuning-type".into(), vec![s]));
+                continue;
+            }
+            "bf16" | "fp16" | "pure_bf16" => {
+                if v.as_bool() == Some(true) {
+                    let d = if k == "fp16" { "f16" } else { "bf16" };
+                    out.push(("--dtype".into(), vec![d.into()]));
+                }
+                continue;
+            }
+            "lora_target" => {
+                let s = match &v {
+                    serde_json::Value::Array(a) => a
+                        .iter()
+                        .map(|x| scalar(&k, x))
+                        .collect::<Result<Vec<_>>>()?
+                        .join(","),
+                    _ => scalar(&k, &v)?,
+                };
+                let s = if s == "all" { "all-linear".into() } else { s };
+                out.push(("--lora-targets".into(), vec![s]));
+                continue;
+            }
+            "sequence_parallel_size" => {
+                let n = scalar(&k, &v)?;
+                out.push(("--ring".into(), vec![n.clone()]));
+                out.push(("--ranks".into(), vec![n]));
+                continue;
+            }
+            "deepspeed" | "fsdp" => {
+                return Err(err("use --zero 1|2|3 (ZeRO sharding is built in)"));
+            }
+            _ => {}
+        }
+        let flag = match LLAMA_FACTORY_KEYS.iter().find(|(name, _)| *name == k) {
+            Some((_, Some(f))) => f.to_string(),
+            Some((_, None)) => continue,
+            None => k.replace('_', "-"),
+        };
+        let flag = format!("--{flag}");
+        match v {
+            serde_json::Value::Bool(true) => out.push((flag, vec![])),
+            serde_json::Value::Bool(false) | serde_json::Value::Null => {}
+            serde_json::Value::Array(a) => {
+                let vals = a.iter().map(|x| scalar(&k, x)).collect::<Result<_>>()?;
+                out.push((flag, vals));
+            }
+            serde_json::Value::String(s) if flag == "--data" || flag == "--eval-data" => {
+                out.push((flag, s.split(',').map(|x| x.trim().to_string()).collect()));
+            }
+            other => out.push((flag, vec![scalar(&k, &other)?])),
+        }
+    }
+    Ok(out)
+}
+
+pub fn run(cli: &FinetuneCli) -> Result<()> {
+    match &cli.command {
+        Some(FinetuneCommand::Merge(m)) => merge(m),
+        None => finetune(&cli.args),
+    }
+}
+
+fn merge(a: &MergeArgs) -> Result<()> {
+    let files = models::hub::resolve(&a.model)?;
+    let adapter = models::peft::load(&a.adapter)
+        .with_context(|| format!("--adapter {}", a.adapter.display()))?;
+    let merged = models::peft::merge(&files, &adapter, &a.out)
+        .with_context(|| format!("merging {} into {}", a.adapter.display(), a.model))?;
+    eprintln!(
+        "merged {} adapted weights (scale {}) into {}",
+        merged.len(),
+        adapter.lora.scale(),
+        a.out.display()
+    );
+    Ok(())
+}
+
+/// The tokenized data of a run.
+enum Data {
+    Sft(SftDataset),
+    Dpo(PairDataset),
+}
+
+impl Data {
+    fn len(&self) -> usize {
+        use train::data::Windows;
+        match self {
+            Data::Sft(d) => d.num_windows(),
+            Data::Dpo(d) => d.len(),
+        }
+    }
+}
+
+fn example(t: TokenizedExample) -> Example {
+    Example {
+        ids: t.ids,
+        trained: t.trained,
+    }
+}
+
+/// Reads and tokenizes `paths` for `stage`.
+#[allow(clippy::too_many_arguments)]
+fn read_data(
+    paths: &[PathBuf],
+    flag: &str,
+    stage: Stage,
+    tpl: &ChatTemplate,
+    tok: &Tokenizer,
+    train_on: TrainOn,
+    max: Option<usize>,
+    opts: &SftOptions,
+    vocab: usize,
+) -> Result<(Data, PackStats)> {
+    let take = |n: usize| max.unwrap_or(n).min(n);
+    match stage {
+        Stage::Sft => {
+            let mut convs = Vec::new();
+            for p in paths {
+                convs.extend(train::chat::read_conversations(p, flag)?);
+            }
+            convs.truncate(take(convs.len()));
+            let examples = convs
+                .iter()
+                .map(|c| {
+                    Ok(example(train::chat::tokenize_conversation(
+                        tpl, tok, c, train_on,
+                    )?))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let (d, s) = SftDataset::new(&examples, opts, vocab)
+                .with_context(|| format!("{flag} with --seq-len {}", opts.seq_len))?;
+            Ok((Data::Sft(d), s))
+        }
+        Stage::Dpo => {
+            let mut pairs = Vec::new();
+            for p in paths {
+                pairs.extend(train::chat::read_preference_pairs(p, flag)?);
+            }
+            pairs.truncate(take(pairs.len()));
+            let pairs = pairs
+                .iter()
+                .map(|p| {
+                    let (c, r) = train::chat::tokenize_pair(tpl, tok, p)?;
+                    Ok((example(c), example(r)))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let (d, s) = PairDataset::new(&pairs, opts, vocab)
+                .with_context(|| format!("{flag} with --seq-len {}", opts.seq_len))?;
+            Ok((Data::Dpo(d), s))
+        }
+    }
+}
+
+/// The LoRA settings of the flags, or of `--adapter` (whose tensors it returns too).
+fn lora_settings(a: &FinetuneArgs) -> Result<(LoraConfig, Option<Arc<dyn TensorSource>>)> {
+    if a.lora_dropout != 0.0 {
+        bail!(
+            "--lora-dropout {}: only 0 is supported (LoRA dropout would need a mask that every \
+             layout and every recomputation draws alike)",
+            a.lora_dropout
+        );
+    }
+    if let Some(dir) = &a.adapter {
+        let ad = models::peft::load(dir).with_context(|| format!("--adapter {}", dir.display()))?;
+        let mut cfg = ad.lora;
+        cfg.seed = a.train.seed;
+        return Ok((cfg, Some(ad.source as Arc<dyn TensorSource>)));
+    }
+    let cfg = LoraConfig {
+        rank: a.lora_rank,
+        alpha: a.lora_alpha.unwrap_or(2.0 * a.lora_rank as f64),
+        targets: LoraTargets::parse(&a.lora_targets).context("--lora-targets")?,
+        use_rslora: a.use_rslora,
+        seed: a.train.seed,
+    };
+    cfg.validate().context("--lora-rank / --lora-alpha")?;
+    Ok((cfg, None))
+}
+
+fn finetune(a: &FinetuneArgs) -> Result<()> {
+    let t = &a.train;
+    if t.layout.pp > 1 {
+        bail!("--pp {}: cpl finetune runs without pipeline stages (use tp, sequence parallelism and ZeRO)", t.layout.pp);
+    }
+    if t.eval_tokens.is_some() || t.tokens.is_some() {
+        bail!("--tokens / --eval-tokens: cpl finetune reads chat data (--data, --eval-data)");
+    }
+    // Fine-tuning rates are often below `cpl train`'s default --min-lr.
+    let mut t_args = t.clone();
+    if t_args.min_lr > t_args.lr {
+        t_args.min_lr = 0.1 * t_args.lr;
+        eprintln!(
+            "--min-lr {} is above --lr {}: decaying to {} instead",
+            t.min_lr, t.lr, t_args.min_lr
+        );
+    }
+    let mut cfg = t_args.train_config()?;
+    cfg.doc_mask = true;
+    let sp = t.layout.sp_config()?;
+    ShardPlan::new(cfg.seq_len, sp.layout, sp.ring, sp.ulysses).with_context(|| {
+        format!(
+            "--seq-len {} cannot be split by --ring {} --ulysses {} --ring-layout {}",
+            cfg.seq_len, sp.ring, sp.ulysses, sp.layout
+        )
+    })?;
+    let demo = t.data.is_empty();
+    let model_id = match &t.model {
+        Some(m) => m.clone(),
+        None => default_asset("model").display().to_string(),
+    };
+    let files = models::hub::resolve(&model_id)?;
+    let model_cfg = LlamaConfig::from_file(&files.config)?;
+    let tok = Tokenizer::from_model(&files)?;
+    // The bundled model has no chat template of its own.
+    let template = match (&a.template, t.model.is_none()) {
+        (None, true) => Some("plain".to_string()),
+        (spec, _) => spec.clone(),
+    };
+    let tpl = ChatTemplate::resolve(template.as_deref(), &files, &tok, "--template").with_context(
+        || match &template {
+            Some(spec) => format!("--template {spec}"),
+            None => "the chat template".into(),
+        },
+    )?;
+    let data_paths = if demo {
+        let f = match a.stage {
+            Stage::Sft => "dialogue.jsonl",
+            Stage::Dpo => "dialogue-dpo.jsonl",
+        };
+        vec![default_asset("../chat").join(f)]
+    } else {
+        t.data.clone()
+    };
+    let opts = SftOptions {
+        seq_len: cfg.seq_len,
+        packing: a.packing,
+        overlong: a.overlong,
+        pad_id: tok.eos_token_id.unwrap_or(0),
+    };
+    if a.packing && a.stage == Stage::Dpo {
+        bail!("--packing: DPO keeps each reply in its own sequence; drop --packing");
+    }
+    let train_on = TrainOn {
+        prompt: a.train_on_prompt,
+        mask_history: a.mask_history,
+    };
+    let vocab = model_cfg.vocab_size;
+    let (data, stats) = read_data(
+        &data_paths,
+        "--data",
+        a.stage,
+        &tpl,
+        &tok,
+        train_on,
+        a.max_examples,
+        &opts,
+        vocab,
+    )?;
+    if !t.eval_data.is_empty() && a.stage == Stage::Dpo {
+        bail!("--eval-data: held-out evaluation is for --stage sft (DPO reports rewards and accuracy per step)");
+    }
+    let eval_data = if t.eval_data.is_empty() {
+        None
+    } else {
+        match read_data(
+            &t.eval_data,
+            "--eval-data",
+            Stage::Sft,
+            &tpl,
+            &tok,
+            train_on,
+            None,
+            &opts,
+            vocab,
+        )? {
+            (Data::Sft(d), _) => Some(d),
+            _ => None,
+        }
+    };
+    eprintln!(
+        "data: {} examples -> {} {} ({} truncated, {} dropped; {} trained tokens, {} padding tokens); template {}",
+        stats.examples,
+        stats.windows,
+        if a.stage == Stage::Dpo { "pairs" } else { "sequences" },
+        stats.truncated,
+        stats.dropped,
+        stats.trained_tokens,
+        stats.padding_tokens,
+        tpl.name()
+    );
+    // Epochs: steps to see every window (pair) `epochs` times.
+    let mesh = t.layout.mesh_config()?;
+    let dp = candle_parallel::mesh::MeshLayout::new(&mesh, t.layout.ranks)?
+        .group_size(&[candle_parallel::mesh::Dim::Dp]);
+    let global = dp * cfg.batch * cfg.grad_accum;
+    if let Some(e) = a.epochs {
+        if !(e > 0.0 && e.is_finite()) {
+            bail!("--epochs {e} must be positive");
+        }
+        cfg.steps = ((e * data.len() as f64) / global as f64).ceil().max(1.0) as u64;
+        cfg.schedule.total_steps = cfg.steps;
+    }
+    if let Some(r) = a.warmup_ratio {
+        if !(0.0..1.0).contains(&r) {
+            bail!("--warmup-ratio {r} must be in [0, 1)");
+        }
+        cfg.schedule.warmup_steps = (r * cfg.steps as f64).ceil() as u64;
+    }
+    let lora = match a.finetuning_type {
+        FinetuningType::Lora => Some(lora_settings(a)?),
+        FinetuningType::Full => {
+            if a.adapter.is_some() {
+                bail!("--adapter needs --finetuning-type lora");
+            }
+            None
+        }
+    };
+    let resume_from = if t.resume {
+        match checkpoint::list_checkpoints(&t.out).pop() {
+            Some((_, dir)) => Some(dir),
+            None => bail!("--resume: no checkpoint in {}", t.out.display()),
+        }
+    } else {
+        None
+    };
+    let resume_state = match &resume_from {
+        Some(dir) => Some(checkpoint::read_state(dir)?),
+        None => None,
+    };
+    // Under LoRA a checkpoint holds the adapters; otherwise the whole model.
+    let (load_files, lora) = match (&resume_from, lora) {
+        (Some(dir), Some((cfg, _))) => {
+            let ad = models::peft::load(dir)?;
+            (
+                files.clone(),
+                Some((cfg, Some(ad.source as Arc<dyn TensorSource>))),
+            )
+        }
+        (Some(dir), None) => (
+            models::hub::from_dir(&dir.display().to_string(), dir)?,
+            None,
+        ),
+        (None, l) => (files.clone(), l),
+    };
+    let ref_files = match (&a.ref_model, a.stage, &lora) {
+        (Some(_), _, Some(_)) => {
+            bail!("--ref-model: LoRA's reference is its base model; drop --ref-model")
+        }
+        (Some(r), Stage::Dpo, None) => Some(models::hub::resolve(r)?),
+        (None, Stage::Dpo, None) => Some(files.clone()),
+        (Some(_), Stage::Sft, None) => bail!("--ref-model is for --stage dpo"),
+        _ => None,
+    };
+    std::fs::create_dir_all(&t.out).with_context(|| format!("--out {}", t.out.display()))?;
+    let extra = checkpoint_files(&files, lora.as_ref().map(|l| &l.0), &model_id)?;
+    let dtype = t.dtype.map(DType::from).unwrap_or(DType::F32);
+    let interrupted = interrupt_flag()?;
+    // Model FLOPs per token for the MFU estimate: forward 2N, backward 2N for the inputs'
+    // gradients plus 2N for the weights' under full fine-tuning (LoRA's weights are frozen),
+    // and attention's 6 · layers · seq · heads · head_dim.
+    let peak = crate::train_cmd::matmul_gflops();
+    let n_params = model_cfg.num_parameters() as f64;
+    let per_param = if lora.is_some() { 4.0 } else { 6.0 };
+    let flops_per_token = per_param * n_params
+        + 6.0
+            * (model_cfg.num_hidden_layers
+                * cfg.seq_len
+                * model_cfg.num_attention_heads
+                * model_cfg.head_dim()) as f64;
+    let metrics_path = t.out.join("metrics.jsonl");
+    let eval_path = t.out.join("eval.jsonl");
+    let history0 = resume_state
+        .as_ref()
+        .map(|s| s.history.clone())
+        .unwrap_or_default();
+    let result = launch(&t.layout, |rank: &Rank| {
+        let adapters = match &lora {
+            Some((c, src)) => Some(Adapters::new(c.clone(), src.clone())?),
+            None => None,
+        };
+        let m = models::llama::load_adapted(
+            &load_files,
+            &rank.ctx,
+            Some(dtype),
+            ParamMode::Trainable,
+            adapters.clone(),
+        )
+        .with_context(|| format!("loading {} with {}", files.source, t.layout.flags()))?;
+        let mut trainer = Trainer::new(m.model, &rank.mesh, &rank.ctx, cfg.clone())?;
+        drop(m.params);
+        if let (Some(dir), Some(state)) = (&resume_from, &resume_state) {
+            checkpoint::restore(&mut trainer, dir, state)?;
+        }
+        let mut job = match a.stage {
+            Stage::Sft => Job::Sft(trainer),
+            Stage::Dpo => {
+                let reference = match (&adapters, &ref_files) {
+                    (Some(ad), _) => Reference::BaseOfAdapters(ad.clone()),
+                    (None, Some(rf)) => {
+                        let r = models::llama::load(rf, &rank.ctx, Some(dtype), ParamMode::Frozen)
+                            .with_context(|| format!("loading the reference {}", rf.source))?;
+                        Reference::Model(Box::new(r.model))
+                    }
+                    (None, None) => bail!("internal: DPO without a reference"),
+                };
+                Job::Dpo(DpoTrainer::new(
+                    trainer,
+                    reference,
+                    DpoConfig { beta: a.dpo_beta },
+                )?)
+            }
+        };
+        let world = rank.world();
+        let main = rank.is_main();
+        let mut history: History = history0.clone();
+        let step0 = job.trainer().step;
+        let mut metrics = main
+            .then(|| JsonLines::continue_at(&metrics_path, step0))
+            .transpose()?;
+        let mut evals = main
+            .then(|| JsonLines::continue_at(&eval_path, step0 + 1))
+            .transpose()?;
+        if main {
+            eprintln!(
+                "cpl finetune: {} {} of {} ({}), seq {} x {} {}/step, {} steps, {} rank(s), {}",
+                match a.finetuning_type {
+                    FinetuningType::Lora => "LoRA",
+                    FinetuningType::Full => "full",
+                },
+                match a.stage {
+                    Stage::Sft => "SFT",
+                    Stage::Dpo => "DPO",
+                },
+                model_id,
+                lora.as_ref()
+                    .map(|(c, _)| format!("r {} alpha {} {:?}", c.rank, c.alpha, c.targets))
+                    .unwrap_or_else(|| "all weights".into()),
+                cfg.seq_len,
+                global,
+                if a.stage == Stage::Dpo {
+                    "pairs"
+                } else {
+                    "sequences"
+                },
+                cfg.steps,
+                world.size(),
+                sp.strategy.name()
+            );
+        }
+        let mut progress = main.then(|| Progress::new(cfg.steps, t.log_every));
+        let start = Instant::now();
+        loop {
+            if job.trainer().step >= cfg.steps {
+                break;
+            }
+            let t0 = Instant::now();
+            let (stats, extra_metrics): (StepStats, serde_json::Value) = match (&mut job, &data) {
+                (Job::Dpo(d), Data::Dpo(pairs)) => {
+                    let s = d.step(pairs)?;
+                    (
+                        s.stats,
+                        serde_json::json!({"chosen_reward": s.chosen_reward,
+                            "rejected_reward": s.rejected_reward, "margin": s.margin,
+                            "accuracy": s.accuracy}),
+                    )
+                }
+                (Job::Sft(tr), Data::Sft(windows)) => (tr.step(windows)?, serde_json::json!({})),
+                _ => bail!("internal: stage and data disagree"),
+            };
+            let dt = t0.elapsed().as_secs_f64();
+            let tr = job.trainer();
+            history.steps.push(stats);
+            let sequences = if a.stage == Stage::Dpo { 2 } else { 1 };
+            let tokens = (global * cfg.seq_len * sequences) as f64;
+            if let Some(f) = metrics.as_mut() {
+                let mut line = serde_json::json!({
+                    "step": stats.step, "loss": stats.loss, "lr": stats.lr,
+                    "grad_norm": stats.grad_norm, "trained": stats.tokens,
+                    "tokens_per_sec": tokens / dt, "seconds": dt, "peak_rss_mib": peak_rss_mib(),
+                });
+                if let (Some(o), Some(x)) = (line.as_object_mut(), extra_metrics.as_object()) {
+                    o.extend(x.clone());
+                }
+                f.write(&line)?;
+            }
+            if let Some(p) = progress.as_mut() {
+                let done = (tr.step - step0).max(1);
+                p.step(&StepLine {
+                    step: tr.step,
+                    loss: stats.loss,
+                    lr: stats.lr,
+                    grad_norm: stats.grad_norm,
+                    tokens_per_sec: tokens / dt,
+                    mfu: tokens / dt * flops_per_token / (peak * 1e9),
+                    eta_secs: start.elapsed().as_secs_f64() / done as f64
+                        * (cfg.steps - tr.step) as f64,
+                });
+            }
+            let eval_due = t.eval_every > 0 && tr.step % t.eval_every == 0;
+            if let (Some(ed), true) = (&eval_data, eval_due || tr.step == cfg.steps) {
+                let (loss, tokens) = tr.eval_loss(ed, t.eval_windows)?;
+                let point = EvalPoint {
+                    step: tr.step,
+                    loss,
+                    tokens,
+                };
+                history.evals.push(point);
+                if let Some(f) = evals.as_mut() {
+                    f.write(&serde_json::to_value(point)?)?;
+                }
+            }
+            let stop = stop_requested(&world, &interrupted)?;
+            let periodic = t.save_every > 0 && tr.step % t.save_every == 0;
+            if periodic || stop || tr.step == cfg.steps {
+                let dir = checkpoint::save(tr, &t.out, &world, &extra, &history, t.keep)?;
+                if let Some(p) = progress.as_mut() {
+                    p.message(&format!("saved {}", dir.display()));
+                }
+            }
+            if stop {
+                bail!(
+                    "interrupted (Ctrl-C) after step {}; resume with --resume",
+                    tr.step
+                );
+            }
+        }
+        drop(progress);
+        Ok(history)
+    })?;
+    let Some(history) = result else {
+        return Ok(());
+    };
+    if let (Some(first), Some(last)) = (history.steps.first(), history.steps.last()) {
+        eprintln!(
+            "loss {:.4} -> {:.4} over {} steps; metrics in {}; last checkpoint {}",
+            first.loss,
+            last.loss,
+            history.steps.len(),
+            metrics_path.display(),
+            checkpoint::step_dir(&t.out, last.step + 1).display()
+        );
+        let png = t.out.join("loss.png");
+        let title = format!("cpl finetune {model_id}: {}", t.layout.flags());
+        crate::plot::loss_curve(&history.steps, &history.evals, &title, &png)?;
+    }
+    Ok(())
+}
+
+/// A run's trainer: SFT (the language-model step) or DPO.
+enum Job {
+    Sft(Trainer<models::llama::Llama>),
+    Dpo(DpoTrainer),
+}
+
+impl Job {
+    fn trainer(&self) -> &Trainer<models::llama::Llama> {
+        match self {
+            Job::Sft(t) => t,
+            Job::Dpo(d) => &d.trainer,
+        }
+    }
+}
+
+/// Files written into every checkpoint: under LoRA PEFT's `adapter_config.json` (the targeted
+/// layers listed by name, as PEFT writes them) and the tokenizer files; for full fine-tuning
+/// the model's config, generation config and tokenizer files.
+fn checkpoint_files(
+    files: &models::hub::ModelFiles,
+    lora: Option<&LoraConfig>,
+    model_id: &str,
+) -> Result<Vec<(String, Vec<u8>)>> {
+    let mut out = Vec::new();
+    let mut copy: Vec<&Path> = [
+        files.tokenizer.as_deref(),
+        files.tokenizer_config.as_deref(),
+        files.chat_template.as_deref(),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    match lora {
+        Some(cfg) => {
+            let json = models::peft::AdapterConfig::from_lora(cfg, model_id).to_json()?;
+            out.push((models::peft::CONFIG_NAME.to_string(), json));
+        }
+        None => {
+            copy.push(&files.config);
+            copy.extend(files.generation_config.as_deref());
+        }
+    }
+    for p in copy {
+        let name = p
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        out.push((
+            name,
+            std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
+        ));
+    }
+    Ok(out)
+}

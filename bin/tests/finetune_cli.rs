@@ -1,0 +1,437 @@
+//! `cpl finetune` end to end: the bundled demo (LoRA SFT, DPO, full SFT), layouts against one
+//! rank through the command line, LLaMA-Factory YAML configs, resume, merge, and bad input.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{assert_clear_errors, cpl, fixtures, stderr, tmpdir};
+
+fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+/// The metrics of a run: (step, loss, line).
+fn metrics(out: &Path) -> Vec<(u64, f64, serde_json::Value)> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap(), v)
+        })
+        .collect()
+}
+
+fn run_ok(args: &[String]) {
+    let o = cpl(args);
+    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+}
+
+/// `cpl finetune` on the bundled demo data with small settings; `extra` flags replace the
+/// defaults they name.
+fn demo(out: &Path, extra: &[&str]) -> Vec<String> {
+    let defaults = [
+        ("--seq-len", "128"),
+        ("--steps", "3"),
+        ("--grad-accum", "2"),
+        ("--max-examples", "48"),
+        ("--lr", "2e-3"),
+        ("--warmup", "0"),
+        ("--log-every", "1"),
+    ];
+    let mut a = vec!["finetune".to_string(), "--out".into(), s(out)];
+    for (f, v) in defaults {
+        if !extra.contains(&f) {
+            a.extend([f.to_string(), v.to_string()]);
+        }
+    }
+    a.extend(extra.iter().map(|x| x.to_string()));
+    a
+}
+
+fn assert_close_losses(
+    got: &[(u64, f64, serde_json::Value)],
+    want: &[(u64, f64, serde_json::Value)],
+    what: &str,
+) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for ((_, a, _), (_, b, _)) in got.iter().zip(want) {
+        let e = (a - b).abs() / b.abs();
+        assert!(e <= 1e-5, "{what}: loss {a} vs {b} (rel {e:.2e})");
+    }
+}
+
+#[test]
+fn the_bundled_demo_finetunes_with_lora_dpo_and_full_weights() {
+    let d = tmpdir("ft-demo");
+    let lora = d.join("lora");
+    run_ok(&demo(&lora, &["--packing"]));
+    let m = metrics(&lora);
+    assert_eq!(m.len(), 3);
+    assert!(m.iter().all(|(_, l, _)| l.is_finite() && *l > 0.0));
+    for f in [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "optimizer.safetensors",
+        "trainer_state.json",
+    ] {
+        assert!(lora.join("step-3").join(f).is_file(), "{f}");
+    }
+    assert!(!lora.join("step-3/model.safetensors").exists());
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(lora.join("step-3/adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(cfg["peft_type"], "LORA");
+    assert_eq!(cfg["r"], 8);
+    let dpo = d.join("dpo");
+    run_ok(&demo(&dpo, &["--stage", "dpo"]));
+    let m = metrics(&dpo);
+    assert_eq!(m.len(), 3);
+    for (_, l, v) in &m {
+        assert!(l.is_finite() && *l > 0.0);
+        let acc = v["accuracy"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&acc));
+        let margin = v["margin"].as_f64().unwrap();
+        let (c, r) = (
+            v["chosen_reward"].as_f64().unwrap(),
+            v["rejected_reward"].as_f64().unwrap(),
+        );
+        assert!((margin - (c - r)).abs() < 1e-9);
+    }
+    // The first DPO step starts at the reference: loss log 2, rewards 0 (fresh B = 0).
+    assert!((m[0].1 - std::f64::consts::LN_2).abs() < 1e-6, "{}", m[0].1);
+    let full = d.join("full");
+    run_ok(&demo(
+        &full,
+        &["--finetuning-type", "full", "--steps", "2", "--lr", "1e-4"],
+    ));
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "trainer_state.json",
+    ] {
+        assert!(full.join("step-2").join(f).is_file(), "{f}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Layout flags change nothing beyond rounding: the same losses as one rank.
+#[test]
+fn layouts_give_the_losses_of_one_rank() {
+    let d = tmpdir("ft-layouts");
+    let one = d.join("one");
+    run_ok(&demo(&one, &["--packing"]));
+    let want = metrics(&one);
+    for (tag, flags) in [
+        ("ring4", vec!["--ranks", "4", "--ring", "4"]),
+        (
+            "tp2-u2",
+            vec!["--ranks", "4", "--tp", "2", "--ulysses", "2"],
+        ),
+        (
+            "zero3",
+            vec![
+                "--ranks",
+                "4",
+                "--ring",
+                "2",
+                "--grad-accum",
+                "1",
+                "--zero",
+                "3",
+                "--checkpointing",
+                "full",
+            ],
+        ),
+    ] {
+        let out = d.join(tag);
+        let mut f = flags.clone();
+        f.push("--packing");
+        run_ok(&demo(&out, &f));
+        assert_close_losses(&metrics(&out), &want, tag);
+    }
+    let dpo1 = d.join("dpo1");
+    run_ok(&demo(&dpo1, &["--stage", "dpo"]));
+    let dpo4 = d.join("dpo4");
+    run_ok(&demo(
+        &dpo4,
+        &[
+            "--stage",
+            "dpo",
+            "--ranks",
+            "4",
+            "--ulysses",
+            "2",
+            "--ring",
+            "2",
+        ],
+    ));
+    assert_close_losses(&metrics(&dpo4), &metrics(&dpo1), "dpo usp");
+    // Full-weight DPO: the reference is a frozen copy of the starting model.
+    let full1 = d.join("full-dpo1");
+    run_ok(&demo(
+        &full1,
+        &[
+            "--stage",
+            "dpo",
+            "--finetuning-type",
+            "full",
+            "--lr",
+            "1e-4",
+        ],
+    ));
+    let full2 = d.join("full-dpo2");
+    run_ok(&demo(
+        &full2,
+        &[
+            "--stage",
+            "dpo",
+            "--finetuning-type",
+            "full",
+            "--lr",
+            "1e-4",
+            "--ranks",
+            "2",
+            "--tp",
+            "2",
+        ],
+    ));
+    assert_close_losses(&metrics(&full2), &metrics(&full1), "full dpo tp2");
+    assert!((metrics(&full1)[0].1 - std::f64::consts::LN_2).abs() < 1e-6);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_llama_factory_yaml_equals_the_same_flags() {
+    let d = tmpdir("ft-yaml");
+    let flags = d.join("flags");
+    run_ok(&demo(
+        &flags,
+        &[
+            "--packing",
+            "--lora-rank",
+            "4",
+            "--lora-alpha",
+            "16",
+            "--lora-targets",
+            "q_proj,v_proj",
+            "--ranks",
+            "2",
+            "--ring",
+            "2",
+        ],
+    ));
+    let yaml = d.join("ft.yaml");
+    let out = d.join("yaml");
+    std::fs::write(
+        &yaml,
+        format!(
+            "### LLaMA-Factory style\nstage: sft\nfinetuning_type: lora\nlora_rank: 4\nlora_alpha: 16\n\
+             lora_target: q_proj,v_proj\ncutoff_len: 128\nmax_steps: 3\ngradient_accumulation_steps: 2\n\
+             max_samples: 48\nlearning_rate: 2.0e-3\nwarmup_steps: 0\nneat_packing: true\n\
+             sequence_parallel_size: 2\noutput_dir: {}\nlogging_steps: 1\ndo_train: true\nplot_loss: true\n",
+            s(&out)
+        ),
+    )
+    .unwrap();
+    run_ok(&["finetune".to_string(), "--config".into(), s(&yaml)]);
+    assert_close_losses(&metrics(&out), &metrics(&flags), "yaml vs flags");
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("step-3/adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(cfg["r"], 4);
+    assert_eq!(
+        cfg["target_modules"],
+        serde_json::json!(["q_proj", "v_proj"])
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn resume_continues_a_lora_run_exactly() {
+    let d = tmpdir("ft-resume");
+    let whole = d.join("whole");
+    let common = ["--steps", "4", "--decay", "constant", "--packing"];
+    run_ok(&demo(&whole, &common));
+    let part = d.join("part");
+    run_ok(&demo(
+        &part,
+        &["--steps", "2", "--decay", "constant", "--packing"],
+    ));
+    run_ok(&demo(&part, &[&common[..], &["--resume"]].concat()));
+    let (got, want) = (metrics(&part), metrics(&whole));
+    assert_eq!(got.len(), 4);
+    for ((sa, a, _), (sb, b, _)) in got.iter().zip(&want) {
+        assert_eq!(sa, sb);
+        assert_eq!(a, b, "step {sa}: resumed loss differs");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn merge_writes_the_merged_model() {
+    let d = tmpdir("ft-merge");
+    let out = d.join("merged");
+    let o = cpl(&[
+        "finetune".to_string(),
+        "merge".into(),
+        "--model".into(),
+        s(&fixtures("llama/gqa")),
+        "--adapter".into(),
+        s(&fixtures("finetune/lora/adapter")),
+        "--out".into(),
+        s(&out),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got =
+        candle_core::safetensors::load(out.join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap();
+    let want = candle_core::safetensors::load(
+        fixtures("finetune/lora/reference.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let mut n = 0;
+    for (k, w) in &want {
+        if let Some(name) = k.strip_prefix("merged.") {
+            let diff = (&got[name] - w)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(diff < 1e-6, "{name}: {diff}");
+            n += 1;
+        }
+    }
+    assert_eq!(n, 14);
+    assert!(out.join("config.json").is_file());
+    // `cpl eval --adapter` on the base gives the merged model's loss.
+    let tokens = d.join("ids.json");
+    let ids: Vec<Vec<u32>> = testkit::random_docs(3, 2, 24..25, 256);
+    std::fs::write(&tokens, serde_json::to_string(&ids).unwrap()).unwrap();
+    let eval = |model: &Path, adapter: Option<&Path>| -> f64 {
+        let mut a = vec![
+            "eval".to_string(),
+            "--model".into(),
+            s(model),
+            "--tokens".into(),
+            s(&tokens),
+            "--json".into(),
+        ];
+        if let Some(ad) = adapter {
+            a.extend(["--adapter".to_string(), s(ad)]);
+        }
+        let o = cpl(&a);
+        assert!(o.status.success(), "{a:?}: {}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_str(&common::stdout(&o)).unwrap();
+        v["loss"].as_f64().unwrap()
+    };
+    let with_adapter = eval(
+        &fixtures("llama/gqa"),
+        Some(&fixtures("finetune/lora/adapter")),
+    );
+    let merged = eval(&out, None);
+    let base = eval(&fixtures("llama/gqa"), None);
+    assert!(
+        (with_adapter - merged).abs() / merged < 1e-5,
+        "{with_adapter} vs {merged}"
+    );
+    assert!(
+        (with_adapter - base).abs() > 1e-3,
+        "the adapter changes nothing: {with_adapter} vs {base}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn bad_finetuning_input_fails_with_a_clear_error() {
+    let d = tmpdir("ft-bad");
+    let bad_roles = d.join("roles.jsonl");
+    std::fs::write(
+        &bad_roles,
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"yo\"}]}\n\
+         {\"messages\": [{\"role\": \"assistant\", \"content\": \"first\"}, {\"role\": \"user\", \"content\": \"x\"}]}\n",
+    )
+    .unwrap();
+    let empty = d.join("empty.jsonl");
+    std::fs::write(&empty, "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"\"}]}\n").unwrap();
+    let missing = d.join("missing.jsonl");
+    std::fs::write(&missing, "{\"conversations\": [{\"from\": \"human\"}]}\n").unwrap();
+    let raising = d.join("raise.jinja");
+    std::fs::write(
+        &raising,
+        "{{ raise_exception('this template wants a system prompt') }}",
+    )
+    .unwrap();
+    let ok_data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../assets/chat/dialogue.jsonl");
+    let yaml = d.join("ds.yaml");
+    std::fs::write(&yaml, "deepspeed: ds_z3_config.json\n").unwrap();
+    let ppo = d.join("ppo.yaml");
+    std::fs::write(&ppo, "stage: ppo\n").unwrap();
+    let out = s(&d.join("out"));
+    let base = |extra: &[&str]| -> Vec<String> {
+        let mut a = vec![
+            "finetune".to_string(),
+            "--steps".into(),
+            "1".into(),
+            "--seq-len".into(),
+            "64".into(),
+            "--out".into(),
+            out.clone(),
+        ];
+        a.extend(extra.iter().map(|x| x.to_string()));
+        a
+    };
+    let (r, e, m, t, o) = (
+        s(&bad_roles),
+        s(&empty),
+        s(&missing),
+        s(&raising),
+        s(&ok_data),
+    );
+    assert_clear_errors(&[
+        (base(&["--data", &r]), "line 2"),
+        (base(&["--data", &r]), "roles.jsonl"),
+        (base(&["--data", &e]), "empty.jsonl"),
+        (base(&["--data", &m]), "missing.jsonl"),
+        (
+            base(&["--data", "/nonexistent/chat.jsonl"]),
+            "/nonexistent/chat.jsonl",
+        ),
+        (
+            base(&["--data", &o, "--template", &t]),
+            "this template wants a system prompt",
+        ),
+        (base(&["--data", &o, "--template", "nosuch"]), "--template"),
+        (base(&["--lora-dropout", "0.1"]), "--lora-dropout"),
+        (base(&["--stage", "dpo", "--packing"]), "--packing"),
+        (base(&["--lora-rank", "0"]), "rank"),
+        (base(&["--adapter", "/nonexistent/adapter"]), "--adapter"),
+        (base(&["--pp", "2", "--ranks", "2"]), "--pp"),
+        (
+            vec!["finetune".into(), "--config".into(), s(&yaml)],
+            "--zero",
+        ),
+        (vec!["finetune".into(), "--config".into(), s(&ppo)], "ppo"),
+        (
+            vec![
+                "finetune".into(),
+                "--seq-len".into(),
+                "2".into(),
+                "--data".into(),
+                o.clone(),
+                "--overlong".into(),
+                "drop".into(),
+                "--out".into(),
+                out.clone(),
+            ],
+            "no example left",
+        ),
+    ]);
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -1,0 +1,316 @@
+//! LoRA adapters in PEFT's format: a directory with `adapter_config.json` and
+//! `adapter_model.safetensors`, whose tensors are named `base_model.model.<layer>.lora_A.weight`
+//! and `...lora_B.weight` (`A` `(r, in)`, `B` `(out, r)`, scale `lora_alpha / r`, or
+//! `lora_alpha / √r` with `use_rslora`). PEFT's `PeftModel.from_pretrained(base, dir)` loads what
+//! [`adapter_config`] and the trainer's checkpoints write; [`load`] reads PEFT's output back.
+//! [`merge`] folds an adapter into its base checkpoint (`W + s · B A`), as PEFT's
+//! `merge_and_unload` does, into a plain Hugging Face model directory.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use candle_parallel::nn::lora::{is_adapter_param, merge as merge_weight};
+use candle_parallel::nn::{LoraConfig, LoraTargets, Shard, TensorSource};
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{write_hf_dir, CheckpointReader, SaveOptions};
+use crate::error::{Error, Result};
+use crate::hub::ModelFiles;
+
+/// Prefix of every tensor name in `adapter_model.safetensors`.
+pub const PREFIX: &str = "base_model.model.";
+/// Stem of the adapter's weight file.
+pub const WEIGHTS_NAME: &str = "adapter_model";
+pub const CONFIG_NAME: &str = "adapter_config.json";
+
+/// The fields of PEFT's `adapter_config.json` that LoRA uses (others are kept when read and
+/// written back).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AdapterConfig {
+    pub peft_type: String,
+    #[serde(default)]
+    pub task_type: Option<String>,
+    pub r: usize,
+    pub lora_alpha: f64,
+    /// A list of names, or a string (`"all-linear"`, or a regular expression, which is not
+    /// supported).
+    pub target_modules: serde_json::Value,
+    #[serde(default)]
+    pub lora_dropout: f64,
+    #[serde(default)]
+    pub use_rslora: bool,
+    #[serde(default)]
+    pub fan_in_fan_out: bool,
+    #[serde(default = "bias_none")]
+    pub bias: String,
+    #[serde(default)]
+    pub base_model_name_or_path: Option<String>,
+    #[serde(flatten)]
+    pub rest: BTreeMap<String, serde_json::Value>,
+}
+
+fn bias_none() -> String {
+    "none".into()
+}
+
+impl AdapterConfig {
+    /// The config PEFT writes for `cfg` (task `CAUSAL_LM`, no bias, no dropout).
+    pub fn from_lora(cfg: &LoraConfig, base_model: &str) -> Self {
+        Self {
+            peft_type: "LORA".into(),
+            task_type: Some("CAUSAL_LM".into()),
+            r: cfg.rank,
+            lora_alpha: cfg.alpha,
+            target_modules: cfg.targets.to_peft(),
+            lora_dropout: 0.0,
+            use_rslora: cfg.use_rslora,
+            fan_in_fan_out: false,
+            bias: "none".into(),
+            base_model_name_or_path: Some(base_model.into()),
+            rest: BTreeMap::from([
+                ("inference_mode".into(), serde_json::Value::Bool(true)),
+                ("modules_to_save".into(), serde_json::Value::Null),
+                ("init_lora_weights".into(), serde_json::Value::Bool(true)),
+            ]),
+        }
+    }
+
+    /// The LoRA configuration this file describes; `path` names it in errors.
+    pub fn to_lora(&self, path: &Path, seed: u64) -> Result<LoraConfig> {
+        let bad = |msg: String| Error::config(path, msg);
+        if self.peft_type != "LORA" {
+            return Err(bad(format!(
+                "peft_type {:?}: only LORA adapters are supported",
+                self.peft_type
+            )));
+        }
+        if self.bias != "none" {
+            return Err(bad(format!(
+                "bias {:?}: only adapters without bias terms (\"none\") are supported",
+                self.bias
+            )));
+        }
+        if self.fan_in_fan_out {
+            return Err(bad(
+                "fan_in_fan_out: true (GPT-2 Conv1D layers) is not supported".into(),
+            ));
+        }
+        if let Some(m) = self.rest.get("modules_to_save").filter(|v| !v.is_null()) {
+            return Err(bad(format!("modules_to_save {m} is not supported")));
+        }
+        let targets = match &self.target_modules {
+            serde_json::Value::String(s) if s == "all-linear" => LoraTargets::AllLinear,
+            serde_json::Value::String(s) => {
+                return Err(bad(format!(
+                    "target_modules {s:?} is a regular expression; list the module names instead"
+                )))
+            }
+            serde_json::Value::Array(a) => LoraTargets::Names(
+                a.iter()
+                    .map(|v| {
+                        v.as_str()
+                            .map(String::from)
+                            .ok_or_else(|| bad(format!("target_modules holds {v}, not a name")))
+                    })
+                    .collect::<Result<_>>()?,
+            ),
+            other => {
+                return Err(bad(format!(
+                    "target_modules {other} is not a list of names"
+                )))
+            }
+        };
+        let cfg = LoraConfig {
+            rank: self.r,
+            alpha: self.lora_alpha,
+            targets,
+            use_rslora: self.use_rslora,
+            seed,
+        };
+        cfg.validate().map_err(|e| bad(e.to_string()))?;
+        Ok(cfg)
+    }
+
+    pub fn to_json(&self) -> Result<Vec<u8>> {
+        serde_json::to_vec_pretty(self).map_err(|e| Error::Invalid(e.to_string()))
+    }
+}
+
+/// An adapter's tensors under the model's own names (PEFT's prefix removed): the
+/// [`TensorSource`] a model built with LoRA reads its adapters from.
+pub struct AdapterSource {
+    reader: CheckpointReader,
+}
+
+impl AdapterSource {
+    fn stored(name: &str) -> String {
+        format!("{PREFIX}{name}")
+    }
+
+    /// The model's names of the adapter's tensors.
+    pub fn names(&self) -> Vec<String> {
+        self.reader
+            .names()
+            .into_iter()
+            .filter_map(|n| n.strip_prefix(PREFIX).map(String::from))
+            .collect()
+    }
+}
+
+impl TensorSource for AdapterSource {
+    fn location(&self) -> String {
+        self.reader.location().to_string()
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.reader.contains(&Self::stored(name))
+    }
+
+    fn shape(&self, name: &str) -> candle_parallel::Result<Vec<usize>> {
+        TensorSource::shape(&self.reader, &Self::stored(name))
+    }
+
+    fn read(&self, name: &str, shard: Shard, dev: &Device) -> candle_parallel::Result<Tensor> {
+        TensorSource::read(&self.reader, &Self::stored(name), shard, dev)
+    }
+}
+
+/// A PEFT adapter directory: its configuration and its tensors.
+pub struct Adapter {
+    pub dir: PathBuf,
+    pub config: AdapterConfig,
+    pub lora: LoraConfig,
+    pub source: Arc<AdapterSource>,
+}
+
+/// Reads the adapter in `dir` (PEFT's `save_pretrained` output). Errors name the file.
+pub fn load(dir: &Path) -> Result<Adapter> {
+    let cfg_path = dir.join(CONFIG_NAME);
+    let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
+    let config: AdapterConfig = serde_json::from_str(&text)
+        .map_err(|e| Error::config(&cfg_path, format!("not a PEFT adapter config: {e}")))?;
+    let lora = config.to_lora(&cfg_path, 0)?;
+    let weights = dir.join(format!("{WEIGHTS_NAME}.safetensors"));
+    if !weights.is_file() {
+        return Err(Error::NotFound {
+            model: dir.display().to_string(),
+            msg: format!(
+                "{} does not exist (only safetensors adapters are read)",
+                weights.display()
+            ),
+        });
+    }
+    let reader = CheckpointReader::open(std::slice::from_ref(&weights))?;
+    let source = AdapterSource { reader };
+    let names = source.names();
+    if names.is_empty() || names.iter().any(|n| !is_adapter_param(n)) {
+        let odd: Vec<String> = source
+            .reader
+            .names()
+            .into_iter()
+            .filter(|n| !n.strip_prefix(PREFIX).is_some_and(is_adapter_param))
+            .take(3)
+            .collect();
+        return Err(Error::config(
+            &weights,
+            format!(
+                "holds tensors that are not LoRA A/B weights under `{PREFIX}` (e.g. {odd:?}) \
+                 or none at all"
+            ),
+        ));
+    }
+    Ok(Adapter {
+        dir: dir.to_path_buf(),
+        config,
+        lora,
+        source: Arc::new(source),
+    })
+}
+
+/// Folds `adapter` into the base checkpoint `base` and writes the merged model to `out` (a
+/// Hugging Face model directory, atomically; the base's config, tokenizer and generation files
+/// are copied). Every `lora_A`/`lora_B` pair must sit on a 2-D base weight of matching shape.
+/// Returns the names of the merged weights.
+pub fn merge(base: &ModelFiles, adapter: &Adapter, out: &Path) -> Result<Vec<String>> {
+    let reader = CheckpointReader::open(&base.weights)?;
+    let dev = Device::Cpu;
+    let scale = adapter.lora.scale();
+    let mut layers: BTreeMap<String, (Option<String>, Option<String>)> = BTreeMap::new();
+    for n in adapter.source.names() {
+        if let Some(l) = n.strip_suffix(".lora_A.weight") {
+            layers.entry(l.to_string()).or_default().0 = Some(n.clone());
+        } else if let Some(l) = n.strip_suffix(".lora_B.weight") {
+            layers.entry(l.to_string()).or_default().1 = Some(n.clone());
+        }
+    }
+    let mut merged = BTreeMap::new();
+    let mut dtype = DType::F32;
+    for (layer, (a, b)) in &layers {
+        let (Some(a), Some(b)) = (a, b) else {
+            return Err(Error::config(
+                adapter.dir.join(format!("{WEIGHTS_NAME}.safetensors")),
+                format!("layer `{layer}` has only one of lora_A and lora_B"),
+            ));
+        };
+        let wname = format!("{layer}.weight");
+        if !reader.contains(&wname) {
+            return Err(Error::config(
+                &base.source,
+                format!("the adapter targets `{layer}`, but the base has no `{wname}`"),
+            ));
+        }
+        let w = reader.read(&wname, Shard::replicated(), &dev)?;
+        dtype = w.dtype();
+        let a = adapter.source.read(a, Shard::replicated(), &dev)?;
+        let b = adapter.source.read(b, Shard::replicated(), &dev)?;
+        let (out_f, in_f) = w.dims2()?;
+        let (r, a_in) = a.dims2()?;
+        let (b_out, b_r) = b.dims2()?;
+        if a_in != in_f || b_out != out_f || b_r != r {
+            return Err(Error::config(
+                &adapter.dir,
+                format!(
+                    "`{layer}`: lora_A {:?} and lora_B {:?} do not fit the base weight {:?}",
+                    a.dims(),
+                    b.dims(),
+                    w.dims()
+                ),
+            ));
+        }
+        merged.insert(wname, merge_weight(&w, &a, &b, scale)?);
+    }
+    let mut tensors = Vec::new();
+    for name in reader.names() {
+        let t = match merged.remove(&name) {
+            Some(t) => t,
+            None => reader.read(&name, Shard::replicated(), &dev)?,
+        };
+        tensors.push((name, t));
+    }
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut extra = Vec::new();
+    let files = [
+        Some(&base.config),
+        base.tokenizer.as_ref(),
+        base.tokenizer_config.as_ref(),
+        base.chat_template.as_ref(),
+        base.generation_config.as_ref(),
+    ];
+    for f in files.into_iter().flatten() {
+        let bytes = std::fs::read(f).map_err(|e| Error::io(f, e))?;
+        let name = f
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        extra.push((name, bytes));
+    }
+    let opts = SaveOptions {
+        dtype,
+        extra_files: extra,
+        ..Default::default()
+    };
+    write_hf_dir(&tensors, out, &opts)?;
+    Ok(layers.keys().map(|l| format!("{l}.weight")).collect())
+}

@@ -1,0 +1,389 @@
+//! Fine-tuning under every parallel layout against the single-rank run.
+//!
+//! LoRA SFT (packed examples with document masks, loss on the reply tokens only), full SFT, and
+//! LoRA DPO, 3 AdamW steps each on the `gqa` fixture: every layout gives the same loss at every
+//! step as one rank (1e-5 relative, f32) and the same final trained weights (1e-5 relative per
+//! tensor, tensor-parallel slices gathered). One example has a long prompt whose few trained
+//! tokens all land on one rank of the ring layouts: the loss is normalised by the global count
+//! of trained tokens, so the ranks without any still agree. The adapters start from random
+//! non-zero `A` and `B` (PEFT starts `B` at zero, which would leave `A`'s gradient zero in the
+//! first step and hide a wrong `A` gradient).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use candle_parallel::attention::Strategy;
+use candle_parallel::comm::LocalWorld;
+use candle_parallel::nn::{Adapters, LoraConfig, LoraTargets, ParamMode, TensorMap};
+use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
+use candle_parallel::plan::MemoryPlan;
+use candle_parallel::recompute::Checkpointing;
+use cpl_integration_tests::{assert_identical, fixture_files, rel_err, whole_weights, Layout};
+use models::llama;
+use testkit::assert_identical_scalars;
+use train::finetune::{
+    DpoConfig, DpoTrainer, Example, Overlong, PairDataset, Reference, SftDataset, SftOptions,
+};
+use train::trainer::{TrainConfig, Trainer};
+
+const TOL: f64 = 1e-5;
+const SEQ: usize = 32;
+const STEPS: u64 = 3;
+
+fn config(batch: usize, grad_accum: usize, memory: MemoryPlan) -> TrainConfig {
+    TrainConfig {
+        seq_len: SEQ,
+        steps: STEPS,
+        batch,
+        grad_accum,
+        doc_mask: true,
+        seed: 11,
+        shuffle: true,
+        adamw: AdamWConfig {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        },
+        schedule: LrSchedule {
+            peak_lr: 1e-2,
+            min_lr: 1e-3,
+            warmup_steps: 1,
+            total_steps: STEPS,
+            decay: Decay::Cosine,
+        },
+        max_grad_norm: Some(1.0),
+        loss_chunk_tokens: 16,
+        memory,
+        pipeline: None,
+    }
+}
+
+fn lora_config() -> LoraConfig {
+    LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        targets: LoraTargets::AllLinear,
+        use_rslora: false,
+        seed: 5,
+    }
+}
+
+/// Random non-zero adapters for every linear layer of the `gqa` fixture (hidden 32, q 64, kv
+/// 16, intermediate 64, 2 layers), as a source the model reads them from.
+fn random_adapters() -> Arc<Adapters> {
+    let r = 4;
+    let mut t = HashMap::new();
+    let shapes = [
+        ("self_attn.q_proj", 64, 32),
+        ("self_attn.k_proj", 16, 32),
+        ("self_attn.v_proj", 16, 32),
+        ("self_attn.o_proj", 32, 64),
+        ("mlp.gate_proj", 64, 32),
+        ("mlp.up_proj", 64, 32),
+        ("mlp.down_proj", 32, 64),
+    ];
+    let dev = Device::Cpu;
+    let mut seed = 100u64;
+    for l in 0..2 {
+        for (name, out, inp) in shapes {
+            let p = format!("model.layers.{l}.{name}");
+            seed += 1;
+            t.insert(
+                format!("{p}.lora_A.weight"),
+                random_matrix(r, inp, seed, &dev),
+            );
+            t.insert(
+                format!("{p}.lora_B.weight"),
+                random_matrix(out, r, seed + 1000, &dev),
+            );
+        }
+    }
+    Adapters::new(
+        lora_config(),
+        Some(Arc::new(TensorMap::new(t, "test adapters"))),
+    )
+    .unwrap()
+}
+
+/// A `(rows, cols)` matrix of values in [-0.3, 0.3) from `seed`.
+fn random_matrix(rows: usize, cols: usize, seed: u64, dev: &Device) -> Tensor {
+    let n = rows * cols;
+    let ints = testkit::random_docs(seed, 1, n..n + 1, 1 << 20).remove(0);
+    let v: Vec<f32> = ints
+        .iter()
+        .map(|&x| (x as f32 / (1 << 20) as f32 - 0.5) * 0.6)
+        .collect();
+    Tensor::from_vec(v, (rows, cols), dev).unwrap()
+}
+
+/// Chat-like examples: a prompt (not trained) then a reply (trained). The last one has a
+/// 28-token prompt and a 4-token reply: in a window of its own (32 tokens) its trained tokens
+/// fall in one chunk of the sequence layouts.
+fn examples() -> Vec<Example> {
+    let docs = testkit::random_docs(0xF1_7E, 14, 5..24, 256);
+    let mut out: Vec<Example> = docs
+        .into_iter()
+        .enumerate()
+        .map(|(i, ids)| {
+            let prompt = 1 + (i * 3) % (ids.len() - 2);
+            let trained = (0..ids.len()).map(|j| j >= prompt).collect();
+            Example { ids, trained }
+        })
+        .collect();
+    let long = testkit::random_docs(0xB16, 1, 32..33, 256).remove(0);
+    out.push(Example {
+        trained: (0..32).map(|j| j >= 28).collect(),
+        ids: long,
+    });
+    out
+}
+
+fn sft_data(packing: bool) -> SftDataset {
+    let opts = SftOptions {
+        seq_len: SEQ,
+        packing,
+        overlong: Overlong::Truncate,
+        pad_id: 0,
+    };
+    SftDataset::new(&examples(), &opts, 256).unwrap().0
+}
+
+fn pair_data() -> PairDataset {
+    let prompts = testkit::random_docs(0xD90, 6, 3..12, 256);
+    let replies = testkit::random_docs(0xD91, 12, 2..16, 256);
+    let side = |p: &Vec<u32>, r: &Vec<u32>| Example {
+        ids: p.iter().chain(r).copied().collect(),
+        trained: p
+            .iter()
+            .map(|_| false)
+            .chain(r.iter().map(|_| true))
+            .collect(),
+    };
+    let pairs: Vec<(Example, Example)> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (side(p, &replies[2 * i]), side(p, &replies[2 * i + 1])))
+        .collect();
+    let opts = SftOptions {
+        seq_len: SEQ,
+        packing: false,
+        overlong: Overlong::Truncate,
+        pad_id: 0,
+    };
+    PairDataset::new(&pairs, &opts, 256).unwrap().0
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Job {
+    LoraSft,
+    FullSft,
+    LoraDpo,
+}
+
+struct Run {
+    losses: Vec<f64>,
+    /// Global gradient norm of every step (before clipping): Adam's update hides a gradient's
+    /// scale, the norm does not.
+    norms: Vec<f64>,
+    weights: HashMap<String, Tensor>,
+}
+
+fn run(layout: &Layout, memory: MemoryPlan, job: Job) -> Run {
+    let dp = layout.mesh.degree(candle_parallel::mesh::Dim::Dp);
+    let cfg = config(1, 2 / dp, memory);
+    let files = fixture_files("gqa");
+    let sft = sft_data(true);
+    let pairs = pair_data();
+    let mut results = LocalWorld::run(layout.ranks, |world| -> Result<Run, String> {
+        let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
+        let (mesh, ctx) = layout.context(world.clone())?;
+        let adapters = (job != Job::FullSft).then(random_adapters);
+        let m = llama::load_adapted(
+            &files,
+            &ctx,
+            Some(DType::F32),
+            ParamMode::Trainable,
+            adapters.clone(),
+        )
+        .map_err(|x| e(&x))?;
+        let t = Trainer::new(m.model, &mesh, &ctx, cfg.clone()).map_err(|x| e(&x))?;
+        let mut losses = Vec::new();
+        let mut norms = Vec::new();
+        let t = match job {
+            Job::LoraSft | Job::FullSft => {
+                let mut t = t;
+                while t.step < STEPS {
+                    let s = t.step(&sft).map_err(|x| e(&x))?;
+                    losses.push(s.loss);
+                    norms.push(s.grad_norm);
+                }
+                t
+            }
+            Job::LoraDpo => {
+                let reference = Reference::BaseOfAdapters(adapters.clone().unwrap());
+                let mut d =
+                    DpoTrainer::new(t, reference, DpoConfig { beta: 0.5 }).map_err(|x| e(&x))?;
+                while d.trainer.step < STEPS {
+                    let s = d.step(&pairs).map_err(|x| e(&x))?;
+                    assert!(s.accuracy >= 0.0 && s.accuracy <= 1.0);
+                    losses.push(s.stats.loss);
+                    norms.push(s.stats.grad_norm);
+                }
+                d.trainer
+            }
+        };
+        let weights = whole_weights(&t, &mesh)?;
+        Ok(Run {
+            losses,
+            norms,
+            weights,
+        })
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let first = results.swap_remove(0);
+    for (r, other) in results.iter().enumerate() {
+        let who = format!("{}: rank {} vs rank 0", layout.name, r + 1);
+        assert_identical_scalars(&other.losses, &first.losses, &who);
+        assert_identical_scalars(&other.norms, &first.norms, &who);
+        for (n, w) in &first.weights {
+            assert_identical(&other.weights[n], w, &format!("{who}: {n}"));
+        }
+    }
+    first
+}
+
+fn assert_same(name: &str, got: &Run, want: &Run) {
+    assert_eq!(got.losses.len(), want.losses.len(), "{name}");
+    for (i, (a, b)) in got.losses.iter().zip(&want.losses).enumerate() {
+        testkit::assert_close_scalar(*a, *b, TOL, &format!("{name}: step {i}: loss"));
+    }
+    for (i, (a, b)) in got.norms.iter().zip(&want.norms).enumerate() {
+        testkit::assert_close_scalar(*a, *b, TOL, &format!("{name}: step {i}: gradient norm"));
+    }
+    assert_eq!(
+        got.weights.len(),
+        want.weights.len(),
+        "{name}: trained parameters"
+    );
+    for (n, w) in &want.weights {
+        let e = rel_err(&got.weights[n], w);
+        assert!(e <= TOL, "{name}: final weight {n}: rel err {e}");
+    }
+}
+
+fn layouts() -> Vec<(Layout, MemoryPlan)> {
+    let plain = MemoryPlan::default();
+    let zero3 = MemoryPlan {
+        zero: ZeroStage::Parameters,
+        zero_group: None,
+        checkpointing: Checkpointing::Full,
+    };
+    let zero2 = MemoryPlan {
+        zero: ZeroStage::Gradients,
+        zero_group: None,
+        checkpointing: Checkpointing::Selective,
+    };
+    vec![
+        (Layout::new("tp2", 2, 1, 1, Strategy::Ring), plain),
+        (
+            Layout::new("tp2 + tp-sp", 2, 1, 1, Strategy::Ring).with_tp_sp(),
+            plain,
+        ),
+        (Layout::new("zigzag ring4", 1, 1, 4, Strategy::Ring), plain),
+        (
+            Layout::new("ulysses2 x ring2 (usp)", 1, 2, 2, Strategy::Usp),
+            plain,
+        ),
+        (
+            Layout::new(
+                "ring2 x dp2, ZeRO-3, full checkpointing",
+                1,
+                1,
+                2,
+                Strategy::Ring,
+            )
+            .with_dp(2),
+            zero3,
+        ),
+        (
+            Layout::new(
+                "tp2 x dp2, ZeRO-2, selective checkpointing",
+                2,
+                1,
+                1,
+                Strategy::Ring,
+            )
+            .with_dp(2),
+            zero2,
+        ),
+    ]
+}
+
+fn check_job(job: Job) {
+    let want = run(&Layout::single(), MemoryPlan::default(), job);
+    assert!(want.losses.iter().all(|l| l.is_finite() && *l > 0.0));
+    assert!(
+        (want.losses[0] - want.losses[STEPS as usize - 1]).abs() > 1e-4,
+        "training changed nothing: {:?}",
+        want.losses
+    );
+    for (layout, memory) in layouts() {
+        let got = run(&layout, memory, job);
+        assert_same(layout.name, &got, &want);
+    }
+}
+
+/// Only the adapters train under LoRA: 2 layers x 7 linear layers x (A, B).
+#[test]
+fn lora_trains_only_the_adapters() {
+    let want = run(&Layout::single(), MemoryPlan::default(), Job::LoraSft);
+    assert_eq!(want.weights.len(), 28);
+    assert!(want
+        .weights
+        .keys()
+        .all(|n| n.ends_with(".lora_A.weight") || n.ends_with(".lora_B.weight")));
+}
+
+#[test]
+fn lora_sft_under_every_layout_equals_one_rank() {
+    check_job(Job::LoraSft);
+}
+
+#[test]
+fn full_sft_under_every_layout_equals_one_rank() {
+    check_job(Job::FullSft);
+}
+
+#[test]
+fn lora_dpo_under_every_layout_equals_one_rank() {
+    check_job(Job::LoraDpo);
+}
+
+/// Packing examples into one window with document masks trains on the same tokens with the same
+/// losses as one example per window: the first step's loss (before any update) is equal.
+#[test]
+fn packed_examples_have_their_own_losses() {
+    let packed = sft_data(true);
+    let single = sft_data(false);
+    use train::data::Windows;
+    assert!(packed.num_windows() < single.num_windows());
+    let loss = |data: &SftDataset| -> f64 {
+        let files = fixture_files("gqa");
+        LocalWorld::run(1, |world| -> Result<f64, String> {
+            let (mesh, ctx) = Layout::single().context(world)?;
+            let m = llama::load(&files, &ctx, Some(DType::F32), ParamMode::Trainable)
+                .map_err(|e| e.to_string())?;
+            let t = Trainer::new(m.model, &mesh, &ctx, config(1, 1, MemoryPlan::default()))
+                .map_err(|e| e.to_string())?;
+            let (l, _) = t.eval_loss(data, 1000).map_err(|e| e.to_string())?;
+            Ok(l)
+        })
+        .unwrap()
+        .remove(0)
+    };
+    let (a, b) = (loss(&packed), loss(&single));
+    testkit::assert_close_scalar(a, b, TOL, "packed vs one per window: mean loss");
+}

@@ -1,0 +1,531 @@
+//! Fine-tuning data and objectives: supervised fine-tuning (SFT) on tokenized conversations,
+//! packed or one per sequence, and DPO on preference pairs.
+//!
+//! Labels are shifted once, here, before any sharding: the label of token `i` is token `i+1`
+//! when that token is trained (an assistant token, see [`crate::chat`]), else ignored. The SFT
+//! loss is the trainer's: the sum over every trained token of the global batch divided by their
+//! global count ([`crate::data::Batching::global_tokens`]), so a rank whose shard holds only
+//! prompt tokens contributes nothing and biases nothing (the known per-rank averaging bug of
+//! sequence-parallel SFT).
+//!
+//! Packing (`packing = true`, LLaMA-Factory's `neat_packing`): examples are placed in order into
+//! windows of `seq_len` tokens, a new window when the next example does not fit; each window is
+//! trained with a document mask, so an example attends only to itself. Positions are not
+//! restarted per example: with a document mask and rotary embeddings (which depend on relative
+//! positions only) the result is the same as restarting them, and the tests assert packed losses
+//! equal the examples run one by one. The rest of a window is padding (ignored labels, its own
+//! document). Without packing every example has its own padded window.
+//!
+//! DPO ([`DpoTrainer`]): the sigmoid loss of Rafailov et al. as TRL computes it,
+//! `-log σ(β((π_c - ρ_c) - (π_r - ρ_r)))`, with `π`/`ρ` the summed log-probabilities of the
+//! chosen/rejected replies under the policy and the frozen reference, averaged over the global
+//! batch of pairs. Each sequence's log-probability is summed over the sequence-parallel group
+//! with a reduction whose backward is the identity, so every rank of the group computes the
+//! same loss and backpropagates it through its own tokens only.
+
+use candle_core::{DType, Tensor};
+use candle_parallel::collectives::reduce_from_parallel_region;
+use candle_parallel::comm::ReduceOp;
+use candle_parallel::nn::{Adapters, Batch, CrossEntropyOptions};
+use models::llama::Llama;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+
+use crate::data::{Sampler, Window, Windows, IGNORE};
+use crate::error::{Error, Result};
+use crate::trainer::{StepStats, Trainer};
+
+/// A tokenized example: its ids and which tokens are trained (targets).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Example {
+    pub ids: Vec<u32>,
+    /// `trained[i]`: token `i` is a target (predicted from token `i-1`).
+    pub trained: Vec<bool>,
+}
+
+impl Example {
+    /// The next-token labels of the example: `labels[i] = ids[i+1]` when token `i+1` is trained,
+    /// else [`IGNORE`]; the last label is [`IGNORE`].
+    pub fn labels(&self) -> Vec<i64> {
+        (0..self.ids.len())
+            .map(|i| match (self.ids.get(i + 1), self.trained.get(i + 1)) {
+                (Some(&t), Some(true)) => t as i64,
+                _ => IGNORE,
+            })
+            .collect()
+    }
+
+    /// Trained tokens that have a label (every trained token but a first one).
+    pub fn trained_labels(&self) -> usize {
+        self.trained.iter().skip(1).filter(|&&t| t).count()
+    }
+}
+
+/// What to do with an example longer than the window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Overlong {
+    /// Keep its first `seq_len` tokens.
+    #[default]
+    Truncate,
+    /// Leave it out.
+    Drop,
+}
+
+impl std::str::FromStr for Overlong {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "truncate" => Ok(Self::Truncate),
+            "drop" => Ok(Self::Drop),
+            _ => Err(format!("`{s}`: expected truncate or drop")),
+        }
+    }
+}
+
+/// How examples become windows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SftOptions {
+    pub seq_len: usize,
+    /// Several examples per window with document masks (else one per window).
+    pub packing: bool,
+    pub overlong: Overlong,
+    /// Token id of the padding (its labels are ignored).
+    pub pad_id: u32,
+}
+
+/// What building a dataset did to the examples (logged by the CLI).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct PackStats {
+    pub examples: usize,
+    pub windows: usize,
+    /// Examples cut to the window.
+    pub truncated: usize,
+    /// Examples left out: too long (with [`Overlong::Drop`]) or with no trained token left.
+    pub dropped: usize,
+    /// Labels of trained tokens over all windows.
+    pub trained_tokens: usize,
+    pub padding_tokens: usize,
+}
+
+/// `ex` fitted to `seq_len` by `overlong`: `None` when left out. Counts into `stats`.
+fn fit(ex: &Example, seq_len: usize, overlong: Overlong, stats: &mut PackStats) -> Option<Example> {
+    let ex = if ex.ids.len() > seq_len {
+        match overlong {
+            Overlong::Drop => {
+                stats.dropped += 1;
+                return None;
+            }
+            Overlong::Truncate => {
+                stats.truncated += 1;
+                Example {
+                    ids: ex.ids[..seq_len].to_vec(),
+                    trained: ex.trained[..seq_len].to_vec(),
+                }
+            }
+        }
+    } else {
+        ex.clone()
+    };
+    if ex.trained_labels() == 0 {
+        stats.dropped += 1;
+        return None;
+    }
+    Some(ex)
+}
+
+/// Builds windows from documents (examples placed in order), padding each to `seq_len`.
+struct WindowBuilder {
+    seq_len: usize,
+    pad_id: u32,
+    ids: Vec<u32>,
+    labels: Vec<i64>,
+    doc_ids: Vec<u32>,
+    docs: u32,
+    out: Vec<Window>,
+}
+
+impl WindowBuilder {
+    fn new(seq_len: usize, pad_id: u32) -> Self {
+        Self {
+            seq_len,
+            pad_id,
+            ids: Vec::new(),
+            labels: Vec::new(),
+            doc_ids: Vec::new(),
+            docs: 0,
+            out: Vec::new(),
+        }
+    }
+
+    fn room(&self) -> usize {
+        self.seq_len - self.ids.len()
+    }
+
+    fn push(&mut self, ex: &Example) {
+        self.ids.extend_from_slice(&ex.ids);
+        self.labels.extend(ex.labels());
+        self.doc_ids
+            .extend(std::iter::repeat_n(self.docs, ex.ids.len()));
+        self.docs += 1;
+    }
+
+    fn close(&mut self, stats: &mut PackStats) {
+        if self.ids.is_empty() {
+            return;
+        }
+        let pad = self.room();
+        stats.padding_tokens += pad;
+        self.ids.extend(std::iter::repeat_n(self.pad_id, pad));
+        self.labels.extend(std::iter::repeat_n(IGNORE, pad));
+        self.doc_ids.extend(std::iter::repeat_n(self.docs, pad));
+        self.out.push(Window {
+            ids: std::mem::take(&mut self.ids),
+            labels: std::mem::take(&mut self.labels),
+            doc_ids: std::mem::take(&mut self.doc_ids),
+        });
+        self.docs = 0;
+    }
+}
+
+/// Fine-tuning examples as training windows (see the [module docs](self)); train them with a
+/// document mask (`doc_mask` of the run).
+#[derive(Debug, Clone)]
+pub struct SftDataset {
+    windows: Vec<Window>,
+}
+
+impl SftDataset {
+    /// Packs `examples` (ids below `vocab_size`). Errors when no example is left.
+    pub fn new(
+        examples: &[Example],
+        opts: &SftOptions,
+        vocab_size: usize,
+    ) -> Result<(Self, PackStats)> {
+        if opts.seq_len < 2 {
+            return Err(Error::Invalid(
+                "the sequence length must be at least 2".into(),
+            ));
+        }
+        let mut stats = PackStats {
+            examples: examples.len(),
+            ..Default::default()
+        };
+        let mut b = WindowBuilder::new(opts.seq_len, opts.pad_id);
+        for (i, ex) in examples.iter().enumerate() {
+            check_example(ex, i, vocab_size)?;
+            let Some(ex) = fit(ex, opts.seq_len, opts.overlong, &mut stats) else {
+                continue;
+            };
+            if !opts.packing || ex.ids.len() > b.room() {
+                b.close(&mut stats);
+            }
+            stats.trained_tokens += ex.trained_labels();
+            b.push(&ex);
+        }
+        b.close(&mut stats);
+        stats.windows = b.out.len();
+        if b.out.is_empty() {
+            return Err(Error::Invalid(format!(
+                "no example left to train on ({} examples: {} dropped as too long or without a \
+                 trained token)",
+                stats.examples, stats.dropped
+            )));
+        }
+        Ok((Self { windows: b.out }, stats))
+    }
+}
+
+impl Windows for SftDataset {
+    fn num_windows(&self) -> usize {
+        self.windows.len()
+    }
+
+    fn window(&self, i: usize) -> Window {
+        self.windows[i].clone()
+    }
+}
+
+fn check_example(ex: &Example, i: usize, vocab_size: usize) -> Result<()> {
+    if ex.ids.len() != ex.trained.len() {
+        return Err(Error::Invalid(format!(
+            "example {i}: {} ids but {} trained flags",
+            ex.ids.len(),
+            ex.trained.len()
+        )));
+    }
+    if let Some(&t) = ex.ids.iter().find(|&&t| t as usize >= vocab_size) {
+        return Err(Error::Invalid(format!(
+            "example {i} holds token id {t}, outside the model's vocabulary of {vocab_size}"
+        )));
+    }
+    Ok(())
+}
+
+/// Preference pairs as padded windows of `seq_len` tokens: chosen and rejected, one sequence each.
+#[derive(Debug, Clone)]
+pub struct PairDataset {
+    chosen: Vec<Window>,
+    rejected: Vec<Window>,
+}
+
+impl PairDataset {
+    /// Pairs of (chosen, rejected) examples; a pair is left out (and counted) when either side
+    /// is dropped.
+    pub fn new(
+        pairs: &[(Example, Example)],
+        opts: &SftOptions,
+        vocab_size: usize,
+    ) -> Result<(Self, PackStats)> {
+        let one = SftOptions {
+            packing: false,
+            ..*opts
+        };
+        let mut stats = PackStats {
+            examples: pairs.len(),
+            ..Default::default()
+        };
+        let (mut chosen, mut rejected) = (Vec::new(), Vec::new());
+        for (i, (c, r)) in pairs.iter().enumerate() {
+            check_example(c, i, vocab_size)?;
+            check_example(r, i, vocab_size)?;
+            let mut s = PackStats::default();
+            let (Some(c), Some(r)) = (
+                fit(c, one.seq_len, one.overlong, &mut s),
+                fit(r, one.seq_len, one.overlong, &mut s),
+            ) else {
+                stats.dropped += 1;
+                continue;
+            };
+            stats.truncated += s.truncated.min(1);
+            let (cw, _) = SftDataset::new(&[c], &one, vocab_size)?;
+            let (rw, _) = SftDataset::new(&[r], &one, vocab_size)?;
+            chosen.push(cw.window(0));
+            rejected.push(rw.window(0));
+        }
+        stats.windows = chosen.len();
+        if chosen.is_empty() {
+            return Err(Error::Invalid(format!(
+                "no preference pair left to train on ({} pairs: {} dropped)",
+                stats.examples, stats.dropped
+            )));
+        }
+        Ok((Self { chosen, rejected }, stats))
+    }
+
+    pub fn len(&self) -> usize {
+        self.chosen.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.chosen.is_empty()
+    }
+
+    /// Pair `i`: (chosen, rejected).
+    pub fn pair(&self, i: usize) -> (&Window, &Window) {
+        (&self.chosen[i], &self.rejected[i])
+    }
+}
+
+/// DPO settings.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct DpoConfig {
+    /// β, the strength of the KL penalty toward the reference (TRL's default 0.1).
+    pub beta: f64,
+}
+
+/// The frozen reference of DPO.
+pub enum Reference {
+    /// The policy's base model: the policy with its LoRA adapters switched off.
+    BaseOfAdapters(Arc<Adapters>),
+    /// A separate frozen model (full fine-tuning: the starting checkpoint).
+    Model(Box<Llama>),
+}
+
+/// What one DPO step reports (means over the global batch of pairs).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct DpoStats {
+    #[serde(flatten)]
+    pub stats: StepStats,
+    /// `β (π_c - ρ_c)`.
+    pub chosen_reward: f64,
+    /// `β (π_r - ρ_r)`.
+    pub rejected_reward: f64,
+    /// chosen - rejected reward.
+    pub margin: f64,
+    /// Fraction of pairs whose chosen reward is above the rejected one.
+    pub accuracy: f64,
+}
+
+/// Per-pair DPO quantities of a micro-batch on this rank (every rank of the sequence group
+/// holds the same values).
+#[derive(Debug, Clone)]
+pub struct DpoTerms {
+    /// Summed over the micro-batch's pairs, differentiable through the policy.
+    pub loss_sum: Tensor,
+    pub chosen_rewards: Vec<f64>,
+    pub rejected_rewards: Vec<f64>,
+    pub losses: Vec<f64>,
+    /// Policy and reference log-probabilities: chosen then rejected, `(2 · pairs,)`.
+    pub policy_logps: Vec<f64>,
+    pub reference_logps: Vec<f64>,
+}
+
+/// A trainer of the DPO objective (see the [module docs](self)).
+pub struct DpoTrainer {
+    pub trainer: Trainer<Llama>,
+    pub reference: Reference,
+    pub cfg: DpoConfig,
+}
+
+impl DpoTrainer {
+    pub fn new(trainer: Trainer<Llama>, reference: Reference, cfg: DpoConfig) -> Result<Self> {
+        if !(cfg.beta.is_finite() && cfg.beta > 0.0) {
+            return Err(Error::Invalid(format!(
+                "the DPO beta {} must be a positive number",
+                cfg.beta
+            )));
+        }
+        Ok(Self {
+            trainer,
+            reference,
+            cfg,
+        })
+    }
+
+    /// Pairs per optimizer step over all data-parallel ranks.
+    pub fn global_batch(&self) -> usize {
+        self.trainer.global_batch()
+    }
+
+    fn sampler(&self, data: &PairDataset) -> Sampler {
+        Sampler {
+            num_windows: data.len(),
+            seed: self.trainer.cfg.seed,
+            shuffle: self.trainer.cfg.shuffle,
+        }
+    }
+
+    /// This rank's micro-batches of pair indices for `step`.
+    pub fn micro_pairs(&self, data: &PairDataset, step: u64) -> Vec<Vec<usize>> {
+        let c = &self.trainer.cfg;
+        let s = self.sampler(data);
+        s.samples(
+            step,
+            self.trainer.batching().dp,
+            self.trainer.dp_rank(),
+            c.batch * c.grad_accum,
+        )
+        .chunks(c.batch)
+        .map(|k| k.iter().map(|&k| s.window_of(k)).collect())
+        .collect()
+    }
+
+    /// The DPO terms of pairs `pairs` of `data`. Collective over the world.
+    pub fn terms(&self, data: &PairDataset, pairs: &[usize]) -> Result<DpoTerms> {
+        let model = &self.trainer.model;
+        let ctx = self.trainer.ctx();
+        let (mut ids, mut labels) = (Vec::new(), Vec::new());
+        for side in 0..2 {
+            for &i in pairs {
+                let (c, r) = data.pair(i);
+                let w = if side == 0 { c } else { r };
+                ids.push(w.ids.clone());
+                labels.push(w.labels.clone());
+            }
+        }
+        // Padding sits at the end of each window: a causal mask keeps it out of the replies.
+        let mask = candle_parallel::attention::AttnMask::Causal;
+        let (batch, labels) = Batch::from_tokens(ctx, &ids, &labels, mask)?;
+        let opts = CrossEntropyOptions {
+            chunk_tokens: self.trainer.cfg.loss_chunk_tokens,
+            ..Default::default()
+        };
+        let group = ctx.sequence_group();
+        let whole = |local: Tensor, grad: bool| -> Result<Tensor> {
+            let local = local.to_dtype(DType::F64)?;
+            Ok(match (group.size() > 1, grad) {
+                (false, _) => local,
+                (true, true) => reduce_from_parallel_region(&local, group)?,
+                (true, false) => group.all_reduce(&local, ReduceOp::Sum)?,
+            })
+        };
+        let policy = whole(
+            model.sequence_loss_sums(&batch, &labels, &opts)?.neg()?,
+            true,
+        )?;
+        let reference = match &self.reference {
+            Reference::BaseOfAdapters(a) => {
+                a.set_enabled(false);
+                let r = model.sequence_loss_sums(&batch, &labels, &opts);
+                a.set_enabled(true);
+                r?
+            }
+            Reference::Model(m) => m.sequence_loss_sums(&batch, &labels, &opts)?,
+        };
+        let reference = whole(reference.detach().neg()?, false)?;
+        let n = pairs.len();
+        let (pc, pr) = (policy.narrow(0, 0, n)?, policy.narrow(0, n, n)?);
+        let (rc, rr) = (reference.narrow(0, 0, n)?, reference.narrow(0, n, n)?);
+        let chosen = ((pc - &rc)? * self.cfg.beta)?;
+        let rejected = ((pr - &rr)? * self.cfg.beta)?;
+        let z = (&chosen - &rejected)?;
+        let losses = log_sigmoid(&z)?.neg()?;
+        let (chosen, rejected) = (chosen.detach(), rejected.detach());
+        Ok(DpoTerms {
+            loss_sum: losses.sum_all()?,
+            chosen_rewards: chosen.to_vec1()?,
+            rejected_rewards: rejected.to_vec1()?,
+            losses: losses.detach().to_vec1()?,
+            policy_logps: policy.detach().to_vec1()?,
+            reference_logps: reference.to_vec1()?,
+        })
+    }
+
+    /// Runs optimizer step `self.trainer.step` on `data` and advances. Collective over the world.
+    pub fn step(&mut self, data: &PairDataset) -> Result<DpoStats> {
+        if self.trainer.cfg.pipeline.is_some() {
+            return Err(Error::Invalid(
+                "DPO does not run under a pipeline (pp > 1) yet".into(),
+            ));
+        }
+        let step = self.trainer.step;
+        let n = self.global_batch() as u64;
+        let mut acc: Vec<(String, Tensor)> = Vec::new();
+        let mut loss_sum = 0f64;
+        let (mut rc, mut rr, mut right) = (0f64, 0f64, 0f64);
+        for pairs in self.micro_pairs(data, step) {
+            let t = self.terms(data, &pairs)?;
+            let (sum, grads) = self.trainer.backward_collect(&t.loss_sum, n)?;
+            candle_parallel::optim::accumulate(&mut acc, grads)?;
+            loss_sum += sum;
+            for (c, r) in t.chosen_rewards.iter().zip(&t.rejected_rewards) {
+                rc += c;
+                rr += r;
+                right += f64::from(u8::from(c > r));
+            }
+        }
+        // Every rank of a sequence group holds the same pair values: count them once.
+        let first = self.trainer.ctx().sequence_group().rank() == 0;
+        let keep = |v: f64| if first { v } else { 0.0 };
+        let sums = self
+            .trainer
+            .sum_over_data(&[keep(rc), keep(rr), keep(right)])?;
+        let stats = self.trainer.apply_step(acc, keep(loss_sum), n, None)?;
+        let nf = n as f64;
+        Ok(DpoStats {
+            stats,
+            chosen_reward: sums[0] / nf,
+            rejected_reward: sums[1] / nf,
+            margin: (sums[0] - sums[1]) / nf,
+            accuracy: sums[2] / nf,
+        })
+    }
+}
+
+/// `log σ(z)` without overflow: `min(z, 0) - log(1 + exp(-|z|))`.
+pub fn log_sigmoid(z: &Tensor) -> Result<Tensor> {
+    let zero = z.zeros_like()?;
+    let neg_abs = z.abs()?.neg()?;
+    Ok((z.minimum(&zero)? - (neg_abs.exp()? + 1.0)?.log()?)?)
+}
