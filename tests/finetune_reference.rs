@@ -268,6 +268,46 @@ fn bad_adapters_are_clear_errors() {
     .unwrap_err();
     let err = err.to_string();
     assert!(err.contains("lora_A") && err.contains("expects"), "{err}");
+    // PEFT options that would change the result are refused, not ignored.
+    let patterned = cfg.replace(
+        "\"alpha_pattern\": {}",
+        "\"alpha_pattern\": {\"q_proj\": 4}",
+    );
+    assert_ne!(
+        patterned, cfg,
+        "the fixture config has an empty alpha_pattern"
+    );
+    std::fs::write(dir.join("adapter_config.json"), patterned).unwrap();
+    let m = msg(&dir);
+    assert!(m.contains("alpha_pattern"), "{m}");
+    // An adapter tensor for a layer this model does not adapt (PEFT can adapt lm_head).
+    std::fs::write(dir.join("adapter_config.json"), &cfg).unwrap();
+    let mut tensors = load_ref("lora/adapter/adapter_model.safetensors");
+    tensors.insert(
+        "base_model.model.lm_head.lora_A.weight".into(),
+        Tensor::zeros((4, 32), DType::F32, &Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&tensors, dir.join("adapter_model.safetensors")).unwrap();
+    let a = models::peft::load(&dir).unwrap();
+    let adapters = Adapters::new(a.lora, Some(a.source)).unwrap();
+    let err = LocalWorld::run(1, |world| -> Result<(), String> {
+        let (_, ctx) = Layout::single().context(world)?;
+        llama::load_adapted(
+            &files,
+            &ctx,
+            Some(DType::F32),
+            ParamMode::Trainable,
+            Some(adapters.clone()),
+        )
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("lm_head.lora_A.weight") && err.contains("adapt no layer"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

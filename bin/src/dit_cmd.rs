@@ -23,7 +23,7 @@ use crate::eval::EvalArgs;
 use crate::generate::GenerateArgs;
 use crate::launch::{launch, launch_pipelined, stage_layers, Rank};
 use crate::progress::{peak_rss_mib, Progress, StepLine};
-use crate::train_cmd::{interrupt_flag, stop_requested, JsonLines, TrainArgs};
+use crate::train_cmd::{interrupt_flag, JsonLines, TrainArgs};
 
 /// The directory of `model` when it is a local diffusers DiT.
 pub fn dit_dir(model: &str) -> Option<PathBuf> {
@@ -193,21 +193,16 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
                         * (cfg.steps - t.trainer.step) as f64,
                 });
             }
-            let stop = stop_requested(&world, &interrupted)?;
-            let periodic = args.save_every > 0 && t.trainer.step % args.save_every == 0;
-            if periodic || stop || t.trainer.step == cfg.steps {
-                let d =
-                    checkpoint::save(&t.trainer, &args.out, &world, &extra, &history, args.keep)?;
-                if let Some(p) = progress.as_mut() {
-                    p.message(&format!("saved {}", d.display()));
-                }
-            }
-            if stop {
-                bail!(
-                    "interrupted (Ctrl-C) after step {}; resume with --resume",
-                    t.trainer.step
-                );
-            }
+            crate::train_cmd::save_or_stop(
+                &t.trainer,
+                args,
+                cfg.steps,
+                &world,
+                &interrupted,
+                &extra,
+                &history,
+                progress.as_mut(),
+            )?;
         }
         Ok(history)
     })?;

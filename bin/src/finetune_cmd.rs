@@ -30,7 +30,7 @@ use train::trainer::{StepStats, Trainer};
 
 use crate::launch::{launch, Rank};
 use crate::progress::{peak_rss_mib, Progress, StepLine};
-use crate::train_cmd::{default_asset, interrupt_flag, stop_requested, JsonLines, TrainArgs};
+use crate::train_cmd::{default_asset, interrupt_flag, JsonLines, TrainArgs};
 
 #[derive(clap::Args, Debug)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -181,8 +181,9 @@ const LLAMA_FACTORY_KEYS: &[(&str, Option<&str>)] = &[
 pub fn config_flags(path: &str) -> Result<Vec<(String, Vec<String>)>> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("--config {path}: cannot read"))?;
+    let lower = path.to_ascii_lowercase();
     let table: Vec<(String, serde_json::Value)> =
-        if path.ends_with(".yaml") || path.ends_with(".yml") {
+        if lower.ends_with(".yaml") || lower.ends_with(".yml") {
             let v: serde_json::Value = serde_yaml::from_str(&text)
                 .with_context(|| format!("--config {path}: not valid YAML"))?;
             match v {
@@ -201,7 +202,21 @@ pub fn config_flags(path: &str) -> Result<Vec<(String, Vec<String>)>> {
                 .into_iter()
                 .collect()
         };
-    let mut out = Vec::new();
+    // As in transformers: max_steps > 0 wins over num_train_epochs, warmup_steps > 0 over
+    // warmup_ratio.
+    let positive = |key: &str| {
+        table
+            .iter()
+            .any(|(k, v)| k == key && v.as_f64().is_some_and(|x| x > 0.0))
+    };
+    let (has_max_steps, has_warmup_steps) = (positive("max_steps"), positive("warmup_steps"));
+    let table: Vec<(String, serde_json::Value)> = table
+        .into_iter()
+        .filter(|(k, _)| {
+            !(has_max_steps && k == "num_train_epochs" || has_warmup_steps && k == "warmup_ratio")
+        })
+        .collect();
+    let mut out: Vec<(String, Vec<String>)> = Vec::new();
     let scalar = |k: &str, v: &serde_json::Value| -> Result<String> {
         Ok(match v {
             serde_json::Value::String(s) => s.clone(),
@@ -257,6 +272,33 @@ pub fn config_flags(path: &str) -> Result<Vec<(String, Vec<String>)>> {
             "deepspeed" | "fsdp" => {
                 return Err(err("use --zero 1|2|3 (ZeRO sharding is built in)"));
             }
+            "resume_from_checkpoint" => {
+                match &v {
+                    serde_json::Value::Bool(true) => out.push(("--resume".into(), vec![])),
+                    serde_json::Value::Bool(false) | serde_json::Value::Null => {}
+                    _ => {
+                        return Err(err(
+                            "give the run's output_dir and `resume_from_checkpoint: true` (it \
+                             resumes from the last checkpoint there)",
+                        ))
+                    }
+                }
+                continue;
+            }
+            "template" => {
+                // LLaMA-Factory's template names (llama3, qwen, ...) name its own Python
+                // templates: the model's own chat template stands in for them.
+                let t = scalar(&k, &v)?;
+                if train::chat::BUILTIN_TEMPLATES.contains(&t.as_str()) || Path::new(&t).is_file() {
+                    out.push(("--template".into(), vec![t]));
+                } else {
+                    eprintln!(
+                        "--config {path}: template {t:?} is not a built-in template or a file: \
+                         using the model's own chat template"
+                    );
+                }
+                continue;
+            }
             _ => {}
         }
         let flag = match LLAMA_FACTORY_KEYS.iter().find(|(name, _)| *name == k) {
@@ -276,6 +318,57 @@ pub fn config_flags(path: &str) -> Result<Vec<(String, Vec<String>)>> {
                 out.push((flag, s.split(',').map(|x| x.trim().to_string()).collect()));
             }
             other => out.push((flag, vec![scalar(&k, &other)?])),
+        }
+    }
+    // One value per flag: the last key that sets it (e.g. `bf16` and `pure_bf16`).
+    let mut dedup: Vec<(String, Vec<String>)> = Vec::new();
+    for (f, v) in out {
+        dedup.retain(|(g, _)| *g != f);
+        dedup.push((f, v));
+    }
+    Ok(dedup)
+}
+
+/// Whether `flag` (`--lr`) is on the command line `raw`, as `--lr X` or `--lr=X`.
+pub fn has_flag(raw: &[String], flag: &str) -> bool {
+    raw.iter()
+        .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
+}
+
+/// Defaults of `cpl finetune` where they differ from `cpl train`'s (fine-tuning's usual values,
+/// as in transformers and LLaMA-Factory): applied when the flag is not given.
+pub const FINETUNE_DEFAULTS: &[(&str, &str)] = &[
+    ("--lr", "1e-4"),
+    ("--min-lr", "0"),
+    ("--warmup", "0"),
+    ("--beta2", "0.999"),
+    ("--weight-decay", "0"),
+];
+
+/// The command line of `cpl finetune` with its `--config` file's flags (flags given on the
+/// line win) and [`FINETUNE_DEFAULTS`]. `raw[1]` is `finetune`.
+pub fn expand_args(raw: Vec<String>) -> Result<Vec<String>> {
+    if raw.get(2).map(String::as_str) == Some("merge") {
+        return Ok(raw);
+    }
+    let mut out = raw[..2].to_vec();
+    let mut rest: Vec<String> = raw[2..].to_vec();
+    if let Some(pos) = rest.iter().position(|a| a == "--config") {
+        let Some(path) = rest.get(pos + 1).cloned() else {
+            bail!("--config needs a file");
+        };
+        rest.drain(pos..pos + 2);
+        for (flag, values) in config_flags(&path)? {
+            if !has_flag(&rest, &flag) {
+                out.push(flag);
+                out.extend(values);
+            }
+        }
+    }
+    out.extend(rest);
+    for (flag, value) in FINETUNE_DEFAULTS {
+        if !has_flag(&out, flag) {
+            out.extend([flag.to_string(), value.to_string()]);
         }
     }
     Ok(out)
@@ -390,6 +483,13 @@ fn lora_settings(a: &FinetuneArgs) -> Result<(LoraConfig, Option<Arc<dyn TensorS
     }
     if let Some(dir) = &a.adapter {
         let ad = models::peft::load(dir).with_context(|| format!("--adapter {}", dir.display()))?;
+        eprintln!(
+            "--adapter {}: its settings (r {}, alpha {}) replace --lora-rank, --lora-alpha and \
+             --lora-targets",
+            dir.display(),
+            ad.lora.rank,
+            ad.lora.alpha
+        );
         let mut cfg = ad.lora;
         cfg.seed = a.train.seed;
         return Ok((cfg, Some(ad.source as Arc<dyn TensorSource>)));
@@ -558,10 +658,20 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
     // Under LoRA a checkpoint holds the adapters; otherwise the whole model.
     let (load_files, lora) = match (&resume_from, lora) {
         (Some(dir), Some((cfg, _))) => {
-            let ad = models::peft::load(dir)?;
+            // The checkpoint's adapters and their configuration (rank, alpha, targets).
+            let ad = models::peft::load(dir)
+                .with_context(|| format!("--resume from {}", dir.display()))?;
+            let mut saved = ad.lora;
+            saved.seed = cfg.seed;
+            if saved != cfg {
+                eprintln!(
+                    "--resume: continuing with the checkpoint's LoRA settings (r {}, alpha {}, {:?})",
+                    saved.rank, saved.alpha, saved.targets
+                );
+            }
             (
                 files.clone(),
-                Some((cfg, Some(ad.source as Arc<dyn TensorSource>))),
+                Some((saved, Some(ad.source as Arc<dyn TensorSource>))),
             )
         }
         (Some(dir), None) => (
@@ -703,9 +813,16 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
             if let Some(f) = metrics.as_mut() {
                 let mut line = serde_json::json!({
                     "step": stats.step, "loss": stats.loss, "lr": stats.lr,
-                    "grad_norm": stats.grad_norm, "trained": stats.tokens,
+                    "grad_norm": stats.grad_norm,
                     "tokens_per_sec": tokens / dt, "seconds": dt, "peak_rss_mib": peak_rss_mib(),
                 });
+                // What the loss averages over: trained tokens (SFT) or pairs (DPO).
+                let count = if a.stage == Stage::Dpo {
+                    "pairs"
+                } else {
+                    "trained_tokens"
+                };
+                line[count] = serde_json::json!(stats.tokens);
                 if let (Some(o), Some(x)) = (line.as_object_mut(), extra_metrics.as_object()) {
                     o.extend(x.clone());
                 }
@@ -737,20 +854,16 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
                     f.write(&serde_json::to_value(point)?)?;
                 }
             }
-            let stop = stop_requested(&world, &interrupted)?;
-            let periodic = t.save_every > 0 && tr.step % t.save_every == 0;
-            if periodic || stop || tr.step == cfg.steps {
-                let dir = checkpoint::save(tr, &t.out, &world, &extra, &history, t.keep)?;
-                if let Some(p) = progress.as_mut() {
-                    p.message(&format!("saved {}", dir.display()));
-                }
-            }
-            if stop {
-                bail!(
-                    "interrupted (Ctrl-C) after step {}; resume with --resume",
-                    tr.step
-                );
-            }
+            crate::train_cmd::save_or_stop(
+                tr,
+                t,
+                cfg.steps,
+                &world,
+                &interrupted,
+                &extra,
+                &history,
+                progress.as_mut(),
+            )?;
         }
         drop(progress);
         Ok(history)
@@ -789,9 +902,10 @@ impl Job {
     }
 }
 
-/// Files written into every checkpoint: under LoRA PEFT's `adapter_config.json` (the targeted
-/// layers listed by name, as PEFT writes them) and the tokenizer files; for full fine-tuning
-/// the model's config, generation config and tokenizer files.
+/// Files written into every checkpoint: under LoRA PEFT's `adapter_config.json`
+/// (`target_modules` as given: `"all-linear"` or the layer names, which PEFT expands or
+/// suffix-matches) and the tokenizer files; for full fine-tuning the model's config,
+/// generation config and tokenizer files.
 fn checkpoint_files(
     files: &models::hub::ModelFiles,
     lora: Option<&LoraConfig>,

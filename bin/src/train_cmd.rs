@@ -187,30 +187,15 @@ impl From<ObjectiveArg> for models::dit::loss::Objective {
 
 /// Turns the keys of a TOML config into command-line flags placed before the real ones.
 pub fn args_with_config(raw: Vec<String>) -> Result<Vec<String>> {
+    if raw.get(1).map(String::as_str) == Some("finetune") {
+        return crate::finetune_cmd::expand_args(raw);
+    }
     let Some(pos) = raw.iter().position(|a| a == "--config") else {
         return Ok(raw);
     };
     let Some(path) = raw.get(pos + 1) else {
         bail!("--config needs a file");
     };
-    if raw.get(1).map(String::as_str) == Some("finetune") {
-        // LLaMA-Factory's YAML (or TOML) keys; the file's own flags are dropped from the line.
-        let mut out = raw[..2].to_vec();
-        for (flag, values) in crate::finetune_cmd::config_flags(path)? {
-            if !raw.contains(&flag) {
-                out.push(flag);
-                out.extend(values);
-            }
-        }
-        out.extend(
-            raw[2..]
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| *i + 2 != pos && *i + 2 != pos + 1)
-                .map(|(_, a)| a.clone()),
-        );
-        return Ok(out);
-    }
     let text =
         std::fs::read_to_string(path).with_context(|| format!("--config {path}: cannot read"))?;
     let table: toml::Table = text
@@ -567,21 +552,16 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                 }
             }
             // Ctrl-C on any rank stops every rank after this step, with a checkpoint.
-            let stop = stop_requested(&world, &interrupted)?;
-            let periodic = args.save_every > 0 && trainer.step % args.save_every == 0;
-            if periodic || stop || trainer.step == cfg.steps {
-                let dir =
-                    checkpoint::save(&trainer, &args.out, &world, &extra, &history, args.keep)?;
-                if let Some(p) = progress.as_mut() {
-                    p.message(&format!("saved {}", dir.display()));
-                }
-            }
-            if stop {
-                bail!(
-                    "interrupted (Ctrl-C) after step {}; resume with --resume",
-                    trainer.step
-                );
-            }
+            save_or_stop(
+                &trainer,
+                args,
+                cfg.steps,
+                &world,
+                &interrupted,
+                &extra,
+                &history,
+                progress.as_mut(),
+            )?;
         }
         drop(progress);
         // Peak memory: every rank's process (one process for local ranks).
@@ -667,6 +647,37 @@ pub fn interrupt_flag() -> Result<Arc<AtomicBool>> {
     ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
         .context("installing the Ctrl-C handler (needed to save a checkpoint on Ctrl-C)")?;
     Ok(interrupted)
+}
+
+/// The end of every training step of a command: saves a checkpoint every `--save-every` steps,
+/// at the last step and when Ctrl-C reached any rank (then stops with an error telling to
+/// resume). Collective over `world`.
+#[allow(clippy::too_many_arguments)]
+pub fn save_or_stop<M: train::trainer::TrainModel>(
+    trainer: &Trainer<M>,
+    args: &TrainArgs,
+    total_steps: u64,
+    world: &candle_parallel::comm::Comm,
+    interrupted: &AtomicBool,
+    extra: &[(String, Vec<u8>)],
+    history: &train::checkpoint::History,
+    progress: Option<&mut Progress>,
+) -> Result<()> {
+    let stop = stop_requested(world, interrupted)?;
+    let periodic = args.save_every > 0 && trainer.step.is_multiple_of(args.save_every);
+    if periodic || stop || trainer.step == total_steps {
+        let dir = checkpoint::save(trainer, &args.out, world, extra, history, args.keep)?;
+        if let Some(p) = progress {
+            p.message(&format!("saved {}", dir.display()));
+        }
+    }
+    if stop {
+        bail!(
+            "interrupted (Ctrl-C) after step {}; resume with --resume",
+            trainer.step
+        );
+    }
+    Ok(())
 }
 
 /// Whether Ctrl-C reached any rank of `world` (collective over it).

@@ -231,7 +231,8 @@ fn a_llama_factory_yaml_equals_the_same_flags() {
             "### LLaMA-Factory style\nstage: sft\nfinetuning_type: lora\nlora_rank: 4\nlora_alpha: 16\n\
              lora_target: q_proj,v_proj\ncutoff_len: 128\nmax_steps: 3\ngradient_accumulation_steps: 2\n\
              max_samples: 48\nlearning_rate: 2.0e-3\nwarmup_steps: 0\nneat_packing: true\n\
-             sequence_parallel_size: 2\noutput_dir: {}\nlogging_steps: 1\ndo_train: true\nplot_loss: true\n",
+             sequence_parallel_size: 2\noutput_dir: {}\nlogging_steps: 1\ndo_train: true\nplot_loss: true\n\
+             num_train_epochs: 3.0\ntemplate: llama3\nbf16: false\n",
             s(&out)
         ),
     )
@@ -411,6 +412,10 @@ fn bad_finetuning_input_fails_with_a_clear_error() {
         (base(&["--lora-dropout", "0.1"]), "--lora-dropout"),
         (base(&["--stage", "dpo", "--packing"]), "--packing"),
         (base(&["--lora-rank", "0"]), "rank"),
+        (
+            base(&["--lora-targets", "qq_proj"]),
+            "match no linear layer",
+        ),
         (base(&["--adapter", "/nonexistent/adapter"]), "--adapter"),
         (base(&["--pp", "2", "--ranks", "2"]), "--pp"),
         (

@@ -97,8 +97,29 @@ impl AdapterConfig {
                 "fan_in_fan_out: true (GPT-2 Conv1D layers) is not supported".into(),
             ));
         }
-        if let Some(m) = self.rest.get("modules_to_save").filter(|v| !v.is_null()) {
-            return Err(bad(format!("modules_to_save {m} is not supported")));
+        // PEFT options that change which layers train or how: not silently ignored.
+        let set = |k: &str| {
+            self.rest.get(k).filter(|v| match v {
+                serde_json::Value::Null | serde_json::Value::Bool(false) => false,
+                serde_json::Value::Array(a) => !a.is_empty(),
+                serde_json::Value::Object(o) => !o.is_empty(),
+                serde_json::Value::String(s) => !s.is_empty(),
+                _ => true,
+            })
+        };
+        for k in [
+            "modules_to_save",
+            "alpha_pattern",
+            "rank_pattern",
+            "layers_to_transform",
+            "layers_pattern",
+            "exclude_modules",
+            "use_dora",
+            "target_parameters",
+        ] {
+            if let Some(v) = set(k) {
+                return Err(bad(format!("{k} {v} is not supported")));
+            }
         }
         let targets = match &self.target_modules {
             serde_json::Value::String(s) if s == "all-linear" => LoraTargets::AllLinear,
@@ -174,6 +195,10 @@ impl TensorSource for AdapterSource {
 
     fn read(&self, name: &str, shard: Shard, dev: &Device) -> candle_parallel::Result<Tensor> {
         TensorSource::read(&self.reader, &Self::stored(name), shard, dev)
+    }
+
+    fn names(&self) -> Option<Vec<String>> {
+        Some(AdapterSource::names(self))
     }
 }
 

@@ -136,6 +136,11 @@ pub trait TensorSource: Send + Sync {
 
     /// `shard`'s block of `name` on `dev`, in the stored dtype (only that block is read).
     fn read(&self, name: &str, shard: Shard, dev: &Device) -> Result<Tensor>;
+
+    /// Every tensor name, when the source can list them (adapters are checked to be used).
+    fn names(&self) -> Option<Vec<String>> {
+        None
+    }
 }
 
 /// Whole tensors in memory as a [`TensorSource`] (random initialisation, tests).
@@ -177,6 +182,10 @@ impl TensorSource for TensorMap {
 
     fn read(&self, name: &str, shard: Shard, dev: &Device) -> Result<Tensor> {
         Ok(shard.take(self.get(name)?)?.to_device(dev)?.contiguous()?)
+    }
+
+    fn names(&self) -> Option<Vec<String>> {
+        Some(self.tensors.keys().cloned().collect())
     }
 }
 

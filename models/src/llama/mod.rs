@@ -35,9 +35,7 @@ pub fn load(
     dtype: Option<DType>,
     mode: ParamMode,
 ) -> Result<LoadedLlama> {
-    let config = LlamaConfig::from_file(&files.config)?;
-    let all = 0..config.num_hidden_layers;
-    load_stage(files, ctx, dtype, mode, std::slice::from_ref(&all), true)
+    load_adapted(files, ctx, dtype, mode, None)
 }
 
 /// [`load`] for a pipeline stage: only the decoder layers in `layers` (this rank's chunks)
@@ -93,10 +91,71 @@ pub fn load_stage_adapted(
     };
     let reader = Arc::new(CheckpointReader::open(&files.weights)?);
     let (vb, params) = ParamBuilder::new(reader, dtype, &Device::Cpu, mode);
-    let model = Llama::new_stage(&config, vb.with_adapters(adapters), ctx, layers, ends)?;
+    let model = Llama::new_stage(
+        &config,
+        vb.with_adapters(adapters.clone()),
+        ctx,
+        layers,
+        ends,
+    )?;
+    if let Some(ad) = &adapters {
+        check_adapters_used(ad, &params, layers)?;
+    }
     Ok(LoadedLlama {
         model,
         params,
         config,
     })
+}
+
+/// Every tensor of the adapters' source (for the layers this stage holds) was loaded by a
+/// targeted linear layer, and at least one layer is adapted: an adapter for a layer this model
+/// does not adapt (e.g. PEFT's `lm_head`), or targets that match nothing, are errors rather
+/// than silently ignored.
+fn check_adapters_used(
+    adapters: &Adapters,
+    params: &ParamList,
+    layers: &[std::ops::Range<usize>],
+) -> Result<()> {
+    let loaded: std::collections::HashSet<String> =
+        params.sorted().into_iter().map(|p| p.name).collect();
+    if !loaded
+        .iter()
+        .any(|n| candle_parallel::nn::lora::is_adapter_param(n))
+    {
+        return Err(crate::Error::Invalid(format!(
+            "the LoRA targets {:?} match no linear layer of the model (its layers are q_proj, \
+             k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)",
+            adapters.cfg.targets
+        )));
+    }
+    let Some(names) = adapters.source().and_then(|s| s.names()) else {
+        return Ok(());
+    };
+    let held = |name: &str| -> bool {
+        let layer = name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|i| i.parse::<usize>().ok());
+        match layer {
+            Some(i) => layers.iter().any(|r| r.contains(&i)),
+            // Not a decoder layer's: checked on every stage.
+            None => true,
+        }
+    };
+    let mut unused: Vec<&String> = names
+        .iter()
+        .filter(|n| held(n) && !loaded.contains(*n))
+        .collect();
+    unused.sort();
+    if let Some(first) = unused.first() {
+        return Err(crate::Error::Invalid(format!(
+            "{}: {} adapter tensor(s) adapt no layer of this model, e.g. `{first}` (only the \
+             decoder layers' linear layers take adapters; the adapter's target_modules must \
+             match them)",
+            adapters.source().map(|s| s.location()).unwrap_or_default(),
+            unused.len()
+        )));
+    }
+    Ok(())
 }
