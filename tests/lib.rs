@@ -303,6 +303,9 @@ pub fn global_gradients(
     let tp = mesh.comm(Dim::Tp);
     let grads: HashMap<String, Tensor> = match (planned, zero) {
         (PlannedParams::Resident(params), _) => {
+            // Frozen parameters (weights a model only keeps, a frozen part) have none.
+            let params: Vec<Param> = params.iter().filter(|p| p.var.is_some()).cloned().collect();
+            let params = &params;
             let collected = collect_gradients(params, grads).map_err(|x| e(&x))?;
             let reduced = reduce_gradients(params, collected, ctx).map_err(|x| e(&x))?;
             params
@@ -315,6 +318,7 @@ pub fn global_gradients(
         // gather reduce-scatters); under TP-sp replicated parameters also sum over tp.
         (PlannedParams::Sharded(chunks), Some(z)) => chunks
             .iter()
+            .filter(|p| p.trainable)
             .map(|p| {
                 let g = grads
                     .get(p.var.as_tensor())

@@ -47,6 +47,14 @@ pub struct EvalArgs {
     /// safetensors file.
     #[arg(long)]
     pub logits_out: Option<PathBuf>,
+    /// Vision-language models (LLaVA): image files (PNG, JPEG) that fill the image-token runs
+    /// of the --tokens sequences in order (comma-separated).
+    #[arg(long, value_delimiter = ',', help_heading = "Vision-language")]
+    pub images: Vec<PathBuf>,
+    /// Vision-language models: preprocessed images, a safetensors file with `pixel_values`
+    /// (images, C, H, W), instead of --images.
+    #[arg(long, help_heading = "Vision-language")]
+    pub pixel_values: Option<PathBuf>,
     /// Diffusion models (DiT): a safetensors file with `sample` (B, C, H, W), `timestep` (B),
     /// `class_labels` (B) and optionally `noise` (then `sample` is the clean image, noised at
     /// `timestep`, and the DDPM loss is printed).
@@ -283,7 +291,20 @@ pub fn run(args: &EvalArgs) -> Result<()> {
             args.model
         );
     }
-    let Some((report, logits)) = evaluate(args)? else {
+    let result = match crate::llava_cmd::llava_dir(&args.model) {
+        Some(dir) => Some(crate::llava_cmd::eval(args, &dir)?),
+        None => {
+            if !args.images.is_empty() || args.pixel_values.is_some() {
+                bail!(
+                    "--images and --pixel-values are for vision-language models (LLaVA); {} is \
+                     not one",
+                    args.model
+                );
+            }
+            evaluate(args)?
+        }
+    };
+    let Some((report, logits)) = result else {
         return Ok(());
     };
     if let Some(path) = &args.logits_out {

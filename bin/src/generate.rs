@@ -18,6 +18,10 @@ pub struct GenerateArgs {
     /// A LoRA adapter (PEFT directory, e.g. a `cpl finetune` checkpoint) applied to --model.
     #[arg(long)]
     pub adapter: Option<std::path::PathBuf>,
+    /// Vision-language models (LLaVA): image files the prompt is about (PNG or JPEG; repeat or
+    /// separate with commas).
+    #[arg(long, value_delimiter = ',', help_heading = "Vision-language")]
+    pub image: Vec<std::path::PathBuf>,
     /// The text to continue (language models).
     #[arg(long)]
     pub prompt: Option<String>,
@@ -60,7 +64,7 @@ pub struct GenerateArgs {
 }
 
 /// A small deterministic generator (splitmix64) for sampling.
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
     fn next_f64(&mut self) -> f64 {
@@ -74,7 +78,7 @@ impl Rng {
 }
 
 /// Picks the next token from `logits` (vocab) by temperature and top-p.
-fn sample(logits: &[f32], temperature: f64, top_p: f64, rng: &mut Rng) -> u32 {
+pub(crate) fn sample(logits: &[f32], temperature: f64, top_p: f64, rng: &mut Rng) -> u32 {
     let argmax = || {
         logits
             .iter()
@@ -122,6 +126,12 @@ fn sample(logits: &[f32], temperature: f64, top_p: f64, rng: &mut Rng) -> u32 {
 pub fn run(args: &GenerateArgs) -> Result<()> {
     if let Some(dir) = crate::dit_cmd::dit_dir(&args.model) {
         return crate::dit_cmd::generate(args, &dir);
+    }
+    if let Some(dir) = crate::llava_cmd::llava_dir(&args.model) {
+        return crate::llava_cmd::generate(args, &dir);
+    }
+    if !args.image.is_empty() {
+        bail!("--image: {} is not a vision-language model", args.model);
     }
     let Some(prompt) = &args.prompt else {
         bail!("--prompt: the text to continue is required for a language model");

@@ -17,6 +17,9 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     if let Some(dir) = crate::dit_cmd::dit_dir(&args.model) {
         return crate::dit_cmd::inspect(&dir);
     }
+    if let Some(dir) = crate::llava_cmd::llava_dir(&args.model) {
+        return crate::llava_cmd::inspect(&dir);
+    }
     let files = models::hub::resolve(&args.model)?;
     let cfg = LlamaConfig::from_file(&files.config)?;
     let reader = CheckpointReader::open(&files.weights)?;

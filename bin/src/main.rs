@@ -15,6 +15,7 @@ mod generate;
 mod inspect;
 mod launch;
 mod layout;
+mod llava_cmd;
 mod plot;
 mod progress;
 mod train_cmd;

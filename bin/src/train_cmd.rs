@@ -160,6 +160,17 @@ pub struct TrainArgs {
     /// config.json as DiT does (adaLN-Zero; seeded by --seed) instead of reading them.
     #[arg(long, help_heading = "Diffusion")]
     pub from_scratch: bool,
+    /// Vision-language models (LLaVA): the chat template of the conversations (a built-in
+    /// name or a .jinja file; default: the model's own, else plain).
+    #[arg(long, help_heading = "Vision-language")]
+    pub template: Option<String>,
+    /// Vision-language models: do not train the vision tower.
+    #[arg(long, help_heading = "Vision-language")]
+    pub freeze_vision_tower: bool,
+    /// Vision-language models: do not train the language model (with --freeze-vision-tower:
+    /// projector-only pretraining, LLaVA's stage 1).
+    #[arg(long, help_heading = "Vision-language")]
+    pub freeze_language_model: bool,
     #[command(flatten)]
     pub layout: LayoutArgs,
     #[command(flatten)]
@@ -338,6 +349,9 @@ pub fn matmul_gflops() -> f64 {
 pub fn run(args: &TrainArgs) -> Result<()> {
     if let Some(dir) = args.model.as_deref().and_then(crate::dit_cmd::dit_dir) {
         return crate::dit_cmd::train(args, &dir);
+    }
+    if let Some(dir) = args.model.as_deref().and_then(crate::llava_cmd::llava_dir) {
+        return crate::llava_cmd::train(args, &dir);
     }
     if args.from_scratch {
         bail!("--from-scratch: only diffusion models (DiT) are initialised from their config");

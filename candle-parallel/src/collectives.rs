@@ -122,6 +122,16 @@ pub fn copy_to_parallel_region(x: &Tensor, comm: &Comm) -> Result<Tensor> {
     )
 }
 
+/// The identity in forward; the gradient times `factor` in backward. Local.
+pub fn scale_gradient(x: &Tensor, factor: f64) -> Result<Tensor> {
+    record(
+        x,
+        "cpl-scale-gradient",
+        |x| Ok(x.clone()),
+        move |g| Ok((g * factor)?),
+    )
+}
+
 /// All-reduce (sum) in forward, identity in backward: Megatron's `g`.
 ///
 /// Shapes: any, the same on every rank; the result has `x`'s shape. Called by every rank of

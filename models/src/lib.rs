@@ -21,7 +21,9 @@ pub mod dit;
 pub mod error;
 pub mod hub;
 pub mod llama;
+pub mod llava;
 pub mod peft;
 pub mod tokenizer;
+pub mod vision;
 
 pub use error::{Error, Result};

@@ -91,6 +91,11 @@ impl Tokenizer {
         Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
     }
 
+    /// The text of token `id`, if it exists.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
     /// The id of token `token` (e.g. a special token such as `<|im_end|>`), if in the
     /// vocabulary.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {

@@ -98,10 +98,9 @@ pub fn save<M: TrainModel>(
         };
         state.push((name, t));
     }
-    let prefix = trainer.model.saved_prefix();
     let mut params = trainer.whole_params()?;
     for p in &mut params {
-        p.name = format!("{prefix}{}", p.name);
+        p.name = trainer.model.saved_name(&p.name);
     }
     let mut files = extra_files.to_vec();
     let dir = step_dir(out, trainer.step);

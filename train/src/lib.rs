@@ -14,6 +14,7 @@ pub mod error;
 pub mod finetune;
 pub mod images;
 pub mod memory;
+pub mod multimodal;
 pub mod trainer;
 
 pub use error::{Error, Result};

@@ -59,9 +59,16 @@ pub trait TrainModel: Parallelize + Send {
         "model"
     }
 
-    /// Prefix of every saved parameter name (PEFT's `base_model.model.` for adapters).
-    fn saved_prefix(&self) -> &'static str {
-        ""
+    /// The name parameter `name` is saved under (PEFT's `base_model.model.` prefix for
+    /// adapters, a multimodal checkpoint's layout).
+    fn saved_name(&self, name: &str) -> String {
+        name.to_string()
+    }
+
+    /// Whether checkpoints hold the frozen parameters too (a frozen vision tower: yes; the
+    /// base model under LoRA: no, only the adapters).
+    fn saves_frozen(&self) -> bool {
+        true
     }
 }
 
@@ -179,12 +186,16 @@ impl TrainModel for Llama {
         }
     }
 
-    fn saved_prefix(&self) -> &'static str {
+    fn saved_name(&self, name: &str) -> String {
         if self.adapters().is_some() {
-            models::peft::PREFIX
+            format!("{}{name}", models::peft::PREFIX)
         } else {
-            ""
+            name.to_string()
         }
+    }
+
+    fn saves_frozen(&self) -> bool {
+        self.adapters().is_none()
     }
 }
 
@@ -345,10 +356,19 @@ impl TrainParam {
     }
 }
 
+/// A parameter that does not train, kept for saving: as loaded, or under ZeRO-3 this rank's
+/// chunk.
+enum FrozenParam {
+    Resident(Param),
+    Sharded(candle_parallel::nn::ShardedParam),
+}
+
 /// One rank's trainer of a model `M`.
 pub struct Trainer<M = Llama> {
     pub model: M,
     params: Vec<TrainParam>,
+    /// Parameters that do not train (saved with checkpoints when the model says so).
+    frozen: Vec<FrozenParam>,
     pub optimizer: AdamW,
     pub cfg: TrainConfig,
     ctx: ParallelCtx,
@@ -403,7 +423,20 @@ impl<M: TrainModel> Trainer<M> {
         }
         let zero = cfg.memory.zero_groups(mesh)?;
         let param_meta = |p: &Param| (p.name.clone(), p.shard, p.global_shape.clone());
-        let params: Vec<TrainParam> = match cfg.memory.apply(&mut model, zero.as_ref())? {
+        let planned = cfg.memory.apply(&mut model, zero.as_ref())?;
+        let frozen: Vec<FrozenParam> = match &planned {
+            PlannedParams::Sharded(chunks) => chunks
+                .iter()
+                .filter(|c| !c.trainable)
+                .map(|c| FrozenParam::Sharded(c.clone()))
+                .collect(),
+            PlannedParams::Resident(params) => params
+                .iter()
+                .filter(|p| p.var.is_none())
+                .map(|p| FrozenParam::Resident(p.clone()))
+                .collect(),
+        };
+        let params: Vec<TrainParam> = match planned {
             // Frozen parameters (the base model under LoRA) are not trained.
             PlannedParams::Sharded(chunks) => chunks
                 .into_iter()
@@ -467,6 +500,7 @@ impl<M: TrainModel> Trainer<M> {
         Ok(Self {
             model,
             params,
+            frozen,
             optimizer,
             ctx: ctx.clone(),
             tp: mesh.comm(Dim::Tp),
@@ -528,6 +562,36 @@ impl<M: TrainModel> Trainer<M> {
     /// by name, for saving and comparing. Collective over the ZeRO sharding group under stage 3
     /// (every rank calls it), local otherwise.
     pub fn whole_params(&self) -> Result<Vec<Param>> {
+        let mut out = self.trained_params()?;
+        if self.model.saves_frozen() {
+            for f in &self.frozen {
+                out.push(match (f, &self.zero) {
+                    (FrozenParam::Resident(p), _) => {
+                        Param::value(&p.name, p.tensor.detach(), p.shard, &p.global_shape)
+                    }
+                    (FrozenParam::Sharded(c), Some(z)) => Param::value(
+                        &c.name,
+                        c.flat
+                            .gather(&c.var.as_tensor().detach(), &z.shard, &c.local_shape)?,
+                        c.shard,
+                        &c.global_shape,
+                    ),
+                    (FrozenParam::Sharded(c), None) => {
+                        return Err(Error::Invalid(format!(
+                            "internal: parameter `{}` is sharded without ZeRO groups",
+                            c.name
+                        )))
+                    }
+                });
+            }
+            out.sort_by(|a, b| a.name.cmp(&b.name));
+        }
+        Ok(out)
+    }
+
+    /// The trained parameters with their whole tensor-parallel slices (see
+    /// [`Trainer::whole_params`]).
+    fn trained_params(&self) -> Result<Vec<Param>> {
         self.params
             .iter()
             .map(|p| {

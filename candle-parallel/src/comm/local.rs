@@ -185,6 +185,15 @@ impl LocalWorld {
     }
 }
 
+/// A communicator of this rank alone (size 1): for a group that must exist but has no peer,
+/// such as the attention of a vision tower that every rank runs whole. Local.
+pub fn solo() -> Comm {
+    Arc::new(LocalComm::world(
+        Arc::new(Shared::new(1, DEFAULT_TIMEOUT)),
+        0,
+    ))
+}
+
 /// A queue is identified by group, group-local source and destination, and channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct QueueKey {

@@ -29,7 +29,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Shape, Tensor};
 
-pub use local::{LocalWorld, DEFAULT_TIMEOUT};
+pub use local::{solo, LocalWorld, DEFAULT_TIMEOUT};
 pub use traffic::{OpKind, OpStats, Traffic, TrafficSnapshot};
 
 use crate::error::Result;

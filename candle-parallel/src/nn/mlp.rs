@@ -20,6 +20,14 @@ pub enum Activation {
     Gelu,
     /// GELU with the tanh approximation (`gelu_pytorch_tanh`: SigLIP, DiT).
     GeluTanh,
+    /// `x · σ(1.702 x)` (OpenAI CLIP's `quick_gelu`).
+    QuickGelu,
+}
+
+/// `x · σ(1.702 x)`, differentiable.
+pub fn quick_gelu(x: &Tensor) -> Result<Tensor> {
+    let s = ((x * -1.702)?.exp()? + 1.0)?.recip()?;
+    Ok((x * s)?)
 }
 
 /// The shape and checkpoint names of an [`Mlp`]: `up` `(intermediate, hidden)`, `down`
@@ -94,7 +102,7 @@ impl Mlp {
         let up_cfg = LinearConfig::new(h, i).with_bias(cfg.bias);
         let gate = match cfg.activation {
             Activation::SwiGlu => Some(ColumnParallelLinear::new(&up_cfg, vb.pp(&cfg.gate), ctx)?),
-            Activation::Gelu | Activation::GeluTanh => None,
+            Activation::Gelu | Activation::GeluTanh | Activation::QuickGelu => None,
         };
         Ok(Self {
             gate,
@@ -116,6 +124,7 @@ impl Mlp {
         let h = match (&self.gate, self.activation) {
             (Some(gate), _) => swiglu(&gate.forward_entered(&x)?, &up)?,
             (None, Activation::GeluTanh) => gelu_tanh(&up)?,
+            (None, Activation::QuickGelu) => quick_gelu(&up)?,
             (None, _) => up.gelu_erf()?,
         };
         self.down.forward(&h)

@@ -153,6 +153,18 @@ impl TpGroup {
         }
     }
 
+    /// Under TP-sp: `x` in forward, its gradient divided by the group size in backward. For
+    /// the output of a module every rank of the group computes whole from replicated
+    /// parameters (a vision tower under TP-sp), whose gradient then arrives whole on every rank
+    /// and is summed over the group with the replicated parameters'. Otherwise the identity.
+    pub fn share_gradient(&self, x: &Tensor) -> Result<Tensor> {
+        if !self.sequence_parallel {
+            return Ok(x.clone());
+        }
+        let p = self.size() as f64;
+        Ok(crate::collectives::scale_gradient(x, 1.0 / p)?)
+    }
+
     /// `(start, len)` of this rank's `1/P` share of `n` items; `n % P` must be 0.
     pub fn share(&self, what: &str, n: usize) -> Result<(usize, usize)> {
         let p = self.size();
@@ -185,6 +197,8 @@ pub struct ParallelCtx {
     sharded_grad_group: Comm,
     /// ulysses × ring: ranks that hold different tokens of one sequence.
     sequence_group: Comm,
+    /// Attention over tokens this rank holds whole (no sequence parallelism): vision towers.
+    local_attention: Arc<SpAttention>,
     sink: GradSink,
 }
 
@@ -210,18 +224,37 @@ impl ParallelCtx {
         } else {
             sharded_grad_group.clone()
         };
+        let single = SpConfig::new(crate::attention::Strategy::Ring, 1, 1);
+        let local_attention = Arc::new(SpAttention::from_comms(
+            &single,
+            crate::comm::solo(),
+            crate::comm::solo(),
+        )?);
         Ok(Self {
             tp,
             attention,
             replicated_grad_group,
             sharded_grad_group,
             sequence_group,
+            local_attention,
             sink: GradSink::new(),
         })
     }
 
     pub fn tp(&self) -> &TpGroup {
         &self.tp
+    }
+
+    /// This context without tensor parallelism (a tensor-parallel group of this rank alone):
+    /// for a module every rank runs whole, such as a vision tower under TP-sp, whose patches
+    /// are not split over the group. Its parameters are then replicated; the gradient groups
+    /// stay this context's (under TP-sp replicated parameters' gradients are summed over tp),
+    /// so the module's output must pass on each rank's share of its gradient
+    /// ([`TpGroup::share_gradient`]).
+    pub fn without_tp(&self) -> Self {
+        let mut c = self.clone();
+        c.tp = TpGroup::new(crate::comm::solo(), TpActivations::Replicated);
+        c
     }
 
     /// The configured sequence-parallel attention (a plain flash attention on one rank).
@@ -338,6 +371,20 @@ pub struct Pass<'a> {
 }
 
 impl<'a> Pass<'a> {
+    /// A pass over tokens every rank holds whole (a vision tower's patches): attention on this
+    /// rank alone, whatever the sequence-parallel layout (tensor parallelism still applies).
+    /// Blocks run with it must not be recomputed by a unit (their recomputation would take the
+    /// context's sequence-parallel attention): call them through [`Unit::get`].
+    pub fn local(ctx: &'a ParallelCtx, positions: &'a [u32], mask: &'a AttnMask) -> Self {
+        Self {
+            ctx,
+            positions,
+            mask,
+            attention: ctx.local_attention.as_ref(),
+            cond: None,
+        }
+    }
+
     /// A pass of `ctx`'s configured attention.
     pub fn new(ctx: &'a ParallelCtx, positions: &'a [u32], mask: &'a AttnMask) -> Self {
         Self {

@@ -251,6 +251,9 @@ pub struct ParamBuilder {
     /// LoRA adapters of the linear layers built through this builder (base parameters are then
     /// frozen; see [`super::lora`]).
     adapters: Option<Arc<Adapters>>,
+    /// Parameters loaded through this builder are frozen whatever the store's mode (a frozen
+    /// vision tower, or weights a model loads only to save them back).
+    frozen: bool,
 }
 
 impl std::fmt::Debug for ParamBuilder {
@@ -299,7 +302,15 @@ impl ParamBuilder {
             dtype,
             device: device.clone(),
             adapters: None,
+            frozen: false,
         }
+    }
+
+    /// This builder (and every builder derived from it) loading its parameters frozen: they are
+    /// no [`Var`]s, receive no gradient and are not trained (they are still saved).
+    pub fn frozen(mut self) -> Self {
+        self.frozen = true;
+        self
     }
 
     /// This builder (and every builder derived from it) with LoRA `adapters`: the linear layers
@@ -520,7 +531,8 @@ impl ParamBuilder {
             .read(name, shard, &self.device)?
             .to_dtype(self.dtype)?;
         // Under LoRA the base model is frozen.
-        let trainable = self.store.mode == ParamMode::Trainable && self.adapters.is_none();
+        let trainable =
+            self.store.mode == ParamMode::Trainable && self.adapters.is_none() && !self.frozen;
         self.record(name, t, shard, stored, trainable)
     }
 }

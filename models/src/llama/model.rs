@@ -280,6 +280,24 @@ impl Llama {
             .ok_or_else(|| Error::Invalid(format!("layer {i} is held by another pipeline stage")))
     }
 
+    /// Token embeddings of `ids` (any shape, u32) replicated on every rank (no sequence or
+    /// TP-sp split): for models that change the embedded sequence before sharding it
+    /// (image features in a vision-language model). Collective over tp.
+    pub fn embed_global(&self, ends: &Ends, ids: &Tensor) -> Result<Tensor> {
+        Ok(ends.embed_tokens.lookup(ids)?)
+    }
+
+    /// Logits `(.., tokens, V)` f32 of final hidden states `h` (see [`Llama::logits`]).
+    /// Collective over tp.
+    pub fn head_logits(&self, ends: &Ends, h: &Tensor) -> Result<Tensor> {
+        Ok(ends.lm_head.logits(h)?)
+    }
+
+    /// The number of decoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
     /// The last stage's work before the head: the final norm, `(batch, n', hidden)`.
     pub fn final_norm(&self, ends: &Ends, x: &Tensor) -> Result<Tensor> {
         Ok(ends.norm.forward(x)?)

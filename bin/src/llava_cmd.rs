@@ -1,0 +1,446 @@
+//! The `cpl` commands on LLaVA-style vision-language models (a `--model` directory whose
+//! `config.json` is a `LlavaForConditionalGeneration`): `eval` (token sequences with images),
+//! `generate` (a prompt about an image), `train` (image-text conversations) and `inspect`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_parallel::comm::ReduceOp;
+use candle_parallel::mesh::Dim;
+use candle_parallel::nn::{CrossEntropyOptions, ParamMode};
+use models::checkpoint::CheckpointReader;
+use models::llava::preprocess::ImageProcessor;
+use models::llava::{self, Freeze, LlavaConfig};
+use models::tokenizer::Tokenizer;
+use train::chat::{ChatTemplate, Message, TrainOn};
+use train::checkpoint::History;
+use train::multimodal::{ImageTextDataset, ImageTokens, LlavaTrainer};
+use train::trainer::Trainer;
+
+use crate::eval::{EvalArgs, EvalReport};
+use crate::generate::GenerateArgs;
+use crate::launch::{launch, Rank};
+use crate::progress::{Progress, StepLine};
+use crate::train_cmd::{interrupt_flag, save_or_stop, JsonLines, TrainArgs};
+
+/// The directory of `model` when it is a local LLaVA.
+pub fn llava_dir(model: &str) -> Option<PathBuf> {
+    let dir = Path::new(model);
+    llava::is_llava_dir(dir).then(|| dir.to_path_buf())
+}
+
+fn files(dir: &Path) -> Result<models::hub::ModelFiles> {
+    Ok(models::hub::from_dir(&dir.display().to_string(), dir)?)
+}
+
+/// The model's image processor (`preprocessor_config.json`).
+fn processor(dir: &Path) -> Result<ImageProcessor> {
+    let p = dir.join("preprocessor_config.json");
+    if !p.is_file() {
+        bail!(
+            "{} has no preprocessor_config.json (needed to read images)",
+            dir.display()
+        );
+    }
+    Ok(ImageProcessor::from_file(&p)?)
+}
+
+/// Pixel values `(n, C, H, W)` of `--images` files or a `--pixel-values` safetensors file.
+fn pixel_values(dir: &Path, images: &[PathBuf], file: Option<&Path>) -> Result<Option<Tensor>> {
+    match (images.is_empty(), file) {
+        (true, None) => Ok(None),
+        (false, Some(_)) => bail!("give --images or --pixel-values, not both"),
+        (true, Some(f)) => {
+            let t = candle_core::safetensors::load(f, &Device::Cpu)
+                .with_context(|| format!("--pixel-values {}", f.display()))?;
+            let pv = t.get("pixel_values").with_context(|| {
+                format!("--pixel-values {}: no tensor `pixel_values`", f.display())
+            })?;
+            if pv.rank() != 4 {
+                bail!(
+                    "--pixel-values {}: `pixel_values` must be (images, C, H, W), got {:?}",
+                    f.display(),
+                    pv.dims()
+                );
+            }
+            Ok(Some(pv.to_dtype(DType::F32)?))
+        }
+        (false, None) => {
+            let p = processor(dir)?;
+            let imgs = images
+                .iter()
+                .map(|f| p.preprocess_file(f).context("--images"))
+                .collect::<Result<Vec<_>>>()?;
+            Ok(Some(Tensor::stack(&imgs, 0)?))
+        }
+    }
+}
+
+/// `ids` with each single image token expanded to `per` of them (sequences that already hold
+/// whole runs are left as they are).
+fn expand_image_tokens(ids: &[u32], image: u32, per: usize) -> Vec<u32> {
+    let count = ids.iter().filter(|&&t| t == image).count();
+    if count == 0 || count % per == 0 && count >= per && runs_are_whole(ids, image, per) {
+        return ids.to_vec();
+    }
+    ids.iter()
+        .flat_map(|&t| {
+            if t == image {
+                vec![image; per]
+            } else {
+                vec![t]
+            }
+        })
+        .collect()
+}
+
+fn runs_are_whole(ids: &[u32], image: u32, per: usize) -> bool {
+    let mut run = 0;
+    for &t in ids.iter().chain(std::iter::once(&u32::MAX)) {
+        if t == image {
+            run += 1;
+        } else {
+            if run % per != 0 {
+                return false;
+            }
+            run = 0;
+        }
+    }
+    true
+}
+
+/// `cpl eval` on a LLaVA: each `--tokens` sequence with its images (in order: the images fill
+/// the image-token runs of the sequences one after the other).
+pub fn eval(args: &EvalArgs, dir: &Path) -> Result<(EvalReport, Vec<Tensor>)> {
+    let Some(tokens) = &args.tokens else {
+        bail!("--tokens: a LLaVA evaluates token sequences (a JSON array of token-id arrays) with --images");
+    };
+    let f = files(dir)?;
+    let cfg = LlavaConfig::from_file(&f.config)?;
+    let seqs = train::data::read_token_sequences(tokens, cfg.text().vocab_size, "--tokens")?;
+    let pv = pixel_values(dir, &args.images, args.pixel_values.as_deref())?;
+    let dtype = args.dtype.map(DType::from);
+    let want_logits = args.logits_out.is_some();
+    let out = launch(&args.layout, |rank: &Rank| {
+        let m = llava::load(&f, &rank.ctx, dtype, ParamMode::Frozen, Freeze::default())
+            .with_context(|| format!("loading {} with {}", dir.display(), args.layout.flags()))?;
+        let (per, image) = (m.model.tokens_per_image(), cfg.image_token());
+        let opts = CrossEntropyOptions::default();
+        let (mut sum, mut count, mut next_image) = (0f64, 0u64, 0usize);
+        let mut logits = Vec::new();
+        let start = std::time::Instant::now();
+        for seq in &seqs {
+            let ids = expand_image_tokens(seq, image, per);
+            let n_img = ids.iter().filter(|&&t| t == image).count() / per;
+            let imgs = match (&pv, n_img) {
+                (_, 0) => None,
+                (Some(p), n) if next_image + n <= p.dim(0)? => Some(p.narrow(0, next_image, n)?),
+                _ => bail!(
+                    "the sequences hold more image-token runs than the {} image(s) given",
+                    pv.as_ref().map(|p| p.dim(0).unwrap_or(0)).unwrap_or(0)
+                ),
+            };
+            next_image += n_img;
+            let labels: Vec<i64> = (0..ids.len())
+                .map(|i| match ids.get(i + 1) {
+                    Some(&t) if t != image => t as i64,
+                    _ => -100,
+                })
+                .collect();
+            let (s, c) = m.model.loss_sum(
+                std::slice::from_ref(&ids),
+                std::slice::from_ref(&labels),
+                imgs.as_ref(),
+                &opts,
+            )?;
+            sum += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            count += c as u64;
+            if want_logits {
+                let l = m.model.logits(std::slice::from_ref(&ids), imgs.as_ref())?;
+                let global = rank.ctx.gather_tokens(&l)?;
+                if rank.is_main() {
+                    logits.push(global.squeeze(0)?);
+                }
+            }
+        }
+        if let Some(p) = &pv {
+            if next_image != p.dim(0)? {
+                bail!(
+                    "{} image(s) given but the sequences hold {next_image} image-token run(s)",
+                    p.dim(0)?
+                );
+            }
+        }
+        let group = rank.mesh.group(&[Dim::Ulysses, Dim::Ring, Dim::Dp])?;
+        let t = group
+            .all_reduce(
+                &Tensor::new(&[sum, count as f64], &Device::Cpu)?,
+                ReduceOp::Sum,
+            )?
+            .to_vec1::<f64>()?;
+        let seconds = start.elapsed().as_secs_f64();
+        let loss = t[0] / t[1].max(1.0);
+        Ok((
+            EvalReport {
+                loss,
+                perplexity: loss.exp(),
+                tokens: t[1] as u64,
+                sequences: seqs.len(),
+                seconds,
+                tokens_per_sec: t[1] / seconds.max(1e-12),
+            },
+            logits,
+        ))
+    })?;
+    out.context("no result from rank 0")
+}
+
+/// `cpl generate --image FILE --prompt TEXT` on a LLaVA: the prompt as a user turn after the
+/// image, rendered by the model's chat template (else the built-in `plain`), continued greedily
+/// or by sampling. Each new token runs the whole sequence again (no KV cache for images yet).
+pub fn generate(args: &GenerateArgs, dir: &Path) -> Result<()> {
+    let Some(prompt) = &args.prompt else {
+        bail!("--prompt: the question about the image is required");
+    };
+    let f = files(dir)?;
+    let cfg = LlavaConfig::from_file(&f.config)?;
+    let tok = Tokenizer::from_model(&f)?;
+    let tpl = match ChatTemplate::from_model(&f)? {
+        Some(t) => t,
+        None => ChatTemplate::builtin_for("plain", &tok)?,
+    };
+    let image_text = tok.id_to_token(cfg.image_token()).with_context(|| {
+        format!(
+            "the tokenizer has no token for image_token_id {}",
+            cfg.image_token()
+        )
+    })?;
+    let content = if args.image.is_empty() {
+        prompt.clone()
+    } else {
+        format!("{}\n{prompt}", image_text.repeat(args.image.len()))
+    };
+    let conv = [Message::new("user", &content)];
+    let text = tpl.render(&conv, true)?;
+    let (ids, _) = tok.encode_with_offsets(&text)?;
+    let pv = pixel_values(dir, &args.image, None)?;
+    let dtype = args.dtype.map(DType::from);
+    let out = launch(&args.layout, |rank: &Rank| {
+        if rank.ctx.sequence_group().size() > 1 {
+            bail!("cpl generate on a LLaVA runs without sequence parallelism (tp is fine)");
+        }
+        let m = llava::load(&f, &rank.ctx, dtype, ParamMode::Frozen, Freeze::default())?;
+        let mut ids = expand_image_tokens(&ids, cfg.image_token(), m.model.tokens_per_image());
+        let start = ids.len();
+        let mut rng = crate::generate::Rng(args.seed);
+        for _ in 0..args.max_new_tokens {
+            let logits = m.model.logits(std::slice::from_ref(&ids), pv.as_ref())?;
+            let logits = rank.ctx.gather_tokens(&logits)?;
+            let last = logits.squeeze(0)?.get(ids.len() - 1)?.to_vec1::<f32>()?;
+            let next = crate::generate::sample(&last, args.temperature, args.top_p, &mut rng);
+            ids.push(next);
+            if Some(next) == tok.eos_token_id {
+                break;
+            }
+        }
+        Ok(ids[start..].to_vec())
+    })?;
+    if let Some(new) = out {
+        println!(
+            "{}",
+            tok.decode(&new, models::tokenizer::SpecialTokens::Drop)?
+        );
+    }
+    Ok(())
+}
+
+/// `cpl train` on a LLaVA: image-text conversations (`--data FILE.jsonl`, see
+/// [`train::multimodal`]), every layout and memory flag; `--freeze-vision-tower`,
+/// `--freeze-language-model` (projector-only pretraining: both).
+pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
+    if args.layout.pp > 1 {
+        bail!("--pp: LLaVA trains without pipeline stages");
+    }
+    let cfg = args.train_config()?;
+    let f = files(dir)?;
+    let lcfg = LlavaConfig::from_file(&f.config)?;
+    let tok = Tokenizer::from_model(&f)?;
+    let tpl = ChatTemplate::resolve(args.template.as_deref(), &f, &tok, "--template")
+        .or_else(|_| ChatTemplate::builtin_for("plain", &tok))?;
+    let proc_ = processor(dir)?;
+    let Some(data_path) = args.data.first() else {
+        bail!("--data: a JSON-lines file of conversations with images (messages + images)");
+    };
+    let freeze = Freeze {
+        vision_tower: args.freeze_vision_tower,
+        language_model: args.freeze_language_model,
+    };
+    // Tokens per image: from the config, without loading the model.
+    let vc = &lcfg.vision_config;
+    let per = vc.num_patches()
+        + usize::from(vc.kind("vision_config")? == models::vision::TowerKind::Clip)
+        - usize::from(lcfg.vision_feature_select_strategy == "default");
+    let data = ImageTextDataset::read(
+        data_path,
+        "--data",
+        &tpl,
+        &tok,
+        &proc_,
+        &ImageTokens {
+            image_token: lcfg.image_token(),
+            per_image: per,
+        },
+        cfg.seq_len,
+        tok.eos_token_id.unwrap_or(0),
+        TrainOn::default(),
+    )?;
+    std::fs::create_dir_all(&args.out)?;
+    let mut extra = Vec::new();
+    for p in [
+        Some(&f.config),
+        f.tokenizer.as_ref(),
+        f.tokenizer_config.as_ref(),
+        f.chat_template.as_ref(),
+        Some(&dir.join("preprocessor_config.json")),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        let name = p
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        extra.push((
+            name,
+            std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
+        ));
+    }
+    let interrupted = interrupt_flag()?;
+    let metrics_path = args.out.join("metrics.jsonl");
+    let dtype = args.dtype.map(DType::from);
+    let history = launch(&args.layout, |rank: &Rank| {
+        let m = llava::load(&f, &rank.ctx, dtype, ParamMode::Trainable, freeze)?;
+        let mut t = LlavaTrainer {
+            trainer: Trainer::new(m.model, &rank.mesh, &rank.ctx, cfg.clone())?,
+        };
+        let world = rank.world();
+        let main = rank.is_main();
+        let mut metrics = main
+            .then(|| JsonLines::continue_at(&metrics_path, 0))
+            .transpose()?;
+        let mut history = History::default();
+        let mut progress = main.then(|| Progress::new(cfg.steps, args.log_every));
+        while t.trainer.step < cfg.steps {
+            let t0 = std::time::Instant::now();
+            let s = t.step(&data)?;
+            let dt = t0.elapsed().as_secs_f64();
+            history.steps.push(s);
+            if let Some(f) = metrics.as_mut() {
+                f.write(
+                    &serde_json::json!({"step": s.step, "loss": s.loss, "lr": s.lr,
+                    "grad_norm": s.grad_norm, "trained_tokens": s.tokens, "seconds": dt}),
+                )?;
+            }
+            if let Some(p) = progress.as_mut() {
+                p.step(&StepLine {
+                    step: t.trainer.step,
+                    loss: s.loss,
+                    lr: s.lr,
+                    grad_norm: s.grad_norm,
+                    tokens_per_sec: (t.trainer.global_batch() * cfg.seq_len) as f64 / dt,
+                    mfu: f64::NAN,
+                    eta_secs: dt * (cfg.steps - t.trainer.step) as f64,
+                });
+            }
+            save_or_stop(
+                &t.trainer,
+                args,
+                cfg.steps,
+                &world,
+                &interrupted,
+                &extra,
+                &history,
+                progress.as_mut(),
+            )?;
+        }
+        Ok(history)
+    })?;
+    if let Some(h) = history {
+        if let (Some(a), Some(b)) = (h.steps.first(), h.steps.last()) {
+            eprintln!(
+                "loss {:.4} -> {:.4} over {} steps; metrics in {}",
+                a.loss,
+                b.loss,
+                h.steps.len(),
+                metrics_path.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `cpl inspect` of a LLaVA: the tower, the projector and the language model.
+pub fn inspect(dir: &Path) -> Result<()> {
+    let f = files(dir)?;
+    let cfg = LlavaConfig::from_file(&f.config)?;
+    let reader = CheckpointReader::open(&f.weights)?;
+    let layout = llava::KeyLayout::detect(&reader.names(), reader.location())?;
+    let v = &cfg.vision_config;
+    let t = cfg.text();
+    let count = |prefix: &str| -> usize {
+        reader
+            .names()
+            .iter()
+            .filter(|n| n.starts_with(prefix))
+            .filter_map(|n| reader.meta(n).ok())
+            .map(|m| m.shape.iter().product::<usize>())
+            .sum()
+    };
+    let (vp, pp, lp) = match layout {
+        llava::KeyLayout::StateDict => (
+            "model.vision_tower.",
+            "model.multi_modal_projector.",
+            "model.language_model.",
+        ),
+        llava::KeyLayout::Saved | llava::KeyLayout::V4 => {
+            ("vision_tower.", "multi_modal_projector.", "language_model.")
+        }
+    };
+    println!("model        {}", dir.display());
+    println!("architecture LlavaForConditionalGeneration ({layout:?} key layout)");
+    println!(
+        "vision tower {}: image {}x{}, patch {}, {} layers, hidden {}, {} heads, intermediate {}; {} params",
+        v.model_type, v.image_size, v.image_size, v.patch_size, v.num_hidden_layers, v.hidden_size,
+        v.num_attention_heads, v.intermediate_size, count(vp)
+    );
+    println!(
+        "             features: hidden state {}, strategy {}, {} image tokens per image (id {})",
+        match &cfg.vision_feature_layer {
+            llava::FeatureLayer::One(l) => l.to_string(),
+            llava::FeatureLayer::Many(v) => format!("{v:?}"),
+        },
+        cfg.vision_feature_select_strategy,
+        v.num_patches() + usize::from(v.model_type.starts_with("clip"))
+            - usize::from(cfg.vision_feature_select_strategy == "default"),
+        cfg.image_token()
+    );
+    println!(
+        "projector    linear_1 -> {} -> linear_2 ({} -> {}), bias {}; {} params",
+        cfg.projector_hidden_act,
+        v.hidden_size,
+        t.hidden_size,
+        cfg.multimodal_projector_bias,
+        count(pp)
+    );
+    println!(
+        "language     LLaMA: {} layers, hidden {}, {} heads / {} kv heads, vocab {}; {} params",
+        t.num_hidden_layers,
+        t.hidden_size,
+        t.num_attention_heads,
+        t.num_kv_heads(),
+        t.vocab_size,
+        count(lp) + count("lm_head.")
+    );
+    Ok(())
+}

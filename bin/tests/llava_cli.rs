@@ -1,0 +1,378 @@
+//! `cpl` on LLaVA models end to end: inspect, eval with image files or pixel values, training
+//! on image-text conversations under a layout against one rank (its checkpoint evaluates
+//! again), generation, and bad input.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{assert_clear_errors, cpl, fixtures, stderr, stdout, tmpdir};
+
+fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+fn model(name: &str) -> String {
+    s(&fixtures(&format!("llava/{name}")))
+}
+
+fn image(name: &str) -> PathBuf {
+    fixtures(&format!("llava/images/{name}"))
+}
+
+fn run_ok(args: &[String]) -> String {
+    let o = cpl(args);
+    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    stdout(&o)
+}
+
+fn args(a: &[&str]) -> Vec<String> {
+    a.iter().map(|x| x.to_string()).collect()
+}
+
+/// The reference batch's token ids (one image in sequence 0, two in sequence 1) as a --tokens
+/// file, and its pixel values as a --pixel-values file.
+fn inputs(dir: &Path) -> (PathBuf, PathBuf) {
+    let r = candle_core::safetensors::load(
+        fixtures("llava/clip/reference.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let ids = r["input_ids"].to_vec2::<i64>().unwrap();
+    let tokens = dir.join("ids.json");
+    std::fs::write(&tokens, serde_json::to_string(&ids).unwrap()).unwrap();
+    let pv = dir.join("pv.safetensors");
+    let map =
+        std::collections::HashMap::from([("pixel_values".to_string(), r["pixel_values"].clone())]);
+    candle_core::safetensors::save(&map, &pv).unwrap();
+    (tokens, pv)
+}
+
+fn loss(out: &str) -> f64 {
+    let v: serde_json::Value = serde_json::from_str(out).unwrap();
+    v["loss"].as_f64().unwrap()
+}
+
+#[test]
+fn inspect_and_eval_with_images_or_pixel_values() {
+    let out = run_ok(&args(&["inspect", "--model", &model("clip")]));
+    assert!(
+        out.contains("vision tower clip_vision_model")
+            && out.contains("projector")
+            && out.contains("16 image tokens"),
+        "{out}"
+    );
+    let d = tmpdir("llava-eval");
+    let (tokens, pv) = inputs(&d);
+    let imgs = format!(
+        "{},{},{}",
+        s(&image("a.png")),
+        s(&image("b.png")),
+        s(&image("c.jpg"))
+    );
+    let with_files = loss(&run_ok(&args(&[
+        "eval",
+        "--model",
+        &model("clip"),
+        "--tokens",
+        &s(&tokens),
+        "--images",
+        &imgs,
+        "--json",
+    ])));
+    let with_pv = loss(&run_ok(&args(&[
+        "eval",
+        "--model",
+        &model("clip"),
+        "--tokens",
+        &s(&tokens),
+        "--pixel-values",
+        &s(&pv),
+        "--json",
+    ])));
+    let ring = loss(&run_ok(&args(&[
+        "eval",
+        "--model",
+        &model("clip"),
+        "--tokens",
+        &s(&tokens),
+        "--pixel-values",
+        &s(&pv),
+        "--json",
+        "--ranks",
+        "4",
+        "--ring",
+        "2",
+        "--tp",
+        "2",
+    ])));
+    // The JPEG's decoders differ in a few pixels' last bit (see tests/llava.rs).
+    assert!(
+        (with_files - with_pv).abs() / with_pv < 1e-3,
+        "{with_files} vs {with_pv}"
+    );
+    assert!(
+        (ring - with_pv).abs() / with_pv < 1e-5,
+        "{ring} vs {with_pv}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+fn conversations(dir: &Path) -> PathBuf {
+    let f = dir.join("mm.jsonl");
+    let line = |content: &str, reply: &str, imgs: &[&str]| {
+        let images: Vec<String> = imgs.iter().map(|i| s(&image(i))).collect();
+        serde_json::json!({"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": reply}], "images": images}).to_string()
+    };
+    let text = [
+        line(
+            "<image>what is the miller doing?",
+            "the miller grinds the corn.",
+            &["a.png"],
+        ),
+        line(
+            "compare <image> and <image>",
+            "the first is brighter.",
+            &["b.png", "c.jpg"],
+        ),
+        line("a question without image", "an answer.", &[]),
+        line("<image>and this one?", "a darker one.", &["c.jpg"]),
+    ]
+    .join("\n");
+    std::fs::write(&f, text + "\n").unwrap();
+    f
+}
+
+fn metrics(out: &Path) -> Vec<f64> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn training_on_conversations_matches_one_rank_and_saves_a_llava() {
+    let d = tmpdir("llava-train");
+    let data = conversations(&d);
+    let base = |out: &Path, extra: &[&str]| -> Vec<String> {
+        let mut a = args(&[
+            "train",
+            "--model",
+            &model("clip"),
+            "--data",
+            &s(&data),
+            "--seq-len",
+            "96",
+            "--steps",
+            "3",
+            "--batch",
+            "1",
+            "--grad-accum",
+            "2",
+            "--lr",
+            "1e-3",
+            "--warmup",
+            "0",
+            "--out",
+            &s(out),
+        ]);
+        a.extend(extra.iter().map(|x| x.to_string()));
+        a
+    };
+    let one = d.join("one");
+    run_ok(&base(&one, &[]));
+    let want = metrics(&one);
+    assert_eq!(want.len(), 3);
+    assert!(want[2] < want[0], "{want:?}");
+    for (tag, flags) in [
+        ("usp", vec!["--ranks", "4", "--ulysses", "2", "--ring", "2"]),
+        (
+            "tp-sp-zero3",
+            vec![
+                "--ranks",
+                "4",
+                "--tp",
+                "2",
+                "--ring",
+                "2",
+                "--tp-sp",
+                "--zero",
+                "3",
+                "--checkpointing",
+                "full",
+            ],
+        ),
+    ] {
+        let out = d.join(tag);
+        run_ok(&base(&out, &flags));
+        for (a, b) in metrics(&out).iter().zip(&want) {
+            assert!((a - b).abs() / b < 1e-5, "{tag}: {a} vs {b}");
+        }
+    }
+    // Projector-only pretraining: the tower and the language model are saved unchanged.
+    let frozen = d.join("frozen");
+    run_ok(&base(
+        &frozen,
+        &["--freeze-vision-tower", "--freeze-language-model"],
+    ));
+    let before = candle_core::safetensors::load(
+        fixtures("llava/clip/model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let after = candle_core::safetensors::load(
+        frozen.join("step-3/model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    assert_eq!(before.len(), after.len());
+    for (k, w) in &before {
+        let same = (&after[k] - w)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            == 0.0;
+        assert_eq!(same, !k.starts_with("multi_modal_projector"), "{k}");
+    }
+    // The checkpoint is a LLaVA directory again.
+    let (tokens, pv) = inputs(&d);
+    run_ok(&args(&[
+        "eval",
+        "--model",
+        &s(&one.join("step-3")),
+        "--tokens",
+        &s(&tokens),
+        "--pixel-values",
+        &s(&pv),
+        "--json",
+    ]));
+    // Generation runs on it (the tiny model may well answer with its end-of-sequence token).
+    run_ok(&args(&[
+        "generate",
+        "--model",
+        &s(&one.join("step-3")),
+        "--image",
+        &s(&image("a.png")),
+        "--prompt",
+        "what is this?",
+        "--max-new-tokens",
+        "4",
+        "--temperature",
+        "0",
+    ]));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn bad_multimodal_input_fails_with_a_clear_error() {
+    let d = tmpdir("llava-bad");
+    let (tokens, _) = inputs(&d);
+    let corrupt = d.join("corrupt.png");
+    std::fs::write(&corrupt, b"\x89PNG\r\n\x1a\n not an image").unwrap();
+    let mismatch = d.join("mismatch.jsonl");
+    std::fs::write(
+        &mismatch,
+        serde_json::json!({"messages": [{"role": "user", "content": "<image><image> two?"}, {"role": "assistant", "content": "one"}], "images": [s(&image("a.png"))]}).to_string() + "\n",
+    )
+    .unwrap();
+    let bad_tower = d.join("badtower");
+    std::fs::create_dir_all(&bad_tower).unwrap();
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "preprocessor_config.json",
+    ] {
+        std::fs::copy(fixtures("llava/clip").join(f), bad_tower.join(f)).unwrap();
+    }
+    let cfg = std::fs::read_to_string(bad_tower.join("config.json")).unwrap();
+    std::fs::write(
+        bad_tower.join("config.json"),
+        cfg.replace("clip_vision_model", "dino_vision_model"),
+    )
+    .unwrap();
+    let (t, c, m, b) = (s(&tokens), s(&corrupt), s(&mismatch), s(&bad_tower));
+    let a = s(&image("a.png"));
+    let out = s(&d.join("out"));
+    assert_clear_errors(&[
+        (
+            args(&[
+                "eval",
+                "--model",
+                &model("clip"),
+                "--tokens",
+                &t,
+                "--images",
+                &a,
+            ]),
+            "image",
+        ),
+        (
+            args(&[
+                "eval",
+                "--model",
+                &model("clip"),
+                "--tokens",
+                &t,
+                "--images",
+                "/nonexistent/x.png",
+            ]),
+            "/nonexistent/x.png",
+        ),
+        (
+            args(&[
+                "eval",
+                "--model",
+                &model("clip"),
+                "--tokens",
+                &t,
+                "--images",
+                &c,
+            ]),
+            "corrupt.png",
+        ),
+        (
+            args(&["eval", "--model", &b, "--tokens", &t, "--images", &a]),
+            "dino_vision_model",
+        ),
+        (
+            args(&[
+                "train",
+                "--model",
+                &model("clip"),
+                "--data",
+                &m,
+                "--seq-len",
+                "96",
+                "--steps",
+                "1",
+                "--out",
+                &out,
+            ]),
+            "2 <image> placeholder(s) but 1 image(s)",
+        ),
+        (
+            args(&[
+                "eval",
+                "--model",
+                &model("..").replace("llava/..", "llama/mha"),
+                "--tokens",
+                &t,
+                "--images",
+                &a,
+            ]),
+            "not one",
+        ),
+    ]);
+    let _ = std::fs::remove_dir_all(&d);
+}

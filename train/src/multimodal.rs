@@ -1,0 +1,286 @@
+//! Training LLaVA-style vision-language models on image-text conversations.
+//!
+//! Data: the sharegpt-with-images JSON-lines format (LLaMA-Factory's `mllm` datasets): a
+//! conversation (`messages`, or `conversations`) whose turns hold `<image>` placeholders, and
+//! `images`, the image files (paths relative to the data file) in the order of the
+//! placeholders. Each conversation is rendered by the chat template and tokenized with its
+//! trained-token mask ([`crate::chat`]); every image token of the text is then expanded to the
+//! model's tokens per image (untrained), and the images are preprocessed by the model's image
+//! processor. One conversation per sequence, padded (or truncated) to `seq_len`.
+//!
+//! The step ([`LlavaTrainer::step`]) is the trainer's: the summed loss of each micro-batch over
+//! the global count of trained tokens, gradients collected and applied by [`Trainer`].
+
+use std::path::{Path, PathBuf};
+
+use candle_core::Tensor;
+use candle_parallel::nn::CrossEntropyOptions;
+use models::llava::preprocess::ImageProcessor;
+use models::llava::Llava;
+use models::tokenizer::Tokenizer;
+
+use crate::chat::{ChatTemplate, Conversation, TrainOn};
+use crate::data::{Sampler, IGNORE};
+use crate::error::{Error, Result};
+use crate::trainer::{StepStats, TrainModel, Trainer};
+
+impl TrainModel for Llava {
+    /// Checkpoints are written as transformers 5 writes them.
+    fn saved_name(&self, name: &str) -> String {
+        models::llava::KeyLayout::Saved.stored(name)
+    }
+}
+
+/// One conversation with its images.
+#[derive(Debug, Clone)]
+pub struct ImageExample {
+    /// Token ids with every image's run of image tokens, padded to the sequence length.
+    pub ids: Vec<u32>,
+    /// Next-token labels ([`IGNORE`] on image tokens, untrained tokens and padding).
+    pub labels: Vec<i64>,
+    /// `(images, C, H, W)` pixel values, or none for a text-only example.
+    pub pixel_values: Option<Tensor>,
+}
+
+/// A dataset of image-text conversations (see the [module docs](self)).
+pub struct ImageTextDataset {
+    pub examples: Vec<ImageExample>,
+}
+
+/// What the reader needs of the model.
+pub struct ImageTokens {
+    pub image_token: u32,
+    pub per_image: usize,
+}
+
+/// One record of the file: the conversation and its image paths.
+fn read_records(path: &Path, flag: &str) -> Result<Vec<(Conversation, Vec<PathBuf>)>> {
+    let err = |msg: String| Error::Data {
+        flag: flag.into(),
+        path: path.to_path_buf(),
+        msg,
+    };
+    let convs = crate::chat::read_conversations(path, flag)?;
+    let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read: {e}")))?;
+    let base = path.parent().unwrap_or(Path::new("."));
+    let mut images = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(line)
+            .map_err(|e| err(format!("line {}: not valid JSON: {e}", i + 1)))?;
+        let list = match &v["images"] {
+            serde_json::Value::Null => Vec::new(),
+            serde_json::Value::Array(a) => a
+                .iter()
+                .map(|x| {
+                    x.as_str()
+                        .map(|s| base.join(s))
+                        .ok_or_else(|| err(format!("line {}: images holds {x}, not a path", i + 1)))
+                })
+                .collect::<Result<Vec<_>>>()?,
+            other => {
+                return Err(err(format!(
+                    "line {}: images is {other}, not a list",
+                    i + 1
+                )))
+            }
+        };
+        images.push(list);
+    }
+    if images.len() != convs.len() {
+        return Err(err(format!(
+            "{} conversations but {} records (only JSON-lines files are read here)",
+            convs.len(),
+            images.len()
+        )));
+    }
+    Ok(convs.into_iter().zip(images).collect())
+}
+
+impl ImageTextDataset {
+    /// Reads, renders, tokenizes and preprocesses the file (see the [module docs](self)).
+    /// A conversation longer than `seq_len` is truncated. Errors name the file and line: a
+    /// number of `<image>` placeholders other than the number of images, a missing or
+    /// unreadable image, an image whose tokens would be cut by the window.
+    #[allow(clippy::too_many_arguments)]
+    pub fn read(
+        path: &Path,
+        flag: &str,
+        tpl: &ChatTemplate,
+        tok: &Tokenizer,
+        processor: &ImageProcessor,
+        image: &ImageTokens,
+        seq_len: usize,
+        pad_id: u32,
+        train_on: TrainOn,
+    ) -> Result<Self> {
+        let mut examples = Vec::new();
+        for (conv, paths) in read_records(path, flag)? {
+            let t = crate::chat::tokenize_conversation(tpl, tok, &conv, train_on)?;
+            let placeholders = t.ids.iter().filter(|&&x| x == image.image_token).count();
+            if placeholders != paths.len() {
+                return Err(Error::Data {
+                    flag: flag.into(),
+                    path: path.to_path_buf(),
+                    msg: format!(
+                        "{}: {placeholders} <image> placeholder(s) but {} image(s)",
+                        conv.source,
+                        paths.len()
+                    ),
+                });
+            }
+            let (mut ids, mut trained) = (Vec::new(), Vec::new());
+            for (&id, &tr) in t.ids.iter().zip(&t.trained) {
+                if id == image.image_token {
+                    ids.extend(std::iter::repeat_n(id, image.per_image));
+                    trained.extend(std::iter::repeat_n(false, image.per_image));
+                } else {
+                    ids.push(id);
+                    trained.push(tr);
+                }
+            }
+            if ids.len() > seq_len {
+                // Truncated, as long as every image's tokens stay whole in the window.
+                if ids[seq_len..].contains(&image.image_token) {
+                    return Err(Error::Data {
+                        flag: flag.into(),
+                        path: path.to_path_buf(),
+                        msg: format!(
+                            "{}: {} tokens with its images' tokens, and an image past --seq-len \
+                             {seq_len}",
+                            conv.source,
+                            ids.len()
+                        ),
+                    });
+                }
+                ids.truncate(seq_len);
+                trained.truncate(seq_len);
+            }
+            let mut labels: Vec<i64> = (0..ids.len())
+                .map(|i| match (ids.get(i + 1), trained.get(i + 1)) {
+                    (Some(&t), Some(true)) => t as i64,
+                    _ => IGNORE,
+                })
+                .collect();
+            let pad = seq_len - ids.len();
+            ids.extend(std::iter::repeat_n(pad_id, pad));
+            labels.extend(std::iter::repeat_n(IGNORE, pad));
+            let pixel_values = if paths.is_empty() {
+                None
+            } else {
+                let imgs = paths
+                    .iter()
+                    .map(|p| {
+                        processor.preprocess_file(p).map_err(|e| Error::Data {
+                            flag: flag.into(),
+                            path: path.to_path_buf(),
+                            msg: format!("{}: {e}", conv.source),
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Some(Tensor::stack(&imgs, 0)?)
+            };
+            examples.push(ImageExample {
+                ids,
+                labels,
+                pixel_values,
+            });
+        }
+        if examples.is_empty() {
+            return Err(Error::Data {
+                flag: flag.into(),
+                path: path.to_path_buf(),
+                msg: "holds no conversation".into(),
+            });
+        }
+        Ok(Self { examples })
+    }
+}
+
+/// A trainer of a LLaVA model on [`ImageTextDataset`]s.
+pub struct LlavaTrainer {
+    pub trainer: Trainer<Llava>,
+}
+
+/// A micro-batch: token rows, label rows and the images in order.
+pub type ImageBatch = (Vec<Vec<u32>>, Vec<Vec<i64>>, Option<Tensor>);
+
+impl LlavaTrainer {
+    fn sampler(&self, data: &ImageTextDataset) -> Sampler {
+        Sampler {
+            num_windows: data.examples.len(),
+            seed: self.trainer.cfg.seed,
+            shuffle: self.trainer.cfg.shuffle,
+        }
+    }
+
+    /// The examples of `step` for data-parallel rank `d`, in micro-batches.
+    fn micro_batches(
+        &self,
+        data: &ImageTextDataset,
+        step: u64,
+        d: usize,
+    ) -> Result<Vec<ImageBatch>> {
+        let c = &self.trainer.cfg;
+        let s = self.sampler(data);
+        let picked: Vec<&ImageExample> = s
+            .samples(step, self.trainer.batching().dp, d, c.batch * c.grad_accum)
+            .into_iter()
+            .map(|k| &data.examples[s.window_of(k)])
+            .collect();
+        picked
+            .chunks(c.batch)
+            .map(|m| {
+                let ids = m.iter().map(|e| e.ids.clone()).collect();
+                let labels = m.iter().map(|e| e.labels.clone()).collect();
+                let imgs: Vec<&Tensor> = m.iter().filter_map(|e| e.pixel_values.as_ref()).collect();
+                let pv = if imgs.is_empty() {
+                    None
+                } else {
+                    Some(Tensor::cat(&imgs, 0)?)
+                };
+                Ok((ids, labels, pv))
+            })
+            .collect()
+    }
+
+    /// Trained tokens of the global batch of `step`.
+    fn global_tokens(&self, data: &ImageTextDataset, step: u64) -> Result<u64> {
+        let mut n = 0u64;
+        for d in 0..self.trainer.batching().dp {
+            for (_, labels, _) in self.micro_batches(data, step, d)? {
+                n += labels.iter().flatten().filter(|&&l| l != IGNORE).count() as u64;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Runs optimizer step `self.trainer.step` and advances. Collective over the world.
+    pub fn step(&mut self, data: &ImageTextDataset) -> Result<StepStats> {
+        let step = self.trainer.step;
+        let total = self.global_tokens(data, step)?;
+        if total == 0 {
+            return Err(Error::Invalid(format!(
+                "step {step}: no trained token in the batch"
+            )));
+        }
+        let opts = CrossEntropyOptions {
+            chunk_tokens: self.trainer.cfg.loss_chunk_tokens,
+            ..Default::default()
+        };
+        let mut acc = Vec::new();
+        let mut loss = 0f64;
+        for (ids, labels, pv) in self.micro_batches(data, step, self.trainer.dp_rank())? {
+            let (sum, _) = self
+                .trainer
+                .model
+                .loss_sum(&ids, &labels, pv.as_ref(), &opts)?;
+            let (s, grads) = self.trainer.backward_collect(&sum, total)?;
+            loss += s;
+            candle_parallel::optim::accumulate(&mut acc, grads)?;
+        }
+        self.trainer.apply_step(acc, loss, total, None)
+    }
+}
