@@ -14,7 +14,7 @@ use models::llava::preprocess::ImageProcessor;
 use models::llava::{self, Freeze, LlavaConfig};
 use models::tokenizer::Tokenizer;
 use train::chat::{ChatTemplate, Message, TrainOn};
-use train::checkpoint::History;
+use train::checkpoint::{self, History};
 use train::multimodal::{ImageTextDataset, ImageTokens, LlavaTrainer};
 use train::trainer::Trainer;
 
@@ -36,14 +36,7 @@ fn files(dir: &Path) -> Result<models::hub::ModelFiles> {
 
 /// The model's image processor (`preprocessor_config.json`).
 fn processor(dir: &Path) -> Result<ImageProcessor> {
-    let p = dir.join("preprocessor_config.json");
-    if !p.is_file() {
-        bail!(
-            "{} has no preprocessor_config.json (needed to read images)",
-            dir.display()
-        );
-    }
-    Ok(ImageProcessor::from_file(&p)?)
+    Ok(ImageProcessor::from_dir(dir)?)
 }
 
 /// Pixel values `(n, C, H, W)` of `--images` files or a `--pixel-values` safetensors file.
@@ -122,6 +115,12 @@ pub fn eval(args: &EvalArgs, dir: &Path) -> Result<(EvalReport, Vec<Tensor>)> {
     let pv = pixel_values(dir, &args.images, args.pixel_values.as_deref())?;
     let dtype = args.dtype.map(DType::from);
     let want_logits = args.logits_out.is_some();
+    if args.adapter.is_some() {
+        bail!(
+            "--adapter: LoRA adapters are for language models; {} is a LLaVA",
+            dir.display()
+        );
+    }
     let out = launch(&args.layout, |rank: &Rank| {
         let m = llava::load(&f, &rank.ctx, dtype, ParamMode::Frozen, Freeze::default())
             .with_context(|| format!("loading {} with {}", dir.display(), args.layout.flags()))?;
@@ -130,18 +129,28 @@ pub fn eval(args: &EvalArgs, dir: &Path) -> Result<(EvalReport, Vec<Tensor>)> {
         let (mut sum, mut count, mut next_image) = (0f64, 0u64, 0usize);
         let mut logits = Vec::new();
         let start = std::time::Instant::now();
-        for seq in &seqs {
+        let (dp, dp_rank) = (rank.mesh.size(Dim::Dp), rank.mesh.coord(Dim::Dp));
+        for (i, seq) in seqs.iter().enumerate() {
             let ids = expand_image_tokens(seq, image, per);
             let n_img = ids.iter().filter(|&&t| t == image).count() / per;
+            let first_image = next_image;
+            next_image += n_img;
+            // Each data-parallel rank scores its share of the sequences (all of them for
+            // --logits-out, which rank 0 writes).
+            let mine = i % dp == dp_rank;
+            if !mine && !want_logits {
+                continue;
+            }
             let imgs = match (&pv, n_img) {
                 (_, 0) => None,
-                (Some(p), n) if next_image + n <= p.dim(0)? => Some(p.narrow(0, next_image, n)?),
+                (Some(p), n) if first_image + n <= p.dim(0)? => {
+                    Some(p.narrow(0, first_image, n)?)
+                }
                 _ => bail!(
                     "the sequences hold more image-token runs than the {} image(s) given",
                     pv.as_ref().map(|p| p.dim(0).unwrap_or(0)).unwrap_or(0)
                 ),
             };
-            next_image += n_img;
             let labels: Vec<i64> = (0..ids.len())
                 .map(|i| match ids.get(i + 1) {
                     Some(&t) if t != image => t as i64,
@@ -154,8 +163,10 @@ pub fn eval(args: &EvalArgs, dir: &Path) -> Result<(EvalReport, Vec<Tensor>)> {
                 imgs.as_ref(),
                 &opts,
             )?;
-            sum += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            count += c as u64;
+            if mine {
+                sum += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                count += c as u64;
+            }
             if want_logits {
                 let l = m.model.logits(std::slice::from_ref(&ids), imgs.as_ref())?;
                 let global = rank.ctx.gather_tokens(&l)?;
@@ -179,7 +190,13 @@ pub fn eval(args: &EvalArgs, dir: &Path) -> Result<(EvalReport, Vec<Tensor>)> {
                 ReduceOp::Sum,
             )?
             .to_vec1::<f64>()?;
-        let seconds = start.elapsed().as_secs_f64();
+        let seconds = rank
+            .world()
+            .all_reduce(
+                &Tensor::new(&[start.elapsed().as_secs_f64()], &Device::Cpu)?,
+                ReduceOp::Max,
+            )?
+            .to_vec1::<f64>()?[0];
         let loss = t[0] / t[1].max(1.0);
         Ok((
             EvalReport {
@@ -203,6 +220,17 @@ pub fn generate(args: &GenerateArgs, dir: &Path) -> Result<()> {
     let Some(prompt) = &args.prompt else {
         bail!("--prompt: the question about the image is required");
     };
+    if args.adapter.is_some() {
+        bail!(
+            "--adapter: LoRA adapters are for language models; {} is a LLaVA",
+            dir.display()
+        );
+    }
+    if args.layout.tp_sp || args.layout.ulysses > 1 || args.layout.ring > 1 {
+        bail!(
+            "cpl generate on a LLaVA runs without sequence parallelism or --tp-sp (--tp is fine)"
+        );
+    }
     let f = files(dir)?;
     let cfg = LlavaConfig::from_file(&f.config)?;
     let tok = Tokenizer::from_model(&f)?;
@@ -262,16 +290,45 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
     if args.layout.pp > 1 {
         bail!("--pp: LLaVA trains without pipeline stages");
     }
+    // Flags of text or diffusion training that mean nothing here are errors, not ignored.
+    if args.tokens.is_some() || !args.eval_data.is_empty() || args.eval_tokens.is_some() {
+        bail!(
+            "--tokens, --eval-data and --eval-tokens are for text models; a LLaVA trains on \
+             --data conversations with images"
+        );
+    }
+    if args.doc_mask || args.from_scratch {
+        bail!(
+            "--doc-mask and --from-scratch do not apply to a LLaVA (one conversation per \
+             sequence, weights from --model)"
+        );
+    }
     let cfg = args.train_config()?;
-    let f = files(dir)?;
+    // --resume: the model (and optimizer) of the last checkpoint in --out.
+    let resume = if args.resume {
+        match checkpoint::list_checkpoints(&args.out).pop() {
+            Some((_, d)) => Some(d),
+            None => bail!("--resume: no checkpoint in {}", args.out.display()),
+        }
+    } else {
+        None
+    };
+    let model_dir = resume.clone().unwrap_or_else(|| dir.to_path_buf());
+    let f = files(&model_dir)?;
     let lcfg = LlavaConfig::from_file(&f.config)?;
     let tok = Tokenizer::from_model(&f)?;
-    let tpl = ChatTemplate::resolve(args.template.as_deref(), &f, &tok, "--template")
-        .or_else(|_| ChatTemplate::builtin_for("plain", &tok))?;
-    let proc_ = processor(dir)?;
-    let Some(data_path) = args.data.first() else {
-        bail!("--data: a JSON-lines file of conversations with images (messages + images)");
+    let tpl = match &args.template {
+        Some(spec) => ChatTemplate::resolve(Some(spec), &f, &tok, "--template")
+            .with_context(|| format!("--template {spec}"))?,
+        None => match ChatTemplate::from_model(&f)? {
+            Some(t) => t,
+            None => ChatTemplate::builtin_for("plain", &tok)?,
+        },
     };
+    let proc_ = processor(&model_dir)?;
+    if args.data.is_empty() {
+        bail!("--data: JSON-lines files of conversations with images (messages + images)");
+    }
     let freeze = Freeze {
         vision_tower: args.freeze_vision_tower,
         language_model: args.freeze_language_model,
@@ -281,20 +338,32 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
     let per = vc.num_patches()
         + usize::from(vc.kind("vision_config")? == models::vision::TowerKind::Clip)
         - usize::from(lcfg.vision_feature_select_strategy == "default");
-    let data = ImageTextDataset::read(
-        data_path,
-        "--data",
-        &tpl,
-        &tok,
-        &proc_,
-        &ImageTokens {
-            image_token: lcfg.image_token(),
-            per_image: per,
-        },
-        cfg.seq_len,
-        tok.eos_token_id.unwrap_or(0),
-        TrainOn::default(),
-    )?;
+    let mut data: Option<ImageTextDataset> = None;
+    for data_path in &args.data {
+        let more = ImageTextDataset::read(
+            data_path,
+            "--data",
+            &tpl,
+            &tok,
+            &proc_,
+            &ImageTokens {
+                image_token: lcfg.image_token(),
+                per_image: per,
+            },
+            cfg.seq_len,
+            tok.eos_token_id.unwrap_or(0),
+            TrainOn::default(),
+        )?;
+        match &mut data {
+            Some(d) => d.examples.extend(more.examples),
+            None => data = Some(more),
+        }
+    }
+    let data = data.context("no data")?;
+    let state = resume
+        .as_ref()
+        .map(|d| checkpoint::read_state(d))
+        .transpose()?;
     std::fs::create_dir_all(&args.out)?;
     let mut extra = Vec::new();
     for p in [
@@ -302,11 +371,18 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         f.tokenizer.as_ref(),
         f.tokenizer_config.as_ref(),
         f.chat_template.as_ref(),
-        Some(&dir.join("preprocessor_config.json")),
+        f.generation_config.as_ref(),
     ]
     .into_iter()
     .flatten()
-    {
+    .cloned()
+    .chain(
+        ["preprocessor_config.json", "processor_config.json"]
+            .into_iter()
+            .map(|n| model_dir.join(n))
+            .filter(|p| p.is_file()),
+    ) {
+        let p = &p;
         let name = p
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -324,12 +400,18 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         let mut t = LlavaTrainer {
             trainer: Trainer::new(m.model, &rank.mesh, &rank.ctx, cfg.clone())?,
         };
+        if let (Some(d), Some(st)) = (&resume, &state) {
+            checkpoint::restore(&mut t.trainer, d, st)?;
+        }
         let world = rank.world();
         let main = rank.is_main();
         let mut metrics = main
-            .then(|| JsonLines::continue_at(&metrics_path, 0))
+            .then(|| JsonLines::continue_at(&metrics_path, t.trainer.step))
             .transpose()?;
-        let mut history = History::default();
+        let mut history: History = state
+            .as_ref()
+            .map(|s| s.history.clone())
+            .unwrap_or_default();
         let mut progress = main.then(|| Progress::new(cfg.steps, args.log_every));
         while t.trainer.step < cfg.steps {
             let t0 = std::time::Instant::now();

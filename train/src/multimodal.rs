@@ -25,9 +25,10 @@ use crate::error::{Error, Result};
 use crate::trainer::{StepStats, TrainModel, Trainer};
 
 impl TrainModel for Llava {
-    /// Checkpoints are written as transformers 5 writes them.
+    /// Checkpoints are written in transformers 4's layout (`vision_tower.vision_model.*`),
+    /// which transformers 4 and 5 both read.
     fn saved_name(&self, name: &str) -> String {
-        models::llava::KeyLayout::Saved.stored(name)
+        models::llava::KeyLayout::V4.stored(name)
     }
 }
 
@@ -38,13 +39,38 @@ pub struct ImageExample {
     pub ids: Vec<u32>,
     /// Next-token labels ([`IGNORE`] on image tokens, untrained tokens and padding).
     pub labels: Vec<i64>,
-    /// `(images, C, H, W)` pixel values, or none for a text-only example.
-    pub pixel_values: Option<Tensor>,
+    /// The image files, in the order of the image-token runs (read when the example trains).
+    pub images: Vec<PathBuf>,
+    /// Where the example comes from (`FILE line N`).
+    pub source: String,
 }
 
-/// A dataset of image-text conversations (see the [module docs](self)).
+/// A dataset of image-text conversations (see the [module docs](self)). Images are decoded and
+/// preprocessed when their example is drawn, not kept in memory.
 pub struct ImageTextDataset {
     pub examples: Vec<ImageExample>,
+    pub processor: ImageProcessor,
+}
+
+impl ImageTextDataset {
+    /// The pixel values `(images, C, H, W)` of example `i` (none for a text-only one). Errors
+    /// name the example and the image.
+    pub fn pixel_values(&self, i: usize) -> Result<Option<Tensor>> {
+        let e = &self.examples[i];
+        if e.images.is_empty() {
+            return Ok(None);
+        }
+        let imgs = e
+            .images
+            .iter()
+            .map(|p| {
+                self.processor
+                    .preprocess_file(p)
+                    .map_err(|err| Error::Invalid(format!("{}: {err}", e.source)))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(Tensor::stack(&imgs, 0)?))
+    }
 }
 
 /// What the reader needs of the model.
@@ -167,25 +193,22 @@ impl ImageTextDataset {
             let pad = seq_len - ids.len();
             ids.extend(std::iter::repeat_n(pad_id, pad));
             labels.extend(std::iter::repeat_n(IGNORE, pad));
-            let pixel_values = if paths.is_empty() {
-                None
-            } else {
-                let imgs = paths
-                    .iter()
-                    .map(|p| {
-                        processor.preprocess_file(p).map_err(|e| Error::Data {
-                            flag: flag.into(),
-                            path: path.to_path_buf(),
-                            msg: format!("{}: {e}", conv.source),
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                Some(Tensor::stack(&imgs, 0)?)
-            };
+            if let Some(missing) = paths.iter().find(|p| !p.is_file()) {
+                return Err(Error::Data {
+                    flag: flag.into(),
+                    path: path.to_path_buf(),
+                    msg: format!(
+                        "{}: image {} does not exist",
+                        conv.source,
+                        missing.display()
+                    ),
+                });
+            }
             examples.push(ImageExample {
                 ids,
                 labels,
-                pixel_values,
+                images: paths,
+                source: conv.source.clone(),
             });
         }
         if examples.is_empty() {
@@ -195,7 +218,10 @@ impl ImageTextDataset {
                 msg: "holds no conversation".into(),
             });
         }
-        Ok(Self { examples })
+        Ok(Self {
+            examples,
+            processor: processor.clone(),
+        })
     }
 }
 
@@ -216,7 +242,17 @@ impl LlavaTrainer {
         }
     }
 
-    /// The examples of `step` for data-parallel rank `d`, in micro-batches.
+    /// The example indices of `step` for data-parallel rank `d`.
+    fn picked(&self, data: &ImageTextDataset, step: u64, d: usize) -> Vec<usize> {
+        let c = &self.trainer.cfg;
+        let s = self.sampler(data);
+        s.samples(step, self.trainer.batching().dp, d, c.batch * c.grad_accum)
+            .into_iter()
+            .map(|k| s.window_of(k))
+            .collect()
+    }
+
+    /// This rank's micro-batches of `step`, their images read now.
     fn micro_batches(
         &self,
         data: &ImageTextDataset,
@@ -224,18 +260,15 @@ impl LlavaTrainer {
         d: usize,
     ) -> Result<Vec<ImageBatch>> {
         let c = &self.trainer.cfg;
-        let s = self.sampler(data);
-        let picked: Vec<&ImageExample> = s
-            .samples(step, self.trainer.batching().dp, d, c.batch * c.grad_accum)
-            .into_iter()
-            .map(|k| &data.examples[s.window_of(k)])
-            .collect();
-        picked
+        self.picked(data, step, d)
             .chunks(c.batch)
             .map(|m| {
-                let ids = m.iter().map(|e| e.ids.clone()).collect();
-                let labels = m.iter().map(|e| e.labels.clone()).collect();
-                let imgs: Vec<&Tensor> = m.iter().filter_map(|e| e.pixel_values.as_ref()).collect();
+                let ids = m.iter().map(|&i| data.examples[i].ids.clone()).collect();
+                let labels = m.iter().map(|&i| data.examples[i].labels.clone()).collect();
+                let mut imgs = Vec::new();
+                for &i in m {
+                    imgs.extend(data.pixel_values(i)?);
+                }
                 let pv = if imgs.is_empty() {
                     None
                 } else {
@@ -246,21 +279,24 @@ impl LlavaTrainer {
             .collect()
     }
 
-    /// Trained tokens of the global batch of `step`.
-    fn global_tokens(&self, data: &ImageTextDataset, step: u64) -> Result<u64> {
-        let mut n = 0u64;
-        for d in 0..self.trainer.batching().dp {
-            for (_, labels, _) in self.micro_batches(data, step, d)? {
-                n += labels.iter().flatten().filter(|&&l| l != IGNORE).count() as u64;
-            }
-        }
-        Ok(n)
+    /// Trained tokens of the global batch of `step` (from the labels alone).
+    fn global_tokens(&self, data: &ImageTextDataset, step: u64) -> u64 {
+        (0..self.trainer.batching().dp)
+            .flat_map(|d| self.picked(data, step, d))
+            .map(|i| {
+                data.examples[i]
+                    .labels
+                    .iter()
+                    .filter(|&&l| l != IGNORE)
+                    .count() as u64
+            })
+            .sum()
     }
 
     /// Runs optimizer step `self.trainer.step` and advances. Collective over the world.
     pub fn step(&mut self, data: &ImageTextDataset) -> Result<StepStats> {
         let step = self.trainer.step;
-        let total = self.global_tokens(data, step)?;
+        let total = self.global_tokens(data, step);
         if total == 0 {
             return Err(Error::Invalid(format!(
                 "step {step}: no trained token in the batch"

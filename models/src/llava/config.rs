@@ -74,6 +74,66 @@ pub struct LlavaConfig {
     pub text: Option<LlamaConfig>,
 }
 
+/// transformers 4 writes each sub-config as its difference from the class defaults (e.g.
+/// llava-1.5's `text_config` holds little more than `vocab_size`): the defaults of
+/// transformers' `LlamaConfig`, `CLIPVisionConfig` and `SiglipVisionConfig` are filled in where a
+/// field is absent, and the top-level `dtype` stands for the text model's when it has none.
+fn fill_defaults(v: &mut serde_json::Value) {
+    use serde_json::json;
+    let Some(root) = v.as_object_mut() else {
+        return;
+    };
+    // `image_token_index` and `image_token_id` name the same field.
+    if root.contains_key("image_token_id") {
+        root.remove("image_token_index");
+    }
+    let dtype = root
+        .get("dtype")
+        .or_else(|| root.get("torch_dtype"))
+        .cloned();
+    let text = root.entry("text_config").or_insert_with(|| json!({}));
+    if let Some(t) = text.as_object_mut() {
+        let heads = t.get("num_attention_heads").cloned().unwrap_or(json!(32));
+        for (k, d) in [
+            ("model_type", json!("llama")),
+            ("vocab_size", json!(32000)),
+            ("hidden_size", json!(4096)),
+            ("intermediate_size", json!(11008)),
+            ("num_hidden_layers", json!(32)),
+            ("num_attention_heads", json!(32)),
+            ("num_key_value_heads", heads),
+            ("rms_norm_eps", json!(1e-6)),
+            ("max_position_embeddings", json!(2048)),
+            ("hidden_act", json!("silu")),
+        ] {
+            t.entry(k).or_insert(d);
+        }
+        if let Some(d) = dtype {
+            if !t.contains_key("dtype") && !t.contains_key("torch_dtype") {
+                t.insert("dtype".into(), d);
+            }
+        }
+    }
+    let vision = root.entry("vision_config").or_insert_with(|| json!({}));
+    if let Some(t) = vision.as_object_mut() {
+        let siglip = t
+            .get("model_type")
+            .and_then(|m| m.as_str())
+            .is_some_and(|m| m.starts_with("siglip"));
+        t.entry("model_type").or_insert(json!("clip_vision_model"));
+        for (k, d) in [
+            ("hidden_size", json!(768)),
+            ("intermediate_size", json!(3072)),
+            ("num_hidden_layers", json!(12)),
+            ("num_attention_heads", json!(12)),
+            ("image_size", json!(224)),
+            ("patch_size", json!(if siglip { 16 } else { 32 })),
+        ] {
+            t.entry(k).or_insert(d);
+        }
+    }
+}
+
 fn gelu() -> String {
     "gelu".into()
 }
@@ -101,7 +161,10 @@ impl LlavaConfig {
 
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let mut cfg: Self = serde_json::from_str(&text)
+        let mut v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::config(path, format!("not valid JSON: {e}")))?;
+        fill_defaults(&mut v);
+        let mut cfg: Self = serde_json::from_value(v)
             .map_err(|e| Error::config(path, format!("not a valid LLaVA config.json: {e}")))?;
         if let Some(a) = cfg
             .architectures

@@ -10,7 +10,7 @@
 //! Inside, the model names its parameters as the LLaMA and tower modules do
 //! (`model.layers.0...`, `lm_head.weight`, `vision_tower.vision_model...`,
 //! `multi_modal_projector...`); [`KeyLayout::stored`] maps them to a checkpoint's names, and
-//! checkpoints are written as transformers 5 writes them.
+//! checkpoints are written in transformers 4's layout, which transformers 4 and 5 both read.
 
 pub mod config;
 pub mod model;

@@ -213,6 +213,19 @@ impl Llava {
             .collect();
         let per = self.tokens_per_image();
         let images = pixel_values.map(|p| p.dim(0)).transpose()?.unwrap_or(0);
+        let mut runs = Vec::new();
+        for (k, &i) in at.iter().enumerate() {
+            if k > 0 && i == at[k - 1] + 1 && !(i as usize).is_multiple_of(s) {
+                *runs.last_mut().expect("a run") += 1;
+            } else {
+                runs.push(1usize);
+            }
+        }
+        if let Some(r) = runs.iter().find(|&&r| r % per != 0) {
+            return Err(Error::Invalid(format!(
+                "a run of {r} image tokens (id {tok}): every image needs its own run of {per}"
+            )));
+        }
         if at.len() != images * per {
             return Err(Error::Invalid(format!(
                 "{} image tokens (id {tok}) in the text but {images} image(s) of {per} tokens \

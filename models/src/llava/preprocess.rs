@@ -41,15 +41,48 @@ pub struct ImageProcessor {
 }
 
 fn num(v: &Value) -> Option<u32> {
-    v.as_u64().map(|x| x as u32)
+    v.as_u64()
+        .or_else(|| {
+            v.as_f64()
+                .filter(|x| x.fract() == 0.0 && *x >= 0.0)
+                .map(|x| x as u64)
+        })
+        .map(|x| x as u32)
 }
 
 impl ImageProcessor {
+    /// The image processor of a model directory: `preprocessor_config.json`, else the
+    /// `image_processor` of `processor_config.json` (what transformers 5's `LlavaProcessor`
+    /// writes). Errors name the file.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let pre = dir.join("preprocessor_config.json");
+        if pre.is_file() {
+            return Self::from_file(&pre);
+        }
+        let proc_ = dir.join("processor_config.json");
+        let text = std::fs::read_to_string(&proc_).map_err(|_| Error::NotFound {
+            model: dir.display().to_string(),
+            msg: "has neither preprocessor_config.json nor processor_config.json (needed to \
+                  read images)"
+                .into(),
+        })?;
+        let v: Value = serde_json::from_str(&text)
+            .map_err(|e| Error::config(&proc_, format!("not valid JSON: {e}")))?;
+        match v.get("image_processor") {
+            Some(ip) => Self::from_value(ip, &proc_),
+            None => Err(Error::config(&proc_, "has no image_processor")),
+        }
+    }
+
     /// Reads `preprocessor_config.json`; errors name the file.
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let v: Value = serde_json::from_str(&text)
             .map_err(|e| Error::config(path, format!("not valid JSON: {e}")))?;
+        Self::from_value(&v, path)
+    }
+
+    fn from_value(v: &Value, path: &Path) -> Result<Self> {
         let bad = |msg: String| Error::config(path, msg);
         let flag = |k: &str, default: bool| v[k].as_bool().unwrap_or(default);
         let resize = if flag("do_resize", true) {
@@ -66,7 +99,8 @@ impl ImageProcessor {
         } else {
             None
         };
-        let crop = if flag("do_center_crop", false) {
+        // CLIPImageProcessor crops by default; SigLIP's has no crop_size.
+        let crop = if flag("do_center_crop", !v["crop_size"].is_null()) {
             let c = &v["crop_size"];
             Some(match (num(&c["height"]), num(&c["width"]), num(c)) {
                 (Some(h), Some(w), _) => (h, w),
@@ -158,10 +192,11 @@ impl ImageProcessor {
             for x in 0..cw {
                 let p = img.get_pixel(x0 + x, y0 + y);
                 for c in 0..3 {
-                    let mut v = p[c] as f32;
-                    if let Some(r) = self.rescale {
-                        v *= r;
-                    }
+                    // transformers rescales in float64, then works in float32.
+                    let mut v = match self.rescale {
+                        Some(r) => (p[c] as f64 * r as f64) as f32,
+                        None => p[c] as f32,
+                    };
                     if let Some((mean, std)) = &self.normalize {
                         v = (v - mean[c]) / std[c];
                     }
