@@ -546,3 +546,59 @@ fn key_layouts_map_names() {
         "model.multi_modal_projector.linear_1.weight"
     );
 }
+
+/// llava-hf/llava-1.5-7b-hf's config.json as transformers 4 wrote it: sub-configs hold only
+/// their differences from transformers' defaults, and both spellings of the image token field
+/// may appear.
+#[test]
+fn a_transformers_4_llava_config_loads() {
+    let text = r#"{
+      "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+      "ignore_index": -100, "image_token_index": 32000, "pad_token_id": 32001,
+      "projector_hidden_act": "gelu", "torch_dtype": "float16",
+      "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+      "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures": ["LlamaForCausalLM"],
+        "max_position_embeddings": 4096, "model_type": "llama", "rms_norm_eps": 1e-05,
+        "torch_dtype": "float16", "vocab_size": 32064},
+      "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+        "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+        "patch_size": 14, "projection_dim": 768, "vocab_size": 32000}
+    }"#;
+    let tmp = std::env::temp_dir().join(format!("cpl-llava15-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let path = tmp.join("config.json");
+    std::fs::write(&path, text).unwrap();
+    let cfg = llava::LlavaConfig::from_file(&path).unwrap();
+    let t = cfg.text();
+    assert_eq!(
+        (t.hidden_size, t.intermediate_size, t.num_hidden_layers),
+        (4096, 11008, 32)
+    );
+    assert_eq!(
+        (t.num_attention_heads, t.num_kv_heads(), t.vocab_size),
+        (32, 32, 32064)
+    );
+    assert_eq!(t.stored_dtype(&path).unwrap(), Some(DType::F16));
+    assert_eq!(cfg.image_token(), 32000);
+    let v = &cfg.vision_config;
+    assert_eq!(
+        (
+            v.hidden_size,
+            v.num_hidden_layers,
+            v.patch_size,
+            v.num_patches()
+        ),
+        (1024, 24, 14, 576)
+    );
+    // Both names of the image token field.
+    std::fs::write(
+        &path,
+        text.replace("\"ignore_index\": -100", "\"image_token_id\": 32000"),
+    )
+    .unwrap();
+    assert_eq!(
+        llava::LlavaConfig::from_file(&path).unwrap().image_token(),
+        32000
+    );
+    std::fs::remove_dir_all(&tmp).unwrap();
+}

@@ -40,6 +40,9 @@ fn load(dir: &Path, rank: &Rank, dtype: Option<DType>, mode: ParamMode) -> Resul
 
 /// `cpl train` on a DiT.
 pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
+    if args.template.is_some() || args.freeze_vision_tower || args.freeze_language_model {
+        bail!("--template / --freeze-vision-tower / --freeze-language-model are for vision-language models (LLaVA), not DiT");
+    }
     let mut cfg = args.train_config()?;
     cfg.seq_len = 0;
     let config_path = dir.join("config.json");

@@ -105,10 +105,6 @@ pub struct FinetuneArgs {
     /// Start from this PEFT adapter (its rank, alpha and targets) instead of fresh adapters.
     #[arg(long, help_heading = "Fine-tuning")]
     pub adapter: Option<PathBuf>,
-    /// Chat template: a built-in name (chatml, plain) or a .jinja file. Default: the model's
-    /// own (chat_template.jinja or tokenizer_config.json).
-    #[arg(long, help_heading = "Fine-tuning")]
-    pub template: Option<String>,
     /// Train on the prompt tokens too (system and user turns).
     #[arg(long, help_heading = "Fine-tuning")]
     pub train_on_prompt: bool,
@@ -513,6 +509,12 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
     if t.eval_tokens.is_some() || t.tokens.is_some() {
         bail!("--tokens / --eval-tokens: cpl finetune reads chat data (--data, --eval-data)");
     }
+    if t.from_scratch || t.freeze_vision_tower || t.freeze_language_model {
+        bail!(
+            "--from-scratch / --freeze-vision-tower / --freeze-language-model: cpl finetune \
+             fine-tunes text LLaMA models (LoRA or full); vision-language models train with cpl train"
+        );
+    }
     // Fine-tuning rates are often below `cpl train`'s default --min-lr.
     let mut t_args = t.clone();
     if t_args.min_lr > t_args.lr {
@@ -540,7 +542,7 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
     let model_cfg = LlamaConfig::from_file(&files.config)?;
     let tok = Tokenizer::from_model(&files)?;
     // The bundled model has no chat template of its own.
-    let template = match (&a.template, t.model.is_none()) {
+    let template = match (&t.template, t.model.is_none()) {
         (None, true) => Some("plain".to_string()),
         (spec, _) => spec.clone(),
     };

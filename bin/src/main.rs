@@ -120,3 +120,15 @@ fn main() {
         std::process::exit(1);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// clap checks a command's definition (unique names, valid groups) only when that
+    /// command is parsed; this checks every subcommand at once, so a flag added to a shared
+    /// argument struct cannot collide with one a subcommand flattens in unnoticed.
+    #[test]
+    fn every_command_definition_is_valid() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
+    }
+}

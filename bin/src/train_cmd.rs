@@ -160,9 +160,10 @@ pub struct TrainArgs {
     /// config.json as DiT does (adaLN-Zero; seeded by --seed) instead of reading them.
     #[arg(long, help_heading = "Diffusion")]
     pub from_scratch: bool,
-    /// Vision-language models (LLaVA): the chat template of the conversations (a built-in
-    /// name or a .jinja file; default: the model's own, else plain).
-    #[arg(long, help_heading = "Vision-language")]
+    /// Chat data (cpl finetune, LLaVA): the chat template of the conversations, a built-in
+    /// name (chatml, plain) or a .jinja file. Default: the model's own (chat_template.jinja or
+    /// tokenizer_config.json), else plain.
+    #[arg(long, help_heading = "Chat data")]
     pub template: Option<String>,
     /// Vision-language models: do not train the vision tower.
     #[arg(long, help_heading = "Vision-language")]
@@ -355,6 +356,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
     if args.from_scratch {
         bail!("--from-scratch: only diffusion models (DiT) are initialised from their config");
+    }
+    if args.template.is_some() || args.freeze_vision_tower || args.freeze_language_model {
+        bail!(
+            "--template / --freeze-vision-tower / --freeze-language-model are for vision-language \
+             models (LLaVA); to train a text model on chat data use cpl finetune"
+        );
     }
     let mut cfg = args.train_config()?;
     // Flag checks that need the layout, before the data is read and tokenized.
