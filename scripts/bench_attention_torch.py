@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch CPU scaled_dot_product_attention timings on the shapes of `bench_attention`.
+"""PyTorch CPU scaled_dot_product_attention timings on the shapes of `cpl bench attention`.
 
 Shape (batch 1, heads 8, S, head_dim 64), S in {2048, 8192}, causal and full, f32 and bf16.
 Prints JSON: {"torch": version, "threads": n, "matmul_f32_gflops": x, "results": {

@@ -5,7 +5,7 @@ Builds (once) a random 4-layer, hidden-512 LLaMA (8 heads, intermediate 1536, vo
 target/bench/llama-4l-512/, writes one sequence of --seq-len random token ids to
 target/bench/eval_tokens.json, times transformers' forward (eval mode, no grad, sdpa attention,
 loss computed from the labels as `cpl eval` does) and prints JSON with tokens/s.
-Run through scripts/bench_eval.sh, which then runs `cpl eval` on the same files and prints the ratio.
+Run through scripts/bench_eval.sh, which then runs `cpl bench eval` on the same checkpoint and prints the ratio.
 Setup: python3 -m venv .venv && .venv/bin/pip install -r scripts/requirements-fixtures.txt
 """
 import argparse

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""transformers + PyTorch training throughput, next to `cpl train` (issue 6; run scripts/bench_train.sh).
+"""transformers + PyTorch training throughput, next to `cpl bench train` (issue 6; run scripts/bench_train.sh).
 
 Uses the checkpoint and tokens of scripts/bench_eval.py (4-layer, hidden-512 LLaMA, vocab 32000)
 and times AdamW training steps (forward, backward, clip 1.0, step) on one sequence of --seq-len

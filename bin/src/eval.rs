@@ -9,9 +9,9 @@ use candle_parallel::attention::{AttnMask, ShardPlan};
 use candle_parallel::comm::ReduceOp;
 use candle_parallel::mesh::Dim;
 use candle_parallel::nn::{Batch, CrossEntropyOptions, ParamMode};
-use models::llama::{LlamaConfig, StageMicroBatch};
+use models::llama::{LlamaConfig, LoadedLlama, StageMicroBatch};
 use models::tokenizer::Tokenizer;
-use train::trainer::pipeline_eval;
+use train::trainer::{pipeline_eval, PipelineConfig};
 
 use crate::launch::{launch_pipelined, load_llama_stage, Rank};
 use crate::layout::{LayoutArgs, PipelineArgs};
@@ -202,83 +202,93 @@ pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
             &ranges,
             adapter.as_ref(),
         )?;
-        let model = loaded.model;
-        let (dp, dp_rank) = (rank.mesh.size(Dim::Dp), rank.mesh.coord(Dim::Dp));
-        let opts = CrossEntropyOptions::default();
-        rank.world().barrier()?;
-        let start = std::time::Instant::now();
-        let (mut sum, mut count) = (0f64, 0u64);
-        let mut logits = Vec::new();
-        if let Some(pc) = &pipeline {
-            // This data-parallel rank's sequences, forward through the stages.
-            let micro = seqs
-                .iter()
-                .skip(dp_rank)
-                .step_by(dp)
-                .map(|seq| {
-                    let (batch, labels) = Batch::from_sequences(
-                        &rank.ctx,
-                        std::slice::from_ref(seq),
-                        AttnMask::Causal,
-                    )?;
-                    Ok(StageMicroBatch { batch, labels })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let act = loaded
-                .params
-                .sorted()
-                .first()
-                .map(|p| p.tensor.dtype())
-                .unwrap_or(DType::F32);
-            (sum, count) = pipeline_eval(&model, &rank.mesh.comm(Dim::Pp), pc, &micro, opts, act)?;
-        }
-        for (i, seq) in seqs.iter().enumerate().filter(|_| pipeline.is_none()) {
-            if i % dp != dp_rank && !want_logits {
-                continue;
-            }
-            let (batch, labels) =
-                Batch::from_sequences(&rank.ctx, std::slice::from_ref(seq), AttnMask::Causal)?;
-            if i % dp == dp_rank {
-                let (s, c) = model.loss_sum(&batch, &labels, &opts)?;
-                sum += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-                count += c as u64;
-            }
-            if want_logits {
-                let l = model.logits(&batch)?;
-                let global = rank.ctx.gather_tokens(&l)?;
-                if rank.is_main() {
-                    logits.push(global.squeeze(0)?);
-                }
-            }
-        }
-        let elapsed = start.elapsed().as_secs_f64();
-        let seconds = rank
-            .world()
-            .all_reduce(&Tensor::new(&[elapsed], &Device::Cpu)?, ReduceOp::Max)?
-            .to_vec1::<f64>()?[0];
-        let group = rank.mesh.group(&[Dim::Ulysses, Dim::Ring, Dim::Dp])?;
-        let totals = group.all_reduce(
-            &Tensor::new(&[sum, count as f64], &Device::Cpu)?,
-            ReduceOp::Sum,
-        )?;
-        let totals = totals.to_vec1::<f64>()?;
-        let (sum, count) = (totals[0], totals[1] as u64);
-        if count == 0 {
-            bail!("no tokens to evaluate");
-        }
-        let loss = sum / count as f64;
-        Ok((
-            EvalReport {
-                loss,
-                perplexity: loss.exp(),
-                tokens: count,
-                sequences: seqs.len(),
-                seconds,
-                tokens_per_sec: count as f64 / seconds.max(1e-12),
-            },
-            logits,
-        ))
+        score(rank, &loaded, &seqs, pipeline.as_ref(), want_logits)
     })
+}
+
+/// The mean loss of `loaded` (this rank's stage) on `seqs`, timed from a barrier to the slowest
+/// rank's end; with `want_logits`, rank 0 also returns every sequence's global logits.
+/// Collective over the world of `rank`.
+pub fn score(
+    rank: &Rank,
+    loaded: &LoadedLlama,
+    seqs: &[Vec<u32>],
+    pipeline: Option<&PipelineConfig>,
+    want_logits: bool,
+) -> Result<(EvalReport, Vec<Tensor>)> {
+    let model = &loaded.model;
+    let (dp, dp_rank) = (rank.mesh.size(Dim::Dp), rank.mesh.coord(Dim::Dp));
+    let opts = CrossEntropyOptions::default();
+    rank.world().barrier()?;
+    let start = std::time::Instant::now();
+    let (mut sum, mut count) = (0f64, 0u64);
+    let mut logits = Vec::new();
+    if let Some(pc) = pipeline {
+        // This data-parallel rank's sequences, forward through the stages.
+        let micro = seqs
+            .iter()
+            .skip(dp_rank)
+            .step_by(dp)
+            .map(|seq| {
+                let (batch, labels) =
+                    Batch::from_sequences(&rank.ctx, std::slice::from_ref(seq), AttnMask::Causal)?;
+                Ok(StageMicroBatch { batch, labels })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let act = loaded
+            .params
+            .sorted()
+            .first()
+            .map(|p| p.tensor.dtype())
+            .unwrap_or(DType::F32);
+        (sum, count) = pipeline_eval(model, &rank.mesh.comm(Dim::Pp), pc, &micro, opts, act)?;
+    }
+    for (i, seq) in seqs.iter().enumerate().filter(|_| pipeline.is_none()) {
+        if i % dp != dp_rank && !want_logits {
+            continue;
+        }
+        let (batch, labels) =
+            Batch::from_sequences(&rank.ctx, std::slice::from_ref(seq), AttnMask::Causal)?;
+        if i % dp == dp_rank {
+            let (s, c) = model.loss_sum(&batch, &labels, &opts)?;
+            sum += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            count += c as u64;
+        }
+        if want_logits {
+            let l = model.logits(&batch)?;
+            let global = rank.ctx.gather_tokens(&l)?;
+            if rank.is_main() {
+                logits.push(global.squeeze(0)?);
+            }
+        }
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let seconds = rank
+        .world()
+        .all_reduce(&Tensor::new(&[elapsed], &Device::Cpu)?, ReduceOp::Max)?
+        .to_vec1::<f64>()?[0];
+    let group = rank.mesh.group(&[Dim::Ulysses, Dim::Ring, Dim::Dp])?;
+    let totals = group.all_reduce(
+        &Tensor::new(&[sum, count as f64], &Device::Cpu)?,
+        ReduceOp::Sum,
+    )?;
+    let totals = totals.to_vec1::<f64>()?;
+    let (sum, count) = (totals[0], totals[1] as u64);
+    if count == 0 {
+        bail!("no tokens to evaluate");
+    }
+    let loss = sum / count as f64;
+    Ok((
+        EvalReport {
+            loss,
+            perplexity: loss.exp(),
+            tokens: count,
+            sequences: seqs.len(),
+            seconds,
+            tokens_per_sec: count as f64 / seconds.max(1e-12),
+        },
+        logits,
+    ))
 }
 
 pub fn run(args: &EvalArgs) -> Result<()> {

@@ -1,7 +1,7 @@
 //! Parallel layout flags shared by every `cpl` command, and `cpl plan`.
 
 use anyhow::{bail, Context, Result};
-use candle_parallel::attention::{SeqLayout, SpConfig, Strategy};
+use candle_parallel::attention::{SeqLayout, ShardPlan, SpConfig, Strategy};
 use candle_parallel::mesh::{Dim, MeshConfig, MeshLayout, Placement};
 use candle_parallel::pipeline::{split_layers, PipelineSchedule, ScheduleKind};
 use std::path::Path;
@@ -176,6 +176,19 @@ impl LayoutArgs {
             )
         })?;
         Ok(cfg)
+    }
+
+    /// Errors naming the flags when sequences of `seq_len` tokens cannot be split over the
+    /// sequence-parallel ranks.
+    pub fn check_seq_len(&self, seq_len: usize) -> Result<()> {
+        let sp = self.sp_config()?;
+        ShardPlan::new(seq_len, sp.layout, sp.ring, sp.ulysses).with_context(|| {
+            format!(
+                "--seq-len {seq_len} cannot be split by --ring {} --ulysses {} --ring-layout {}",
+                sp.ring, sp.ulysses, sp.layout
+            )
+        })?;
+        Ok(())
     }
 }
 

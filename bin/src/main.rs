@@ -3,9 +3,10 @@
 //! Subcommands: `train` (with no arguments, like `cpl` alone: the bundled default job),
 //! `data prepare` (tokenize a corpus once), `eval`, `generate`, `inspect` (models from Hugging
 //! Face checkpoints, LLaMA or diffusers DiT, under any parallel layout), `plan` (how a world of ranks is cut into
-//! groups), `demo` (collectives across local ranks). `finetune` and `bench` come with later
-//! issues.
+//! groups), `demo` (collectives across local ranks), `finetune` (chat data, LoRA), `bench`
+//! (this machine's attention, communication, training and evaluation throughput).
 
+mod bench;
 mod data_cmd;
 mod demo;
 mod dit_cmd;
@@ -67,6 +68,10 @@ enum Command {
     Data(data_cmd::DataCommand),
     /// Show a model's architecture, parameter count, dtypes and checkpoint files.
     Inspect(inspect::InspectArgs),
+    /// Measure this machine: `cpl bench attention|comm|train|eval|matmul` (a table, or one JSON
+    /// object with --json).
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
 }
 
 /// A closed pipe (`cpl inspect ... | head`) ends the program quietly, as for other command-line
@@ -114,6 +119,7 @@ fn main() {
         Some(Command::Eval(args)) => eval::run(&args),
         Some(Command::Generate(args)) => generate::run(&args),
         Some(Command::Inspect(args)) => inspect::run(&args),
+        Some(Command::Bench(cmd)) => bench::run(&cmd),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

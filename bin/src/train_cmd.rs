@@ -12,7 +12,6 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_parallel::attention::ShardPlan;
 use candle_parallel::comm::ReduceOp;
 use candle_parallel::mesh::{Dim, MeshLayout};
 use candle_parallel::nn::ParamMode;
@@ -330,21 +329,12 @@ impl TrainArgs {
     }
 }
 
-/// f32 matmul rate of this machine (GFLOP/s), for the MFU estimate.
+/// f32 matmul rate of this machine (GFLOP/s), for the MFU estimate: a quick measurement
+/// (512^3, best of 5); NaN when it fails.
 pub fn matmul_gflops() -> f64 {
-    let n = 512usize;
-    let Ok(a) = Tensor::ones((n, n), DType::F32, &Device::Cpu) else {
-        return f64::NAN;
-    };
-    let mut best = f64::INFINITY;
-    for _ in 0..5 {
-        let t = Instant::now();
-        if a.matmul(&a).is_err() {
-            return f64::NAN;
-        }
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    2.0 * (n * n * n) as f64 / best / 1e9
+    crate::bench::MatmulRate { matmul_size: 512 }
+        .gflops(5)
+        .unwrap_or(f64::NAN)
 }
 
 pub fn run(args: &TrainArgs) -> Result<()> {
@@ -380,12 +370,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             );
         }
     }
-    ShardPlan::new(cfg.seq_len, sp.layout, sp.ring, sp.ulysses).with_context(|| {
-        format!(
-            "--seq-len {} cannot be split by --ring {} --ulysses {} --ring-layout {}",
-            cfg.seq_len, sp.ring, sp.ulysses, sp.layout
-        )
-    })?;
+    args.layout.check_seq_len(cfg.seq_len)?;
     let model_id = match &args.model {
         Some(m) => m.clone(),
         None => default_asset("model").display().to_string(),
@@ -455,12 +440,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let interrupted = interrupt_flag()?;
     let peak = matmul_gflops();
     let n_params = model_cfg.num_parameters() as f64;
-    let attn_flops_per_token = 6.0
-        * (model_cfg.num_hidden_layers
-            * cfg.seq_len
-            * model_cfg.num_attention_heads
-            * model_cfg.head_dim()) as f64;
-    let flops_per_token = 6.0 * n_params + attn_flops_per_token;
+    let flops_per_token = crate::bench::llama_flops_per_token(&model_cfg, cfg.seq_len, true);
     let resume_state = match &resume_from {
         Some(dir) => Some(checkpoint::read_state(dir)?),
         None => None,

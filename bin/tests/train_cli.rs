@@ -1075,3 +1075,75 @@ fn pipeline_evaluation_matches_one_rank() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// bf16 training does not drift from f32 over many steps: the default job (bundled model and
+/// corpus) run for 60 steps of 4 x 128 tokens in f32 and in bf16 ends at the same held-out loss
+/// (the bundled eval split, 16 windows) within 2%, issue 18's criterion. bf16 keeps f32 master
+/// weights and AdamW moments, so the runs differ only by bf16 rounding of the weights and
+/// activations in the forward and backward passes (which must change the result: the two losses
+/// may not be equal). The 200-step figure of the full default job is in docs/benchmarks.md.
+#[test]
+fn bf16_training_follows_f32_over_many_steps() {
+    let dir = tmpdir("bf16-steps");
+    let eval = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../assets/default/corpus/shakespeare-eval.jsonl");
+    let mut evals = Vec::new();
+    for dtype in ["f32", "bf16"] {
+        let out = dir.join(dtype);
+        let o = cpl(&[
+            "train",
+            "--steps",
+            "60",
+            "--seq-len",
+            "128",
+            "--warmup",
+            "4",
+            "--dtype",
+            dtype,
+            "--eval-data",
+            eval.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{dtype}: {}", stderr(&o));
+        let json = |file: &str| -> Vec<serde_json::Value> {
+            std::fs::read_to_string(out.join(file))
+                .unwrap()
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect()
+        };
+        let first = json("metrics.jsonl")[0]["loss"].as_f64().unwrap();
+        assert_eq!(
+            json("metrics.jsonl").len(),
+            60,
+            "{dtype}: one metrics line per step"
+        );
+        let points = json("eval.jsonl");
+        assert_eq!(
+            points.len(),
+            1,
+            "{dtype}: one evaluation, after the last step"
+        );
+        let last = points[0]["loss"].as_f64().unwrap();
+        assert!(
+            first.is_finite() && last.is_finite(),
+            "{dtype}: {first} {last}"
+        );
+        evals.push(last);
+    }
+    // bf16 really ran: its rounding changes the result.
+    assert_ne!(
+        evals[0], evals[1],
+        "bf16 and f32 runs gave the same held-out loss"
+    );
+    let rel = (evals[1] - evals[0]).abs() / evals[0];
+    assert!(
+        rel <= 0.02,
+        "bf16 ends at held-out loss {} against f32's {} ({:.2}% apart)",
+        evals[1],
+        evals[0],
+        100.0 * rel
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -483,6 +483,37 @@ impl LocalComm {
             .ok_or_else(|| Error::invalid(op, "internal: a collective message carried no tensor"))
     }
 
+    /// The end of a collective whose ranks fill a shared output (`args[1]` numbers its rounds):
+    /// each rank reports its part written; the round's leader wraps the buffer once every part
+    /// is, and every rank receives that tensor of `shape`.
+    fn complete_shared(
+        &self,
+        shared: Arc<fused::SharedOut>,
+        seq: u64,
+        kind: OpKind,
+        args: &mut [usize],
+        shape: &Shape,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let (p, me, leader) = (self.size_(), self.ep.rank, self.leader(seq));
+        args[1] = 1;
+        if me == leader {
+            for src in (0..p).filter(|&src| src != me) {
+                self.take_checked(src, seq, kind, args, None)?;
+            }
+            let out = shared.finish(shape)?;
+            args[1] = 2;
+            self.post_all(seq, kind, args, |_| Some(out.clone()))?;
+            Ok(out)
+        } else {
+            self.post_signal(leader, seq, kind, args)?;
+            drop(shared);
+            args[1] = 2;
+            let m = self.take_checked(leader, seq, kind, args, Some((shape, dtype)))?;
+            Self::tensor_of(m, kind.name())
+        }
+    }
+
     /// Reduce-scatter over explicit element ranges of a flat tensor; returns this rank's reduced
     /// chunk. Used by `all_reduce` (uneven chunks) and `reduce_scatter` (via narrow views).
     fn reduce_chunks(
@@ -537,6 +568,18 @@ impl LocalComm {
             }
         }
         Ok((parts, shared))
+    }
+}
+
+/// `parts` (equal shapes) concatenated along `dim`, contiguous.
+fn concat(parts: &[Tensor], dim: usize) -> Result<Tensor> {
+    if let [only] = parts {
+        return Ok(only.contiguous()?);
+    }
+    match fused::concat(parts, dim)? {
+        Some(out) => Ok(out),
+        // `cat` returns its only input as is, and a strided result for some strided inputs.
+        None => Ok(Tensor::cat(parts, dim)?.contiguous()?),
     }
 }
 
@@ -596,24 +639,7 @@ impl Communicator for LocalComm {
             let (start, len) = bounds[me];
             shared.reduce_into(&parts, op, p, start, len)?;
             drop(parts);
-            args[1] = 1;
-            let out = if me == leader {
-                for src in (0..p).filter(|&src| src != me) {
-                    self.take_checked(src, seq, kind, &args, None)?;
-                }
-                let out = shared.finish(x.shape())?;
-                args[1] = 2;
-                self.post_all(seq, kind, &args, |_| Some(out.clone()))?;
-                out
-            } else {
-                // Our chunk is written; the leader wraps the buffer once every chunk is.
-                self.post_signal(leader, seq, kind, &args)?;
-                drop(shared);
-                args[1] = 2;
-                let m =
-                    self.take_checked(leader, seq, kind, &args, Some((x.shape(), x.dtype())))?;
-                Self::tensor_of(m, kind.name())?
-            };
+            let out = self.complete_shared(shared, seq, kind, &mut args, x.shape(), x.dtype())?;
             self.traffic.record_all_reduce(&bounds, me, el);
             return Ok(out);
         }
@@ -651,32 +677,37 @@ impl Communicator for LocalComm {
         let kind = OpKind::AllGather;
         check_dim(kind.name(), x, dim)?;
         let seq = self.next_seq();
-        let args = [dim];
+        let (p, me) = (self.size_(), self.ep.rank);
         let x = x.detach();
-        self.post_all(seq, kind, &args, |_| Some(x.clone()))?;
-        let mut parts = Vec::with_capacity(self.size_());
-        for src in 0..self.size_() {
-            if src == self.ep.rank {
-                parts.push(x.clone());
-            } else {
-                let m = self.take_checked(src, seq, kind, &args, Some((x.shape(), x.dtype())))?;
-                parts.push(Self::tensor_of(m, kind.name())?);
-            }
-        }
-        // Every rank has checked every input; the round's leader concatenates them once and every
-        // rank receives that same tensor.
+        let mut dims = x.dims().to_vec();
+        dims[dim] *= p;
+        let shape = Shape::from(dims);
         let leader = self.leader(seq);
-        let out = if self.ep.rank == leader {
-            // `cat` returns its only input as is, and a strided result for some strided inputs.
-            let out = Tensor::cat(&parts, dim)?.contiguous()?;
-            self.post_all(seq, kind, &[dim, 1], |_| Some(out.clone()))?;
+        // On CPU, the leader allocates the output and sends it with its input; every rank copies
+        // its input straight into its slot (in parallel), and every rank receives the buffer.
+        let own = if me == leader && p > 1 {
+            fused::SharedOut::new(x.dtype(), x.device(), x.elem_count() * p).map(Arc::new)
+        } else {
+            None
+        };
+        let mut args = vec![dim, 0];
+        let (parts, from_leader) =
+            self.exchange_chunks(vec![x.clone(); p], kind, seq, &args, own.as_ref())?;
+        // Every rank has checked every input.
+        let out = if let Some(shared) = own.or(from_leader) {
+            drop(parts);
+            shared.place(&x, fused::Slot::new(&x, dim, me, p))?;
+            self.complete_shared(shared, seq, kind, &mut args, &shape, x.dtype())?
+        } else if me == leader {
+            // The round's leader concatenates the inputs once; every rank receives that tensor.
+            let out = concat(&parts, dim)?;
+            args[1] = 2;
+            self.post_all(seq, kind, &args, |_| Some(out.clone()))?;
             out
         } else {
             drop(parts);
-            let mut dims = x.dims().to_vec();
-            dims[dim] *= self.size_();
-            let shape = Shape::from(dims);
-            let m = self.take_checked(leader, seq, kind, &[dim, 1], Some((&shape, x.dtype())))?;
+            args[1] = 2;
+            let m = self.take_checked(leader, seq, kind, &args, Some((&shape, x.dtype())))?;
             Self::tensor_of(m, kind.name())?
         };
         self.traffic
@@ -722,7 +753,7 @@ impl Communicator for LocalComm {
                 parts.push(Self::tensor_of(m, kind.name())?);
             }
         }
-        let out = Tensor::cat(&parts, concat_dim)?.contiguous()?;
+        let out = concat(&parts, concat_dim)?;
         self.traffic
             .record_symmetric(kind, payload_bytes(&pieces[me]), self.size_());
         Ok(out)
@@ -1041,8 +1072,9 @@ mod fused {
         Ok(T::buf(v))
     }
 
-    /// The output of one all_reduce, which the ranks fill in place: each rank reduces its chunk
-    /// straight into its own range of elements, then the round's leader wraps the whole buffer
+    /// The output of one all_reduce or all_gather, which the ranks fill in place: each rank
+    /// reduces its chunk (all_reduce) or copies its input (all_gather) straight into its own
+    /// elements, then the round's leader wraps the whole buffer
     /// in a tensor that every rank receives. This replaces `P` chunk allocations and the
     /// leader's concatenation of the chunks by one allocation and no copy.
     pub(super) struct SharedOut {
@@ -1129,6 +1161,26 @@ mod fused {
             }
         }
 
+        /// Copies `part` (this rank's input of an all_gather) into its `slot` of the buffer.
+        /// Each rank calls this once, for its own slot; the slots are disjoint and cover it.
+        pub(super) fn place(&self, part: &Tensor, slot: Slot) -> Result<()> {
+            if part.dtype() != self.dtype || !part.device().is_cpu() {
+                return Err(internal("part does not fit the shared output"));
+            }
+            // SAFETY: the buffer holds `n` elements of its dtype, which is the part's, and stays
+            // alive during the call; no one reads it before every rank has placed its part, and
+            // the ranks' slots are disjoint (see `SharedOut`'s Send/Sync).
+            unsafe {
+                match self.dtype {
+                    DType::F32 => place::<f32>(part, slot, self.base as *mut f32, self.n),
+                    DType::F64 => place::<f64>(part, slot, self.base as *mut f64, self.n),
+                    DType::BF16 => place::<bf16>(part, slot, self.base as *mut bf16, self.n),
+                    DType::F16 => place::<f16>(part, slot, self.base as *mut f16, self.n),
+                    _ => Err(internal("unsupported dtype")),
+                }
+            }
+        }
+
         /// Runs `f` on elements `start..start + len` of the buffer, which must hold `T`s.
         fn with_range<T: WithDType, R>(
             &self,
@@ -1181,6 +1233,97 @@ mod fused {
             };
             buf.into_tensor(shape, &self.device)
         }
+    }
+
+    /// Where one part goes in a concatenation of `count` equally shaped parts along a dimension:
+    /// the output is a sequence of blocks of `count * block` elements, and part `index` fills
+    /// elements `index * block .. (index + 1) * block` of every one (`block` = the part's
+    /// elements from the concatenation dimension on).
+    #[derive(Clone, Copy)]
+    pub(super) struct Slot {
+        pub index: usize,
+        pub count: usize,
+        pub block: usize,
+    }
+
+    impl Slot {
+        /// Slot `index` of `count` parts shaped like `part`, concatenated along `dim`.
+        pub(super) fn new(part: &Tensor, dim: usize, index: usize, count: usize) -> Self {
+            Self {
+                index,
+                count,
+                block: part.dims()[dim..].iter().product(),
+            }
+        }
+    }
+
+    /// The concatenation of `parts` (equal shapes, any strides) along `dim`, copied run by run
+    /// straight into one new buffer, or `None` where the generic path must do it. Candle's
+    /// `cat` of strided views (the pieces of an all-to-all) copies element by element.
+    pub(super) fn concat(parts: &[Tensor], dim: usize) -> Result<Option<Tensor>> {
+        let first = &parts[0];
+        let n = first.elem_count() * parts.len();
+        if n == 0 || !supported(first.device(), first.dtype()) {
+            return Ok(None);
+        }
+        let mut dims = first.dims().to_vec();
+        dims[dim] *= parts.len();
+        fn fill<T: BufElem>(parts: &[Tensor], dim: usize, n: usize) -> Result<Buf> {
+            new_vec::<T>(n, |dst| {
+                for (index, part) in parts.iter().enumerate() {
+                    let slot = Slot::new(part, dim, index, parts.len());
+                    // SAFETY: `dst` holds `n` = parts x part elements, which is what the slots
+                    // of `parts.len()` parts address; `dst` is borrowed mutably here.
+                    unsafe { place(part, slot, dst.as_mut_ptr() as *mut T, n)? };
+                }
+                Ok(())
+            })
+        }
+        let buf = match first.dtype() {
+            DType::F32 => fill::<f32>(parts, dim, n)?,
+            DType::F64 => fill::<f64>(parts, dim, n)?,
+            DType::BF16 => fill::<bf16>(parts, dim, n)?,
+            DType::F16 => fill::<f16>(parts, dim, n)?,
+            _ => return Ok(None),
+        };
+        Ok(Some(buf.into_tensor(&Shape::from(dims), first.device())?))
+    }
+
+    /// Copies `part` (any strides) into its `slot` of the `n`-element output at `dst`.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of `n` elements of `T`, the part's dtype, and no one may
+    /// read or write the slot's elements during the call.
+    unsafe fn place<T: WithDType>(part: &Tensor, slot: Slot, dst: *mut T, n: usize) -> Result<()> {
+        let Slot {
+            index,
+            count,
+            block,
+        } = slot;
+        let total = part.elem_count();
+        if index >= count || block == 0 || !total.is_multiple_of(block) || total * count != n {
+            return Err(internal("part does not fit its slot of the output"));
+        }
+        let guard = part.storage_and_layout().0;
+        let src = match &*guard {
+            Storage::Cpu(c) => c.as_slice::<T>()?,
+            _ => return Err(internal("not a CPU tensor")),
+        };
+        let mut k = 0;
+        for (start, len) in runs(part) {
+            let (mut at, mut left) = (start, len);
+            while left > 0 {
+                let (i, j) = (k / block, k % block);
+                let m = left.min(block - j);
+                let to = (i * count + index) * block + j;
+                // SAFETY: `to + m <= n`: `i < total / block`, `j + m <= block`, so
+                // `to + m <= ((i * count + index) + 1) * block <= count * total = n`; the source
+                // run lies in the storage; the caller owns the destination range.
+                unsafe { std::ptr::copy_nonoverlapping(src[at..at + m].as_ptr(), dst.add(to), m) };
+                (at, left, k) = (at + m, left - m, k + m);
+            }
+        }
+        Ok(())
     }
 
     /// The contributions, with those whose contiguous runs are too short copied to contiguous.

@@ -8,12 +8,14 @@ pub mod random;
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
-use candle_parallel::nn::{Adapters, ParallelCtx, ParamBuilder, ParamList, ParamMode};
+use candle_parallel::nn::{
+    Adapters, ParallelCtx, ParamBuilder, ParamList, ParamMode, TensorSource,
+};
 
 pub use config::LlamaConfig;
 pub use model::{DecoderLayer, Ends, KvCache, Llama};
 pub use pipeline::{replicated_across_stages, LlamaStage, StageMicroBatch};
-pub use random::write_random_checkpoint;
+pub use random::{random_weights, write_random_checkpoint};
 
 use crate::checkpoint::CheckpointReader;
 use crate::error::Result;
@@ -105,6 +107,23 @@ pub fn load_stage_adapted(
         model,
         params,
         config,
+    })
+}
+
+/// The whole model of `config` from weights that are not files (e.g. [`random_weights`] in a
+/// `TensorMap`), for this rank's layout: [`load`] without a checkpoint.
+pub fn build(
+    config: &LlamaConfig,
+    source: Arc<dyn TensorSource>,
+    ctx: &ParallelCtx,
+    dtype: DType,
+    mode: ParamMode,
+) -> Result<LoadedLlama> {
+    let (vb, params) = ParamBuilder::new(source, dtype, &Device::Cpu, mode);
+    Ok(LoadedLlama {
+        model: Llama::new(config, vb, ctx)?,
+        params,
+        config: config.clone(),
     })
 }
 

@@ -10,9 +10,8 @@ use crate::checkpoint::{write_hf_dir, SaveOptions};
 use crate::error::{Error, Result};
 use crate::hub::ModelFiles;
 
-/// Writes `config` (a `config.json` value) and random f32 weights to `dir` and returns the
-/// model's files. Weights are uniform with standard deviation 0.02 (norm weights 1, biases 0),
-/// from a generator seeded by `seed`: the same call writes the same bytes.
+/// Writes `config` (a `config.json` value) and [`random_weights`] of seed `seed` to `dir` and
+/// returns the model's files: the same call writes the same bytes.
 pub fn write_random_checkpoint(
     dir: &Path,
     config: &serde_json::Value,
@@ -21,6 +20,20 @@ pub fn write_random_checkpoint(
     let text =
         serde_json::to_string_pretty(config).map_err(|e| Error::Invalid(format!("config: {e}")))?;
     let cfg = LlamaConfig::from_json(&text, &dir.join("config.json"))?;
+    let tensors = random_weights(&cfg, seed)?;
+    let opts = SaveOptions {
+        dtype: DType::F32,
+        extra_files: vec![("config.json".into(), text.into_bytes())],
+        ..Default::default()
+    };
+    write_hf_dir(&tensors, dir, &opts)?;
+    crate::hub::from_dir(&dir.display().to_string(), dir)
+}
+
+/// Random f32 weights of a model of `cfg`, by checkpoint name (sorted): uniform with standard
+/// deviation 0.02 (norm weights 1, biases 0), from a generator seeded by `seed`. In memory they
+/// load with [`super::build`] through a `TensorMap`.
+pub fn random_weights(cfg: &LlamaConfig, seed: u64) -> Result<Vec<(String, Tensor)>> {
     let mut state = seed;
     let mut next = move || {
         state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -43,11 +56,5 @@ pub fn write_random_checkpoint(
         tensors.push((name, Tensor::from_vec(values, shape, &Device::Cpu)?));
     }
     tensors.sort_by(|x, y| x.0.cmp(&y.0));
-    let opts = SaveOptions {
-        dtype: DType::F32,
-        extra_files: vec![("config.json".into(), text.into_bytes())],
-        ..Default::default()
-    };
-    write_hf_dir(&tensors, dir, &opts)?;
-    crate::hub::from_dir(&dir.display().to_string(), dir)
+    Ok(tensors)
 }

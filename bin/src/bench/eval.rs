@@ -1,0 +1,66 @@
+//! `cpl bench eval`: forward throughput of a LLaMA as `cpl eval` measures it (the same scoring
+//! code): one sequence of --seq-len random tokens, a warm-up pass, then --repeats timed passes
+//! (the slowest rank's time of each); tokens/s count the scored tokens (--seq-len - 1), as
+//! `cpl eval` and `scripts/bench_eval.py` do.
+
+use anyhow::Result;
+use candle_parallel::nn::ParamMode;
+use serde_json::json;
+
+use super::{at_least_one, llama_flops_per_token, random_tokens, LlamaBenchArgs, Throughput};
+use crate::eval::{score, EvalReport};
+use crate::launch::launch;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct EvalBenchArgs {
+    /// Timed forward passes (after a warm-up).
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    #[command(flatten)]
+    pub llama: LlamaBenchArgs,
+}
+
+pub fn run(args: &EvalBenchArgs) -> Result<()> {
+    let a = &args.llama;
+    at_least_one("--repeats", args.repeats)?;
+    a.check()?;
+    let model = a.resolve()?;
+    let dtype = model.dtype(a.dtype)?;
+    let seqs = vec![random_tokens(a.seq_len, model.config.vocab_size, a.seed)];
+    let mm = a.matmul.gflops(10)?;
+    let reports = launch(&a.layout, |rank| {
+        let loaded = model.load(rank, dtype, ParamMode::Frozen, &a.layout)?;
+        (0..=args.repeats)
+            .map(|_| Ok(score(rank, &loaded, &seqs, None, false)?.0))
+            .collect::<Result<Vec<EvalReport>>>()
+    })?;
+    let Some(reports) = reports else {
+        return Ok(());
+    };
+    let timed = &reports[1..];
+    let seconds: Vec<f64> = timed.iter().map(|r| r.seconds).collect();
+    let flops = llama_flops_per_token(&model.config, a.seq_len, false);
+    let rate = Throughput::new(&seconds, timed[0].tokens as f64, flops, mm, &a.matmul);
+    let loss = timed[0].loss;
+    if a.json {
+        return a.print_json(
+            "eval",
+            &model,
+            dtype,
+            &rate,
+            json!({
+                "repeats": args.repeats, "tokens": timed[0].tokens, "seconds": seconds,
+                "loss": loss,
+            }),
+        );
+    }
+    let title = format!(
+        "cpl bench eval: one sequence of {} tokens, best of {} forward passes after a warm-up, \
+         {}, loss {loss:.4}",
+        a.seq_len,
+        args.repeats,
+        dtype.as_str(),
+    );
+    a.print_table(&model, &title, &rate);
+    Ok(())
+}

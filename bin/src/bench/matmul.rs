@@ -1,0 +1,157 @@
+//! `cpl bench matmul`: `flash_ring::matmul` (short accumulation chains, issue 21) against
+//! candle's `Tensor::matmul` (the `gemm` crate) on the products of the LLaMA layers, with each
+//! one's error against float64 on a sample of the outputs.
+//!
+//! Shapes: `x @ w^T` of the benchmark model of `docs/benchmarks.md` (4096 tokens, hidden 512,
+//! intermediate 1536, vocab 32000 in loss chunks of 1024 tokens) and of SmolLM2-135M on 199
+//! tokens (hidden 576, intermediate 1536, vocab 49152), also one token at a time (decoding) and
+//! 32 / 48 rows (either side of the few-rows path's limit); inputs N(0, 1). Interleaved runs,
+//! best time of each.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor};
+use flash_ring::{Isa, KernelConfig};
+use serde_json::json;
+
+use super::{at_least_one, print_report, Machine};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct MatmulArgs {
+    /// flash-ring's kernels (default: the best this CPU has).
+    #[arg(long, value_enum)]
+    pub isa: Option<IsaArg>,
+    /// Timed runs of each product; the best is reported.
+    #[arg(long, default_value_t = 10)]
+    pub repeats: usize,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A flash-ring instruction set flag.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IsaArg {
+    Avx512,
+    Avx2,
+    Portable,
+}
+
+impl From<IsaArg> for Isa {
+    fn from(i: IsaArg) -> Self {
+        match i {
+            IsaArg::Avx512 => Isa::Avx512,
+            IsaArg::Avx2 => Isa::Avx2,
+            IsaArg::Portable => Isa::Portable,
+        }
+    }
+}
+
+/// The products timed: name, m, k, n of `(m x k) @ (k x n)`.
+const SHAPES: [(&str, usize, usize, usize); 14] = [
+    ("bench q/k/v/o", 4096, 512, 512),
+    ("bench gate/up", 4096, 512, 1536),
+    ("bench down", 4096, 1536, 512),
+    ("bench LM head chunk", 1024, 512, 32000),
+    ("SmolLM2 q/o", 199, 576, 576),
+    ("SmolLM2 gate/up", 199, 576, 1536),
+    ("SmolLM2 down", 199, 1536, 576),
+    ("SmolLM2 LM head", 199, 576, 49152),
+    ("SmolLM2 decode q/o", 1, 576, 576),
+    ("SmolLM2 decode gate/up", 1, 576, 1536),
+    ("SmolLM2 decode down", 1, 1536, 576),
+    ("SmolLM2 decode LM head", 1, 576, 49152),
+    ("SmolLM2 32 rows down", 32, 1536, 576),
+    ("SmolLM2 48 rows down", 48, 1536, 576),
+];
+
+fn seconds(f: impl FnOnce() -> Result<Tensor>) -> Result<f64> {
+    let t = Instant::now();
+    f()?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// `max |y - exact| / max |exact|` over the first rows of `y = x @ w^T`.
+fn error(x: &Tensor, w: &Tensor, y: &Tensor) -> Result<f64> {
+    let rows = x.dim(0)?.min(4);
+    let cols = w.dim(0)?.min(512);
+    let x: Vec<Vec<f32>> = x.narrow(0, 0, rows)?.to_vec2()?;
+    let w: Vec<Vec<f32>> = w.narrow(0, 0, cols)?.to_vec2()?;
+    let y: Vec<Vec<f32>> = y.narrow(0, 0, rows)?.narrow(1, 0, cols)?.to_vec2()?;
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (xr, yr) in x.iter().zip(&y) {
+        for (wr, &got) in w.iter().zip(yr) {
+            let exact: f64 = xr.iter().zip(wr).map(|(a, b)| *a as f64 * *b as f64).sum();
+            num = num.max((got as f64 - exact).abs());
+            den = den.max(exact.abs());
+        }
+    }
+    Ok(num / den)
+}
+
+pub fn run(args: &MatmulArgs) -> Result<()> {
+    at_least_one("--repeats", args.repeats)?;
+    let cfg = KernelConfig {
+        isa: args.isa.map(Isa::from),
+        ..KernelConfig::default()
+    };
+    let isa = cfg.isa.unwrap_or_else(flash_ring::cpu::detect);
+    // An ISA this CPU lacks fails here, named by its flag.
+    let one = Tensor::ones((1, 1), DType::F32, &Device::Cpu)?;
+    flash_ring::matmul_with_config(&one, &one, &cfg)
+        .with_context(|| format!("--isa {}", format!("{isa:?}").to_lowercase()))?;
+    if !args.json {
+        println!("{}", Machine::detect().line());
+        println!("flash-ring kernels: {isa:?}");
+        println!(
+            "| product | m x k x n | candle ms | GFLOP/s | flash-ring ms | GFLOP/s | speed \
+             | err candle | err flash-ring |"
+        );
+        println!("|---|---|---|---|---|---|---|---|---|");
+    }
+    let mut results = Vec::new();
+    for (name, m, k, n) in SHAPES {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
+        let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
+        let wt = w.t()?;
+        let ours = || Ok(flash_ring::matmul_with_config(&x, &wt, &cfg)?);
+        let theirs = || Ok(x.matmul(&wt)?);
+        let (y_ours, y_theirs) = (ours()?, theirs()?);
+        let (mut t_ours, mut t_theirs) = (f64::MAX, f64::MAX);
+        for _ in 0..args.repeats {
+            t_theirs = t_theirs.min(seconds(theirs)?);
+            t_ours = t_ours.min(seconds(ours)?);
+        }
+        let gf = 2.0 * (m * k * n) as f64 / 1e9;
+        let (err_theirs, err_ours) = (error(&x, &w, &y_theirs)?, error(&x, &w, &y_ours)?);
+        if !args.json {
+            println!(
+                "| {name} | {m} x {k} x {n} | {:.2} | {:.0} | {:.2} | {:.0} | {:.2}x | {:.1e} \
+                 | {:.1e} |",
+                t_theirs * 1e3,
+                gf / t_theirs,
+                t_ours * 1e3,
+                gf / t_ours,
+                t_theirs / t_ours,
+                err_theirs,
+                err_ours,
+            );
+        }
+        results.push(json!({
+            "product": name, "m": m, "k": k, "n": n,
+            "candle_s": t_theirs, "candle_gflops": gf / t_theirs,
+            "flash_ring_s": t_ours, "flash_ring_gflops": gf / t_ours,
+            "speedup": t_theirs / t_ours,
+            "candle_error": err_theirs, "flash_ring_error": err_ours,
+        }));
+    }
+    if args.json {
+        print_report(
+            "matmul",
+            json!({ "isa": format!("{isa:?}"), "repeats": args.repeats, "results": results }),
+        )?;
+    }
+    Ok(())
+}
