@@ -140,6 +140,12 @@ fn eval_json() {
     assert_positive(&doc, &["loss"]);
     // Scored tokens, as `cpl eval` counts them.
     assert_eq!(doc["tokens"], 31);
+    // Data parallelism: one sequence per data-parallel rank, all of them counted.
+    let doc = bench_json(&format!(
+        "eval --seq-len 32 --repeats 1 --ranks 2 --dp 2 {TINY}"
+    ));
+    assert_positive(&doc, &RATES);
+    assert_eq!(doc["tokens"], 62);
 }
 
 /// A checkpoint instead of the random model, in its own dtype or another.

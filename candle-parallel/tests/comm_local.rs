@@ -138,6 +138,18 @@ fn bits(t: &Tensor) -> Vec<u64> {
             .iter()
             .map(|v| v.to_bits() as u64)
             .collect(),
+        DType::F64 => t
+            .to_vec1::<f64>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect(),
+        DType::U32 => t
+            .to_vec1::<u32>()
+            .unwrap()
+            .iter()
+            .map(|&v| v as u64)
+            .collect(),
         d => panic!("unexpected dtype {d:?}"),
     }
 }
@@ -363,7 +375,7 @@ fn all_gather_matches_cat() {
     for p in SIZES {
         let mut cases = Vec::new();
         for dim in 0..3 {
-            for dtype in [DType::F32, DType::BF16] {
+            for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64, DType::U32] {
                 for layout in LAYOUTS {
                     cases.push(Case {
                         ctx: format!(
@@ -643,7 +655,7 @@ fn all_to_all_ulysses_and_inverse() {
         // (batch, seq/P, heads, head_dim) with two heads per rank.
         let dims = [2, 3, 2 * p, 4];
         let mut cases = Vec::new();
-        for dtype in [DType::F32, DType::BF16] {
+        for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64, DType::U32] {
             for layout in LAYOUTS {
                 cases.push(Case {
                     ctx: format!(

@@ -181,6 +181,9 @@ pub fn run(args: &CommArgs) -> Result<()> {
         bail!("--ops: name at least one operation");
     }
     let (p, mib, iters) = (args.ranks, args.mib, args.iters);
+    if mib > 1 << 20 {
+        bail!("--mib {mib}: at most 1048576 (1 TiB per rank)");
+    }
     let s = mib * MIB;
     let el = DType::F32.size_in_bytes();
     let n = s / el;

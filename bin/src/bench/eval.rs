@@ -4,6 +4,7 @@
 //! `cpl eval` and `scripts/bench_eval.py` do.
 
 use anyhow::Result;
+use candle_parallel::mesh::Dim;
 use candle_parallel::nn::ParamMode;
 use serde_json::json;
 
@@ -26,9 +27,14 @@ pub fn run(args: &EvalBenchArgs) -> Result<()> {
     a.check()?;
     let model = a.resolve()?;
     let dtype = model.dtype(a.dtype)?;
-    let seqs = vec![random_tokens(a.seq_len, model.config.vocab_size, a.seed)];
+    let vocab = model.config.vocab_size;
     let mm = a.matmul.gflops(10)?;
     let reports = launch(&a.layout, |rank| {
+        // One sequence per data-parallel rank, so every rank works and the tokens/s is the
+        // layout's.
+        let seqs: Vec<Vec<u32>> = (0..rank.mesh.size(Dim::Dp) as u64)
+            .map(|i| random_tokens(a.seq_len, vocab, a.seed + i))
+            .collect();
         let loaded = model.load(rank, dtype, ParamMode::Frozen, &a.layout)?;
         (0..=args.repeats)
             .map(|_| Ok(score(rank, &loaded, &seqs, None, false)?.0))

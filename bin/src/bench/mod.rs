@@ -330,7 +330,7 @@ impl LlamaBenchArgs {
         println!("{}", Machine::detect().line());
         println!("model: {}", model.describe());
         println!("{title}, {}", self.layout.flags());
-        println!("| tokens/s best | tokens/s median | matmul GFLOP/s | MFU best | MFU median |");
+        println!("| tokens/s best | tokens/s median | f32 matmul GFLOP/s | MFU best (of f32 matmul) | MFU median |");
         println!("|---|---|---|---|---|");
         println!(
             "| {:.0} | {:.0} | {:.1} | {:.1}% | {:.1}% |",

@@ -6,9 +6,9 @@
 //! (reduce-scatter then all-gather), so every rank's thread reduces `1/P` of the data.
 //!
 //! Results that are the same on every rank are built once and shared rather than once per rank:
-//! `all_gather`'s concatenation is done by a leader rank (rotating with each call), and on CPU
-//! (f32, f64, bf16, f16) every rank reduces its `1/P` of an `all_reduce` straight into one shared
-//! output. Ranks then hold the same tensor storage, like a received message: never write into a
+//! on CPU (f32, f64, bf16, f16) a leader rank (rotating with each call) allocates the output of
+//! an `all_reduce` or `all_gather`, and every rank reduces its `1/P` (all_reduce) or copies its
+//! input (all_gather) straight into it; elsewhere the leader concatenates once. Ranks then hold the same tensor storage, like a received message: never write into a
 //! collective's output in place (`Var::from_tensor` copies, so making a variable of it is safe).
 //!
 //! ```
@@ -210,7 +210,8 @@ struct Msg {
     /// Scalar arguments of the call (dim, root, reduce op, split color/key, ...).
     args: Vec<usize>,
     tensor: Option<Tensor>,
-    /// The output buffer of an all_reduce, sent by the round's leader with its chunks.
+    /// The output buffer of an all_reduce or all_gather, sent by the round's leader with its
+    /// chunks.
     shared: Option<Arc<fused::SharedOut>>,
 }
 
@@ -987,7 +988,7 @@ mod fused {
     }
 
     fn internal(msg: &str) -> Error {
-        Error::invalid("all_reduce", format!("internal: {msg}"))
+        Error::invalid("local collective", format!("internal: {msg}"))
     }
 
     /// The reduction, or `None` where the generic path must do it (other devices or dtypes).
@@ -1089,7 +1090,7 @@ mod fused {
 
     // SAFETY: `base` points into the allocation owned by `buf`, which lives as long as `self`
     // (it is only taken by `finish`, after every write). The ranks write through it in disjoint
-    // ranges (`reduce_into`), and `finish` reads only after every rank has reported its write
+    // ranges (`reduce_into`, `place`), and `finish` reads only after every rank has reported its write
     // done through the world's mutex-protected queues, which orders the writes before the read.
     unsafe impl Send for SharedOut {}
     unsafe impl Sync for SharedOut {}
@@ -1266,6 +1267,16 @@ mod fused {
         if n == 0 || !supported(first.device(), first.dtype()) {
             return Ok(None);
         }
+        // Every slot must be written before `set_len`: equal shapes make the slots tile the
+        // output (equal element counts alone would not).
+        if parts
+            .iter()
+            .any(|p| p.dims() != first.dims() || p.dtype() != first.dtype() || !p.device().is_cpu())
+        {
+            return Err(internal(
+                "parts of a concatenation differ in shape, dtype or device",
+            ));
+        }
         let mut dims = first.dims().to_vec();
         dims[dim] *= parts.len();
         fn fill<T: BufElem>(parts: &[Tensor], dim: usize, n: usize) -> Result<Buf> {
@@ -1311,6 +1322,11 @@ mod fused {
         };
         let mut k = 0;
         for (start, len) in runs(part) {
+            // The runs must cover the part's elements exactly: the caller's `set_len` relies on
+            // every slot being written.
+            if k + len > total {
+                return Err(internal("a part's runs exceed its elements"));
+            }
             let (mut at, mut left) = (start, len);
             while left > 0 {
                 let (i, j) = (k / block, k % block);
@@ -1322,6 +1338,9 @@ mod fused {
                 unsafe { std::ptr::copy_nonoverlapping(src[at..at + m].as_ptr(), dst.add(to), m) };
                 (at, left, k) = (at + m, left - m, k + m);
             }
+        }
+        if k != total {
+            return Err(internal("a part's runs do not cover its elements"));
         }
         Ok(())
     }
