@@ -695,18 +695,13 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
     let extra = checkpoint_files(&files, lora.as_ref().map(|l| &l.0), &model_id)?;
     let dtype = t.dtype.map(DType::from).unwrap_or(DType::F32);
     let interrupted = interrupt_flag()?;
-    // Model FLOPs per token for the MFU estimate: forward 2N, backward 2N for the inputs'
-    // gradients plus 2N for the weights' under full fine-tuning (LoRA's weights are frozen),
-    // and attention's 6 · layers · seq · heads · head_dim.
+    // Model FLOPs per token for the MFU estimate (LoRA's base weights get no gradients).
     let peak = crate::train_cmd::matmul_gflops();
-    let n_params = model_cfg.num_parameters() as f64;
-    let per_param = if lora.is_some() { 4.0 } else { 6.0 };
-    let flops_per_token = per_param * n_params
-        + 6.0
-            * (model_cfg.num_hidden_layers
-                * cfg.seq_len
-                * model_cfg.num_attention_heads
-                * model_cfg.head_dim()) as f64;
+    let work = match lora {
+        Some(_) => crate::bench::Work::FrozenTraining,
+        None => crate::bench::Work::Training,
+    };
+    let flops_per_token = crate::bench::llama_flops_per_token(&model_cfg, cfg.seq_len, work);
     let metrics_path = t.out.join("metrics.jsonl");
     let eval_path = t.out.join("eval.jsonl");
     let history0 = resume_state

@@ -440,7 +440,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let interrupted = interrupt_flag()?;
     let peak = matmul_gflops();
     let n_params = model_cfg.num_parameters() as f64;
-    let flops_per_token = crate::bench::llama_flops_per_token(&model_cfg, cfg.seq_len, true);
+    let flops_per_token =
+        crate::bench::llama_flops_per_token(&model_cfg, cfg.seq_len, crate::bench::Work::Training);
     let resume_state = match &resume_from {
         Some(dir) => Some(checkpoint::read_state(dir)?),
         None => None,

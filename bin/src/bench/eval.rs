@@ -8,7 +8,7 @@ use candle_parallel::mesh::Dim;
 use candle_parallel::nn::ParamMode;
 use serde_json::json;
 
-use super::{at_least_one, llama_flops_per_token, random_tokens, LlamaBenchArgs, Throughput};
+use super::{at_least_one, llama_flops_per_token, random_tokens, LlamaBenchArgs, Throughput, Work};
 use crate::eval::{score, EvalReport};
 use crate::launch::launch;
 
@@ -45,7 +45,7 @@ pub fn run(args: &EvalBenchArgs) -> Result<()> {
     };
     let timed = &reports[1..];
     let seconds: Vec<f64> = timed.iter().map(|r| r.seconds).collect();
-    let flops = llama_flops_per_token(&model.config, a.seq_len, false);
+    let flops = llama_flops_per_token(&model.config, a.seq_len, Work::Forward);
     let rate = Throughput::new(&seconds, timed[0].tokens as f64, flops, mm, &a.matmul);
     let loss = timed[0].loss;
     if a.json {

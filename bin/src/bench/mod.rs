@@ -187,10 +187,23 @@ impl MatmulRate {
     }
 }
 
+/// What the model FLOPs of a token are counted for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Work {
+    /// The forward pass (eval).
+    Forward,
+    /// Forward and backward, with the weights' gradients (full training).
+    Training,
+    /// Forward and backward of frozen weights (LoRA): the inputs' gradients but not the
+    /// weights'; the adapters' own products are not counted.
+    FrozenTraining,
+}
+
 /// Model FLOPs per token of a LLaMA at `seq_len` tokens: `2 N + 2 L S H D` forward (N the
 /// parameters that multiply: all but an input embedding that is not the LM head's matrix;
-/// causal attention counted as half), three times that for training.
-pub fn llama_flops_per_token(cfg: &LlamaConfig, seq_len: usize, training: bool) -> f64 {
+/// causal attention counted as half); training three times that, frozen-weight training
+/// `4 N + 6 L S H D` (no weight gradients).
+pub fn llama_flops_per_token(cfg: &LlamaConfig, seq_len: usize, work: Work) -> f64 {
     let lookup = if cfg.tie_word_embeddings {
         0
     } else {
@@ -198,11 +211,11 @@ pub fn llama_flops_per_token(cfg: &LlamaConfig, seq_len: usize, training: bool) 
     };
     let n = cfg.num_parameters().saturating_sub(lookup) as f64;
     let attn = (cfg.num_hidden_layers * seq_len * cfg.num_attention_heads * cfg.head_dim()) as f64;
-    let forward = 2.0 * n + 2.0 * attn;
-    if training {
-        3.0 * forward
-    } else {
-        forward
+    let (weights, attn) = (2.0 * n, 2.0 * attn);
+    match work {
+        Work::Forward => weights + attn,
+        Work::Training => 3.0 * (weights + attn),
+        Work::FrozenTraining => 2.0 * weights + 3.0 * attn,
     }
 }
 
@@ -471,5 +484,38 @@ impl BenchModel {
             c.vocab_size,
             c.num_parameters() as f64 / 1e6
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// FLOPs per token of a tiny LLaMA, counted by hand: embedding 10 x 8 (a lookup, not
+    /// counted), q/k/v/o 4 x 8 x 8 = 256, MLP 3 x 8 x 16 = 384, norms 2 x 8 + 8, LM head
+    /// 8 x 10 = 80: N = 744 multiplying parameters; attention 1 layer x 4 tokens x 2 heads x
+    /// head_dim 4 = 32.
+    #[test]
+    fn flops_per_token_of_a_tiny_llama() {
+        let cfg = LlamaConfig::from_json(
+            r#"{"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+                "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 10,
+                "rms_norm_eps": 1e-6, "tie_word_embeddings": false}"#,
+            Path::new("tiny"),
+        )
+        .unwrap();
+        let (n, attn) = (744.0, 32.0);
+        assert_eq!(
+            llama_flops_per_token(&cfg, 4, Work::Forward),
+            2.0 * n + 2.0 * attn
+        );
+        assert_eq!(
+            llama_flops_per_token(&cfg, 4, Work::Training),
+            6.0 * n + 6.0 * attn
+        );
+        assert_eq!(
+            llama_flops_per_token(&cfg, 4, Work::FrozenTraining),
+            4.0 * n + 6.0 * attn
+        );
     }
 }

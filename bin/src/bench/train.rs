@@ -20,7 +20,7 @@ use serde_json::json;
 use train::data::{PackedDataset, Packing, TokenStream};
 use train::trainer::{TrainConfig, Trainer};
 
-use super::{at_least_one, llama_flops_per_token, random_tokens, LlamaBenchArgs, Throughput};
+use super::{at_least_one, llama_flops_per_token, random_tokens, LlamaBenchArgs, Throughput, Work};
 use crate::launch::launch;
 use crate::progress::peak_rss_mib;
 
@@ -134,7 +134,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     let Some(m) = measured else {
         return Ok(());
     };
-    let flops = llama_flops_per_token(&model.config, a.seq_len, true);
+    let flops = llama_flops_per_token(&model.config, a.seq_len, Work::Training);
     let rate = Throughput::new(&m.seconds[1..], m.tokens as f64, flops, mm, &a.matmul);
     if a.json {
         return a.print_json(
