@@ -146,6 +146,12 @@ impl LayoutArgs {
         if let Some(c) = self.cp_impl {
             f.push(format!("--cp-impl {c}"));
         }
+        if self.placement != d.placement {
+            f.push(format!("--placement {}", self.placement));
+        }
+        if self.ring_layout != d.ring_layout {
+            f.push(format!("--ring-layout {}", self.ring_layout));
+        }
         if self.tp_sp {
             f.push("--tp-sp".into());
         }
@@ -281,10 +287,16 @@ pub struct PlanArgs {
     pub layout: LayoutArgs,
     #[command(flatten)]
     pub pipeline: PipelineArgs,
+    #[command(flatten)]
+    pub auto: crate::plan_auto::AutoArgs,
 }
 
-/// Prints the mesh and, under a pipeline, every rank's schedule as a timetable with its bubble.
+/// Prints the mesh and, under a pipeline, every rank's schedule as a timetable with its bubble;
+/// with `--auto`, the ranked layouts of [`crate::plan_auto`].
 pub fn plan(args: &PlanArgs) -> Result<()> {
+    if args.auto.auto {
+        return crate::plan_auto::run(&args.auto, &args.layout);
+    }
     let cfg = args.layout.mesh_config()?;
     let layout = MeshLayout::new(&cfg, args.layout.ranks)?;
     print!("{}", layout.describe());

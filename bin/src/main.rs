@@ -17,6 +17,7 @@ mod inspect;
 mod launch;
 mod layout;
 mod llava_cmd;
+mod plan_auto;
 mod plot;
 mod progress;
 mod train_cmd;

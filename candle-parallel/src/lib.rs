@@ -65,6 +65,7 @@ pub mod ops;
 pub mod optim;
 pub mod pipeline;
 pub mod plan;
+pub mod planner;
 pub mod recompute;
 
 pub use attention::{

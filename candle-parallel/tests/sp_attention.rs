@@ -15,6 +15,8 @@
 //! - ulysses:     fwd `2·a2a(Q) + 2·a2a(K')` (+ `a2a(b·hq·n·4)` for lse), bwd `2·a2a(Q) + 2·a2a(K')`
 //! - usp:         the ulysses terms over U plus the ring terms over R with `K'` for `K`
 //! - all-gather:  fwd `2·(R-1)·K` (all-gather), bwd `2·(R-1)·K` (reduce-scatter)
+//!
+//! and that the planner's cost model (`planner::traffic`) predicts the same bytes and exchanges.
 
 use std::sync::Arc;
 
@@ -24,6 +26,7 @@ use candle_parallel::attention::{
 };
 use candle_parallel::comm::{LocalWorld, OpKind, TrafficSnapshot};
 use candle_parallel::mesh::{DeviceMesh, Placement};
+use candle_parallel::planner::traffic::{attention_traffic, AttnShape};
 use candle_parallel::Error;
 use flash_ring::{AttnSpec, Positions};
 use rand::rngs::StdRng;
@@ -324,6 +327,36 @@ fn check(c: &Case, seed: u64) -> Result<(), String> {
         }
     }
     let want = expected_traffic(c);
+    // The planner's cost model uses the same bytes.
+    let planned = attention_traffic(
+        &c.cfg,
+        &AttnShape {
+            batch: c.b,
+            seq: c.s,
+            heads: c.hq,
+            kv_heads: c.hkv,
+            head_dim: c.d,
+            elem_bytes: c.dtype.size_in_bytes(),
+            with_lse: c.with_lse,
+        },
+    )
+    .map_err(e2s)?;
+    let (pf, pb) = (planned.forward, planned.backward);
+    if (
+        pf.total(),
+        pb.total(),
+        pb.exchange,
+        planned.forward_steps,
+        planned.backward_steps,
+    ) != (
+        want.fwd,
+        want.bwd,
+        want.bwd_p2p,
+        want.fwd_exchanges,
+        want.bwd_exchanges,
+    ) {
+        return Err(format!("planner traffic {planned:?}, expected {want:?}"));
+    }
     for ro in &ranks {
         let got = Traffic {
             fwd: ro.fwd.bytes_sent(),

@@ -10,8 +10,8 @@ use candle_parallel::attention::{SeqLayout, SpConfig, Strategy};
 use candle_parallel::comm::OpKind;
 use candle_parallel::mesh::Placement;
 use multi_ring_common::{
-    assert_build_rejected, assert_call_rejected, assert_sent, inputs, run, run_checked, Case,
-    MaskSel, RankOut,
+    assert_build_rejected, assert_call_rejected, assert_sent, inputs, planned_traffic, run,
+    run_checked, Case, MaskSel, RankOut,
 };
 use testkit::assert_identical;
 
@@ -107,6 +107,16 @@ fn check_traffic(case: &Case, ranks: &[RankOut]) {
         bwd_p2p,
         "DoubleRingPlan backward"
     );
+    // So does the planner's cost model, for every rank.
+    let planned = planned_traffic(case);
+    for r in ranks {
+        assert_eq!(
+            (planned.forward.total(), planned.backward.total()),
+            (r.fwd.bytes_sent(), r.bwd.bytes_sent()),
+            "planner::traffic, rank {:?} {case:?}",
+            r.coords
+        );
+    }
 }
 
 fn run_case(case: &Case, seed: u64) -> Vec<RankOut> {

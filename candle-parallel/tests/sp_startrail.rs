@@ -9,8 +9,8 @@ use candle_parallel::attention::multi_ring_plan::{ShardElems, StarTrailPlan};
 use candle_parallel::attention::{SeqLayout, SpConfig, Strategy};
 use candle_parallel::comm::OpKind;
 use multi_ring_common::{
-    assert_build_rejected, assert_call_rejected, assert_sent, inputs, rel_err, run, run_checked,
-    Case, MaskSel, RankOut,
+    assert_build_rejected, assert_call_rejected, assert_sent, inputs, planned_traffic, rel_err,
+    run, run_checked, Case, MaskSel, RankOut,
 };
 use testkit::assert_identical;
 
@@ -155,6 +155,17 @@ fn check_traffic(case: &Case, ranks: &[RankOut]) {
             (c64 - 1) * (q + 2 * k + q4 + l4)
         );
     }
+    // The planner's cost model takes the busiest rank.
+    let planned = planned_traffic(case);
+    let busiest = |f: &dyn Fn(&RankOut) -> u64| ranks.iter().map(f).max().unwrap_or(0);
+    assert_eq!(
+        (planned.forward.total(), planned.backward.total()),
+        (
+            busiest(&|r| r.fwd.bytes_sent()),
+            busiest(&|r| r.bwd.bytes_sent())
+        ),
+        "planner::traffic {case:?}"
+    );
 }
 
 fn run_case(case: &Case, seed: u64) -> Vec<RankOut> {

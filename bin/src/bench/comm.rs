@@ -119,7 +119,7 @@ impl CommOp {
 
 /// Single-thread memcpy of `bytes` bytes: (best, median) seconds into a touched buffer, and
 /// into a fresh allocation.
-fn memcpy(bytes: usize, iters: usize) -> ((f64, f64), (f64, f64)) {
+pub(super) fn memcpy(bytes: usize, iters: usize) -> ((f64, f64), (f64, f64)) {
     let src: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
     let mut dst = vec![1u8; bytes];
     let mut warm = Vec::with_capacity(iters);
@@ -141,7 +141,12 @@ fn memcpy(bytes: usize, iters: usize) -> ((f64, f64), (f64, f64)) {
 
 /// (best, median) seconds of `op` on `ranks` local ranks with `input_elems` f32 per rank; per
 /// iteration, the slowest rank's time.
-fn time_op(op: CommOp, ranks: usize, iters: usize, input_elems: usize) -> Result<(f64, f64)> {
+pub(super) fn time_op(
+    op: CommOp,
+    ranks: usize,
+    iters: usize,
+    input_elems: usize,
+) -> Result<(f64, f64)> {
     let per_rank = LocalWorld::run(ranks, |comm| -> candle_parallel::Result<Vec<f64>> {
         let x = Tensor::full(comm.rank() as f32 + 1.0, input_elems, &Device::Cpu)?;
         // Warm-up, so the allocator has seen these sizes once.

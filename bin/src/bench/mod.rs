@@ -6,6 +6,7 @@
 //! transformers stay in `scripts/` (they read these objects).
 
 mod attention;
+mod calibrate;
 mod comm;
 mod eval;
 mod matmul;
@@ -43,6 +44,10 @@ pub enum BenchCommand {
     /// flash-ring's dense product against candle's matmul on the products of the LLaMA
     /// layers, with each one's error against float64.
     Matmul(matmul::MatmulArgs),
+    /// Measure this machine (matmul and attention rates, memory bandwidth, local collectives,
+    /// memory) and write the hardware description of `cpl plan --auto --hardware FILE`.
+    #[command(long_flag = "calibrate")]
+    Calibrate(calibrate::CalibrateArgs),
 }
 
 pub fn run(cmd: &BenchCommand) -> Result<()> {
@@ -52,6 +57,7 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
         BenchCommand::Train(a) => train::run(a),
         BenchCommand::Eval(a) => eval::run(a),
         BenchCommand::Matmul(a) => matmul::run(a),
+        BenchCommand::Calibrate(a) => calibrate::run(a),
     }
 }
 

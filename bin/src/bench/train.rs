@@ -1,6 +1,6 @@
 //! `cpl bench train`: training throughput of a LLaMA under any layout and memory plan.
 //!
-//! Each step trains one sequence of --seq-len random tokens per data-parallel rank (forward,
+//! Each step trains --grad-accum sequences of --seq-len random tokens per data-parallel rank (forward,
 //! backward, clipping to norm 1, AdamW at lr 1e-4, as `scripts/bench_train.py` does in
 //! PyTorch) through the library's `Trainer`, the same step `cpl train` takes. The first step is
 //! a warm-up; tokens/s are the best and the median of the others (the slowest rank's time of
@@ -29,6 +29,9 @@ pub struct TrainBenchArgs {
     /// Optimizer steps; the first is a warm-up and is not counted.
     #[arg(long, default_value_t = 4)]
     pub steps: u64,
+    /// Micro-batches (one sequence each per data-parallel rank) per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    pub grad_accum: usize,
     /// ZeRO stage (as `cpl train --zero`).
     #[arg(long, value_enum, default_value_t = ZeroStage::Off, help_heading = "Memory")]
     pub zero: ZeroStage,
@@ -63,6 +66,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
         );
     }
     at_least_one("--loss-chunk", args.loss_chunk)?;
+    at_least_one("--grad-accum", args.grad_accum)?;
     a.check()?;
     let model = a.resolve()?;
     let dtype = model.dtype(a.dtype)?;
@@ -70,7 +74,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
         seq_len: a.seq_len,
         steps: args.steps,
         batch: 1,
-        grad_accum: 1,
+        grad_accum: args.grad_accum,
         doc_mask: false,
         seed: a.seed,
         shuffle: false,
@@ -94,9 +98,14 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
         },
         pipeline: None,
     };
-    // One window of random tokens per rank (every data-parallel rank gets its own).
+    // One window of random tokens per rank and micro-batch (every data-parallel rank gets its
+    // own).
     let vocab = model.config.vocab_size;
-    let ids = random_tokens(a.layout.ranks * a.seq_len + 1, vocab, a.seed);
+    let ids = random_tokens(
+        a.layout.ranks * args.grad_accum * a.seq_len + 1,
+        vocab,
+        a.seed,
+    );
     let data = PackedDataset::new(
         TokenStream::from_sequences(&[ids], vocab)?,
         a.seq_len,
@@ -143,7 +152,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
             dtype,
             &rate,
             json!({
-                "steps": args.steps, "zero": args.zero.to_string(),
+                "steps": args.steps, "grad_accum": args.grad_accum, "zero": args.zero.to_string(),
                 "checkpointing": args.checkpointing.to_string(), "loss_chunk": args.loss_chunk,
                 "tokens_per_step": m.tokens, "step_seconds": m.seconds,
                 "peak_rss_mib": m.peak_rss_mib,

@@ -350,3 +350,22 @@ fn assert_rejected(
         assert!(msg.contains(needle), "expected {needle:?} in {msg:?}");
     }
 }
+
+/// What the planner's cost model says the busiest rank of `case` sends (the strategies return
+/// the lse here, so Ulysses' all-to-alls carry it).
+pub fn planned_traffic(case: &Case) -> candle_parallel::planner::traffic::AttentionTraffic {
+    use candle_parallel::planner::traffic::{attention_traffic, AttnShape};
+    attention_traffic(
+        &case.cfg,
+        &AttnShape {
+            batch: case.b,
+            seq: case.s,
+            heads: case.hq,
+            kv_heads: case.hkv,
+            head_dim: case.d,
+            elem_bytes: case.elem_bytes() as usize,
+            with_lse: true,
+        },
+    )
+    .unwrap()
+}

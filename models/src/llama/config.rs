@@ -273,6 +273,20 @@ impl LlamaConfig {
             .map(|(_, s)| s.iter().product::<usize>())
             .sum()
     }
+
+    /// The shape `cpl plan --auto`'s cost model plans for.
+    pub fn planner_shape(&self) -> candle_parallel::planner::ModelShape {
+        candle_parallel::planner::ModelShape {
+            layers: self.num_hidden_layers,
+            hidden: self.hidden_size,
+            heads: self.num_attention_heads,
+            kv_heads: self.num_kv_heads(),
+            head_dim: self.head_dim(),
+            intermediate: self.intermediate_size,
+            vocab: self.vocab_size,
+            tied_embeddings: self.tie_word_embeddings,
+        }
+    }
 }
 
 /// `"float32"`, `"bfloat16"`, `"float16"` (also `f32`, `bf16`, `f16`).
@@ -282,5 +296,27 @@ pub fn parse_dtype(name: &str) -> Option<DType> {
         "bfloat16" | "bf16" | "torch.bfloat16" => Some(DType::BF16),
         "float16" | "f16" | "fp16" | "half" | "torch.float16" => Some(DType::F16),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The planner's parameter count is the checkpoint's, tied or not, with GQA and an explicit
+    /// head_dim.
+    #[test]
+    fn planner_shape_counts_the_parameters() {
+        for tied in [false, true] {
+            let text = format!(
+                r#"{{"hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 3,
+                    "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 12,
+                    "vocab_size": 50, "rms_norm_eps": 1e-6, "tie_word_embeddings": {tied}}}"#
+            );
+            let cfg = LlamaConfig::from_json(&text, Path::new("planner")).unwrap();
+            let shape = cfg.planner_shape();
+            assert_eq!(shape.params() as usize, cfg.num_parameters(), "tied {tied}");
+            assert_eq!((shape.head_dim, shape.kv_heads), (12, 2));
+        }
     }
 }

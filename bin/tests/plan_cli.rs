@@ -1,0 +1,169 @@
+//! `cpl plan --auto` and `cpl bench calibrate` end to end: the ranking is sorted and fits the
+//! memory, the printed command is the winner's, a calibrated file plans, `--measure` runs the
+//! layouts it names, and impossible requests fail with errors naming the cause.
+
+mod common;
+use common::{assert_clear_errors, cpl, stderr, stdout, tmpdir, words};
+use serde_json::Value;
+
+/// A LLaMA config of the benchmark shape family (8 heads, 4 kv heads), written once per test.
+fn config(tag: &str, layers: usize, hidden: usize, vocab: usize) -> String {
+    let dir = tmpdir(tag);
+    let path = dir.join("config.json");
+    let cfg = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": hidden, "intermediate_size": 3 * hidden, "num_hidden_layers": layers,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": vocab,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false
+    });
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    path.display().to_string()
+}
+
+fn plan_json(line: &str) -> Value {
+    let o = cpl(&words(&format!("plan --auto {line} --json")));
+    assert!(o.status.success(), "{line}: {}", stderr(&o));
+    serde_json::from_str(stdout(&o).trim()).unwrap_or_else(|e| panic!("{line}: {e}"))
+}
+
+#[test]
+fn ranking_is_sorted_fits_memory_and_covers_the_world() {
+    let model = config("plan-7b", 32, 4096, 32000);
+    let doc = plan_json(&format!(
+        "--model {model} --seq-len 32768 --world 8 --hardware h100-node --dtype bf16"
+    ));
+    let budget = doc["memory_per_rank_bytes"].as_f64().unwrap();
+    let ranked = doc["ranked"].as_array().unwrap();
+    assert!(ranked.len() > 20, "{} layouts", ranked.len());
+    let mut last = 0.0;
+    for c in ranked {
+        let t = c["prediction"]["time"]["total"].as_f64().unwrap();
+        assert!(t.is_finite() && t >= last, "not sorted: {c}");
+        last = t;
+        assert!(c["prediction"]["memory"]["total"].as_f64().unwrap() <= budget);
+        let world: u64 = ["tp", "ulysses", "ring", "pp", "dp"]
+            .iter()
+            .map(|k| c[k].as_u64().unwrap())
+            .product();
+        assert_eq!(world, 8, "{c}");
+        assert!(c["flags"].as_str().unwrap().starts_with("--ranks 8"), "{c}");
+    }
+    // Sequence parallelism and pipelines are among the candidates; every strategy appears.
+    for s in ["ring", "ulysses", "usp", "double-ring", "all-gather"] {
+        assert!(ranked.iter().any(|c| c["strategy"] == s), "no {s}");
+    }
+    assert!(ranked.iter().any(|c| c["pp"].as_u64() > Some(1)));
+    for c in doc["too_big"].as_array().unwrap() {
+        assert!(c["prediction"]["memory"]["total"].as_f64().unwrap() > budget);
+    }
+}
+
+#[test]
+fn table_prints_the_winner_as_cpl_train_flags() {
+    let model = config("plan-table", 4, 512, 32000);
+    let o = cpl(&words(&format!(
+        "plan --auto --model {model} --seq-len 8192 --world 4 --hardware cpu-2core --top 3"
+    )));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("| 1 |") && out.contains("| 3 |") && !out.contains("| 4 |"),
+        "{out}"
+    );
+    let cmd = out
+        .lines()
+        .find(|l| l.starts_with("cpl train "))
+        .unwrap_or_else(|| panic!("no command: {out}"));
+    assert!(
+        cmd.contains("--seq-len 8192") && cmd.contains("--ranks 4"),
+        "{cmd}"
+    );
+}
+
+#[test]
+fn calibrated_hardware_plans_and_measure_runs_the_layouts() {
+    let dir = tmpdir("plan-calibrate");
+    let hw = dir.join("hw.toml");
+    // `cpl bench --calibrate` is `cpl bench calibrate`.
+    let o = cpl(&words(&format!(
+        "bench --calibrate --out {} --ranks 2 --attention-seq 128 --matmul-size 256",
+        hw.display()
+    )));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&hw).unwrap();
+    for field in [
+        "matmul_flops",
+        "attention_flops",
+        "memory_bandwidth",
+        "memory_bytes",
+    ] {
+        assert!(text.contains(field), "{field}: {text}");
+    }
+    assert!(text.contains("devices_per_node = 2") && text.contains("shared_node = true"));
+    let model = config("plan-measure", 1, 64, 256);
+    let doc = plan_json(&format!(
+        "--model {model} --seq-len 128 --world 2 --hardware {} --measure 2",
+        hw.display()
+    ));
+    let m = &doc["measured"];
+    let rows = m["layouts"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{m}");
+    for r in rows {
+        for k in [
+            "predicted_tokens_per_sec",
+            "measured_tokens_per_sec",
+            "predicted_memory_mib",
+        ] {
+            assert!(r[k].as_f64().is_some_and(|x| x > 0.0), "{k}: {r}");
+        }
+    }
+    // The first and the last of the ranking.
+    assert_eq!(rows[0]["rank_in_plan"], 1, "{m}");
+    let tau = m["kendall_tau"].as_f64();
+    assert!(tau.is_none_or(|t| t == 1.0 || t == -1.0), "{m}");
+}
+
+#[test]
+fn impossible_requests_are_clear_errors() {
+    let model = config("plan-errors", 4, 512, 32000);
+    let bad_hw = tmpdir("plan-errors-hw").join("hw.toml");
+    std::fs::write(&bad_hw, "name = \"x\"\nnodes = 0\n").unwrap();
+    let line = |rest: &str| words(&format!("plan --auto --model {model} {rest}"));
+    assert_clear_errors(&[
+        // No layout of 7 ranks: 7 divides neither the heads nor the sequence, and one
+        // sequence per step leaves no data parallelism.
+        (
+            line("--seq-len 4096 --world 7 --hardware h100-node --global-batch-tokens 4096"),
+            "no layout of 7 ranks divides",
+        ),
+        (
+            line("--seq-len 4194304 --world 4 --hardware cpu-2core"),
+            "no layout of 4 ranks fits a sequence of 4194304 tokens in memory",
+        ),
+        (
+            line("--seq-len 4096 --world 16 --hardware h100-node"),
+            "does not fit",
+        ),
+        (
+            line("--seq-len 4096 --world 4 --hardware h100-node --global-batch-tokens 5000"),
+            "--global-batch-tokens 5000",
+        ),
+        (line("--seq-len 4096 --world 4"), "--auto needs --hardware"),
+        (
+            line(&format!("--seq-len 4096 --world 4 --hardware {}", bad_hw.display())),
+            "hw.toml",
+        ),
+        (
+            line("--seq-len 4096 --world 4 --hardware h100-node --tp 2"),
+            "--auto chooses the layout",
+        ),
+        (
+            words("plan --auto --seq-len 4096 --world 4 --hardware h100-node"),
+            "--auto needs --model",
+        ),
+        (
+            words("plan --auto --model /nonexistent/config.json --seq-len 64 --world 2 --hardware h100-node"),
+            "/nonexistent/config.json",
+        ),
+    ]);
+}

@@ -1,0 +1,720 @@
+//! The predicted step time and memory per rank of one layout.
+//!
+//! One optimizer step trains `sequences` sequences of `seq_len` tokens: each data-parallel rank
+//! runs `micro_batches = sequences / dp` micro-batches of one sequence, split over the
+//! `ulysses x ring` sequence-parallel ranks, the `tp` tensor-parallel ranks and the `pp`
+//! pipeline stages (the default 1F1B schedule, the default layer split).
+//!
+//! **Time** of a micro-batch on a stage: matmul FLOPs (`6 x` parameters `x` tokens, of the
+//! rank's tensor-parallel slice) at the device's matmul rate; attention FLOPs (`3 x 4 S^2 h d`
+//! `x` the mask's density, split over every sequence- and tensor-parallel rank) at its
+//! attention rate; element-wise work (the activation bytes a layer writes and reads) at its
+//! memory bandwidth; recomputation (a forward of the layers under full checkpointing, of all but
+//! attention under selective); communication at the bandwidth and latency of the link its group
+//! uses ([`Hardware::link`]): tensor-parallel all-reduces (exposed), the attention strategy's
+//! bytes ([`super::traffic`]) with ring transfers overlapping the block compute where the
+//! hardware overlaps, pipeline sends, ZeRO-3 gathers. The pipeline's makespan comes from
+//! simulating its schedule ([`PipelineSchedule::validate`]); every micro-batch also pays the
+//! bookkeeping of its gradients (about one pass over the rank's parameters at the optimizer's
+//! rate, as measured on this library's trainer); the gradient reduction of the ZeRO stage and
+//! the AdamW update are added once per step.
+//!
+//! **Memory** of the busiest stage's rank: parameters, gradients and AdamW's f32 master weights
+//! and moments (each divided by the ZeRO group where the stage shards it), activations per
+//! checkpointing mode for the micro-batches the schedule keeps in flight, the loss chunk's
+//! logits, the strategy's communication buffers. The activation coefficients are counted from
+//! what a LLaMA layer of this library keeps for backward (see [`ACT_PER_TOKEN`]).
+
+use crate::attention::{SpConfig, Strategy};
+use crate::error::{Error, Result};
+use crate::mesh::{Dim, MeshLayout};
+use crate::nn::TpActivations;
+use crate::optim::ZeroStage;
+use crate::pipeline::{split_layers, PipelineSchedule, ScheduleKind};
+use crate::plan::{Layout, MemoryPlan};
+use crate::recompute::Checkpointing;
+
+use super::hardware::{Hardware, LinkSpec};
+use super::traffic::{attention_traffic, AttnShape};
+use super::ModelShape;
+
+/// Activation bytes a decoder layer keeps for backward per token, in elements, as multiples of
+/// (hidden, q width `hq d`, kv width `hkv d`, intermediate): the inputs and outputs of the two
+/// norms, the q/k/v projections and their rotated copies, attention's output, the output
+/// projection and the residual sums, the MLP's gate, up, activation and product.
+pub const ACT_PER_TOKEN: [f64; 4] = [6.0, 4.0, 4.0, 4.0];
+
+/// Hidden-size activations per token a layer keeps in addition under tensor parallelism, whole
+/// (not split over the group): the partial sums of the output and down projections before they
+/// are reduced, and the gathered (TP-sp) or copied inputs of the q/k/v and gate/up projections.
+pub const TP_EXTRA_HIDDEN: f64 = 4.0;
+
+/// Bytes of element-wise traffic per kept activation byte in a training step (written in the
+/// forward, read and written again in the backward).
+const ELEMENTWISE_TOUCHES: f64 = 4.0;
+
+/// Bytes the optimizer step reads and writes per parameter: f32 master, moments and gradient
+/// read and written, the parameter written.
+const OPTIMIZER_BYTES_PER_PARAM: f64 = 40.0;
+
+/// f32 copies of a loss chunk's logits alive at the step's peak: the logits and, while the
+/// chunk's gradient is formed, part of it (fitted to the counted peaks of `tests/planner.rs`).
+const LOSS_COPIES: f64 = 1.5;
+
+/// What is trained: the model, the sequence, the batch and the dtype.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Workload {
+    pub model: ModelShape,
+    pub seq_len: usize,
+    /// Sequences per optimizer step (global batch).
+    pub sequences: usize,
+    /// Bytes per parameter and activation element (4 for f32, 2 for bf16).
+    pub elem_bytes: usize,
+    /// Tokens per chunk of the vocab-parallel loss.
+    pub loss_chunk: usize,
+    /// Fraction of the attention scores computed (0.5 causal, 1 bidirectional; lower with
+    /// document masks).
+    pub attention_density: f64,
+}
+
+/// One layout to predict: the ranks' arrangement and the memory plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    pub layout: Layout,
+    pub memory: MemoryPlan,
+}
+
+/// Seconds of one optimizer step, by cause.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct TimeBreakdown {
+    /// Matmuls, attention and element-wise work of forward and backward.
+    pub compute: f64,
+    /// Forward work run again by activation checkpointing.
+    pub recompute: f64,
+    /// Communication not hidden behind compute.
+    pub exposed_comm: f64,
+    /// Pipeline idle time.
+    pub bubble: f64,
+    /// Per micro-batch: collecting and accumulating the gradients of the rank's parameters.
+    pub gradients: f64,
+    /// The AdamW update.
+    pub optimizer: f64,
+    pub total: f64,
+}
+
+/// Bytes held by the busiest rank at its peak, by kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct MemoryBreakdown {
+    pub weights: f64,
+    pub gradients: f64,
+    /// f32 master weights and AdamW moments.
+    pub optimizer: f64,
+    pub activations: f64,
+    /// The loss chunk's logits.
+    pub loss: f64,
+    /// Communication buffers of the attention strategy.
+    pub buffers: f64,
+    pub total: f64,
+}
+
+/// The prediction of one candidate.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Prediction {
+    pub time: TimeBreakdown,
+    pub memory: MemoryBreakdown,
+    /// Micro-batches per optimizer step on each data-parallel rank.
+    pub micro_batches: usize,
+    /// Bytes a rank of the busiest stage sends per step (every group it belongs to).
+    pub bytes_sent: f64,
+}
+
+/// Seconds to move `bytes` in `messages` messages over `link`.
+fn transfer(link: &LinkSpec, bytes: f64, messages: f64) -> f64 {
+    bytes / link.bandwidth + messages * link.latency
+}
+
+/// Predicts one optimizer step of `work` under `cand` on `hw`. Errors when the layout does not
+/// fit the world, the model or the sequence (naming what does not divide).
+pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Prediction> {
+    let m = &work.model;
+    m.validate()?;
+    let mesh = &cand.layout.mesh;
+    let world = mesh
+        .world_size()
+        .ok_or_else(|| Error::Layout("the mesh's degrees overflow".into()))?;
+    let mesh_layout = MeshLayout::new(mesh, world)?;
+    let sp: &SpConfig = &cand.layout.attention;
+    let deg = |d: Dim| mesh.degree(d);
+    let (tp, u, r, pp, dp) = (
+        deg(Dim::Tp),
+        deg(Dim::Ulysses),
+        deg(Dim::Ring),
+        deg(Dim::Pp),
+        deg(Dim::Dp),
+    );
+    if sp.ulysses != u || sp.ring != r {
+        return Err(Error::Layout(format!(
+            "the attention's grid {}x{} is not the mesh's ulysses {u} x ring {r}",
+            sp.ulysses, sp.ring
+        )));
+    }
+    if world > hw.devices() {
+        return Err(Error::Layout(format!(
+            "{world} ranks on {} devices of {}",
+            hw.devices(),
+            hw.name
+        )));
+    }
+    for (what, n) in [
+        ("num_attention_heads", m.heads),
+        ("num_key_value_heads", m.kv_heads),
+        ("intermediate_size", m.intermediate),
+        ("vocab_size", m.vocab),
+    ] {
+        if !n.is_multiple_of(tp) {
+            return Err(Error::Layout(format!(
+                "tensor-parallel degree {tp} does not divide {what} {n}"
+            )));
+        }
+    }
+    if work.sequences == 0 || !work.sequences.is_multiple_of(dp) {
+        return Err(Error::Layout(format!(
+            "{} sequences per step do not split over {dp} data-parallel ranks",
+            work.sequences
+        )));
+    }
+    let sp_ranks = u * r;
+    sp.plan(work.seq_len)?;
+    if cand.layout.tp == TpActivations::SequenceSharded
+        && !(work.seq_len / sp_ranks).is_multiple_of(tp)
+    {
+        return Err(Error::Layout(format!(
+            "TP-sp: the {} tokens of a rank do not split over tp {tp}",
+            work.seq_len / sp_ranks
+        )));
+    }
+    let micro_batches = work.sequences / dp;
+    let stages = split_layers(m.layers, pp, None)?;
+
+    // Rates of one rank.
+    let share = hw.share(world.min(hw.devices_per_node));
+    let mm_rate = hw.device.matmul_flops * share;
+    let attn_rate = hw.device.attention_flops * share;
+    let mem_bw = hw.device.memory_bandwidth * share;
+    let link = |dim: Dim| hw.link(mesh_layout.stride(dim), deg(dim));
+    // Seconds per parameter of one pass of the optimizer step over a rank's parameters, and of
+    // a micro-batch's gradient bookkeeping (about one such pass: measured on this library's
+    // trainer, `docs/planner.md`).
+    let param_pass = match hw.device.optimizer_params_per_sec {
+        Some(rate) => 1.0 / (rate * share),
+        None => OPTIMIZER_BYTES_PER_PARAM / mem_bw,
+    };
+
+    let el = work.elem_bytes as f64;
+    let s = work.seq_len as f64;
+    let tok = s / sp_ranks as f64; // tokens of a rank's micro-batch
+    let (h, hq, hkv, d, i, v) = (
+        m.hidden as f64,
+        m.heads as f64,
+        m.kv_heads as f64,
+        m.head_dim as f64,
+        m.intermediate as f64,
+        m.vocab as f64,
+    );
+    let tpf = tp as f64;
+    let tp_sp = cand.layout.tp == TpActivations::SequenceSharded;
+    // A rank's parameters of a layer: its slice of the projections, both (replicated) norms.
+    let layer_params = (m.layer_params() as f64 - 2.0 * h) / tpf + 2.0 * h;
+
+    // ---- per layer, per micro-batch, on one rank ----
+    let dense_fwd = 2.0 * layer_params * tok / mm_rate;
+    let attn_model_flops = 3.0 * 4.0 * s * s * hq * d * work.attention_density;
+    let attn_train = attn_model_flops / (sp_ranks as f64 * tpf) / attn_rate;
+    let h_share = if tp_sp { h / tpf } else { h };
+    let [ah, aq, akv, ai] = ACT_PER_TOKEN;
+    let tp_extra = if tp > 1 { TP_EXTRA_HIDDEN * h } else { 0.0 };
+    let act_token_layer =
+        el * (ah * h_share + tp_extra + (aq * hq * d + akv * hkv * d + ai * i) / tpf);
+    let elementwise = ELEMENTWISE_TOUCHES * act_token_layer * tok / mem_bw;
+    let layer_compute = 3.0 * dense_fwd + attn_train + elementwise;
+    let layer_recompute = match cand.memory.checkpointing {
+        Checkpointing::None => 0.0,
+        Checkpointing::Selective => dense_fwd,
+        Checkpointing::Full => dense_fwd + attn_train / 3.0,
+    };
+
+    // Tensor parallelism: 2 all-reduces (or all-gather + reduce-scatter) of the layer's
+    // activations forward, 2 backward, 2 more forward under full recomputation.
+    let mut layer_bytes = 0.0;
+    let mut layer_comm = 0.0;
+    if tp > 1 {
+        let act = tok * h * el;
+        let per = 2.0 * (tpf - 1.0) / tpf * act;
+        let n = if cand.memory.checkpointing == Checkpointing::Full {
+            6.0
+        } else {
+            4.0
+        };
+        let l = link(Dim::Tp);
+        layer_comm += n * transfer(l, per, 2.0 * (tpf - 1.0));
+        layer_bytes += n * per;
+    }
+
+    // Sequence-parallel attention.
+    if sp_ranks > 1 {
+        let shape = AttnShape {
+            batch: 1,
+            seq: work.seq_len,
+            heads: m.heads / tp,
+            kv_heads: m.kv_heads / tp,
+            head_dim: m.head_dim,
+            elem_bytes: work.elem_bytes,
+            with_lse: false,
+        };
+        let t = attention_traffic(sp, &shape)?;
+        let fwd_block = attn_train / 3.0;
+        let bwd_block = attn_train * 2.0 / 3.0;
+        let again = cand.memory.checkpointing == Checkpointing::Full;
+        let mut sent = (t.forward.total() + t.backward.total()) as f64;
+        if again {
+            sent += t.forward.total() as f64;
+        }
+        layer_bytes += sent;
+        // The ulysses all-to-alls, and the all-gathers / reduce-scatters: not overlapped.
+        let sp_inner = mesh_layout
+            .stride(Dim::Ring)
+            .min(mesh_layout.stride(Dim::Ulysses));
+        // (stride, size) of the all-to-all group, the gathering group and its link.
+        let ((a2a_stride, a2a_size), gather_size, gather_link) = match sp.strategy {
+            Strategy::StarTrail => ((sp_inner, sp.team), sp.team, hw.link(sp_inner, sp.team)),
+            _ => ((mesh_layout.stride(Dim::Ulysses), u), r, link(Dim::Ring)),
+        };
+        let gathered = |b: &crate::attention::multi_ring_plan::StrategyBytes| {
+            hw.all_to_all_time(
+                a2a_stride,
+                a2a_size,
+                b.all_to_all as f64,
+                4.0 * (a2a_size as f64 - 1.0),
+            ) + transfer(
+                gather_link,
+                (b.all_gather + b.reduce_scatter) as f64,
+                if b.all_gather + b.reduce_scatter > 0 {
+                    2.0 * (gather_size as f64 - 1.0)
+                } else {
+                    0.0
+                },
+            )
+        };
+        let mut comm = gathered(&t.forward) + gathered(&t.backward);
+        if again {
+            comm += gathered(&t.forward);
+        }
+        // Ring exchanges: each step moves one block while the previous one computes.
+        let ring_link = match sp.strategy {
+            Strategy::DoubleRing => None,
+            Strategy::StarTrail => Some(hw.link(sp_inner, sp_ranks)),
+            _ => Some(link(Dim::Ring)),
+        };
+        let exposed = |bytes: u64, steps: u64, block: f64, l: &LinkSpec| -> f64 {
+            if steps == 0 {
+                return 0.0;
+            }
+            let per = transfer(l, bytes as f64 / steps as f64, 1.0);
+            let blocks = (steps + 1) as f64;
+            if hw.overlap {
+                steps as f64 * (per - block / blocks).max(0.0)
+            } else {
+                steps as f64 * per
+            }
+        };
+        let ring_time = |bytes: u64, steps: u64, block: f64| -> f64 {
+            match (sp.strategy, ring_link) {
+                (Strategy::DoubleRing, _) => {
+                    // Inner rings of w neighbours, the outer ring across them: the outer hop
+                    // overlaps the w inner steps of an outer step.
+                    let w = sp.inner_ring.max(1);
+                    let stride = mesh_layout.stride(Dim::Ring);
+                    let inner = hw.link(stride, w);
+                    let outer = hw.link(stride * w, r / w);
+                    let outer_steps = (r / w) as u64;
+                    let inner_steps = steps.saturating_sub(outer_steps.saturating_sub(1));
+                    let per_byte = bytes as f64 / steps.max(1) as f64;
+                    let inner_t = exposed(
+                        (per_byte * inner_steps as f64) as u64,
+                        inner_steps,
+                        block * inner_steps as f64 / (steps + 1) as f64,
+                        inner,
+                    );
+                    let outer_per = transfer(outer, per_byte, 1.0);
+                    let hidden = block * w as f64 / (steps + 1) as f64;
+                    let outer_t = (outer_steps.saturating_sub(1)) as f64
+                        * if hw.overlap {
+                            (outer_per - hidden).max(0.0)
+                        } else {
+                            outer_per
+                        };
+                    inner_t + outer_t
+                }
+                (_, Some(l)) => exposed(bytes, steps, block, l),
+                (_, None) => 0.0,
+            }
+        };
+        comm += ring_time(t.forward.exchange, t.forward_steps, fwd_block);
+        comm += ring_time(t.backward.exchange, t.backward_steps, bwd_block);
+        if again {
+            comm += ring_time(t.forward.exchange, t.forward_steps, fwd_block);
+        }
+        layer_comm += comm;
+    }
+
+    // ZeRO sharding group: the ranks holding the same parameters.
+    let z = (u * r * dp) as f64;
+    let zero_link = hw.link(
+        [Dim::Ulysses, Dim::Ring, Dim::Dp]
+            .iter()
+            .filter(|&&d| deg(d) > 1)
+            .map(|&d| mesh_layout.stride(d))
+            .min()
+            .unwrap_or(1),
+        u * r * dp,
+    );
+    let zero = cand.memory.zero;
+
+    // ---- stages ----
+    let last = stages.len() - 1;
+    let mut stage_time: Vec<f64> = Vec::new();
+    let mut stage_grads: Vec<f64> = Vec::new();
+    let mut worst_mem = MemoryBreakdown::default();
+    let mut stage_params_max: f64 = 0.0;
+    let mut stage_bytes_max: f64 = 0.0;
+    let schedule = PipelineSchedule::new(ScheduleKind::OneFOneB, pp, micro_batches, 1)?;
+    let stats = schedule.validate()?;
+    for (k, range) in stages.iter().enumerate() {
+        let layers = range.len() as f64;
+        let mut params = layers * layer_params;
+        let mut t = layers * (layer_compute + layer_recompute + layer_comm);
+        let mut bytes = layers * layer_bytes;
+        let emb = v * h / tpf;
+        if k == 0 {
+            params += emb;
+        }
+        if k == last {
+            params += if m.tied_embeddings && k == 0 {
+                0.0
+            } else {
+                emb
+            } + h;
+            // LM head and loss: a product forward, two backward, of this rank's vocab slice.
+            t += 6.0 * v / tpf * h * tok / mm_rate;
+        }
+        if pp > 1 {
+            let l = link(Dim::Pp);
+            let act = tok * h * el;
+            t += 2.0 * transfer(l, act, 1.0);
+            // Activations forward to the next stage, their gradients back to the previous.
+            bytes += if k == 0 || k == last { act } else { 2.0 * act };
+        }
+        if zero == ZeroStage::Parameters && z > 1.0 {
+            // Gather the parameters forward and backward (again for recomputation); the
+            // gradients are reduce-scattered.
+            let gathers = if cand.memory.checkpointing == Checkpointing::Full {
+                3.0
+            } else {
+                2.0
+            };
+            let per = (z - 1.0) / z * params;
+            t += transfer(
+                zero_link,
+                gathers * per * el + per * 4.0,
+                (gathers + 1.0) * layers * (z - 1.0),
+            );
+            bytes += (gathers * el + 4.0) * per;
+        }
+        let grads = params * param_pass;
+        t += grads;
+        stage_grads.push(grads);
+        stage_time.push(t);
+        stage_params_max = stage_params_max.max(params);
+        stage_bytes_max = stage_bytes_max.max(bytes);
+
+        // Memory of this stage's ranks.
+        let in_flight = stats.peak_in_flight.get(k).copied().unwrap_or(1).max(1) as f64;
+        let keep_layer = act_token_layer * tok;
+        let activations = match cand.memory.checkpointing {
+            Checkpointing::None => layers * keep_layer * in_flight,
+            Checkpointing::Full => layers * tok * h_share * el * in_flight + keep_layer,
+            Checkpointing::Selective => {
+                layers * tok * (h_share * el + hq * d / tpf * el + hq / tpf * 4.0) * in_flight
+                    + keep_layer
+            }
+        } + tok * h_share * el * in_flight;
+        let loss = if k == last {
+            LOSS_COPIES * (work.loss_chunk as f64).min(tok) * v / tpf * 4.0
+        } else {
+            0.0
+        };
+        let kv_block = tok * hkv / tpf * d * el;
+        let buffers = match sp.strategy {
+            _ if sp_ranks == 1 => 0.0,
+            // The gathered k and v of every layer are kept for backward.
+            Strategy::AllGather => {
+                2.0 * (r as f64 - 1.0) * kv_block * layers * in_flight + 2.0 * r as f64 * kv_block
+            }
+            // Blocks in flight and the f32 dk, dv accumulators.
+            _ => 4.0 * kv_block * (u as f64) + 2.0 * kv_block / el * 4.0,
+        };
+        let shard = |on: bool| if on { z } else { 1.0 };
+        let weights = match zero {
+            ZeroStage::Parameters => params / z + 2.0 * layer_params,
+            _ => params,
+        } * el;
+        let gradients = params * el / shard(zero >= ZeroStage::Gradients)
+            + if zero >= ZeroStage::Gradients {
+                layer_params * el
+            } else {
+                0.0
+            };
+        let optimizer = 12.0 * params / shard(zero >= ZeroStage::OptimizerStates);
+        let mem = MemoryBreakdown {
+            weights,
+            gradients,
+            optimizer,
+            activations,
+            loss,
+            buffers,
+            total: weights + gradients + optimizer + activations + loss + buffers,
+        };
+        if mem.total > worst_mem.total {
+            worst_mem = mem;
+        }
+    }
+
+    // Pipeline: the 1F1B makespan in units of a forward (backward = 2), scaled by the slowest
+    // stage's micro-batch time.
+    let slowest = stage_time.iter().copied().fold(0.0, f64::max);
+    let busy = slowest * micro_batches as f64;
+    let pipelined = if pp > 1 {
+        stats.makespan / 3.0 * slowest
+    } else {
+        busy
+    };
+    let bubble = (pipelined - busy).max(0.0);
+
+    // Once per step: the gradient reduction and parameter gathers of the ZeRO stage, the
+    // AdamW update of the rank's shard.
+    let mut step_comm = 0.0;
+    let mut step_bytes = 0.0;
+    if z > 1.0 {
+        let p = stage_params_max;
+        let (bytes, msgs) = match zero {
+            ZeroStage::Off => (2.0 * (z - 1.0) / z * p * 4.0, 2.0 * (z - 1.0)),
+            ZeroStage::OptimizerStates | ZeroStage::Gradients => {
+                ((z - 1.0) / z * p * (4.0 + el), 2.0 * (z - 1.0))
+            }
+            ZeroStage::Parameters => (0.0, 0.0),
+        };
+        step_comm += transfer(zero_link, bytes, msgs);
+        step_bytes += bytes;
+    }
+    let opt_params = stage_params_max
+        / if zero >= ZeroStage::OptimizerStates {
+            z
+        } else {
+            1.0
+        };
+    let optimizer = opt_params * param_pass;
+
+    // Split the stage time into its causes for the report (the slowest stage).
+    let k_slow = stage_time.iter().position(|&t| t == slowest).unwrap_or(0);
+    let layers_slow = stages[k_slow].len() as f64;
+    let mb = micro_batches as f64;
+    let recompute = layers_slow * layer_recompute * mb;
+    let gradients = stage_grads[k_slow] * mb;
+    let mut exposed = layers_slow * layer_comm * mb + step_comm;
+    let mut compute = busy - layers_slow * (layer_recompute + layer_comm) * mb - gradients;
+    if compute < 0.0 {
+        exposed += compute;
+        compute = 0.0;
+    }
+    let total = pipelined + step_comm + optimizer;
+    Ok(Prediction {
+        time: TimeBreakdown {
+            compute,
+            recompute,
+            exposed_comm: exposed,
+            bubble,
+            gradients,
+            optimizer,
+            total,
+        },
+        memory: worst_mem,
+        micro_batches,
+        bytes_sent: stage_bytes_max * mb + step_bytes,
+    })
+}
+
+/// Usable memory of one rank of `world` ranks on `hw`.
+pub fn memory_per_rank(hw: &Hardware, world: usize) -> f64 {
+    hw.device.memory_bytes * hw.share(world.min(hw.devices_per_node))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mesh::MeshConfig;
+
+    /// hidden 8, 2 heads of 4 (2 kv heads), intermediate 16, vocab 10, 2 layers: q, k, v, o
+    /// 4 x 64, MLP 384, norms 16: 656 parameters a layer; embedding 80, head 80, norm 8.
+    fn tiny() -> ModelShape {
+        ModelShape {
+            layers: 2,
+            hidden: 8,
+            heads: 2,
+            kv_heads: 2,
+            head_dim: 4,
+            intermediate: 16,
+            vocab: 10,
+            tied_embeddings: false,
+        }
+    }
+
+    fn work(sequences: usize) -> Workload {
+        Workload {
+            model: tiny(),
+            seq_len: 16,
+            sequences,
+            elem_bytes: 4,
+            loss_chunk: 4,
+            attention_density: 0.5,
+        }
+    }
+
+    fn cand(mesh: MeshConfig, sp: SpConfig, zero: ZeroStage) -> Candidate {
+        Candidate {
+            layout: Layout::new(mesh, sp, TpActivations::Replicated),
+            memory: MemoryPlan {
+                zero,
+                zero_group: None,
+                checkpointing: Checkpointing::None,
+            },
+        }
+    }
+
+    fn hw() -> Hardware {
+        Hardware::preset("h100-cluster").unwrap()
+    }
+
+    /// Weights, gradients and AdamW state counted by hand.
+    #[test]
+    fn state_memory_by_hand() {
+        let single = SpConfig::new(Strategy::Ring, 1, 1);
+        let p = predict(
+            &cand(MeshConfig::default(), single.clone(), ZeroStage::Off),
+            &work(1),
+            &hw(),
+        )
+        .unwrap();
+        let params = (2 * 656 + 168) as f64;
+        assert_eq!(p.memory.weights, 4.0 * params);
+        assert_eq!(p.memory.gradients, 4.0 * params);
+        assert_eq!(p.memory.optimizer, 12.0 * params);
+        // ZeRO-1 over 4 data-parallel ranks: a quarter of the f32 masters and moments.
+        let p = predict(
+            &cand(
+                MeshConfig::default().with_dp(4),
+                single,
+                ZeroStage::OptimizerStates,
+            ),
+            &work(4),
+            &hw(),
+        )
+        .unwrap();
+        assert_eq!(p.memory.optimizer, 12.0 * params / 4.0);
+        assert_eq!(p.memory.weights, 4.0 * params);
+        // tp 2: half of every projection, the embedding and the head; both norms of a layer
+        // and the final norm whole: (656 - 16) / 2 + 16 per layer, 160 / 2 + 8 outside.
+        let p = predict(
+            &cand(
+                MeshConfig::default().with_tp(2),
+                SpConfig::new(Strategy::Ring, 1, 1),
+                ZeroStage::Off,
+            ),
+            &work(1),
+            &hw(),
+        )
+        .unwrap();
+        assert_eq!(p.memory.weights, 4.0 * (2.0 * (320.0 + 16.0) + 88.0));
+    }
+
+    /// One ring of 4 on one node: the bytes a rank sends per step are the attention's (the
+    /// traffic module's formula, per layer) plus the gradient all-reduce over the 4 ranks.
+    #[test]
+    fn bytes_sent_by_hand() {
+        let mesh = MeshConfig::default().with_ring(4);
+        let p = predict(
+            &cand(mesh, SpConfig::new(Strategy::Ring, 1, 4), ZeroStage::Off),
+            &work(1),
+            &hw(),
+        )
+        .unwrap();
+        // n = 4 tokens, K = 4 x 2 x 4 x 4 = 128 bytes: forward 3 x 2K, backward 3 x 2K + 4 x
+        // 2K (f32) per layer, 2 layers; gradients 2 x 3/4 x 1480 x 4.
+        let attention = 2.0 * (3.0 * 256.0 + 3.0 * 256.0 + 4.0 * 256.0);
+        let grads = 2.0 * 0.75 * 1480.0 * 4.0;
+        assert_eq!(p.bytes_sent, attention + grads);
+    }
+
+    #[test]
+    fn more_ranks_per_sequence_need_less_activation_memory() {
+        let one = predict(
+            &cand(
+                MeshConfig::default(),
+                SpConfig::new(Strategy::Ring, 1, 1),
+                ZeroStage::Off,
+            ),
+            &work(1),
+            &hw(),
+        )
+        .unwrap();
+        let four = predict(
+            &cand(
+                MeshConfig::default().with_ring(4),
+                SpConfig::new(Strategy::Ring, 1, 4),
+                ZeroStage::Off,
+            ),
+            &work(1),
+            &hw(),
+        )
+        .unwrap();
+        assert!(four.memory.activations < one.memory.activations / 3.0);
+        assert!(four.time.compute < one.time.compute);
+    }
+
+    #[test]
+    fn layouts_that_do_not_divide_are_errors() {
+        let e = predict(
+            &cand(
+                MeshConfig::default().with_tp(4),
+                SpConfig::new(Strategy::Ring, 1, 1),
+                ZeroStage::Off,
+            ),
+            &work(1),
+            &hw(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("tensor-parallel degree 4"), "{e}");
+        let e = predict(
+            &cand(
+                MeshConfig::default().with_dp(2),
+                SpConfig::new(Strategy::Ring, 1, 1),
+                ZeroStage::Off,
+            ),
+            &work(3),
+            &hw(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("3 sequences"), "{e}");
+    }
+}

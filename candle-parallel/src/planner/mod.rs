@@ -1,0 +1,161 @@
+//! The layout planner behind `cpl plan --auto`: which parallel layout to run for a model, a
+//! sequence length and a cluster.
+//!
+//! - [`Hardware`] ([`hardware`]): the cluster (nodes, devices per node, per-device matmul and
+//!   attention rates, memory, intra- and inter-node bandwidth and latency), read from TOML.
+//! - [`ModelShape`]: the transformer's shape (what the cost depends on).
+//! - [`Candidate`] and [`predict`] ([`cost`]): one layout with its memory plan, and its predicted
+//!   step time (compute, exposed communication, pipeline bubble, recomputation) and memory per
+//!   rank (weights, optimizer states, gradients, activations, loss chunk, communication buffers).
+//!   The attention traffic comes from [`traffic`], the same per-rank formulas the strategies'
+//!   tests assert against the communicators' counters.
+//! - [`search`]: every layout of a world that the model, the sequence and the memory allow,
+//!   ranked by predicted step time.
+//! - [`kendall_tau`]: how well a predicted ranking agrees with a measured one.
+//!
+//! The model is analytic and deliberately simple (the papers' own analysis: LoongTrain sec. 4,
+//! USP's communication table, WallFacer's formulas): it is a ranking tool. What it leaves out is
+//! listed in `docs/planner.md`, next to its validation against runs on this machine.
+
+pub mod cost;
+pub mod hardware;
+pub mod search;
+pub mod traffic;
+
+pub use cost::{predict, Candidate, MemoryBreakdown, Prediction, TimeBreakdown};
+pub use hardware::Hardware;
+pub use search::{search, Request, SearchResult};
+
+use crate::error::{Error, Result};
+
+/// The shape of a decoder-only transformer (LLaMA family): everything the cost model needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ModelShape {
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate: usize,
+    pub vocab: usize,
+    /// The LM head shares the embedding matrix.
+    pub tied_embeddings: bool,
+}
+
+impl ModelShape {
+    /// Errors naming the field that is zero or inconsistent.
+    pub fn validate(&self) -> Result<()> {
+        for (name, v) in [
+            ("num_hidden_layers", self.layers),
+            ("hidden_size", self.hidden),
+            ("num_attention_heads", self.heads),
+            ("num_key_value_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+            ("intermediate_size", self.intermediate),
+            ("vocab_size", self.vocab),
+        ] {
+            if v == 0 {
+                return Err(Error::Layout(format!("model shape: {name} is 0")));
+            }
+        }
+        if !self.heads.is_multiple_of(self.kv_heads) {
+            return Err(Error::Layout(format!(
+                "model shape: {} attention heads are not a multiple of {} kv heads",
+                self.heads, self.kv_heads
+            )));
+        }
+        Ok(())
+    }
+
+    /// Parameters of one decoder layer: q, k, v, o, the SwiGLU MLP and two norms.
+    pub fn layer_params(&self) -> u64 {
+        let (h, q, kv, i) = (
+            self.hidden as u64,
+            (self.heads * self.head_dim) as u64,
+            (self.kv_heads * self.head_dim) as u64,
+            self.intermediate as u64,
+        );
+        2 * h * q + 2 * h * kv + 3 * h * i + 2 * h
+    }
+
+    /// Parameters of the embedding (and of the LM head unless tied) and the final norm.
+    pub fn outer_params(&self) -> u64 {
+        let e = (self.vocab * self.hidden) as u64;
+        let head = if self.tied_embeddings { 0 } else { e };
+        e + head + self.hidden as u64
+    }
+
+    /// All parameters.
+    pub fn params(&self) -> u64 {
+        self.layers as u64 * self.layer_params() + self.outer_params()
+    }
+}
+
+/// Kendall's tau-b between two scorings of the same items (ties counted as neither concordant
+/// nor discordant, normalised by the untied pairs of each). 1: same order, -1: reversed.
+/// `None` with fewer than two items, mismatched lengths, or a scoring with every item tied.
+pub fn kendall_tau(a: &[f64], b: &[f64]) -> Option<f64> {
+    if a.len() != b.len() || a.len() < 2 {
+        return None;
+    }
+    let (mut concordant, mut discordant, mut ties_a, mut ties_b) = (0i64, 0i64, 0i64, 0i64);
+    for i in 0..a.len() {
+        for j in i + 1..a.len() {
+            let da = a[i].total_cmp(&a[j]) as i64;
+            let db = b[i].total_cmp(&b[j]) as i64;
+            match (da, db) {
+                (0, 0) => {}
+                (0, _) => ties_a += 1,
+                (_, 0) => ties_b += 1,
+                _ if da == db => concordant += 1,
+                _ => discordant += 1,
+            }
+        }
+    }
+    let n1 = (concordant + discordant + ties_a) as f64;
+    let n2 = (concordant + discordant + ties_b) as f64;
+    if n1 == 0.0 || n2 == 0.0 {
+        return None;
+    }
+    Some((concordant - discordant) as f64 / (n1 * n2).sqrt())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kendall_tau_of_known_orders() {
+        let a = [1.0, 2.0, 3.0, 4.0];
+        assert_eq!(kendall_tau(&a, &[10.0, 20.0, 30.0, 40.0]), Some(1.0));
+        assert_eq!(kendall_tau(&a, &[4.0, 3.0, 2.0, 1.0]), Some(-1.0));
+        // One swapped pair of 6: (5 - 1) / 6.
+        let t = kendall_tau(&a, &[1.0, 3.0, 2.0, 4.0]).unwrap();
+        assert!((t - 4.0 / 6.0).abs() < 1e-12, "{t}");
+        assert_eq!(kendall_tau(&a, &[1.0, 1.0, 1.0, 1.0]), None);
+        assert_eq!(kendall_tau(&a[..1], &a[..1]), None);
+        assert_eq!(kendall_tau(&a, &a[..3]), None);
+    }
+
+    /// A tiny LLaMA counted by hand: hidden 8, 2 heads of 4, 1 kv head, intermediate 16,
+    /// vocab 10: q 64 + k 32 + v 32 + o 64 + MLP 384 + norms 16 = 592 per layer; embedding 80,
+    /// head 80, final norm 8.
+    #[test]
+    fn parameters_of_a_tiny_model() {
+        let m = ModelShape {
+            layers: 2,
+            hidden: 8,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+            intermediate: 16,
+            vocab: 10,
+            tied_embeddings: false,
+        };
+        assert_eq!(m.layer_params(), 592);
+        assert_eq!(m.outer_params(), 168);
+        assert_eq!(m.params(), 2 * 592 + 168);
+        assert!(ModelShape { kv_heads: 3, ..m }.validate().is_err());
+        assert!(ModelShape { vocab: 0, ..m }.validate().is_err());
+    }
+}

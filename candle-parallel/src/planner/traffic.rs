@@ -1,0 +1,208 @@
+//! Bytes one rank sends in one sequence-parallel attention call, forward and backward, for every
+//! strategy: the formulas `tests/sp_attention.rs`, `tests/sp_double_ring.rs` and
+//! `tests/sp_startrail.rs` assert against the communicators' counters (those tests also assert
+//! that this module agrees with what the ranks sent).
+//!
+//! With `U` the ulysses and `R` the ring degree, `n = S / (U R)` local tokens, element size `el`:
+//! `Q = b n hq d el`, `K = b n hkv d el`, `K' = rep K` (Ulysses' kv replication
+//! `rep = U / gcd(U, hkv)`), `a2a(x) = x (U - 1) / U`:
+//! - ring: forward `(R-1) 2K` in `R-1` exchanges; backward `(R-1) 2K + R 2K_f32` in `2R-1`;
+//! - ulysses: `2 a2a(Q) + 2 a2a(K')` each way (plus `a2a(b hq n 4)` for a returned lse);
+//! - usp and double ring: the ulysses terms plus the ring terms with `K'` for `K`;
+//! - startrail: [`StarTrailPlan`]'s per-rank formulas (the largest over the ranks);
+//! - all-gather: `2 K` all-gathered forward, reduce-scattered backward.
+
+use crate::attention::multi_ring_plan::{ShardElems, StarTrailPlan, StrategyBytes};
+use crate::attention::ulysses::kv_replication;
+use crate::attention::{SpConfig, Strategy};
+use crate::error::{Error, Result};
+
+/// The global attention problem of one call, as one tensor-parallel rank sees it (its heads).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnShape {
+    pub batch: usize,
+    /// Tokens of the whole sequence.
+    pub seq: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Bytes of an element of q, k, v.
+    pub elem_bytes: usize,
+    /// The call returns the softmax lse (Ulysses sends it back through an all-to-all).
+    pub with_lse: bool,
+}
+
+/// What one rank sends in one attention call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AttentionTraffic {
+    pub forward: StrategyBytes,
+    pub backward: StrategyBytes,
+    /// Ring exchanges of the forward and of the backward: the steps whose transfers overlap
+    /// the next block's compute.
+    pub forward_steps: u64,
+    pub backward_steps: u64,
+}
+
+/// Bytes the busiest rank of `sp` sends for `shape` (every rank sends the same except under
+/// StarTrail, whose initial placement leaves some ranks' blocks at home).
+pub fn attention_traffic(sp: &SpConfig, shape: &AttnShape) -> Result<AttentionTraffic> {
+    sp.validate()?;
+    let (u, r) = (sp.ulysses as u64, sp.ring as u64);
+    let p = u * r;
+    if shape.seq == 0 || !(shape.seq as u64).is_multiple_of(p) {
+        return Err(Error::Layout(format!(
+            "{} tokens do not split over {p} sequence-parallel ranks",
+            shape.seq
+        )));
+    }
+    let el = shape.elem_bytes as u64;
+    let n = shape.seq as u64 / p;
+    let (b, hq, hkv, d) = (
+        shape.batch as u64,
+        shape.heads as u64,
+        shape.kv_heads as u64,
+        shape.head_dim as u64,
+    );
+    let q = b * n * hq * d * el;
+    let k = b * n * hkv * d * el;
+    let a2a = |x: u64| x * (u - 1) / u;
+    let lse = if shape.with_lse {
+        a2a(b * hq * n * 4)
+    } else {
+        0
+    };
+    // The ring over R ranks with kv blocks of `kb` bytes: (forward, backward) exchange bytes
+    // and (forward, backward) exchanges.
+    let ring = |kb: u64| -> (u64, u64, u64, u64) {
+        if r == 1 {
+            return (0, 0, 0, 0);
+        }
+        let k32 = kb / el * 4;
+        (
+            (r - 1) * 2 * kb,
+            (r - 1) * 2 * kb + r * 2 * k32,
+            r - 1,
+            2 * r - 1,
+        )
+    };
+    let bytes = |a2a: u64, exchange: u64| StrategyBytes {
+        all_to_all: a2a,
+        exchange,
+        ..StrategyBytes::default()
+    };
+    Ok(match sp.strategy {
+        Strategy::Ring => {
+            let (f, bw, sf, sb) = ring(k);
+            AttentionTraffic {
+                forward: bytes(0, f),
+                backward: bytes(0, bw),
+                forward_steps: sf,
+                backward_steps: sb,
+            }
+        }
+        Strategy::Ulysses | Strategy::Usp | Strategy::DoubleRing => {
+            let rep = kv_replication(shape.heads, shape.kv_heads, sp.ulysses)? as u64;
+            let x = 2 * a2a(q) + 2 * a2a(k * rep);
+            let (f, bw, sf, sb) = ring(k * rep);
+            AttentionTraffic {
+                forward: bytes(x + lse, f),
+                backward: bytes(x, bw),
+                forward_steps: sf,
+                backward_steps: sb,
+            }
+        }
+        Strategy::AllGather => AttentionTraffic {
+            forward: StrategyBytes {
+                all_gather: 2 * (r - 1) * k,
+                ..StrategyBytes::default()
+            },
+            backward: StrategyBytes {
+                reduce_scatter: 2 * (r - 1) * k,
+                ..StrategyBytes::default()
+            },
+            forward_steps: 0,
+            backward_steps: 0,
+        },
+        Strategy::StarTrail => {
+            let plan = StarTrailPlan::new(p as usize, sp.team)?;
+            let e = ShardElems {
+                q_elems: b * n * hq * d,
+                kv_elems: b * n * hkv * d,
+                lse_elems: b * hq * n,
+                elem_bytes: el,
+            };
+            let busiest = |f: &dyn Fn(usize) -> StrategyBytes| {
+                (0..p as usize)
+                    .map(f)
+                    .max_by_key(|s| s.total())
+                    .unwrap_or_default()
+            };
+            let steps = plan.sub_ring_size() as u64;
+            AttentionTraffic {
+                forward: busiest(&|rank| plan.forward_bytes(rank, &e)),
+                backward: busiest(&|rank| plan.backward_bytes(rank, &e)),
+                forward_steps: steps.saturating_sub(1),
+                backward_steps: steps,
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(seq: usize, heads: usize, kv_heads: usize) -> AttnShape {
+        AttnShape {
+            batch: 1,
+            seq,
+            heads,
+            kv_heads,
+            head_dim: 8,
+            elem_bytes: 4,
+            with_lse: false,
+        }
+    }
+
+    /// Hand-computed: S 64 over ring 4 -> n 16; K = 16 x 2 x 8 x 4 = 1024 bytes.
+    #[test]
+    fn ring_by_hand() {
+        let t = attention_traffic(&SpConfig::new(Strategy::Ring, 1, 4), &shape(64, 4, 2)).unwrap();
+        assert_eq!(t.forward.exchange, 3 * 2 * 1024);
+        assert_eq!(t.backward.exchange, 3 * 2 * 1024 + 4 * 2 * 1024);
+        assert_eq!((t.forward_steps, t.backward_steps), (3, 7));
+        assert_eq!(t.forward.all_to_all + t.backward.all_to_all, 0);
+    }
+
+    /// Ulysses 4 with 2 kv heads: rep 2; Q = 16 x 4 x 8 x 4 = 2048, K = 1024, K' = 2048;
+    /// a2a(x) = 3x/4.
+    #[test]
+    fn ulysses_by_hand() {
+        let t =
+            attention_traffic(&SpConfig::new(Strategy::Ulysses, 4, 1), &shape(64, 4, 2)).unwrap();
+        let x = 2 * 1536 + 2 * 1536;
+        assert_eq!(t.forward.all_to_all, x);
+        assert_eq!(t.backward.all_to_all, x);
+        assert_eq!(t.forward.exchange, 0);
+    }
+
+    #[test]
+    fn double_ring_moves_the_bytes_of_usp() {
+        let s = shape(128, 8, 2);
+        let usp = attention_traffic(&SpConfig::new(Strategy::Usp, 2, 4), &s).unwrap();
+        let dr = attention_traffic(
+            &SpConfig::new(Strategy::DoubleRing, 2, 4).with_inner_ring(2),
+            &s,
+        )
+        .unwrap();
+        assert_eq!(usp, dr);
+    }
+
+    #[test]
+    fn bad_splits_are_errors() {
+        assert!(attention_traffic(&SpConfig::new(Strategy::Ring, 1, 3), &shape(64, 4, 2)).is_err());
+        assert!(
+            attention_traffic(&SpConfig::new(Strategy::Ulysses, 3, 1), &shape(63, 4, 2)).is_err()
+        );
+    }
+}

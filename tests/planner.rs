@@ -1,0 +1,234 @@
+//! The planner's memory prediction against the bytes a training step really holds.
+//!
+//! For layouts the planner says fit (sequence-parallel strategies, tensor parallelism with and
+//! without TP-sp, ZeRO stages, checkpointing modes, data parallelism), one training step
+//! (forward, backward, clipping, AdamW) of a 4-layer LLaMA (hidden 128, GQA 8/4 heads,
+//! vocabulary 4096) on 2048-token sequences runs on local ranks, under a counting allocator: the
+//! process's peak bytes above what it held before the ranks loaded the model, summed over the
+//! ranks (they are threads of this process). The planner predicts the busiest rank; the ranks of
+//! these layouts hold equal shapes, so the prediction for the process is that times the ranks.
+//! Asserted: the measured peak is within 15% of the prediction, both ways.
+
+use std::alloc::System;
+
+use candle_core::DType;
+use candle_parallel::attention::{SpConfig, Strategy};
+use candle_parallel::comm::LocalWorld;
+use candle_parallel::mesh::{DeviceMesh, MeshConfig, Placement};
+use candle_parallel::nn::{ParallelCtx, ParamMode, TpActivations};
+use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
+use candle_parallel::plan::{Layout, MemoryPlan};
+use candle_parallel::planner::cost::Workload;
+use candle_parallel::planner::{predict, Candidate, Hardware, ModelShape};
+use candle_parallel::recompute::Checkpointing;
+use models::llama;
+use train::data::{PackedDataset, Packing, TokenStream};
+use train::memory::CountingAlloc;
+use train::trainer::{TrainConfig, Trainer};
+
+#[global_allocator]
+static ALLOC: CountingAlloc<System> = CountingAlloc::new(System);
+
+const SEQ: usize = 2048;
+const VOCAB: usize = 4096;
+const LOSS_CHUNK: usize = 512;
+
+fn shape() -> ModelShape {
+    ModelShape {
+        layers: 4,
+        hidden: 128,
+        heads: 8,
+        kv_heads: 4,
+        head_dim: 16,
+        intermediate: 384,
+        vocab: VOCAB,
+        tied_embeddings: false,
+    }
+}
+
+fn model_dir() -> std::path::PathBuf {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("planner-llama-4x128");
+    let m = shape();
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": m.hidden, "intermediate_size": m.intermediate,
+        "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
+        "num_key_value_heads": m.kv_heads, "vocab_size": m.vocab,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": false, "torch_dtype": "float32"
+    });
+    llama::write_random_checkpoint(&dir, &config, 3).unwrap();
+    dir
+}
+
+struct Case {
+    name: &'static str,
+    mesh: MeshConfig,
+    sp: SpConfig,
+    tp: TpActivations,
+    zero: ZeroStage,
+    ckpt: Checkpointing,
+}
+
+fn case(name: &'static str, tp: usize, u: usize, r: usize, dp: usize, s: Strategy) -> Case {
+    Case {
+        name,
+        mesh: MeshConfig::default()
+            .with_tp(tp)
+            .with_ulysses(u)
+            .with_ring(r)
+            .with_dp(dp),
+        sp: SpConfig::new(s, u, r),
+        tp: TpActivations::Replicated,
+        zero: ZeroStage::Off,
+        ckpt: Checkpointing::None,
+    }
+}
+
+impl Case {
+    fn plan(mut self, zero: ZeroStage, ckpt: Checkpointing) -> Self {
+        self.zero = zero;
+        self.ckpt = ckpt;
+        self
+    }
+
+    fn ranks(&self) -> usize {
+        self.mesh.world_size().unwrap()
+    }
+
+    fn memory(&self) -> MemoryPlan {
+        MemoryPlan {
+            zero: self.zero,
+            zero_group: None,
+            checkpointing: self.ckpt,
+        }
+    }
+}
+
+/// The process's peak bytes above the level before loading, during load and one step.
+fn measure(c: &Case, dir: &std::path::Path) -> isize {
+    let files = models::hub::from_dir("planner", dir).unwrap();
+    let dp = c.mesh.degree(candle_parallel::mesh::Dim::Dp);
+    let ids: Vec<u32> = (0..dp * SEQ + 1)
+        .map(|i| ((i as u64 * 2_654_435_761) % VOCAB as u64) as u32)
+        .collect();
+    let data = PackedDataset::new(
+        TokenStream::from_sequences(&[ids], VOCAB).unwrap(),
+        SEQ,
+        Packing::Continuous,
+    )
+    .unwrap();
+    let cfg = TrainConfig {
+        seq_len: SEQ,
+        steps: 1,
+        batch: 1,
+        grad_accum: 1,
+        doc_mask: false,
+        seed: 0,
+        shuffle: false,
+        adamw: AdamWConfig::default(),
+        schedule: LrSchedule {
+            peak_lr: 1e-4,
+            min_lr: 1e-4,
+            warmup_steps: 0,
+            total_steps: 1,
+            decay: Decay::Constant,
+        },
+        max_grad_norm: Some(1.0),
+        loss_chunk_tokens: LOSS_CHUNK,
+        memory: c.memory(),
+        pipeline: None,
+    };
+    let mesh_cfg = c.mesh.clone().with_placement(c.sp.placement);
+    let before = ALLOC.current();
+    ALLOC.reset_peak(before);
+    LocalWorld::run(c.ranks(), |world| -> candle_parallel::Result<()> {
+        let mesh = DeviceMesh::new(&mesh_cfg, world.clone())?;
+        let ctx = ParallelCtx::new(&mesh, &c.sp, c.tp)?;
+        let model = llama::load(&files, &ctx, Some(DType::F32), ParamMode::Trainable)
+            .map_err(|e| candle_parallel::Error::Layout(e.to_string()))?
+            .model;
+        let mut t = Trainer::new(model, &mesh, &ctx, cfg.clone())
+            .map_err(|e| candle_parallel::Error::Layout(e.to_string()))?;
+        t.step(&data)
+            .map_err(|e| candle_parallel::Error::Layout(e.to_string()))?;
+        world.barrier()
+    })
+    .unwrap();
+    ALLOC.peak() - before
+}
+
+fn predicted(c: &Case) -> f64 {
+    let work = Workload {
+        model: shape(),
+        seq_len: SEQ,
+        sequences: c.mesh.degree(candle_parallel::mesh::Dim::Dp),
+        elem_bytes: 4,
+        loss_chunk: LOSS_CHUNK,
+        attention_density: 0.5,
+    };
+    let cand = Candidate {
+        layout: Layout::new(
+            c.mesh.clone().with_placement(c.sp.placement),
+            c.sp.clone(),
+            c.tp,
+        ),
+        memory: c.memory(),
+    };
+    let hw = Hardware::preset("cpu-2core").unwrap();
+    let p = predict(&cand, &work, &hw).unwrap();
+    p.memory.total * c.ranks() as f64
+}
+
+#[test]
+fn predicted_memory_is_within_15_percent_of_the_measured_peak() {
+    let dir = model_dir();
+    let mut tp_sp = case("tp2 tp-sp x ring2", 2, 1, 2, 1, Strategy::Ring);
+    tp_sp.tp = TpActivations::SequenceSharded;
+    let mut usp_cf = case("usp 2x2 context-first", 1, 2, 2, 1, Strategy::Usp);
+    usp_cf.sp = usp_cf.sp.with_placement(Placement::ContextFirst);
+    let mut dr = case("double-ring w2", 1, 1, 4, 1, Strategy::DoubleRing);
+    dr.sp = dr.sp.with_inner_ring(2);
+    let cases = vec![
+        case("single", 1, 1, 1, 1, Strategy::Ring),
+        case("single selective", 1, 1, 1, 1, Strategy::Ring)
+            .plan(ZeroStage::Off, Checkpointing::Selective),
+        case("single full", 1, 1, 1, 1, Strategy::Ring).plan(ZeroStage::Off, Checkpointing::Full),
+        case("ring4", 1, 1, 4, 1, Strategy::Ring),
+        case("ring4 zero3 full", 1, 1, 4, 1, Strategy::Ring)
+            .plan(ZeroStage::Parameters, Checkpointing::Full),
+        case("ulysses4 zero1", 1, 4, 1, 1, Strategy::Ulysses)
+            .plan(ZeroStage::OptimizerStates, Checkpointing::None),
+        usp_cf.plan(ZeroStage::Gradients, Checkpointing::Selective),
+        dr,
+        case("all-gather cp4", 1, 1, 4, 1, Strategy::AllGather),
+        case("tp4", 4, 1, 1, 1, Strategy::Ring),
+        tp_sp,
+        case("dp2 x ring2 zero2", 1, 1, 2, 2, Strategy::Ring)
+            .plan(ZeroStage::Gradients, Checkpointing::None),
+    ];
+    let mut report = Vec::new();
+    let mut bad = Vec::new();
+    for c in &cases {
+        let got = measure(c, &dir) as f64;
+        let want = predicted(c);
+        let ratio = got / want;
+        let line = format!(
+            "{:<24} measured {:>7.1} MiB, predicted {:>7.1} MiB, ratio {ratio:.3}",
+            c.name,
+            got / 1048576.0,
+            want / 1048576.0
+        );
+        if !(0.85..=1.15).contains(&ratio) {
+            bad.push(line.clone());
+        }
+        report.push(line);
+    }
+    eprintln!("{}", report.join("\n"));
+    assert!(
+        bad.is_empty(),
+        "outside 15%:\n{}\n\nall:\n{}",
+        bad.join("\n"),
+        report.join("\n")
+    );
+}
