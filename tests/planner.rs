@@ -16,7 +16,7 @@ use candle_parallel::attention::{SpConfig, Strategy};
 use candle_parallel::comm::LocalWorld;
 use candle_parallel::mesh::{DeviceMesh, MeshConfig, Placement};
 use candle_parallel::nn::{ParallelCtx, ParamMode, TpActivations};
-use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
+use candle_parallel::optim::ZeroStage;
 use candle_parallel::plan::{Layout, MemoryPlan};
 use candle_parallel::planner::cost::Workload;
 use candle_parallel::planner::{predict, Candidate, Hardware, ModelShape};
@@ -118,27 +118,7 @@ fn measure(c: &Case, dir: &std::path::Path) -> isize {
         Packing::Continuous,
     )
     .unwrap();
-    let cfg = TrainConfig {
-        seq_len: SEQ,
-        steps: 1,
-        batch: 1,
-        grad_accum: 1,
-        doc_mask: false,
-        seed: 0,
-        shuffle: false,
-        adamw: AdamWConfig::default(),
-        schedule: LrSchedule {
-            peak_lr: 1e-4,
-            min_lr: 1e-4,
-            warmup_steps: 0,
-            total_steps: 1,
-            decay: Decay::Constant,
-        },
-        max_grad_norm: Some(1.0),
-        loss_chunk_tokens: LOSS_CHUNK,
-        memory: c.memory(),
-        pipeline: None,
-    };
+    let cfg = TrainConfig::constant_lr(SEQ, 1, 1e-4, LOSS_CHUNK, c.memory());
     let mesh_cfg = c.mesh.clone().with_placement(c.sp.placement);
     let before = ALLOC.current();
     ALLOC.reset_peak(before);

@@ -46,7 +46,9 @@ enum Command {
     /// Run all-reduce, all-gather and all-to-all across local ranks and check the results.
     Demo(demo::DemoArgs),
     /// Print the device mesh of a parallel layout: each rank's coordinates and groups; with
-    /// --pp > 1 also the pipeline schedule's per-rank timetable and bubble.
+    /// --pp > 1 also the pipeline schedule's per-rank timetable and bubble. `cpl plan --auto`
+    /// chooses the layout: every layout of --world ranks for --model at --seq-len on --hardware,
+    /// ranked by predicted step time.
     Plan(layout::PlanArgs),
     /// Mean next-token loss, perplexity and token count of a model on a text, jsonl, Parquet or
     /// token file; for a DiT, its output (and DDPM loss) on an --inputs file.
@@ -70,7 +72,8 @@ enum Command {
     /// Show a model's architecture, parameter count, dtypes and checkpoint files.
     Inspect(inspect::InspectArgs),
     /// Measure this machine: `cpl bench attention|comm|train|eval|matmul` (a table, or one JSON
-    /// object with --json).
+    /// object with --json); `cpl bench calibrate` writes its hardware description for `cpl plan
+    /// --auto`.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
 }

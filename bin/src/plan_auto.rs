@@ -13,7 +13,7 @@ use candle_parallel::mesh::Dim;
 use candle_parallel::nn::TpActivations;
 use candle_parallel::planner::cost::Workload;
 use candle_parallel::planner::{
-    kendall_tau, search, Candidate, Hardware, ModelShape, Prediction, Request,
+    kendall_tau, search, Candidate, Hardware, ModelShape, Prediction, Request, GIB,
 };
 use candle_parallel::recompute::Checkpointing;
 use models::llama::LlamaConfig;
@@ -143,8 +143,6 @@ fn describe(c: &Candidate, world: usize) -> String {
     parts.join(" ")
 }
 
-const GIB: f64 = (1u64 << 30) as f64;
-
 fn candidate_json(c: &Candidate, p: &Prediction, world: usize, tokens: f64) -> Value {
     json!({
         "layout": describe(c, world),
@@ -183,7 +181,12 @@ pub fn run(args: &AutoArgs, layout: &LayoutArgs) -> Result<()> {
     }
     let model = model_shape(model_arg).with_context(|| format!("--model {model_arg}"))?;
     let hw = Hardware::load(hw_arg).with_context(|| format!("--hardware {hw_arg}"))?;
-    let tokens = args.global_batch_tokens.unwrap_or(seq_len * world);
+    let tokens = match args.global_batch_tokens {
+        Some(t) => t,
+        None => seq_len.checked_mul(world).with_context(|| {
+            format!("--seq-len {seq_len} x --world {world} tokens per step overflow")
+        })?,
+    };
     if tokens == 0 || !tokens.is_multiple_of(seq_len) {
         bail!("--global-batch-tokens {tokens} is not a multiple of --seq-len {seq_len}");
     }

@@ -31,7 +31,7 @@ use candle_parallel::attention::{SpConfig, Strategy};
 use candle_parallel::comm::LocalWorld;
 use candle_parallel::mesh::{DeviceMesh, MeshConfig};
 use candle_parallel::nn::{ParallelCtx, ParamMode, TpActivations};
-use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
+use candle_parallel::optim::ZeroStage;
 use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
 use models::llama;
@@ -149,31 +149,17 @@ fn measure(l: &Layout, plan: Plan, seq: usize, loss_chunk: usize) -> Result<Meas
         Packing::Continuous,
     )
     .map_err(|e| e.to_string())?;
-    let cfg = TrainConfig {
-        seq_len: seq,
-        steps: 1,
-        batch: 1,
-        grad_accum: 1,
-        doc_mask: false,
-        seed: 0,
-        shuffle: false,
-        adamw: AdamWConfig::default(),
-        schedule: LrSchedule {
-            peak_lr: 1e-4,
-            min_lr: 1e-4,
-            warmup_steps: 0,
-            total_steps: 1,
-            decay: Decay::Constant,
-        },
-        max_grad_norm: Some(1.0),
-        loss_chunk_tokens: loss_chunk,
-        memory: MemoryPlan {
+    let cfg = TrainConfig::constant_lr(
+        seq,
+        1,
+        1e-4,
+        loss_chunk,
+        MemoryPlan {
             zero: plan.zero,
             zero_group: None,
             checkpointing: plan.ckpt,
         },
-        pipeline: None,
-    };
+    );
     let out = LocalWorld::run(l.ranks, |world| -> Result<Measured, String> {
         let e = |x: &dyn std::fmt::Display| x.to_string();
         let mesh = DeviceMesh::new(&l.mesh, world.clone()).map_err(|x| e(&x))?;

@@ -31,7 +31,7 @@ use candle_parallel::comm::{Comm, ReduceOp};
 use candle_parallel::mesh::{DeviceMesh, Dim};
 use candle_parallel::nn::{Batch, CrossEntropyOptions, ParallelCtx, Param, Shard, IGNORE_INDEX};
 use candle_parallel::optim::{
-    clip_grad_norm_staged, decays, global_grad_norm_staged, AdamW, AdamWConfig, FlatShard,
+    clip_grad_norm_staged, decays, global_grad_norm_staged, AdamW, AdamWConfig, Decay, FlatShard,
     LrSchedule, OptimParam, StageNorm, ZeroGroups, ZeroStage,
 };
 use candle_parallel::pipeline::{
@@ -285,6 +285,44 @@ pub struct TrainConfig {
     /// Pipeline schedule and stages (`None`: no pipeline).
     #[serde(default)]
     pub pipeline: Option<PipelineConfig>,
+}
+
+impl TrainConfig {
+    /// The run of the benchmarks and memory measurements: one sequence of `seq_len` tokens per
+    /// data-parallel rank and step, `steps` steps at the constant learning rate `lr` (AdamW
+    /// otherwise torch's defaults), clipping to norm 1, no pipeline, data in order from seed 0.
+    pub fn constant_lr(
+        seq_len: usize,
+        steps: u64,
+        lr: f64,
+        loss_chunk_tokens: usize,
+        memory: MemoryPlan,
+    ) -> Self {
+        Self {
+            seq_len,
+            steps,
+            batch: 1,
+            grad_accum: 1,
+            doc_mask: false,
+            seed: 0,
+            shuffle: false,
+            adamw: AdamWConfig {
+                lr,
+                ..AdamWConfig::default()
+            },
+            schedule: LrSchedule {
+                peak_lr: lr,
+                min_lr: lr,
+                warmup_steps: 0,
+                total_steps: steps,
+                decay: Decay::Constant,
+            },
+            max_grad_norm: Some(1.0),
+            loss_chunk_tokens,
+            memory,
+            pipeline: None,
+        }
+    }
 }
 
 /// What one optimizer step reports.

@@ -31,7 +31,7 @@ use candle_parallel::planner::hardware::{DeviceSpec, LinkSpec};
 use candle_parallel::planner::Hardware;
 use flash_ring::{flash_bwd, flash_fwd, AttnSpec, MaskKind};
 
-use super::comm::{memcpy, time_op, CommOp};
+use super::comm::{memcpy, time_op, CommOp, MIB};
 use super::{at_least_one, best_of, Machine, MatmulRate};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -48,8 +48,6 @@ pub struct CalibrateArgs {
     #[command(flatten)]
     pub matmul: MatmulRate,
 }
-
-const MIB: usize = 1 << 20;
 
 /// Bytes the kernel says are available now.
 fn memory_available() -> Result<f64> {

@@ -29,7 +29,7 @@ use serde_json::{json, Value};
 
 use super::{at_least_one, min_and_median, print_report, Machine};
 
-const MIB: usize = 1 << 20;
+pub(super) const MIB: usize = 1 << 20;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct CommArgs {

@@ -13,7 +13,7 @@ use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
 use candle_parallel::comm::ReduceOp;
 use candle_parallel::nn::ParamMode;
-use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
+use candle_parallel::optim::ZeroStage;
 use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
 use serde_json::json;
@@ -71,32 +71,19 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     let model = a.resolve()?;
     let dtype = model.dtype(a.dtype)?;
     let cfg = TrainConfig {
-        seq_len: a.seq_len,
-        steps: args.steps,
-        batch: 1,
         grad_accum: args.grad_accum,
-        doc_mask: false,
         seed: a.seed,
-        shuffle: false,
-        adamw: AdamWConfig {
-            lr: 1e-4,
-            ..AdamWConfig::default()
-        },
-        schedule: LrSchedule {
-            peak_lr: 1e-4,
-            min_lr: 1e-4,
-            warmup_steps: 0,
-            total_steps: args.steps,
-            decay: Decay::Constant,
-        },
-        max_grad_norm: Some(1.0),
-        loss_chunk_tokens: args.loss_chunk,
-        memory: MemoryPlan {
-            zero: args.zero,
-            zero_group: None,
-            checkpointing: args.checkpointing,
-        },
-        pipeline: None,
+        ..TrainConfig::constant_lr(
+            a.seq_len,
+            args.steps,
+            1e-4,
+            args.loss_chunk,
+            MemoryPlan {
+                zero: args.zero,
+                zero_group: None,
+                checkpointing: args.checkpointing,
+            },
+        )
     };
     // One window of random tokens per rank and micro-batch (every data-parallel rank gets its
     // own).

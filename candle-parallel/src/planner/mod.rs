@@ -28,6 +28,9 @@ pub use search::{search, Request, SearchResult};
 
 use crate::error::{Error, Result};
 
+/// Bytes in a GiB (the unit of the planner's memory reports).
+pub const GIB: f64 = (1u64 << 30) as f64;
+
 /// The shape of a decoder-only transformer (LLaMA family): everything the cost model needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ModelShape {

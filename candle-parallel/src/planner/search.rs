@@ -20,6 +20,7 @@ use crate::recompute::Checkpointing;
 
 use super::cost::{memory_per_rank, predict, Candidate, Prediction, Workload};
 use super::hardware::Hardware;
+use super::GIB;
 
 /// What to plan for.
 #[derive(Debug, Clone, PartialEq)]
@@ -203,5 +204,3 @@ pub fn search(req: &Request, hw: &Hardware) -> Result<SearchResult> {
         memory_per_rank: budget,
     })
 }
-
-const GIB: f64 = (1u64 << 30) as f64;
