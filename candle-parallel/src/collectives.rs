@@ -53,7 +53,6 @@
 
 use std::sync::Mutex;
 
-use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::shape::Dim;
 use candle_core::{
     CpuStorage, CudaStorage, CustomOp1, Layout, MetalStorage, Result, Shape, Storage, Tensor,
@@ -61,6 +60,7 @@ use candle_core::{
 
 use crate::comm::{Comm, ReduceOp};
 use crate::error::Error;
+pub(crate) use flash_ring::owned_copy;
 
 /// Concatenates every rank's `x` along `dim`, in rank order.
 ///
@@ -324,28 +324,4 @@ impl CustomOp1 for Recorded {
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some((self.backward)(grad_res)?))
     }
-}
-
-/// A contiguous copy of `t`'s elements in a storage that nothing else references (how the
-/// ops of this crate attach a backward to a result computed outside the graph).
-pub(crate) fn owned_copy(t: &Tensor) -> Result<(Storage, Shape)> {
-    let (storage, layout) = t.storage_and_layout();
-    let copy = match &*storage {
-        Storage::Cpu(s) => Storage::Cpu(strided_copy(s, layout)?),
-        Storage::Cuda(s) => Storage::Cuda(strided_copy(s, layout)?),
-        Storage::Metal(s) => Storage::Metal(strided_copy(s, layout)?),
-    };
-    Ok((copy, layout.shape().clone()))
-}
-
-fn strided_copy<S>(src: &S, layout: &Layout) -> Result<S>
-where
-    S: BackendStorage,
-    S::Device: BackendDevice<Storage = S>,
-{
-    // SAFETY: `copy_strided_src` writes all `layout.shape().elem_count()` elements of the new
-    // buffer (contiguously from offset 0) before it is read or returned.
-    let mut dst = unsafe { src.device().alloc_uninit(layout.shape(), src.dtype())? };
-    src.copy_strided_src(&mut dst, 0, layout)?;
-    Ok(dst)
 }

@@ -55,6 +55,10 @@ pub enum Error {
     #[error("MPI: {0}")]
     Mpi(String),
 
+    /// An error reported by NCCL (the `nccl` feature's communicator), naming the call.
+    #[error("NCCL: {0}")]
+    Nccl(String),
+
     /// An error from a candle tensor operation.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -49,7 +49,7 @@ pub enum Error {
     #[error("cu_seqlens: {0}")]
     CuSeqlens(String),
     /// The tensors live on a device this build has no kernel for.
-    #[error("{tensor}: device {device} is not supported by flash-ring (CPU only in this build)")]
+    #[error("{tensor}: device {device} is not supported here")]
     Device {
         tensor: &'static str,
         device: String,
@@ -60,6 +60,10 @@ pub enum Error {
     /// An invalid kernel configuration.
     #[error("invalid kernel config: {0}")]
     Config(String),
+    /// A spec cannot be planned as flash-attn kernel calls within the given limits (see
+    /// `flash_attn_plan`), or a call does not fit the accumulator it is added to.
+    #[error("flash-attn plan: {0}")]
+    FlashAttnPlan(String),
     /// An error from candle itself.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

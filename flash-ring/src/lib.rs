@@ -14,12 +14,15 @@
 //! [`matmul`] is the dense product of the layers around attention, on the same CPU kernels,
 //! with short accumulation chains (accurate sums of large same-sign terms).
 //!
-//! Kernels run on the CPU ([`cpu`]); the functions here take candle tensors and dispatch on the
-//! device, so a CUDA kernel can be added behind the same API (other devices return
-//! [`Error::Device`] for now).
+//! The functions here take candle tensors and dispatch on the device: CPU tensors run the tiled
+//! CPU kernels ([`cpu`]); tensors on any other device (CUDA, Metal) run the [`composite`] path,
+//! the same blockwise algorithm in candle tensor ops, which is also the oracle a device kernel is
+//! tested against. Nothing is copied to the CPU behind the caller's back.
 
+pub mod composite;
 pub mod cpu;
 mod error;
+pub mod flash_attn_plan;
 mod matmul;
 mod merge;
 mod op;
@@ -31,10 +34,12 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, DType, Device, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
+pub use composite::CompositeConfig;
 pub use cpu::{Isa, KernelConfig};
 pub use error::{Error, Result};
 pub use matmul::{matmul, matmul_with_config};
 pub use merge::merge;
+pub use op::{owned_copy, record3, Backward3};
 pub use reference::{naive_attention, naive_attention_with_lse};
 pub use spec::{doc_ids_from_cu_seqlens, AttnSpec, MaskKind, Positions};
 
@@ -55,6 +60,9 @@ pub fn flash_fwd_with_config(
     cfg: &KernelConfig,
 ) -> Result<(Tensor, Tensor)> {
     check_devices(q, &[("k", k), ("v", v)])?;
+    if !q.device().is_cpu() {
+        return composite::forward(q, k, v, spec, &CompositeConfig::default());
+    }
     let (gq, lq) = q.storage_and_layout();
     let (gk, lk) = k.storage_and_layout();
     let (gv, lv) = v.storage_and_layout();
@@ -159,6 +167,19 @@ pub(crate) fn flash_bwd_impl(
             ("dout", dout),
         ],
     )?;
+    if !q.device().is_cpu() {
+        return composite::backward(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dout,
+            spec,
+            &CompositeConfig::default(),
+            f32_grads,
+        );
+    }
     let qd = q.dims();
     if qd.len() == 4 && lse.dims() != [qd[0], qd[2], qd[1]] {
         return Err(Error::Shape {
@@ -220,16 +241,13 @@ pub fn flash_attention_with_config(
     cfg: &KernelConfig,
 ) -> Result<(Tensor, Tensor)> {
     check_devices(q, &[("k", k), ("v", v)])?;
-    if !q.device().is_cpu() {
-        return Err(Error::Device {
-            tensor: "q",
-            device: format!("{:?}", q.device().location()),
-        });
-    }
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
         if t.rank() != 4 {
             return Err(rank_err(name, t.dims()));
         }
+    }
+    if !q.device().is_cpu() {
+        return op::composite_attention(q, k, v, spec, &CompositeConfig::default());
     }
     let cell = Arc::new(Mutex::new(None));
     let op = op::FlashAttnOp {
@@ -246,7 +264,7 @@ pub fn flash_attention_with_config(
     Ok((out, lse))
 }
 
-fn rank_err(name: &'static str, dims: &[usize]) -> Error {
+pub(crate) fn rank_err(name: &'static str, dims: &[usize]) -> Error {
     Error::Rank {
         tensor: name,
         expected: 4,

@@ -21,7 +21,7 @@ use crate::f32_to_storage;
 ///   the number of threads.
 /// - Differentiable with respect to both inputs. The gradients are computed with candle's
 ///   own matmul (`grad @ b^T`, `a^T @ grad`), as `Tensor::matmul` would.
-/// - CPU only: other devices give [`Error::Device`].
+/// - On other devices (CUDA, Metal) this is candle's own `Tensor::matmul` (cuBLAS on CUDA).
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     matmul_with_config(a, b, &KernelConfig::default())
 }
@@ -52,13 +52,12 @@ pub fn matmul_with_config(a: &Tensor, b: &Tensor, cfg: &KernelConfig) -> Result<
             expected: "f32, bf16 or f16",
         });
     }
-    for (name, t) in [("a", a), ("b", b)] {
-        if !t.device().is_cpu() {
-            return Err(Error::Device {
-                tensor: name,
-                device: format!("{:?}", t.device().location()),
-            });
-        }
+    if !b.device().same_device(a.device()) {
+        return Err(Error::DeviceMismatch { tensor: "b" });
+    }
+    if !a.device().is_cpu() {
+        // Other devices: the device's own matmul (cuBLAS on CUDA), differentiable as is.
+        return Ok(a.matmul(b)?);
     }
     Ok(a.apply_op2(b, MatMulOp { isa })?)
 }

@@ -3,11 +3,9 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use candle_core::DType;
-use common::Case;
-use flash_ring::{AttnSpec, Isa, KernelConfig, MaskKind, Positions};
+use common::{mask_specs, Case};
+use flash_ring::{AttnSpec, Isa, KernelConfig, MaskKind};
 
 const F32_TOL: f64 = 1e-5;
 const HALF_TOL: f64 = 1e-2;
@@ -75,149 +73,6 @@ fn gqa_ratios_f32() {
 }
 
 /// Zigzag chunk pair of rank `r` of `p` over a sequence of `n` (n % 2p == 0) as positions.
-fn zigzag(n: usize, p: usize, r: usize) -> Positions {
-    let c = n / (2 * p);
-    let mut v: Vec<u32> = (r * c..(r + 1) * c).map(|x| x as u32).collect();
-    v.extend(((2 * p - 1 - r) * c..(2 * p - r) * c).map(|x| x as u32));
-    Positions::list(v)
-}
-
-/// The mask kinds of the issue on blocks of global positions.
-fn mask_specs(d: usize) -> Vec<(&'static str, AttnSpec, usize, usize)> {
-    let scale = 1.0 / (d as f32).sqrt();
-    let n = 384; // whole sequence
-                 // Documents of uneven lengths crossing the 128-row tile borders.
-    let cu = [0usize, 50, 51, 190, 300, 384];
-    let docs = flash_ring::doc_ids_from_cu_seqlens(&cu).expect("cu_seqlens");
-    // Non-monotonic document ids (ids repeat after other documents).
-    let odd_docs: Arc<[u32]> = (0..n as u32)
-        .map(|i| (i / 37) % 3)
-        .collect::<Vec<_>>()
-        .into();
-    let zq = zigzag(n, 2, 0); // rows 0..96 and 288..384
-    let zk = zigzag(n, 2, 1); // rows 96..192 and 192..288
-    let striped: Positions =
-        Positions::list((0..n as u32).filter(|i| i % 3 == 1).collect::<Vec<_>>());
-    let mut v = vec![
-        (
-            "full",
-            AttnSpec::dense(scale, MaskKind::Full, 200, 200),
-            200,
-            200,
-        ),
-        (
-            "causal",
-            AttnSpec::dense(scale, MaskKind::Causal, 200, 200),
-            200,
-            200,
-        ),
-        (
-            "causal offset block (k after q: all masked)",
-            AttnSpec::new(
-                scale,
-                MaskKind::Causal,
-                Positions::range(0, 100),
-                Positions::range(150, 100),
-            ),
-            100,
-            100,
-        ),
-        (
-            "causal block k before q",
-            AttnSpec::new(
-                scale,
-                MaskKind::Causal,
-                Positions::range(200, 150),
-                Positions::range(10, 170),
-            ),
-            150,
-            170,
-        ),
-        (
-            "causal docs (cu_seqlens)",
-            AttnSpec::dense(scale, MaskKind::Causal, n, n).with_doc_ids(docs.clone()),
-            n,
-            n,
-        ),
-        (
-            "full docs",
-            AttnSpec::dense(scale, MaskKind::Full, n, n).with_doc_ids(docs.clone()),
-            n,
-            n,
-        ),
-        (
-            "causal non-monotonic docs",
-            AttnSpec::dense(scale, MaskKind::Causal, n, n).with_doc_ids(odd_docs),
-            n,
-            n,
-        ),
-        (
-            "causal window",
-            AttnSpec::dense(scale, MaskKind::Causal, 300, 300).with_window(70),
-            300,
-            300,
-        ),
-        (
-            "full window",
-            AttnSpec::dense(scale, MaskKind::Full, 300, 300).with_window(45),
-            300,
-            300,
-        ),
-        (
-            "causal docs window",
-            AttnSpec::dense(scale, MaskKind::Causal, n, n)
-                .with_doc_ids(docs.clone())
-                .with_window(60),
-            n,
-            n,
-        ),
-        (
-            "zigzag q vs zigzag k, causal docs",
-            AttnSpec::new(scale, MaskKind::Causal, zq.clone(), zk.clone())
-                .with_doc_ids(docs.clone()),
-            zq.len(),
-            zk.len(),
-        ),
-        (
-            "zigzag q vs zigzag k, causal",
-            AttnSpec::new(scale, MaskKind::Causal, zq.clone(), zk.clone()),
-            zq.len(),
-            zk.len(),
-        ),
-        (
-            "zigzag q vs own zigzag k, causal window",
-            AttnSpec::new(scale, MaskKind::Causal, zq.clone(), zq.clone()).with_window(100),
-            zq.len(),
-            zq.len(),
-        ),
-        (
-            "striped k, causal",
-            AttnSpec::new(
-                scale,
-                MaskKind::Causal,
-                Positions::range(0, n),
-                striped.clone(),
-            ),
-            n,
-            striped.len(),
-        ),
-    ];
-    // Reversed row order (positions need not be sorted).
-    let rev: Vec<u32> = (0..150u32).rev().collect();
-    v.push((
-        "reversed q rows, causal",
-        AttnSpec::new(
-            scale,
-            MaskKind::Causal,
-            Positions::list(rev),
-            Positions::range(0, 150),
-        ),
-        150,
-        150,
-    ));
-    v
-}
-
 #[test]
 fn every_mask_f32() {
     for (name, spec, sq, sk) in mask_specs(64) {

@@ -9,11 +9,7 @@
 //! rank at least one of `q`, `k`, `v` must track gradients (reach a `Var`), and every rank's
 //! loss must depend on the output.
 
-use std::sync::Mutex;
-
-use candle_core::{
-    CpuStorage, CudaStorage, CustomOp3, Layout, MetalStorage, Shape, Storage, Tensor,
-};
+use candle_core::Tensor;
 
 use super::{Grads, Qkv, Saved};
 use crate::error::Result;
@@ -26,9 +22,9 @@ pub type Backward3 = Box<
         + Sync,
 >;
 
-/// Returns `out` as a node of `(q, k, v)` whose backward is `backward`. When none of the inputs
-/// tracks gradients, returns `out` itself and drops `backward`. `out` is copied once (candle has
-/// no public way to attach an op to an existing tensor).
+/// Returns `out` as a node of `(q, k, v)` whose backward is `backward` ([`flash_ring::record3`],
+/// with this crate's errors). When none of the inputs tracks gradients, returns `out` itself and
+/// drops `backward`. `out` is copied once.
 pub fn record3(
     name: &'static str,
     q: &Tensor,
@@ -37,21 +33,10 @@ pub fn record3(
     out: Tensor,
     backward: Backward3,
 ) -> Result<Tensor> {
-    if !(q.track_op() || k.track_op() || v.track_op()) {
-        return Ok(out);
-    }
-    // Copy before apply_op3, which read-locks the inputs' storages (out may share one).
-    let copy = crate::collectives::owned_copy(&out)?;
-    drop(out);
-    Ok(q.apply_op3(
-        k,
-        v,
-        Recorded3 {
-            name,
-            out: Mutex::new(Some(copy)),
-            backward,
-        },
-    )?)
+    let backward: flash_ring::Backward3 = Box::new(move |q, k, v, out, dout| {
+        backward(q, k, v, out, dout).map_err(candle_core::Error::from)
+    });
+    Ok(flash_ring::record3(name, q, k, v, out, backward)?)
 }
 
 /// Records `out` (computed from `qkv`, detached) as a node of `qkv` whose backward is
@@ -70,90 +55,4 @@ pub fn record_attention(
         saved.cast_grads(backward(&saved, dout)?)
     };
     record3(name, &qkv.q, &qkv.k, &qkv.v, out, Box::new(bwd))
-}
-
-struct Recorded3 {
-    name: &'static str,
-    out: Mutex<Option<(Storage, Shape)>>,
-    backward: Backward3,
-}
-
-impl Recorded3 {
-    fn take(&self) -> candle_core::Result<(Storage, Shape)> {
-        let mut g = self.out.lock().unwrap_or_else(|p| p.into_inner());
-        g.take().ok_or_else(|| {
-            candle_core::Error::Msg(format!("{}: forward result already taken", self.name))
-        })
-    }
-
-    fn wrong(&self, s: &Storage) -> candle_core::Error {
-        candle_core::Error::Msg(format!(
-            "{}: result on {:?}, not on the inputs' device",
-            self.name,
-            s.device().location()
-        ))
-    }
-}
-
-impl CustomOp3 for Recorded3 {
-    fn name(&self) -> &'static str {
-        self.name
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        match self.take()? {
-            (Storage::Cpu(s), sh) => Ok((s, sh)),
-            (o, _) => Err(self.wrong(&o)),
-        }
-    }
-
-    fn cuda_fwd(
-        &self,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        match self.take()? {
-            (Storage::Cuda(s), sh) => Ok((s, sh)),
-            (o, _) => Err(self.wrong(&o)),
-        }
-    }
-
-    fn metal_fwd(
-        &self,
-        _: &MetalStorage,
-        _: &Layout,
-        _: &MetalStorage,
-        _: &Layout,
-        _: &MetalStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(MetalStorage, Shape)> {
-        match self.take()? {
-            (Storage::Metal(s), sh) => Ok((s, sh)),
-            (o, _) => Err(self.wrong(&o)),
-        }
-    }
-
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        res: &Tensor,
-        grad_res: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dq, dk, dv) = (self.backward)(q, k, v, res, grad_res)?;
-        Ok((Some(dq), Some(dk), Some(dv)))
-    }
 }

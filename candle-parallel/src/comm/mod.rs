@@ -16,12 +16,16 @@
 //! - If a rank fails, the other ranks' pending or next operation returns [`Error::PeerFailed`]
 //!   naming it (local backend), instead of hanging.
 //!
-//! Backends: [`local`] (ranks as threads of one process; the default on CPU and in tests) and,
-//! behind the `mpi` feature, `mpi` (one process per rank through OpenMPI).
+//! Backends: [`local`] (ranks as threads of one process; the default on CPU and in tests),
+//! behind the `mpi` feature `mpi` (one process per rank through OpenMPI), and behind the `nccl`
+//! feature `nccl` (CUDA tensors, one process per GPU; bootstrapped by [`nccl_bootstrap`]).
 
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+pub mod nccl_bootstrap;
 mod rules;
 pub mod traffic;
 

@@ -67,8 +67,8 @@ use mpi::ffi;
 use mpi::Threading;
 
 use super::rules::{
-    check_dim, check_divisible, check_exchange, check_rank, chunk_bounds, op_code, panic_message,
-    reduce_in_rank_order,
+    check_dim, check_divisible, check_exchange, check_rank, chunk_bounds, concat_blocks, op_code,
+    pack_chunks, panic_message, reduce_in_rank_order,
 };
 use super::traffic::{OpKind, Traffic};
 use super::{payload_bytes, Comm, Communicator, Pending, PendingOp, RecvSpec, ReduceOp};
@@ -351,32 +351,6 @@ fn tensor_from_bytes(b: &[u8], dtype: DType, dims: &[usize], device: &Device) ->
     } else {
         t.to_device(device)?
     })
-}
-
-/// Rearranges `x` so that its `p` equal chunks along `dim` follow each other in memory:
-/// a contiguous tensor of shape `(p, pre, chunk * post)`.
-fn pack_chunks(x: &Tensor, dim: usize, p: usize) -> Result<Tensor> {
-    let dims = x.dims();
-    let pre: usize = dims[..dim].iter().product();
-    let post: usize = dims[dim + 1..].iter().product();
-    let c = dims[dim] / p;
-    Ok(x.reshape((pre, p, c * post))?
-        .transpose(0, 1)?
-        .contiguous()?)
-}
-
-/// `flat` holds `p` blocks of shape `piece` in rank order; returns their concatenation along
-/// `dim`.
-fn concat_blocks(flat: &Tensor, piece: &[usize], p: usize, dim: usize) -> Result<Tensor> {
-    let pre: usize = piece[..dim].iter().product();
-    let post: usize = piece[dim..].iter().product();
-    let mut out = piece.to_vec();
-    out[dim] *= p;
-    Ok(flat
-        .reshape((p, pre, post))?
-        .transpose(0, 1)?
-        .contiguous()?
-        .reshape(out)?)
 }
 
 /// An MPI communicator handle.

@@ -103,6 +103,39 @@ pub(crate) fn reduce_in_rank_order(parts: &[Tensor], op: ReduceOp, world: usize)
     Ok(acc.to_dtype(dtype)?.contiguous()?)
 }
 
+/// Rearranges `x` so that its `p` equal chunks along `dim` follow each other in memory:
+/// a contiguous tensor of shape `(p, pre, chunk * post)`.
+#[cfg_attr(not(any(feature = "mpi", feature = "nccl")), allow(dead_code))]
+pub(crate) fn pack_chunks(x: &Tensor, dim: usize, p: usize) -> Result<Tensor> {
+    let dims = x.dims();
+    let pre: usize = dims[..dim].iter().product();
+    let post: usize = dims[dim + 1..].iter().product();
+    let c = dims[dim] / p;
+    Ok(x.reshape((pre, p, c * post))?
+        .transpose(0, 1)?
+        .contiguous()?)
+}
+
+/// `flat` holds `p` blocks of shape `piece` in rank order; returns their concatenation along
+/// `dim`.
+#[cfg_attr(not(any(feature = "mpi", feature = "nccl")), allow(dead_code))]
+pub(crate) fn concat_blocks(
+    flat: &Tensor,
+    piece: &[usize],
+    p: usize,
+    dim: usize,
+) -> Result<Tensor> {
+    let pre: usize = piece[..dim].iter().product();
+    let post: usize = piece[dim..].iter().product();
+    let mut out = piece.to_vec();
+    out[dim] *= p;
+    Ok(flat
+        .reshape((p, pre, post))?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape(out)?)
+}
+
 impl Traffic {
     /// A collective in which this rank sends and receives `piece` bytes to and from each of the
     /// `p - 1` others (all_gather, reduce_scatter, all_to_all).

@@ -21,6 +21,14 @@
 //! - in backward, the gradients themselves: `d_weight` (`S × H` f32, accumulated in place on CPU,
 //!   plus one chunk's `S × H` contribution at a time; out of place on other devices) and
 //!   `d_hidden` (`N × H` f32, then its all-reduced copy), converted to the inputs' dtypes.
+//!
+//! # Devices
+//! The loss node is device-generic: its forward and backward are candle tensor ops (and the
+//! communicator's collectives) on the inputs' device, and the node hands over its precomputed
+//! result on CPU, CUDA and Metal storages alike. Nothing is copied to the CPU but the labels
+//! (read once, to validate them). [`vocab_parallel_cross_entropy_composite`] computes the same
+//! loss with candle's autograd and differentiable collectives instead of the node: a reference
+//! for tests, which keeps every chunk's logits alive until backward.
 
 use std::sync::Mutex;
 
@@ -100,6 +108,58 @@ pub fn vocab_parallel_cross_entropy(
         },
     )?;
     Ok((node, count))
+}
+
+/// [`vocab_parallel_cross_entropy`] built from differentiable candle ops and the differentiable
+/// collectives of [`crate::collectives`], on any device: the same validation and errors, the same
+/// chunks and f32 arithmetic, the same collectives in forward (per chunk an all-reduce (max) of
+/// the row maxima and one all-reduce (sum) of the row sums of `exp(logit - max)` with the target
+/// logits) and one all-reduce (sum) of `d_hidden` in backward (when `hidden` tracks gradients).
+///
+/// A reference for tests (public for them, hidden from the docs): candle's autograd keeps every
+/// chunk's `(c, V/P)` logits and exponentials until backward, `O(N · V/P)` memory, which the
+/// fused loss avoids. Collective, with the same rules as [`vocab_parallel_cross_entropy`].
+#[doc(hidden)]
+pub fn vocab_parallel_cross_entropy_composite(
+    hidden: &Tensor,
+    weight: &Tensor,
+    labels: &Tensor,
+    comm: &Comm,
+    opts: &CrossEntropyOptions,
+) -> Result<(Tensor, usize)> {
+    let plan = Plan::new(hidden, weight, labels, comm, opts)?;
+    let parallel = comm.size() > 1;
+    // Identity in forward, all-reduce (sum) of the f32 gradient in backward: every rank's shard
+    // contributes to every token's hidden gradient.
+    let h32 = hidden.to_dtype(DType::F32)?;
+    let h32 = if parallel {
+        crate::collectives::copy_to_parallel_region(&h32, comm)?
+    } else {
+        h32
+    };
+    let w32 = weight.to_dtype(DType::F32)?;
+    let mut loss = Tensor::zeros((), DType::F32, hidden.device())?;
+    for (s, c) in plan.chunks() {
+        let logits = h32.narrow(0, s, c)?.matmul(&w32.t()?)?;
+        let here = plan.here.narrow(0, s, c)?;
+        let idx = plan.local_idx.narrow(0, s, c)?;
+        let target = (logits.gather(&idx, 1)? * &here)?;
+        // A constant shift (log-sum-exp does not depend on it): no gradient through the max.
+        let max = plan.all_reduce(&logits.detach().max_keepdim(1)?, ReduceOp::Max)?;
+        let sum_exp = logits.broadcast_sub(&max)?.exp()?.sum_keepdim(1)?;
+        let both = Tensor::cat(&[&sum_exp, &target], 1)?;
+        // All-reduce (sum) in forward, identity in backward: the loss is replicated.
+        let both = if parallel {
+            crate::collectives::reduce_from_parallel_region(&both, comm)?
+        } else {
+            both
+        };
+        let lse = (max + both.narrow(1, 0, 1)?.log()?)?;
+        let valid = plan.valid.narrow(0, s, c)?;
+        let chunk_loss = ((lse - both.narrow(1, 1, 1)?)? * valid)?.sum_all()?;
+        loss = (loss + chunk_loss)?;
+    }
+    Ok((loss, plan.count))
 }
 
 /// The output projection of a language model, `(V, H)` split by vocabulary rows over the

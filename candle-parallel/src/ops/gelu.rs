@@ -1,10 +1,11 @@
 //! GELU with the tanh approximation (PyTorch's `gelu(approximate="tanh")`, candle's `gelu`), as
 //! a custom op with a one-pass backward: candle differentiates its GELU as a chain of
 //! elementwise tensor ops (`powf`, `tanh`, products: six passes and allocations), which made
-//! it the largest elementwise cost of a DiT training step.
+//! it the largest elementwise cost of a DiT training step. Off the CPU, where this crate has no
+//! kernel, the op is such a chain of differentiable candle ops (a composite).
 
-use super::{check_cpu, check_float, dispatch_float, strided, Elem};
-use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use super::{all_cpu, check_float, dispatch_float, strided, Elem};
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 /// Elements per parallel task.
@@ -15,12 +16,38 @@ const K: f32 = 0.797_884_6;
 const C: f32 = 0.044_715;
 
 /// `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))` elementwise, evaluated in f32 and rounded once
-/// to the dtype (f32, bf16 or f16; any shape and strides), differentiable. CPU only.
+/// to the dtype (f32, bf16 or f16; any shape and strides), differentiable (the gradient too is
+/// computed in f32 and rounded once). On the CPU a fused kernel; on other devices the same
+/// function from differentiable candle ops ([`gelu_tanh_composite`]).
 pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
-    const OP: &str = "gelu_tanh";
-    check_float(OP, "x", x.dtype())?;
-    check_cpu(OP, &[x])?;
-    x.apply_op1(GeluTanh)
+    check(x)?;
+    if all_cpu(&[x]) {
+        x.apply_op1(GeluTanh)
+    } else {
+        composite(x)
+    }
+}
+
+/// [`gelu_tanh`] built from differentiable candle ops, on any device (what [`gelu_tanh`] runs
+/// off the CPU; public so that tests can run it on the CPU). Same validation and errors.
+///
+/// The formula in f32 (`√(2/π) · x · (1 + 0.044715 x²)` through `tanh`), cast once to the dtype;
+/// candle's autograd differentiates it in f32 and the gradient is rounded once to the dtype.
+#[doc(hidden)]
+pub fn gelu_tanh_composite(x: &Tensor) -> Result<Tensor> {
+    check(x)?;
+    composite(x)
+}
+
+fn composite(x: &Tensor) -> Result<Tensor> {
+    let x32 = x.to_dtype(DType::F32)?;
+    let u = (x32.sqr()?.affine(C as f64, 1.0)? * &x32)?.affine(K as f64, 0.0)?;
+    ((u.tanh()? + 1.0)? * x32.affine(0.5, 0.0)?)?.to_dtype(x.dtype())
+}
+
+/// The checks of [`gelu_tanh`], shared by both paths.
+fn check(x: &Tensor) -> Result<()> {
+    check_float("gelu_tanh", "x", x.dtype())
 }
 
 #[inline(always)]

@@ -1,5 +1,23 @@
 //! Differentiable fused ops that candle lacks (its own fused versions drop gradients silently):
-//! RMSNorm, rotary embeddings, SwiGLU and GELU-tanh, each a custom op with a backward.
+//! RMSNorm, rotary embeddings, SwiGLU and GELU-tanh.
+//!
+//! # Devices
+//! Each op dispatches on the device of its inputs:
+//! - all on the CPU: a fused kernel, a custom op with a one-pass backward;
+//! - otherwise (CUDA, Metal): a *composite*, the same function built from plain differentiable
+//!   candle tensor ops (`to_dtype`, `sqr`, `mean_keepdim`, `narrow`, `cat`, ...), so candle's
+//!   autograd differentiates it on any device. Nothing is copied to the CPU.
+//!
+//! Both paths validate their inputs with the same code (identical errors) and round where the
+//! op's documentation says: the composites compute in f32 where the kernels do, round the
+//! intermediate values the kernels round (forward only: the kernels' backward passes gradients
+//! through those roundings, and so do the composites), and cast once to the dtype. Their results
+//! agree with the kernels' to f32 rounding in f32 and to about one ulp of the dtype in bf16/f16
+//! (RoPE, computed in the dtype on both paths as Hugging Face does, is bit-identical on the CPU).
+//!
+//! Each composite is also public and `#[doc(hidden)]` ([`rms_norm_composite`],
+//! [`swiglu_composite`], [`gelu_tanh_composite`], [`RotaryEmbedding::apply_composite`]): tests
+//! call it on CPU tensors to compare it with the kernel. It runs on any device.
 
 mod gelu;
 mod rms_norm;
@@ -7,9 +25,15 @@ mod rope;
 mod swiglu;
 
 pub use gelu::gelu_tanh;
+#[doc(hidden)]
+pub use gelu::gelu_tanh_composite;
 pub use rms_norm::rms_norm;
+#[doc(hidden)]
+pub use rms_norm::rms_norm_composite;
 pub use rope::{inv_freq, RopeScaling, RotaryEmbedding};
 pub use swiglu::swiglu;
+#[doc(hidden)]
+pub use swiglu::swiglu_composite;
 
 use candle_core::{bail, DType, Layout, Result, Tensor, WithDType};
 use std::borrow::Cow;
@@ -114,17 +138,24 @@ fn check_float(op: &str, what: &str, dtype: DType) -> Result<()> {
     }
 }
 
-/// Errors unless every tensor lives on the CPU (the only device with kernels for now).
-fn check_cpu(op: &str, ts: &[&Tensor]) -> Result<()> {
-    for t in ts {
-        if !t.device().is_cpu() {
-            bail!(
-                "{op}: only the CPU is implemented, got a tensor on {:?}",
-                t.device().location()
-            );
-        }
+/// Whether every tensor lives on the CPU, the device with fused kernels. Otherwise the ops run
+/// their composite (which reports mixed devices as candle does).
+fn all_cpu(ts: &[&Tensor]) -> bool {
+    ts.iter().all(|t| t.device().is_cpu())
+}
+
+/// `x32` (f32) rounded to `dtype`'s precision in forward and the identity in backward: the
+/// composites' copy of the kernels' intermediate roundings ([`Elem::round`]), which their
+/// backward passes gradients through unrounded. `x32` itself for f32.
+///
+/// Built as `(x32 - detach(x32)) + rounded`: exactly `rounded` for finite values (an infinity
+/// gives NaN there, where a kernel keeps it), with gradient one with respect to `x32`.
+fn round_through(x32: &Tensor, dtype: DType) -> Result<Tensor> {
+    if dtype == DType::F32 {
+        return Ok(x32.clone());
     }
-    Ok(())
+    let rounded = x32.detach().to_dtype(dtype)?.to_dtype(DType::F32)?;
+    (x32 - x32.detach())? + rounded
 }
 
 /// Calls `$f::<T>($args)` with `T` the Rust type of the dtype of the CPU storage `$storage`

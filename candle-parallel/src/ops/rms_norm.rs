@@ -1,7 +1,10 @@
-//! RMSNorm with the semantics of Hugging Face `LlamaRMSNorm`, as a custom op with a backward.
+//! RMSNorm with the semantics of Hugging Face `LlamaRMSNorm`: a custom op with a backward on the
+//! CPU, a composite of differentiable candle ops elsewhere.
 
-use super::{check_cpu, check_float, dispatch_float, strided, Elem};
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use super::{all_cpu, check_float, dispatch_float, round_through, strided, Elem};
+use candle_core::{
+    bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D,
+};
 use rayon::prelude::*;
 
 /// RMSNorm over the last dimension, as Hugging Face `LlamaRMSNorm`:
@@ -13,8 +16,43 @@ use rayon::prelude::*;
 /// - Returns a tensor of x's shape and dtype, differentiable with respect to both `x` and
 ///   `weight` (gradients are computed in f32 and rounded once to the dtype).
 ///
-/// CPU only for now: tensors on other devices give an error.
+/// On the CPU a fused kernel; on other devices the same function from differentiable candle ops
+/// ([`rms_norm_composite`]).
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    check(x, weight, eps)?;
+    if all_cpu(&[x, weight]) {
+        x.apply_op2(weight, RmsNorm { eps })
+    } else {
+        composite(x, weight, eps)
+    }
+}
+
+/// [`rms_norm`] built from differentiable candle ops, on any device (what [`rms_norm`] runs
+/// off the CPU; public so that tests can run it on the CPU). Same validation and errors.
+///
+/// `r = 1 / sqrt(mean(x32²) + eps)` and `x32 · r` in f32, rounded to x's dtype (forward only:
+/// the gradient passes through the rounding, as in the kernel's backward), times the weight in
+/// f32 (exact for a product of two bf16/f16 values, so rounding it to the dtype equals the
+/// product in the dtype) and cast once to the dtype. Gradients are computed in f32 (the
+/// weight's summed over rows in f32) and rounded once to the dtype, as the kernel's.
+#[doc(hidden)]
+pub fn rms_norm_composite(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    check(x, weight, eps)?;
+    composite(x, weight, eps)
+}
+
+fn composite(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let x32 = x.to_dtype(DType::F32)?;
+    let r = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?
+        .sqrt()?
+        .recip()?;
+    let n = round_through(&x32.broadcast_mul(&r)?, x.dtype())?;
+    n.broadcast_mul(&weight.to_dtype(DType::F32)?)?
+        .to_dtype(x.dtype())
+}
+
+/// The checks of [`rms_norm`], shared by both paths.
+fn check(x: &Tensor, weight: &Tensor, eps: f64) -> Result<()> {
     const OP: &str = "rms_norm";
     check_float(OP, "x", x.dtype())?;
     if weight.dtype() != x.dtype() {
@@ -39,8 +77,7 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     if eps.is_nan() || eps < 0.0 {
         bail!("{OP}: eps must be non-negative, got {eps}");
     }
-    check_cpu(OP, &[x, weight])?;
-    x.apply_op2(weight, RmsNorm { eps })
+    Ok(())
 }
 
 /// Rows per block of the backward, so that the weight gradient is summed in an order that

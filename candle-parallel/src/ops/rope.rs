@@ -1,7 +1,8 @@
 //! Rotary position embeddings as in Hugging Face LLaMA (non-interleaved, `rotate_half`), as a
-//! custom op with a backward, for arbitrary (e.g. zigzag-permuted) global positions.
+//! custom op with a backward on the CPU (a composite of differentiable candle ops elsewhere),
+//! for arbitrary (e.g. zigzag-permuted) global positions.
 
-use super::{check_cpu, check_float, dispatch_float, strided, Elem};
+use super::{all_cpu, check_float, dispatch_float, strided, Elem};
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 use std::cmp::Ordering;
@@ -184,8 +185,55 @@ impl RotaryEmbedding {
     ///   (the backward rotates the gradient by the opposite angle).
     ///
     /// As in HF, cos/sin are computed in f32 and cast to x's dtype before the multiply-add, and
-    /// for bf16/f16 each product and the sum are rounded to the dtype. CPU only for now.
+    /// for bf16/f16 each product and the sum are rounded to the dtype. On the CPU a fused
+    /// kernel; on other devices the same function from differentiable candle ops
+    /// ([`apply_composite`](Self::apply_composite)).
     pub fn apply(&self, x: &Tensor, positions: &[u32]) -> Result<Tensor> {
+        self.check(x, positions)?;
+        let (cos, sin) = self.cos_sin(positions);
+        if all_cpu(&[x]) {
+            x.apply_op1(RopeOp {
+                cos: cos.into(),
+                sin: sin.into(),
+                inverse: false,
+            })
+        } else {
+            self.composite(x, positions.len(), cos, sin)
+        }
+    }
+
+    /// [`apply`](Self::apply) built from differentiable candle ops, on any device (what `apply`
+    /// runs off the CPU; public so that tests can run it on the CPU). Same validation and
+    /// errors.
+    ///
+    /// HF's `x * cos + rotate_half(x) * sin` in x's dtype, with the same f32 cos/sin tables
+    /// cast to the dtype: each product and the sum rounded to the dtype exactly as the
+    /// kernel rounds them. candle's autograd then computes `g * cos + rotate_half^T(g * sin)`,
+    /// rounded at the same points as the kernel's backward (the rotation by the opposite angle).
+    #[doc(hidden)]
+    pub fn apply_composite(&self, x: &Tensor, positions: &[u32]) -> Result<Tensor> {
+        self.check(x, positions)?;
+        let (cos, sin) = self.cos_sin(positions);
+        self.composite(x, positions.len(), cos, sin)
+    }
+
+    fn composite(&self, x: &Tensor, seq: usize, cos: Vec<f32>, sin: Vec<f32>) -> Result<Tensor> {
+        let half = self.head_dim / 2;
+        // (seq, half) f32 tables, cast to x's dtype and repeated for the second half of the head
+        // (HF's `cat(freqs, freqs)`), broadcast over batch and heads.
+        let table = |v: Vec<f32>| -> Result<Tensor> {
+            let t = Tensor::from_vec(v, (seq, half), x.device())?.to_dtype(x.dtype())?;
+            Tensor::cat(&[&t, &t], 1)?.reshape((1, seq, 1, 2 * half))
+        };
+        let (cos, sin) = (table(cos)?, table(sin)?);
+        let x1 = x.narrow(3, 0, half)?;
+        let x2 = x.narrow(3, half, half)?;
+        let rotated = Tensor::cat(&[&x2.neg()?, &x1], 3)?;
+        x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+    }
+
+    /// The checks of [`apply`](Self::apply), shared by both paths.
+    fn check(&self, x: &Tensor, positions: &[u32]) -> Result<()> {
         const OP: &str = "rope";
         check_float(OP, "x", x.dtype())?;
         let (_b, seq, _h, d) = match x.dims() {
@@ -207,13 +255,7 @@ impl RotaryEmbedding {
                 positions.len()
             );
         }
-        check_cpu(OP, &[x])?;
-        let (cos, sin) = self.cos_sin(positions);
-        x.apply_op1(RopeOp {
-            cos: cos.into(),
-            sin: sin.into(),
-            inverse: false,
-        })
+        Ok(())
     }
 }
 

@@ -1,7 +1,8 @@
-//! SwiGLU (`silu(gate) * up`), as a custom op with a backward.
+//! SwiGLU (`silu(gate) * up`): a custom op with a backward on the CPU, a composite of
+//! differentiable candle ops elsewhere.
 
-use super::{check_cpu, check_float, dispatch_float, strided, Elem};
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use super::{all_cpu, check_float, dispatch_float, round_through, strided, Elem};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 /// Elements per parallel task.
@@ -16,8 +17,37 @@ const CHUNK: usize = 4096;
 /// - Returns a tensor of that shape and dtype, differentiable with respect to both inputs
 ///   (gradients are computed in f32 and rounded once to the dtype).
 ///
-/// CPU only for now: tensors on other devices give an error.
+/// On the CPU a fused kernel; on other devices the same function from differentiable candle ops
+/// ([`swiglu_composite`]).
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    check(gate, up)?;
+    if all_cpu(&[gate, up]) {
+        gate.apply_op2(up, SwiGlu)
+    } else {
+        composite(gate, up)
+    }
+}
+
+/// [`swiglu`] built from differentiable candle ops, on any device (what [`swiglu`] runs off the
+/// CPU; public so that tests can run it on the CPU). Same validation and errors.
+///
+/// candle's `silu` of gate in f32 (`x / (1 + exp(-x))`, as the kernel), rounded to the dtype
+/// (forward only: the gradient passes through the rounding, as in the kernel's backward), times
+/// `up` in f32 (exact for two bf16/f16 values, so rounding it equals the product in the dtype),
+/// cast once to the dtype. Gradients are computed in f32 and rounded once to the dtype.
+#[doc(hidden)]
+pub fn swiglu_composite(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    check(gate, up)?;
+    composite(gate, up)
+}
+
+fn composite(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let silu = round_through(&gate.to_dtype(DType::F32)?.silu()?, gate.dtype())?;
+    (silu * up.to_dtype(DType::F32)?)?.to_dtype(gate.dtype())
+}
+
+/// The checks of [`swiglu`], shared by both paths.
+fn check(gate: &Tensor, up: &Tensor) -> Result<()> {
     const OP: &str = "swiglu";
     check_float(OP, "gate", gate.dtype())?;
     if up.dtype() != gate.dtype() {
@@ -34,8 +64,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             up.shape()
         );
     }
-    check_cpu(OP, &[gate, up])?;
-    gate.apply_op2(up, SwiGlu)
+    Ok(())
 }
 
 /// `x * sigmoid(x)` as torch's CPU kernel writes it: `x / (1 + exp(-x))`.

@@ -5,9 +5,11 @@
 //! and are left out of the norms).
 #![allow(dead_code)]
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Tensor, Var};
 use flash_ring::reference::{attention_bwd_f64, attention_f64, RefShape};
-use flash_ring::{AttnSpec, KernelConfig};
+use flash_ring::{AttnSpec, CompositeConfig, KernelConfig, MaskKind, Positions};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -60,11 +62,21 @@ pub fn rounded(v: &[f32], dtype: DType) -> Vec<f64> {
     to_f64(&t)
 }
 
+/// Which implementation a [`Case`] checks.
+#[derive(Clone, Copy, Debug)]
+pub enum Path {
+    /// The CPU kernels (`flash_fwd_with_config` / `flash_bwd_with_config`).
+    Kernel,
+    /// The composite path in candle ops (`flash_ring::composite`), forced on CPU tensors.
+    Composite(CompositeConfig),
+}
+
 pub struct Case {
     pub shape: RefShape,
     pub dtype: DType,
     pub spec: AttnSpec,
     pub cfg: KernelConfig,
+    pub path: Path,
     pub seed: u64,
 }
 
@@ -90,6 +102,7 @@ impl Case {
             dtype: DType::F32,
             spec,
             cfg: KernelConfig::default(),
+            path: Path::Kernel,
             seed: 42,
         }
     }
@@ -101,6 +114,12 @@ impl Case {
 
     pub fn cfg(mut self, cfg: KernelConfig) -> Self {
         self.cfg = cfg;
+        self
+    }
+
+    /// Checks the composite path with tiles `cfg` instead of the CPU kernels.
+    pub fn composite(mut self, cfg: CompositeConfig) -> Self {
+        self.path = Path::Composite(cfg);
         self
     }
 
@@ -138,12 +157,27 @@ impl Case {
     /// inputs rounded to the case's dtype. Returns the worst relative error seen.
     pub fn check(&self, tol: f64) -> f64 {
         let [q, k, v, dout] = self.tensors();
-        let (out, lse) = flash_ring::flash_fwd_with_config(&q, &k, &v, &self.spec, &self.cfg)
-            .expect("flash_fwd");
-        let (dq, dk, dv) = flash_ring::flash_bwd_with_config(
-            &q, &k, &v, &out, &lse, &dout, &self.spec, &self.cfg, false,
-        )
-        .expect("flash_bwd");
+        let (out, lse, dq, dk, dv) = match self.path {
+            Path::Kernel => {
+                let (out, lse) =
+                    flash_ring::flash_fwd_with_config(&q, &k, &v, &self.spec, &self.cfg)
+                        .expect("flash_fwd");
+                let (dq, dk, dv) = flash_ring::flash_bwd_with_config(
+                    &q, &k, &v, &out, &lse, &dout, &self.spec, &self.cfg, false,
+                )
+                .expect("flash_bwd");
+                (out, lse, dq, dk, dv)
+            }
+            Path::Composite(cfg) => {
+                let (out, lse) = flash_ring::composite::forward(&q, &k, &v, &self.spec, &cfg)
+                    .expect("composite forward");
+                let (dq, dk, dv) = flash_ring::composite::backward(
+                    &q, &k, &v, &out, &lse, &dout, &self.spec, &cfg, false,
+                )
+                .expect("composite backward");
+                (out, lse, dq, dk, dv)
+            }
+        };
         assert_eq!(out.dtype(), self.dtype);
         assert_eq!(dq.dtype(), self.dtype);
         assert_eq!(lse.dtype(), DType::F32);
@@ -187,4 +221,148 @@ impl Case {
         }
         worst
     }
+}
+
+/// Zigzag positions of rank `r` of `p` for a sequence of `n` tokens (chunks `r` and `2p-1-r`).
+pub fn zigzag(n: usize, p: usize, r: usize) -> Positions {
+    let c = n / (2 * p);
+    let mut v: Vec<u32> = (r * c..(r + 1) * c).map(|x| x as u32).collect();
+    v.extend(((2 * p - 1 - r) * c..(2 * p - r) * c).map(|x| x as u32));
+    Positions::list(v)
+}
+
+/// The mask kinds of the issue on blocks of global positions: (name, spec, seq_q, seq_k).
+pub fn mask_specs(d: usize) -> Vec<(&'static str, AttnSpec, usize, usize)> {
+    let scale = 1.0 / (d as f32).sqrt();
+    let n = 384; // whole sequence
+                 // Documents of uneven lengths crossing the 128-row tile borders.
+    let cu = [0usize, 50, 51, 190, 300, 384];
+    let docs = flash_ring::doc_ids_from_cu_seqlens(&cu).expect("cu_seqlens");
+    // Non-monotonic document ids (ids repeat after other documents).
+    let odd_docs: Arc<[u32]> = (0..n as u32)
+        .map(|i| (i / 37) % 3)
+        .collect::<Vec<_>>()
+        .into();
+    let zq = zigzag(n, 2, 0); // rows 0..96 and 288..384
+    let zk = zigzag(n, 2, 1); // rows 96..192 and 192..288
+    let striped: Positions =
+        Positions::list((0..n as u32).filter(|i| i % 3 == 1).collect::<Vec<_>>());
+    let mut v = vec![
+        (
+            "full",
+            AttnSpec::dense(scale, MaskKind::Full, 200, 200),
+            200,
+            200,
+        ),
+        (
+            "causal",
+            AttnSpec::dense(scale, MaskKind::Causal, 200, 200),
+            200,
+            200,
+        ),
+        (
+            "causal offset block (k after q: all masked)",
+            AttnSpec::new(
+                scale,
+                MaskKind::Causal,
+                Positions::range(0, 100),
+                Positions::range(150, 100),
+            ),
+            100,
+            100,
+        ),
+        (
+            "causal block k before q",
+            AttnSpec::new(
+                scale,
+                MaskKind::Causal,
+                Positions::range(200, 150),
+                Positions::range(10, 170),
+            ),
+            150,
+            170,
+        ),
+        (
+            "causal docs (cu_seqlens)",
+            AttnSpec::dense(scale, MaskKind::Causal, n, n).with_doc_ids(docs.clone()),
+            n,
+            n,
+        ),
+        (
+            "full docs",
+            AttnSpec::dense(scale, MaskKind::Full, n, n).with_doc_ids(docs.clone()),
+            n,
+            n,
+        ),
+        (
+            "causal non-monotonic docs",
+            AttnSpec::dense(scale, MaskKind::Causal, n, n).with_doc_ids(odd_docs),
+            n,
+            n,
+        ),
+        (
+            "causal window",
+            AttnSpec::dense(scale, MaskKind::Causal, 300, 300).with_window(70),
+            300,
+            300,
+        ),
+        (
+            "full window",
+            AttnSpec::dense(scale, MaskKind::Full, 300, 300).with_window(45),
+            300,
+            300,
+        ),
+        (
+            "causal docs window",
+            AttnSpec::dense(scale, MaskKind::Causal, n, n)
+                .with_doc_ids(docs.clone())
+                .with_window(60),
+            n,
+            n,
+        ),
+        (
+            "zigzag q vs zigzag k, causal docs",
+            AttnSpec::new(scale, MaskKind::Causal, zq.clone(), zk.clone())
+                .with_doc_ids(docs.clone()),
+            zq.len(),
+            zk.len(),
+        ),
+        (
+            "zigzag q vs zigzag k, causal",
+            AttnSpec::new(scale, MaskKind::Causal, zq.clone(), zk.clone()),
+            zq.len(),
+            zk.len(),
+        ),
+        (
+            "zigzag q vs own zigzag k, causal window",
+            AttnSpec::new(scale, MaskKind::Causal, zq.clone(), zq.clone()).with_window(100),
+            zq.len(),
+            zq.len(),
+        ),
+        (
+            "striped k, causal",
+            AttnSpec::new(
+                scale,
+                MaskKind::Causal,
+                Positions::range(0, n),
+                striped.clone(),
+            ),
+            n,
+            striped.len(),
+        ),
+    ];
+    // Reversed row order (positions need not be sorted).
+    let rev: Vec<u32> = (0..150u32).rev().collect();
+    v.push((
+        "reversed q rows, causal",
+        AttnSpec::new(
+            scale,
+            MaskKind::Causal,
+            Positions::list(rev),
+            Positions::range(0, 150),
+        ),
+        150,
+        150,
+    ));
+    v
 }

@@ -1,0 +1,489 @@
+//! The NCCL communicator: the [`Communicator`] contract on CUDA tensors, through cudarc's NCCL
+//! bindings (candle-core's `nccl` feature). One process per GPU; see [`super::nccl_bootstrap`]
+//! for how ranks find each other and how mesh sub-groups get their own communicators.
+//!
+//! Status: compile-checked in CI; it has not run on a GPU yet (see `docs/gpu.md`).
+//!
+//! Every operation is built from one primitive, a grouped send/recv of byte buffers
+//! ([`NcclComm::group_p2p`], NCCL's `groupStart`/`send`/`recv`/`groupEnd`), and candle ops on the
+//! device for chunking and reducing. In particular the reductions are NOT NCCL's own
+//! `ncclAllReduce`/`ncclReduceScatter`: the chunks are exchanged (all-to-all), combined in rank
+//! order in f32 for half-precision inputs ([`super::rules::reduce_in_rank_order`], the same
+//! arithmetic as the local and MPI backends) and gathered back. That moves the same bytes as a
+//! ring all-reduce (`2 (P-1) N / P` per rank) and gives the same bits as the other backends and
+//! from run to run, which NCCL's reductions do not promise (their order depends on the
+//! algorithm NCCL picks). The traffic is recorded by the shared counting rules.
+//!
+//! NCCL calls are enqueued on candle's CUDA stream of the device, so they are ordered with the
+//! kernels that produce and consume the tensors; [`Communicator::barrier`] also synchronises
+//! the stream. Failures: an NCCL error is returned as [`Error::Nccl`] naming the call; a peer
+//! that dies mid-collective is not detected by NCCL's blocking calls, so under `mpirun` the
+//! launcher's abort (as with the MPI backend) is what stops the job.
+
+use std::os::raw::c_char;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use candle_core::backend::BackendDevice;
+use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use candle_core::cuda::cudarc::nccl::safe::{Comm as RawNccl, Id};
+use candle_core::cuda::CudaDevice;
+use candle_core::op::BackpropOp;
+use candle_core::{CudaStorage, DType, Device, Shape, Storage, Tensor};
+
+use super::nccl_bootstrap::{publish_id, split_ids, wait_for_id, UniqueId, ID_BYTES};
+use super::rules::{
+    check_dim, check_divisible, check_exchange, check_rank, chunk_bounds, concat_blocks,
+    pack_chunks, reduce_in_rank_order,
+};
+use super::traffic::{OpKind, Traffic};
+use super::{payload_bytes, Comm, Communicator, Pending, PendingOp, RecvSpec, ReduceOp};
+use crate::error::{Error, Result};
+
+/// An NCCL communicator handle.
+///
+/// SAFETY of `Send`/`Sync`: an NCCL communicator may be used from any thread, but not by two
+/// threads at once; every use goes through the mutex.
+struct Raw(Mutex<RawNccl>);
+unsafe impl Send for Raw {}
+unsafe impl Sync for Raw {}
+
+/// A rank of an NCCL communicator, on one CUDA device.
+pub struct NcclComm {
+    raw: Raw,
+    dev: CudaDevice,
+    rank: usize,
+    size: usize,
+    world_rank: usize,
+    traffic: Traffic,
+}
+
+fn nccl_err(call: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Nccl(format!("{call}: {e:?}"))
+}
+
+/// A new NCCL unique id (`ncclGetUniqueId`), as bytes.
+pub fn new_id() -> Result<UniqueId> {
+    let id = Id::new().map_err(|e| nccl_err("ncclGetUniqueId", e))?;
+    Ok(id.internal().map(|c| c as u8))
+}
+
+fn id_from_bytes(id: &UniqueId) -> Id {
+    let mut internal: [c_char; ID_BYTES] = [0; ID_BYTES];
+    for (d, s) in internal.iter_mut().zip(id) {
+        *d = *s as c_char;
+    }
+    Id::uninit(internal)
+}
+
+impl NcclComm {
+    /// Rank `rank` of a world of `size` ranks on `dev`, all initialised with the same `id`
+    /// (collective: every rank of the world calls it).
+    pub fn world(dev: &CudaDevice, rank: usize, size: usize, id: &UniqueId) -> Result<Comm> {
+        check_rank("nccl world", "rank", rank, size)?;
+        let raw = RawNccl::from_rank(dev.cuda_stream(), rank, size, id_from_bytes(id))
+            .map_err(|e| nccl_err("ncclCommInitRank", e))?;
+        Ok(Arc::new(NcclComm {
+            raw: Raw(Mutex::new(raw)),
+            dev: dev.clone(),
+            rank,
+            size,
+            world_rank: rank,
+            traffic: Traffic::new(),
+        }))
+    }
+
+    /// [`NcclComm::world`] with the id exchanged through the rendezvous file `path`: rank 0
+    /// creates and publishes it, the others wait up to `timeout` for it.
+    pub fn from_rendezvous(
+        dev: &CudaDevice,
+        rank: usize,
+        size: usize,
+        path: &Path,
+        timeout: Duration,
+    ) -> Result<Comm> {
+        let id = if rank == 0 {
+            let id = new_id()?;
+            publish_id(path, &id)?;
+            id
+        } else {
+            wait_for_id(path, timeout)?
+        };
+        Self::world(dev, rank, size, &id)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, RawNccl> {
+        self.raw.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn device(&self) -> Device {
+        Device::Cuda(self.dev.clone())
+    }
+
+    /// The tensor on this communicator's device, contiguous.
+    fn on_device(&self, op: &'static str, x: &Tensor) -> Result<Tensor> {
+        match x.device() {
+            Device::Cuda(d) if d.same_device(&self.dev) => Ok(x.detach().contiguous()?),
+            other => Err(Error::invalid(
+                op,
+                format!(
+                    "the NCCL communicator works on its CUDA device, got a tensor on {:?}",
+                    other.location()
+                ),
+            )),
+        }
+    }
+
+    /// Posts every send and receive as one NCCL group and returns the received tensors (in the
+    /// order of `recvs`). Sends to and receives from this rank itself are copies.
+    fn group_p2p(&self, sends: &[(usize, Tensor)], recvs: &[RecvSpec]) -> Result<Vec<Tensor>> {
+        let sends: Vec<(usize, Tensor)> = sends
+            .iter()
+            .map(|(d, t)| Ok((*d, self.on_device("exchange", t)?)))
+            .collect::<Result<_>>()?;
+        let mut bufs: Vec<CudaStorage> = recvs
+            .iter()
+            .map(|r| alloc(&self.dev, r.dtype, r.shape.elem_count()))
+            .collect::<Result<_>>()?;
+        {
+            let guards: Vec<_> = sends.iter().map(|(_, t)| t.storage_and_layout()).collect();
+            let mut send_views: Vec<(usize, CudaView<'_, u8>)> = Vec::new();
+            for ((dst, t), (st, l)) in sends.iter().zip(&guards) {
+                if *dst == self.rank {
+                    continue;
+                }
+                let cs = match &**st {
+                    Storage::Cuda(cs) => cs,
+                    _ => return Err(Error::invalid("exchange", "internal: not a CUDA tensor")),
+                };
+                send_views.push((*dst, bytes(cs, l.start_offset(), t.elem_count())?));
+            }
+            let mut recv_views: Vec<(usize, CudaViewMut<'_, u8>)> = Vec::new();
+            for (r, buf) in recvs.iter().zip(bufs.iter_mut()) {
+                if r.src != self.rank {
+                    recv_views.push((r.src, bytes_mut(buf)?));
+                }
+            }
+            let raw = self.lock();
+            let mut group = raw.group();
+            for (dst, v) in send_views {
+                group
+                    .send(v, peer(dst)?)
+                    .map_err(|e| nccl_err("ncclSend", e))?;
+            }
+            for (src, v) in recv_views {
+                group
+                    .recv(v, peer(src)?)
+                    .map_err(|e| nccl_err("ncclRecv", e))?;
+            }
+            drop(group);
+        }
+        let mut own = sends.iter().filter(|(d, _)| *d == self.rank);
+        recvs
+            .iter()
+            .zip(bufs)
+            .map(|(r, buf)| {
+                if r.src == self.rank {
+                    let (_, t) = own.next().ok_or_else(|| {
+                        Error::invalid("exchange", "a receive from this rank without a send to it")
+                    })?;
+                    if t.shape() != &r.shape || t.dtype() != r.dtype {
+                        return Err(Error::invalid(
+                            "exchange",
+                            "the send to this rank does not match its receive",
+                        ));
+                    }
+                    return Ok(t.clone());
+                }
+                Ok(Tensor::from_storage(
+                    Storage::Cuda(buf),
+                    r.shape.clone(),
+                    BackpropOp::none(),
+                    false,
+                ))
+            })
+            .collect()
+    }
+
+    /// Chunk `j` of `flat` (shape `(p, m)`) to rank `j`; returns the `p` chunks received, in
+    /// rank order, as one `(p, m)` tensor.
+    fn all_to_all_rows(&self, flat: &Tensor) -> Result<Tensor> {
+        let p = self.size;
+        let sends: Vec<(usize, Tensor)> = (0..p)
+            .map(|j| Ok((j, flat.get(j)?)))
+            .collect::<Result<_>>()?;
+        let recvs: Vec<RecvSpec> = (0..p).map(|j| RecvSpec::like(j, &sends[j].1)).collect();
+        let got = self.group_p2p(&sends, &recvs)?;
+        Ok(Tensor::stack(&got, 0)?)
+    }
+}
+
+/// The NCCL peer index.
+fn peer(r: usize) -> Result<i32> {
+    i32::try_from(r).map_err(|_| Error::invalid("nccl", format!("rank {r} does not fit NCCL")))
+}
+
+/// Runs `$body` with `$T` the element type of `$dtype`.
+macro_rules! by_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            DType::U8 => {
+                type $T = u8;
+                $body
+            }
+            DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            other => {
+                return Err(Error::invalid(
+                    "nccl",
+                    format!("dtype {other:?} is not supported by the NCCL communicator"),
+                ))
+            }
+        }
+    };
+}
+
+/// A new zeroed CUDA buffer of `n` elements of `dtype`.
+fn alloc(dev: &CudaDevice, dtype: DType, n: usize) -> Result<CudaStorage> {
+    by_dtype!(dtype, T => {
+        let s: CudaSlice<T> = dev.alloc_zeros::<T>(n)?;
+        Ok(CudaStorage::wrap_cuda_slice(s, dev.clone()))
+    })
+}
+
+/// Elements `off..off + n` of `cs` as bytes.
+fn bytes(cs: &CudaStorage, off: usize, n: usize) -> Result<CudaView<'_, u8>> {
+    let dtype = candle_core::backend::BackendStorage::dtype(cs);
+    let size = dtype.size_in_bytes();
+    by_dtype!(dtype, T => {
+        let s: &CudaSlice<T> = cs.as_cuda_slice::<T>()?;
+        let v = s
+            .try_slice(off..off + n)
+            .ok_or_else(|| Error::invalid("nccl", "internal: tensor view out of its buffer"))?;
+        // SAFETY: a view of n elements of size `size` covers exactly n * size bytes; u8 has no
+        // alignment or validity requirement.
+        unsafe { v.transmute::<u8>(n * size) }
+            .ok_or_else(|| Error::invalid("nccl", "internal: byte view out of range"))
+    })
+}
+
+/// The whole of `cs` as mutable bytes.
+fn bytes_mut(cs: &mut CudaStorage) -> Result<CudaViewMut<'_, u8>> {
+    let dtype = candle_core::backend::BackendStorage::dtype(cs);
+    let size = dtype.size_in_bytes();
+    by_dtype!(dtype, T => {
+        let s: &mut CudaSlice<T> = cs.as_cuda_slice_mut::<T>()?;
+        let n = s.len();
+        // SAFETY: as in `bytes`; every byte pattern is a valid element of these dtypes.
+        unsafe { s.transmute_mut::<u8>(n * size) }
+            .ok_or_else(|| Error::invalid("nccl", "internal: byte view out of range"))
+    })
+}
+
+struct Ready(Vec<Tensor>);
+
+impl PendingOp for Ready {
+    fn wait(self: Box<Self>) -> Result<Vec<Tensor>> {
+        Ok(self.0)
+    }
+}
+
+impl Communicator for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let name = OpKind::AllReduce.name();
+        let x = self.on_device(name, x)?;
+        let (p, n, me) = (self.size, x.elem_count(), self.rank);
+        let flat = x.flatten_all()?;
+        let bounds = chunk_bounds(n, p);
+        // Chunk j of every rank to rank j, reduced there in rank order, then gathered back.
+        let sends: Vec<(usize, Tensor)> = bounds
+            .iter()
+            .enumerate()
+            .map(|(j, &(s, l))| Ok((j, flat.narrow(0, s, l)?)))
+            .collect::<Result<_>>()?;
+        let l_me = bounds[me].1;
+        let recvs: Vec<RecvSpec> = (0..p).map(|j| RecvSpec::new(j, l_me, x.dtype())).collect();
+        let parts = self.group_p2p(&sends, &recvs)?;
+        let mine = reduce_in_rank_order(&parts, op, p)?;
+        let sends: Vec<(usize, Tensor)> = (0..p).map(|j| (j, mine.clone())).collect();
+        let recvs: Vec<RecvSpec> = bounds
+            .iter()
+            .enumerate()
+            .map(|(j, &(_, l))| RecvSpec::new(j, l, x.dtype()))
+            .collect();
+        let back = self.group_p2p(&sends, &recvs)?;
+        let out = Tensor::cat(&back, 0)?.reshape(x.shape())?;
+        self.traffic
+            .record_all_reduce(&bounds, me, x.dtype().size_in_bytes() as u64);
+        Ok(out)
+    }
+
+    fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
+        let kind = OpKind::AllGather;
+        let x = self.on_device(kind.name(), x)?;
+        check_dim(kind.name(), &x, dim)?;
+        let p = self.size;
+        let sends: Vec<(usize, Tensor)> = (0..p).map(|j| (j, x.clone())).collect();
+        let recvs: Vec<RecvSpec> = (0..p).map(|j| RecvSpec::like(j, &x)).collect();
+        let got = self.group_p2p(&sends, &recvs)?;
+        let flat = Tensor::stack(&got, 0)?.flatten_all()?;
+        let out = concat_blocks(&flat, x.dims(), p, dim)?;
+        let b = payload_bytes(&x) * (p as u64 - 1);
+        self.traffic.record(kind, b, b);
+        Ok(out)
+    }
+
+    fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
+        let kind = OpKind::ReduceScatter;
+        let x = self.on_device(kind.name(), x)?;
+        check_dim(kind.name(), &x, dim)?;
+        let c = check_divisible(kind.name(), &x, dim, self.size)?;
+        let p = self.size;
+        let packed = pack_chunks(&x, dim, p)?.reshape((p, ()))?;
+        let got = self.all_to_all_rows(&packed)?;
+        let parts: Vec<Tensor> = (0..p)
+            .map(|r| got.get(r))
+            .collect::<candle_core::Result<_>>()?;
+        let mut dims = x.dims().to_vec();
+        dims[dim] = c;
+        let out = reduce_in_rank_order(&parts, op, p)?.reshape(dims)?;
+        let m = x.elem_count() / p;
+        self.traffic
+            .record_symmetric(kind, (m * x.dtype().size_in_bytes()) as u64, p);
+        Ok(out)
+    }
+
+    fn all_to_all(&self, x: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
+        let kind = OpKind::AllToAll;
+        let x = self.on_device(kind.name(), x)?;
+        check_dim(kind.name(), &x, split_dim)?;
+        check_dim(kind.name(), &x, concat_dim)?;
+        let c = check_divisible(kind.name(), &x, split_dim, self.size)?;
+        let p = self.size;
+        let packed = pack_chunks(&x, split_dim, p)?.reshape((p, ()))?;
+        let got = self.all_to_all_rows(&packed)?.flatten_all()?;
+        let mut piece = x.dims().to_vec();
+        piece[split_dim] = c;
+        let out = concat_blocks(&got, &piece, p, concat_dim)?;
+        let m = x.elem_count() / p;
+        self.traffic
+            .record_symmetric(kind, (m * x.dtype().size_in_bytes()) as u64, p);
+        Ok(out)
+    }
+
+    fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
+        let kind = OpKind::Broadcast;
+        check_rank(kind.name(), "root", root, self.size)?;
+        let x = self.on_device(kind.name(), x)?;
+        let p = self.size;
+        let b = payload_bytes(&x);
+        if self.rank == root {
+            let sends: Vec<(usize, Tensor)> = (0..p)
+                .filter(|&j| j != root)
+                .map(|j| (j, x.clone()))
+                .collect();
+            self.group_p2p(&sends, &[])?;
+            self.traffic.record(kind, b * (p as u64 - 1), 0);
+            Ok(x)
+        } else {
+            let got = self.group_p2p(&[], &[RecvSpec::like(root, &x)])?;
+            self.traffic.record(kind, 0, b);
+            got.into_iter()
+                .next()
+                .ok_or_else(|| Error::invalid("broadcast", "internal: nothing received"))
+        }
+    }
+
+    fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
+        check_rank(OpKind::Send.name(), "destination", dst, self.size)?;
+        self.group_p2p(&[(dst, x.clone())], &[])?;
+        self.traffic.record_send(x, self.rank, dst);
+        Ok(())
+    }
+
+    fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor> {
+        check_rank(OpKind::Recv.name(), "source", src, self.size)?;
+        let mut got = self.group_p2p(&[], &[RecvSpec::new(src, shape.clone(), dtype)])?;
+        let t = got
+            .pop()
+            .ok_or_else(|| Error::invalid("recv", "internal: nothing received"))?;
+        self.traffic.record_recv(&t, self.rank, src);
+        Ok(t)
+    }
+
+    fn exchange(&self, sends: Vec<(usize, Tensor)>, recvs: Vec<RecvSpec>) -> Result<Pending> {
+        check_exchange(&sends, &recvs, self.size)?;
+        // NCCL's group runs asynchronously on the stream: the received tensors are ready for
+        // every later kernel on it, so the handle is complete at once.
+        let got = self.group_p2p(&sends, &recvs)?;
+        self.traffic.record_exchange(&sends, &recvs, self.rank);
+        Ok(Pending::new(Box::new(Ready(got))))
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let one = Tensor::ones(1, DType::F32, &self.device())?;
+        let _ = self.all_reduce(&one, ReduceOp::Sum)?;
+        BackendDevice::synchronize(&self.dev)?;
+        self.traffic.record(OpKind::Barrier, 0, 0);
+        Ok(())
+    }
+
+    fn split(&self, color: usize, key: usize) -> Result<Comm> {
+        let (plan, id) = split_ids(self, color, key, &self.device(), new_id)?;
+        let raw = RawNccl::from_rank(
+            self.dev.cuda_stream(),
+            plan.rank,
+            plan.size(),
+            id_from_bytes(&id),
+        )
+        .map_err(|e| nccl_err("ncclCommInitRank (split)", e))?;
+        self.traffic.record(OpKind::Split, 0, 0);
+        Ok(Arc::new(NcclComm {
+            raw: Raw(Mutex::new(raw)),
+            dev: self.dev.clone(),
+            rank: plan.rank,
+            size: plan.size(),
+            world_rank: self.world_rank,
+            traffic: self.traffic.clone(),
+        }))
+    }
+
+    fn traffic(&self) -> &Traffic {
+        &self.traffic
+    }
+
+    fn world_rank(&self) -> usize {
+        self.world_rank
+    }
+}

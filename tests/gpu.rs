@@ -1,0 +1,225 @@
+//! The GPU test suite: `cargo test -p cpl-integration-tests --features cuda-tests --test gpu`
+//! (add `,nccl` for the NCCL tests). Built only with the `cuda-tests` feature, which a user
+//! turns on on a machine with a CUDA GPU: without one every test fails with a message saying so
+//! (never a silent pass).
+//!
+//! Each test computes on CUDA and compares with the CPU result of the same inputs:
+//! - flash attention (the composite path on CUDA) forward and backward against flash-ring's CPU
+//!   kernels, for causal, full, documents, windows, zigzag and striped blocks, GQA, head dims 64
+//!   and 128, in f32 (relative max-norm error 1e-5: both are f32 arithmetic, cuBLAS may use a
+//!   different summation order; TF32 is off by candle's default) and bf16 (2e-2: bf16 inputs
+//!   and outputs, f32 arithmetic on both sides);
+//! - the LSE merge on CUDA against the CPU merge (1e-6);
+//! - with `nccl` and 2+ GPUs, the NCCL communicator's collectives against the local backend's
+//!   results on the same inputs (bit-identical: both reduce in rank order in f32).
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use flash_ring::{AttnSpec, MaskKind, Positions};
+
+fn cuda() -> Device {
+    match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => panic!("the cuda-tests suite needs a CUDA GPU: {e}"),
+    }
+}
+
+/// Max-norm relative error of `a` against `r` (`-inf` entries must match and are left out).
+fn rel(a: &Tensor, r: &Tensor) -> f64 {
+    let f = |t: &Tensor| -> Vec<f64> {
+        t.to_device(&Device::Cpu)
+            .and_then(|t| t.to_dtype(DType::F64))
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1())
+            .expect("to host")
+    };
+    testkit::rel_err_floor(&f(a), &f(r), 1e-30)
+}
+
+fn random(shape: (usize, usize, usize, usize), seed: u64, dtype: DType) -> Tensor {
+    let n = shape.0 * shape.1 * shape.2 * shape.3;
+    let v: Vec<f32> = (0..n)
+        .map(|i| {
+            let x = ((i as u64 + 1) * 2654435761 + seed * 97) % 1000;
+            (x as f32 / 500.0 - 1.0) + 1e-3
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu)
+        .and_then(|t| t.to_dtype(dtype))
+        .expect("tensor")
+}
+
+fn zigzag(n: usize, p: usize, r: usize) -> Positions {
+    let c = n / (2 * p);
+    let mut v: Vec<u32> = (r * c..(r + 1) * c).map(|x| x as u32).collect();
+    v.extend(((2 * p - 1 - r) * c..(2 * p - r) * c).map(|x| x as u32));
+    Positions::list(v)
+}
+
+fn specs(d: usize) -> Vec<(&'static str, AttnSpec, usize, usize)> {
+    let s = 1.0 / (d as f32).sqrt();
+    let n = 512;
+    let docs = flash_ring::doc_ids_from_cu_seqlens(&[0, 70, 71, 300, 512]).expect("docs");
+    let striped = Positions::list((0..n as u32).filter(|i| i % 4 == 1).collect::<Vec<_>>());
+    let (zq, zk) = (zigzag(n, 2, 0), zigzag(n, 2, 1));
+    vec![
+        ("causal", AttnSpec::dense(s, MaskKind::Causal, n, n), n, n),
+        (
+            "full",
+            AttnSpec::dense(s, MaskKind::Full, 300, 500),
+            300,
+            500,
+        ),
+        (
+            "causal docs",
+            AttnSpec::dense(s, MaskKind::Causal, n, n).with_doc_ids(docs.clone()),
+            n,
+            n,
+        ),
+        (
+            "causal window",
+            AttnSpec::dense(s, MaskKind::Causal, n, n).with_window(100),
+            n,
+            n,
+        ),
+        (
+            "zigzag",
+            AttnSpec::new(s, MaskKind::Causal, zq.clone(), zk.clone())
+                .with_doc_ids(docs as Arc<[u32]>),
+            zq.len(),
+            zk.len(),
+        ),
+        (
+            "striped k",
+            AttnSpec::new(s, MaskKind::Causal, Positions::range(0, n), striped.clone()),
+            n,
+            striped.len(),
+        ),
+    ]
+}
+
+#[test]
+fn flash_attention_on_cuda_matches_the_cpu_kernels() {
+    let dev = cuda();
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+        for d in [64, 128] {
+            for (name, spec, sq, sk) in specs(d) {
+                let q = random((1, sq, 8, d), 1, dtype);
+                let k = random((1, sk, 2, d), 2, dtype);
+                let v = random((1, sk, 2, d), 3, dtype);
+                let dout = random((1, sq, 8, d), 4, dtype);
+                let (o, l) = flash_ring::flash_fwd(&q, &k, &v, &spec).expect("cpu fwd");
+                let g = flash_ring::flash_bwd_f32(&q, &k, &v, &o, &l, &dout, &spec).expect("cpu");
+                let on = |t: &Tensor| t.to_device(&dev).expect("to cuda");
+                let (qc, kc, vc, dc) = (on(&q), on(&k), on(&v), on(&dout));
+                let (oc, lc) = flash_ring::flash_fwd(&qc, &kc, &vc, &spec).expect("cuda fwd");
+                assert!(
+                    oc.device().is_cuda() && lc.device().is_cuda(),
+                    "stays on CUDA"
+                );
+                let gc = flash_ring::flash_bwd_f32(&qc, &kc, &vc, &oc, &lc, &dc, &spec)
+                    .expect("cuda bwd");
+                for (what, a, b) in [
+                    ("out", &oc, &o),
+                    ("lse", &lc, &l),
+                    ("dq", &gc.0, &g.0),
+                    ("dk", &gc.1, &g.1),
+                    ("dv", &gc.2, &g.2),
+                ] {
+                    let e = rel(a, b);
+                    assert!(
+                        e <= tol,
+                        "{name} d={d} {dtype:?}: {what} rel err {e:.3e} > {tol}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn merge_on_cuda_matches_the_cpu() {
+    let dev = cuda();
+    let (oa, ob) = (
+        random((2, 64, 4, 32), 5, DType::F32),
+        random((2, 64, 4, 32), 6, DType::F32),
+    );
+    let la = random((2, 4, 64, 1), 7, DType::F32)
+        .squeeze(3)
+        .expect("lse")
+        * 20.0;
+    let lb = random((2, 4, 64, 1), 8, DType::F32)
+        .squeeze(3)
+        .expect("lse")
+        * 20.0;
+    let (la, lb) = (la.expect("scale"), lb.expect("scale"));
+    let (o, l) = flash_ring::merge(&oa, &la, &ob, &lb).expect("cpu merge");
+    let on = |t: &Tensor| t.to_device(&dev).expect("to cuda");
+    let (oc, lc) = flash_ring::merge(&on(&oa), &on(&la), &on(&ob), &on(&lb)).expect("merge");
+    assert!(rel(&oc, &o) <= 1e-6 && rel(&lc, &l) <= 1e-6);
+}
+
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_collectives_match_the_local_backend() {
+    use candle_core::backend::BackendDevice;
+    use candle_core::cuda::CudaDevice;
+    use candle_parallel::comm::nccl::{new_id, NcclComm};
+    use candle_parallel::comm::{LocalWorld, ReduceOp};
+
+    let gpus = candle_core::cuda::cudarc::driver::CudaContext::device_count().expect("count");
+    assert!(
+        gpus >= 2,
+        "the NCCL test needs 2 GPUs (NCCL rejects two ranks on one GPU)"
+    );
+    let p = 2usize;
+    let x = |r: usize| random((2, 8, 4, 6), r as u64 + 10, DType::F32);
+    let local = LocalWorld::run(p, |c| -> candle_parallel::Result<_> {
+        let xr = x(c.rank());
+        Ok((
+            c.all_reduce(&xr, ReduceOp::Sum)?,
+            c.all_gather(&xr, 1)?,
+            c.all_to_all(&xr, 2, 1)?,
+            c.reduce_scatter(&xr, 1, ReduceOp::Avg)?,
+        ))
+    })
+    .expect("local");
+    let id = new_id().expect("nccl id");
+    let results: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..p)
+            .map(|r| {
+                s.spawn(move || {
+                    let dev = CudaDevice::new(r).expect("cuda device");
+                    let c = NcclComm::world(&dev, r, p, &id).expect("nccl world");
+                    let xr = x(r).to_device(&Device::Cuda(dev)).expect("to cuda");
+                    let host = |t: Tensor| t.to_device(&Device::Cpu).expect("to host");
+                    (
+                        host(c.all_reduce(&xr, ReduceOp::Sum).expect("all_reduce")),
+                        host(c.all_gather(&xr, 1).expect("all_gather")),
+                        host(c.all_to_all(&xr, 2, 1).expect("all_to_all")),
+                        host(
+                            c.reduce_scatter(&xr, 1, ReduceOp::Avg)
+                                .expect("reduce_scatter"),
+                        ),
+                    )
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    });
+    for (r, (a, b)) in results.iter().zip(&local).enumerate() {
+        for (what, x, y) in [
+            ("all_reduce", &a.0, &b.0),
+            ("all_gather", &a.1, &b.1),
+            ("all_to_all", &a.2, &b.2),
+            ("reduce_scatter", &a.3, &b.3),
+        ] {
+            assert_eq!(
+                rel(x, y),
+                0.0,
+                "rank {r}: {what} differs from the local backend"
+            );
+        }
+    }
+}
