@@ -1,7 +1,7 @@
 //! `cpl generate`: text continuation with a KV cache (single rank or tensor parallel).
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use candle_parallel::nn::ParamMode;
 use models::llama;
 use models::tokenizer::{SpecialTokens, Tokenizer};
@@ -168,7 +168,8 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         let mut cache = llama::KvCache::default();
         let mut rng = Rng(args.seed);
         let mut out = prompt.clone();
-        let mut next = Tensor::from_vec(prompt.clone(), (1, prompt.len()), &Device::Cpu)?;
+        let dev = rank.ctx.device();
+        let mut next = Tensor::from_vec(prompt.clone(), (1, prompt.len()), dev)?;
         for _ in 0..args.max_new_tokens {
             let logits = m.model.forward_cached(&next, &mut cache)?;
             let logits = logits.squeeze(0)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
@@ -177,7 +178,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             if Some(t) == tok.eos_token_id {
                 break;
             }
-            next = Tensor::from_vec(vec![t], (1, 1), &Device::Cpu)?;
+            next = Tensor::from_vec(vec![t], (1, 1), dev)?;
         }
         Ok(tok.decode(&out, SpecialTokens::Drop)?)
     })

@@ -1,7 +1,7 @@
 //! Running one closure on every rank of a layout: local threads or MPI processes.
 
 use anyhow::{bail, Context, Result};
-use candle_core::DType;
+use candle_core::{DType, Device};
 use candle_parallel::comm::Comm;
 use candle_parallel::mesh::{DeviceMesh, Dim};
 use std::sync::Arc;
@@ -56,20 +56,24 @@ where
 {
     let mesh_cfg = args.mesh_config()?;
     let sp_cfg = args.sp_config()?;
-    let run_rank = |world: Comm| -> Result<T> {
+    let run_rank = |world: Comm, device: Device| -> Result<T> {
         let mesh = DeviceMesh::new(&mesh_cfg, world).context("building the device mesh")?;
         let tp = if args.tp_sp {
             TpActivations::SequenceSharded
         } else {
             TpActivations::Replicated
         };
-        let ctx = ParallelCtx::new(&mesh, &sp_cfg, tp).context("building the parallel layout")?;
+        let ctx = ParallelCtx::new(&mesh, &sp_cfg, tp)
+            .context("building the parallel layout")?
+            .with_device(device);
         f(&Rank { mesh, ctx })
     };
     match args.backend {
         Backend::Local => {
+            // Local ranks are threads of this process: they share one device.
+            let device = args.device.open(0)?;
             let mut results = candle_parallel::comm::LocalWorld::run(args.ranks, |world| {
-                run_rank(world).map_err(|e| format!("{e:#}"))
+                run_rank(world, device.clone()).map_err(|e| format!("{e:#}"))
             })
             .map_err(|e| anyhow::anyhow!("{e}"))?;
             if results.is_empty() {
@@ -78,13 +82,164 @@ where
             Ok(Some(results.swap_remove(0)))
         }
         Backend::Mpi => launch_mpi(args, run_rank),
+        Backend::Nccl => launch_nccl(args, run_rank),
     }
+}
+
+/// A process's place in a multi-process job, from its environment.
+#[cfg_attr(not(any(feature = "mpi", feature = "nccl")), allow(dead_code))]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessRank {
+    pub rank: usize,
+    pub size: usize,
+    /// Index among the processes of this machine (its GPU offset).
+    pub local_rank: usize,
+    /// Where rank 0 publishes the NCCL id (None: the caller picks a default).
+    pub id_file: Option<std::path::PathBuf>,
+}
+
+/// This process's rank from the variables `cpl --backend nccl` gives the processes it spawns
+/// (`CPL_NCCL_RANK`, `CPL_NCCL_SIZE`, `CPL_NCCL_ID_FILE`) or that mpirun sets (Open MPI's
+/// `OMPI_COMM_WORLD_*`, MPICH/PMI's `PMI_RANK`/`PMI_SIZE`); `None` when none is set (the process
+/// that launches the others). The size must equal `--ranks`.
+#[cfg_attr(not(any(feature = "mpi", feature = "nccl")), allow(dead_code))]
+pub fn process_rank(
+    var: impl Fn(&str) -> Option<String>,
+    ranks: usize,
+) -> Result<Option<ProcessRank>> {
+    let num = |name: &str| -> Result<Option<usize>> {
+        var(name)
+            .map(|v| {
+                v.trim()
+                    .parse::<usize>()
+                    .with_context(|| format!("environment variable {name}={v:?} is not a number"))
+            })
+            .transpose()
+    };
+    let found = [
+        ("CPL_NCCL_RANK", "CPL_NCCL_SIZE", "CPL_NCCL_LOCAL_RANK"),
+        (
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+        ),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    ]
+    .into_iter()
+    .find(|(r, _, _)| var(r).is_some());
+    let Some((r, n, l)) = found else {
+        return Ok(None);
+    };
+    let rank = num(r)?.unwrap_or(0);
+    let size = num(n)?.with_context(|| format!("{r} is set but {n} is not"))?;
+    if size != ranks {
+        bail!("--ranks {ranks} but the job has {size} processes ({n})");
+    }
+    if rank >= size {
+        bail!("{r}={rank} is not below {n}={size}");
+    }
+    Ok(Some(ProcessRank {
+        rank,
+        size,
+        local_rank: num(l)?.unwrap_or(rank),
+        id_file: var("CPL_NCCL_ID_FILE").map(Into::into),
+    }))
+}
+
+#[cfg(feature = "nccl")]
+fn launch_nccl<T, F>(args: &LayoutArgs, run_rank: F) -> Result<Option<T>>
+where
+    F: Fn(Comm, Device) -> Result<T>,
+{
+    use candle_parallel::comm::nccl::NcclComm;
+    use std::time::Duration;
+
+    if !matches!(args.device, crate::layout::DeviceArg::Cuda(_)) {
+        bail!("--backend nccl needs --device cuda or cuda:N");
+    }
+    let timeout = Duration::from_secs(300);
+    let me = process_rank(|k| std::env::var(k).ok(), args.ranks)?;
+    let (me, children) = match me {
+        Some(me) => (me, Vec::new()),
+        None => {
+            // The launcher: rank 0 here, ranks 1.. as child processes of the same command.
+            let id_file = std::env::temp_dir().join(format!(
+                "cpl-nccl-{}-{}.id",
+                std::process::id(),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos())
+                    .unwrap_or(0)
+            ));
+            let exe = std::env::current_exe().context("--backend nccl: locating cpl")?;
+            let mut children = Vec::new();
+            for r in 1..args.ranks {
+                let child = std::process::Command::new(&exe)
+                    .args(std::env::args_os().skip(1))
+                    .env("CPL_NCCL_RANK", r.to_string())
+                    .env("CPL_NCCL_SIZE", args.ranks.to_string())
+                    .env("CPL_NCCL_LOCAL_RANK", r.to_string())
+                    .env("CPL_NCCL_ID_FILE", &id_file)
+                    .spawn()
+                    .with_context(|| format!("--backend nccl: starting rank {r}"))?;
+                children.push((r, child));
+            }
+            let me = ProcessRank {
+                rank: 0,
+                size: args.ranks,
+                local_rank: 0,
+                id_file: Some(id_file),
+            };
+            (me, children)
+        }
+    };
+    let id_file = me.id_file.clone().unwrap_or_else(|| {
+        // Under mpirun: one name per job (PMIx namespace), in the working directory.
+        let job = std::env::var("PMIX_NAMESPACE").unwrap_or_else(|_| "job".into());
+        std::path::PathBuf::from(format!(".cpl-nccl-{job}.id"))
+    });
+    let device = args.device.open(me.local_rank)?;
+    let result = (|| -> Result<T> {
+        let Device::Cuda(cuda) = &device else {
+            bail!("--backend nccl needs a CUDA device");
+        };
+        let world = NcclComm::from_rendezvous(cuda, me.rank, me.size, &id_file, timeout)
+            .context("--backend nccl: creating the NCCL communicator")?;
+        run_rank(world, device.clone())
+    })();
+    if me.rank == 0 {
+        let _ = std::fs::remove_file(&id_file);
+    }
+    let mut failed = Vec::new();
+    for (r, mut child) in children {
+        if result.is_err() {
+            let _ = child.kill();
+        }
+        match child.wait() {
+            Ok(st) if st.success() => {}
+            Ok(st) => failed.push(format!("rank {r} exited with {st}")),
+            Err(e) => failed.push(format!("rank {r}: {e}")),
+        }
+    }
+    let value = result.with_context(|| format!("rank {}", me.rank))?;
+    if !failed.is_empty() {
+        bail!("--backend nccl: {}", failed.join("; "));
+    }
+    Ok((me.rank == 0).then_some(value))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn launch_nccl<T, F>(_args: &LayoutArgs, _run_rank: F) -> Result<Option<T>>
+where
+    F: Fn(Comm, Device) -> Result<T>,
+{
+    bail!("--backend nccl: this cpl was built without NCCL; rebuild with `cargo build -p cpl --features nccl` (see docs/gpu.md)")
 }
 
 #[cfg(feature = "mpi")]
 fn launch_mpi<T, F>(args: &LayoutArgs, run_rank: F) -> Result<Option<T>>
 where
-    F: Fn(Comm) -> Result<T>,
+    F: Fn(Comm, Device) -> Result<T>,
 {
     let world = candle_parallel::comm::mpi::MpiWorld::init()?;
     if world.size() != args.ranks {
@@ -95,14 +250,16 @@ where
         );
     }
     let main = world.rank() == 0;
-    let result = world.launch(|comm| run_rank(comm).map_err(|e| format!("{e:#}")));
+    let local = process_rank(|k| std::env::var(k).ok(), args.ranks)?.map_or(0, |p| p.local_rank);
+    let device = args.device.open(local)?;
+    let result = world.launch(|comm| run_rank(comm, device.clone()).map_err(|e| format!("{e:#}")));
     Ok(main.then_some(result))
 }
 
 #[cfg(not(feature = "mpi"))]
 fn launch_mpi<T, F>(_args: &LayoutArgs, _run_rank: F) -> Result<Option<T>>
 where
-    F: Fn(Comm) -> Result<T>,
+    F: Fn(Comm, Device) -> Result<T>,
 {
     bail!("--backend mpi: this cpl was built without MPI; rebuild with `cargo build -p cpl --features mpi`")
 }
@@ -160,4 +317,67 @@ pub fn stage_layers(
     let (p, r) = (rank.mesh.size(Dim::Pp), rank.mesh.coord(Dim::Pp));
     let mine = layers.iter().skip(r).step_by(p).cloned().collect();
     (mine, r == 0 || r + 1 == p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn process_rank_from_each_launcher() {
+        assert_eq!(process_rank(env(&[]), 4).unwrap(), None);
+        let spawned = env(&[
+            ("CPL_NCCL_RANK", "2"),
+            ("CPL_NCCL_SIZE", "4"),
+            ("CPL_NCCL_LOCAL_RANK", "2"),
+            ("CPL_NCCL_ID_FILE", "/tmp/x.id"),
+        ]);
+        let p = process_rank(spawned, 4).unwrap().unwrap();
+        assert_eq!((p.rank, p.size, p.local_rank), (2, 4, 2));
+        assert_eq!(
+            p.id_file.as_deref(),
+            Some(std::path::Path::new("/tmp/x.id"))
+        );
+        let ompi = env(&[
+            ("OMPI_COMM_WORLD_RANK", "5"),
+            ("OMPI_COMM_WORLD_SIZE", "8"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+        ]);
+        let p = process_rank(ompi, 8).unwrap().unwrap();
+        assert_eq!((p.rank, p.size, p.local_rank, p.id_file), (5, 8, 1, None));
+        let pmi = env(&[("PMI_RANK", "3"), ("PMI_SIZE", "4")]);
+        let p = process_rank(pmi, 4).unwrap().unwrap();
+        assert_eq!(
+            (p.rank, p.local_rank),
+            (3, 3),
+            "local rank defaults to the rank"
+        );
+    }
+
+    #[test]
+    fn process_rank_errors_name_the_variable() {
+        let msg = |pairs: &[(&str, &str)], ranks| {
+            format!("{:#}", process_rank(env(pairs), ranks).unwrap_err())
+        };
+        let m = msg(
+            &[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")],
+            4,
+        );
+        assert!(m.contains("--ranks 4") && m.contains("2 processes"), "{m}");
+        let m = msg(&[("PMI_RANK", "x"), ("PMI_SIZE", "2")], 2);
+        assert!(m.contains("PMI_RANK"), "{m}");
+        let m = msg(&[("CPL_NCCL_RANK", "1")], 2);
+        assert!(m.contains("CPL_NCCL_SIZE"), "{m}");
+        let m = msg(&[("CPL_NCCL_RANK", "2"), ("CPL_NCCL_SIZE", "2")], 2);
+        assert!(m.contains("not below"), "{m}");
+    }
 }

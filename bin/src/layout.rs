@@ -53,6 +53,70 @@ pub struct LayoutArgs {
     /// How ranks run.
     #[arg(long, value_enum, default_value_t = Backend::Local)]
     pub backend: Backend,
+    /// Where parameters and activations live: cpu, cuda (GPU 0) or cuda:N (needs a build with
+    /// `--features cuda`; with --backend nccl, rank r uses GPU N + its local rank).
+    #[arg(long, default_value = "cpu", value_parser = DeviceArg::parse)]
+    pub device: DeviceArg,
+}
+
+/// The `--device` flag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceArg {
+    #[default]
+    Cpu,
+    /// A CUDA GPU by ordinal (`cuda` is `cuda:0`).
+    Cuda(usize),
+}
+
+impl DeviceArg {
+    /// Parses `cpu`, `cuda` or `cuda:N`.
+    pub fn parse(s: &str) -> std::result::Result<Self, String> {
+        match s.trim() {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            other => other
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse::<usize>().ok())
+                .map(Self::Cuda)
+                .ok_or_else(|| format!("expected cpu, cuda or cuda:N, got {other:?}")),
+        }
+    }
+
+    /// The candle device of a rank whose GPU is `offset` past this flag's (0 for local ranks,
+    /// which share one device). Errors name the flag: a build without CUDA, or a missing GPU.
+    pub fn open(&self, offset: usize) -> Result<candle_core::Device> {
+        match *self {
+            Self::Cpu => Ok(candle_core::Device::Cpu),
+            Self::Cuda(n) => {
+                if !cfg!(feature = "cuda") {
+                    bail!(
+                        "--device {self}: this cpl was built without CUDA; rebuild with \
+                         `cargo build -p cpl --features cuda` (see docs/gpu.md)"
+                    );
+                }
+                candle_core::Device::new_cuda(n + offset)
+                    .with_context(|| format!("--device {self}: opening GPU {}", n + offset))
+            }
+        }
+    }
+
+    /// Errors unless this is the CPU: for commands whose data pipeline does not yet put its
+    /// inputs on other devices (`what` names the command).
+    pub fn require_cpu(&self, what: &str) -> Result<()> {
+        if *self != Self::Cpu {
+            bail!("--device {self}: {what} runs on the CPU only for now (see docs/gpu.md)");
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for DeviceArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cpu => write!(f, "cpu"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
 }
 
 /// How the ranks of a command run.
@@ -62,6 +126,9 @@ pub enum Backend {
     Local,
     /// One process per rank under mpirun (needs a build with --features mpi).
     Mpi,
+    /// One process per GPU with NCCL on CUDA tensors (needs --features nccl and --device cuda):
+    /// run as is, `cpl` spawns --ranks local processes; under mpirun, each process is a rank.
+    Nccl,
 }
 
 impl Default for LayoutArgs {
@@ -81,6 +148,7 @@ impl Default for LayoutArgs {
             team: 1,
             tp_sp: false,
             backend: Backend::Local,
+            device: DeviceArg::Cpu,
         }
     }
 }
@@ -154,6 +222,9 @@ impl LayoutArgs {
         }
         if self.tp_sp {
             f.push("--tp-sp".into());
+        }
+        if self.device != d.device {
+            f.push(format!("--device {}", self.device));
         }
         f.join(" ")
     }
@@ -306,4 +377,42 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         print!("{}", schedule.render()?);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod device_tests {
+    use super::DeviceArg;
+
+    #[test]
+    fn device_flag_parses_and_prints() {
+        assert_eq!(DeviceArg::parse("cpu"), Ok(DeviceArg::Cpu));
+        assert_eq!(DeviceArg::parse("cuda"), Ok(DeviceArg::Cuda(0)));
+        assert_eq!(DeviceArg::parse("cuda:3"), Ok(DeviceArg::Cuda(3)));
+        for bad in ["gpu", "cuda:", "cuda:-1", "cuda:x", "metal"] {
+            let e = DeviceArg::parse(bad).unwrap_err();
+            assert!(e.contains("cpu, cuda or cuda:N"), "{bad}: {e}");
+        }
+        assert_eq!(DeviceArg::Cuda(2).to_string(), "cuda:2");
+        assert!(DeviceArg::Cpu.open(0).unwrap().is_cpu());
+        assert!(DeviceArg::Cpu.require_cpu("x").is_ok());
+        let e = DeviceArg::Cuda(0)
+            .require_cpu("cpl train of a DiT")
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("--device cuda:0: cpl train of a DiT"),
+            "{e}"
+        );
+    }
+
+    /// Without the `cuda` feature, asking for a GPU is an error naming the flag and the rebuild.
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda_without_the_feature_is_a_clear_error() {
+        let e = format!("{:#}", DeviceArg::Cuda(1).open(0).unwrap_err());
+        assert!(
+            e.contains("--device cuda:1") && e.contains("--features cuda"),
+            "{e}"
+        );
+    }
 }

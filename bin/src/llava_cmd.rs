@@ -106,6 +106,9 @@ fn runs_are_whole(ids: &[u32], image: u32, per: usize) -> bool {
 /// `cpl eval` on a LLaVA: each `--tokens` sequence with its images (in order: the images fill
 /// the image-token runs of the sequences one after the other).
 pub fn eval(args: &EvalArgs, dir: &Path) -> Result<(EvalReport, Vec<Tensor>)> {
+    args.layout
+        .device
+        .require_cpu("cpl eval of a LLaVA model")?;
     let Some(tokens) = &args.tokens else {
         bail!("--tokens: a LLaVA evaluates token sequences (a JSON array of token-id arrays) with --images");
     };
@@ -217,6 +220,9 @@ pub fn eval(args: &EvalArgs, dir: &Path) -> Result<(EvalReport, Vec<Tensor>)> {
 /// image, rendered by the model's chat template (else the built-in `plain`), continued greedily
 /// or by sampling. Each new token runs the whole sequence again (no KV cache for images yet).
 pub fn generate(args: &GenerateArgs, dir: &Path) -> Result<()> {
+    args.layout
+        .device
+        .require_cpu("cpl generate of a LLaVA model")?;
     let Some(prompt) = &args.prompt else {
         bail!("--prompt: the question about the image is required");
     };
@@ -287,6 +293,9 @@ pub fn generate(args: &GenerateArgs, dir: &Path) -> Result<()> {
 /// [`train::multimodal`]), every layout and memory flag; `--freeze-vision-tower`,
 /// `--freeze-language-model` (projector-only pretraining: both).
 pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
+    args.layout
+        .device
+        .require_cpu("cpl train of a LLaVA model")?;
     if args.layout.pp > 1 {
         bail!("--pp: LLaVA trains without pipeline stages");
     }

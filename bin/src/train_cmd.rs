@@ -572,7 +572,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             .all_gather(&Tensor::new(&[mine], &Device::Cpu)?, 0)?
             .to_vec1::<f64>()?;
         if main && mine.is_finite() {
-            if args.layout.backend == crate::layout::Backend::Mpi {
+            if args.layout.backend != crate::layout::Backend::Local {
                 let max = peaks.iter().copied().fold(f64::MIN, f64::max);
                 let min = peaks.iter().copied().fold(f64::MAX, f64::min);
                 eprintln!("peak memory per rank (RSS): max {max:.0} MiB, min {min:.0} MiB");

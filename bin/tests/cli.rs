@@ -164,3 +164,36 @@ fn bad_layouts_fail_with_a_clear_error() {
         (vec!["demo", "--ranks", "3", "--elems", "10"], "divisible"),
     ]);
 }
+
+/// `--device` and `--backend nccl` in a build without the `cuda`/`nccl` features: clear errors
+/// naming the flag and the rebuild, never a silent run on the CPU.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn gpu_flags_without_gpu_features_fail_clearly() {
+    let model = common::fixtures("llama/mha");
+    let tokens = common::fixtures("llama/tokens.json");
+    let (model, tokens) = (model.to_string_lossy(), tokens.to_string_lossy());
+    let eval = |extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = ["eval", "--model", &model, "--tokens", &tokens]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    assert_clear_errors(&[
+        (
+            eval(&["--device", "cuda"]),
+            "--device cuda:0: this cpl was built without CUDA",
+        ),
+        (eval(&["--device", "cuda:1"]), "--features cuda"),
+        (eval(&["--device", "gpu"]), "expected cpu, cuda or cuda:N"),
+        (
+            eval(&["--backend", "nccl"]),
+            "--backend nccl: this cpl was built without NCCL",
+        ),
+    ]);
+    // The CPU stays the default and `--device cpu` is accepted.
+    let o = cpl(&eval(&["--device", "cpu"]));
+    assert!(o.status.success(), "{}", stderr(&o));
+}

@@ -5,8 +5,9 @@
 //! Status: compile-checked in CI; it has not run on a GPU yet (see `docs/gpu.md`).
 //!
 //! Every operation is built from one primitive, a grouped send/recv of byte buffers
-//! ([`NcclComm::group_p2p`], NCCL's `groupStart`/`send`/`recv`/`groupEnd`), and candle ops on the
-//! device for chunking and reducing. In particular the reductions are NOT NCCL's own
+//! (NCCL's `groupStart`/`send`/`recv`/`groupEnd`), by [`super::p2p`], whose collectives are
+//! tested on CPU against the local backend bit for bit; candle ops on the device chunk and
+//! reduce. In particular the reductions are NOT NCCL's own
 //! `ncclAllReduce`/`ncclReduceScatter`: the chunks are exchanged (all-to-all), combined in rank
 //! order in f32 for half-precision inputs ([`super::rules::reduce_in_rank_order`], the same
 //! arithmetic as the local and MPI backends) and gathered back. That moves the same bytes as a
@@ -16,7 +17,8 @@
 //!
 //! NCCL calls are enqueued on candle's CUDA stream of the device, so they are ordered with the
 //! kernels that produce and consume the tensors; [`Communicator::barrier`] also synchronises
-//! the stream. Failures: an NCCL error is returned as [`Error::Nccl`] naming the call; a peer
+//! the stream. CPU tensors passed to a collective (a training loop's loss and token counts) are
+//! staged through the device and the result comes back on the CPU. Failures: an NCCL error is returned as [`Error::Nccl`] naming the call; a peer
 //! that dies mid-collective is not detected by NCCL's blocking calls, so under `mpirun` the
 //! launcher's abort (as with the MPI backend) is what stops the job.
 
@@ -33,10 +35,8 @@ use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Device, Shape, Storage, Tensor};
 
 use super::nccl_bootstrap::{publish_id, split_ids, wait_for_id, UniqueId, ID_BYTES};
-use super::rules::{
-    check_dim, check_divisible, check_exchange, check_rank, chunk_bounds, concat_blocks,
-    pack_chunks, reduce_in_rank_order,
-};
+use super::p2p::{self, GroupedP2p};
+use super::rules::{check_exchange, check_rank, chunk_bounds};
 use super::traffic::{OpKind, Traffic};
 use super::{payload_bytes, Comm, Communicator, Pending, PendingOp, RecvSpec, ReduceOp};
 use crate::error::{Error, Result};
@@ -121,23 +121,42 @@ impl NcclComm {
         Device::Cuda(self.dev.clone())
     }
 
-    /// The tensor on this communicator's device, contiguous.
+    /// The tensor on this communicator's device, contiguous. CPU tensors (the few scalars a
+    /// training loop reduces, such as losses and token counts) are staged through the device;
+    /// the operations return their results on the caller's device ([`NcclComm::home`]).
     fn on_device(&self, op: &'static str, x: &Tensor) -> Result<Tensor> {
         match x.device() {
             Device::Cuda(d) if d.same_device(&self.dev) => Ok(x.detach().contiguous()?),
+            Device::Cpu => Ok(x.detach().to_device(&self.device())?.contiguous()?),
             other => Err(Error::invalid(
                 op,
                 format!(
-                    "the NCCL communicator works on its CUDA device, got a tensor on {:?}",
+                    "the NCCL communicator works on its CUDA device (or stages CPU tensors), got \
+                     a tensor on {:?}",
                     other.location()
                 ),
             )),
         }
     }
 
-    /// Posts every send and receive as one NCCL group and returns the received tensors (in the
-    /// order of `recvs`). Sends to and receives from this rank itself are copies.
+    /// `out` on `home`, the device of the caller's input.
+    fn home(out: Tensor, home: &Device) -> Result<Tensor> {
+        Ok(if home.is_cpu() {
+            out.to_device(home)?
+        } else {
+            out
+        })
+    }
+
+    /// Posts every send and receive (to and from other ranks) as one NCCL group and returns
+    /// the received tensors, in the order of `recvs`.
     fn group_p2p(&self, sends: &[(usize, Tensor)], recvs: &[RecvSpec]) -> Result<Vec<Tensor>> {
+        if sends.iter().any(|(d, _)| *d == self.rank) || recvs.iter().any(|r| r.src == self.rank) {
+            return Err(Error::invalid(
+                "exchange",
+                "internal: NCCL groups only carry messages between different ranks",
+            ));
+        }
         let sends: Vec<(usize, Tensor)> = sends
             .iter()
             .map(|(d, t)| Ok((*d, self.on_device("exchange", t)?)))
@@ -150,9 +169,6 @@ impl NcclComm {
             let guards: Vec<_> = sends.iter().map(|(_, t)| t.storage_and_layout()).collect();
             let mut send_views: Vec<(usize, CudaView<'_, u8>)> = Vec::new();
             for ((dst, t), (st, l)) in sends.iter().zip(&guards) {
-                if *dst == self.rank {
-                    continue;
-                }
                 let cs = match &**st {
                     Storage::Cuda(cs) => cs,
                     _ => return Err(Error::invalid("exchange", "internal: not a CUDA tensor")),
@@ -161,9 +177,7 @@ impl NcclComm {
             }
             let mut recv_views: Vec<(usize, CudaViewMut<'_, u8>)> = Vec::new();
             for (r, buf) in recvs.iter().zip(bufs.iter_mut()) {
-                if r.src != self.rank {
-                    recv_views.push((r.src, bytes_mut(buf)?));
-                }
+                recv_views.push((r.src, bytes_mut(buf)?));
             }
             let raw = self.lock();
             let mut group = raw.group();
@@ -179,43 +193,32 @@ impl NcclComm {
             }
             drop(group);
         }
-        let mut own = sends.iter().filter(|(d, _)| *d == self.rank);
-        recvs
+        Ok(recvs
             .iter()
             .zip(bufs)
             .map(|(r, buf)| {
-                if r.src == self.rank {
-                    let (_, t) = own.next().ok_or_else(|| {
-                        Error::invalid("exchange", "a receive from this rank without a send to it")
-                    })?;
-                    if t.shape() != &r.shape || t.dtype() != r.dtype {
-                        return Err(Error::invalid(
-                            "exchange",
-                            "the send to this rank does not match its receive",
-                        ));
-                    }
-                    return Ok(t.clone());
-                }
-                Ok(Tensor::from_storage(
+                Tensor::from_storage(
                     Storage::Cuda(buf),
                     r.shape.clone(),
                     BackpropOp::none(),
                     false,
-                ))
+                )
             })
-            .collect()
+            .collect())
+    }
+}
+
+impl GroupedP2p for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
     }
 
-    /// Chunk `j` of `flat` (shape `(p, m)`) to rank `j`; returns the `p` chunks received, in
-    /// rank order, as one `(p, m)` tensor.
-    fn all_to_all_rows(&self, flat: &Tensor) -> Result<Tensor> {
-        let p = self.size;
-        let sends: Vec<(usize, Tensor)> = (0..p)
-            .map(|j| Ok((j, flat.get(j)?)))
-            .collect::<Result<_>>()?;
-        let recvs: Vec<RecvSpec> = (0..p).map(|j| RecvSpec::like(j, &sends[j].1)).collect();
-        let got = self.group_p2p(&sends, &recvs)?;
-        Ok(Tensor::stack(&got, 0)?)
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn group(&self, sends: Vec<(usize, Tensor)>, recvs: Vec<RecvSpec>) -> Result<Vec<Tensor>> {
+        self.group_p2p(&sends, &recvs)
     }
 }
 
@@ -321,112 +324,65 @@ impl Communicator for NcclComm {
     }
 
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let name = OpKind::AllReduce.name();
-        let x = self.on_device(name, x)?;
-        let (p, n, me) = (self.size, x.elem_count(), self.rank);
-        let flat = x.flatten_all()?;
-        let bounds = chunk_bounds(n, p);
-        // Chunk j of every rank to rank j, reduced there in rank order, then gathered back.
-        let sends: Vec<(usize, Tensor)> = bounds
-            .iter()
-            .enumerate()
-            .map(|(j, &(s, l))| Ok((j, flat.narrow(0, s, l)?)))
-            .collect::<Result<_>>()?;
-        let l_me = bounds[me].1;
-        let recvs: Vec<RecvSpec> = (0..p).map(|j| RecvSpec::new(j, l_me, x.dtype())).collect();
-        let parts = self.group_p2p(&sends, &recvs)?;
-        let mine = reduce_in_rank_order(&parts, op, p)?;
-        let sends: Vec<(usize, Tensor)> = (0..p).map(|j| (j, mine.clone())).collect();
-        let recvs: Vec<RecvSpec> = bounds
-            .iter()
-            .enumerate()
-            .map(|(j, &(_, l))| RecvSpec::new(j, l, x.dtype()))
-            .collect();
-        let back = self.group_p2p(&sends, &recvs)?;
-        let out = Tensor::cat(&back, 0)?.reshape(x.shape())?;
+        let kind = OpKind::AllReduce;
+        let home = x.device().clone();
+        let x = self.on_device(kind.name(), x)?;
+        let out = p2p::all_reduce(self, &x, op)?;
+        let bounds = chunk_bounds(x.elem_count(), self.size);
         self.traffic
-            .record_all_reduce(&bounds, me, x.dtype().size_in_bytes() as u64);
-        Ok(out)
+            .record_all_reduce(&bounds, self.rank, x.dtype().size_in_bytes() as u64);
+        Self::home(out, &home)
     }
 
     fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
         let kind = OpKind::AllGather;
+        let home = x.device().clone();
         let x = self.on_device(kind.name(), x)?;
-        check_dim(kind.name(), &x, dim)?;
-        let p = self.size;
-        let sends: Vec<(usize, Tensor)> = (0..p).map(|j| (j, x.clone())).collect();
-        let recvs: Vec<RecvSpec> = (0..p).map(|j| RecvSpec::like(j, &x)).collect();
-        let got = self.group_p2p(&sends, &recvs)?;
-        let flat = Tensor::stack(&got, 0)?.flatten_all()?;
-        let out = concat_blocks(&flat, x.dims(), p, dim)?;
-        let b = payload_bytes(&x) * (p as u64 - 1);
+        let out = p2p::all_gather(self, &x, dim)?;
+        let b = payload_bytes(&x) * (self.size as u64 - 1);
         self.traffic.record(kind, b, b);
-        Ok(out)
+        Self::home(out, &home)
     }
 
     fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
         let kind = OpKind::ReduceScatter;
+        let home = x.device().clone();
         let x = self.on_device(kind.name(), x)?;
-        check_dim(kind.name(), &x, dim)?;
-        let c = check_divisible(kind.name(), &x, dim, self.size)?;
-        let p = self.size;
-        let packed = pack_chunks(&x, dim, p)?.reshape((p, ()))?;
-        let got = self.all_to_all_rows(&packed)?;
-        let parts: Vec<Tensor> = (0..p)
-            .map(|r| got.get(r))
-            .collect::<candle_core::Result<_>>()?;
-        let mut dims = x.dims().to_vec();
-        dims[dim] = c;
-        let out = reduce_in_rank_order(&parts, op, p)?.reshape(dims)?;
-        let m = x.elem_count() / p;
+        let out = p2p::reduce_scatter(self, &x, dim, op)?;
         self.traffic
-            .record_symmetric(kind, (m * x.dtype().size_in_bytes()) as u64, p);
-        Ok(out)
+            .record_symmetric(kind, payload_bytes(&x) / self.size as u64, self.size);
+        Self::home(out, &home)
     }
 
     fn all_to_all(&self, x: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
         let kind = OpKind::AllToAll;
+        let home = x.device().clone();
         let x = self.on_device(kind.name(), x)?;
-        check_dim(kind.name(), &x, split_dim)?;
-        check_dim(kind.name(), &x, concat_dim)?;
-        let c = check_divisible(kind.name(), &x, split_dim, self.size)?;
-        let p = self.size;
-        let packed = pack_chunks(&x, split_dim, p)?.reshape((p, ()))?;
-        let got = self.all_to_all_rows(&packed)?.flatten_all()?;
-        let mut piece = x.dims().to_vec();
-        piece[split_dim] = c;
-        let out = concat_blocks(&got, &piece, p, concat_dim)?;
-        let m = x.elem_count() / p;
+        let out = p2p::all_to_all(self, &x, split_dim, concat_dim)?;
         self.traffic
-            .record_symmetric(kind, (m * x.dtype().size_in_bytes()) as u64, p);
-        Ok(out)
+            .record_symmetric(kind, payload_bytes(&x) / self.size as u64, self.size);
+        Self::home(out, &home)
     }
 
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
         let kind = OpKind::Broadcast;
-        check_rank(kind.name(), "root", root, self.size)?;
+        let home = x.device().clone();
         let x = self.on_device(kind.name(), x)?;
-        let p = self.size;
+        let out = p2p::broadcast(self, &x, root)?;
         let b = payload_bytes(&x);
         if self.rank == root {
-            let sends: Vec<(usize, Tensor)> = (0..p)
-                .filter(|&j| j != root)
-                .map(|j| (j, x.clone()))
-                .collect();
-            self.group_p2p(&sends, &[])?;
-            self.traffic.record(kind, b * (p as u64 - 1), 0);
-            Ok(x)
+            self.traffic.record(kind, b * (self.size as u64 - 1), 0);
         } else {
-            let got = self.group_p2p(&[], &[RecvSpec::like(root, &x)])?;
             self.traffic.record(kind, 0, b);
-            got.into_iter()
-                .next()
-                .ok_or_else(|| Error::invalid("broadcast", "internal: nothing received"))
         }
+        Self::home(out, &home)
     }
 
     fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
         check_rank(OpKind::Send.name(), "destination", dst, self.size)?;
+        if dst == self.rank {
+            return Err(Error::invalid("send", "a send to this rank itself"));
+        }
         self.group_p2p(&[(dst, x.clone())], &[])?;
         self.traffic.record_send(x, self.rank, dst);
         Ok(())
@@ -434,6 +390,9 @@ impl Communicator for NcclComm {
 
     fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor> {
         check_rank(OpKind::Recv.name(), "source", src, self.size)?;
+        if src == self.rank {
+            return Err(Error::invalid("recv", "a receive from this rank itself"));
+        }
         let mut got = self.group_p2p(&[], &[RecvSpec::new(src, shape.clone(), dtype)])?;
         let t = got
             .pop()
@@ -446,8 +405,8 @@ impl Communicator for NcclComm {
         check_exchange(&sends, &recvs, self.size)?;
         // NCCL's group runs asynchronously on the stream: the received tensors are ready for
         // every later kernel on it, so the handle is complete at once.
-        let got = self.group_p2p(&sends, &recvs)?;
         self.traffic.record_exchange(&sends, &recvs, self.rank);
+        let got = p2p::exchange(self, sends, recvs)?;
         Ok(Pending::new(Box::new(Ready(got))))
     }
 

@@ -1,6 +1,6 @@
 //! What one forward pass of a token model works on: this rank's sequence shard of a batch.
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 
 use super::{ParallelCtx, Pass, IGNORE_INDEX};
 use crate::attention::AttnMask;
@@ -61,11 +61,11 @@ impl Batch {
                 "labels must have the shape of the token ids",
             ));
         }
-        let dev = Device::Cpu;
+        let dev = ctx.device();
         let flat_ids: Vec<u32> = ids.iter().flatten().copied().collect();
         let flat_labels: Vec<i64> = labels.iter().flatten().copied().collect();
-        let ids = Tensor::from_vec(flat_ids, (ids.len(), len), &dev)?;
-        let labels = Tensor::from_vec(flat_labels, (labels.len(), len), &dev)?;
+        let ids = Tensor::from_vec(flat_ids, (ids.len(), len), dev)?;
+        let labels = Tensor::from_vec(flat_labels, (labels.len(), len), dev)?;
         let batch = Batch {
             input_ids: ctx.shard_tokens(&ids)?,
             positions: ctx.attention_positions(len)?,

@@ -36,7 +36,7 @@ pub mod unit;
 
 use std::sync::Arc;
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 
 use crate::attention::{AttnMask, SequenceParallelAttention, SpAttention, SpConfig};
 use crate::comm::Comm;
@@ -200,6 +200,8 @@ pub struct ParallelCtx {
     /// Attention over tokens this rank holds whole (no sequence parallelism): vision towers.
     local_attention: Arc<SpAttention>,
     sink: GradSink,
+    /// Where this rank's parameters and activations live (the CPU unless set).
+    device: Device,
 }
 
 impl std::fmt::Debug for ParallelCtx {
@@ -238,7 +240,21 @@ impl ParallelCtx {
             sequence_group,
             local_attention,
             sink: GradSink::new(),
+            device: Device::Cpu,
         })
+    }
+
+    /// This context with parameters and activations on `device` (models built with it load
+    /// their weights there, batches put their tokens there). Attention and the fused ops run on
+    /// any device candle supports; see `docs/gpu.md` for what has been checked on which.
+    pub fn with_device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+
+    /// Where this rank's parameters and activations live.
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     pub fn tp(&self) -> &TpGroup {

@@ -11,7 +11,7 @@ pub mod pipeline;
 use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::{DType, Device};
+use candle_core::DType;
 use candle_parallel::nn::{ParallelCtx, ParamBuilder, ParamList, ParamMode};
 
 pub use config::DitConfig;
@@ -60,7 +60,7 @@ pub fn load_stage(
 ) -> Result<LoadedDit> {
     let config = DitConfig::from_file(&files.config)?;
     let reader = Arc::new(CheckpointReader::open(&files.weights)?);
-    let (vb, params) = ParamBuilder::new(reader, dtype.unwrap_or(DType::F32), &Device::Cpu, mode);
+    let (vb, params) = ParamBuilder::new(reader, dtype.unwrap_or(DType::F32), ctx.device(), mode);
     let model = Dit::new_stage(&config, vb, ctx, layers, ends)?;
     Ok(LoadedDit {
         model,

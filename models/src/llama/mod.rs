@@ -7,7 +7,7 @@ pub mod random;
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device};
+use candle_core::DType;
 use candle_parallel::nn::{
     Adapters, ParallelCtx, ParamBuilder, ParamList, ParamMode, TensorSource,
 };
@@ -92,7 +92,7 @@ pub fn load_stage_adapted(
         None => config.stored_dtype(&files.config)?.unwrap_or(DType::F32),
     };
     let reader = Arc::new(CheckpointReader::open(&files.weights)?);
-    let (vb, params) = ParamBuilder::new(reader, dtype, &Device::Cpu, mode);
+    let (vb, params) = ParamBuilder::new(reader, dtype, ctx.device(), mode);
     let model = Llama::new_stage(
         &config,
         vb.with_adapters(adapters.clone()),
@@ -119,7 +119,7 @@ pub fn build(
     dtype: DType,
     mode: ParamMode,
 ) -> Result<LoadedLlama> {
-    let (vb, params) = ParamBuilder::new(source, dtype, &Device::Cpu, mode);
+    let (vb, params) = ParamBuilder::new(source, dtype, ctx.device(), mode);
     Ok(LoadedLlama {
         model: Llama::new(config, vb, ctx)?,
         params,

@@ -155,7 +155,7 @@ pub fn load(
             .unwrap_or(DType::F32),
     };
     let source = Arc::new(LlavaSource { reader, layout });
-    let (vb, params) = ParamBuilder::new(source, dtype, &Device::Cpu, mode);
+    let (vb, params) = ParamBuilder::new(source, dtype, ctx.device(), mode);
     let model = Llava::new(&config, vb, ctx, freeze)?;
     Ok(LoadedLlava {
         model,
