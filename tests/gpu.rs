@@ -11,18 +11,27 @@
 //!   and outputs, f32 arithmetic on both sides);
 //! - the LSE merge on CUDA against the CPU merge (1e-6);
 //! - with `nccl` and 2+ GPUs, the NCCL communicator's collectives against the local backend's
-//!   results on the same inputs (bit-identical: both reduce in rank order in f32).
+//!   results on the same inputs (bit-identical: both reduce in rank order in f32), in f32 and
+//!   bf16, with an uneven all-reduce, a scalar staged from the CPU, broadcast, exchange, barrier
+//!   and a split;
+//! - three training steps of the GQA fixture on 2 local ranks on one GPU against the CPU.
 
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use flash_ring::{AttnSpec, MaskKind, Positions};
 
-fn cuda() -> Device {
-    match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) => panic!("the cuda-tests suite needs a CUDA GPU: {e}"),
+/// GPU `ordinal` with one stream of its own, shared by every rank thread that uses it (as
+/// `cpl --device` opens it; candle's `Device::new_cuda` gives each thread its own stream).
+fn cuda_at(ordinal: usize) -> Device {
+    match candle_core::cuda::CudaDevice::new_with_stream(ordinal) {
+        Ok(d) => Device::Cuda(d),
+        Err(e) => panic!("the cuda-tests suite needs a CUDA GPU (ordinal {ordinal}): {e}"),
     }
+}
+
+fn cuda() -> Device {
+    cuda_at(0)
 }
 
 /// Max-norm relative error of `a` against `r` (`-inf` entries must match and are left out).
@@ -163,10 +172,8 @@ fn merge_on_cuda_matches_the_cpu() {
 #[cfg(feature = "nccl")]
 #[test]
 fn nccl_collectives_match_the_local_backend() {
-    use candle_core::backend::BackendDevice;
-    use candle_core::cuda::CudaDevice;
     use candle_parallel::comm::nccl::{new_id, NcclComm};
-    use candle_parallel::comm::{LocalWorld, ReduceOp};
+    use candle_parallel::comm::{LocalWorld, RecvSpec, ReduceOp};
 
     let gpus = candle_core::cuda::cudarc::driver::CudaContext::device_count().expect("count");
     assert!(
@@ -174,51 +181,75 @@ fn nccl_collectives_match_the_local_backend() {
         "the NCCL test needs 2 GPUs (NCCL rejects two ranks on one GPU)"
     );
     let p = 2usize;
-    let x = |r: usize| random((2, 8, 4, 6), r as u64 + 10, DType::F32);
-    let local = LocalWorld::run(p, |c| -> candle_parallel::Result<_> {
-        let xr = x(c.rank());
-        Ok((
-            c.all_reduce(&xr, ReduceOp::Sum)?,
-            c.all_gather(&xr, 1)?,
-            c.all_to_all(&xr, 2, 1)?,
-            c.reduce_scatter(&xr, 1, ReduceOp::Avg)?,
-        ))
-    })
-    .expect("local");
+    // (2, 8, 3, 5): 240 elements; the 3-element narrow below gives uneven all-reduce chunks on
+    // 2 ranks.
+    let x = |r: usize, dtype: DType| random((2, 8, 3, 5), r as u64 + 10, dtype);
+    type Outs = Vec<Tensor>;
+    let ops = |c: &candle_parallel::comm::Comm, dev: &Device| -> candle_parallel::Result<Outs> {
+        let r = c.rank();
+        let mut out = Vec::new();
+        for dtype in [DType::F32, DType::BF16] {
+            let xr = x(r, dtype).to_device(dev)?;
+            out.push(c.all_reduce(&xr, ReduceOp::Sum)?);
+            out.push(
+                c.all_reduce(
+                    &xr.narrow(3, 0, 3)?
+                        .narrow(0, 0, 1)?
+                        .narrow(1, 0, 1)?
+                        .contiguous()?,
+                    ReduceOp::Avg,
+                )?,
+            );
+            out.push(c.all_gather(&xr, 1)?);
+            out.push(c.all_to_all(&xr, 1, 2)?);
+            out.push(c.reduce_scatter(&xr, 1, ReduceOp::Max)?);
+            out.push(c.broadcast(&xr, 1)?);
+        }
+        // A CPU scalar (a loss) is staged and comes back on the CPU.
+        let loss = Tensor::new(&[r as f64 + 0.25], &Device::Cpu)?;
+        let summed = c.all_reduce(&loss, ReduceOp::Sum)?;
+        assert!(summed.device().is_cpu(), "a CPU input gives a CPU result");
+        out.push(summed);
+        // A ring step as one exchange.
+        let xr = x(r, DType::F32).to_device(dev)?;
+        let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
+        let got = c
+            .exchange(vec![(next, xr.clone())], vec![RecvSpec::like(prev, &xr)])?
+            .wait()?;
+        out.extend(got);
+        c.barrier()?;
+        // A split into singleton groups and one collective on it.
+        let solo = c.split(r, 0)?;
+        assert_eq!((solo.rank(), solo.size()), (0, 1));
+        out.push(solo.all_reduce(&xr, ReduceOp::Sum)?);
+        Ok(out)
+    };
+    let local = LocalWorld::run(p, |c| ops(&c, &Device::Cpu)).expect("local");
     let id = new_id().expect("nccl id");
-    let results: Vec<_> = std::thread::scope(|s| {
+    let results: Vec<Outs> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..p)
             .map(|r| {
+                let ops = &ops;
                 s.spawn(move || {
-                    let dev = CudaDevice::new(r).expect("cuda device");
-                    let c = NcclComm::world(&dev, r, p, &id).expect("nccl world");
-                    let xr = x(r).to_device(&Device::Cuda(dev)).expect("to cuda");
-                    let host = |t: Tensor| t.to_device(&Device::Cpu).expect("to host");
-                    (
-                        host(c.all_reduce(&xr, ReduceOp::Sum).expect("all_reduce")),
-                        host(c.all_gather(&xr, 1).expect("all_gather")),
-                        host(c.all_to_all(&xr, 2, 1).expect("all_to_all")),
-                        host(
-                            c.reduce_scatter(&xr, 1, ReduceOp::Avg)
-                                .expect("reduce_scatter"),
-                        ),
-                    )
+                    let dev = cuda_at(r);
+                    let Device::Cuda(cuda) = &dev else {
+                        unreachable!()
+                    };
+                    let c = NcclComm::world(cuda, r, p, &id).expect("nccl world");
+                    ops(&c, &dev).expect("nccl ops")
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().expect("rank")).collect()
     });
     for (r, (a, b)) in results.iter().zip(&local).enumerate() {
-        for (what, x, y) in [
-            ("all_reduce", &a.0, &b.0),
-            ("all_gather", &a.1, &b.1),
-            ("all_to_all", &a.2, &b.2),
-            ("reduce_scatter", &a.3, &b.3),
-        ] {
+        assert_eq!(a.len(), b.len());
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert_eq!(x.dims(), y.dims(), "rank {r} result {i}: shape");
             assert_eq!(
                 rel(x, y),
                 0.0,
-                "rank {r}: {what} differs from the local backend"
+                "rank {r} result {i} differs from the local backend"
             );
         }
     }
@@ -238,7 +269,7 @@ fn training_steps_on_cuda_match_the_cpu() {
     use train::data::{PackedDataset, Packing, TokenStream};
     use train::trainer::{TrainConfig, Trainer};
 
-    let gpu = cuda();
+    let gpu = cuda(); // one stream, shared by the two rank threads
     let files = cpl_integration_tests::fixture_files("gqa");
     let cfg = models::llama::LlamaConfig::from_file(&files.config).expect("config");
     let seq = 32;

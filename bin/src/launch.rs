@@ -87,7 +87,7 @@ where
 }
 
 /// A process's place in a multi-process job, from its environment.
-#[cfg_attr(not(any(feature = "mpi", feature = "nccl")), allow(dead_code))]
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProcessRank {
     pub rank: usize,
@@ -102,7 +102,7 @@ pub struct ProcessRank {
 /// (`CPL_NCCL_RANK`, `CPL_NCCL_SIZE`, `CPL_NCCL_ID_FILE`) or that mpirun sets (Open MPI's
 /// `OMPI_COMM_WORLD_*`, MPICH/PMI's `PMI_RANK`/`PMI_SIZE`); `None` when none is set (the process
 /// that launches the others). The size must equal `--ranks`.
-#[cfg_attr(not(any(feature = "mpi", feature = "nccl")), allow(dead_code))]
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
 pub fn process_rank(
     var: impl Fn(&str) -> Option<String>,
     ranks: usize,
@@ -157,8 +157,19 @@ where
     if !matches!(args.device, crate::layout::DeviceArg::Cuda(_)) {
         bail!("--backend nccl needs --device cuda or cuda:N");
     }
+    if args.pp > 1 {
+        // The pipeline posts a stage's send before the matching receive exists: NCCL's
+        // unbuffered sends would block there.
+        bail!(
+            "--pp {}: pipeline parallelism does not run over --backend nccl yet",
+            args.pp
+        );
+    }
     let timeout = Duration::from_secs(300);
     let me = process_rank(|k| std::env::var(k).ok(), args.ranks)?;
+    if me.is_some() {
+        watch_parent();
+    }
     let (me, children) = match me {
         Some(me) => (me, Vec::new()),
         None => {
@@ -174,15 +185,25 @@ where
             let exe = std::env::current_exe().context("--backend nccl: locating cpl")?;
             let mut children = Vec::new();
             for r in 1..args.ranks {
-                let child = std::process::Command::new(&exe)
+                let spawned = std::process::Command::new(&exe)
                     .args(std::env::args_os().skip(1))
                     .env("CPL_NCCL_RANK", r.to_string())
                     .env("CPL_NCCL_SIZE", args.ranks.to_string())
                     .env("CPL_NCCL_LOCAL_RANK", r.to_string())
                     .env("CPL_NCCL_ID_FILE", &id_file)
-                    .spawn()
-                    .with_context(|| format!("--backend nccl: starting rank {r}"))?;
-                children.push((r, child));
+                    .env("CPL_NCCL_PARENT", std::process::id().to_string())
+                    .spawn();
+                match spawned {
+                    Ok(child) => children.push((r, child)),
+                    Err(e) => {
+                        for (_, mut c) in children {
+                            let _ = c.kill();
+                            let _ = c.wait();
+                        }
+                        return Err(e)
+                            .with_context(|| format!("--backend nccl: starting rank {r}"));
+                    }
+                }
             }
             let me = ProcessRank {
                 rank: 0,
@@ -193,25 +214,61 @@ where
             (me, children)
         }
     };
-    let id_file = me.id_file.clone().unwrap_or_else(|| {
-        // Under mpirun: one name per job (PMIx namespace), in the working directory.
-        let job = std::env::var("PMIX_NAMESPACE").unwrap_or_else(|_| "job".into());
-        std::path::PathBuf::from(format!(".cpl-nccl-{job}.id"))
-    });
-    let device = args.device.open(me.local_rank)?;
+    // A child that fails stops the job: NCCL's initialisation and collectives would wait for it
+    // forever.
+    let children = std::sync::Arc::new(std::sync::Mutex::new(children));
+    let watcher = {
+        let children = children.clone();
+        std::thread::spawn(move || loop {
+            std::thread::sleep(Duration::from_millis(200));
+            let mut list = children.lock().unwrap_or_else(|p| p.into_inner());
+            if list.is_empty() {
+                return;
+            }
+            for (r, child) in list.iter_mut() {
+                if let Ok(Some(st)) = child.try_wait() {
+                    if !st.success() {
+                        eprintln!(
+                            "error: --backend nccl: rank {r} exited with {st}; stopping the job"
+                        );
+                        for (_, c) in list.iter_mut() {
+                            let _ = c.kill();
+                        }
+                        std::process::exit(1);
+                    }
+                }
+            }
+        })
+    };
+    let id_file = match &me.id_file {
+        Some(f) => Ok(f.clone()),
+        // Under mpirun: one name per job when the launcher gives one (PMIx namespace).
+        None => match std::env::var("PMIX_NAMESPACE") {
+            Ok(job) => Ok(std::path::PathBuf::from(format!(".cpl-nccl-{job}.id"))),
+            Err(_) => Err(anyhow::anyhow!(
+                "--backend nccl under this launcher: set CPL_NCCL_ID_FILE to a path unique to \
+                 this job, on a filesystem every rank sees"
+            )),
+        },
+    };
     let result = (|| -> Result<T> {
+        let id_file = id_file?;
+        let device = args.device.open(me.local_rank)?;
         let Device::Cuda(cuda) = &device else {
             bail!("--backend nccl needs a CUDA device");
         };
         let world = NcclComm::from_rendezvous(cuda, me.rank, me.size, &id_file, timeout)
             .context("--backend nccl: creating the NCCL communicator")?;
-        run_rank(world, device.clone())
+        let out = run_rank(world, device.clone());
+        if me.rank == 0 {
+            let _ = std::fs::remove_file(&id_file);
+        }
+        out
     })();
-    if me.rank == 0 {
-        let _ = std::fs::remove_file(&id_file);
-    }
+    // Rank 0 waits for its children (or stops them when it failed itself).
     let mut failed = Vec::new();
-    for (r, mut child) in children {
+    let list = std::mem::take(&mut *children.lock().unwrap_or_else(|p| p.into_inner()));
+    for (r, mut child) in list {
         if result.is_err() {
             let _ = child.kill();
         }
@@ -221,11 +278,32 @@ where
             Err(e) => failed.push(format!("rank {r}: {e}")),
         }
     }
+    let _ = watcher.join();
     let value = result.with_context(|| format!("rank {}", me.rank))?;
     if !failed.is_empty() {
         bail!("--backend nccl: {}", failed.join("; "));
     }
     Ok((me.rank == 0).then_some(value))
+}
+
+/// In a rank spawned by `cpl --backend nccl`: exit when the launching process is gone (its
+/// rank 0 failed or was killed), instead of waiting in NCCL forever.
+#[cfg(feature = "nccl")]
+fn watch_parent() {
+    let Some(parent) = std::env::var("CPL_NCCL_PARENT")
+        .ok()
+        .and_then(|p| p.parse::<i32>().ok())
+    else {
+        return;
+    };
+    std::thread::spawn(move || loop {
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        // SAFETY: getppid has no preconditions and cannot fail.
+        if unsafe { libc::getppid() } != parent {
+            eprintln!("error: --backend nccl: the launching process {parent} is gone; stopping");
+            std::process::exit(1);
+        }
+    });
 }
 
 #[cfg(not(feature = "nccl"))]
@@ -241,6 +319,9 @@ fn launch_mpi<T, F>(args: &LayoutArgs, run_rank: F) -> Result<Option<T>>
 where
     F: Fn(Comm, Device) -> Result<T>,
 {
+    // The MPI backend's messages arrive as CPU tensors: GPUs go through --backend nccl.
+    args.device
+        .require_cpu("--backend mpi (use --backend nccl, under mpirun or not, for GPUs)")?;
     let world = candle_parallel::comm::mpi::MpiWorld::init()?;
     if world.size() != args.ranks {
         bail!(
@@ -250,9 +331,7 @@ where
         );
     }
     let main = world.rank() == 0;
-    let local = process_rank(|k| std::env::var(k).ok(), args.ranks)?.map_or(0, |p| p.local_rank);
-    let device = args.device.open(local)?;
-    let result = world.launch(|comm| run_rank(comm, device.clone()).map_err(|e| format!("{e:#}")));
+    let result = world.launch(|comm| run_rank(comm, Device::Cpu).map_err(|e| format!("{e:#}")));
     Ok(main.then_some(result))
 }
 

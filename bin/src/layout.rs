@@ -94,7 +94,7 @@ impl DeviceArg {
                          `cargo build -p cpl --features cuda` (see docs/gpu.md)"
                     );
                 }
-                candle_core::Device::new_cuda(n + offset)
+                open_cuda(n + offset)
                     .with_context(|| format!("--device {self}: opening GPU {}", n + offset))
             }
         }
@@ -108,6 +108,21 @@ impl DeviceArg {
         }
         Ok(())
     }
+}
+
+/// GPU `ordinal` with one stream of its own, which every user of the returned device (all local
+/// ranks, which are threads) shares: candle's `Device::new_cuda` gives each thread its own
+/// per-thread stream, so ranks passing tensors to each other would race.
+#[cfg(feature = "cuda")]
+fn open_cuda(ordinal: usize) -> candle_core::Result<candle_core::Device> {
+    Ok(candle_core::Device::Cuda(
+        candle_core::cuda::CudaDevice::new_with_stream(ordinal)?,
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(ordinal: usize) -> candle_core::Result<candle_core::Device> {
+    candle_core::Device::new_cuda(ordinal)
 }
 
 impl std::fmt::Display for DeviceArg {

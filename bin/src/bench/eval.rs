@@ -23,6 +23,8 @@ pub struct EvalBenchArgs {
 
 pub fn run(args: &EvalBenchArgs) -> Result<()> {
     let a = &args.llama;
+    // Its timings do not synchronise a GPU and its MFU is against the CPU's matmul rate.
+    a.layout.device.require_cpu("cpl bench eval")?;
     at_least_one("--repeats", args.repeats)?;
     a.check()?;
     let model = a.resolve()?;

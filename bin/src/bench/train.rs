@@ -59,6 +59,8 @@ struct Measured {
 
 pub fn run(args: &TrainBenchArgs) -> Result<()> {
     let a = &args.llama;
+    // Its timings do not synchronise a GPU and its MFU is against the CPU's matmul rate.
+    a.layout.device.require_cpu("cpl bench train")?;
     if args.steps < 2 {
         bail!(
             "--steps {} must be at least 2 (the first step is a warm-up)",

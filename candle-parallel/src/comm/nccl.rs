@@ -29,6 +29,7 @@ use std::time::Duration;
 
 use candle_core::backend::BackendDevice;
 use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use candle_core::cuda::cudarc::nccl::result as nccl_result;
 use candle_core::cuda::cudarc::nccl::safe::{Comm as RawNccl, Id};
 use candle_core::cuda::CudaDevice;
 use candle_core::op::BackpropOp;
@@ -148,8 +149,15 @@ impl NcclComm {
         })
     }
 
+    /// Every NCCL call is enqueued on the device's one stream (`cpl` opens its GPUs with
+    /// `CudaDevice::new_with_stream`, shared by every user), so stream order alone orders the
+    /// messages with the kernels around them.
+    ///
     /// Posts every send and receive (to and from other ranks) as one NCCL group and returns
-    /// the received tensors, in the order of `recvs`.
+    /// the received tensors, in the order of `recvs`. Empty messages travel nowhere (an empty
+    /// receive is an empty view, never a zero-byte allocation). The group is opened and closed
+    /// here (`ncclGroupStart`/`ncclGroupEnd`, not cudarc's `Group`, whose drop panics on an
+    /// error), so an NCCL failure is returned as [`Error::Nccl`].
     fn group_p2p(&self, sends: &[(usize, Tensor)], recvs: &[RecvSpec]) -> Result<Vec<Tensor>> {
         if sends.iter().any(|(d, _)| *d == self.rank) || recvs.iter().any(|r| r.src == self.rank) {
             return Err(Error::invalid(
@@ -159,11 +167,13 @@ impl NcclComm {
         }
         let sends: Vec<(usize, Tensor)> = sends
             .iter()
+            .filter(|(_, t)| t.elem_count() > 0)
             .map(|(d, t)| Ok((*d, self.on_device("exchange", t)?)))
             .collect::<Result<_>>()?;
+        // One buffer per non-empty receive; an empty one is a view of a one-element buffer.
         let mut bufs: Vec<CudaStorage> = recvs
             .iter()
-            .map(|r| alloc(&self.dev, r.dtype, r.shape.elem_count()))
+            .map(|r| alloc(&self.dev, r.dtype, r.shape.elem_count().max(1)))
             .collect::<Result<_>>()?;
         {
             let guards: Vec<_> = sends.iter().map(|(_, t)| t.storage_and_layout()).collect();
@@ -177,34 +187,38 @@ impl NcclComm {
             }
             let mut recv_views: Vec<(usize, CudaViewMut<'_, u8>)> = Vec::new();
             for (r, buf) in recvs.iter().zip(bufs.iter_mut()) {
-                recv_views.push((r.src, bytes_mut(buf)?));
+                if r.shape.elem_count() > 0 {
+                    recv_views.push((r.src, bytes_mut(buf)?));
+                }
             }
             let raw = self.lock();
-            let mut group = raw.group();
-            for (dst, v) in send_views {
-                group
-                    .send(v, peer(dst)?)
-                    .map_err(|e| nccl_err("ncclSend", e))?;
-            }
-            for (src, v) in recv_views {
-                group
-                    .recv(v, peer(src)?)
-                    .map_err(|e| nccl_err("ncclRecv", e))?;
-            }
-            drop(group);
+            nccl_result::group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
+            let posted = (|| -> Result<()> {
+                for (dst, v) in &send_views {
+                    raw.send(v, peer(*dst)?)
+                        .map_err(|e| nccl_err("ncclSend", e))?;
+                }
+                for (src, v) in recv_views.iter_mut() {
+                    raw.recv(v, peer(*src)?)
+                        .map_err(|e| nccl_err("ncclRecv", e))?;
+                }
+                Ok(())
+            })();
+            // Always close the group, also after a failed post.
+            let ended = nccl_result::group_end().map_err(|e| nccl_err("ncclGroupEnd", e));
+            posted?;
+            ended?;
         }
-        Ok(recvs
+        recvs
             .iter()
             .zip(bufs)
             .map(|(r, buf)| {
-                Tensor::from_storage(
-                    Storage::Cuda(buf),
-                    r.shape.clone(),
-                    BackpropOp::none(),
-                    false,
-                )
+                let n = r.shape.elem_count();
+                let t =
+                    Tensor::from_storage(Storage::Cuda(buf), n.max(1), BackpropOp::none(), false);
+                Ok(t.narrow(0, 0, n)?.reshape(r.shape.clone())?)
             })
-            .collect())
+            .collect()
     }
 }
 

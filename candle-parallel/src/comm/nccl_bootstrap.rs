@@ -2,9 +2,9 @@
 //! on the local backend; the NCCL communicator (`comm::nccl`, feature `nccl`) runs it.
 //!
 //! - **World.** Every rank of a job must call `ncclCommInitRank` with the same 128-byte unique
-//!   id. Rank 0 creates it; it reaches the other ranks through MPI (a broadcast over the MPI
-//!   world, under `mpirun`) or through a rendezvous file ([`publish_id`] / [`wait_for_id`],
-//!   for local processes that `cpl --backend nccl` spawns): rank 0 writes the file atomically
+//!   id. Rank 0 creates it; it reaches the other ranks through a rendezvous file
+//!   ([`publish_id`] / [`wait_for_id`]; the local processes `cpl --backend nccl` spawns, or the
+//!   ranks of an `mpirun` job, on a filesystem they share): rank 0 writes the file atomically
 //!   (temporary file, then rename), the others poll until it appears or a timeout passes.
 //! - **Sub-groups** (one per mesh dimension: tp, ulysses, ring, pp, dp). `ncclCommSplit` is not
 //!   bound for every CUDA version, so each group gets its own id: [`split_ids`] is a collective

@@ -84,11 +84,20 @@ fn all_to_all_rows(c: &impl GroupedP2p, rows: &Tensor) -> Result<Vec<Tensor>> {
 pub(crate) fn all_reduce(c: &impl GroupedP2p, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
     let (p, me) = (c.size(), c.rank());
     let flat = x.flatten_all()?;
+    if x.elem_count() < p {
+        // Fewer elements than ranks (a loss, a token count): some chunks would be empty, so
+        // every rank reduces the whole tensor instead: the same arithmetic per element, the
+        // same bits.
+        let sends: Vec<(usize, Tensor)> = (0..p).map(|j| (j, flat.clone())).collect();
+        let recvs: Vec<RecvSpec> = (0..p).map(|j| RecvSpec::like(j, &flat)).collect();
+        let parts = exchange(c, sends, recvs)?;
+        return Ok(reduce_in_rank_order(&parts, op, p)?.reshape(x.shape())?);
+    }
     let bounds = chunk_bounds(x.elem_count(), p);
     let sends: Vec<(usize, Tensor)> = bounds
         .iter()
         .enumerate()
-        .map(|(j, &(s, l))| Ok((j, flat.narrow(0, if l == 0 { 0 } else { s }, l)?)))
+        .map(|(j, &(s, l))| Ok((j, flat.narrow(0, s, l)?)))
         .collect::<Result<_>>()?;
     let mine = bounds[me].1;
     let recvs: Vec<RecvSpec> = (0..p).map(|j| RecvSpec::new(j, mine, x.dtype())).collect();
@@ -185,11 +194,11 @@ mod tests {
     }
 
     fn input(rank: usize, dtype: DType) -> Tensor {
-        // (3, 4, 6) with a non-divisible element count for all_reduce chunking (72 / 5 ranks).
-        let v: Vec<f32> = (0..72)
+        // (2, 5, 7): 70 elements, uneven all_reduce chunks on 3 and 4 ranks.
+        let v: Vec<f32> = (0..70)
             .map(|i| ((i * 7 + rank * 13) % 29) as f32 * 0.37 - 5.0 + rank as f32 * 1e-3)
             .collect();
-        Tensor::from_vec(v, (3, 4, 6), &Device::Cpu)
+        Tensor::from_vec(v, (2, 5, 7), &Device::Cpu)
             .and_then(|t| t.to_dtype(dtype))
             .unwrap()
     }
@@ -205,7 +214,8 @@ mod tests {
     }
 
     /// Every collective over grouped send/receive equals the local backend's, bit for bit, for
-    /// 1, 2, 3 and 4 ranks (uneven all_reduce chunks with 3), every reduction, f32 and bf16.
+    /// 1 to 4 ranks (uneven all_reduce chunks on 3 and 4; tensors with fewer elements than
+    /// ranks), every reduction, f32 and bf16.
     #[test]
     fn collectives_over_grouped_p2p_equal_the_local_backend() {
         for p in [1usize, 2, 3, 4] {
@@ -261,11 +271,11 @@ mod tests {
     fn bad_arguments_are_the_shared_errors() {
         LocalWorld::run(2, |comm| -> Result<()> {
             let via = ViaExchange(comm.clone());
-            let x = input(comm.rank(), DType::F32); // (3, 4, 6)
+            let x = input(comm.rank(), DType::F32); // (2, 5, 7)
             let msg = |r: Result<Tensor>| r.err().map(|e| e.to_string()).unwrap_or_default();
             assert!(msg(all_gather(&via, &x, 3)).contains("dim 3 is out of range"));
-            assert!(msg(reduce_scatter(&via, &x, 0, ReduceOp::Sum)).contains("not divisible"));
-            assert!(msg(all_to_all(&via, &x, 0, 1)).contains("not divisible"));
+            assert!(msg(reduce_scatter(&via, &x, 1, ReduceOp::Sum)).contains("not divisible"));
+            assert!(msg(all_to_all(&via, &x, 2, 1)).contains("not divisible"));
             assert!(msg(broadcast(&via, &x, 2)).contains("root 2 is out of range"));
             let wrong = exchange(
                 &via,
