@@ -30,7 +30,7 @@
 //!   gradients, rounded once to the dtype, with the dtype's tolerance above.
 
 mod common;
-use common::{grad, signed_values, world};
+use common::{grad, signed_values, world, zigzag};
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_parallel::comm::Comm;
@@ -253,21 +253,6 @@ fn rms_norm_composite_has_the_same_errors() {
 }
 
 // ---------------------------------------------------------------- RoPE
-
-/// Zigzag order of `n` rows offset by `base`: the positions a context-parallel rank holds.
-fn zigzag(n: usize, base: u32) -> Vec<u32> {
-    let mut out = Vec::with_capacity(n);
-    let (mut lo, mut hi) = (0usize, n);
-    while lo < hi {
-        out.push(base + lo as u32);
-        lo += 1;
-        if lo < hi {
-            hi -= 1;
-            out.push(base + hi as u32);
-        }
-    }
-    out
-}
 
 #[test]
 fn rope_composite_is_bit_identical_to_kernel() {

@@ -1,8 +1,10 @@
 //! The fused ops (`rms_norm`, `RotaryEmbedding`, `swiglu`, `gelu_tanh`) against composite candle
 //! computations built from differentiable primitives: values and gradients of every input.
 
+mod common;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use candle_parallel::ops::{gelu_tanh, inv_freq, rms_norm, swiglu, RopeScaling, RotaryEmbedding};
+use common::zigzag;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 const DTYPES: [(DType, f64); 3] = [(DType::F32, 1e-5), (DType::BF16, 1e-2), (DType::F16, 1e-2)];
@@ -292,22 +294,6 @@ fn rope_ref(x: &Tensor, inv: &[f32], positions: &[u32]) -> Result<Tensor> {
     let x2 = x.narrow(3, half, half)?;
     let rot = Tensor::cat(&[&x2.neg()?, &x1], 3)?;
     x.broadcast_mul(&cos)? + rot.broadcast_mul(&sin)?
-}
-
-/// Zigzag order of `n` rows split in `2 * chunks` blocks, offset by `base`: the positions a
-/// context-parallel rank holds.
-fn zigzag(n: usize, base: u32) -> Vec<u32> {
-    let mut out = Vec::with_capacity(n);
-    let (mut lo, mut hi) = (0usize, n);
-    while lo < hi {
-        out.push(base + lo as u32);
-        lo += 1;
-        if lo < hi {
-            hi -= 1;
-            out.push(base + hi as u32);
-        }
-    }
-    out
 }
 
 #[test]

@@ -48,3 +48,19 @@ pub fn world<T: Send>(p: usize, f: impl Fn(Comm) -> Result<T> + Sync) -> Vec<T> 
         .launch(f)
         .unwrap_or_else(|e| panic!("world of {p} ranks: {e}"))
 }
+
+/// Zigzag order of `n` rows offset by `base` (first, last, second, second-to-last, ...): the
+/// order of the positions a context-parallel rank holds.
+pub fn zigzag(n: usize, base: u32) -> Vec<u32> {
+    let mut out = Vec::with_capacity(n);
+    let (mut lo, mut hi) = (0usize, n);
+    while lo < hi {
+        out.push(base + lo as u32);
+        lo += 1;
+        if lo < hi {
+            hi -= 1;
+            out.push(base + hi as u32);
+        }
+    }
+    out
+}
