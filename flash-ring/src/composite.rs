@@ -176,6 +176,32 @@ impl HostMask<'_> {
     }
 }
 
+impl HostMask<'_> {
+    /// The masked scores `qs · kt^T` of q rows `q0..q0 + qn` (grouped and already scaled,
+    /// `(b, hkv, g * qn, d)`) against the k tile `kt` (rows `k0..k0 + kn`): `(b, hkv, g * qn, kn)`,
+    /// or `None` when no pair of the tile is allowed. Sets `alive` as [`HostMask::tile`] does.
+    fn scores(
+        &self,
+        qs: &Tensor,
+        kt: &Tensor,
+        dm: &Dims,
+        (q0, qn): (usize, usize),
+        (k0, kn): (usize, usize),
+        alive: &mut [bool],
+    ) -> Result<Option<Tensor>> {
+        let bias = match self.tile(q0, qn, k0, kn, alive)? {
+            TileMask::Empty => return Ok(None),
+            TileMask::Full => None,
+            TileMask::Bias(b) => Some(b),
+        };
+        let s = qs.matmul(&kt.t()?)?;
+        Ok(Some(match bias {
+            Some(bias) => add_bias(&s, &bias, dm, qn, kn)?,
+            None => s,
+        }))
+    }
+}
+
 /// `x` (b, s, h, d) rows `r0..r0 + n` as f32 `(b, kv_heads, group * n, d)`: the heads of one
 /// k/v group next to each other (q head `h` belongs to k/v head `h / group`).
 fn grouped(x: &Tensor, r0: usize, n: usize, dm: &Dims) -> Result<Tensor> {
@@ -246,17 +272,11 @@ pub fn forward(
         let mut alive = vec![false; qn];
         for k0 in (0..dm.sk).step_by(cfg.k_tile) {
             let kn = cfg.k_tile.min(dm.sk - k0);
-            let bias = match mask.tile(q0, qn, k0, kn, &mut alive)? {
-                TileMask::Empty => continue,
-                TileMask::Full => None,
-                TileMask::Bias(b) => Some(b),
-            };
             let kt = kg.narrow(2, k0, kn)?;
+            let Some(s) = mask.scores(&qt, &kt, &dm, (q0, qn), (k0, kn), &mut alive)? else {
+                continue;
+            };
             let vt = vg.narrow(2, k0, kn)?;
-            let mut s = qt.matmul(&kt.t()?)?; // (b, hkv, g*qn, kn)
-            if let Some(bias) = &bias {
-                s = add_bias(&s, bias, &dm, qn, kn)?;
-            }
             let m_new = m.maximum(&s.max_keepdim(D::Minus1)?)?;
             let p = s.broadcast_sub(&m_new)?.exp()?;
             let alpha = (&m - &m_new)?.exp()?;
@@ -360,20 +380,15 @@ pub fn backward(
         // D_i = rowsum(dout_i * out_i).
         let delta = (&dot * &ot)?.sum_keepdim(D::Minus1)?;
         let mut dq = Tensor::zeros((dm.b, dm.hkv, g * qn, dm.d), DType::F32, &dev)?;
-        let mut alive = vec![false; qn];
+        // Rows' liveness is not needed here (dead rows have lse = -inf, see `lse_safe`).
+        let mut seen = vec![false; qn];
         for (t, k0) in (0..dm.sk).step_by(cfg.k_tile).enumerate() {
             let kn = cfg.k_tile.min(dm.sk - k0);
-            let bias = match mask.tile(q0, qn, k0, kn, &mut alive)? {
-                TileMask::Empty => continue,
-                TileMask::Full => None,
-                TileMask::Bias(b) => Some(b),
-            };
             let kt = kg.narrow(2, k0, kn)?;
+            let Some(s) = mask.scores(&qs, &kt, &dm, (q0, qn), (k0, kn), &mut seen)? else {
+                continue;
+            };
             let vt = vg.narrow(2, k0, kn)?;
-            let mut s = qs.matmul(&kt.t()?)?;
-            if let Some(bias) = &bias {
-                s = add_bias(&s, bias, &dm, qn, kn)?;
-            }
             let p = s.broadcast_sub(&lt)?.exp()?; // (b, hkv, g*qn, kn)
             let dp = dot.matmul(&vt.t()?)?;
             let ds = (&p * dp.broadcast_sub(&delta)?)?;

@@ -862,7 +862,7 @@ impl Communicator for LocalComm {
         }
         for src in 0..self.size_() {
             if src == me {
-                entries.push((color, key, src));
+                entries.push((color, key));
             } else {
                 let m = self.ep.take(src, false, kind.name())?;
                 if m.kind != kind || m.seq != seq || m.args.len() != 2 {
@@ -877,24 +877,18 @@ impl Communicator for LocalComm {
                         ),
                     });
                 }
-                entries.push((m.args[0], m.args[1], src));
+                entries.push((m.args[0], m.args[1]));
             }
         }
-        let mut group: Vec<(usize, usize)> = entries
+        // `entries[src]` is rank src's (color, key).
+        let plan = super::plan_split(&entries, me)?;
+        let members: Arc<[usize]> = plan
+            .members
             .iter()
-            .filter(|(c, _, _)| *c == color)
-            .map(|&(_, k, r)| (k, r))
-            .collect();
-        group.sort_unstable();
-        let members: Arc<[usize]> = group
-            .iter()
-            .map(|&(_, r)| self.ep.world_rank_of(r))
+            .map(|&r| self.ep.world_rank_of(r))
             .collect::<Vec<_>>()
             .into();
-        let new_rank = group
-            .iter()
-            .position(|&(_, r)| r == me)
-            .ok_or_else(|| Error::invalid("split", "internal: rank missing from its own group"))?;
+        let new_rank = plan.rank;
         let group_id = {
             let mut st = self.ep.shared.lock();
             let next = st.next_group;

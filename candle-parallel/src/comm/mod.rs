@@ -39,7 +39,7 @@ use candle_core::{DType, Shape, Tensor};
 pub use local::{solo, LocalWorld, DEFAULT_TIMEOUT};
 pub use traffic::{OpKind, OpStats, Traffic, TrafficSnapshot};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// The reduction applied by `all_reduce` and `reduce_scatter`.
 ///
@@ -113,6 +113,54 @@ impl std::fmt::Debug for dyn Communicator + '_ {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Comm(rank {} of {})", self.rank(), self.size())
     }
+}
+
+/// The group a rank joins in a split: its members as ranks of the parent communicator, in the
+/// new communicator's rank order, and this rank's index among them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SplitPlan {
+    pub members: Vec<usize>,
+    pub rank: usize,
+}
+
+impl SplitPlan {
+    /// Number of ranks of the new communicator.
+    pub fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Whether this rank creates the group's id (the group's first member).
+    pub fn is_leader(&self) -> bool {
+        self.rank == 0
+    }
+}
+
+/// The group of parent rank `me` given every parent rank's `(color, key)`: the ranks with
+/// `me`'s color, ordered by key and then by parent rank, as [`Communicator::split`] promises
+/// (every backend plans its splits with it).
+pub fn plan_split(entries: &[(usize, usize)], me: usize) -> Result<SplitPlan> {
+    let Some(&(color, _)) = entries.get(me) else {
+        return Err(Error::invalid(
+            "split",
+            format!(
+                "rank {me} outside a communicator of {} ranks",
+                entries.len()
+            ),
+        ));
+    };
+    let mut group: Vec<(usize, usize)> = entries
+        .iter()
+        .enumerate()
+        .filter(|(_, (c, _))| *c == color)
+        .map(|(r, &(_, k))| (k, r))
+        .collect();
+    group.sort_unstable();
+    let members: Vec<usize> = group.iter().map(|&(_, r)| r).collect();
+    let rank = members
+        .iter()
+        .position(|&r| r == me)
+        .ok_or_else(|| Error::invalid("split", "internal: rank missing from its own group"))?;
+    Ok(SplitPlan { members, rank })
 }
 
 /// What one receive of an [`Communicator::exchange`] expects.

@@ -1017,17 +1017,10 @@ impl Communicator for MpiComm {
         self.collective(kind, args, false, None, |all| {
             let inner = &*self.inner;
             let me = inner.rank;
-            let mut group: Vec<(u64, usize)> = all
-                .iter()
-                .enumerate()
-                .filter(|(_, m)| m[4] == color as u64)
-                .map(|(r, m)| (m[5], r))
-                .collect();
-            group.sort_unstable();
-            let pos = group
-                .iter()
-                .position(|&(_, r)| r == me)
-                .ok_or_else(|| Error::invalid("split", "internal: rank missing from its group"))?;
+            let pairs: Vec<(usize, usize)> =
+                all.iter().map(|m| (m[4] as usize, m[5] as usize)).collect();
+            let plan = super::plan_split(&pairs, me)?;
+            let (pos, group) = (plan.rank, plan.members);
             // MPI colors and keys are C ints: pass the index of the color among the distinct
             // colors, and the position in the (key, rank) order.
             let mut colors: Vec<u64> = all.iter().map(|m| m[4]).collect();

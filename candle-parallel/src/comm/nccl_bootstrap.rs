@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 
-use super::Communicator;
+use super::{plan_split, Communicator, SplitPlan};
 use crate::error::{Error, Result};
 
 /// Size of an NCCL unique id (`ncclUniqueId`).
@@ -27,53 +27,6 @@ pub const ID_BYTES: usize = 128;
 
 /// An NCCL unique id, as bytes.
 pub type UniqueId = [u8; ID_BYTES];
-
-/// The group a rank joins in a split: its members as ranks of the parent communicator, in the
-/// new communicator's rank order, and this rank's index among them.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SplitPlan {
-    pub members: Vec<usize>,
-    pub rank: usize,
-}
-
-impl SplitPlan {
-    /// Number of ranks of the new communicator.
-    pub fn size(&self) -> usize {
-        self.members.len()
-    }
-
-    /// Whether this rank creates the group's id (the group's first member).
-    pub fn is_leader(&self) -> bool {
-        self.rank == 0
-    }
-}
-
-/// The group of parent rank `me` given every parent rank's `(color, key)`: the ranks with
-/// `me`'s color, ordered by key and then by parent rank.
-pub fn plan_split(entries: &[(usize, usize)], me: usize) -> Result<SplitPlan> {
-    let Some(&(color, _)) = entries.get(me) else {
-        return Err(Error::invalid(
-            "split",
-            format!(
-                "rank {me} outside a communicator of {} ranks",
-                entries.len()
-            ),
-        ));
-    };
-    let mut group: Vec<(usize, usize)> = entries
-        .iter()
-        .enumerate()
-        .filter(|(_, (c, _))| *c == color)
-        .map(|(r, &(_, k))| (k, r))
-        .collect();
-    group.sort_unstable();
-    let members: Vec<usize> = group.iter().map(|&(_, r)| r).collect();
-    let rank = members
-        .iter()
-        .position(|&r| r == me)
-        .ok_or_else(|| Error::invalid("split", "internal: rank missing from its own group"))?;
-    Ok(SplitPlan { members, rank })
-}
 
 /// Collective over `parent` (every rank calls it, in the same order as its other collectives):
 /// returns this rank's group and the group's id, created by `new_id` on the group's first
