@@ -37,7 +37,7 @@ use rayon::prelude::*;
 pub use composite::CompositeConfig;
 pub use cpu::{Isa, KernelConfig};
 pub use error::{Error, Result};
-pub use matmul::{matmul, matmul_with_config};
+pub use matmul::{bf16_dot_products, matmul, matmul_to_f32, matmul_with_config};
 pub use merge::merge;
 pub use op::{owned_copy, record3, Backward3};
 pub use reference::{naive_attention, naive_attention_with_lse};
@@ -292,7 +292,13 @@ fn check_devices(q: &Tensor, others: &[(&'static str, &Tensor)]) -> Result<()> {
 /// Converts an f32 buffer to a CPU storage of `dtype` (f32, bf16 or f16; others stay f32).
 pub(crate) fn f32_to_storage(v: Vec<f32>, dtype: DType) -> CpuStorage {
     match dtype {
-        DType::BF16 => CpuStorage::BF16(v.par_iter().map(|&x| half::bf16::from_f32(x)).collect()),
+        DType::BF16 => {
+            let mut out = vec![half::bf16::ZERO; v.len()];
+            out.par_chunks_mut(1 << 14)
+                .zip(v.par_chunks(1 << 14))
+                .for_each(|(d, s)| cpu::gemm_bf16::narrow_to_bf16(s, d));
+            CpuStorage::BF16(out)
+        }
         DType::F16 => CpuStorage::F16(v.par_iter().map(|&x| half::f16::from_f32(x)).collect()),
         _ => CpuStorage::F32(v),
     }

@@ -5,7 +5,10 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
+use rayon::prelude::*;
+
 use crate::cpu::gemm::{gemm, Mat};
+use crate::cpu::gemm_bf16;
 use crate::cpu::{Isa, KernelConfig};
 use crate::error::{Error, Result};
 use crate::f32_to_storage;
@@ -19,8 +22,12 @@ use crate::f32_to_storage;
 ///   [`crate::cpu::gemm::KC`] products, then adds the chain sums, so its rounding error grows
 ///   with `KC + k / KC` instead of `k` (see [`crate::cpu::gemm`]); results do not depend on
 ///   the number of threads.
-/// - Differentiable with respect to both inputs. The gradients are computed with candle's
-///   own matmul (`grad @ b^T`, `a^T @ grad`), as `Tensor::matmul` would.
+/// - bf16 on a CPU with AVX512-BF16 (under [`Isa::Avx512`]): the products are the CPU's bf16
+///   dot products with f32 sums in the same chains ([`crate::cpu::gemm_bf16`]), without
+///   widening the operands; elsewhere bf16 and f16 are widened to f32.
+/// - Differentiable with respect to both inputs. The gradients (`grad @ b^T`, `a^T @ grad`)
+///   are candle's own matmul, as `Tensor::matmul` would compute them, except bf16 on the bf16
+///   dot products, where they are this product again.
 /// - On other devices (CUDA, Metal) this is candle's own `Tensor::matmul` (cuBLAS on CUDA).
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     matmul_with_config(a, b, &KernelConfig::default())
@@ -28,6 +35,24 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// [`matmul`] with an explicit instruction set (`cfg.isa`; the tile sizes are not used).
 pub fn matmul_with_config(a: &Tensor, b: &Tensor, cfg: &KernelConfig) -> Result<Tensor> {
+    product(a, b, cfg, false)
+}
+
+/// [`matmul`] with an f32 result for every input dtype: the f32 sums of the products, not
+/// rounded to the inputs' dtype (a loss's logits from bf16 hidden states and weights). The
+/// gradients flowing back are rounded to the inputs' dtype before their products. Off the CPU
+/// this is candle's matmul followed by a conversion.
+pub fn matmul_to_f32(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    product(a, b, &KernelConfig::default(), true)
+}
+
+/// Whether bf16 products of [`matmul`] run on this CPU's bf16 dot products (AVX512-BF16,
+/// [`crate::cpu::gemm_bf16`]) with the default kernels; otherwise they are widened to f32.
+pub fn bf16_dot_products() -> bool {
+    bf16_dot(crate::cpu::detect())
+}
+
+fn product(a: &Tensor, b: &Tensor, cfg: &KernelConfig, f32_out: bool) -> Result<Tensor> {
     let isa = cfg.check()?;
     let (_, k) = dims2("a", a)?;
     let (kb, _) = dims2("b", b)?;
@@ -57,9 +82,10 @@ pub fn matmul_with_config(a: &Tensor, b: &Tensor, cfg: &KernelConfig) -> Result<
     }
     if !a.device().is_cpu() {
         // Other devices: the device's own matmul (cuBLAS on CUDA), differentiable as is.
-        return Ok(a.matmul(b)?);
+        let c = a.matmul(b)?;
+        return Ok(if f32_out { c.to_dtype(DType::F32)? } else { c });
     }
-    Ok(a.apply_op2(b, MatMulOp { isa })?)
+    Ok(a.apply_op2(b, MatMulOp { isa, f32_out })?)
 }
 
 fn dims2(name: &'static str, t: &Tensor) -> Result<(usize, usize)> {
@@ -74,55 +100,109 @@ fn dims2(name: &'static str, t: &Tensor) -> Result<(usize, usize)> {
     }
 }
 
+/// Rows, columns, strides and start offset of a rank-2 layout.
+fn mat_layout(name: &'static str, l: &Layout) -> Result<(usize, usize, usize, usize, usize)> {
+    match (l.dims(), l.stride()) {
+        (&[r, c], &[rs, cs]) => Ok((r, c, rs, cs, l.start_offset())),
+        (d, _) => Err(Error::Rank {
+            tensor: name,
+            expected: 2,
+            layout: "rows, cols",
+            got: d.to_vec(),
+        }),
+    }
+}
+
+/// A strided view of a rank-2 storage's elements (no copy).
+fn mat_view<'a, T>(name: &'static str, v: &'a [T], l: &Layout) -> Result<Mat<'a, T>> {
+    let (rows, cols, rs, cs, o) = mat_layout(name, l)?;
+    Ok(Mat {
+        data: &v[o.min(v.len())..],
+        rows,
+        cols,
+        rs,
+        cs,
+    })
+}
+
 /// The elements of a rank-2 storage as f32 with its strides: borrowed for f32, converted
-/// (contiguously) otherwise.
+/// (contiguously, rows in parallel) otherwise.
 fn f32_view<'a>(
     name: &'static str,
     s: &'a CpuStorage,
     l: &Layout,
     buf: &'a mut Vec<f32>,
 ) -> Result<Mat<'a>> {
-    let (rows, cols) = match l.dims() {
-        &[r, c] => (r, c),
-        d => {
-            return Err(Error::Rank {
+    fn widen<T: Copy + Sync>(m: Mat<T>, to_f32: fn(T) -> f32, buf: &mut Vec<f32>) {
+        buf.clear();
+        buf.resize(m.rows * m.cols, 0.0);
+        if m.cols == 0 {
+            return;
+        }
+        buf.par_chunks_mut(m.cols).enumerate().for_each(|(r, row)| {
+            let src = &m.data[r * m.rs..];
+            row.iter_mut()
+                .enumerate()
+                .for_each(|(c, x)| *x = to_f32(src[c * m.cs]));
+        });
+    }
+    let (rows, cols) = match s {
+        CpuStorage::F32(v) => return mat_view(name, v, l),
+        CpuStorage::BF16(v) => {
+            let m = mat_view(name, v, l)?;
+            widen(m, half::bf16::to_f32, buf);
+            (m.rows, m.cols)
+        }
+        CpuStorage::F16(v) => {
+            let m = mat_view(name, v, l)?;
+            widen(m, half::f16::to_f32, buf);
+            (m.rows, m.cols)
+        }
+        other => {
+            return Err(Error::DType {
                 tensor: name,
-                expected: 2,
-                layout: "rows, cols",
-                got: d.to_vec(),
+                got: other.dtype(),
+                expected: "f32, bf16 or f16",
             })
         }
     };
-    let (rs, cs) = (l.stride()[0], l.stride()[1]);
-    let o = l.start_offset();
-    let strided = |i: usize| o + (i / cols.max(1)) * rs + (i % cols.max(1)) * cs;
-    match s {
-        CpuStorage::F32(v) => Ok(Mat {
-            data: &v[o.min(v.len())..],
-            rows,
-            cols,
-            rs,
-            cs,
-        }),
-        CpuStorage::BF16(v) => {
-            *buf = (0..rows * cols).map(|i| v[strided(i)].to_f32()).collect();
-            Ok(Mat::row_major(buf, rows, cols))
-        }
-        CpuStorage::F16(v) => {
-            *buf = (0..rows * cols).map(|i| v[strided(i)].to_f32()).collect();
-            Ok(Mat::row_major(buf, rows, cols))
-        }
-        other => Err(Error::DType {
-            tensor: name,
-            got: other.dtype(),
-            expected: "f32, bf16 or f16",
-        }),
-    }
+    Ok(Mat::row_major(buf, rows, cols))
 }
 
-/// `CustomOp2` over `(a, b)` returning `a @ b`.
+/// Whether `isa` multiplies bf16 operands with the CPU's bf16 dot products
+/// ([`crate::cpu::gemm_bf16`]): the AVX-512 kernels on a CPU with AVX512-BF16.
+fn bf16_dot(isa: Isa) -> bool {
+    isa == Isa::Avx512 && gemm_bf16::available()
+}
+
+fn check_inner<T>(a: &Mat<T>, b: &Mat<T>) -> candle_core::Result<()> {
+    if a.cols != b.rows {
+        candle_core::bail!(
+            "flash-ring-matmul: a is {}x{} but b is {}x{}",
+            a.rows,
+            a.cols,
+            b.rows,
+            b.cols
+        );
+    }
+    Ok(())
+}
+
+/// `CustomOp2` over `(a, b)` returning `a @ b`, in the inputs' dtype or (`f32_out`) f32.
 struct MatMulOp {
     isa: Isa,
+    f32_out: bool,
+}
+
+impl MatMulOp {
+    /// The f32 result `c` as the op's output storage.
+    fn storage(&self, c: Vec<f32>, inputs: DType) -> CpuStorage {
+        if self.f32_out {
+            CpuStorage::F32(c)
+        } else {
+            f32_to_storage(c, inputs)
+        }
+    }
 }
 
 impl CustomOp2 for MatMulOp {
@@ -137,21 +217,22 @@ impl CustomOp2 for MatMulOp {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        if let (CpuStorage::BF16(v1), CpuStorage::BF16(v2)) = (s1, s2) {
+            if bf16_dot(self.isa) {
+                let a = mat_view("a", v1, l1)?;
+                let b = mat_view("b", v2, l2)?;
+                check_inner(&a, &b)?;
+                let c = gemm_bf16::gemm_bf16(a, b);
+                return Ok((self.storage(c, DType::BF16), Shape::from((a.rows, b.cols))));
+            }
+        }
         let (mut b1, mut b2) = (Vec::new(), Vec::new());
         let a = f32_view("a", s1, l1, &mut b1)?;
         let b = f32_view("b", s2, l2, &mut b2)?;
-        if a.cols != b.rows {
-            candle_core::bail!(
-                "flash-ring-matmul: a is {}x{} but b is {}x{}",
-                a.rows,
-                a.cols,
-                b.rows,
-                b.cols
-            );
-        }
+        check_inner(&a, &b)?;
         let (m, n) = (a.rows, b.cols);
         let c = gemm(self.isa, a, b);
-        Ok((f32_to_storage(c, s1.dtype()), Shape::from((m, n))))
+        Ok((self.storage(c, s1.dtype()), Shape::from((m, n))))
     }
 
     fn bwd(
@@ -162,9 +243,25 @@ impl CustomOp2 for MatMulOp {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         // Only the gradients that flow somewhere: a frozen weight (LoRA's base) has none, which
-        // saves a third of a linear layer's backward.
-        let da = a.track_op().then(|| grad.matmul(&b.t()?)).transpose()?;
-        let db = b.track_op().then(|| a.t()?.matmul(grad)).transpose()?;
+        // saves a third of a linear layer's backward. bf16 products with the CPU's bf16 dot
+        // products run this op again (candle's bf16 matmul widens both operands to f32).
+        let grad = grad.to_dtype(a.dtype())?;
+        let grad = &grad;
+        let mul = |x: &Tensor, y: &Tensor| {
+            if x.dtype() == DType::BF16 && bf16_dot(self.isa) {
+                x.apply_op2(
+                    y,
+                    MatMulOp {
+                        isa: self.isa,
+                        f32_out: false,
+                    },
+                )
+            } else {
+                x.matmul(y)
+            }
+        };
+        let da = a.track_op().then(|| mul(grad, &b.t()?)).transpose()?;
+        let db = b.track_op().then(|| mul(&a.t()?, grad)).transpose()?;
         Ok((da, db))
     }
 }

@@ -5,7 +5,7 @@
 //! Shapes: `x @ w^T` of the benchmark model of `docs/benchmarks.md` (4096 tokens, hidden 512,
 //! intermediate 1536, vocab 32000 in loss chunks of 1024 tokens) and of SmolLM2-135M on 199
 //! tokens (hidden 576, intermediate 1536, vocab 49152), also one token at a time (decoding) and
-//! 32 / 48 rows (either side of the few-rows path's limit); inputs N(0, 1). Interleaved runs,
+//! 8 to 48 rows (either side of the few-rows paths' limits); inputs N(0, 1). Interleaved runs,
 //! best time of each.
 
 use std::time::Instant;
@@ -16,6 +16,7 @@ use flash_ring::{Isa, KernelConfig};
 use serde_json::json;
 
 use super::{at_least_one, print_report, Machine};
+use crate::eval::DtypeArg;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct MatmulArgs {
@@ -25,6 +26,10 @@ pub struct MatmulArgs {
     /// Timed runs of each product; the best is reported.
     #[arg(long, default_value_t = 10)]
     pub repeats: usize,
+    /// Dtype of both operands (bf16: flash-ring uses the CPU's bf16 dot products where it has
+    /// AVX512-BF16; candle widens to f32).
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: DtypeArg,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -49,7 +54,7 @@ impl From<IsaArg> for Isa {
 }
 
 /// The products timed: name, m, k, n of `(m x k) @ (k x n)`.
-const SHAPES: [(&str, usize, usize, usize); 14] = [
+const SHAPES: [(&str, usize, usize, usize); 16] = [
     ("bench q/k/v/o", 4096, 512, 512),
     ("bench gate/up", 4096, 512, 1536),
     ("bench down", 4096, 1536, 512),
@@ -62,6 +67,8 @@ const SHAPES: [(&str, usize, usize, usize); 14] = [
     ("SmolLM2 decode gate/up", 1, 576, 1536),
     ("SmolLM2 decode down", 1, 1536, 576),
     ("SmolLM2 decode LM head", 1, 576, 49152),
+    ("SmolLM2 8 rows down", 8, 1536, 576),
+    ("SmolLM2 16 rows down", 16, 1536, 576),
     ("SmolLM2 32 rows down", 32, 1536, 576),
     ("SmolLM2 48 rows down", 48, 1536, 576),
 ];
@@ -72,13 +79,15 @@ fn seconds(f: impl FnOnce() -> Result<Tensor>) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64())
 }
 
-/// `max |y - exact| / max |exact|` over the first rows of `y = x @ w^T`.
+/// `max |y - exact| / max |exact|` over the first rows of `y = x @ w^T` (exact: the float64
+/// product of the operands as they are, in any dtype).
 fn error(x: &Tensor, w: &Tensor, y: &Tensor) -> Result<f64> {
     let rows = x.dim(0)?.min(4);
     let cols = w.dim(0)?.min(512);
-    let x: Vec<Vec<f32>> = x.narrow(0, 0, rows)?.to_vec2()?;
-    let w: Vec<Vec<f32>> = w.narrow(0, 0, cols)?.to_vec2()?;
-    let y: Vec<Vec<f32>> = y.narrow(0, 0, rows)?.narrow(1, 0, cols)?.to_vec2()?;
+    let f32_rows = |t: Tensor| -> Result<Vec<Vec<f32>>> { Ok(t.to_dtype(DType::F32)?.to_vec2()?) };
+    let x = f32_rows(x.narrow(0, 0, rows)?)?;
+    let w = f32_rows(w.narrow(0, 0, cols)?)?;
+    let y = f32_rows(y.narrow(0, 0, rows)?.narrow(1, 0, cols)?)?;
     let (mut num, mut den) = (0.0f64, 0.0f64);
     for (xr, yr) in x.iter().zip(&y) {
         for (wr, &got) in w.iter().zip(yr) {
@@ -97,13 +106,14 @@ pub fn run(args: &MatmulArgs) -> Result<()> {
         ..KernelConfig::default()
     };
     let isa = cfg.isa.unwrap_or_else(flash_ring::cpu::detect);
+    let dtype = DType::from(args.dtype);
     // An ISA this CPU lacks fails here, named by its flag.
     let one = Tensor::ones((1, 1), DType::F32, &Device::Cpu)?;
     flash_ring::matmul_with_config(&one, &one, &cfg)
         .with_context(|| format!("--isa {}", format!("{isa:?}").to_lowercase()))?;
     if !args.json {
         println!("{}", Machine::detect().line());
-        println!("flash-ring kernels: {isa:?}");
+        println!("flash-ring kernels: {isa:?}, dtype {:?}", dtype);
         println!(
             "| product | m x k x n | candle ms | GFLOP/s | flash-ring ms | GFLOP/s | speed \
              | err candle | err flash-ring |"
@@ -113,8 +123,8 @@ pub fn run(args: &MatmulArgs) -> Result<()> {
     let mut results = Vec::new();
     for (name, m, k, n) in SHAPES {
         let dev = Device::Cpu;
-        let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
-        let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
+        let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?.to_dtype(dtype)?;
+        let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?.to_dtype(dtype)?;
         let wt = w.t()?;
         let ours = || Ok(flash_ring::matmul_with_config(&x, &wt, &cfg)?);
         let theirs = || Ok(x.matmul(&wt)?);
@@ -150,7 +160,8 @@ pub fn run(args: &MatmulArgs) -> Result<()> {
     if args.json {
         print_report(
             "matmul",
-            json!({ "isa": format!("{isa:?}"), "repeats": args.repeats, "results": results }),
+            json!({ "isa": format!("{isa:?}"), "dtype": dtype.as_str(), "repeats": args.repeats,
+                "results": results }),
         )?;
     }
     Ok(())

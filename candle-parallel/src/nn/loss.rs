@@ -251,6 +251,9 @@ struct Plan {
     here: Tensor,
     /// `(N, 1)` f32: 1 where the label is not ignored.
     valid: Tensor,
+    /// Per token: the label's row in this rank's shard where it is here (host copy of
+    /// `local_idx` and `here`, for the CPU softmax kernels).
+    target_here: Vec<Option<u32>>,
 }
 
 impl Plan {
@@ -348,7 +351,13 @@ impl Plan {
             local_idx.push(if is_here { (l - start) as u32 } else { 0 });
         }
         let device = hidden.device();
+        let target_here = local_idx
+            .iter()
+            .zip(&here)
+            .map(|(&i, &h)| (h > 0.0).then_some(i))
+            .collect();
         Ok(Self {
+            target_here,
             comm: comm.clone(),
             n,
             hidden_size: h,
@@ -376,29 +385,50 @@ impl Plan {
         }
     }
 
-    /// This chunk's f32 logits against the local shard: `(c, V/P)`.
-    fn logits(&self, hidden: &Tensor, w32: &Tensor, s: usize, c: usize) -> Result<Tensor> {
-        let h = hidden.narrow(0, s, c)?.to_dtype(DType::F32)?.contiguous()?;
-        super::linear::matmul(&h, &w32.t()?)
+    /// The weight as the head's products take it: as stored when hidden states and weight are
+    /// bf16 on a CPU with bf16 dot products (`flash_ring::bf16_dot_products`: the products of
+    /// two bf16 numbers are exact, so their f32 sums are the f32 logits at twice the f32 rate),
+    /// widened to f32 otherwise.
+    fn product_weight(hidden: &Tensor, weight: &Tensor) -> Result<Tensor> {
+        let bf16_dot = hidden.dtype() == DType::BF16
+            && weight.dtype() == DType::BF16
+            && hidden.device().is_cpu()
+            && flash_ring::bf16_dot_products();
+        let w = weight.detach();
+        Ok(if bf16_dot { w } else { w.to_dtype(DType::F32)? })
+    }
+
+    /// This chunk's f32 logits against the local shard `(c, V/P)`; `w` from
+    /// [`Self::product_weight`].
+    fn logits(&self, hidden: &Tensor, w: &Tensor, s: usize, c: usize) -> Result<Tensor> {
+        let h = hidden.narrow(0, s, c)?;
+        if w.dtype() == DType::BF16 {
+            return flash_ring::matmul_to_f32(&h, &w.t()?)
+                .map_err(crate::attention::block::kernel_err);
+        }
+        let h = h.to_dtype(DType::F32)?.contiguous()?;
+        super::linear::matmul(&h, &w.t()?)
     }
 
     /// Forward on detached inputs: the scalar f32 loss sum and the per-token lse `(N, 1)`.
     fn forward(&self, hidden: &Tensor, weight: &Tensor) -> Result<(Tensor, Tensor)> {
         let hidden = hidden.detach();
         let device = hidden.device();
-        let w32 = weight.detach().to_dtype(DType::F32)?;
+        let w = Self::product_weight(&hidden, weight)?;
         let mut loss = Tensor::zeros((), DType::F32, device)?;
         let mut lses = Vec::new();
         for (s, c) in self.chunks() {
-            let logits = self.logits(&hidden, &w32, s, c)?;
+            let logits = self.logits(&hidden, &w, s, c)?;
             let here = self.here.narrow(0, s, c)?;
             let idx = self.local_idx.narrow(0, s, c)?;
             let target = (logits.gather(&idx, 1)? * &here)?;
             let max = self.all_reduce(&logits.max_keepdim(1)?, ReduceOp::Max)?;
-            let shifted = logits.broadcast_sub(&max)?;
+            let sum_exp = if logits.device().is_cpu() {
+                crate::ops::softmax_rows::sum_exp_rows(&logits, &max)?
+            } else {
+                logits.broadcast_sub(&max)?.exp()?.sum_keepdim(1)?
+            };
             drop(logits);
-            let sum_exp = shifted.exp()?.sum_keepdim(1)?;
-            drop(shifted);
             let both = self.all_reduce(&Tensor::cat(&[&sum_exp, &target], 1)?, ReduceOp::Sum)?;
             let lse = (max + both.narrow(1, 0, 1)?.log()?)?;
             let target = both.narrow(1, 1, 1)?;
@@ -427,30 +457,51 @@ impl Plan {
     ) -> Result<(Tensor, Option<Tensor>)> {
         let hidden = hidden.detach();
         let device = hidden.device();
-        let w32 = weight.detach().to_dtype(DType::F32)?;
+        let w = Self::product_weight(&hidden, weight)?;
         let g = g.detach().to_dtype(DType::F32)?.reshape((1, 1))?;
         let mut d_weight: Option<Tensor> = None;
         let mut d_hidden = Vec::new();
         for (s, c) in self.chunks() {
-            let logits = self.logits(&hidden, &w32, s, c)?;
-            let probs = logits.broadcast_sub(&lse.narrow(0, s, c)?)?;
-            drop(logits);
-            let probs = probs.exp()?;
-            // softmax - onehot, in place on the fresh `probs` (only where the target is here).
-            let minus_here = self.here.narrow(0, s, c)?.neg()?;
-            probs.scatter_add_set(&self.local_idx.narrow(0, s, c)?, &minus_here, 1)?;
+            let logits = self.logits(&hidden, &w, s, c)?;
             let scale = self.valid.narrow(0, s, c)?.broadcast_mul(&g)?;
-            let dlogits = probs.broadcast_mul(&scale)?;
-            drop(probs);
+            // With bf16 products the gradient of the logits is rounded to bf16 for them, as a
+            // bf16 head's backward does in PyTorch; the sums stay f32.
+            let bf16 = w.dtype() == DType::BF16;
+            let dtype = if bf16 { DType::BF16 } else { DType::F32 };
+            let lse_c = lse.narrow(0, s, c)?;
+            let dlogits = if logits.device().is_cpu() {
+                let target = self.target_here[s..s + c].to_vec();
+                crate::ops::softmax_rows::softmax_grad_rows(logits, &lse_c, &scale, target, dtype)?
+            } else {
+                let probs = logits.broadcast_sub(&lse_c)?.exp()?;
+                // softmax - onehot, in place on the fresh `probs` (only where the target is
+                // here).
+                let minus_here = self.here.narrow(0, s, c)?.neg()?;
+                probs.scatter_add_set(&self.local_idx.narrow(0, s, c)?, &minus_here, 1)?;
+                drop(logits);
+                probs.broadcast_mul(&scale)?.to_dtype(dtype)?
+            };
+            let mul = |a: &Tensor, b: &Tensor| -> Result<Tensor> {
+                if bf16 {
+                    flash_ring::matmul_to_f32(a, b).map_err(crate::attention::block::kernel_err)
+                } else {
+                    Ok(a.matmul(b)?)
+                }
+            };
             if want_weight {
-                let h = hidden.narrow(0, s, c)?.to_dtype(DType::F32)?.contiguous()?;
-                let dw = dlogits.t()?.matmul(&h)?;
+                let h = hidden.narrow(0, s, c)?;
+                let h = if bf16 {
+                    h
+                } else {
+                    h.to_dtype(DType::F32)?.contiguous()?
+                };
+                let dw = mul(&dlogits.t()?, &h)?;
                 d_weight = Some(match d_weight {
                     None => dw,
                     Some(acc) => add_assign(acc, &dw)?,
                 });
             }
-            d_hidden.push(dlogits.matmul(&w32)?);
+            d_hidden.push(mul(&dlogits, &w)?);
         }
         let d_weight = match (d_weight, want_weight) {
             (Some(d), _) => Some(d),

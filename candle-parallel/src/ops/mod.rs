@@ -22,6 +22,7 @@
 mod gelu;
 mod rms_norm;
 mod rope;
+pub(crate) mod softmax_rows;
 mod swiglu;
 
 pub use gelu::gelu_tanh;

@@ -57,9 +57,14 @@ const ELEMENTWISE_TOUCHES: f64 = 4.0;
 /// read and written, the parameter written.
 const OPTIMIZER_BYTES_PER_PARAM: f64 = 40.0;
 
-/// f32 copies of a loss chunk's logits alive at the step's peak: the logits and, while the
-/// chunk's gradient is formed, part of it (fitted to the counted peaks of `tests/planner.rs`).
-const LOSS_COPIES: f64 = 1.5;
+/// f32 copies of a loss chunk's logits alive at the step's peak: the logits, whose gradient is
+/// formed in place on the CPU (`ops::softmax_rows`); a gradient in a narrower compute dtype
+/// (bf16 products) is a second buffer of that dtype, added where the loss is costed.
+const LOSS_COPIES: f64 = 1.0;
+
+/// Layers' worth of activations alive while a checkpointed layer's backward runs: the
+/// recomputed layer and a quarter of a layer of its gradients.
+const RECOMPUTED_LAYERS: f64 = 1.25;
 
 /// What is trained: the model, the sequence, the batch and the dtype.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -440,16 +445,20 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
         // Memory of this stage's ranks.
         let in_flight = stats.peak_in_flight.get(k).copied().unwrap_or(1).max(1) as f64;
         let keep_layer = act_token_layer * tok;
+        // A recomputed layer's activations and, while its backward runs, part of their
+        // gradients (fitted to the counted peaks of `tests/planner.rs`).
+        let recomputed = RECOMPUTED_LAYERS * keep_layer;
         let activations = match cand.memory.checkpointing {
             Checkpointing::None => layers * keep_layer * in_flight,
-            Checkpointing::Full => layers * tok * h_share * el * in_flight + keep_layer,
+            Checkpointing::Full => layers * tok * h_share * el * in_flight + recomputed,
             Checkpointing::Selective => {
                 layers * tok * (h_share * el + hq * d / tpf * el + hq / tpf * 4.0) * in_flight
-                    + keep_layer
+                    + recomputed
             }
         } + tok * h_share * el * in_flight;
         let loss = if k == last {
-            LOSS_COPIES * (work.loss_chunk as f64).min(tok) * v / tpf * 4.0
+            let narrow_grad = if el < 4.0 { el } else { 0.0 };
+            (work.loss_chunk as f64).min(tok) * v / tpf * (LOSS_COPIES * 4.0 + narrow_grad)
         } else {
             0.0
         };

@@ -31,19 +31,19 @@ const NB: usize = 256;
 /// Row blocks are multiples of this (the kernels' row counts: 3 for AVX2, 8 for AVX-512).
 const ROW_ALIGN: usize = 24;
 
-/// A strided f32 matrix: element `(r, c)` at `data[r * rs + c * cs]`.
+/// A strided matrix (f32 unless said): element `(r, c)` at `data[r * rs + c * cs]`.
 #[derive(Clone, Copy, Debug)]
-pub struct Mat<'a> {
-    pub data: &'a [f32],
+pub struct Mat<'a, T = f32> {
+    pub data: &'a [T],
     pub rows: usize,
     pub cols: usize,
     pub rs: usize,
     pub cs: usize,
 }
 
-impl<'a> Mat<'a> {
+impl<'a, T> Mat<'a, T> {
     /// A `rows x cols` matrix stored row by row.
-    pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Self {
+    pub fn row_major(data: &'a [T], rows: usize, cols: usize) -> Self {
         Self {
             data,
             rows,
@@ -55,7 +55,7 @@ impl<'a> Mat<'a> {
 
     /// A `rows x cols` matrix stored column by column (the transpose of a row-major
     /// `cols x rows` one, e.g. `W^T` of a `(out, in)` weight).
-    pub fn col_major(data: &'a [f32], rows: usize, cols: usize) -> Self {
+    pub fn col_major(data: &'a [T], rows: usize, cols: usize) -> Self {
         Self {
             data,
             rows,
@@ -66,7 +66,7 @@ impl<'a> Mat<'a> {
     }
 
     /// The number of elements `data` must hold at least (0 for an empty matrix).
-    fn extent(&self) -> usize {
+    pub(crate) fn extent(&self) -> usize {
         if self.rows == 0 || self.cols == 0 {
             0
         } else {
@@ -93,14 +93,8 @@ impl OutPtr {
 /// shorter than its strides require.
 pub fn gemm(isa: Isa, a: Mat, b: Mat) -> Vec<f32> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    assert_eq!(b.rows, k, "gemm: inner dimensions differ");
-    assert!(a.data.len() >= a.extent(), "gemm: a too short");
-    assert!(b.data.len() >= b.extent(), "gemm: b too short");
-    if m == 0 || n == 0 {
-        return Vec::new();
-    }
-    if k == 0 {
-        return vec![0.0; m * n];
+    if let Some(trivial) = trivial_product(&a, &b) {
+        return trivial;
     }
     // The kernel broadcasts A's elements along its rows: give it rows that are contiguous in
     // the depth (a column-major A, e.g. x^T of a weight gradient, is transposed once).
@@ -112,29 +106,157 @@ pub fn gemm(isa: Isa, a: Mat, b: Mat) -> Vec<f32> {
         a
     };
     if m <= FEW_ROWS && b.rs == 1 {
-        return few_rows(isa, a, b);
+        return few_rows(a, b, |rows, col, out| {
+            dot_group_dispatch(isa, rows, col, out)
+        });
     }
-    if b.rs == 1 && b.cs != 1 && m * SWAP_RATIO <= k.min(n) {
-        // B = W^T against a few rows (a weight against a short sequence): packing W would
-        // cost more than the product, so pack A^T instead, compute C^T = W A^T and transpose
-        // it. Every output sums the same products in the same chains: the same bits.
-        let w = Mat {
-            data: b.data,
-            rows: n,
-            cols: k,
-            rs: b.cs,
-            cs: 1,
-        };
-        let at = Mat {
-            data: a.data,
-            rows: k,
-            cols: m,
-            rs: 1,
-            cs: a.rs,
-        };
+    if let Some((w, at)) = swapped_operands(&a, &b) {
         let ct = gemm(isa, w, at);
         return to_row_major(&Mat::col_major(&ct, m, n));
     }
+    blocked(&F32Panels { isa, a, b })
+}
+
+/// Shape checks shared by the products: panics on an internal bug (see [`gemm`]); returns the
+/// result when it has no products to sum (an empty C, or `k = 0`).
+pub(crate) fn trivial_product<T>(a: &Mat<T>, b: &Mat<T>) -> Option<Vec<f32>> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert_eq!(b.rows, k, "gemm: inner dimensions differ");
+    assert!(a.data.len() >= a.extent(), "gemm: a too short");
+    assert!(b.data.len() >= b.extent(), "gemm: b too short");
+    if m == 0 || n == 0 {
+        Some(Vec::new())
+    } else if k == 0 {
+        Some(vec![0.0; m * n])
+    } else {
+        None
+    }
+}
+
+/// `(W, A^T)` when `C = A B` with B = W^T (contiguous columns) against a few rows of A is
+/// better computed as `C^T = W A^T`: packing W would cost more than the product, so A^T is
+/// packed instead and the caller transposes C^T. Every output sums the same products in the
+/// same chains: the same bits.
+pub(crate) fn swapped_operands<'a, T>(
+    a: &Mat<'a, T>,
+    b: &Mat<'a, T>,
+) -> Option<(Mat<'a, T>, Mat<'a, T>)> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    if !(b.rs == 1 && b.cs != 1 && m * SWAP_RATIO <= k.min(n)) {
+        return None;
+    }
+    let w = Mat {
+        data: b.data,
+        rows: n,
+        cols: k,
+        rs: b.cs,
+        cs: 1,
+    };
+    let at = Mat {
+        data: a.data,
+        rows: k,
+        cols: m,
+        rs: a.cs,
+        cs: a.rs,
+    };
+    Some((w, at))
+}
+
+/// A register kernel with its packed layout of B, run by [`blocked`] over blocks of C.
+///
+/// B is packed in panels of [`CHUNK`] columns, `panel_len()` elements each, laid out so that
+/// depth `t` of a panel starts at `t * CHUNK` (pairs of depths share a row of `2 * CHUNK` in
+/// the bf16 layout: the same offsets at even `t`). Chunk boundaries are multiples of [`KC`].
+pub(crate) trait PanelKernel: Sync {
+    /// Element of the packed panels.
+    type Packed: Copy + Default + Send + Sync;
+    /// Rows, depth and columns of the product.
+    fn dims(&self) -> (usize, usize, usize);
+    /// Elements of one packed panel.
+    fn panel_len(&self) -> usize;
+    /// Columns `j0..j0 + CHUNK` of B (zeros past its last column) into the zeroed `panel`.
+    fn pack_panel(&self, j0: usize, panel: &mut [Self::Packed]);
+    /// `dst (rows x cols) (+)= A[r0.., k0..k0 + depth] B[k0..k0 + depth, panels]`, summing the
+    /// `depth <= KC` products of every element in one register chain; `panels` starts at
+    /// depth 0 of the first panel of the block's columns. `cols` is a multiple of 16.
+    #[allow(clippy::too_many_arguments)]
+    fn chunk(
+        &self,
+        r0: usize,
+        rows: usize,
+        k0: usize,
+        depth: usize,
+        panels: &[Self::Packed],
+        cols: usize,
+        dst: &mut [f32],
+        dst_rs: usize,
+        accumulate: bool,
+    );
+}
+
+/// The f32 kernels of [`MatMul`] on an A with contiguous rows.
+struct F32Panels<'a> {
+    isa: Isa,
+    a: Mat<'a>,
+    b: Mat<'a>,
+}
+
+impl PanelKernel for F32Panels<'_> {
+    type Packed = f32;
+
+    fn dims(&self) -> (usize, usize, usize) {
+        (self.a.rows, self.a.cols, self.b.cols)
+    }
+
+    fn panel_len(&self) -> usize {
+        self.a.cols * CHUNK
+    }
+
+    fn pack_panel(&self, j0: usize, panel: &mut [f32]) {
+        pack_panel(&self.b, j0, panel)
+    }
+
+    fn chunk(
+        &self,
+        r0: usize,
+        rows: usize,
+        k0: usize,
+        depth: usize,
+        panels: &[f32],
+        cols: usize,
+        dst: &mut [f32],
+        dst_rs: usize,
+        accumulate: bool,
+    ) {
+        let k = self.a.cols;
+        MatMul {
+            m: rows,
+            n: cols,
+            k: depth,
+            a_rs: self.a.rs,
+            a_ks: 1,
+            b_rs: CHUNK,
+            b_cs: k * CHUNK,
+            c_rs: dst_rs,
+            accumulate,
+        }
+        .run(
+            self.isa,
+            &self.a.data[r0 * self.a.rs + k0..],
+            &panels[k0 * CHUNK..],
+            dst,
+        );
+    }
+}
+
+/// The blocked product of `kern`: C `(m, n)` row-major.
+///
+/// Tasks of [`MB`] rows by [`NB`] columns of C run the kernel one [`KC`] depth chunk at a
+/// time, so their block of C stays in L2 between chunks; depths beyond [`SUPER`] are summed in
+/// a scratch block first. B is packed once (or, for a wide B, one column block per task).
+pub(crate) fn blocked<K: PanelKernel>(kern: &K) -> Vec<f32> {
+    let (m, k, n) = kern.dims();
+    let panel_len = kern.panel_len();
     // Padded row length of C: the kernel writes whole 16-column vectors.
     let np = n.div_ceil(16) * 16;
     let mut c = vec![0.0f32; m * np];
@@ -144,7 +266,7 @@ pub fn gemm(isa: Isa, a: Mat, b: Mat) -> Vec<f32> {
     let c_len = c.len();
     // Rows r0..r0+rows of C against packed columns c0..c0+cols (`panels` starts at column c0);
     // `tmp` is scratch for depths beyond one super-chunk.
-    let block = |panels: &[f32],
+    let block = |panels: &[K::Packed],
                  tmp: &mut Vec<f32>,
                  r0: usize,
                  rows: usize,
@@ -158,18 +280,17 @@ pub fn gemm(isa: Isa, a: Mat, b: Mat) -> Vec<f32> {
         let cblk = unsafe { std::slice::from_raw_parts_mut(out.get().add(c_off), c_need) };
         let chunks = |s0: usize, dst: &mut [f32], dst_rs: usize| {
             for k0 in (s0..k.min(s0 + SUPER)).step_by(KC) {
-                MatMul {
-                    m: rows,
-                    n: cols,
-                    k: KC.min(k - k0),
-                    a_rs: a.rs,
-                    a_ks: 1,
-                    b_rs: CHUNK,
-                    b_cs: k * CHUNK,
-                    c_rs: dst_rs,
-                    accumulate: k0 > s0,
-                }
-                .run(isa, &a.data[r0 * a.rs + k0..], &panels[k0 * CHUNK..], dst);
+                kern.chunk(
+                    r0,
+                    rows,
+                    k0,
+                    KC.min(k - k0),
+                    panels,
+                    cols,
+                    dst,
+                    dst_rs,
+                    k0 > s0,
+                );
             }
         };
         chunks(0, cblk, np);
@@ -192,9 +313,13 @@ pub fn gemm(isa: Isa, a: Mat, b: Mat) -> Vec<f32> {
         // it while it is in cache.
         (0..col_blocks).into_par_iter().for_each_init(
             || (Vec::new(), Vec::new()),
-            |(panels, tmp), cb| {
+            |(panels, tmp): &mut (Vec<K::Packed>, Vec<f32>), cb| {
                 let (c0, cols) = (cb * NB, NB.min(np - cb * NB));
-                pack_b(&b, c0, cols, panels);
+                panels.clear();
+                panels.resize(cols.div_ceil(CHUNK) * panel_len, K::Packed::default());
+                for (p, panel) in panels.chunks_exact_mut(panel_len).enumerate() {
+                    kern.pack_panel(c0 + p * CHUNK, panel);
+                }
                 for rb in 0..row_blocks {
                     block(panels, tmp, rb * blk, blk.min(m - rb * blk), c0, cols);
                 }
@@ -203,18 +328,18 @@ pub fn gemm(isa: Isa, a: Mat, b: Mat) -> Vec<f32> {
     } else {
         // B packed once, shared by fine-grained (row block, column block) tasks.
         let npan = np.div_ceil(CHUNK);
-        let mut panels = vec![0.0f32; npan * k * CHUNK];
+        let mut panels = vec![K::Packed::default(); npan * panel_len];
         panels
-            .par_chunks_mut(k * CHUNK)
+            .par_chunks_mut(panel_len)
             .enumerate()
-            .for_each(|(p, panel)| pack_panel(&b, p * CHUNK, panel));
+            .for_each(|(p, panel)| kern.pack_panel(p * CHUNK, panel));
         (0..row_blocks * col_blocks)
             .into_par_iter()
             .for_each_init(Vec::new, |tmp, task| {
                 let (rb, cb) = (task / col_blocks, task % col_blocks);
                 let c0 = cb * NB;
                 block(
-                    &panels[(c0 / CHUNK) * k * CHUNK..],
+                    &panels[(c0 / CHUNK) * panel_len..],
                     tmp,
                     rb * blk,
                     blk.min(m - rb * blk),
@@ -235,16 +360,16 @@ pub fn gemm(isa: Isa, a: Mat, b: Mat) -> Vec<f32> {
 /// Rows of A up to which a product with a B of contiguous columns (`B = W^T`, a linear layer's
 /// weight) takes [`few_rows`]: packing B would cost as much as the product (decoding one token
 /// at a time, short sequences).
-const FEW_ROWS: usize = 32;
+pub(crate) const FEW_ROWS: usize = 32;
 /// A product with B = W^T is computed as `(W A^T)^T` when A has at most `1/SWAP_RATIO` as
 /// many rows as W has rows and columns (measured on 2 cores: 1.5x faster at 48 rows against
 /// a 576 x 1536 weight, slower from about 200 rows on, where transposing C costs more than
 /// packing W in cache-sized blocks).
 const SWAP_RATIO: usize = 8;
 /// Lanes of [`few_rows`]' accumulators (one AVX-512 or two AVX2 vectors).
-const LANES: usize = 16;
+pub(crate) const LANES: usize = 16;
 /// Rows of A that [`few_rows`] runs against each column of B while it is in L1.
-const ROW_GROUP: usize = 4;
+pub(crate) const ROW_GROUP: usize = 4;
 
 /// `C = A B` for A with contiguous rows and B with contiguous columns, as dot products of A's
 /// rows with B's columns, reading B once and never packing it.
@@ -254,9 +379,15 @@ const ROW_GROUP: usize = 4;
 /// Plain multiplies and adds (no FMA), so the result is the same on every instruction set;
 /// columns are split over rayon tasks, never the depth, so it does not depend on the thread
 /// count either.
-fn few_rows(isa: Isa, a: Mat, b: Mat) -> Vec<f32> {
+///
+/// `dot(rows, col, out)` computes up to [`ROW_GROUP`] rows' sums (see [`dot_group_dispatch`]).
+pub(crate) fn few_rows<T: Sync>(
+    a: Mat<T>,
+    b: Mat<T>,
+    dot: impl Fn(&[&[T]], &[T], &mut [f32]) + Sync,
+) -> Vec<f32> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    let rows: Vec<&[f32]> = (0..m).map(|r| &a.data[r * a.rs..r * a.rs + k]).collect();
+    let rows: Vec<&[T]> = (0..m).map(|r| &a.data[r * a.rs..r * a.rs + k]).collect();
     // Columns of C per task: enough work to amortise a task, at least two tasks per thread.
     let per_task = (n / (2 * rayon::current_num_threads().max(1))).clamp(1, 64);
     let blocks: Vec<Vec<f32>> = (0..n.div_ceil(per_task))
@@ -268,7 +399,7 @@ fn few_rows(isa: Isa, a: Mat, b: Mat) -> Vec<f32> {
             for (j, dst) in (j0..j1).zip(out.chunks_exact_mut(m)) {
                 let col = &b.data[j * b.cs..j * b.cs + k];
                 for (group, d) in rows.chunks(ROW_GROUP).zip(dst.chunks_mut(ROW_GROUP)) {
-                    dot_group_dispatch(isa, group, col, d);
+                    dot(group, col, d);
                 }
             }
             out
@@ -312,12 +443,12 @@ fn dot_group_dispatch(isa: Isa, rows: &[&[f32]], col: &[f32], out: &mut [f32]) {
 }
 
 /// Depth per block of [`few_rows`]: each lane sums at most [`KC`] products of a block.
-const BLOCK: usize = LANES * KC;
+pub(crate) const BLOCK: usize = LANES * KC;
 
 /// Adds the tail `t in full..len` of a block to the lanes, reduces them pairwise (16, 8, 4, 2,
 /// 1) and returns the block's sum.
 #[inline(always)]
-fn finish_block(lanes: &mut [f32; LANES], x: &[f32], w: &[f32], full: usize) -> f32 {
+pub(crate) fn finish_block(lanes: &mut [f32; LANES], x: &[f32], w: &[f32], full: usize) -> f32 {
     for (l, t) in (full..w.len()).enumerate() {
         lanes[l] += x[t] * w[t];
     }
@@ -421,16 +552,16 @@ unsafe fn dot_rows_avx2<const R: usize>(rows: &[&[f32]], col: &[f32], out: &mut 
 
 /// A copy of `a` with contiguous rows, transposed in 16 x 16 tiles (rows of the copy are
 /// far apart in memory: tiling keeps the writes from evicting each other).
-fn to_row_major(a: &Mat) -> Vec<f32> {
+pub(crate) fn to_row_major<E: Copy + Default + Send + Sync>(a: &Mat<E>) -> Vec<E> {
     const T: usize = 16;
     let (m, k) = (a.rows, a.cols);
-    let mut out = vec![0.0f32; m * k];
+    let mut out = vec![E::default(); m * k];
     out.par_chunks_mut(k * T)
         .enumerate()
         .for_each(|(rt, rows)| {
             let r0 = rt * T;
             let nr = rows.len() / k;
-            let mut tile = [[0.0f32; T]; T];
+            let mut tile = [[E::default(); T]; T];
             for t0 in (0..k).step_by(T) {
                 let nt = T.min(k - t0);
                 for (tt, col) in tile.iter_mut().enumerate().take(nt) {
@@ -446,17 +577,6 @@ fn to_row_major(a: &Mat) -> Vec<f32> {
             }
         });
     out
-}
-
-/// Columns `c0..c0 + cols` of B `(k, n)` (columns past `n` are zeros) into `out` as panels
-/// of [`CHUNK`] columns (see [`pack_panel`]).
-fn pack_b(b: &Mat, c0: usize, cols: usize, out: &mut Vec<f32>) {
-    let k = b.rows;
-    out.clear();
-    out.resize(cols.div_ceil(CHUNK) * k * CHUNK, 0.0);
-    for (p, panel) in out.chunks_exact_mut(k * CHUNK).enumerate() {
-        pack_panel(b, c0 + p * CHUNK, panel);
-    }
 }
 
 /// Columns `j0..j0 + CHUNK` of B `(k, n)` into the zeroed `panel` (`k * CHUNK`): element

@@ -10,6 +10,7 @@
 pub(crate) mod backward;
 pub(crate) mod forward;
 pub mod gemm;
+pub mod gemm_bf16;
 pub(crate) mod pool;
 pub(crate) mod simd;
 
@@ -22,6 +23,19 @@ use crate::reference::RefShape;
 use pool::PoolBuf;
 pub use pool::{release_buffers, POOL_BYTES};
 pub use simd::{available, detect, Isa};
+
+/// `x[i] = exp(x[i] - shift)` in place for every element; returns their f32 sum.
+///
+/// The attention kernels' vector exponential on this CPU's best instruction set: `2^t` with
+/// `t = (x - shift) log2(e)`, max relative error about 2e-7 plus `|x - shift|` ulps of the
+/// exponent's rounding (libm's `expf` is within 1 ulp, one element at a time); elements below
+/// `shift - 87` give 0. Deterministic: the sum's order depends only on `x.len()`. For the
+/// softmax of a loss over a large vocabulary.
+pub fn exp_shifted(x: &mut [f32], shift: f32) -> f32 {
+    x.iter_mut()
+        .for_each(|v| *v = (*v - shift) * std::f32::consts::LOG2_E);
+    simd::exp2_shift_sum(simd::detect(), x, 0.0)
+}
 
 /// Tile sizes and instruction set of the CPU kernels.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -1,0 +1,189 @@
+//! The cross-entropy's softmax over a chunk of f32 logits `(c, V)` on the CPU, one pass per row
+//! with flash-ring's vector exponential ([`flash_ring::cpu::exp_shifted`]).
+//!
+//! The composite it replaces (`broadcast_sub`, `exp`, `sum_keepdim`, `scatter_add`,
+//! `broadcast_mul`, `to_dtype`) makes a fresh `(c, V)` tensor per step and calls libm's `expf`
+//! one element at a time: for a 32K vocabulary that was a tenth of a bf16 training step. Rows
+//! are split over rayon's threads; each row's sum has a fixed order, so results do not depend
+//! on the thread count. No gradients: the loss computes its own backward with these.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, DType, InplaceOp1, Layout, Result, Shape, Tensor};
+use half::bf16;
+use rayon::prelude::*;
+
+use super::strided;
+
+/// A `(c, 1)` or `(c,)` f32 tensor's values.
+fn per_row(t: &Tensor, c: usize) -> Result<Vec<f32>> {
+    let v = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    if v.len() != c {
+        candle_core::bail!("softmax rows: {} per-row values for {c} rows", v.len());
+    }
+    Ok(v)
+}
+
+/// `(c, 1)` f32: `sum_v exp(logits[r, v] - shift[r])` for f32 logits `(c, V)` on the CPU.
+pub(crate) fn sum_exp_rows(logits: &Tensor, shift: &Tensor) -> Result<Tensor> {
+    let (c, _) = logits.dims2()?;
+    let op = SumExpRows {
+        shift: per_row(shift, c)?,
+    };
+    logits.apply_op1_no_bwd(&op)
+}
+
+/// `(c, V)` in `dtype` (f32 or bf16): `scale[r] (exp(logits[r, v] - lse[r]) - [v == target[r]])`,
+/// the gradient of `sum_r scale[r] (lse[r] - logits[r, target[r]])` with respect to f32 logits
+/// `(c, V)` on the CPU. The subtraction is in f32, before the one rounding to `dtype`.
+///
+/// `logits` must be a fresh tensor that nothing else holds: an f32 result is written over it
+/// (one `(c, V)` buffer at the loss's peak instead of two).
+pub(crate) fn softmax_grad_rows(
+    logits: Tensor,
+    lse: &Tensor,
+    scale: &Tensor,
+    target: Vec<Option<u32>>,
+    dtype: DType,
+) -> Result<Tensor> {
+    let (c, v) = logits.dims2()?;
+    if target.len() != c || target.iter().flatten().any(|&t| t as usize >= v) {
+        candle_core::bail!("softmax rows: targets do not match {c} rows of {v} logits");
+    }
+    let op = SoftmaxGradRows {
+        lse: per_row(lse, c)?,
+        scale: per_row(scale, c)?,
+        target,
+        dtype,
+    };
+    if dtype == DType::F32 && logits.is_contiguous() && !logits.is_variable() {
+        logits.inplace_op1(&op)?;
+        Ok(logits)
+    } else {
+        logits.apply_op1_no_bwd(&op)
+    }
+}
+
+/// The rows of an f32 `(c, V)` storage, contiguous.
+fn rows<'a>(
+    name: &str,
+    s: &'a CpuStorage,
+    l: &Layout,
+) -> Result<(std::borrow::Cow<'a, [f32]>, usize, usize)> {
+    let (c, v) = l.shape().dims2()?;
+    match s {
+        CpuStorage::F32(d) => Ok((strided(d, l), c, v)),
+        other => candle_core::bail!("{name}: f32 logits expected, got {:?}", other.dtype()),
+    }
+}
+
+struct SumExpRows {
+    shift: Vec<f32>,
+}
+
+impl CustomOp1 for SumExpRows {
+    fn name(&self) -> &'static str {
+        "cpl-sum-exp-rows"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, c, v) = rows(self.name(), s, l)?;
+        let mut sums = vec![0f32; c];
+        if v > 0 {
+            sums.par_iter_mut()
+                .zip(x.par_chunks(v))
+                .zip(&self.shift)
+                .for_each_init(
+                    || vec![0f32; v],
+                    |row, ((sum, src), &m)| {
+                        row.copy_from_slice(src);
+                        *sum = flash_ring::cpu::exp_shifted(row, m);
+                    },
+                );
+        }
+        Ok((CpuStorage::F32(sums), Shape::from((c, 1))))
+    }
+}
+
+const GRAD_OP: &str = "cpl-softmax-grad-rows";
+
+struct SoftmaxGradRows {
+    lse: Vec<f32>,
+    scale: Vec<f32>,
+    target: Vec<Option<u32>>,
+    dtype: DType,
+}
+
+impl SoftmaxGradRows {
+    /// Row `r` of the result in f32, computed in place over a copy of its logits.
+    fn row(&self, r: usize, row: &mut [f32]) {
+        flash_ring::cpu::exp_shifted(row, self.lse[r]);
+        if let Some(t) = self.target[r] {
+            row[t as usize] -= 1.0;
+        }
+        let s = self.scale[r];
+        row.iter_mut().for_each(|x| *x *= s);
+    }
+}
+
+impl InplaceOp1 for SoftmaxGradRows {
+    fn name(&self) -> &'static str {
+        GRAD_OP
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> Result<()> {
+        let (_, v) = l.shape().dims2()?;
+        match (s, l.contiguous_offsets()) {
+            (CpuStorage::F32(d), Some((start, end))) if v > 0 => {
+                d[start..end]
+                    .par_chunks_mut(v)
+                    .enumerate()
+                    .for_each(|(r, row)| self.row(r, row));
+                Ok(())
+            }
+            (_, _) if v == 0 => Ok(()),
+            (s, _) => candle_core::bail!(
+                "{GRAD_OP}: contiguous f32 logits expected, got {:?}",
+                s.dtype()
+            ),
+        }
+    }
+}
+
+impl CustomOp1 for SoftmaxGradRows {
+    fn name(&self) -> &'static str {
+        GRAD_OP
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, c, v) = rows(GRAD_OP, s, l)?;
+        let shape = Shape::from((c, v));
+        if v == 0 {
+            return Ok((CpuStorage::F32(Vec::new()), shape));
+        }
+        match self.dtype {
+            DType::F32 => {
+                let mut out = x.into_owned();
+                out.par_chunks_mut(v)
+                    .enumerate()
+                    .for_each(|(r, row)| self.row(r, row));
+                Ok((CpuStorage::F32(out), shape))
+            }
+            DType::BF16 => {
+                let mut out = vec![bf16::ZERO; c * v];
+                out.par_chunks_mut(v)
+                    .zip(x.par_chunks(v))
+                    .enumerate()
+                    .for_each_init(
+                        || vec![0f32; v],
+                        |row, (r, (dst, src))| {
+                            row.copy_from_slice(src);
+                            self.row(r, row);
+                            flash_ring::cpu::gemm_bf16::narrow_to_bf16(row, dst);
+                        },
+                    );
+                Ok((CpuStorage::BF16(out), shape))
+            }
+            other => candle_core::bail!("{GRAD_OP}: no {other:?} output"),
+        }
+    }
+}

@@ -1,0 +1,444 @@
+//! bf16 matrix product `C = A B` with the CPU's bf16 dot products (AVX512-BF16 `vdpbf16ps`).
+//!
+//! `vdpbf16ps` multiplies 16 pairs of bf16 elements of one register by 16 pairs of another and
+//! adds each pair's two products to an f32 lane: twice the products per instruction of an f32
+//! FMA, without widening the operands to f32 first. The products of two bf16 numbers are exact
+//! in f32, so each step rounds only its two additions (round to nearest even, as an f32 sum
+//! would); subnormal inputs and results are flushed to zero, as the instruction always does
+//! (bf16 subnormals lie below 1.2e-38).
+//!
+//! The blocking, the chunks of [`KC`] products summed in registers and the order of the chunk
+//! sums are those of [`super::gemm`] (its driver runs this kernel), so the result has the same
+//! short accumulation chains and does not depend on the thread count. What differs is the
+//! packing: B's panels hold pairs of depths side by side (`(t, j)` and `(t + 1, j)` in adjacent
+//! elements, the layout the instruction reads), and A is read as pairs of adjacent depths
+//! (in place when its rows are contiguous and the depth is even, otherwise copied once with
+//! the depth padded to even by a zero).
+//!
+//! The caller checks [`available`] first; elsewhere bf16 products are widened to f32.
+
+use std::sync::OnceLock;
+
+use half::bf16;
+use rayon::prelude::*;
+
+use super::gemm::{
+    blocked, few_rows, swapped_operands, to_row_major, trivial_product, Mat, PanelKernel, ROW_GROUP,
+};
+use super::simd::CHUNK;
+
+/// Whether this CPU has AVX-512F, AVX-512BW/VL and AVX512-BF16 (detected once; every CPU with
+/// AVX512-BF16 has the others).
+pub fn available() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+                && std::arch::is_x86_feature_detected!("avx512bf16")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// `dst[i] = bf16(src[i])`, rounded to nearest even; with AVX512-BF16's `vcvtneps2bf16` where
+/// [`available`] (16 at a time; it flushes f32 subnormals, below 1.2e-38, to zero), with
+/// `half`'s conversion elsewhere (which keeps them). NaN stays NaN.
+///
+/// Panics (internal bug) when the slices differ in length.
+pub fn narrow_to_bf16(src: &[f32], dst: &mut [bf16]) {
+    assert_eq!(src.len(), dst.len(), "narrow_to_bf16: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    if available() {
+        // SAFETY: the CPU has AVX-512F and AVX512-BF16; the lengths are equal.
+        unsafe { avx512bf16::narrow(src, dst) };
+        return;
+    }
+    dst.iter_mut()
+        .zip(src)
+        .for_each(|(d, s)| *d = bf16::from_f32(*s));
+}
+
+/// `C = A B` for bf16 `A` `(m, k)` and `B` `(k, n)` (any strides): C `(m, n)` row-major in f32.
+///
+/// Panics (internal bug, never user input) when [`available`] is false, the operands disagree
+/// on `k` or a slice is shorter than its strides require.
+pub fn gemm_bf16(a: Mat<bf16>, b: Mat<bf16>) -> Vec<f32> {
+    assert!(available(), "gemm_bf16: this CPU has no AVX512-BF16");
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    if let Some(trivial) = trivial_product(&a, &b) {
+        return trivial;
+    }
+    if m <= BF16_FEW_ROWS && b.rs == 1 {
+        // A few rows against W^T (decoding): dot products of A's rows with W's rows.
+        let a_rows;
+        let a = if a.cs != 1 && k > 1 {
+            a_rows = to_row_major(&a);
+            Mat::row_major(&a_rows, m, k)
+        } else {
+            a
+        };
+        return few_rows(a, b, dot_group);
+    }
+    if let Some((w, at)) = swapped_operands(&a, &b) {
+        let ct = gemm_bf16(w, at);
+        return to_row_major(&Mat::col_major(&ct, m, n));
+    }
+    let a_pairs;
+    let a = if a.cs == 1 && k.is_multiple_of(2) {
+        a
+    } else {
+        a_pairs = rows_of_pairs(&a);
+        Mat::row_major(&a_pairs, m, k.next_multiple_of(2))
+    };
+    blocked(&Bf16Panels { a, b, k })
+}
+
+/// Rows of A up to which a product with B = W^T takes the dot-product path (reading W once,
+/// unpacked) instead of the swapped blocked one. Measured on 2 cores (AMD EPYC) against a
+/// 576 x 1536 weight: 0.03 ms for 1 row, 0.14 ms for 8; the swapped path takes 0.14 ms for 16
+/// rows and 0.20 ms for 32, where the dot products took 0.22 and 0.42 ms.
+const BF16_FEW_ROWS: usize = 8;
+
+/// `out[r] = sum_t rows[r][t] col[t]` for up to [`ROW_GROUP`] rows (the few-rows path of
+/// [`super::gemm`], with the same chains: blocks of 1024 products, each of 16 lanes summing
+/// 64 of them in 32 dot-product steps, the lanes added pairwise, the block sums in order).
+fn dot_group(rows: &[&[bf16]], col: &[bf16], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: only reached from `gemm_bf16`, which checked `available()`; the kernel reads
+    // `col.len()` elements of each row (the rows are `k` long, as `col` is).
+    unsafe {
+        assert!(rows.iter().all(|r| r.len() >= col.len()) && out.len() >= rows.len());
+        match rows.len() {
+            1 => avx512bf16::dot_rows::<1>(rows, col, out),
+            2 => avx512bf16::dot_rows::<2>(rows, col, out),
+            3 => avx512bf16::dot_rows::<3>(rows, col, out),
+            _ => avx512bf16::dot_rows::<ROW_GROUP>(rows, col, out),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!(
+        "gemm_bf16 without AVX512-BF16: {} {} {}",
+        rows.len(),
+        col.len(),
+        out.len()
+    )
+}
+
+/// A copy of `a` with contiguous rows of `k` rounded up to even elements (the last one zero
+/// when `k` is odd).
+fn rows_of_pairs(a: &Mat<bf16>) -> Vec<bf16> {
+    let (m, k) = (a.rows, a.cols);
+    let kp = k.next_multiple_of(2);
+    let transposed;
+    let (src, rs) = if a.cs == 1 {
+        (a.data, a.rs)
+    } else {
+        transposed = to_row_major(a);
+        (&transposed[..], k)
+    };
+    let mut out = vec![bf16::ZERO; m * kp];
+    out.par_chunks_mut(kp).enumerate().for_each(|(r, row)| {
+        row[..k].copy_from_slice(&src[r * rs..r * rs + k]);
+    });
+    out
+}
+
+/// The `vdpbf16ps` kernel over A read as depth pairs (`a.cs == 1`, `a.cols` even or `k`
+/// even) and B packed in pair-interleaved panels.
+struct Bf16Panels<'a> {
+    a: Mat<'a, bf16>,
+    b: Mat<'a, bf16>,
+    /// The depth of the product (`a.cols` is `k` or `k + 1`).
+    k: usize,
+}
+
+impl Bf16Panels<'_> {
+    fn depth_padded(&self) -> usize {
+        self.k.next_multiple_of(2)
+    }
+}
+
+impl PanelKernel for Bf16Panels<'_> {
+    type Packed = bf16;
+
+    fn dims(&self) -> (usize, usize, usize) {
+        (self.a.rows, self.k, self.b.cols)
+    }
+
+    fn panel_len(&self) -> usize {
+        self.depth_padded() * CHUNK
+    }
+
+    /// Depth pair `p` of the panel is a row of `2 * CHUNK` elements: `(2p, j)` at `2j`,
+    /// `(2p + 1, j)` at `2j + 1`, so one 32-element load holds 16 columns' pairs.
+    fn pack_panel(&self, j0: usize, panel: &mut [bf16]) {
+        let (b, k) = (&self.b, self.k);
+        let w = CHUNK.min(b.cols.saturating_sub(j0));
+        if b.rs == 1 && b.cs != 1 {
+            // Columns are contiguous (B = W^T): each column's pair of depths is adjacent in
+            // memory already.
+            for jj in 0..w {
+                let col = &b.data[(j0 + jj) * b.cs..][..k];
+                for (row, pair) in panel.chunks_exact_mut(2 * CHUNK).zip(col.chunks(2)) {
+                    row[2 * jj..2 * jj + pair.len()].copy_from_slice(pair);
+                }
+            }
+        } else if b.cs == 1 {
+            // Rows are contiguous: interleave two rows at a time.
+            for (p, row) in panel.chunks_exact_mut(2 * CHUNK).enumerate() {
+                let t = 2 * p;
+                let r0 = &b.data[t * b.rs + j0..][..w];
+                let out = &mut row[..2 * w];
+                if t + 1 < k {
+                    let r1 = &b.data[(t + 1) * b.rs + j0..][..w];
+                    for ((o, x), y) in out.chunks_exact_mut(2).zip(r0).zip(r1) {
+                        o[0] = *x;
+                        o[1] = *y;
+                    }
+                } else {
+                    for (o, x) in out.chunks_exact_mut(2).zip(r0) {
+                        o[0] = *x;
+                    }
+                }
+            }
+        } else {
+            for (p, row) in panel.chunks_exact_mut(2 * CHUNK).enumerate() {
+                for h in 0..2.min(k - 2 * p) {
+                    let t = 2 * p + h;
+                    for jj in 0..w {
+                        row[2 * jj + h] = b.data[t * b.rs + (j0 + jj) * b.cs];
+                    }
+                }
+            }
+        }
+    }
+
+    fn chunk(
+        &self,
+        r0: usize,
+        rows: usize,
+        k0: usize,
+        depth: usize,
+        panels: &[bf16],
+        cols: usize,
+        dst: &mut [f32],
+        dst_rs: usize,
+        accumulate: bool,
+    ) {
+        let pairs = depth.div_ceil(2);
+        let a = &self.a.data[r0 * self.a.rs + k0..];
+        let b = &panels[k0 * CHUNK..];
+        let panel_len = self.panel_len();
+        // The extents the kernel reads and writes (see `avx512bf16::matmul`).
+        assert!(k0.is_multiple_of(2) && cols.is_multiple_of(16) && rows > 0 && cols > 0);
+        assert!(
+            a.len() >= (rows - 1) * self.a.rs + 2 * pairs,
+            "gemm_bf16: a too short"
+        );
+        let last = (cols - 1) / CHUNK;
+        let last_w = cols - last * CHUNK;
+        assert!(
+            b.len() >= last * panel_len + (pairs - 1) * 2 * CHUNK + 2 * last_w,
+            "gemm_bf16: b too short"
+        );
+        assert!(
+            dst.len() >= (rows - 1) * dst_rs + cols,
+            "gemm_bf16: c too short"
+        );
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `gemm_bf16` checked that the CPU has AVX-512F and AVX512-BF16; the extents
+        // were checked above.
+        unsafe {
+            avx512bf16::matmul(
+                rows,
+                cols,
+                pairs,
+                a.as_ptr(),
+                self.a.rs,
+                b.as_ptr(),
+                panel_len,
+                dst.as_mut_ptr(),
+                dst_rs,
+                accumulate,
+            )
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("gemm_bf16 without AVX512-BF16: {rows} {cols} {pairs} {accumulate}")
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512bf16 {
+    use super::super::gemm::{finish_block, BLOCK, LANES};
+    use super::CHUNK;
+    use half::bf16;
+    use std::arch::x86_64::*;
+
+    /// See `dot_group`; the caller checked the lengths.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn dot_rows<const R: usize>(rows: &[&[bf16]], col: &[bf16], out: &mut [f32]) {
+        let mut total = [0.0f32; R];
+        for (bi, wb) in col.chunks(BLOCK).enumerate() {
+            let t0 = bi * BLOCK;
+            let mut acc = [_mm512_setzero_ps(); R];
+            let mut t = 0;
+            while t < wb.len() {
+                // 32 elements (16 pairs) a step; the tail is zero-filled by a masked load.
+                let rem = (wb.len() - t).min(32);
+                let mask: __mmask32 = if rem == 32 { !0 } else { (1u32 << rem) - 1 };
+                let w = _mm512_maskz_loadu_epi16(mask, wb.as_ptr().add(t) as *const i16);
+                let w: __m512bh = std::mem::transmute(w);
+                for r in 0..R {
+                    let x =
+                        _mm512_maskz_loadu_epi16(mask, rows[r].as_ptr().add(t0 + t) as *const i16);
+                    acc[r] =
+                        _mm512_dpbf16_ps(acc[r], std::mem::transmute::<__m512i, __m512bh>(x), w);
+                }
+                t += 32;
+            }
+            for (r, a) in acc.iter().enumerate() {
+                let mut lanes = [0.0f32; LANES];
+                _mm512_storeu_ps(lanes.as_mut_ptr(), *a);
+                total[r] += finish_block(&mut lanes, &[], &[], 0);
+            }
+        }
+        out[..R].copy_from_slice(&total);
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub unsafe fn narrow(src: &[f32], dst: &mut [bf16]) {
+        let n = src.len();
+        let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+        let mut j = 0;
+        while j + 16 <= n {
+            let h = _mm512_cvtneps_pbh(_mm512_loadu_ps(s.add(j)));
+            _mm256_storeu_si256(
+                d.add(j) as *mut __m256i,
+                std::mem::transmute::<__m256bh, __m256i>(h),
+            );
+            j += 16;
+        }
+        if j < n {
+            let k = ((1u32 << (n - j)) - 1) as __mmask16;
+            let h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, s.add(j)));
+            _mm256_mask_storeu_epi16(
+                d.add(j) as *mut i16,
+                k,
+                std::mem::transmute::<__m256bh, __m256i>(h),
+            );
+        }
+    }
+
+    /// Register block: `MR` rows x `NV` 16-lane vectors of C over `pairs` depth pairs.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn kernel<const MR: usize, const NV: usize>(
+        pairs: usize,
+        a: *const bf16,
+        a_rs: usize,
+        b: *const bf16,
+        c: *mut f32,
+        c_rs: usize,
+        accumulate: bool,
+    ) {
+        let mut r = [[_mm512_setzero_ps(); NV]; MR];
+        let rows: [*const bf16; MR] = std::array::from_fn(|i| a.add(i * a_rs));
+        let mut bp = b;
+        for p in 0..pairs {
+            let mut bv = [_mm512_castsi512_ps(_mm512_setzero_si512()); NV];
+            for (v, x) in bv.iter_mut().enumerate() {
+                *x = _mm512_loadu_ps(bp.add(v * 32) as *const f32);
+            }
+            for (i, ri) in r.iter_mut().enumerate() {
+                // The pair (2p, 2p + 1) of row i, broadcast to every lane.
+                let pair = (rows[i].add(2 * p) as *const i32).read_unaligned();
+                let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
+                for v in 0..NV {
+                    let bh: __m512bh = std::mem::transmute(bv[v]);
+                    ri[v] = _mm512_dpbf16_ps(ri[v], av, bh);
+                }
+            }
+            bp = bp.add(2 * CHUNK);
+        }
+        for (i, ri) in r.iter().enumerate() {
+            for (v, x) in ri.iter().enumerate() {
+                let cp = c.add(i * c_rs + v * 16);
+                let y = if accumulate {
+                    _mm512_add_ps(_mm512_loadu_ps(cp), *x)
+                } else {
+                    *x
+                };
+                _mm512_storeu_ps(cp, y);
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn kernel_rows<const NV: usize>(
+        rows: usize,
+        pairs: usize,
+        a: *const bf16,
+        a_rs: usize,
+        b: *const bf16,
+        c: *mut f32,
+        c_rs: usize,
+        acc: bool,
+    ) {
+        match rows {
+            1 => kernel::<1, NV>(pairs, a, a_rs, b, c, c_rs, acc),
+            2 => kernel::<2, NV>(pairs, a, a_rs, b, c, c_rs, acc),
+            3 => kernel::<3, NV>(pairs, a, a_rs, b, c, c_rs, acc),
+            4 => kernel::<4, NV>(pairs, a, a_rs, b, c, c_rs, acc),
+            5 => kernel::<5, NV>(pairs, a, a_rs, b, c, c_rs, acc),
+            6 => kernel::<6, NV>(pairs, a, a_rs, b, c, c_rs, acc),
+            7 => kernel::<7, NV>(pairs, a, a_rs, b, c, c_rs, acc),
+            _ => kernel::<8, NV>(pairs, a, a_rs, b, c, c_rs, acc),
+        }
+    }
+
+    /// `C (rows x cols) (+)= A B` over `pairs` depth pairs: row `i` of A at `a + i * a_rs`
+    /// (its pairs contiguous), panel `ch` of B at `b + ch * b_cs` (pair rows of `2 * CHUNK`),
+    /// row `i` of C at `c + i * c_rs`. `cols` is a multiple of 16; the caller checked the
+    /// extents. A chunk of B stays in L1 while A's rows stream by.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn matmul(
+        rows: usize,
+        cols: usize,
+        pairs: usize,
+        a: *const bf16,
+        a_rs: usize,
+        b: *const bf16,
+        b_cs: usize,
+        c: *mut f32,
+        c_rs: usize,
+        accumulate: bool,
+    ) {
+        const MR: usize = 8;
+        let full = cols / CHUNK;
+        for ch in 0..cols.div_ceil(CHUNK) {
+            let bp = b.add(ch * b_cs);
+            let mut i = 0;
+            while i < rows {
+                let n = (rows - i).min(MR);
+                let (ap, cp) = (a.add(i * a_rs), c.add(i * c_rs + ch * CHUNK));
+                if ch < full {
+                    kernel_rows::<2>(n, pairs, ap, a_rs, bp, cp, c_rs, accumulate);
+                } else {
+                    // The last, partial chunk is one vector (16 columns) wide.
+                    kernel_rows::<1>(n, pairs, ap, a_rs, bp, cp, c_rs, accumulate);
+                }
+                i += n;
+            }
+        }
+    }
+}

@@ -1,0 +1,298 @@
+//! bf16 products on the CPU's bf16 dot products (`flash_ring::cpu::gemm_bf16`, AVX512-BF16)
+//! against the f32 computation of the same bf16 inputs and against float64, and the bf16
+//! candle op (forward and gradients) on every instruction set of this machine: the dot
+//! products under `Isa::Avx512` where the CPU has AVX512-BF16, widening to f32 elsewhere.
+//!
+//! The kernel tests need a CPU with AVX512-BF16; on one without, they check that the kernel is
+//! reported absent and that the op still gives the widened result (the tests of the op run on
+//! every machine).
+
+mod common;
+
+use candle_core::{DType, Device, Tensor, Var};
+use flash_ring::cpu::gemm::{gemm, Mat, KC};
+use flash_ring::cpu::gemm_bf16::{available, gemm_bf16, narrow_to_bf16};
+use flash_ring::KernelConfig;
+use half::bf16;
+
+/// The unit roundoff of f32.
+const U: f64 = 1.0 / (1u64 << 24) as f64;
+
+/// A `rows x cols` bf16 matrix of random values stored row-major or column-major behind `pad`
+/// leading elements (NaN there, so a stray read shows): the storage and the view's strides.
+fn store(
+    rows: usize,
+    cols: usize,
+    col_major: bool,
+    pad: usize,
+    r: &mut rand::rngs::StdRng,
+) -> (Vec<bf16>, usize, usize) {
+    let vals = common::randv(r, rows * cols);
+    let mut data = vec![bf16::NAN; pad + rows * cols];
+    let (rs, cs) = if col_major { (1, rows) } else { (cols, 1) };
+    for i in 0..rows {
+        for j in 0..cols {
+            data[pad + i * rs + j * cs] = bf16::from_f32(vals[i * cols + j]);
+        }
+    }
+    (data, rs, cs)
+}
+
+fn mat<T>(data: &[T], rows: usize, cols: usize, rs: usize, cs: usize) -> Mat<'_, T> {
+    Mat {
+        data,
+        rows,
+        cols,
+        rs,
+        cs,
+    }
+}
+
+/// `gemm_bf16` on A `(m, k)` and B `(k, n)` in the given layouts, against float64 (every element
+/// within `(KC + ceil(k / KC) + 2) u sum_t |a_t b_t|`: the products of bf16 numbers are exact,
+/// so only the sums round, in chains as long as the f32 product's) and against the f32 product
+/// of the same inputs widened (within twice that bound).
+fn check(m: usize, k: usize, n: usize, a_cm: bool, b_cm: bool, seed: u64) {
+    let mut r = common::rng(seed);
+    let (ad, ars, acs) = store(m, k, a_cm, 3, &mut r);
+    let (bd, brs, bcs) = store(k, n, b_cm, 5, &mut r);
+    let c = gemm_bf16(mat(&ad[3..], m, k, ars, acs), mat(&bd[5..], k, n, brs, bcs));
+    assert_eq!(c.len(), m * n);
+    let (af, bf): (Vec<f32>, Vec<f32>) = (
+        ad.iter().map(|x| x.to_f32()).collect(),
+        bd.iter().map(|x| x.to_f32()).collect(),
+    );
+    let wide = gemm(
+        flash_ring::cpu::Isa::Portable,
+        mat(&af[3..], m, k, ars, acs),
+        mat(&bf[5..], k, n, brs, bcs),
+    );
+    let bound = (KC + k.div_ceil(KC) + 2) as f64 * U;
+    for i in 0..m {
+        for j in 0..n {
+            let (mut exact, mut mag) = (0.0f64, 0.0f64);
+            for t in 0..k {
+                let p = af[3 + i * ars + t * acs] as f64 * bf[5 + t * brs + j * bcs] as f64;
+                exact += p;
+                mag += p.abs();
+            }
+            let (got, f32_got) = (c[i * n + j] as f64, wide[i * n + j] as f64);
+            let at = format!("m={m} k={k} n={n} a_cm={a_cm} b_cm={b_cm} ({i}, {j})");
+            assert!((got - exact).abs() <= bound * mag, "{at}: {got} vs {exact}");
+            assert!(
+                (got - f32_got).abs() <= 2.0 * bound * mag,
+                "{at}: {got} vs f32 {f32_got}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bf16_dot_products_match_the_f32_product_of_the_same_inputs() {
+    if !available() {
+        assert!(!std::arch::is_x86_feature_detected!("avx512bf16"));
+        return;
+    }
+    // Odd depths (padded pairs), depths past one super-chunk (1024), partial column chunks,
+    // row counts off the kernel's 8, the swapped path (few rows against W^T) and a wide B
+    // (packed per column block).
+    let shapes = [
+        (1, 1, 1),
+        (3, 5, 7),
+        (17, 64, 16),
+        (25, 65, 33),
+        (97, 130, 300),
+        (200, 48, 50),
+        (9, 1100, 40),
+        (4, 2101, 17),
+        (40, 96, 4100),
+        (5, 0, 9),
+        (0, 4, 3),
+        (6, 7, 0),
+    ];
+    for (i, &(m, k, n)) in shapes.iter().enumerate() {
+        for (a_cm, b_cm) in [(false, false), (false, true), (true, false), (true, true)] {
+            check(m, k, n, a_cm, b_cm, i as u64);
+        }
+    }
+}
+
+#[test]
+fn bf16_dot_products_read_any_strides() {
+    if !available() {
+        return;
+    }
+    // Every other element of a row-major matrix: neither stride is 1 (A is copied into rows
+    // of pairs, B packed element by element).
+    let (m, k, n) = (21, 67, 45);
+    let mut r = common::rng(12);
+    let (ad, _, _) = store(m, 2 * k, false, 0, &mut r);
+    let (bd, _, _) = store(k, 2 * n, false, 0, &mut r);
+    let c = gemm_bf16(mat(&ad, m, k, 2 * k, 2), mat(&bd, k, n, 2 * n, 2));
+    for i in 0..m {
+        for j in 0..n {
+            let (mut exact, mut mag) = (0.0f64, 0.0f64);
+            for t in 0..k {
+                let p = ad[i * 2 * k + 2 * t].to_f64() * bd[t * 2 * n + 2 * j].to_f64();
+                exact += p;
+                mag += p.abs();
+            }
+            let bound = (KC + k.div_ceil(KC) + 2) as f64 * U;
+            let got = c[i * n + j] as f64;
+            assert!(
+                (got - exact).abs() <= bound * mag,
+                "({i}, {j}): {got} vs {exact}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bf16_dot_products_do_not_depend_on_the_thread_count() {
+    if !available() {
+        return;
+    }
+    let (m, k, n) = (150, 1500, 70);
+    let mut r = common::rng(9);
+    let (a, _, _) = store(m, k, false, 0, &mut r);
+    let (b, _, _) = store(k, n, true, 0, &mut r);
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("pool");
+        pool.install(|| gemm_bf16(Mat::row_major(&a, m, k), Mat::col_major(&b, k, n)))
+    };
+    let one = run(1);
+    for threads in [2, 3] {
+        let other = run(threads);
+        assert!(
+            one.iter()
+                .zip(&other)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{threads} threads differ from one"
+        );
+    }
+}
+
+#[test]
+fn bf16_dot_products_propagate_nan_and_inf() {
+    if !available() {
+        return;
+    }
+    let (m, k, n) = (9, 70, 40);
+    let mut r = common::rng(11);
+    let (mut a, _, _) = store(m, k, false, 0, &mut r);
+    let (b, _, _) = store(k, n, false, 0, &mut r);
+    a[2 * k + 5] = bf16::NAN;
+    a[6 * k + 69] = bf16::INFINITY;
+    let c = gemm_bf16(Mat::row_major(&a, m, k), Mat::row_major(&b, k, n));
+    for i in 0..m {
+        for j in 0..n {
+            let x = c[i * n + j];
+            match i {
+                2 => assert!(x.is_nan(), "row 2 col {j}: {x}"),
+                6 => assert!(x.is_infinite() || x.is_nan(), "row 6 col {j}: {x}"),
+                _ => assert!(x.is_finite(), "row {i} col {j}: {x}"),
+            }
+        }
+    }
+}
+
+fn t2(v: Vec<f32>, r: usize, c: usize) -> Tensor {
+    Tensor::from_vec(v, (r, c), &Device::Cpu).expect("tensor")
+}
+
+/// Relative distance of each element of `got` (bf16) from `want` (the f32 computation),
+/// scaled by the largest `|want|` of the tensor: within 2^-8 (one rounding to bf16) plus the
+/// f32 sums' difference.
+fn close_to_bf16_of(got: &Tensor, want: &Tensor) -> f64 {
+    assert_eq!(got.dtype(), DType::BF16);
+    common::rel(&common::to_f64(got), &common::to_f64(want))
+}
+
+#[test]
+fn bf16_op_forward_and_gradients_follow_the_f32_computation_on_every_isa() {
+    let mut r = common::rng(4);
+    // Rounded to bf16 first: both sides multiply the same numbers.
+    let bf = |v: Vec<f32>, rows, cols| t2(v, rows, cols).to_dtype(DType::BF16).expect("bf16");
+    let x = bf(common::randv(&mut r, 300 * 130), 300, 130);
+    let w = bf(common::randv(&mut r, 90 * 130), 90, 130);
+    let g = bf(common::randv(&mut r, 300 * 90), 300, 90);
+    let f32_of = |t: &Tensor| t.to_dtype(DType::F32).expect("f32");
+    let (xf, wf, gf) = (
+        Var::from_tensor(&f32_of(&x)).expect("var"),
+        Var::from_tensor(&f32_of(&w)).expect("var"),
+        f32_of(&g),
+    );
+    let yf = xf
+        .as_tensor()
+        .matmul(&wf.as_tensor().t().expect("t"))
+        .expect("mm");
+    let gradsf = (&yf * &gf)
+        .and_then(|p| p.sum_all())
+        .and_then(|s| s.backward())
+        .expect("f32 backward");
+    for isa in flash_ring::cpu::available() {
+        let cfg = KernelConfig {
+            isa: Some(isa),
+            ..KernelConfig::default()
+        };
+        let (xv, wv) = (
+            Var::from_tensor(&x).expect("var"),
+            Var::from_tensor(&w).expect("var"),
+        );
+        let y =
+            flash_ring::matmul_with_config(xv.as_tensor(), &wv.as_tensor().t().expect("t"), &cfg)
+                .expect("matmul");
+        let e = close_to_bf16_of(&y, &yf);
+        assert!(e <= 4e-3, "{isa:?} forward: {e}");
+        // The loss sum(y * g) in bf16 would round the sum: take it in f32 as training does.
+        let grads = (y.to_dtype(DType::F32).expect("f32") * &gf)
+            .and_then(|p| p.sum_all())
+            .and_then(|s| s.backward())
+            .expect("backward");
+        for (name, v, vf) in [("x", &xv, &xf), ("w", &wv, &wf)] {
+            let got = grads.get(v.as_tensor()).expect("grad");
+            let want = gradsf.get(vf.as_tensor()).expect("f32 grad");
+            let e = close_to_bf16_of(got, want);
+            assert!(e <= 4e-3, "{isa:?} grad {name}: {e}");
+        }
+    }
+}
+
+#[test]
+fn narrowing_to_bf16_rounds_as_half_does() {
+    let mut r = common::rng(13);
+    let mut src: Vec<f32> = common::randv(&mut r, 1000)
+        .into_iter()
+        .enumerate()
+        .map(|(i, x)| x * 10f32.powi(i as i32 % 60 - 30))
+        .collect();
+    // Ties (round to even), the largest finite values, infinities, NaN, signed zeros.
+    src.extend([
+        f32::from_bits(0x3f80_8000),
+        f32::from_bits(0x3f81_8000),
+        f32::MAX,
+        -f32::MAX,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        0.0,
+        -0.0,
+        1e-30,
+    ]);
+    // Every length of the vector loop's tail.
+    for len in [src.len(), 17, 16, 15, 1, 0] {
+        let mut got = vec![bf16::ZERO; len];
+        narrow_to_bf16(&src[..len], &mut got);
+        for (g, s) in got.iter().zip(&src) {
+            let want = bf16::from_f32(*s);
+            if want.is_nan() {
+                assert!(g.is_nan(), "{s}");
+            } else {
+                assert_eq!(g.to_bits(), want.to_bits(), "{s:e}");
+            }
+        }
+    }
+}
