@@ -12,11 +12,21 @@
 //! `d_hidden = dlogits @ weight`, and finally one all-reduce (sum) of `d_hidden` over the group
 //! (every rank's shard contributes to every token's hidden gradient).
 //!
+//! # Precision
+//! The logits are f32 sums of the products of the hidden states and weight as stored. When both
+//! are bf16 on a CPU with bf16 dot products (`flash_ring::bf16_dot_products`), the products run
+//! on them without widening (exact products, f32 sums: the same logits up to summation order),
+//! and `dlogits` is rounded to bf16 for the two backward products, as a bf16 head is in
+//! PyTorch. Otherwise everything is f32. On the CPU the row softmax is one pass per row with
+//! flash-ring's vector exponential (`ops::softmax_rows`).
+//!
 //! # Memory
-//! With `c = chunk_tokens`, `S = V/P` and `H` the hidden size, the logit-sized temporaries are at
-//! most two `(c, S)` f32 tensors alive at a time (forward and backward), never `(N, S)`. Besides:
+//! With `c = chunk_tokens`, `S = V/P` and `H` the hidden size, the logit-sized temporaries are
+//! one `(c, S)` f32 tensor on the CPU (the backward forms `dlogits` over the recomputed logits;
+//! a bf16 `dlogits` is a second, half-size buffer) and at most two on other devices, never
+//! `(N, S)`. Besides:
 //! - an f32 copy of the weight shard (`S × H`) while forward or backward runs, only when the
-//!   weight is not f32 (an f32 weight is used as is);
+//!   weight is neither f32 nor used as bf16 (an f32 weight is used as is);
 //! - the per-token lse, `N` f32, kept from forward to backward (with the labels' `N`-sized masks);
 //! - in backward, the gradients themselves: `d_weight` (`S × H` f32, accumulated in place on CPU,
 //!   plus one chunk's `S × H` contribution at a time; out of place on other devices) and

@@ -15,10 +15,14 @@ use std::sync::Mutex;
 
 use super::pool::PoolBuf;
 use super::simd::{self, MatMul, CHUNK};
-use super::{pack_panels, pack_rows, Dims, KernelConfig, View};
+use super::{
+    pack_pair_panels, pack_panels, pack_rows, pack_rows_bf16, panel_product, Dims, KernelConfig,
+    PanelOperands, View,
+};
 use crate::error::{Error, Result};
 use crate::reference::RefShape;
 use crate::spec::{AttnSpec, BlockPos, MaskRule, TileClass};
+use half::bf16;
 
 /// Rows per strip when a tile is partially masked.
 const STRIP: usize = 32;
@@ -37,17 +41,23 @@ struct PackedQ {
     q: PoolBuf,
     /// dO, rows of length dp.
     dout: PoolBuf,
+    /// Q and dO as stored (bf16, rows of dp), with bf16 dot products; empty otherwise.
+    q16: Vec<bf16>,
+    dout16: Vec<bf16>,
     /// The rows' natural-log lse (see `simd::p_ds_row` for why not in log2 units).
     lse: Vec<f32>,
     /// D = rowsum(dO * O) per row.
     dd: Vec<f32>,
 }
 
-/// Key-side operands of one (batch, kv head).
+/// Key-side operands of one (batch, kv head): K^T and V^T in f32 panels, or as stored (bf16)
+/// in pair-interleaved panels with bf16 dot products (the others empty); K rows in f32.
 struct PackedKv {
     kt: PoolBuf,
     k: PoolBuf,
     vt: PoolBuf,
+    kt16: Vec<bf16>,
+    vt16: Vec<bf16>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -100,6 +110,10 @@ pub(crate) fn backward(
     let kb = BlockPos::new(&spec.k_pos, spec.doc_ids.as_ref(), bk);
     let rule = MaskRule::new(spec);
     let qmul = spec.scale * LOG2_E;
+    // bf16 inputs on AVX512-BF16: S = Q K^T and dP = dO V^T, the two products of stored
+    // inputs, on the bf16 dot products (exact products, f32 sums; S scaled afterwards). The
+    // products with P or dS stay f32 (neither is rounded).
+    let dot = q.bf16_dot(isa) && dout.bf16_dot(isa);
 
     let pq: Vec<PackedQ> = (0..b * hq)
         .into_par_iter()
@@ -112,9 +126,19 @@ pub(crate) fn backward(
             let op = pack_rows(out, bi, h, sq, dp, 1.0);
             let mut dd = vec![0.0f32; sq];
             simd::row_dots(isa, &op, dp, &dop, dp, d, &mut dd);
+            let (q16, dout16) = if dot {
+                (
+                    pack_rows_bf16(q, bi, h, sq, dp),
+                    pack_rows_bf16(dout, bi, h, sq, dp),
+                )
+            } else {
+                (Vec::new(), Vec::new())
+            };
             PackedQ {
                 q: qp,
                 dout: dop,
+                q16,
+                dout16,
                 lse: lse[i * sq..(i + 1) * sq].to_vec(),
                 dd,
             }
@@ -122,10 +146,23 @@ pub(crate) fn backward(
         .collect();
     let pk: Vec<PackedKv> = (0..b * hkv)
         .into_par_iter()
-        .map(|i| PackedKv {
-            kt: pack_panels(k, i / hkv, i % hkv, sk, dp),
-            k: pack_rows(k, i / hkv, i % hkv, sk, dp, 1.0),
-            vt: pack_panels(v, i / hkv, i % hkv, sk, dp),
+        .map(|i| {
+            let (bi, h) = (i / hkv, i % hkv);
+            let panels = |x: &View| {
+                if dot {
+                    (PoolBuf::zeroed(0), pack_pair_panels(x, bi, h, sk, dp))
+                } else {
+                    (pack_panels(x, bi, h, sk, dp), Vec::new())
+                }
+            };
+            let ((kt, kt16), (vt, vt16)) = (panels(k), panels(v));
+            PackedKv {
+                kt,
+                k: pack_rows(k, bi, h, sk, dp, 1.0),
+                vt,
+                kt16,
+                vt16,
+            }
         })
         .collect();
 
@@ -220,19 +257,22 @@ pub(crate) fn backward(
                     let sb = &mut s[r0 * bk + c0..];
                     let gb = &mut g[r0 * bk + c0..];
                     // S = Qs K^T and dP = dO V^T over whole 32-key panels.
-                    let nt = MatMul {
-                        m: rn,
-                        n: cn.div_ceil(CHUNK) * CHUNK,
-                        k: dp,
-                        a_rs: dp,
-                        a_ks: 1,
-                        b_rs: CHUNK,
-                        b_cs: dp * CHUNK,
-                        c_rs: bk,
-                        accumulate: false,
+                    let cols = cn.div_ceil(CHUNK) * CHUNK;
+                    let kp = (k0 + c0) * dp;
+                    let (s_ops, dp_ops) = if dot {
+                        let at = (q0 + r0) * dp;
+                        (
+                            PanelOperands::Bf16(&qs.q16[at..], &ks.kt16[kp..]),
+                            PanelOperands::Bf16(&qs.dout16[at..], &ks.vt16[kp..]),
+                        )
+                    } else {
+                        (
+                            PanelOperands::F32(qrows, &ks.kt[kp..]),
+                            PanelOperands::F32(dorows, &ks.vt[kp..]),
+                        )
                     };
-                    nt.run(isa, qrows, &ks.kt[(k0 + c0) * dp..], sb);
-                    nt.run(isa, dorows, &ks.vt[(k0 + c0) * dp..], gb);
+                    panel_product(isa, s_ops, rn, cols, dp, sb, bk);
+                    panel_product(isa, dp_ops, rn, cols, dp, gb, bk);
                     // P = e^(S ln 2 - lse) (masked entries and dead rows: 0), dS = P (dP - D).
                     for i in r0..r0 + rn {
                         let row = &mut s[i * bk..i * bk + kn];
@@ -243,6 +283,9 @@ pub(crate) fn backward(
                             row[c0..c1].fill(0.0);
                             grow.fill(0.0);
                             continue;
+                        }
+                        if dot {
+                            simd::scale_row(isa, &mut row[c0..c1], qmul);
                         }
                         if class == TileClass::Partial {
                             rule.mask_row(&qb, q0 + i, &kb, kt, row, f32::NEG_INFINITY);

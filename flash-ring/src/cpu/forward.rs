@@ -5,10 +5,14 @@ use std::f32::consts::{LN_2, LOG2_E};
 
 use super::pool::PoolBuf;
 use super::simd::{self, Isa, MatMul, CHUNK};
-use super::{pack_panels, pack_rows, Dims, KernelConfig, SharedOut, View};
+use super::{
+    pack_pair_panels, pack_panels, pack_rows, panel_product, Dims, KernelConfig, PanelOperands,
+    SharedOut, View,
+};
 use crate::error::Result;
 use crate::reference::RefShape;
 use crate::spec::{AttnSpec, BlockPos, MaskRule, TileClass};
+use half::bf16;
 
 /// Rows per strip when a tile is partially masked.
 const STRIP: usize = 32;
@@ -24,8 +28,11 @@ pub(crate) struct FwdOut {
 
 /// Keys and values of one (batch, kv head), packed for the forward kernel.
 struct PackedKv {
-    /// K^T in panels of 32 keys (see `pack_panels`).
+    /// K^T in panels of 32 keys (see `pack_panels`); empty with bf16 dot products.
     kt: PoolBuf,
+    /// K^T as stored (bf16) in pair-interleaved panels (`pack_pair_panels`), with bf16 dot
+    /// products; empty otherwise.
+    kt16: Vec<bf16>,
     /// V rows (seq_k x dp).
     v: PoolBuf,
 }
@@ -58,11 +65,26 @@ pub(crate) fn forward(
     let qb = BlockPos::new(&spec.q_pos, spec.doc_ids.as_ref(), bq);
     let kb = BlockPos::new(&spec.k_pos, spec.doc_ids.as_ref(), bk);
     let rule = MaskRule::new(spec);
+    // bf16 inputs on AVX512-BF16: S = Q K^T on the bf16 dot products (exact products, f32
+    // sums), scaled afterwards; P V stays f32 (P is not rounded).
+    let dot = q.bf16_dot(isa);
     let packed: Vec<PackedKv> = (0..b * hkv)
         .into_par_iter()
-        .map(|i| PackedKv {
-            kt: pack_panels(k, i / hkv, i % hkv, sk, dp),
-            v: pack_rows(v, i / hkv, i % hkv, sk, dp, 1.0),
+        .map(|i| {
+            let (bi, h) = (i / hkv, i % hkv);
+            PackedKv {
+                kt: if dot {
+                    PoolBuf::zeroed(0)
+                } else {
+                    pack_panels(k, bi, h, sk, dp)
+                },
+                kt16: if dot {
+                    pack_pair_panels(k, bi, h, sk, dp)
+                } else {
+                    Vec::new()
+                },
+                v: pack_rows(v, bi, h, sk, dp, 1.0),
+            }
         })
         .collect();
     let nqt = sq.div_ceil(bq);
@@ -78,8 +100,14 @@ pub(crate) fn forward(
             let kv = &packed[bi * hkv + h / dims.group()];
             let q0 = qt * bq;
             let qn = bq.min(sq - q0);
-            q.read_rows(bi, q0, h, qn, &mut sc.q, dp, qmul);
+            if dot {
+                q.read_rows_bf16(bi, q0, h, qn, &mut sc.q16, dp);
+            } else {
+                q.read_rows(bi, q0, h, qn, &mut sc.q, dp, qmul);
+            }
             let t = TileTask {
+                dot,
+                qmul,
                 isa,
                 dims,
                 rule: &rule,
@@ -115,6 +143,8 @@ pub(crate) fn forward(
 /// Per-thread buffers of the forward kernel (O(tile) memory).
 struct Scratch {
     q: Vec<f32>,
+    /// The q tile as stored (bf16, rows of dp, zero padded), with bf16 dot products.
+    q16: Vec<bf16>,
     o: Vec<f32>,
     s: Vec<f32>,
     m: Vec<f32>,
@@ -125,6 +155,7 @@ impl Scratch {
     fn new(bq: usize, bk: usize, dp: usize) -> Self {
         Scratch {
             q: vec![0.0; bq * dp],
+            q16: vec![bf16::ZERO; bq * dp],
             o: vec![0.0; bq * dp],
             s: vec![0.0; bq * bk],
             m: vec![0.0; bq],
@@ -134,6 +165,10 @@ impl Scratch {
 }
 
 struct TileTask<'a> {
+    /// S = Q K^T on the bf16 dot products (`sc.q16`, `kv.kt16`), times `qmul` afterwards.
+    dot: bool,
+    /// scale * log2(e).
+    qmul: f32,
     isa: Isa,
     dims: Dims,
     rule: &'a MaskRule,
@@ -206,25 +241,18 @@ impl TileTask<'_> {
         let (isa, dp, bk) = (self.isa, self.dims.dp, self.bk);
         let q0 = self.qt * self.qb.tile;
         // S = (Q * scale * log2 e) K^T over whole 32-key panels.
-        MatMul {
-            m: rn,
-            n: (c1 - c0).div_ceil(CHUNK) * CHUNK,
-            k: dp,
-            a_rs: dp,
-            a_ks: 1,
-            b_rs: CHUNK,
-            b_cs: dp * CHUNK,
-            c_rs: bk,
-            accumulate: false,
-        }
-        .run(
-            isa,
-            &sc.q[r0 * dp..],
-            &kv.kt[(k0 + c0) * dp..],
-            &mut sc.s[r0 * bk + c0..],
-        );
+        let cols = (c1 - c0).div_ceil(CHUNK) * CHUNK;
+        let ops = if self.dot {
+            PanelOperands::Bf16(&sc.q16[r0 * dp..], &kv.kt16[(k0 + c0) * dp..])
+        } else {
+            PanelOperands::F32(&sc.q[r0 * dp..], &kv.kt[(k0 + c0) * dp..])
+        };
+        panel_product(isa, ops, rn, cols, dp, &mut sc.s[r0 * bk + c0..], bk);
         for i in r0..r0 + rn {
             let full = &mut sc.s[i * bk..i * bk + kn];
+            if self.dot {
+                simd::scale_row(isa, &mut full[c0..c1], self.qmul);
+            }
             if class == TileClass::Partial {
                 self.rule
                     .mask_row(self.qb, q0 + i, self.kb, kt, full, f32::NEG_INFINITY);

@@ -231,51 +231,95 @@ impl PanelKernel for Bf16Panels<'_> {
         dst_rs: usize,
         accumulate: bool,
     ) {
-        let pairs = depth.div_ceil(2);
         let a = &self.a.data[r0 * self.a.rs + k0..];
         let b = &panels[k0 * CHUNK..];
         let panel_len = self.panel_len();
-        // The extents the kernel reads and writes (see `avx512bf16::matmul`).
-        assert!(k0.is_multiple_of(2) && cols.is_multiple_of(16) && rows > 0 && cols > 0);
+        assert!(k0.is_multiple_of(2));
+        let s = TileProduct {
+            rows,
+            cols,
+            pairs: depth.div_ceil(2),
+            a_rs: self.a.rs,
+            b_cs: panel_len,
+            c_rs: dst_rs,
+        };
+        s.run(a, b, dst, accumulate);
+    }
+}
+
+/// `C (rows x cols) (+)= A B` over `pairs` depth pairs on the bf16 dot products, for callers that
+/// hold bf16 operands in this module's layouts (the blocked product, the attention kernels):
+/// row `i` of A at `a[i * a_rs..]` with its depth pairs contiguous; B in pair-interleaved panels
+/// of [`CHUNK`] columns (see `Bf16Panels::pack_panel`), panel `p` at `b[p * b_cs..]`; row `i` of
+/// C at `c[i * c_rs..]`. `cols` is a multiple of 16.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TileProduct {
+    pub rows: usize,
+    pub cols: usize,
+    pub pairs: usize,
+    pub a_rs: usize,
+    pub b_cs: usize,
+    pub c_rs: usize,
+}
+
+impl TileProduct {
+    /// Runs it. Panics (internal bug) when [`available`] is false or a slice is too short.
+    pub fn run(&self, a: &[bf16], b: &[bf16], c: &mut [f32], accumulate: bool) {
+        let s = *self;
+        if s.rows == 0 || s.cols == 0 {
+            return;
+        }
         assert!(
-            a.len() >= (rows - 1) * self.a.rs + 2 * pairs,
-            "gemm_bf16: a too short"
+            available(),
+            "bf16 tile product: this CPU has no AVX512-BF16"
         );
-        let last = (cols - 1) / CHUNK;
-        let last_w = cols - last * CHUNK;
         assert!(
-            b.len() >= last * panel_len + (pairs - 1) * 2 * CHUNK + 2 * last_w,
-            "gemm_bf16: b too short"
+            s.cols.is_multiple_of(16),
+            "bf16 tile product: cols {}",
+            s.cols
         );
+        if s.pairs > 0 {
+            assert!(
+                a.len() >= (s.rows - 1) * s.a_rs + 2 * s.pairs,
+                "bf16 tile product: a too short"
+            );
+            let last = (s.cols - 1) / CHUNK;
+            let last_w = s.cols - last * CHUNK;
+            assert!(
+                b.len() >= last * s.b_cs + (s.pairs - 1) * 2 * CHUNK + 2 * last_w,
+                "bf16 tile product: b too short"
+            );
+        }
         assert!(
-            dst.len() >= (rows - 1) * dst_rs + cols,
-            "gemm_bf16: c too short"
+            c.len() >= (s.rows - 1) * s.c_rs + s.cols,
+            "bf16 tile product: c too short"
         );
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `gemm_bf16` checked that the CPU has AVX-512F and AVX512-BF16; the extents
-        // were checked above.
+        // SAFETY: the CPU has AVX-512F/BW/VL and AVX512-BF16 (`available`); the extents were
+        // checked above.
         unsafe {
             avx512bf16::matmul(
-                rows,
-                cols,
-                pairs,
+                s.rows,
+                s.cols,
+                s.pairs,
                 a.as_ptr(),
-                self.a.rs,
+                s.a_rs,
                 b.as_ptr(),
-                panel_len,
-                dst.as_mut_ptr(),
-                dst_rs,
+                s.b_cs,
+                c.as_mut_ptr(),
+                s.c_rs,
                 accumulate,
             )
         }
         #[cfg(not(target_arch = "x86_64"))]
-        unreachable!("gemm_bf16 without AVX512-BF16: {rows} {cols} {pairs} {accumulate}")
+        unreachable!("bf16 tile product without AVX512-BF16: {accumulate}")
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512bf16 {
     use super::super::gemm::{finish_block, BLOCK, LANES};
+    use super::super::simd::avx512::store_block;
     use super::CHUNK;
     use half::bf16;
     use std::arch::x86_64::*;
@@ -367,17 +411,7 @@ mod avx512bf16 {
             }
             bp = bp.add(2 * CHUNK);
         }
-        for (i, ri) in r.iter().enumerate() {
-            for (v, x) in ri.iter().enumerate() {
-                let cp = c.add(i * c_rs + v * 16);
-                let y = if accumulate {
-                    _mm512_add_ps(_mm512_loadu_ps(cp), *x)
-                } else {
-                    *x
-                };
-                _mm512_storeu_ps(cp, y);
-            }
-        }
+        store_block(&r, c, c_rs, accumulate);
     }
 
     #[inline]

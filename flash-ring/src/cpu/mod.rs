@@ -1,8 +1,10 @@
 //! CPU kernels: tiled, multithreaded (rayon) flash attention forward and backward in f32.
 //!
 //! Inputs are read through strided views (any strides, f32/bf16/f16) and converted to f32 once
-//! while packing. Extra memory: packed copies of the inputs and f32 gradient accumulators
-//! (O(seq x head_dim) per head) plus O(tile x tile) scratch per task; never O(seq_q x seq_k).
+//! while packing, except where bf16 inputs meet the CPU's bf16 dot products (AVX512-BF16 under
+//! the AVX-512 kernels): `Q K^T` and `dO V^T` then multiply the stored bf16 values
+//! ([`panel_product`]: exact products, f32 sums). Extra memory: packed copies of the inputs and
+//! f32 gradient accumulators (O(seq x head_dim) per head) plus O(tile x tile) scratch per task; never O(seq_q x seq_k).
 //! The packed buffers come from a process-wide pool that keeps up to [`POOL_BYTES`] cached
 //! between calls (first-touch page faults otherwise cost as much as the attention at short
 //! lengths); [`release_buffers`] frees it.
@@ -210,6 +212,111 @@ impl<'a> View<'a> {
             Data::F16(v) => go!(v, |x: f16| x.to_f32()),
         }
     }
+}
+
+impl View<'_> {
+    /// Whether the attention kernels multiply this bf16 operand with the CPU's bf16 dot
+    /// products under `isa` (AVX512-BF16 present, the AVX-512 kernels chosen).
+    pub fn bf16_dot(&self, isa: Isa) -> bool {
+        matches!(self.data, Data::BF16(_)) && isa == Isa::Avx512 && gemm_bf16::available()
+    }
+
+    /// Rows `x[i0, i1 + r, i2, ..]` for `r < rows` as stored (bf16) into
+    /// `out[r * out_rs..r * out_rs + d]`. Panics (internal bug) on another dtype.
+    pub(crate) fn read_rows_bf16(
+        &self,
+        i0: usize,
+        i1: usize,
+        i2: usize,
+        rows: usize,
+        out: &mut [bf16],
+        out_rs: usize,
+    ) {
+        let Data::BF16(v) = self.data else {
+            panic!("read_rows_bf16 on a {:?} view", self.dtype());
+        };
+        let n = out_rs.min(self.dims[3]);
+        let base0 = self.offset + i0 * self.strides[0] + i2 * self.strides[2];
+        let (s1, s3) = (self.strides[1], self.strides[3]);
+        for (r, o) in out.chunks_mut(out_rs.max(1)).take(rows).enumerate() {
+            let base = base0 + (i1 + r) * s1;
+            for (t, o) in o[..n].iter_mut().enumerate() {
+                *o = v[base + t * s3];
+            }
+        }
+    }
+}
+
+/// Operands of [`panel_product`]: rows of A (length `dp`) and B in 32-column panels of depth
+/// `dp`, in f32 ([`pack_rows`] scaled, [`pack_panels`]) or as stored bf16 ([`pack_rows_bf16`],
+/// [`pack_pair_panels`]), each starting at the block's first row and panel.
+pub(crate) enum PanelOperands<'a> {
+    F32(&'a [f32], &'a [f32]),
+    Bf16(&'a [bf16], &'a [bf16]),
+}
+
+/// `C (rows x cols) = A B` for the attention kernels' `Q K^T` and `dO V^T`: C rows `c_rs`
+/// apart, `cols` a multiple of 32 (whole panels).
+pub(crate) fn panel_product(
+    isa: Isa,
+    ops: PanelOperands,
+    rows: usize,
+    cols: usize,
+    dp: usize,
+    c: &mut [f32],
+    c_rs: usize,
+) {
+    match ops {
+        PanelOperands::Bf16(a, b) => gemm_bf16::TileProduct {
+            rows,
+            cols,
+            pairs: dp / 2,
+            a_rs: dp,
+            b_cs: dp * simd::CHUNK,
+            c_rs,
+        }
+        .run(a, b, c, false),
+        PanelOperands::F32(a, b) => simd::MatMul {
+            m: rows,
+            n: cols,
+            k: dp,
+            a_rs: dp,
+            a_ks: 1,
+            b_rs: simd::CHUNK,
+            b_cs: dp * simd::CHUNK,
+            c_rs,
+            accumulate: false,
+        }
+        .run(isa, a, b, c),
+    }
+}
+
+/// Rows `0..rows` of head `h` in batch `b` as stored (bf16), row-major with row length `dp`
+/// (zero padded): the A operand of [`panel_product`].
+pub(crate) fn pack_rows_bf16(x: &View, b: usize, h: usize, rows: usize, dp: usize) -> Vec<bf16> {
+    let mut out = vec![bf16::ZERO; rows * dp];
+    x.read_rows_bf16(b, 0, h, rows, &mut out, dp);
+    out
+}
+
+/// Rows `0..rows` of head `h` in batch `b` as stored (bf16), transposed into the pair-interleaved
+/// panels of [`panel_product`]'s B (`dp` even): row `j`, column `c` at
+/// `(j / 32) * dp * 32 + (c / 2) * 64 + 2 (j % 32) + c % 2`; padding is zero.
+pub(crate) fn pack_pair_panels(x: &View, b: usize, h: usize, rows: usize, dp: usize) -> Vec<bf16> {
+    const W: usize = simd::CHUNK;
+    let d = x.dims[3];
+    let mut out = vec![bf16::ZERO; rows.div_ceil(W) * dp * W];
+    let mut tmp = vec![bf16::ZERO; W * d];
+    for (p, panel) in out.chunks_exact_mut(dp * W).enumerate() {
+        let n = W.min(rows - p * W);
+        x.read_rows_bf16(b, p * W, h, n, &mut tmp, d);
+        for (j, row) in tmp.chunks_exact(d).take(n).enumerate() {
+            for (c, &val) in row.iter().enumerate() {
+                panel[(c / 2) * 2 * W + 2 * j + c % 2] = val;
+            }
+        }
+    }
+    out
 }
 
 /// Validated sizes of an attention call: the shape (as the reference names it) and the packed

@@ -341,7 +341,7 @@ mod portable {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
+pub(crate) mod avx512 {
     use super::{for_each_block, MatMul, CHUNK, EXP2_POLY};
     use std::arch::x86_64::*;
     use std::f32::consts::{LN_2, LOG2_E};
@@ -380,6 +380,19 @@ mod avx512 {
             off += a_ks;
             bp = bp.add(b_rs);
         }
+        store_block(&r, c, c_rs, accumulate);
+    }
+
+    /// Writes (or, with `accumulate`, adds) a register block to C: row `i`, vector `v` at
+    /// `c + i * c_rs + 16 v`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn store_block<const MR: usize, const NV: usize>(
+        r: &[[__m512; NV]; MR],
+        c: *mut f32,
+        c_rs: usize,
+        accumulate: bool,
+    ) {
         for (i, ri) in r.iter().enumerate() {
             for (v, x) in ri.iter().enumerate() {
                 let cp = c.add(i * c_rs + v * 16);
