@@ -16,8 +16,8 @@ use std::sync::Mutex;
 use super::pool::PoolBuf;
 use super::simd::{self, MatMul, CHUNK};
 use super::{
-    pack_pair_panels, pack_panels, pack_rows, pack_rows_bf16, panel_product, Dims, KernelConfig,
-    PanelOperands, View,
+    pack_pair_panels, pack_panels, pack_rows, pack_rows_bf16, panel_product, row_dots_bf16, Dims,
+    KernelConfig, PanelOperands, View,
 };
 use crate::error::{Error, Result};
 use crate::reference::RefShape;
@@ -112,8 +112,11 @@ pub(crate) fn backward(
     let qmul = spec.scale * LOG2_E;
     // bf16 inputs on AVX512-BF16: S = Q K^T and dP = dO V^T, the two products of stored
     // inputs, on the bf16 dot products (exact products, f32 sums; S scaled afterwards). The
-    // products with P or dS stay f32 (neither is rounded).
-    let dot = q.bf16_dot(isa) && dout.bf16_dot(isa);
+    // products with P or dS stay f32 (neither is rounded). S is computed as the forward
+    // computed it (the same choice, on q), dP where dO is bf16 too; D then in dP's chain.
+    let dot_s = q.bf16_dot(isa);
+    let dot_dp = dot_s && dout.bf16_dot(isa);
+    let dot_d = dot_dp && out.bf16_dot(isa);
 
     let pq: Vec<PackedQ> = (0..b * hq)
         .into_par_iter()
@@ -123,16 +126,23 @@ pub(crate) fn backward(
             let dop = pack_rows(dout, bi, h, sq, dp, 1.0);
             // D in the order of dP's matmul (see `simd::row_dots`); fully masked rows (P = 0)
             // do not use it.
-            let op = pack_rows(out, bi, h, sq, dp, 1.0);
-            let mut dd = vec![0.0f32; sq];
-            simd::row_dots(isa, &op, dp, &dop, dp, d, &mut dd);
-            let (q16, dout16) = if dot {
-                (
-                    pack_rows_bf16(q, bi, h, sq, dp),
-                    pack_rows_bf16(dout, bi, h, sq, dp),
-                )
+            let q16 = if dot_s {
+                pack_rows_bf16(q, bi, h, sq, dp)
             } else {
-                (Vec::new(), Vec::new())
+                Vec::new()
+            };
+            let dout16 = if dot_dp {
+                pack_rows_bf16(dout, bi, h, sq, dp)
+            } else {
+                Vec::new()
+            };
+            let dd = if dot_d {
+                row_dots_bf16(&dout16, out, bi, h, sq, dp)
+            } else {
+                let op = pack_rows(out, bi, h, sq, dp, 1.0);
+                let mut dd = vec![0.0f32; sq];
+                simd::row_dots(isa, &op, dp, &dop, dp, d, &mut dd);
+                dd
             };
             PackedQ {
                 q: qp,
@@ -148,14 +158,14 @@ pub(crate) fn backward(
         .into_par_iter()
         .map(|i| {
             let (bi, h) = (i / hkv, i % hkv);
-            let panels = |x: &View| {
+            let panels = |x: &View, dot: bool| {
                 if dot {
                     (PoolBuf::zeroed(0), pack_pair_panels(x, bi, h, sk, dp))
                 } else {
                     (pack_panels(x, bi, h, sk, dp), Vec::new())
                 }
             };
-            let ((kt, kt16), (vt, vt16)) = (panels(k), panels(v));
+            let ((kt, kt16), (vt, vt16)) = (panels(k, dot_s), panels(v, dot_dp));
             PackedKv {
                 kt,
                 k: pack_rows(k, bi, h, sk, dp, 1.0),
@@ -259,17 +269,16 @@ pub(crate) fn backward(
                     // S = Qs K^T and dP = dO V^T over whole 32-key panels.
                     let cols = cn.div_ceil(CHUNK) * CHUNK;
                     let kp = (k0 + c0) * dp;
-                    let (s_ops, dp_ops) = if dot {
-                        let at = (q0 + r0) * dp;
-                        (
-                            PanelOperands::Bf16(&qs.q16[at..], &ks.kt16[kp..]),
-                            PanelOperands::Bf16(&qs.dout16[at..], &ks.vt16[kp..]),
-                        )
+                    let at = (q0 + r0) * dp;
+                    let s_ops = if dot_s {
+                        PanelOperands::Bf16(&qs.q16[at..], &ks.kt16[kp..])
                     } else {
-                        (
-                            PanelOperands::F32(qrows, &ks.kt[kp..]),
-                            PanelOperands::F32(dorows, &ks.vt[kp..]),
-                        )
+                        PanelOperands::F32(qrows, &ks.kt[kp..])
+                    };
+                    let dp_ops = if dot_dp {
+                        PanelOperands::Bf16(&qs.dout16[at..], &ks.vt16[kp..])
+                    } else {
+                        PanelOperands::F32(dorows, &ks.vt[kp..])
                     };
                     panel_product(isa, s_ops, rn, cols, dp, sb, bk);
                     panel_product(isa, dp_ops, rn, cols, dp, gb, bk);
@@ -284,7 +293,7 @@ pub(crate) fn backward(
                             grow.fill(0.0);
                             continue;
                         }
-                        if dot {
+                        if dot_s {
                             simd::scale_row(isa, &mut row[c0..c1], qmul);
                         }
                         if class == TileClass::Partial {

@@ -283,12 +283,15 @@ impl TileProduct {
                 a.len() >= (s.rows - 1) * s.a_rs + 2 * s.pairs,
                 "bf16 tile product: a too short"
             );
+            // The end of chunk `ch`'s reads; the furthest is in the last chunk or, when that
+            // one is narrower and `b_cs` small, in the last full one.
+            let end = |ch: usize| {
+                let w = CHUNK.min(s.cols - ch * CHUNK);
+                ch * s.b_cs + (s.pairs - 1) * 2 * CHUNK + 2 * w
+            };
             let last = (s.cols - 1) / CHUNK;
-            let last_w = s.cols - last * CHUNK;
-            assert!(
-                b.len() >= last * s.b_cs + (s.pairs - 1) * 2 * CHUNK + 2 * last_w,
-                "bf16 tile product: b too short"
-            );
+            let need = end(last).max(if last > 0 { end(last - 1) } else { 0 });
+            assert!(b.len() >= need, "bf16 tile product: b too short");
         }
         assert!(
             c.len() >= (s.rows - 1) * s.c_rs + s.cols,

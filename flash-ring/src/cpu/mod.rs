@@ -291,6 +291,33 @@ pub(crate) fn panel_product(
     }
 }
 
+/// `D[i] = sum_c a[i, c] o[i, c]` for `rows` bf16 rows of `a` (length `dp`, as
+/// [`pack_rows_bf16`]) and the rows of head `h` of the bf16 view `o`, summed in exactly the
+/// chain in which [`panel_product`] sums `a[i] . v[j]` on the bf16 dot products: the diagonal
+/// of a 32 x 32 product per block of 32 rows. A row whose output equals a value row (a
+/// saturated softmax) then has `D = dP` bit for bit and `dS = P (dP - D)` exactly 0.
+pub(crate) fn row_dots_bf16(
+    a: &[bf16],
+    o: &View,
+    b: usize,
+    h: usize,
+    rows: usize,
+    dp: usize,
+) -> Vec<f32> {
+    const W: usize = simd::CHUNK;
+    let panels = pack_pair_panels(o, b, h, rows, dp);
+    let mut block = vec![0.0f32; W * W];
+    let mut dd = vec![0.0f32; rows];
+    for (p, d) in dd.chunks_mut(W).enumerate() {
+        let ops = PanelOperands::Bf16(&a[p * W * dp..], &panels[p * W * dp..]);
+        panel_product(Isa::Avx512, ops, d.len(), W, dp, &mut block, W);
+        for (i, x) in d.iter_mut().enumerate() {
+            *x = block[i * W + i];
+        }
+    }
+    dd
+}
+
 /// Rows `0..rows` of head `h` in batch `b` as stored (bf16), row-major with row length `dp`
 /// (zero padded): the A operand of [`panel_product`].
 pub(crate) fn pack_rows_bf16(x: &View, b: usize, h: usize, rows: usize, dp: usize) -> Vec<bf16> {
