@@ -49,7 +49,7 @@ pub fn matmul_to_f32(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// Whether bf16 products of [`matmul`] run on this CPU's bf16 dot products (AVX512-BF16,
 /// [`crate::cpu::gemm_bf16`]) with the default kernels; otherwise they are widened to f32.
 pub fn bf16_dot_products() -> bool {
-    bf16_dot(crate::cpu::detect())
+    gemm_bf16::used_under(crate::cpu::detect())
 }
 
 fn product(a: &Tensor, b: &Tensor, cfg: &KernelConfig, f32_out: bool) -> Result<Tensor> {
@@ -169,12 +169,6 @@ fn f32_view<'a>(
     Ok(Mat::row_major(buf, rows, cols))
 }
 
-/// Whether `isa` multiplies bf16 operands with the CPU's bf16 dot products
-/// ([`crate::cpu::gemm_bf16`]): the AVX-512 kernels on a CPU with AVX512-BF16.
-fn bf16_dot(isa: Isa) -> bool {
-    isa == Isa::Avx512 && gemm_bf16::available()
-}
-
 fn check_inner<T>(a: &Mat<T>, b: &Mat<T>) -> candle_core::Result<()> {
     if a.cols != b.rows {
         candle_core::bail!(
@@ -218,7 +212,7 @@ impl CustomOp2 for MatMulOp {
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         if let (CpuStorage::BF16(v1), CpuStorage::BF16(v2)) = (s1, s2) {
-            if bf16_dot(self.isa) {
+            if gemm_bf16::used_under(self.isa) {
                 let a = mat_view("a", v1, l1)?;
                 let b = mat_view("b", v2, l2)?;
                 check_inner(&a, &b)?;
@@ -248,7 +242,7 @@ impl CustomOp2 for MatMulOp {
         let grad = grad.to_dtype(a.dtype())?;
         let grad = &grad;
         let mul = |x: &Tensor, y: &Tensor| {
-            if x.dtype() == DType::BF16 && bf16_dot(self.isa) {
+            if x.dtype() == DType::BF16 && gemm_bf16::used_under(self.isa) {
                 x.apply_op2(
                     y,
                     MatMulOp {

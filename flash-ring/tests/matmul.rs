@@ -6,30 +6,8 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
-use flash_ring::cpu::gemm::{gemm, Mat, KC};
+use flash_ring::cpu::gemm::{gemm, Mat};
 use flash_ring::{Isa, KernelConfig};
-
-/// The unit roundoff of f32.
-const U: f64 = 1.0 / (1u64 << 24) as f64;
-
-/// A `rows x cols` matrix with values from `f`, stored row-major (`col_major == false`) or
-/// column-major, behind `pad` leading elements; returns the storage and the view's strides.
-fn store(
-    rows: usize,
-    cols: usize,
-    col_major: bool,
-    pad: usize,
-    f: &mut impl FnMut() -> f32,
-) -> (Vec<f32>, usize, usize) {
-    let mut data = vec![f32::NAN; pad + rows * cols];
-    let (rs, cs) = if col_major { (1, rows) } else { (cols, 1) };
-    for r in 0..rows {
-        for c in 0..cols {
-            data[pad + r * rs + c * cs] = f();
-        }
-    }
-    (data, rs, cs)
-}
 
 /// Checks `gemm` on A `(m, k)` and B `(k, n)` in the given layouts against float64: every
 /// element within `(KC + ceil(k / KC) + 2) u sum_t |a_t b_t|`, the worst-case bound of its
@@ -37,8 +15,8 @@ fn store(
 fn check_gemm(isa: Isa, m: usize, k: usize, n: usize, a_cm: bool, b_cm: bool, seed: u64) {
     let mut r = common::rng(seed);
     let mut gen = || common::randv(&mut r, 1)[0];
-    let (ad, ars, acs) = store(m, k, a_cm, 3, &mut gen);
-    let (bd, brs, bcs) = store(k, n, b_cm, 5, &mut gen);
+    let (ad, ars, acs) = common::store(m, k, a_cm, 3, f32::NAN, &mut gen);
+    let (bd, brs, bcs) = common::store(k, n, b_cm, 5, f32::NAN, &mut gen);
     let a = Mat {
         data: &ad[3..],
         rows: m,
@@ -55,18 +33,16 @@ fn check_gemm(isa: Isa, m: usize, k: usize, n: usize, a_cm: bool, b_cm: bool, se
     };
     let c = gemm(isa, a, b);
     assert_eq!(c.len(), m * n);
-    let bound = (KC + k.div_ceil(KC) + 2) as f64 * U;
     for i in 0..m {
         for j in 0..n {
-            let (mut exact, mut mag) = (0.0f64, 0.0f64);
-            for t in 0..k {
-                let p = a.data[i * ars + t * acs] as f64 * b.data[t * brs + j * bcs] as f64;
-                exact += p;
-                mag += p.abs();
-            }
+            let (exact, bound) = common::exact_dot(
+                k,
+                |t| a.data[i * ars + t * acs] as f64,
+                |t| b.data[t * brs + j * bcs] as f64,
+            );
             let err = (c[i * n + j] as f64 - exact).abs();
             assert!(
-                err <= bound * mag,
+                err <= bound,
                 "{isa:?} m={m} k={k} n={n} a_cm={a_cm} b_cm={b_cm} ({i}, {j}): {} vs {exact}",
                 c[i * n + j]
             );
@@ -166,7 +142,7 @@ fn short_chains_beat_one_long_chain_on_same_sign_sums() {
         worst_chain <= worst_long / 3.0,
         "short chains {worst_chain:.2e} vs one running sum {worst_long:.2e}"
     );
-    assert!(worst_chain <= 64.0 * U, "{worst_chain:.2e}");
+    assert!(worst_chain <= 64.0 * common::U, "{worst_chain:.2e}");
 }
 
 /// A weight's transpose against a short sequence is computed as `(W A^T)^T` (packing A, not

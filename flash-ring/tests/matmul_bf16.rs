@@ -10,16 +10,12 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
-use flash_ring::cpu::gemm::{gemm, Mat, KC};
+use flash_ring::cpu::gemm::{gemm, Mat};
 use flash_ring::cpu::gemm_bf16::{available, gemm_bf16, narrow_to_bf16};
 use flash_ring::KernelConfig;
 use half::bf16;
 
-/// The unit roundoff of f32.
-const U: f64 = 1.0 / (1u64 << 24) as f64;
-
-/// A `rows x cols` bf16 matrix of random values stored row-major or column-major behind `pad`
-/// leading elements (NaN there, so a stray read shows): the storage and the view's strides.
+/// A `rows x cols` bf16 matrix of random values (see `common::store`).
 fn store(
     rows: usize,
     cols: usize,
@@ -27,15 +23,9 @@ fn store(
     pad: usize,
     r: &mut rand::rngs::StdRng,
 ) -> (Vec<bf16>, usize, usize) {
-    let vals = common::randv(r, rows * cols);
-    let mut data = vec![bf16::NAN; pad + rows * cols];
-    let (rs, cs) = if col_major { (1, rows) } else { (cols, 1) };
-    for i in 0..rows {
-        for j in 0..cols {
-            data[pad + i * rs + j * cs] = bf16::from_f32(vals[i * cols + j]);
-        }
-    }
-    (data, rs, cs)
+    common::store(rows, cols, col_major, pad, bf16::NAN, || {
+        bf16::from_f32(common::randv(r, 1)[0])
+    })
 }
 
 fn mat<T>(data: &[T], rows: usize, cols: usize, rs: usize, cs: usize) -> Mat<'_, T> {
@@ -67,20 +57,18 @@ fn check(m: usize, k: usize, n: usize, a_cm: bool, b_cm: bool, seed: u64) {
         mat(&af[3..], m, k, ars, acs),
         mat(&bf[5..], k, n, brs, bcs),
     );
-    let bound = (KC + k.div_ceil(KC) + 2) as f64 * U;
     for i in 0..m {
         for j in 0..n {
-            let (mut exact, mut mag) = (0.0f64, 0.0f64);
-            for t in 0..k {
-                let p = af[3 + i * ars + t * acs] as f64 * bf[5 + t * brs + j * bcs] as f64;
-                exact += p;
-                mag += p.abs();
-            }
+            let (exact, bound) = common::exact_dot(
+                k,
+                |t| af[3 + i * ars + t * acs] as f64,
+                |t| bf[5 + t * brs + j * bcs] as f64,
+            );
             let (got, f32_got) = (c[i * n + j] as f64, wide[i * n + j] as f64);
             let at = format!("m={m} k={k} n={n} a_cm={a_cm} b_cm={b_cm} ({i}, {j})");
-            assert!((got - exact).abs() <= bound * mag, "{at}: {got} vs {exact}");
+            assert!((got - exact).abs() <= bound, "{at}: {got} vs {exact}");
             assert!(
-                (got - f32_got).abs() <= 2.0 * bound * mag,
+                (got - f32_got).abs() <= 2.0 * bound,
                 "{at}: {got} vs f32 {f32_got}"
             );
         }
@@ -131,18 +119,13 @@ fn bf16_dot_products_read_any_strides() {
     let c = gemm_bf16(mat(&ad, m, k, 2 * k, 2), mat(&bd, k, n, 2 * n, 2));
     for i in 0..m {
         for j in 0..n {
-            let (mut exact, mut mag) = (0.0f64, 0.0f64);
-            for t in 0..k {
-                let p = ad[i * 2 * k + 2 * t].to_f64() * bd[t * 2 * n + 2 * j].to_f64();
-                exact += p;
-                mag += p.abs();
-            }
-            let bound = (KC + k.div_ceil(KC) + 2) as f64 * U;
-            let got = c[i * n + j] as f64;
-            assert!(
-                (got - exact).abs() <= bound * mag,
-                "({i}, {j}): {got} vs {exact}"
+            let (exact, bound) = common::exact_dot(
+                k,
+                |t| ad[i * 2 * k + 2 * t].to_f64(),
+                |t| bd[t * 2 * n + 2 * j].to_f64(),
             );
+            let got = c[i * n + j] as f64;
+            assert!((got - exact).abs() <= bound, "({i}, {j}): {got} vs {exact}");
         }
     }
 }

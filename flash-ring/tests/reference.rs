@@ -144,7 +144,7 @@ fn tile_shapes_f32() {
 // ---------------------------------------------------------------------------------------------
 
 /// The unit roundoff of f32.
-const U: f64 = 1.0 / (1u64 << 24) as f64;
+use common::U;
 
 /// The kinds of extreme rows.
 #[derive(Clone, Copy, Debug, PartialEq)]

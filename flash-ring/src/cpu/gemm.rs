@@ -176,22 +176,25 @@ pub(crate) trait PanelKernel: Sync {
     fn panel_len(&self) -> usize;
     /// Columns `j0..j0 + CHUNK` of B (zeros past its last column) into the zeroed `panel`.
     fn pack_panel(&self, j0: usize, panel: &mut [Self::Packed]);
-    /// `dst (rows x cols) (+)= A[r0.., k0..k0 + depth] B[k0..k0 + depth, panels]`, summing the
-    /// `depth <= KC` products of every element in one register chain; `panels` starts at
-    /// depth 0 of the first panel of the block's columns. `cols` is a multiple of 16.
-    #[allow(clippy::too_many_arguments)]
-    fn chunk(
-        &self,
-        r0: usize,
-        rows: usize,
-        k0: usize,
-        depth: usize,
-        panels: &[Self::Packed],
-        cols: usize,
-        dst: &mut [f32],
-        dst_rs: usize,
-        accumulate: bool,
-    );
+    /// `dst (+)= A[rows, depth] B[depth, panels]` for one [`Chunk`], summing the `depth <= KC`
+    /// products of every element in one register chain; `panels` starts at depth 0 of the
+    /// first panel of the block's columns.
+    fn chunk(&self, at: Chunk, panels: &[Self::Packed], dst: &mut [f32]);
+}
+
+/// One depth chunk of one block of C, as [`blocked`] hands it to a [`PanelKernel`]: rows
+/// `r0..r0 + rows` of A over depths `k0..k0 + depth` (`k0` a multiple of [`KC`]) against
+/// `cols` packed columns (a multiple of 16), into a destination of row stride `dst_rs`, added
+/// to it with `accumulate`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Chunk {
+    pub r0: usize,
+    pub rows: usize,
+    pub k0: usize,
+    pub depth: usize,
+    pub cols: usize,
+    pub dst_rs: usize,
+    pub accumulate: bool,
 }
 
 /// The f32 kernels of [`MatMul`] on an A with contiguous rows.
@@ -216,34 +219,23 @@ impl PanelKernel for F32Panels<'_> {
         pack_panel(&self.b, j0, panel)
     }
 
-    fn chunk(
-        &self,
-        r0: usize,
-        rows: usize,
-        k0: usize,
-        depth: usize,
-        panels: &[f32],
-        cols: usize,
-        dst: &mut [f32],
-        dst_rs: usize,
-        accumulate: bool,
-    ) {
+    fn chunk(&self, at: Chunk, panels: &[f32], dst: &mut [f32]) {
         let k = self.a.cols;
         MatMul {
-            m: rows,
-            n: cols,
-            k: depth,
+            m: at.rows,
+            n: at.cols,
+            k: at.depth,
             a_rs: self.a.rs,
             a_ks: 1,
             b_rs: CHUNK,
             b_cs: k * CHUNK,
-            c_rs: dst_rs,
-            accumulate,
+            c_rs: at.dst_rs,
+            accumulate: at.accumulate,
         }
         .run(
             self.isa,
-            &self.a.data[r0 * self.a.rs + k0..],
-            &panels[k0 * CHUNK..],
+            &self.a.data[at.r0 * self.a.rs + at.k0..],
+            &panels[at.k0 * CHUNK..],
             dst,
         );
     }
@@ -280,17 +272,16 @@ pub(crate) fn blocked<K: PanelKernel>(kern: &K) -> Vec<f32> {
         let cblk = unsafe { std::slice::from_raw_parts_mut(out.get().add(c_off), c_need) };
         let chunks = |s0: usize, dst: &mut [f32], dst_rs: usize| {
             for k0 in (s0..k.min(s0 + SUPER)).step_by(KC) {
-                kern.chunk(
+                let at = Chunk {
                     r0,
                     rows,
                     k0,
-                    KC.min(k - k0),
-                    panels,
+                    depth: KC.min(k - k0),
                     cols,
-                    dst,
                     dst_rs,
-                    k0 > s0,
-                );
+                    accumulate: k0 > s0,
+                };
+                kern.chunk(at, panels, dst);
             }
         };
         chunks(0, cblk, np);
@@ -360,7 +351,7 @@ pub(crate) fn blocked<K: PanelKernel>(kern: &K) -> Vec<f32> {
 /// Rows of A up to which a product with a B of contiguous columns (`B = W^T`, a linear layer's
 /// weight) takes [`few_rows`]: packing B would cost as much as the product (decoding one token
 /// at a time, short sequences).
-pub(crate) const FEW_ROWS: usize = 32;
+const FEW_ROWS: usize = 32;
 /// A product with B = W^T is computed as `(W A^T)^T` when A has at most `1/SWAP_RATIO` as
 /// many rows as W has rows and columns (measured on 2 cores: 1.5x faster at 48 rows against
 /// a 576 x 1536 weight, slower from about 200 rows on, where transposing C costs more than

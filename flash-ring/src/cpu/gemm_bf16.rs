@@ -23,7 +23,8 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::gemm::{
-    blocked, few_rows, swapped_operands, to_row_major, trivial_product, Mat, PanelKernel, ROW_GROUP,
+    blocked, few_rows, swapped_operands, to_row_major, trivial_product, Chunk, Mat, PanelKernel,
+    ROW_GROUP,
 };
 use super::simd::CHUNK;
 
@@ -46,9 +47,17 @@ pub fn available() -> bool {
     })
 }
 
+/// Whether bf16 products under the instruction set `isa` run on these dot products: the
+/// AVX-512 kernels on a CPU that has AVX512-BF16 (the one place that decides it, for the dense
+/// product and the attention kernels alike).
+pub fn used_under(isa: super::Isa) -> bool {
+    isa == super::Isa::Avx512 && available()
+}
+
 /// `dst[i] = bf16(src[i])`, rounded to nearest even; with AVX512-BF16's `vcvtneps2bf16` where
 /// [`available`] (16 at a time; it flushes f32 subnormals, below 1.2e-38, to zero), with
-/// `half`'s conversion elsewhere (which keeps them). NaN stays NaN.
+/// `half`'s conversion elsewhere (which keeps them). NaN stays NaN. Hand-written because
+/// `half` converts bf16 slices one element at a time.
 ///
 /// Panics (internal bug) when the slices differ in length.
 pub fn narrow_to_bf16(src: &[f32], dst: &mut [bf16]) {
@@ -219,31 +228,22 @@ impl PanelKernel for Bf16Panels<'_> {
         }
     }
 
-    fn chunk(
-        &self,
-        r0: usize,
-        rows: usize,
-        k0: usize,
-        depth: usize,
-        panels: &[bf16],
-        cols: usize,
-        dst: &mut [f32],
-        dst_rs: usize,
-        accumulate: bool,
-    ) {
-        let a = &self.a.data[r0 * self.a.rs + k0..];
-        let b = &panels[k0 * CHUNK..];
-        let panel_len = self.panel_len();
-        assert!(k0.is_multiple_of(2));
-        let s = TileProduct {
-            rows,
-            cols,
-            pairs: depth.div_ceil(2),
+    fn chunk(&self, at: Chunk, panels: &[bf16], dst: &mut [f32]) {
+        assert!(at.k0.is_multiple_of(2));
+        TileProduct {
+            rows: at.rows,
+            cols: at.cols,
+            pairs: at.depth.div_ceil(2),
             a_rs: self.a.rs,
-            b_cs: panel_len,
-            c_rs: dst_rs,
-        };
-        s.run(a, b, dst, accumulate);
+            b_cs: self.panel_len(),
+            c_rs: at.dst_rs,
+        }
+        .run(
+            &self.a.data[at.r0 * self.a.rs + at.k0..],
+            &panels[at.k0 * CHUNK..],
+            dst,
+            at.accumulate,
+        );
     }
 }
 

@@ -180,36 +180,50 @@ impl<'a> View<'a> {
         out_rs: usize,
         mul: f32,
     ) {
-        let n = out_rs.min(self.dims[3]);
-        let base0 = self.offset + i0 * self.strides[0] + i2 * self.strides[2];
-        let (s1, s3) = (self.strides[1], self.strides[3]);
-        macro_rules! go {
-            ($v:expr, $conv:expr) => {{
-                for (r, o) in out.chunks_mut(out_rs.max(1)).take(rows).enumerate() {
-                    let base = base0 + (i1 + r) * s1;
-                    let o = &mut o[..n];
-                    if s3 == 1 || n <= 1 {
-                        for (o, x) in o.iter_mut().zip(&$v[base..base + n]) {
-                            *o = $conv(*x) * mul;
-                        }
-                    } else {
-                        for (t, o) in o.iter_mut().enumerate() {
-                            *o = $conv($v[base + t * s3]) * mul;
-                        }
-                    }
-                }
-            }};
-        }
+        let contiguous = self.strides[3] == 1 || out_rs.min(self.dims[3]) <= 1;
+        let at = (i0, i1, i2, rows);
         match self.data {
-            Data::F32(v) if mul == 1.0 && (s3 == 1 || n <= 1) => {
+            Data::F32(v) if mul == 1.0 && contiguous => {
+                let n = out_rs.min(self.dims[3]);
+                let base0 = self.offset + i0 * self.strides[0] + i2 * self.strides[2];
                 for (r, o) in out.chunks_mut(out_rs.max(1)).take(rows).enumerate() {
-                    let base = base0 + (i1 + r) * s1;
+                    let base = base0 + (i1 + r) * self.strides[1];
                     o[..n].copy_from_slice(&v[base..base + n]);
                 }
             }
-            Data::F32(v) => go!(v, |x: f32| x),
-            Data::BF16(v) => go!(v, |x: bf16| x.to_f32()),
-            Data::F16(v) => go!(v, |x: f16| x.to_f32()),
+            Data::F32(v) => self.copy_rows(v, at, out, out_rs, |x| x * mul),
+            Data::BF16(v) => self.copy_rows(v, at, out, out_rs, |x| x.to_f32() * mul),
+            Data::F16(v) => self.copy_rows(v, at, out, out_rs, |x| x.to_f32() * mul),
+        }
+    }
+
+    /// Rows `x[i0, i1 + r, i2, 0..n]` for `r < rows` (`at = (i0, i1, i2, rows)`) of the
+    /// elements `v` of this view, mapped by `f`, into `out[r * out_rs..r * out_rs + n]`, with
+    /// n = `min(out_rs, dims[3])`.
+    #[inline]
+    fn copy_rows<T: Copy, U>(
+        &self,
+        v: &[T],
+        (i0, i1, i2, rows): (usize, usize, usize, usize),
+        out: &mut [U],
+        out_rs: usize,
+        f: impl Fn(T) -> U,
+    ) {
+        let n = out_rs.min(self.dims[3]);
+        let base0 = self.offset + i0 * self.strides[0] + i2 * self.strides[2];
+        let (s1, s3) = (self.strides[1], self.strides[3]);
+        for (r, o) in out.chunks_mut(out_rs.max(1)).take(rows).enumerate() {
+            let base = base0 + (i1 + r) * s1;
+            let o = &mut o[..n];
+            if s3 == 1 || n <= 1 {
+                for (o, x) in o.iter_mut().zip(&v[base..base + n]) {
+                    *o = f(*x);
+                }
+            } else {
+                for (t, o) in o.iter_mut().enumerate() {
+                    *o = f(v[base + t * s3]);
+                }
+            }
         }
     }
 }
@@ -218,7 +232,7 @@ impl View<'_> {
     /// Whether the attention kernels multiply this bf16 operand with the CPU's bf16 dot
     /// products under `isa` (AVX512-BF16 present, the AVX-512 kernels chosen).
     pub fn bf16_dot(&self, isa: Isa) -> bool {
-        matches!(self.data, Data::BF16(_)) && isa == Isa::Avx512 && gemm_bf16::available()
+        matches!(self.data, Data::BF16(_)) && gemm_bf16::used_under(isa)
     }
 
     /// Rows `x[i0, i1 + r, i2, ..]` for `r < rows` as stored (bf16) into
@@ -235,15 +249,7 @@ impl View<'_> {
         let Data::BF16(v) = self.data else {
             panic!("read_rows_bf16 on a {:?} view", self.dtype());
         };
-        let n = out_rs.min(self.dims[3]);
-        let base0 = self.offset + i0 * self.strides[0] + i2 * self.strides[2];
-        let (s1, s3) = (self.strides[1], self.strides[3]);
-        for (r, o) in out.chunks_mut(out_rs.max(1)).take(rows).enumerate() {
-            let base = base0 + (i1 + r) * s1;
-            for (t, o) in o[..n].iter_mut().enumerate() {
-                *o = v[base + t * s3];
-            }
-        }
+        self.copy_rows(v, (i0, i1, i2, rows), out, out_rs, |x| x);
     }
 }
 

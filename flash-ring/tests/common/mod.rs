@@ -13,6 +13,44 @@ use flash_ring::{AttnSpec, CompositeConfig, KernelConfig, MaskKind, Positions};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+/// The unit roundoff of f32.
+pub const U: f64 = 1.0 / (1u64 << 24) as f64;
+
+/// A `rows x cols` matrix with values from `f`, stored row-major (`col_major == false`) or
+/// column-major behind `pad` leading `filler` elements (NaN: a stray read shows); returns the
+/// storage and the view's strides.
+pub fn store<T: Copy>(
+    rows: usize,
+    cols: usize,
+    col_major: bool,
+    pad: usize,
+    filler: T,
+    mut f: impl FnMut() -> T,
+) -> (Vec<T>, usize, usize) {
+    let mut data = vec![filler; pad + rows * cols];
+    let (rs, cs) = if col_major { (1, rows) } else { (cols, 1) };
+    for r in 0..rows {
+        for c in 0..cols {
+            data[pad + r * rs + c * cs] = f();
+        }
+    }
+    (data, rs, cs)
+}
+
+/// `(sum_t a(t) b(t), sum_t |a(t) b(t)|)` over `t < k` in float64, and the bound that the dense
+/// products' short chains guarantee for it: `(KC + ceil(k / KC) + 2) u` times the second (a
+/// chain of at most KC products, then at most ceil(k / KC) chain sums).
+pub fn exact_dot(k: usize, a: impl Fn(usize) -> f64, b: impl Fn(usize) -> f64) -> (f64, f64) {
+    let (mut exact, mut mag) = (0.0f64, 0.0f64);
+    for t in 0..k {
+        let p = a(t) * b(t);
+        exact += p;
+        mag += p.abs();
+    }
+    let kc = flash_ring::cpu::gemm::KC;
+    (exact, (kc + k.div_ceil(kc) + 2) as f64 * U * mag)
+}
+
 pub fn rng(seed: u64) -> StdRng {
     StdRng::seed_from_u64(seed)
 }
