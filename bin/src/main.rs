@@ -6,6 +6,7 @@
 //! groups), `demo` (collectives across local ranks), `finetune` (chat data, LoRA), `bench`
 //! (this machine's attention, communication, training and evaluation throughput).
 
+mod alloc;
 mod bench;
 mod data_cmd;
 mod demo;
@@ -24,10 +25,6 @@ mod train_cmd;
 
 use anyhow::Result;
 
-/// Large tensors are allocated and freed every step; mimalloc keeps freed memory for reuse
-/// instead of returning it to the OS and paying the page faults again (see docs/benchmarks.md).
-#[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
@@ -91,6 +88,7 @@ fn default_sigpipe() {
 
 fn main() {
     default_sigpipe();
+    alloc::keep_freed_memory();
     let raw: Vec<String> = std::env::args().collect();
     let raw = match train_cmd::args_with_config(raw) {
         Ok(r) => r,
