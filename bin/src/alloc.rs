@@ -8,7 +8,8 @@
 //! freed blocks are reused as they are, as PyTorch's caching allocator does: the process holds
 //! its peak, which a training loop reaches every step anyway.
 //!
-//! `MIMALLOC_PURGE_DELAY` in the environment (milliseconds; `-1` never) still decides when set.
+//! `MIMALLOC_PURGE_DELAY` in the environment (milliseconds; `-1` never; mimalloc also reads its
+//! old name `MIMALLOC_RESET_DELAY`, in any case) still decides when set.
 
 /// Every allocation of `cpl` goes through mimalloc.
 #[global_allocator]
@@ -23,10 +24,21 @@ const PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 #[cfg(test)]
 const DEFAULT_PURGE_DELAY: std::os::raw::c_long = 1000;
 
-/// Turns mimalloc's purging of freed memory off, unless `MIMALLOC_PURGE_DELAY` is set. Call
-/// once, first thing in `main`.
+/// Whether the environment sets mimalloc's purge delay, under either of the names mimalloc
+/// reads (it matches them in any case).
+fn purge_delay_in_env() -> bool {
+    std::env::vars_os().any(|(k, _)| {
+        k.to_str().is_some_and(|k| {
+            k.eq_ignore_ascii_case("MIMALLOC_PURGE_DELAY")
+                || k.eq_ignore_ascii_case("MIMALLOC_RESET_DELAY")
+        })
+    })
+}
+
+/// Turns mimalloc's purging of freed memory off, unless the environment sets the purge delay.
+/// Call once, first thing in `main`.
 pub fn keep_freed_memory() {
-    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+    if !purge_delay_in_env() {
         // SAFETY: setting an option is a plain store into mimalloc's option table; the index is
         // one of its options (checked by the test below).
         unsafe { libmimalloc_sys::mi_option_set(PURGE_DELAY, -1) };
@@ -43,7 +55,7 @@ mod tests {
     /// `keep_freed_memory` it reads -1.
     #[test]
     fn purge_delay_index_names_the_purge_delay_and_is_turned_off() {
-        if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
+        if purge_delay_in_env() {
             // The user's value decides; the index cannot be told from the default then.
             return;
         }

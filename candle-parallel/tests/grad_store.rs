@@ -3,9 +3,9 @@
 //!
 //! These tests see whether the patch is in effect (a removed `[patch.crates-io]` fails the first
 //! one: the stored gradient is then a new buffer), that accumulation over several contributions
-//! is unchanged, that a slice of a larger buffer is not stored as a view (it would keep the
-//! buffer alive), and that a contribution of the wrong shape or dtype still fails as candle's
-//! addition made it fail.
+//! is unchanged (also where candle subtracts), that a slice of a larger buffer is not stored as
+//! a view (it would keep the buffer alive), and that a contribution of the wrong shape or dtype
+//! still fails as candle's addition made it fail.
 
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor, Var};
 
@@ -119,6 +119,48 @@ fn slice_of_a_larger_buffer_is_stored_compact() -> Result<()> {
         "the stored gradient keeps the packed buffer alive"
     );
     assert_eq!(gx.to_vec2::<f32>()?, first.to_vec2::<f32>()?);
+    Ok(())
+}
+
+/// An f(x) and its derivative, for the sites that subtract.
+type Case = (&'static str, fn(&Tensor) -> Result<Tensor>, fn(f64) -> f64);
+
+/// The sites that subtract their contribution (`a - x`, `a / x`, cos, tanh, neg, recip) give the
+/// analytic gradient both as the first contribution (stored negated) and after another one
+/// (subtracted from it). f32 with 1e-6 relative tolerance: candle's f32 cos, tanh and division
+/// against the f64 formulas.
+#[test]
+fn subtracting_sites_give_the_analytic_gradient() -> Result<()> {
+    let xs: Vec<f32> = (0..32).map(|i| 0.3 + i as f32 * 0.05).collect();
+    let x = Var::new(xs.as_slice(), &Device::Cpu)?;
+    let cases: [Case; 6] = [
+        ("a - x", |x| (x.ones_like()? * 2.5)?.sub(x), |_| -1.0),
+        (
+            "a / x",
+            |x| (x.ones_like()? * 2.5)?.div(x),
+            |x| -2.5 / (x * x),
+        ),
+        ("cos", |x| x.cos(), |x| -x.sin()),
+        ("tanh", |x| x.tanh(), |x| 1.0 - x.tanh() * x.tanh()),
+        ("neg", |x| x.neg(), |_| -1.0),
+        ("recip", |x| x.recip(), |x| -1.0 / (x * x)),
+    ];
+    for (name, f, df) in cases {
+        for second in [false, true] {
+            // With `second`, `x` itself (derivative 1) is added after `3 f(x)`: backward meets
+            // the addition first, so `f`'s site subtracts from a stored gradient.
+            let y = (f(x.as_tensor())? * 3.0)?;
+            let y = if second { (y + x.as_tensor())? } else { y };
+            let grads = y.sum_all()?.backward()?;
+            let got = grads.get(x.as_tensor()).expect("x has a gradient");
+            let want: Vec<f32> = xs
+                .iter()
+                .map(|&v| (3.0 * df(v as f64) + if second { 1.0 } else { 0.0 }) as f32)
+                .collect();
+            let want = Tensor::new(want.as_slice(), &Device::Cpu)?;
+            testkit::assert_close(got, &want, 1e-6, &format!("{name}, second: {second}"));
+        }
+    }
     Ok(())
 }
 

@@ -10,6 +10,7 @@
 //! an `all_reduce` or `all_gather`, and every rank reduces its `1/P` (all_reduce) or copies its
 //! input (all_gather) straight into it; elsewhere the leader concatenates once. Ranks then hold the same tensor storage, like a received message: never write into a
 //! collective's output in place (`Var::from_tensor` copies, so making a variable of it is safe).
+//! Copies into an output stream runs of 4 MiB and more past the caches (`comm/stream_copy.rs`).
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
@@ -966,6 +967,7 @@ mod fused {
     use half::{bf16, f16};
 
     use super::ReduceOp;
+    use crate::comm::stream_copy::copy_run;
     use crate::error::{Error, Result};
 
     /// Elements combined per pass over the contributions (16 KiB of f32 accumulators).
@@ -1329,7 +1331,7 @@ mod fused {
                 // SAFETY: `to + m <= n`: `i < total / block`, `j + m <= block`, so
                 // `to + m <= ((i * count + index) + 1) * block <= count * total = n`; the source
                 // run lies in the storage; the caller owns the destination range.
-                unsafe { std::ptr::copy_nonoverlapping(src[at..at + m].as_ptr(), dst.add(to), m) };
+                unsafe { copy_run(src[at..at + m].as_ptr(), dst.add(to), m) };
                 (at, left, k) = (at + m, left - m, k + m);
             }
         }

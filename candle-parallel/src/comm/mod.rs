@@ -30,6 +30,7 @@ pub mod nccl_bootstrap;
 #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
 mod p2p;
 mod rules;
+mod stream_copy;
 pub mod traffic;
 
 use std::sync::Arc;

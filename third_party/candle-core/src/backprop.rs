@@ -188,7 +188,7 @@ impl Tensor {
                     }
                     Op::Binary(lhs, rhs, BinaryOp::Sub) => {
                         grads.accumulate(lhs, &(grad))?;
-                        grads.accumulate(rhs, &(grad).neg()?)?;
+                        grads.accumulate_neg(rhs, &(grad))?;
                     }
                     Op::Binary(lhs, rhs, BinaryOp::Mul) => {
                         let lhs_grad = grad.mul(rhs)?;
@@ -200,7 +200,7 @@ impl Tensor {
                         let lhs_grad = grad.div(rhs)?;
                         grads.accumulate(lhs, &(lhs_grad))?;
                         let rhs_grad = grad.mul(lhs)?.div(&rhs.sqr()?)?;
-                        grads.accumulate(rhs, &(rhs_grad).neg()?)?;
+                        grads.accumulate_neg(rhs, &(rhs_grad))?;
                     }
                     Op::Binary(lhs, rhs, BinaryOp::Minimum)
                     | Op::Binary(lhs, rhs, BinaryOp::Maximum) => {
@@ -502,11 +502,11 @@ impl Tensor {
                         grads.accumulate(arg, &((&grad * arg.cos())?))?
                     }
                     Op::Unary(arg, UnaryOp::Cos) => {
-                        grads.accumulate(arg, &((&grad * arg.sin())?).neg()?)?
+                        grads.accumulate_neg(arg, &((&grad * arg.sin())?))?
                     }
                     Op::Unary(arg, UnaryOp::Tanh) => {
                         let minus_dtanh = (node.sqr()? - 1.)?;
-                        grads.accumulate(arg, &((&grad * &minus_dtanh)?).neg()?)?
+                        grads.accumulate_neg(arg, &((&grad * &minus_dtanh)?))?
                     }
                     Op::Unary(arg, UnaryOp::Abs) => {
                         let ones = arg.ones_like()?;
@@ -517,11 +517,11 @@ impl Tensor {
                         grads.accumulate(arg, &((&grad * *node)?))?
                     }
                     Op::Unary(arg, UnaryOp::Neg) => {
-                        grads.accumulate(arg, &(grad).neg()?)?
+                        grads.accumulate_neg(arg, &(grad))?
                     }
                     Op::Unary(arg, UnaryOp::Recip) => {
                         let grad = (grad / arg.sqr()?)?;
-                        grads.accumulate(arg, &(grad).neg()?)?
+                        grads.accumulate_neg(arg, &(grad))?
                     }
                     &Op::Narrow(ref arg, dim, start_idx, len) => {
                         let arg_dims = arg.dims();
@@ -665,7 +665,6 @@ impl Tensor {
     }
 }
 
-/// A store for gradients, associating a tensor id to the corresponding gradient tensor, used for back propagation.
 /// Whether `t` covers the whole of its buffer, contiguous from its start (candle-parallel
 /// patch): only then is it stored as a gradient without a copy. CPU float tensors are checked;
 /// anything else is copied.
@@ -683,6 +682,29 @@ fn owns_its_buffer(t: &Tensor) -> bool {
     }
 }
 
+/// What the gradient store holds for the first contribution `grad` to the gradient of `tensor`
+/// (candle-parallel patch): `grad` itself when it covers its own buffer, else a compact copy
+/// (a strided view, or a slice of a larger buffer such as a packed gradient or a
+/// concatenation's part, which would keep the rest of that buffer alive); `0 + grad` when its
+/// shape, dtype or device differ, which fails with the addition's error.
+fn first_contribution(tensor: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    let fits = grad.shape() == tensor.shape()
+        && grad.dtype() == tensor.dtype()
+        && grad.device().same_device(tensor.device());
+    if !fits {
+        tensor.zeros_like()?.add(grad)
+    } else if owns_its_buffer(grad) {
+        Ok(grad.clone())
+    } else {
+        grad.force_contiguous()
+    }
+}
+
+/// A store for gradients, associating a tensor id to the corresponding gradient tensor, used for back propagation.
+///
+/// candle-parallel patch: a stored gradient may be the very tensor another entry holds (both
+/// inputs of an addition) or that a custom op's backward returned; never write into a
+/// gradient in place.
 #[derive(Default, Debug)]
 pub struct GradStore(HashMap<TensorId, Tensor>);
 
@@ -717,8 +739,6 @@ impl GradStore {
         self.0.insert(id, grad)
     }
 
-    /// Get the gradient tensor associated with the given tensor, or, if it does not exist,
-    /// insert a tensor of zeroes, with the same shape and type as the given tensors and return it
     /// Adds `grad` to the gradient of `tensor` (candle-parallel patch, see
     /// third_party/README.md). The first contribution is stored as it is (copied when it is a
     /// strided view or a slice of a larger buffer) instead of being added to a fresh tensor of
@@ -732,25 +752,29 @@ impl GradStore {
                 entry.insert(sum);
             }
             Entry::Vacant(entry) => {
-                let fits = grad.shape() == tensor.shape()
-                    && grad.dtype() == tensor.dtype()
-                    && grad.device().same_device(tensor.device());
-                let grad = if !fits {
-                    tensor.zeros_like()?.add(grad)?
-                } else if owns_its_buffer(grad) {
-                    grad.clone()
-                } else {
-                    // A strided view, or a slice of a larger buffer (a packed gradient, a
-                    // concatenation's part): stored as its own compact copy, so that it does
-                    // not keep the rest of the buffer alive.
-                    grad.force_contiguous()?
-                };
-                entry.insert(grad);
+                entry.insert(first_contribution(tensor, grad)?);
             }
         }
         Ok(())
     }
 
+    /// Subtracts `grad` from the gradient of `tensor`: as [`GradStore::accumulate`], with
+    /// `-grad` stored first (candle-parallel patch).
+    fn accumulate_neg(&mut self, tensor: &Tensor, grad: &Tensor) -> Result<()> {
+        match self.0.entry(tensor.id()) {
+            Entry::Occupied(mut entry) => {
+                let diff = entry.get().sub(grad)?;
+                entry.insert(diff);
+            }
+            Entry::Vacant(entry) => {
+                entry.insert(first_contribution(tensor, &grad.neg()?)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Get the gradient tensor associated with the given tensor, or, if it does not exist,
+    /// insert a tensor of zeroes, with the same shape and type as the given tensors and return it
     fn or_insert(&mut self, tensor: &Tensor) -> Result<&mut Tensor> {
         let grad = match self.0.entry(tensor.id()) {
             Entry::Occupied(entry) => entry.into_mut(),
