@@ -35,12 +35,13 @@ impl CustomOp1 for FixedGrad {
     }
 }
 
-/// Address of the first element of a contiguous f32 CPU tensor.
-fn data_ptr(t: &Tensor) -> usize {
+/// The buffer behind a CPU f32 tensor: the address of the tensor's first element and the
+/// buffer's length in elements.
+fn buffer(t: &Tensor) -> (usize, usize) {
     let (storage, layout) = t.storage_and_layout();
     match &*storage {
         candle_core::Storage::Cpu(CpuStorage::F32(v)) => {
-            v[layout.start_offset()..].as_ptr() as usize
+            (v[layout.start_offset()..].as_ptr() as usize, v.len())
         }
         _ => panic!("not an f32 CPU tensor"),
     }
@@ -66,8 +67,8 @@ fn single_contribution_is_stored_without_a_copy() -> Result<()> {
     let g = random(&[4, 8]);
     let gx = stored_grad(&g)?;
     assert_eq!(
-        data_ptr(&gx),
-        data_ptr(&g),
+        buffer(&gx).0,
+        buffer(&g).0,
         "the gradient was copied: is the candle-core patch of third_party/ in effect?"
     );
     assert_eq!(gx.to_vec2::<f32>()?, g.to_vec2::<f32>()?);
@@ -97,24 +98,16 @@ fn several_contributions_are_summed() -> Result<()> {
     Ok(())
 }
 
-/// Elements of the buffer behind a CPU f32 tensor.
-fn buffer_len(t: &Tensor) -> usize {
-    match &*t.storage_and_layout().0 {
-        candle_core::Storage::Cpu(CpuStorage::F32(v)) => v.len(),
-        _ => panic!("not an f32 CPU tensor"),
-    }
-}
-
 /// A contribution that is a slice of a larger buffer (as SwiGLU's packed `[d gate; d up]`) is
 /// stored as its own compact copy: stored as the view, it would keep the whole buffer alive.
 #[test]
 fn slice_of_a_larger_buffer_is_stored_compact() -> Result<()> {
     let packed = random(&[2 * 4 * 8]);
     let first = packed.narrow(0, 0, 32)?.reshape((4, 8))?;
-    assert_eq!(buffer_len(&first), 64);
+    assert_eq!(buffer(&first).1, 64);
     let gx = stored_grad(&first)?;
     assert_eq!(
-        buffer_len(&gx),
+        buffer(&gx).1,
         32,
         "the stored gradient keeps the packed buffer alive"
     );

@@ -20,11 +20,7 @@ fn bits(t: &Tensor) -> Vec<u32> {
 
 /// dq, dk, dv of `case` as bits, computed on a pool of `threads` threads.
 fn grads(case: &Case, threads: usize) -> [Vec<u32>; 3] {
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .expect("thread pool");
-    pool.install(|| {
+    common::on_threads(threads, || {
         let [q, k, v, dout] = case.tensors();
         let (out, lse) =
             flash_ring::flash_fwd_with_config(&q, &k, &v, &case.spec, &case.cfg).expect("fwd");

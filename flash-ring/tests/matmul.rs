@@ -52,22 +52,11 @@ fn check_gemm(isa: Isa, m: usize, k: usize, n: usize, a_cm: bool, b_cm: bool, se
 
 #[test]
 fn gemm_matches_f64_for_every_shape_layout_and_isa() {
-    let shapes = [
-        (1, 1, 1),
-        (3, 5, 7),
-        (17, 64, 16),
-        (25, 65, 33),
-        (97, 130, 300),
-        (200, 48, 50),
-        (9, 1100, 40),
-        (4, 2100, 17),
-        (5, 0, 9),
-        (0, 4, 3),
-        (6, 7, 0),
-    ];
+    // The shared shapes and a depth past two super-chunks.
+    let shapes = common::GEMM_SHAPES.iter().copied().chain([(4, 2100, 17)]);
     for isa in flash_ring::cpu::available() {
-        for (i, &(m, k, n)) in shapes.iter().enumerate() {
-            for (a_cm, b_cm) in [(false, false), (false, true), (true, false), (true, true)] {
+        for (i, (m, k, n)) in shapes.clone().enumerate() {
+            for (a_cm, b_cm) in common::LAYOUTS {
                 check_gemm(isa, m, k, n, a_cm, b_cm, i as u64);
             }
         }
@@ -180,29 +169,13 @@ fn gemm_results_do_not_depend_on_the_thread_count() {
     let mut r = common::rng(9);
     let a = common::randv(&mut r, m * k);
     let b = common::randv(&mut r, n * k);
-    let run = |threads: usize| {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .expect("pool");
-        pool.install(|| {
-            gemm(
-                flash_ring::cpu::available()[0],
-                Mat::row_major(&a, m, k),
-                Mat::col_major(&b, k, n),
-            )
-        })
-    };
-    let one = run(1);
-    for threads in [2, 3, 5] {
-        let other = run(threads);
-        assert!(
-            one.iter()
-                .zip(&other)
-                .all(|(x, y)| x.to_bits() == y.to_bits()),
-            "{threads} threads differ from one"
-        );
-    }
+    common::assert_same_bits_on(&[2, 3, 5], || {
+        gemm(
+            flash_ring::cpu::available()[0],
+            Mat::row_major(&a, m, k),
+            Mat::col_major(&b, k, n),
+        )
+    });
 }
 
 fn t2(v: Vec<f32>, r: usize, c: usize) -> Tensor {

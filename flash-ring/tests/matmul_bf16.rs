@@ -78,28 +78,19 @@ fn check(m: usize, k: usize, n: usize, a_cm: bool, b_cm: bool, seed: u64) {
 #[test]
 fn bf16_dot_products_match_the_f32_product_of_the_same_inputs() {
     if !available() {
+        #[cfg(target_arch = "x86_64")]
         assert!(!std::arch::is_x86_feature_detected!("avx512bf16"));
         return;
     }
-    // Odd depths (padded pairs), depths past one super-chunk (1024), partial column chunks,
-    // row counts off the kernel's 8, the swapped path (few rows against W^T) and a wide B
-    // (packed per column block).
-    let shapes = [
-        (1, 1, 1),
-        (3, 5, 7),
-        (17, 64, 16),
-        (25, 65, 33),
-        (97, 130, 300),
-        (200, 48, 50),
-        (9, 1100, 40),
-        (4, 2101, 17),
-        (40, 96, 4100),
-        (5, 0, 9),
-        (0, 4, 3),
-        (6, 7, 0),
-    ];
-    for (i, &(m, k, n)) in shapes.iter().enumerate() {
-        for (a_cm, b_cm) in [(false, false), (false, true), (true, false), (true, true)] {
+    // The shared shapes (odd depths: padded pairs; row counts off the kernel's 8; the swapped
+    // path, few rows against W^T), an odd depth past two super-chunks and a wide B (packed per
+    // column block).
+    let shapes = common::GEMM_SHAPES
+        .iter()
+        .copied()
+        .chain([(4, 2101, 17), (40, 96, 4100)]);
+    for (i, (m, k, n)) in shapes.enumerate() {
+        for (a_cm, b_cm) in common::LAYOUTS {
             check(m, k, n, a_cm, b_cm, i as u64);
         }
     }
@@ -139,23 +130,9 @@ fn bf16_dot_products_do_not_depend_on_the_thread_count() {
     let mut r = common::rng(9);
     let (a, _, _) = store(m, k, false, 0, &mut r);
     let (b, _, _) = store(k, n, true, 0, &mut r);
-    let run = |threads: usize| {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .expect("pool");
-        pool.install(|| gemm_bf16(Mat::row_major(&a, m, k), Mat::col_major(&b, k, n)))
-    };
-    let one = run(1);
-    for threads in [2, 3] {
-        let other = run(threads);
-        assert!(
-            one.iter()
-                .zip(&other)
-                .all(|(x, y)| x.to_bits() == y.to_bits()),
-            "{threads} threads differ from one"
-        );
-    }
+    common::assert_same_bits_on(&[2, 3], || {
+        gemm_bf16(Mat::row_major(&a, m, k), Mat::col_major(&b, k, n))
+    });
 }
 
 #[test]
@@ -194,54 +171,97 @@ fn close_to_bf16_of(got: &Tensor, want: &Tensor) -> f64 {
     common::rel(&common::to_f64(got), &common::to_f64(want))
 }
 
+/// A linear layer's product `y = x w^T` on bf16 `x (m, k)` and `w (n, k)`, and its f32
+/// reference: the same (bf16-rounded) numbers multiplied in f32, with the gradients of
+/// `sum(y * g)` (`g` rounded to bf16 too, applied in f32 as training's loss does).
+struct LinearCase {
+    x: Tensor,
+    w: Tensor,
+    g: Tensor,
+    y: Tensor,
+    grads: [Tensor; 2],
+}
+
+impl LinearCase {
+    fn new(seed: u64, m: usize, k: usize, n: usize) -> Self {
+        let mut r = common::rng(seed);
+        let mut bf = |rows, cols| {
+            t2(common::randv(&mut r, rows * cols), rows, cols)
+                .to_dtype(DType::BF16)
+                .expect("bf16")
+        };
+        let (x, w, g) = (bf(m, k), bf(n, k), bf(m, n));
+        let f32_of = |t: &Tensor| t.to_dtype(DType::F32).expect("f32");
+        let (xf, wf) = (
+            Var::from_tensor(&f32_of(&x)).expect("var"),
+            Var::from_tensor(&f32_of(&w)).expect("var"),
+        );
+        let g = f32_of(&g);
+        let y = xf
+            .as_tensor()
+            .matmul(&wf.as_tensor().t().expect("t"))
+            .expect("mm");
+        let grads = (&y * &g)
+            .and_then(|p| p.sum_all())
+            .and_then(|s| s.backward())
+            .expect("f32 backward");
+        let grads = [&xf, &wf].map(|v| grads.get(v.as_tensor()).expect("f32 grad").clone());
+        Self { x, w, g, y, grads }
+    }
+
+    /// `product(x, w^T)` on variables of the bf16 inputs, and the gradients of `sum(y * g)`
+    /// (the product's result taken to f32 first) against each of x and w.
+    fn run(&self, product: impl Fn(&Tensor, &Tensor) -> Tensor) -> (Tensor, [Tensor; 2]) {
+        let (xv, wv) = (
+            Var::from_tensor(&self.x).expect("var"),
+            Var::from_tensor(&self.w).expect("var"),
+        );
+        let y = product(xv.as_tensor(), &wv.as_tensor().t().expect("t"));
+        let grads = (y.to_dtype(DType::F32).expect("f32") * &self.g)
+            .and_then(|p| p.sum_all())
+            .and_then(|s| s.backward())
+            .expect("backward");
+        let got = [&xv, &wv].map(|v| grads.get(v.as_tensor()).expect("grad").clone());
+        (y, got)
+    }
+
+    /// Asserts that bf16 gradients follow the f32 ones within 4e-3 (one rounding of the
+    /// upstream gradient and one of the result).
+    fn assert_grads(&self, got: &[Tensor; 2], what: &str) {
+        for (name, (g, want)) in ["x", "w"].iter().zip(got.iter().zip(&self.grads)) {
+            let e = close_to_bf16_of(g, want);
+            assert!(e <= 4e-3, "{what} grad {name}: {e}");
+        }
+    }
+}
+
 #[test]
 fn bf16_op_forward_and_gradients_follow_the_f32_computation_on_every_isa() {
-    let mut r = common::rng(4);
-    // Rounded to bf16 first: both sides multiply the same numbers.
-    let bf = |v: Vec<f32>, rows, cols| t2(v, rows, cols).to_dtype(DType::BF16).expect("bf16");
-    let x = bf(common::randv(&mut r, 300 * 130), 300, 130);
-    let w = bf(common::randv(&mut r, 90 * 130), 90, 130);
-    let g = bf(common::randv(&mut r, 300 * 90), 300, 90);
-    let f32_of = |t: &Tensor| t.to_dtype(DType::F32).expect("f32");
-    let (xf, wf, gf) = (
-        Var::from_tensor(&f32_of(&x)).expect("var"),
-        Var::from_tensor(&f32_of(&w)).expect("var"),
-        f32_of(&g),
-    );
-    let yf = xf
-        .as_tensor()
-        .matmul(&wf.as_tensor().t().expect("t"))
-        .expect("mm");
-    let gradsf = (&yf * &gf)
-        .and_then(|p| p.sum_all())
-        .and_then(|s| s.backward())
-        .expect("f32 backward");
+    let case = LinearCase::new(4, 300, 130, 90);
     for isa in flash_ring::cpu::available() {
         let cfg = KernelConfig {
             isa: Some(isa),
             ..KernelConfig::default()
         };
-        let (xv, wv) = (
-            Var::from_tensor(&x).expect("var"),
-            Var::from_tensor(&w).expect("var"),
-        );
-        let y =
-            flash_ring::matmul_with_config(xv.as_tensor(), &wv.as_tensor().t().expect("t"), &cfg)
-                .expect("matmul");
-        let e = close_to_bf16_of(&y, &yf);
+        let (y, grads) =
+            case.run(|x, wt| flash_ring::matmul_with_config(x, wt, &cfg).expect("matmul"));
+        let e = close_to_bf16_of(&y, &case.y);
         assert!(e <= 4e-3, "{isa:?} forward: {e}");
-        // The loss sum(y * g) in bf16 would round the sum: take it in f32 as training does.
-        let grads = (y.to_dtype(DType::F32).expect("f32") * &gf)
-            .and_then(|p| p.sum_all())
-            .and_then(|s| s.backward())
-            .expect("backward");
-        for (name, v, vf) in [("x", &xv, &xf), ("w", &wv, &wf)] {
-            let got = grads.get(v.as_tensor()).expect("grad");
-            let want = gradsf.get(vf.as_tensor()).expect("f32 grad");
-            let e = close_to_bf16_of(got, want);
-            assert!(e <= 4e-3, "{isa:?} grad {name}: {e}");
-        }
+        case.assert_grads(&grads, &format!("{isa:?}"));
     }
+}
+
+/// `matmul_to_f32` of bf16 inputs: an f32 result, the f32 sums of the same products as the f32
+/// computation (1e-5 relative: both sum exact products in f32 chains, in other orders), and
+/// bf16 gradients that follow the f32 ones as the bf16 op's do.
+#[test]
+fn f32_output_product_keeps_the_sums_and_its_gradients_follow_f32() {
+    let case = LinearCase::new(5, 200, 130, 70);
+    let (y, grads) = case.run(|x, wt| flash_ring::matmul_to_f32(x, wt).expect("matmul_to_f32"));
+    assert_eq!(y.dtype(), DType::F32);
+    let e = common::rel(&common::to_f64(&y), &common::to_f64(&case.y));
+    assert!(e <= 1e-5, "forward: {e}");
+    case.assert_grads(&grads, "matmul_to_f32");
 }
 
 #[test]

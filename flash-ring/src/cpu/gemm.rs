@@ -66,7 +66,7 @@ impl<'a, T> Mat<'a, T> {
     }
 
     /// The number of elements `data` must hold at least (0 for an empty matrix).
-    pub(crate) fn extent(&self) -> usize {
+    fn extent(&self) -> usize {
         if self.rows == 0 || self.cols == 0 {
             0
         } else {

@@ -105,7 +105,7 @@ pub fn gemm_bf16(a: Mat<bf16>, b: Mat<bf16>) -> Vec<f32> {
         a_pairs = rows_of_pairs(&a);
         Mat::row_major(&a_pairs, m, k.next_multiple_of(2))
     };
-    blocked(&Bf16Panels { a, b, k })
+    blocked(&Bf16Panels { a, b })
 }
 
 /// Rows of A up to which a product with B = W^T takes the dot-product path (reading W once,
@@ -162,14 +162,13 @@ fn rows_of_pairs(a: &Mat<bf16>) -> Vec<bf16> {
 /// even) and B packed in pair-interleaved panels.
 struct Bf16Panels<'a> {
     a: Mat<'a, bf16>,
+    /// `(k, n)`: `b.rows` is the depth of the product (`a.cols` is `k` or `k + 1`).
     b: Mat<'a, bf16>,
-    /// The depth of the product (`a.cols` is `k` or `k + 1`).
-    k: usize,
 }
 
 impl Bf16Panels<'_> {
     fn depth_padded(&self) -> usize {
-        self.k.next_multiple_of(2)
+        self.b.rows.next_multiple_of(2)
     }
 }
 
@@ -177,7 +176,7 @@ impl PanelKernel for Bf16Panels<'_> {
     type Packed = bf16;
 
     fn dims(&self) -> (usize, usize, usize) {
-        (self.a.rows, self.k, self.b.cols)
+        (self.a.rows, self.b.rows, self.b.cols)
     }
 
     fn panel_len(&self) -> usize {
@@ -187,7 +186,7 @@ impl PanelKernel for Bf16Panels<'_> {
     /// Depth pair `p` of the panel is a row of `2 * CHUNK` elements: `(2p, j)` at `2j`,
     /// `(2p + 1, j)` at `2j + 1`, so one 32-element load holds 16 columns' pairs.
     fn pack_panel(&self, j0: usize, panel: &mut [bf16]) {
-        let (b, k) = (&self.b, self.k);
+        let (b, k) = (&self.b, self.b.rows);
         let w = CHUNK.min(b.cols.saturating_sub(j0));
         if b.rs == 1 && b.cs != 1 {
             // Columns are contiguous (B = W^T): each column's pair of depths is adjacent in
@@ -372,7 +371,7 @@ mod avx512bf16 {
             j += 16;
         }
         if j < n {
-            let k = ((1u32 << (n - j)) - 1) as __mmask16;
+            let k = crate::cpu::simd::avx512::tail_mask(n - j);
             let h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, s.add(j)));
             _mm256_mask_storeu_epi16(
                 d.add(j) as *mut i16,

@@ -455,7 +455,7 @@ pub(crate) mod avx512 {
 
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn tail_mask(rem: usize) -> __mmask16 {
+    pub(crate) fn tail_mask(rem: usize) -> __mmask16 {
         ((1u32 << rem) - 1) as __mmask16
     }
 

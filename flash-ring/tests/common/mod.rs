@@ -51,6 +51,48 @@ pub fn exact_dot(k: usize, a: impl Fn(usize) -> f64, b: impl Fn(usize) -> f64) -
     (exact, (kc + k.div_ceil(kc) + 2) as f64 * U * mag)
 }
 
+/// Product shapes `(m, k, n)` both dense products are checked on: one element, odd sizes,
+/// depths past one chain (`KC`) and past one super-chunk (1024), partial row and column blocks,
+/// and empty operands.
+pub const GEMM_SHAPES: [(usize, usize, usize); 10] = [
+    (1, 1, 1),
+    (3, 5, 7),
+    (17, 64, 16),
+    (25, 65, 33),
+    (97, 130, 300),
+    (200, 48, 50),
+    (9, 1100, 40),
+    (5, 0, 9),
+    (0, 4, 3),
+    (6, 7, 0),
+];
+
+/// The four layouts of A and B: (A column-major, B column-major).
+pub const LAYOUTS: [(bool, bool); 4] = [(false, false), (false, true), (true, false), (true, true)];
+
+/// `f` run on a fresh rayon pool of `threads` threads.
+pub fn on_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("thread pool")
+        .install(f)
+}
+
+/// Asserts that `run` gives the same bits on pools of 1 and of each of `threads` threads.
+pub fn assert_same_bits_on(threads: &[usize], run: impl Fn() -> Vec<f32> + Sync) {
+    let one = on_threads(1, &run);
+    for &t in threads {
+        let other = on_threads(t, &run);
+        assert!(
+            one.iter()
+                .zip(&other)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{t} threads differ from one"
+        );
+    }
+}
+
 pub fn rng(seed: u64) -> StdRng {
     StdRng::seed_from_u64(seed)
 }
