@@ -111,6 +111,17 @@ fn head_dims_and_gqa_bf16() {
     }
 }
 
+/// Head dims off the multiples of 16 in bf16 (an odd one among them): on a CPU with AVX512-BF16
+/// the `Q K^T` and `dO V^T` products run on depth pairs, padded where `d` is odd.
+#[test]
+fn odd_head_dims_bf16() {
+    for d in [1, 8, 33, 40, 72] {
+        Case::new(1, 40, 50, 2, 1, d, dense(MaskKind::Causal, 40, 50, d))
+            .dtype(DType::BF16)
+            .check(HALF_TOL);
+    }
+}
+
 #[test]
 fn portable_isa_matches_reference() {
     let portable = KernelConfig {
