@@ -25,12 +25,14 @@ use candle_parallel::attention::{AttnMask, Strategy};
 use candle_parallel::comm::{Comm, LocalWorld};
 use candle_parallel::mesh::Dim;
 use candle_parallel::nn::{Batch, CrossEntropyOptions, ParamMode};
-use candle_parallel::pipeline::{run_schedule, split_layers, PipelineSchedule, ScheduleKind};
+use candle_parallel::pipeline::{
+    run_schedule, split_layers, PipelineSchedule, ScheduleKind, Stage, StageStep,
+};
 use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{trainable_vars, Layout};
 use models::llama;
-use models::llama::{LlamaStage, StageMicroBatch};
+use models::{LmStages, StageMicroBatch};
 use train::memory::CountingAlloc;
 
 #[global_allocator]
@@ -213,16 +215,23 @@ fn pipeline_peak(kind: ScheduleKind, m: usize) -> isize {
                 StageMicroBatch { batch, labels }
             })
             .collect();
-        let mut stage = LlamaStage::new(
-            &loaded.model,
-            trainable_vars(&loaded.params.sorted()),
-            &schedule,
+        let staged = LmStages {
+            model: &loaded.model,
+            opts: CrossEntropyOptions::default(),
+        };
+        let step = StageStep {
+            schedule: &schedule,
+            layers: &split,
+            pp: &pp,
+            global_count: (512 * m) as u64,
+            dtype: DType::F32,
+        };
+        let mut stage = Stage::new(
+            &staged,
+            &step,
             rank,
-            &split,
             &micro,
-            (512 * m) as u64,
-            CrossEntropyOptions::default(),
-            DType::F32,
+            trainable_vars(&loaded.params.sorted()),
         )
         .map_err(|x| e(&x))?;
         let before = start_peak(&world).map_err(|x| e(&x))?;

@@ -24,9 +24,10 @@ use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
 use candle_parallel::plan::{MemoryPlan, Parallelize};
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{assert_identical, rel_err, whole_weights, Layout};
+use models::CausalLm;
 use testkit::{assert_close_scalar, assert_finite, max_abs};
 use train::data::{PackedDataset, Packing, TokenStream};
-use train::trainer::{LanguageModel, TrainConfig, TrainModel, Trainer};
+use train::trainer::{TrainConfig, TrainModel, Trainer};
 
 // ------------------------------------------------------------------------------------------
 // The model
@@ -147,23 +148,57 @@ impl Parallelize for Encoder {
     }
 }
 
-impl TrainModel for Encoder {}
+impl TrainModel for Encoder {
+    fn end_params(&self) -> Vec<String> {
+        CausalLm::end_params(self)
+    }
+}
 
-impl LanguageModel for Encoder {
-    fn loss_sum(
-        &self,
-        batch: &Batch,
-        labels: &Tensor,
-        opts: &CrossEntropyOptions,
-    ) -> train::Result<(Tensor, usize)> {
+impl CausalLm for Encoder {
+    fn ctx(&self) -> &ParallelCtx {
+        &self.ctx
+    }
+
+    fn hidden_size(&self) -> usize {
+        CFG.hidden_size
+    }
+
+    fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn embed_tokens(&self, batch: &Batch) -> models::Result<Tensor> {
         let ends = self.ends.get(Track::Grad)?;
+        Ok(ends.embed.forward(&batch.input_ids)?)
+    }
+
+    fn run_layers(
+        &self,
+        layers: std::ops::Range<usize>,
+        x: &Tensor,
+        batch: &Batch,
+    ) -> models::Result<Tensor> {
         // Bidirectional: every token sees the whole sequence, whatever the data's mask.
         let pass = Pass::new(&self.ctx, &batch.positions, &AttnMask::Full);
-        let mut x = ends.embed.forward(&batch.input_ids)?;
-        for layer in &self.layers {
+        let mut x = x.clone();
+        for layer in &self.layers[layers] {
             x = layer.forward(&x, &pass)?;
         }
-        Ok(ends.head.loss_sum(&ends.norm.forward(&x)?, labels, opts)?)
+        Ok(x)
+    }
+
+    fn norm_head_loss(
+        &self,
+        x: &Tensor,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> models::Result<(Tensor, usize)> {
+        let ends = self.ends.get(Track::Grad)?;
+        Ok(ends.head.loss_sum(&ends.norm.forward(x)?, labels, opts)?)
+    }
+
+    fn end_params(&self) -> Vec<String> {
+        self.ends.params().iter().map(|p| p.name.clone()).collect()
     }
 }
 

@@ -17,10 +17,11 @@ use candle_parallel::mesh::Dim;
 use candle_parallel::nn::{Batch, CrossEntropyOptions, ParallelCtx, ParamMode};
 use candle_parallel::optim::{collect_gradients, reduce_gradients};
 use candle_parallel::pipeline::{
-    finish_step, run_schedule, split_layers, PipelineSchedule, ScheduleKind,
+    run_stage_step, split_layers, PipelineSchedule, ScheduleKind, StageStep,
 };
 use cpl_integration_tests::{trainable_vars, Layout};
-use models::llama::{self, LlamaStage, StageMicroBatch};
+use models::llama;
+use models::{LmStages, StageMicroBatch};
 
 const LAYERS: usize = 6;
 const VOCAB: usize = 96;
@@ -168,22 +169,20 @@ fn pipelined(
         let stage_micro: Vec<StageMicroBatch> =
             micro.iter().map(|mb| stage_batch(&ctx, mb)).collect();
         let params = loaded.params.sorted();
-        let mut stage = LlamaStage::new(
-            &loaded.model,
-            trainable_vars(&params),
-            &schedule,
-            rank,
-            &split,
-            &stage_micro,
-            global_tokens(micro),
-            CrossEntropyOptions::default(),
-            DType::F32,
-        )
-        .map_err(|x| e(&x))?;
-        run_schedule(&schedule, &pp_comm, &mut stage).map_err(|x| e(&x))?;
-        let shared = stage.shared();
-        let (grads, loss) = stage.into_parts();
-        let (grads, loss) = finish_step(&pp_comm, grads, &shared, loss).map_err(|x| e(&x))?;
+        let step = StageStep {
+            schedule: &schedule,
+            layers: &split,
+            pp: &pp_comm,
+            global_count: global_tokens(micro),
+            dtype: DType::F32,
+        };
+        let staged = LmStages {
+            model: &loaded.model,
+            opts: CrossEntropyOptions::default(),
+        };
+        let out = run_stage_step(&staged, &step, &stage_micro, trainable_vars(&params), 0)
+            .map_err(|x| e(&x))?;
+        let (grads, loss) = (out.grads, out.loss_sum);
         // Every parameter this rank holds has a gradient.
         let list: Vec<(String, Tensor)> = params
             .iter()

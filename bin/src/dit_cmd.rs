@@ -25,13 +25,6 @@ use crate::launch::{launch, launch_pipelined, stage_layers, Rank};
 use crate::progress::{peak_rss_mib, Progress, StepLine};
 use crate::train_cmd::{interrupt_flag, JsonLines, TrainArgs};
 
-/// The directory of `model` when it is a local diffusers DiT.
-pub fn dit_dir(model: &str) -> Option<PathBuf> {
-    let dir = Path::new(model);
-    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
-    DitConfig::is_dit(&text).then(|| dir.to_path_buf())
-}
-
 /// This rank's DiT from `dir`.
 fn load(dir: &Path, rank: &Rank, dtype: Option<DType>, mode: ParamMode) -> Result<LoadedDit> {
     let files = dit::files(dir)?;

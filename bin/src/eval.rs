@@ -9,8 +9,9 @@ use candle_parallel::attention::{AttnMask, ShardPlan};
 use candle_parallel::comm::ReduceOp;
 use candle_parallel::mesh::Dim;
 use candle_parallel::nn::{Batch, CrossEntropyOptions, ParamMode};
-use models::llama::{LlamaConfig, LoadedLlama, StageMicroBatch};
+use models::llama::{LlamaConfig, LoadedLlama};
 use models::tokenizer::Tokenizer;
+use models::StageMicroBatch;
 use train::trainer::{pipeline_eval, PipelineConfig};
 
 use crate::launch::{launch_pipelined, load_llama_stage, Rank};
@@ -292,8 +293,9 @@ pub fn score(
 }
 
 pub fn run(args: &EvalArgs) -> Result<()> {
-    if let Some(dir) = crate::dit_cmd::dit_dir(&args.model) {
-        return crate::dit_cmd::eval(args, &dir);
+    let model = crate::model_arg::resolve(&args.model)?;
+    if model.family.kind == models::Kind::Diffusion {
+        return crate::dit_cmd::eval(args, &model.dir);
     }
     if args.inputs.is_some() || args.outputs_out.is_some() {
         bail!(
@@ -301,9 +303,9 @@ pub fn run(args: &EvalArgs) -> Result<()> {
             args.model
         );
     }
-    let result = match crate::llava_cmd::llava_dir(&args.model) {
-        Some(dir) => Some(crate::llava_cmd::eval(args, &dir)?),
-        None => {
+    let result = match model.family.kind {
+        models::Kind::VisionLanguage => Some(crate::llava_cmd::eval(args, &model.dir)?),
+        _ => {
             if !args.images.is_empty() || args.pixel_values.is_some() {
                 bail!(
                     "--images and --pixel-values are for vision-language models (LLaVA); {} is \

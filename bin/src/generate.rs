@@ -124,11 +124,11 @@ pub(crate) fn sample(logits: &[f32], temperature: f64, top_p: f64, rng: &mut Rng
 }
 
 pub fn run(args: &GenerateArgs) -> Result<()> {
-    if let Some(dir) = crate::dit_cmd::dit_dir(&args.model) {
-        return crate::dit_cmd::generate(args, &dir);
-    }
-    if let Some(dir) = crate::llava_cmd::llava_dir(&args.model) {
-        return crate::llava_cmd::generate(args, &dir);
+    let model = crate::model_arg::resolve(&args.model)?;
+    match model.family.kind {
+        models::Kind::Diffusion => return crate::dit_cmd::generate(args, &model.dir),
+        models::Kind::VisionLanguage => return crate::llava_cmd::generate(args, &model.dir),
+        models::Kind::CausalLm => {}
     }
     if !args.image.is_empty() {
         bail!("--image: {} is not a vision-language model", args.model);

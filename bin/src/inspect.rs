@@ -14,11 +14,11 @@ pub struct InspectArgs {
 }
 
 pub fn run(args: &InspectArgs) -> Result<()> {
-    if let Some(dir) = crate::dit_cmd::dit_dir(&args.model) {
-        return crate::dit_cmd::inspect(&dir);
-    }
-    if let Some(dir) = crate::llava_cmd::llava_dir(&args.model) {
-        return crate::llava_cmd::inspect(&dir);
+    let model = crate::model_arg::resolve(&args.model)?;
+    match model.family.kind {
+        models::Kind::Diffusion => return crate::dit_cmd::inspect(&model.dir),
+        models::Kind::VisionLanguage => return crate::llava_cmd::inspect(&model.dir),
+        models::Kind::CausalLm => {}
     }
     let files = models::hub::resolve(&args.model)?;
     let cfg = LlamaConfig::from_file(&files.config)?;

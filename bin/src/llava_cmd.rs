@@ -24,12 +24,6 @@ use crate::launch::{launch, Rank};
 use crate::progress::{Progress, StepLine};
 use crate::train_cmd::{interrupt_flag, save_or_stop, JsonLines, TrainArgs};
 
-/// The directory of `model` when it is a local LLaVA.
-pub fn llava_dir(model: &str) -> Option<PathBuf> {
-    let dir = Path::new(model);
-    llava::is_llava_dir(dir).then(|| dir.to_path_buf())
-}
-
 fn files(dir: &Path) -> Result<models::hub::ModelFiles> {
     Ok(models::hub::from_dir(&dir.display().to_string(), dir)?)
 }

@@ -18,6 +18,7 @@ mod inspect;
 mod launch;
 mod layout;
 mod llava_cmd;
+mod model_arg;
 mod plan_auto;
 mod plot;
 mod progress;

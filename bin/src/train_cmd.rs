@@ -20,6 +20,7 @@ use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
 use models::llama::LlamaConfig;
 use models::tokenizer::Tokenizer;
+use models::Kind;
 use train::checkpoint;
 use train::checkpoint::EvalPoint;
 use train::data::{PackedDataset, Packing, TokenStream};
@@ -338,11 +339,13 @@ pub fn matmul_gflops() -> f64 {
 }
 
 pub fn run(args: &TrainArgs) -> Result<()> {
-    if let Some(dir) = args.model.as_deref().and_then(crate::dit_cmd::dit_dir) {
-        return crate::dit_cmd::train(args, &dir);
-    }
-    if let Some(dir) = args.model.as_deref().and_then(crate::llava_cmd::llava_dir) {
-        return crate::llava_cmd::train(args, &dir);
+    if let Some(model) = &args.model {
+        let m = crate::model_arg::resolve(model)?;
+        match m.family.kind {
+            Kind::Diffusion => return crate::dit_cmd::train(args, &m.dir),
+            Kind::VisionLanguage => return crate::llava_cmd::train(args, &m.dir),
+            Kind::CausalLm => {}
+        }
     }
     if args.from_scratch {
         bail!("--from-scratch: only diffusion models (DiT) are initialised from their config");

@@ -67,6 +67,7 @@ pub mod pipeline;
 pub mod plan;
 pub mod planner;
 pub mod recompute;
+pub mod sharding;
 
 pub use attention::{
     AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,

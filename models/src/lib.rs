@@ -6,19 +6,24 @@
 //! the modules are built with, and the memory plan is applied to the model's units from outside
 //! ([`candle_parallel::plan`]).
 //!
+//! - [`family`]: the model-family registry (detection from `config.json`, description, FLOPs,
+//!   loading of causal LMs); every command routes through it;
 //! - [`hub`]: a model directory or a Hub id (through the Hub cache) to its files;
 //! - [`checkpoint`]: safetensors reading (each rank only its slice: the
 //!   [`TensorSource`](candle_parallel::nn::TensorSource) models load through), atomic saving in
 //!   the HF layout;
 //! - [`tokenizer`]: `tokenizer.json` and the special tokens of `tokenizer_config.json`;
+//! - [`causal_lm`]: what every causal LM family provides ([`CausalLm`]) and its pipeline stage;
 //! - [`llama`]: the `LlamaForCausalLM` model;
 //! - [`peft`]: LoRA adapters in PEFT's format (load, save, merge);
 //! - [`dit`]: diffusers' `DiTTransformer2DModel` (class-conditional diffusion transformer).
 
+pub mod causal_lm;
 pub mod checkpoint;
 pub mod diffusion;
 pub mod dit;
 pub mod error;
+pub mod family;
 pub mod hub;
 pub mod llama;
 pub mod llava;
@@ -26,4 +31,6 @@ pub mod peft;
 pub mod tokenizer;
 pub mod vision;
 
+pub use causal_lm::{CausalLm, LmStages, StageMicroBatch};
 pub use error::{Error, Result};
+pub use family::{Family, Kind};

@@ -522,7 +522,7 @@ impl Batching {
         self.dp * self.batch * self.grad_accum
     }
 
-    fn sampler(&self, data: &impl Windows) -> Sampler {
+    fn sampler(&self, data: &(impl Windows + ?Sized)) -> Sampler {
         Sampler {
             num_windows: data.num_windows(),
             seed: self.seed,
@@ -531,7 +531,7 @@ impl Batching {
     }
 
     /// The windows data-parallel rank `d` trains on in `step`.
-    pub fn windows(&self, data: &impl Windows, step: u64, d: usize) -> Vec<Window> {
+    pub fn windows(&self, data: &(impl Windows + ?Sized), step: u64, d: usize) -> Vec<Window> {
         let s = self.sampler(data);
         s.samples(step, self.dp, d, self.batch * self.grad_accum)
             .into_iter()
@@ -541,7 +541,7 @@ impl Batching {
 
     /// Labelled tokens in the global batch of `step` (known to every rank without
     /// communication).
-    pub fn global_tokens(&self, data: &impl Windows, step: u64) -> u64 {
+    pub fn global_tokens(&self, data: &(impl Windows + ?Sized), step: u64) -> u64 {
         (0..self.dp)
             .flat_map(|d| self.windows(data, step, d))
             .map(|w| w.labels.iter().filter(|&&l| l != IGNORE).count() as u64)
@@ -549,7 +549,12 @@ impl Batching {
     }
 
     /// Data-parallel rank `d`'s micro-batches of `step`.
-    pub fn micro_batches(&self, data: &impl Windows, step: u64, d: usize) -> Vec<MicroBatch> {
+    pub fn micro_batches(
+        &self,
+        data: &(impl Windows + ?Sized),
+        step: u64,
+        d: usize,
+    ) -> Vec<MicroBatch> {
         let windows = self.windows(data, step, d);
         let mut out = Vec::new();
         for micro in windows.chunks(self.batch) {

@@ -7,24 +7,24 @@
 //! come from a generator seeded by the run's seed and the image's global sample index, so every
 //! layout and every resume sees the same draws. The loss is the mean over the global batch of
 //! each image's loss ([`models::dit::loss`]); gradients, clipping, AdamW and ZeRO are the
-//! [`Trainer`]'s.
+//! [`Trainer`]'s, and [`Trainer::run_step`] is the step ([`DiffusionLoss`] is the objective).
 
 use candle_core::{Device, Tensor};
-use candle_parallel::comm::ReduceOp;
-use candle_parallel::pipeline::{finish_step, run_schedule};
+use candle_parallel::pipeline::StageLoss;
 use models::diffusion::{logit_normal, DrawStream, GaussianDiffusion};
-use models::dit::loss::{loss_sum, NoiseLevel, NoisedBatch, Objective};
-use models::dit::pipeline::{DitMicroBatch, DitStage};
+use models::dit::loss::{loss_sum, NoiseLevel, NoisedBatch, Objective as DitObjective};
+use models::dit::pipeline::{DitMicroBatch, DitStages};
 use models::dit::Dit;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::images::ImageDataset;
+use crate::objective::{Objective, StepCtx};
 use crate::trainer::{StepStats, TrainModel, Trainer};
 
 impl TrainModel for Dit {
-    fn replicated_across_stages(&self, name: &str) -> bool {
-        models::dit::pipeline::replicated_across_stages(name)
+    fn end_params(&self) -> Vec<String> {
+        Dit::end_params(self)
     }
 
     fn weights_name(&self) -> &'static str {
@@ -35,7 +35,7 @@ impl TrainModel for Dit {
 /// What a diffusion run adds to a [`crate::trainer::TrainConfig`].
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct DiffusionConfig {
-    pub objective: Objective,
+    pub objective: DitObjective,
     /// Probability of replacing a label by the null class (classifier-free guidance).
     pub class_dropout: f64,
     /// DDPM steps of the noise schedule (DiT: 1000).
@@ -45,7 +45,7 @@ pub struct DiffusionConfig {
 impl Default for DiffusionConfig {
     fn default() -> Self {
         Self {
-            objective: Objective::Ddpm,
+            objective: DitObjective::Ddpm,
             class_dropout: 0.1,
             num_timesteps: 1000,
         }
@@ -55,14 +55,135 @@ impl Default for DiffusionConfig {
 /// A micro-batch's summed loss, its (mse, vb) parts and this rank's gradients.
 pub type MicroGrads = (f64, (f64, f64), Vec<(String, Tensor)>);
 
-/// A pipeline step's summed loss, its (mse, vb) parts, this rank's gradients and the bubble.
-type PipelineGrads = (f64, (f64, f64), Vec<(String, Tensor)>, Option<f64>);
+/// The diffusion loss of a DiT on an [`ImageDataset`] (see the [module docs](self)): the mean
+/// over the global batch's images, with its (mse, vb) parts.
+pub struct DiffusionLoss {
+    pub cfg: DiffusionConfig,
+    pub diffusion: GaussianDiffusion,
+}
 
-/// One rank's diffusion trainer: a [`Trainer`] of a [`Dit`] plus the noise schedule.
+impl DiffusionLoss {
+    /// Errors on an impossible configuration.
+    pub fn new(cfg: DiffusionConfig) -> Result<Self> {
+        if !(0.0..1.0).contains(&cfg.class_dropout) {
+            return Err(Error::Invalid(format!(
+                "the class dropout {} must be in [0, 1)",
+                cfg.class_dropout
+            )));
+        }
+        let diffusion = GaussianDiffusion::linear(cfg.num_timesteps)?;
+        Ok(Self { cfg, diffusion })
+    }
+
+    /// The micro-batch of images `samples` (global sample indices) with their draws, for a
+    /// run of seed `seed` (shuffled or not).
+    pub fn noised_batch(
+        &self,
+        data: &ImageDataset,
+        samples: &[u64],
+        seed: u64,
+        shuffle: bool,
+    ) -> Result<NoisedBatch> {
+        let sampler = data.sampler(seed, shuffle);
+        let indices: Vec<usize> = samples.iter().map(|&k| sampler.window_of(k)).collect();
+        let (x0, labels) = data.batch(&indices)?;
+        let null = data.num_classes as u32;
+        let dims = x0.dims()[1..].to_vec();
+        let per: usize = dims.iter().product();
+        let mut noise = Vec::with_capacity(per * samples.len());
+        let mut ddpm = Vec::new();
+        let mut flow = Vec::new();
+        let mut out_labels = Vec::with_capacity(samples.len());
+        for (&k, &label) in samples.iter().zip(&labels) {
+            let mut d = DrawStream::new(seed, k);
+            match self.cfg.objective {
+                DitObjective::Ddpm => ddpm.push(
+                    ((d.uniform() * self.cfg.num_timesteps as f64) as u32)
+                        .min(self.cfg.num_timesteps as u32 - 1),
+                ),
+                DitObjective::Flow => flow.extend(logit_normal(1, || d.normal())),
+            }
+            let drop = d.uniform() < self.cfg.class_dropout;
+            out_labels.push(if drop { null } else { label });
+            noise.extend((0..per).map(|_| d.normal() as f32));
+        }
+        let mut shape = vec![samples.len()];
+        shape.extend(dims);
+        Ok(NoisedBatch {
+            x0,
+            noise: Tensor::from_vec(noise, shape, &Device::Cpu)?,
+            labels: out_labels,
+            level: match self.cfg.objective {
+                DitObjective::Ddpm => NoiseLevel::Ddpm(ddpm),
+                DitObjective::Flow => NoiseLevel::Flow(flow),
+            },
+        })
+    }
+
+    /// Data-parallel rank `s.dp_rank`'s micro-batches of `step` (global sample indices, the
+    /// same for any dataset).
+    pub fn micro_samples(&self, s: &StepCtx<'_>, data: &ImageDataset, step: u64) -> Vec<Vec<u64>> {
+        let c = s.cfg;
+        data.sampler(c.seed, c.shuffle)
+            .samples(step, s.batching.dp, s.dp_rank, c.batch * c.grad_accum)
+            .chunks(c.batch)
+            .map(|c| c.to_vec())
+            .collect()
+    }
+}
+
+impl Objective<Dit> for DiffusionLoss {
+    type Data = ImageDataset;
+    type Micro = DitMicroBatch;
+    type Staged<'a> = DitStages<'a>;
+
+    fn part_names(&self) -> &'static [&'static str] {
+        &["mse", "vb"]
+    }
+
+    fn global_count(&self, s: &StepCtx<'_>, data: &ImageDataset, _step: u64) -> Result<u64> {
+        if data.is_empty() {
+            return Err(Error::Invalid("the image dataset is empty".into()));
+        }
+        Ok(s.batching.global_batch() as u64)
+    }
+
+    fn micro_batches(
+        &self,
+        s: &StepCtx<'_>,
+        model: &Dit,
+        data: &ImageDataset,
+        step: u64,
+    ) -> Result<Vec<DitMicroBatch>> {
+        self.micro_samples(s, data, step)
+            .iter()
+            .map(|k| {
+                let b = self.noised_batch(data, k, s.cfg.seed, s.cfg.shuffle)?;
+                Ok(DitMicroBatch::new(model, &self.diffusion, b)?)
+            })
+            .collect()
+    }
+
+    fn loss(&self, model: &Dit, m: &DitMicroBatch) -> Result<StageLoss> {
+        let l = loss_sum(model, &self.diffusion, &m.batch)?;
+        Ok(StageLoss {
+            sum: l.total,
+            parts: vec![l.mse, l.vb],
+        })
+    }
+
+    fn staged<'a>(&'a self, model: &'a Dit) -> Result<DitStages<'a>> {
+        Ok(DitStages {
+            model,
+            diffusion: &self.diffusion,
+        })
+    }
+}
+
+/// One rank's diffusion trainer: a [`Trainer`] of a [`Dit`] and its [`DiffusionLoss`].
 pub struct DiffusionTrainer {
     pub trainer: Trainer<Dit>,
-    pub diffusion: GaussianDiffusion,
-    pub cfg: DiffusionConfig,
+    pub loss: DiffusionLoss,
 }
 
 /// What a step reports besides [`StepStats`] (its `tokens` field counts images).
@@ -78,18 +199,15 @@ pub struct DiffusionStats {
 impl DiffusionTrainer {
     /// Wraps `trainer`. Errors on an impossible configuration.
     pub fn new(trainer: Trainer<Dit>, cfg: DiffusionConfig) -> Result<Self> {
-        if !(0.0..1.0).contains(&cfg.class_dropout) {
-            return Err(Error::Invalid(format!(
-                "the class dropout {} must be in [0, 1)",
-                cfg.class_dropout
-            )));
-        }
-        let diffusion = GaussianDiffusion::linear(cfg.num_timesteps)?;
         Ok(Self {
             trainer,
-            diffusion,
-            cfg,
+            loss: DiffusionLoss::new(cfg)?,
         })
+    }
+
+    /// The run's diffusion settings.
+    pub fn cfg(&self) -> &DiffusionConfig {
+        &self.loss.cfg
     }
 
     /// Images per optimizer step over all data-parallel ranks.
@@ -100,132 +218,33 @@ impl DiffusionTrainer {
     /// The micro-batch of images `samples` (global sample indices) with their draws.
     pub fn noised_batch(&self, data: &ImageDataset, samples: &[u64]) -> Result<NoisedBatch> {
         let c = &self.trainer.cfg;
-        let sampler = data.sampler(c.seed, c.shuffle);
-        let indices: Vec<usize> = samples.iter().map(|&k| sampler.window_of(k)).collect();
-        let (x0, labels) = data.batch(&indices)?;
-        let null = data.num_classes as u32;
-        let dims = x0.dims()[1..].to_vec();
-        let per: usize = dims.iter().product();
-        let mut noise = Vec::with_capacity(per * samples.len());
-        let mut ddpm = Vec::new();
-        let mut flow = Vec::new();
-        let mut out_labels = Vec::with_capacity(samples.len());
-        for (&k, &label) in samples.iter().zip(&labels) {
-            let mut d = DrawStream::new(self.trainer.cfg.seed, k);
-            match self.cfg.objective {
-                Objective::Ddpm => ddpm.push(
-                    ((d.uniform() * self.cfg.num_timesteps as f64) as u32)
-                        .min(self.cfg.num_timesteps as u32 - 1),
-                ),
-                Objective::Flow => flow.extend(logit_normal(1, || d.normal())),
-            }
-            let drop = d.uniform() < self.cfg.class_dropout;
-            out_labels.push(if drop { null } else { label });
-            noise.extend((0..per).map(|_| d.normal() as f32));
-        }
-        let mut shape = vec![samples.len()];
-        shape.extend(dims);
-        Ok(NoisedBatch {
-            x0,
-            noise: Tensor::from_vec(noise, shape, &Device::Cpu)?,
-            labels: out_labels,
-            level: match self.cfg.objective {
-                Objective::Ddpm => NoiseLevel::Ddpm(ddpm),
-                Objective::Flow => NoiseLevel::Flow(flow),
-            },
-        })
+        self.loss.noised_batch(data, samples, c.seed, c.shuffle)
     }
 
     /// This rank's micro-batches of `step` (global sample indices, the same for any dataset).
     pub fn micro_samples(&self, data: &ImageDataset, step: u64) -> Vec<Vec<u64>> {
-        let c = &self.trainer.cfg;
-        let dp = self.trainer.batching().dp;
-        data.sampler(c.seed, c.shuffle)
-            .samples(step, dp, self.trainer.dp_rank(), c.batch * c.grad_accum)
-            .chunks(c.batch)
-            .map(|c| c.to_vec())
-            .collect()
+        self.loss
+            .micro_samples(&self.trainer.step_ctx(), data, step)
     }
 
     /// Forward and backward of one micro-batch, this rank's loss scaled by `1 / global_batch`.
     /// Returns this rank's summed loss, its (mse, vb) parts and its gradients. Collective.
     pub fn forward_backward(&self, batch: &NoisedBatch) -> Result<MicroGrads> {
-        let l = loss_sum(&self.trainer.model, &self.diffusion, batch)?;
+        let l = loss_sum(&self.trainer.model, &self.loss.diffusion, batch)?;
         let (sum, grads) = self
             .trainer
             .backward_collect(&l.total, self.global_batch() as u64)?;
         Ok((sum, (l.mse, l.vb), grads))
     }
 
-    /// The step's micro-batches through this rank's pipeline stage: the summed loss and its
-    /// parts (the same on every pipeline rank), this rank's gradients and the measured bubble.
-    /// Collective over the world.
-    fn pipeline_forward_backward(&mut self, batches: Vec<NoisedBatch>) -> Result<PipelineGrads> {
-        let n = self.global_batch() as u64;
-        let (schedule, ranges, vars) = self.trainer.pipeline_setup(batches.len())?;
-        let model = &self.trainer.model;
-        let micro = batches
-            .into_iter()
-            .map(|b| DitMicroBatch::new(model, &self.diffusion, b))
-            .collect::<models::Result<Vec<_>>>()?;
-        let pp = self.trainer.pp().clone();
-        let dtype = self.trainer.activation_dtype();
-        let mut stage = DitStage::new(
-            model,
-            &self.diffusion,
-            vars,
-            &schedule,
-            pp.rank(),
-            &ranges,
-            &micro,
-            n,
-            dtype,
-        )?;
-        let times = run_schedule(&schedule, &pp, &mut stage)?;
-        let shared = stage.shared();
-        let (grads, loss, (mse, vb)) = stage.into_parts();
-        let (grads, loss) = finish_step(&pp, grads, &shared, loss)?;
-        let parts = pp
-            .all_reduce(&Tensor::new(&[mse, vb], &Device::Cpu)?, ReduceOp::Sum)?
-            .to_vec1::<f64>()?;
-        let acc = self.trainer.collect_named(grads)?;
-        let bubble = self.trainer.pipeline_bubble(times)?;
-        Ok((loss, (parts[0], parts[1]), acc, Some(bubble)))
-    }
-
-    /// Runs optimizer step `self.trainer.step` on `data` and advances. Collective over the
-    /// world.
+    /// Runs optimizer step `self.trainer.step` on `data` and advances
+    /// ([`Trainer::run_step`]). Collective over the world.
     pub fn step(&mut self, data: &ImageDataset) -> Result<DiffusionStats> {
-        if data.is_empty() {
-            return Err(Error::Invalid("the image dataset is empty".into()));
-        }
-        let step = self.trainer.step;
-        let n = self.global_batch() as u64;
-        let batches = self
-            .micro_samples(data, step)
-            .iter()
-            .map(|s| self.noised_batch(data, s))
-            .collect::<Result<Vec<_>>>()?;
-        let (loss, (mse, vb), acc, bubble) = if self.trainer.cfg.pipeline.is_some() {
-            self.pipeline_forward_backward(batches)?
-        } else {
-            let mut acc: Vec<(String, Tensor)> = Vec::new();
-            let (mut loss, mut mse, mut vb) = (0f64, 0f64, 0f64);
-            for batch in &batches {
-                let (s, (m, v), grads) = self.forward_backward(batch)?;
-                loss += s;
-                mse += m;
-                vb += v;
-                candle_parallel::optim::accumulate(&mut acc, grads)?;
-            }
-            (loss, (mse, vb), acc, None)
-        };
-        let parts = self.trainer.sum_over_data(&[mse, vb])?;
-        let stats = self.trainer.apply_step(acc, loss, n, bubble)?;
+        let r = self.trainer.run_step(&self.loss, data)?;
         Ok(DiffusionStats {
-            stats,
-            mse: parts[0] / n as f64,
-            vb: parts[1] / n as f64,
+            stats: r.stats,
+            mse: r.parts[0],
+            vb: r.parts[1],
         })
     }
 }

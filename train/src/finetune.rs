@@ -16,24 +16,31 @@
 //! equal the examples run one by one. The rest of a window is padding (ignored labels, its own
 //! document). Without packing every example has its own padded window.
 //!
-//! DPO ([`DpoTrainer`]): the sigmoid loss of Rafailov et al. as TRL computes it,
+//! DPO ([`DpoLoss`], an [`Objective`]; pipelined too: the reference runs forward through the
+//! same stages first): the sigmoid loss of Rafailov et al. as TRL computes it,
 //! `-log σ(β((π_c - ρ_c) - (π_r - ρ_r)))`, with `π`/`ρ` the summed log-probabilities of the
 //! chosen/rejected replies under the policy and the frozen reference, averaged over the global
 //! batch of pairs. Each sequence's log-probability is summed over the sequence-parallel group
 //! with a reduction whose backward is the identity, so every rank of the group computes the
 //! same loss and backpropagates it through its own tokens only.
 
-use candle_core::{DType, Tensor};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Shape, Tensor};
 use candle_parallel::collectives::reduce_from_parallel_region;
 use candle_parallel::comm::ReduceOp;
 use candle_parallel::nn::{Adapters, Batch, CrossEntropyOptions};
+use candle_parallel::pipeline::{
+    run_stage_step, PipelineSchedule, StageLoss, StageStep, StagedModel,
+};
+use models::causal_lm::{CausalLm, LmStages, StageMicroBatch};
 use models::llama::Llama;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
 use crate::data::{Sampler, Window, Windows, IGNORE};
 use crate::error::{Error, Result};
-use crate::trainer::{StepStats, Trainer};
+use crate::objective::{Objective, StepCtx};
+use crate::trainer::{StepStats, TrainConfig, Trainer};
 
 /// A tokenized example: its ids and which tokens are trained (targets).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -371,15 +378,30 @@ pub struct DpoTerms {
     pub reference_logps: Vec<f64>,
 }
 
-/// A trainer of the DPO objective (see the [module docs](self)).
-pub struct DpoTrainer {
-    pub trainer: Trainer<Llama>,
-    pub reference: Reference,
-    pub cfg: DpoConfig,
+/// One DPO micro-batch: the chosen then the rejected windows of its pairs as this rank's
+/// shard, with the reference's log-probabilities of every sequence.
+pub struct DpoMicroBatch {
+    pub batch: Batch,
+    pub labels: Tensor,
+    /// Pairs in the micro-batch (the batch has twice as many sequences).
+    pub pairs: usize,
+    /// The reference's summed log-probabilities, chosen then rejected, `(2 · pairs,)` f64,
+    /// whole over the sequence group.
+    pub reference_logps: Tensor,
 }
 
-impl DpoTrainer {
-    pub fn new(trainer: Trainer<Llama>, reference: Reference, cfg: DpoConfig) -> Result<Self> {
+/// The DPO objective (see the [module docs](self)) with its frozen reference: the mean over
+/// the global batch of pairs; parts: the summed chosen and rejected rewards and the pairs
+/// ranked right.
+pub struct DpoLoss {
+    pub cfg: DpoConfig,
+    pub reference: Reference,
+    pub opts: CrossEntropyOptions,
+}
+
+impl DpoLoss {
+    /// Errors on an impossible β.
+    pub fn new(cfg: DpoConfig, reference: Reference, tcfg: &TrainConfig) -> Result<Self> {
         if !(cfg.beta.is_finite() && cfg.beta > 0.0) {
             return Err(Error::Invalid(format!(
                 "the DPO beta {} must be a positive number",
@@ -387,10 +409,369 @@ impl DpoTrainer {
             )));
         }
         Ok(Self {
-            trainer,
-            reference,
             cfg,
+            reference,
+            opts: CrossEntropyOptions {
+                chunk_tokens: tcfg.loss_chunk_tokens,
+                ..Default::default()
+            },
         })
+    }
+
+    /// Data-parallel rank `s.dp_rank`'s micro-batches of pair indices for `step`.
+    pub fn micro_pairs(&self, s: &StepCtx<'_>, data: &PairDataset, step: u64) -> Vec<Vec<usize>> {
+        let c = s.cfg;
+        let sampler = Sampler {
+            num_windows: data.len(),
+            seed: c.seed,
+            shuffle: c.shuffle,
+        };
+        sampler
+            .samples(step, s.batching.dp, s.dp_rank, c.batch * c.grad_accum)
+            .chunks(c.batch)
+            .map(|k| k.iter().map(|&k| sampler.window_of(k)).collect())
+            .collect()
+    }
+
+    /// The reference's per-sequence log-probabilities of a batch on the whole model (no
+    /// pipeline), whole over the sequence group. Collective over the world.
+    fn reference_logps(&self, model: &Llama, batch: &Batch, labels: &Tensor) -> Result<Tensor> {
+        let sums = match &self.reference {
+            Reference::BaseOfAdapters(a) => {
+                a.set_enabled(false);
+                let r = model.sequence_loss_sums(batch, labels, &self.opts);
+                a.set_enabled(true);
+                r?
+            }
+            Reference::Model(m) => m.sequence_loss_sums(batch, labels, &self.opts)?,
+        };
+        whole_sequences(sums.detach().neg()?, model.ctx(), false)
+    }
+
+    /// The reference's per-sequence log-probabilities of every micro-batch through the
+    /// pipeline stages (forward only). Collective over the world.
+    fn pipelined_reference_logps(
+        &self,
+        s: &StepCtx<'_>,
+        model: &Llama,
+        micro: &[StageMicroBatch],
+        pc: &crate::trainer::PipelineConfig,
+    ) -> Result<Vec<Tensor>> {
+        let schedule = PipelineSchedule::forward_only(s.pp.size(), micro.len(), pc.virtual_stages)?;
+        let ranges = pc.ranges();
+        let step = StageStep {
+            schedule: &schedule,
+            layers: &ranges,
+            pp: s.pp,
+            global_count: 1,
+            dtype: s.dtype,
+        };
+        let rows: usize = micro
+            .iter()
+            .map(|m| m.labels.dim(0))
+            .sum::<candle_core::Result<_>>()?;
+        let run = |m: &Llama| -> Result<Vec<f64>> {
+            let staged = SequenceLogps {
+                model: m,
+                opts: self.opts,
+            };
+            Ok(run_stage_step(&staged, &step, micro, Vec::new(), rows)?.parts)
+        };
+        let all = match &self.reference {
+            Reference::BaseOfAdapters(a) => {
+                a.set_enabled(false);
+                let r = run(model);
+                a.set_enabled(true);
+                r?
+            }
+            Reference::Model(m) => run(m)?,
+        };
+        let mut at = 0;
+        micro
+            .iter()
+            .map(|m| {
+                let n = m.labels.dim(0)?;
+                let t = Tensor::new(&all[at..at + n], &candle_core::Device::Cpu)?;
+                at += n;
+                Ok(t.to_device(model.ctx().device())?)
+            })
+            .collect()
+    }
+
+    /// The DPO terms of a micro-batch from the policy's per-sequence log-probabilities (whole
+    /// over the sequence group, differentiable).
+    fn terms_of(&self, policy: &Tensor, m: &DpoMicroBatch) -> Result<DpoTerms> {
+        dpo_terms(policy, &m.reference_logps, m.pairs, self.cfg.beta)
+    }
+}
+
+/// The loss of a micro-batch's DPO terms and its parts: summed chosen and rejected rewards
+/// and the pairs ranked right.
+fn dpo_loss(t: DpoTerms) -> StageLoss {
+    let (mut rc, mut rr, mut right) = (0f64, 0f64, 0f64);
+    for (c, r) in t.chosen_rewards.iter().zip(&t.rejected_rewards) {
+        rc += c;
+        rr += r;
+        right += f64::from(u8::from(c > r));
+    }
+    StageLoss {
+        sum: t.loss_sum,
+        parts: vec![rc, rr, right],
+    }
+}
+
+/// `local` per-sequence values summed over the sequence group in f64: with a backward that is
+/// the identity (`grad`), or plainly. Collective over the sequence group.
+fn whole_sequences(
+    local: Tensor,
+    ctx: &candle_parallel::nn::ParallelCtx,
+    grad: bool,
+) -> Result<Tensor> {
+    let group = ctx.sequence_group();
+    let local = local.to_dtype(DType::F64)?;
+    Ok(match (group.size() > 1, grad) {
+        (false, _) => local,
+        (true, true) => reduce_from_parallel_region(&local, group)?,
+        (true, false) => group.all_reduce(&local, ReduceOp::Sum)?,
+    })
+}
+
+/// The DPO terms of `n` pairs from the policy's and the reference's per-sequence
+/// log-probabilities (chosen then rejected, `(2n,)` f64).
+fn dpo_terms(policy: &Tensor, reference: &Tensor, n: usize, beta: f64) -> Result<DpoTerms> {
+    let (pc, pr) = (policy.narrow(0, 0, n)?, policy.narrow(0, n, n)?);
+    let (rc, rr) = (reference.narrow(0, 0, n)?, reference.narrow(0, n, n)?);
+    let chosen = ((pc - &rc)? * beta)?;
+    let rejected = ((pr - &rr)? * beta)?;
+    let z = (&chosen - &rejected)?;
+    let losses = log_sigmoid(&z)?.neg()?;
+    let (chosen, rejected) = (chosen.detach(), rejected.detach());
+    Ok(DpoTerms {
+        loss_sum: losses.sum_all()?,
+        chosen_rewards: chosen.to_vec1()?,
+        rejected_rewards: rejected.to_vec1()?,
+        losses: losses.detach().to_vec1()?,
+        policy_logps: policy.detach().to_vec1()?,
+        reference_logps: reference.to_vec1()?,
+    })
+}
+
+/// The chosen then rejected windows of `pairs` as this rank's shard of one batch.
+fn pair_batch(
+    ctx: &candle_parallel::nn::ParallelCtx,
+    data: &PairDataset,
+    pairs: &[usize],
+) -> Result<(Batch, Tensor)> {
+    let (mut ids, mut labels) = (Vec::new(), Vec::new());
+    for side in 0..2 {
+        for &i in pairs {
+            let (c, r) = data.pair(i);
+            let w = if side == 0 { c } else { r };
+            ids.push(w.ids.clone());
+            labels.push(w.labels.clone());
+        }
+    }
+    // Padding sits at the end of each window: a causal mask keeps it out of the replies.
+    let mask = candle_parallel::attention::AttnMask::Causal;
+    Ok(Batch::from_tokens(ctx, &ids, &labels, mask)?)
+}
+
+/// The per-sequence log-probabilities of the last layer's output `x`, whole over the sequence
+/// group (differentiable with `grad`).
+fn sequence_logps(
+    model: &Llama,
+    x: &Tensor,
+    labels: &Tensor,
+    opts: &CrossEntropyOptions,
+    grad: bool,
+) -> Result<Tensor> {
+    let sums = (0..x.dim(0)?)
+        .map(|i| {
+            let (s, _) =
+                model.norm_head_loss(&x.narrow(0, i, 1)?, &labels.narrow(0, i, 1)?, opts)?;
+            Ok(s.reshape(1)?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let sums = Tensor::cat(&sums, 0)?;
+    let sums = if grad { sums } else { sums.detach() };
+    whole_sequences(sums.neg()?, model.ctx(), grad)
+}
+
+/// A causal LM as pipeline stages whose last stage reports every sequence's summed
+/// log-probability as the loss parts (the DPO reference, forward only).
+struct SequenceLogps<'a> {
+    model: &'a Llama,
+    opts: CrossEntropyOptions,
+}
+
+impl StagedModel for SequenceLogps<'_> {
+    type Micro = StageMicroBatch;
+
+    fn activation_shape(&self, m: &StageMicroBatch) -> candle_parallel::Result<Shape> {
+        LmStages {
+            model: self.model,
+            opts: self.opts,
+        }
+        .activation_shape(m)
+    }
+
+    fn embed(&self, m: &StageMicroBatch) -> candle_parallel::Result<Tensor> {
+        Ok(self.model.embed_tokens(&m.batch)?)
+    }
+
+    fn run_layers(
+        &self,
+        layers: std::ops::Range<usize>,
+        x: &Tensor,
+        m: &StageMicroBatch,
+    ) -> candle_parallel::Result<Tensor> {
+        Ok(CausalLm::run_layers(self.model, layers, x, &m.batch)?)
+    }
+
+    fn head_loss(&self, x: &Tensor, m: &StageMicroBatch) -> candle_parallel::Result<StageLoss> {
+        let logps = sequence_logps(self.model, x, &m.labels, &self.opts, false)
+            .map_err(|e| candle_parallel::Error::Candle(candle_core::Error::wrap(e)))?;
+        Ok(StageLoss {
+            sum: Tensor::zeros((), DType::F32, x.device())?,
+            parts: logps.to_vec1()?,
+        })
+    }
+
+    fn backward(&self, root: &Tensor) -> candle_parallel::Result<GradStore> {
+        Ok(CausalLm::backward(self.model, root)?)
+    }
+
+    fn shared_params(&self) -> Vec<String> {
+        CausalLm::end_params(self.model)
+    }
+}
+
+/// The policy with the DPO loss as pipeline stages.
+pub struct DpoStages<'a> {
+    model: &'a Llama,
+    loss: &'a DpoLoss,
+}
+
+impl StagedModel for DpoStages<'_> {
+    type Micro = DpoMicroBatch;
+
+    fn activation_shape(&self, m: &DpoMicroBatch) -> candle_parallel::Result<Shape> {
+        let (b, n) = m.batch.input_ids.dims2()?;
+        let n = self.model.ctx().layer_token_count(n);
+        Ok(Shape::from((b, n, CausalLm::hidden_size(self.model))))
+    }
+
+    fn embed(&self, m: &DpoMicroBatch) -> candle_parallel::Result<Tensor> {
+        Ok(self.model.embed_tokens(&m.batch)?)
+    }
+
+    fn run_layers(
+        &self,
+        layers: std::ops::Range<usize>,
+        x: &Tensor,
+        m: &DpoMicroBatch,
+    ) -> candle_parallel::Result<Tensor> {
+        Ok(CausalLm::run_layers(self.model, layers, x, &m.batch)?)
+    }
+
+    fn head_loss(&self, x: &Tensor, m: &DpoMicroBatch) -> candle_parallel::Result<StageLoss> {
+        let wrap = |e: Error| candle_parallel::Error::Candle(candle_core::Error::wrap(e));
+        let policy =
+            sequence_logps(self.model, x, &m.labels, &self.loss.opts, true).map_err(wrap)?;
+        Ok(dpo_loss(self.loss.terms_of(&policy, m).map_err(wrap)?))
+    }
+
+    fn backward(&self, root: &Tensor) -> candle_parallel::Result<GradStore> {
+        Ok(CausalLm::backward(self.model, root)?)
+    }
+
+    fn shared_params(&self) -> Vec<String> {
+        CausalLm::end_params(self.model)
+    }
+}
+
+impl Objective<Llama> for DpoLoss {
+    type Data = PairDataset;
+    type Micro = DpoMicroBatch;
+    type Staged<'a> = DpoStages<'a>;
+
+    fn part_names(&self) -> &'static [&'static str] {
+        &["chosen_reward", "rejected_reward", "accuracy"]
+    }
+
+    fn whole_sequence_loss(&self) -> bool {
+        true
+    }
+
+    fn global_count(&self, s: &StepCtx<'_>, data: &PairDataset, _step: u64) -> Result<u64> {
+        if data.is_empty() {
+            return Err(Error::Invalid("the preference dataset is empty".into()));
+        }
+        Ok(s.batching.global_batch() as u64)
+    }
+
+    /// Collective over the world: the reference's log-probabilities are computed here.
+    fn micro_batches(
+        &self,
+        s: &StepCtx<'_>,
+        model: &Llama,
+        data: &PairDataset,
+        step: u64,
+    ) -> Result<Vec<DpoMicroBatch>> {
+        let pairs = self.micro_pairs(s, data, step);
+        let batches = pairs
+            .iter()
+            .map(|p| {
+                let (batch, labels) = pair_batch(s.ctx, data, p)?;
+                Ok(StageMicroBatch { batch, labels })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let reference = match &s.cfg.pipeline {
+            Some(pc) => self.pipelined_reference_logps(s, model, &batches, pc)?,
+            None => batches
+                .iter()
+                .map(|b| self.reference_logps(model, &b.batch, &b.labels))
+                .collect::<Result<Vec<_>>>()?,
+        };
+        Ok(batches
+            .into_iter()
+            .zip(reference)
+            .zip(&pairs)
+            .map(|((b, r), p)| DpoMicroBatch {
+                batch: b.batch,
+                labels: b.labels,
+                pairs: p.len(),
+                reference_logps: r,
+            })
+            .collect())
+    }
+
+    fn loss(&self, model: &Llama, m: &DpoMicroBatch) -> Result<StageLoss> {
+        let policy = whole_sequences(
+            model
+                .sequence_loss_sums(&m.batch, &m.labels, &self.opts)?
+                .neg()?,
+            model.ctx(),
+            true,
+        )?;
+        Ok(dpo_loss(self.terms_of(&policy, m)?))
+    }
+
+    fn staged<'a>(&'a self, model: &'a Llama) -> Result<DpoStages<'a>> {
+        Ok(DpoStages { model, loss: self })
+    }
+}
+
+/// A trainer of the DPO objective (see the [module docs](self)).
+pub struct DpoTrainer {
+    pub trainer: Trainer<Llama>,
+    pub loss: DpoLoss,
+}
+
+impl DpoTrainer {
+    pub fn new(trainer: Trainer<Llama>, reference: Reference, cfg: DpoConfig) -> Result<Self> {
+        let loss = DpoLoss::new(cfg, reference, &trainer.cfg)?;
+        Ok(Self { trainer, loss })
     }
 
     /// Pairs per optimizer step over all data-parallel ranks.
@@ -398,127 +779,45 @@ impl DpoTrainer {
         self.trainer.global_batch()
     }
 
-    fn sampler(&self, data: &PairDataset) -> Sampler {
-        Sampler {
-            num_windows: data.len(),
-            seed: self.trainer.cfg.seed,
-            shuffle: self.trainer.cfg.shuffle,
-        }
-    }
-
     /// This rank's micro-batches of pair indices for `step`.
     pub fn micro_pairs(&self, data: &PairDataset, step: u64) -> Vec<Vec<usize>> {
-        let c = &self.trainer.cfg;
-        let s = self.sampler(data);
-        s.samples(
-            step,
-            self.trainer.batching().dp,
-            self.trainer.dp_rank(),
-            c.batch * c.grad_accum,
-        )
-        .chunks(c.batch)
-        .map(|k| k.iter().map(|&k| s.window_of(k)).collect())
-        .collect()
+        self.loss.micro_pairs(&self.trainer.step_ctx(), data, step)
     }
 
-    /// The DPO terms of pairs `pairs` of `data`. Collective over the world.
+    /// The DPO terms of pairs `pairs` of `data` on the whole model (no pipeline). Collective
+    /// over the world.
     pub fn terms(&self, data: &PairDataset, pairs: &[usize]) -> Result<DpoTerms> {
         let model = &self.trainer.model;
-        let ctx = self.trainer.ctx();
-        let (mut ids, mut labels) = (Vec::new(), Vec::new());
-        for side in 0..2 {
-            for &i in pairs {
-                let (c, r) = data.pair(i);
-                let w = if side == 0 { c } else { r };
-                ids.push(w.ids.clone());
-                labels.push(w.labels.clone());
-            }
-        }
-        // Padding sits at the end of each window: a causal mask keeps it out of the replies.
-        let mask = candle_parallel::attention::AttnMask::Causal;
-        let (batch, labels) = Batch::from_tokens(ctx, &ids, &labels, mask)?;
-        let opts = CrossEntropyOptions {
-            chunk_tokens: self.trainer.cfg.loss_chunk_tokens,
-            ..Default::default()
+        let (batch, labels) = pair_batch(self.trainer.ctx(), data, pairs)?;
+        let reference_logps = self.loss.reference_logps(model, &batch, &labels)?;
+        let m = DpoMicroBatch {
+            batch,
+            labels,
+            pairs: pairs.len(),
+            reference_logps,
         };
-        let group = ctx.sequence_group();
-        let whole = |local: Tensor, grad: bool| -> Result<Tensor> {
-            let local = local.to_dtype(DType::F64)?;
-            Ok(match (group.size() > 1, grad) {
-                (false, _) => local,
-                (true, true) => reduce_from_parallel_region(&local, group)?,
-                (true, false) => group.all_reduce(&local, ReduceOp::Sum)?,
-            })
-        };
-        let policy = whole(
-            model.sequence_loss_sums(&batch, &labels, &opts)?.neg()?,
+        let policy = whole_sequences(
+            model
+                .sequence_loss_sums(&m.batch, &m.labels, &self.loss.opts)?
+                .neg()?,
+            model.ctx(),
             true,
         )?;
-        let reference = match &self.reference {
-            Reference::BaseOfAdapters(a) => {
-                a.set_enabled(false);
-                let r = model.sequence_loss_sums(&batch, &labels, &opts);
-                a.set_enabled(true);
-                r?
-            }
-            Reference::Model(m) => m.sequence_loss_sums(&batch, &labels, &opts)?,
-        };
-        let reference = whole(reference.detach().neg()?, false)?;
-        let n = pairs.len();
-        let (pc, pr) = (policy.narrow(0, 0, n)?, policy.narrow(0, n, n)?);
-        let (rc, rr) = (reference.narrow(0, 0, n)?, reference.narrow(0, n, n)?);
-        let chosen = ((pc - &rc)? * self.cfg.beta)?;
-        let rejected = ((pr - &rr)? * self.cfg.beta)?;
-        let z = (&chosen - &rejected)?;
-        let losses = log_sigmoid(&z)?.neg()?;
-        let (chosen, rejected) = (chosen.detach(), rejected.detach());
-        Ok(DpoTerms {
-            loss_sum: losses.sum_all()?,
-            chosen_rewards: chosen.to_vec1()?,
-            rejected_rewards: rejected.to_vec1()?,
-            losses: losses.detach().to_vec1()?,
-            policy_logps: policy.detach().to_vec1()?,
-            reference_logps: reference.to_vec1()?,
-        })
+        self.loss.terms_of(&policy, &m)
     }
 
-    /// Runs optimizer step `self.trainer.step` on `data` and advances. Collective over the world.
+    /// Runs optimizer step `self.trainer.step` on `data` and advances ([`Trainer::run_step`]
+    /// with [`DpoLoss`]). Collective over the world.
     pub fn step(&mut self, data: &PairDataset) -> Result<DpoStats> {
-        if self.trainer.cfg.pipeline.is_some() {
-            return Err(Error::Invalid(
-                "DPO does not run under a pipeline (pp > 1) yet".into(),
-            ));
-        }
-        let step = self.trainer.step;
-        let n = self.global_batch() as u64;
-        let mut acc: Vec<(String, Tensor)> = Vec::new();
-        let mut loss_sum = 0f64;
-        let (mut rc, mut rr, mut right) = (0f64, 0f64, 0f64);
-        for pairs in self.micro_pairs(data, step) {
-            let t = self.terms(data, &pairs)?;
-            let (sum, grads) = self.trainer.backward_collect(&t.loss_sum, n)?;
-            candle_parallel::optim::accumulate(&mut acc, grads)?;
-            loss_sum += sum;
-            for (c, r) in t.chosen_rewards.iter().zip(&t.rejected_rewards) {
-                rc += c;
-                rr += r;
-                right += f64::from(u8::from(c > r));
-            }
-        }
-        // Every rank of a sequence group holds the same pair values: count them once.
-        let first = self.trainer.ctx().sequence_group().rank() == 0;
-        let keep = |v: f64| if first { v } else { 0.0 };
-        let sums = self
-            .trainer
-            .sum_over_data(&[keep(rc), keep(rr), keep(right)])?;
-        let stats = self.trainer.apply_step(acc, keep(loss_sum), n, None)?;
-        let nf = n as f64;
+        let r = self.trainer.run_step(&self.loss, data)?;
+        // The parts as run_step reports them: means over the global batch of pairs.
+        let (rc, rr, right) = (r.parts[0], r.parts[1], r.parts[2]);
         Ok(DpoStats {
-            stats,
-            chosen_reward: sums[0] / nf,
-            rejected_reward: sums[1] / nf,
-            margin: (sums[0] - sums[1]) / nf,
-            accuracy: sums[2] / nf,
+            stats: r.stats,
+            chosen_reward: rc,
+            rejected_reward: rr,
+            margin: rc - rr,
+            accuracy: right,
         })
     }
 }

@@ -1,5 +1,5 @@
-//! The training engine: data packing ([`data`]), the training step of a model under any
-//! parallel layout ([`trainer`]), and training checkpoints with exact resume
+//! The training engine: data packing ([`data`]), what a run optimises ([`objective`]), the one
+//! training step of any model and objective under any parallel layout ([`trainer`]), and training checkpoints with exact resume
 //! ([`checkpoint`]); [`memory`] counts heap bytes for memory tests and benchmarks.
 //!
 //! A step is a list of micro-batches; each micro-batch runs forward and backward on its own
@@ -15,6 +15,7 @@ pub mod finetune;
 pub mod images;
 pub mod memory;
 pub mod multimodal;
+pub mod objective;
 pub mod trainer;
 
 pub use error::{Error, Result};

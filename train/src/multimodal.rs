@@ -8,23 +8,30 @@
 //! model's tokens per image (untrained), and the images are preprocessed by the model's image
 //! processor. One conversation per sequence, padded (or truncated) to `seq_len`.
 //!
-//! The step ([`LlavaTrainer::step`]) is the trainer's: the summed loss of each micro-batch over
-//! the global count of trained tokens, gradients collected and applied by [`Trainer`].
+//! The step is the trainer's ([`Trainer::run_step`] with [`LlavaLoss`]): the summed loss of
+//! each micro-batch over the global count of trained tokens, gradients collected and applied
+//! by [`Trainer`].
 
 use std::path::{Path, PathBuf};
 
 use candle_core::Tensor;
 use candle_parallel::nn::CrossEntropyOptions;
+use candle_parallel::pipeline::StageLoss;
 use models::llava::preprocess::ImageProcessor;
-use models::llava::Llava;
+use models::llava::{Llava, LlavaMicroBatch, LlavaStages};
 use models::tokenizer::Tokenizer;
 
 use crate::chat::{ChatTemplate, Conversation, TrainOn};
 use crate::data::{Sampler, IGNORE};
 use crate::error::{Error, Result};
+use crate::objective::{Objective, StepCtx};
 use crate::trainer::{StepStats, TrainModel, Trainer};
 
 impl TrainModel for Llava {
+    fn end_params(&self) -> Vec<String> {
+        models::CausalLm::end_params(&self.llama)
+    }
+
     /// Checkpoints are written in transformers 4's layout (`vision_tower.vision_model.*`),
     /// which transformers 4 and 5 both read.
     fn saved_name(&self, name: &str) -> String {
@@ -225,43 +232,79 @@ impl ImageTextDataset {
     }
 }
 
-/// A trainer of a LLaVA model on [`ImageTextDataset`]s.
-pub struct LlavaTrainer {
-    pub trainer: Trainer<Llava>,
+/// LLaVA's next-token loss on an [`ImageTextDataset`], averaged over the global batch's
+/// trained tokens (see the [module docs](self)).
+#[derive(Debug, Clone, Copy)]
+pub struct LlavaLoss {
+    pub opts: CrossEntropyOptions,
 }
 
-/// A micro-batch: token rows, label rows and the images in order.
-pub type ImageBatch = (Vec<Vec<u32>>, Vec<Vec<i64>>, Option<Tensor>);
+impl LlavaLoss {
+    /// The loss with `--loss-chunk` tokens per chunk of the vocab-parallel loss.
+    pub fn new(cfg: &crate::trainer::TrainConfig) -> Self {
+        Self {
+            opts: CrossEntropyOptions {
+                chunk_tokens: cfg.loss_chunk_tokens,
+                ..Default::default()
+            },
+        }
+    }
 
-impl LlavaTrainer {
-    fn sampler(&self, data: &ImageTextDataset) -> Sampler {
+    fn sampler(s: &StepCtx<'_>, data: &ImageTextDataset) -> Sampler {
         Sampler {
             num_windows: data.examples.len(),
-            seed: self.trainer.cfg.seed,
-            shuffle: self.trainer.cfg.shuffle,
+            seed: s.cfg.seed,
+            shuffle: s.cfg.shuffle,
         }
     }
 
     /// The example indices of `step` for data-parallel rank `d`.
-    fn picked(&self, data: &ImageTextDataset, step: u64, d: usize) -> Vec<usize> {
-        let c = &self.trainer.cfg;
-        let s = self.sampler(data);
-        s.samples(step, self.trainer.batching().dp, d, c.batch * c.grad_accum)
+    fn picked(s: &StepCtx<'_>, data: &ImageTextDataset, step: u64, d: usize) -> Vec<usize> {
+        let c = s.cfg;
+        let sampler = Self::sampler(s, data);
+        sampler
+            .samples(step, s.batching.dp, d, c.batch * c.grad_accum)
             .into_iter()
-            .map(|k| s.window_of(k))
+            .map(|k| sampler.window_of(k))
             .collect()
+    }
+}
+
+impl Objective<Llava> for LlavaLoss {
+    type Data = ImageTextDataset;
+    type Micro = LlavaMicroBatch;
+    type Staged<'a> = LlavaStages<'a>;
+
+    /// Trained tokens of the global batch of `step` (from the labels alone).
+    fn global_count(&self, s: &StepCtx<'_>, data: &ImageTextDataset, step: u64) -> Result<u64> {
+        let n = (0..s.batching.dp)
+            .flat_map(|d| Self::picked(s, data, step, d))
+            .map(|i| {
+                data.examples[i]
+                    .labels
+                    .iter()
+                    .filter(|&&l| l != IGNORE)
+                    .count() as u64
+            })
+            .sum();
+        if n == 0 {
+            return Err(Error::Invalid(format!(
+                "step {step}: no trained token in the batch"
+            )));
+        }
+        Ok(n)
     }
 
     /// This rank's micro-batches of `step`, their images read now.
     fn micro_batches(
         &self,
+        s: &StepCtx<'_>,
+        model: &Llava,
         data: &ImageTextDataset,
         step: u64,
-        d: usize,
-    ) -> Result<Vec<ImageBatch>> {
-        let c = &self.trainer.cfg;
-        self.picked(data, step, d)
-            .chunks(c.batch)
+    ) -> Result<Vec<LlavaMicroBatch>> {
+        Self::picked(s, data, step, s.dp_rank)
+            .chunks(s.cfg.batch)
             .map(|m| {
                 let ids = m.iter().map(|&i| data.examples[i].ids.clone()).collect();
                 let labels = m.iter().map(|&i| data.examples[i].labels.clone()).collect();
@@ -274,49 +317,39 @@ impl LlavaTrainer {
                 } else {
                     Some(Tensor::cat(&imgs, 0)?)
                 };
-                Ok((ids, labels, pv))
+                Ok(LlavaMicroBatch::new(model, ids, labels, pv)?)
             })
             .collect()
     }
 
-    /// Trained tokens of the global batch of `step` (from the labels alone).
-    fn global_tokens(&self, data: &ImageTextDataset, step: u64) -> u64 {
-        (0..self.trainer.batching().dp)
-            .flat_map(|d| self.picked(data, step, d))
-            .map(|i| {
-                data.examples[i]
-                    .labels
-                    .iter()
-                    .filter(|&&l| l != IGNORE)
-                    .count() as u64
-            })
-            .sum()
+    fn loss(&self, model: &Llava, m: &LlavaMicroBatch) -> Result<StageLoss> {
+        let (sum, _) = model.loss_sum(
+            &m.ids,
+            &m.global_labels,
+            m.pixel_values.as_ref(),
+            &self.opts,
+        )?;
+        Ok(StageLoss::new(sum))
     }
 
-    /// Runs optimizer step `self.trainer.step` and advances. Collective over the world.
+    fn staged<'a>(&'a self, model: &'a Llava) -> Result<LlavaStages<'a>> {
+        Ok(LlavaStages {
+            model,
+            opts: self.opts,
+        })
+    }
+}
+
+/// A trainer of a LLaVA model on [`ImageTextDataset`]s.
+pub struct LlavaTrainer {
+    pub trainer: Trainer<Llava>,
+}
+
+impl LlavaTrainer {
+    /// Runs optimizer step `self.trainer.step` and advances ([`Trainer::run_step`] with
+    /// [`LlavaLoss`]). Collective over the world.
     pub fn step(&mut self, data: &ImageTextDataset) -> Result<StepStats> {
-        let step = self.trainer.step;
-        let total = self.global_tokens(data, step);
-        if total == 0 {
-            return Err(Error::Invalid(format!(
-                "step {step}: no trained token in the batch"
-            )));
-        }
-        let opts = CrossEntropyOptions {
-            chunk_tokens: self.trainer.cfg.loss_chunk_tokens,
-            ..Default::default()
-        };
-        let mut acc = Vec::new();
-        let mut loss = 0f64;
-        for (ids, labels, pv) in self.micro_batches(data, step, self.trainer.dp_rank())? {
-            let (sum, _) = self
-                .trainer
-                .model
-                .loss_sum(&ids, &labels, pv.as_ref(), &opts)?;
-            let (s, grads) = self.trainer.backward_collect(&sum, total)?;
-            loss += s;
-            candle_parallel::optim::accumulate(&mut acc, grads)?;
-        }
-        self.trainer.apply_step(acc, loss, total, None)
+        let obj = LlavaLoss::new(&self.trainer.cfg);
+        Ok(self.trainer.run_step(&obj, data)?.stats)
     }
 }

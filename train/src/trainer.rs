@@ -1,14 +1,15 @@
 //! One rank's training loop state: the model, its optimizer and learning-rate schedule, and the
-//! step that turns a global batch of windows into an optimizer update.
+//! step that turns a global batch into an optimizer update.
 //!
-//! Contract of [`Trainer::step`] (collective over the world, every rank calls it with the same
-//! step number): the step's global batch is `dp · batch · grad_accum` windows dealt by
-//! [`Batching`]; data-parallel rank `d` trains on its `batch · grad_accum`; each micro-batch is
-//! cut into this rank's sequence shard by the layout, run forward and backward on its own
-//! ([`Trainer::forward_backward`]), with this rank's loss scaled to its share of the global
-//! mean; gradients are accumulated in f32, summed over the ranks sharing each parameter, clipped
-//! by the global norm, and applied by AdamW (f32 master weights and moments) in
-//! [`Trainer::apply`]. The mean loss over the global batch is returned, identical on every rank.
+//! Contract of [`Trainer::run_step`] (collective over the world, every rank calls it with the
+//! same step number and objective): the step's global batch is `dp · batch · grad_accum`
+//! sequences (samples, pairs) dealt by the [`Objective`]; data-parallel rank `d` trains on its
+//! `batch · grad_accum`; each micro-batch is cut into this rank's sequence shard by the layout
+//! and run forward and backward on its own, with this rank's loss scaled to its share of the
+//! global mean; gradients are accumulated in f32, summed over the ranks sharing each parameter,
+//! clipped by the global norm, and applied by AdamW (f32 master weights and moments) in
+//! [`Trainer::apply`]. The mean loss over the global batch is returned, identical on every
+//! rank. [`Trainer::step`] is that step with the next-token loss ([`NextToken`]).
 //!
 //! The memory plan ([`TrainConfig::memory`]) is applied to the model's units by
 //! [`MemoryPlan::apply`]: ZeRO stage 1 keeps each rank's optimizer state for its chunk of every
@@ -18,10 +19,10 @@
 //! The sharding group is `ulysses × ring × dp` or a part of it ([`ZeroGroups`]). Activation
 //! checkpointing recomputes each block in backward ([`candle_parallel::recompute`]). Under a
 //! pipeline ([`TrainConfig::pipeline`]) each rank holds one stage's parameters and a step's
-//! micro-batches run through the stages by the schedule ([`LanguageModel::pipeline_step`]); the
-//! gradient norm adds over the stages, counting a parameter held by two stages once. None of
-//! these changes a loss or a weight beyond rounding (the tests assert 1e-5 against the
-//! single-rank run).
+//! micro-batches run through the stages by the schedule (the objective's
+//! [`Objective::staged`] model under [`run_stage_step`]); the gradient norm adds over the
+//! stages, counting a parameter held by two stages once. None of these changes a loss or a
+//! weight beyond rounding (the tests assert 1e-5 against the single-rank run).
 
 use std::collections::HashMap;
 
@@ -35,23 +36,25 @@ use candle_parallel::optim::{
     LrSchedule, OptimParam, StageNorm, ZeroGroups, ZeroStage,
 };
 use candle_parallel::pipeline::{
-    finish_step, run_schedule, ExecTimes, PipelineSchedule, ScheduleKind,
+    run_stage_step, ExecTimes, PipelineSchedule, ScheduleKind, StageLoss, StageStep,
 };
 use candle_parallel::plan::{MemoryPlan, Parallelize, PlannedParams};
-use models::llama::{Llama, LlamaStage, StageMicroBatch};
+use models::causal_lm::{CausalLm, LmStages, StageMicroBatch};
+use models::llama::Llama;
 use serde::{Deserialize, Serialize};
 
 use crate::data::{Batching, MicroBatch, Windows};
 use crate::error::{Error, Result};
+use crate::objective::{NextToken, Objective, StepCtx};
 
 /// A model the trainer can optimise: units a memory plan can walk, and which parameters
 /// several pipeline stages hold.
 pub trait TrainModel: Parallelize + Send {
-    /// Whether parameter `name` is held by several pipeline stages (it then counts once in
-    /// the global gradient norm, on the first stage).
-    fn replicated_across_stages(&self, name: &str) -> bool {
-        let _ = name;
-        false
+    /// Names of the parameters this rank holds that the other end of a pipeline holds too
+    /// (the model's end units): they count once in the global gradient norm, on the first
+    /// stage. Local.
+    fn end_params(&self) -> Vec<String> {
+        Vec::new()
     }
 
     /// Stem of the checkpoint's weight files ([`models::checkpoint::SaveOptions::weights_name`]).
@@ -72,31 +75,6 @@ pub trait TrainModel: Parallelize + Send {
     }
 }
 
-/// A language model the trainer trains: the summed next-token loss of a batch (see
-/// [`Llama::loss_sum`]). Its steps are [`Trainer::step`]; other models (diffusion) build their
-/// step from [`Trainer::backward_collect`] and [`Trainer::apply_step`].
-pub trait LanguageModel: TrainModel {
-    fn loss_sum(
-        &self,
-        batch: &Batch,
-        labels: &Tensor,
-        opts: &CrossEntropyOptions,
-    ) -> Result<(Tensor, usize)>;
-
-    /// Runs one step's micro-batches as this rank's pipeline stage (see [`PipelineStep`] and
-    /// [`PipelineOutput`]). Collective over the pipeline group. Models without pipeline stages
-    /// return an error.
-    fn pipeline_step(
-        &self,
-        step: &PipelineStep<'_>,
-        micro: &[StageMicroBatch],
-        vars: Vec<(String, Var)>,
-    ) -> Result<PipelineOutput> {
-        let _ = (step, micro, vars);
-        Err(Error::Invalid("this model has no pipeline stages".into()))
-    }
-}
-
 /// A pipeline step's schedule, the blocks of every virtual stage, and the variables a stage
 /// differentiates by name ([`Trainer::pipeline_setup`]).
 pub type PipelineSetup = (
@@ -105,105 +83,56 @@ pub type PipelineSetup = (
     Vec<(String, Var)>,
 );
 
-/// A step's summed loss, this rank's accumulated gradients in parameter order, and under a
-/// pipeline its measured bubble.
-type StepGrads = (f64, Vec<(String, Tensor)>, Option<f64>);
-
-/// What a pipeline step returns on each rank.
-pub struct PipelineOutput {
-    /// Gradients of the step's variables by name (f32, summed over the micro-batches; those of
-    /// parameters held by several stages summed between them).
-    pub grads: HashMap<String, Tensor>,
-    /// The step's summed loss, the same on every pipeline rank.
-    pub loss_sum: f64,
-    /// Where this rank's time went.
-    pub times: ExecTimes,
+/// What one step of an objective reports: the step's statistics and the means of the loss
+/// parts over the global count ([`Objective::part_names`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepReport {
+    pub stats: StepStats,
+    pub parts: Vec<f64>,
 }
 
-/// What a pipeline step needs besides the model and the data.
-pub struct PipelineStep<'a> {
-    pub schedule: &'a PipelineSchedule,
-    /// Decoder layers of every virtual stage.
-    pub layers: &'a [std::ops::Range<usize>],
-    /// The pipeline group (its rank `r` is stage `r`).
-    pub pp: &'a Comm,
-    pub global_tokens: u64,
-    pub opts: CrossEntropyOptions,
-    /// Dtype of the activations between stages.
-    pub dtype: DType,
-}
+/// The training behaviour of every causal LM: with LoRA only the adapters train, and
+/// checkpoints are PEFT adapters.
+macro_rules! causal_lm_train_model {
+    ($t:ty) => {
+        impl TrainModel for $t {
+            fn end_params(&self) -> Vec<String> {
+                CausalLm::end_params(self)
+            }
 
-impl LanguageModel for Llama {
-    fn loss_sum(
-        &self,
-        batch: &Batch,
-        labels: &Tensor,
-        opts: &CrossEntropyOptions,
-    ) -> Result<(Tensor, usize)> {
-        Ok(Llama::loss_sum(self, batch, labels, opts)?)
-    }
+            fn weights_name(&self) -> &'static str {
+                if CausalLm::adapters(self).is_some() {
+                    models::peft::WEIGHTS_NAME
+                } else {
+                    "model"
+                }
+            }
 
-    fn pipeline_step(
-        &self,
-        step: &PipelineStep<'_>,
-        micro: &[StageMicroBatch],
-        vars: Vec<(String, Var)>,
-    ) -> Result<PipelineOutput> {
-        let mut stage = LlamaStage::new(
-            self,
-            vars,
-            step.schedule,
-            step.pp.rank(),
-            step.layers,
-            micro,
-            step.global_tokens,
-            step.opts,
-            step.dtype,
-        )?;
-        let times = run_schedule(step.schedule, step.pp, &mut stage)?;
-        let shared = stage.shared();
-        let (grads, loss_sum) = stage.into_parts();
-        let (grads, loss_sum) = finish_step(step.pp, grads, &shared, loss_sum)?;
-        Ok(PipelineOutput {
-            grads,
-            loss_sum,
-            times,
-        })
-    }
-}
+            fn saved_name(&self, name: &str) -> String {
+                if CausalLm::adapters(self).is_some() {
+                    format!("{}{name}", models::peft::PREFIX)
+                } else {
+                    name.to_string()
+                }
+            }
 
-impl TrainModel for Llama {
-    fn replicated_across_stages(&self, name: &str) -> bool {
-        models::llama::replicated_across_stages(name)
-    }
-
-    /// With LoRA only the adapters train, and checkpoints are PEFT adapters.
-    fn weights_name(&self) -> &'static str {
-        if self.adapters().is_some() {
-            models::peft::WEIGHTS_NAME
-        } else {
-            "model"
+            fn saves_frozen(&self) -> bool {
+                CausalLm::adapters(self).is_none()
+            }
         }
-    }
-
-    fn saved_name(&self, name: &str) -> String {
-        if self.adapters().is_some() {
-            format!("{}{name}", models::peft::PREFIX)
-        } else {
-            name.to_string()
-        }
-    }
-
-    fn saves_frozen(&self) -> bool {
-        self.adapters().is_none()
-    }
+    };
 }
 
-/// Evaluation through a pipeline: `micro` (this rank's sequence shards) forward through the
-/// stages ([`PipelineSchedule::forward_only`]). Returns the summed loss (the same on every
-/// pipeline rank) and the labelled tokens of this rank's shards. Collective over `pp`; nothing
-/// to do (and no communication) when `micro` is empty, which it then is on every rank of `pp`.
-pub fn pipeline_eval<M: LanguageModel>(
+causal_lm_train_model!(Llama);
+// Any registered family's causal LM ([`models::family::Family::load_causal_lm`]).
+causal_lm_train_model!(Box<dyn CausalLm>);
+
+/// Evaluation of a causal LM through a pipeline: `micro` (this rank's sequence shards) forward
+/// through the stages ([`PipelineSchedule::forward_only`]). Returns the summed loss (the same
+/// on every pipeline rank) and the labelled tokens of this rank's shards. Collective over `pp`;
+/// nothing to do (and no communication) when `micro` is empty, which it then is on every rank
+/// of `pp`.
+pub fn pipeline_eval<M: CausalLm + ?Sized>(
     model: &M,
     pp: &Comm,
     pc: &PipelineConfig,
@@ -216,15 +145,15 @@ pub fn pipeline_eval<M: LanguageModel>(
     }
     let schedule = PipelineSchedule::forward_only(pp.size(), micro.len(), pc.virtual_stages)?;
     let ranges = pc.ranges();
-    let step = PipelineStep {
+    let step = StageStep {
         schedule: &schedule,
         layers: &ranges,
         pp,
-        global_tokens: 1,
-        opts,
+        global_count: 1,
         dtype,
     };
-    let loss = model.pipeline_step(&step, micro, Vec::new())?.loss_sum;
+    let staged = LmStages { model, opts };
+    let loss = run_stage_step(&staged, &step, micro, Vec::new(), 0)?.loss_sum;
     let mut count = 0u64;
     for m in micro {
         let labels = m.labels.flatten_all()?.to_vec1::<i64>()?;
@@ -553,14 +482,6 @@ impl<M: TrainModel> Trainer<M> {
         })
     }
 
-    /// The loss options of this run (its `--loss-chunk`).
-    fn loss_options(&self) -> CrossEntropyOptions {
-        CrossEntropyOptions {
-            chunk_tokens: self.cfg.loss_chunk_tokens,
-            ..Default::default()
-        }
-    }
-
     /// The pipeline group (one rank without a pipeline).
     pub fn pp(&self) -> &Comm {
         &self.pp
@@ -759,53 +680,128 @@ impl<M: TrainModel> Trainer<M> {
     }
 }
 
-impl<M: LanguageModel> Trainer<M> {
-    /// Forward and backward of one micro-batch, this rank's loss scaled by `1 / global_tokens`.
-    /// Returns this rank's summed loss and its gradients in name order: of the whole
-    /// parameter slices, or under ZeRO stages 2 and 3 of this rank's chunks (reduce-scattered
-    /// over the sharding group), f32. Collective over the world.
+impl<M: TrainModel> Trainer<M> {
+    /// What objectives see of this trainer when they deal a step's data.
+    pub fn step_ctx(&self) -> StepCtx<'_> {
+        StepCtx {
+            ctx: &self.ctx,
+            cfg: &self.cfg,
+            batching: &self.batching,
+            dp_rank: self.dp_rank,
+            pp: &self.pp,
+            dtype: self.activation_dtype(),
+        }
+    }
+
+    /// Runs optimizer step `self.step` of objective `obj` on `data` and advances: the one step
+    /// loop of every model and objective (see the [module docs](self)). Collective over the
+    /// world.
+    pub fn run_step<O: Objective<M>>(&mut self, obj: &O, data: &O::Data) -> Result<StepReport> {
+        let step = self.step;
+        let count = obj.global_count(&self.step_ctx(), data, step)?;
+        if count == 0 {
+            return Err(Error::Invalid(format!(
+                "step {step}: nothing to train on in the batch"
+            )));
+        }
+        let micro = obj.micro_batches(&self.step_ctx(), &self.model, data, step)?;
+        let num_parts = obj.part_names().len();
+        let (loss_sum, mut parts, acc, bubble) = if self.cfg.pipeline.is_some() {
+            let (schedule, ranges, vars) = self.pipeline_setup(micro.len())?;
+            let step = StageStep {
+                schedule: &schedule,
+                layers: &ranges,
+                pp: &self.pp,
+                global_count: count,
+                dtype: self.activation_dtype(),
+            };
+            let staged = obj.staged(&self.model)?;
+            let mut out = run_stage_step(&staged, &step, &micro, vars, num_parts)?;
+            let acc = self.collect_with(|p| out.grads.remove(&p.name))?;
+            let bubble = self.pipeline_bubble(out.times)?;
+            (out.loss_sum, out.parts, acc, Some(bubble))
+        } else {
+            let mut acc: Vec<(String, Tensor)> = Vec::new();
+            let (mut loss_sum, mut parts) = (0f64, vec![0f64; num_parts]);
+            for m in &micro {
+                let StageLoss { sum, parts: p } = obj.loss(&self.model, m)?;
+                let (s, grads) = self.backward_collect(&sum, count)?;
+                loss_sum += s;
+                for (a, x) in parts.iter_mut().zip(p) {
+                    *a += x;
+                }
+                candle_parallel::optim::accumulate(&mut acc, grads)?;
+            }
+            (loss_sum, parts, acc, None)
+        };
+        // A whole-sequence loss is the same on every rank of a sequence group: count it once.
+        let counted = !obj.whole_sequence_loss() || self.ctx.sequence_group().rank() == 0;
+        let keep = |v: f64| if counted { v } else { 0.0 };
+        if num_parts > 0 {
+            parts = self
+                .sum_over_data(&parts.iter().map(|&v| keep(v)).collect::<Vec<_>>())?
+                .into_iter()
+                .map(|v| v / count as f64)
+                .collect();
+        }
+        let stats = self.apply_step(acc, keep(loss_sum), count, bubble)?;
+        Ok(StepReport { stats, parts })
+    }
+
+    /// The summed loss and parts of `micro` (this rank's micro-batches) forward only, through
+    /// the pipeline stages under a pipeline: the same on every pipeline rank, this rank's
+    /// sequence shards; not summed over the data ranks. Collective over the world; nothing to
+    /// do (and no communication) when `micro` is empty, which it then is on every rank.
+    pub fn forward_losses<O: Objective<M>>(
+        &self,
+        obj: &O,
+        micro: &[O::Micro],
+    ) -> Result<(f64, Vec<f64>)> {
+        let num_parts = obj.part_names().len();
+        if micro.is_empty() {
+            return Ok((0.0, vec![0.0; num_parts]));
+        }
+        if let Some(pc) = &self.cfg.pipeline {
+            let schedule =
+                PipelineSchedule::forward_only(self.pp.size(), micro.len(), pc.virtual_stages)?;
+            let ranges = pc.ranges();
+            let step = StageStep {
+                schedule: &schedule,
+                layers: &ranges,
+                pp: &self.pp,
+                global_count: 1,
+                dtype: self.activation_dtype(),
+            };
+            let staged = obj.staged(&self.model)?;
+            let out = run_stage_step(&staged, &step, micro, Vec::new(), num_parts)?;
+            return Ok((out.loss_sum, out.parts));
+        }
+        let (mut sum, mut parts) = (0f64, vec![0f64; num_parts]);
+        for m in micro {
+            let l = obj.loss(&self.model, m)?;
+            sum += l.sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            for (a, x) in parts.iter_mut().zip(l.parts) {
+                *a += x;
+            }
+        }
+        Ok((sum, parts))
+    }
+}
+
+impl<M: TrainModel + CausalLm> Trainer<M> {
+    /// Forward and backward of one micro-batch with the next-token loss, this rank's loss
+    /// scaled by `1 / global_tokens`. Returns this rank's summed loss and its gradients in name
+    /// order: of the whole parameter slices, or under ZeRO stages 2 and 3 of this rank's chunks
+    /// (reduce-scattered over the sharding group), f32. Collective over the world.
     pub fn forward_backward(
         &self,
         micro: &MicroBatch,
         global_tokens: u64,
     ) -> Result<(f64, Vec<(String, Tensor)>)> {
-        let opts = self.loss_options();
         let (batch, labels) =
             Batch::from_tokens(&self.ctx, &micro.ids, &micro.labels, micro.mask.clone())?;
-        let (sum, _) = self.model.loss_sum(&batch, &labels, &opts)?;
-        self.backward_collect(&sum, global_tokens)
-    }
-
-    /// The step's micro-batches through this rank's pipeline stage: the loss summed over the
-    /// step (the same on every pipeline rank; this rank's sequence shard) and this rank's
-    /// accumulated gradients as [`Trainer::forward_backward`] returns them. Collective over
-    /// the world.
-    fn pipeline_forward_backward(
-        &mut self,
-        micro: &[MicroBatch],
-        global_tokens: u64,
-    ) -> Result<StepGrads> {
-        let (schedule, ranges, vars) = self.pipeline_setup(micro.len())?;
-        let stage_micro = micro
-            .iter()
-            .map(|mb| {
-                let (batch, labels) =
-                    Batch::from_tokens(&self.ctx, &mb.ids, &mb.labels, mb.mask.clone())?;
-                Ok(StageMicroBatch { batch, labels })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let step = PipelineStep {
-            schedule: &schedule,
-            layers: &ranges,
-            pp: &self.pp,
-            global_tokens,
-            opts: self.loss_options(),
-            dtype: self.activation_dtype(),
-        };
-        let mut out = self.model.pipeline_step(&step, &stage_micro, vars)?;
-        let acc = self.collect_with(|p| out.grads.remove(&p.name))?;
-        let bubble = self.pipeline_bubble(out.times)?;
-        Ok((out.loss_sum, acc, Some(bubble)))
+        let l = NextToken::new(&self.cfg).loss(&self.model, &StageMicroBatch { batch, labels })?;
+        self.backward_collect(&l.sum, global_tokens)
     }
 }
 
@@ -957,7 +953,8 @@ impl<M: TrainModel> Trainer<M> {
         // Under a pipeline each stage adds its parameters; one held by several stages counts
         // on the first.
         let first_stage = self.pp.rank() == 0;
-        let counted = |name: &str| first_stage || !self.model.replicated_across_stages(name);
+        let ends: std::collections::HashSet<String> = self.model.end_params().into_iter().collect();
+        let counted = |name: &str| first_stage || !ends.contains(name);
         let staged = StageNorm {
             comm: &self.pp,
             counted: &counted,
@@ -986,15 +983,18 @@ impl<M: TrainModel> Trainer<M> {
     }
 }
 
-impl<M: LanguageModel> Trainer<M> {
+impl<M: TrainModel + CausalLm> Trainer<M> {
     /// The mean next-token loss of the model on the first `max_windows` windows of `data` (in
     /// stream order, dealt round-robin to the data-parallel ranks) and the labelled tokens it
     /// counts. No gradient is applied. Collective over the world.
-    pub fn eval_loss(&self, data: &impl Windows, max_windows: usize) -> Result<(f64, u64)> {
-        let opts = self.loss_options();
+    pub fn eval_loss(
+        &self,
+        data: &(impl Windows + ?Sized),
+        max_windows: usize,
+    ) -> Result<(f64, u64)> {
         let n = data.num_windows().min(max_windows.max(1));
-        let (mut sum, mut count) = (0f64, 0f64);
         let mut micro = Vec::new();
+        let mut count = 0f64;
         for i in (self.dp_rank..n).step_by(self.batching.dp) {
             let w = data.window(i);
             let mask = if self.cfg.doc_mask {
@@ -1004,20 +1004,11 @@ impl<M: LanguageModel> Trainer<M> {
             };
             let (batch, labels) =
                 Batch::from_tokens(&self.ctx, &[w.ids], std::slice::from_ref(&w.labels), mask)?;
-            if self.cfg.pipeline.is_some() {
-                micro.push(StageMicroBatch { batch, labels });
-                continue;
-            }
-            let (s, c) = self.model.loss_sum(&batch, &labels, &opts)?;
-            sum += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            count += c as f64;
+            let local = labels.flatten_all()?.to_vec1::<i64>()?;
+            count += local.iter().filter(|&&l| l != IGNORE_INDEX).count() as f64;
+            micro.push(StageMicroBatch { batch, labels });
         }
-        if let Some(pc) = &self.cfg.pipeline {
-            let dtype = self.activation_dtype();
-            let (s, c) = pipeline_eval(&self.model, &self.pp, pc, &micro, opts, dtype)?;
-            sum = s;
-            count = c as f64;
-        }
+        let (sum, _) = self.forward_losses(&NextToken::new(&self.cfg), &micro)?;
         let t = self
             .loss_group
             .all_reduce(&Tensor::new(&[sum, count], &Device::Cpu)?, ReduceOp::Sum)?
@@ -1026,29 +1017,11 @@ impl<M: LanguageModel> Trainer<M> {
         Ok((t[0] / t[1].max(1.0), t[1] as u64))
     }
 
-    /// Runs optimizer step `self.step` on `data` and advances. Collective over the world.
-    pub fn step(&mut self, data: &impl Windows) -> Result<StepStats> {
-        let step = self.step;
-        let global_tokens = self.batching.global_tokens(data, step);
-        if global_tokens == 0 {
-            return Err(Error::Invalid(format!(
-                "step {step}: no labelled token in the batch"
-            )));
-        }
-        let micro = self.batching.micro_batches(data, step, self.dp_rank);
-        let (loss_sum, acc, pp_bubble) = if self.cfg.pipeline.is_some() {
-            self.pipeline_forward_backward(&micro, global_tokens)?
-        } else {
-            let mut acc: Vec<(String, Tensor)> = Vec::new();
-            let mut loss_sum = 0f64;
-            for micro in &micro {
-                let (sum, grads) = self.forward_backward(micro, global_tokens)?;
-                loss_sum += sum;
-                candle_parallel::optim::accumulate(&mut acc, grads)?;
-            }
-            (loss_sum, acc, None)
-        };
-        self.apply_step(acc, loss_sum, global_tokens, pp_bubble)
+    /// Runs optimizer step `self.step` with the next-token loss on `data` and advances.
+    /// Collective over the world.
+    pub fn step(&mut self, data: &(impl Windows + 'static)) -> Result<StepStats> {
+        let obj = NextToken::new(&self.cfg);
+        Ok(self.run_step(&obj, data as &dyn Windows)?.stats)
     }
 }
 

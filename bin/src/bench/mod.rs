@@ -193,36 +193,12 @@ impl MatmulRate {
     }
 }
 
-/// What the model FLOPs of a token are counted for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Work {
-    /// The forward pass (eval).
-    Forward,
-    /// Forward and backward, with the weights' gradients (full training).
-    Training,
-    /// Forward and backward of frozen weights (LoRA): the inputs' gradients but not the
-    /// weights'; the adapters' own products are not counted.
-    FrozenTraining,
-}
+pub use models::family::Work;
 
-/// Model FLOPs per token of a LLaMA at `seq_len` tokens: `2 N + 2 L S H D` forward (N the
-/// parameters that multiply: all but an input embedding that is not the LM head's matrix;
-/// causal attention counted as half); training three times that, frozen-weight training
-/// `4 N + 6 L S H D` (no weight gradients).
+/// Model FLOPs per token of a LLaMA at `seq_len` tokens (the family's
+/// [`models::family::Description::flops_per_token`]).
 pub fn llama_flops_per_token(cfg: &LlamaConfig, seq_len: usize, work: Work) -> f64 {
-    let lookup = if cfg.tie_word_embeddings {
-        0
-    } else {
-        cfg.vocab_size * cfg.hidden_size
-    };
-    let n = cfg.num_parameters().saturating_sub(lookup) as f64;
-    let attn = (cfg.num_hidden_layers * seq_len * cfg.num_attention_heads * cfg.head_dim()) as f64;
-    let (weights, attn) = (2.0 * n, 2.0 * attn);
-    match work {
-        Work::Forward => weights + attn,
-        Work::Training => 3.0 * (weights + attn),
-        Work::FrozenTraining => 2.0 * weights + 3.0 * attn,
-    }
+    cfg.description().flops_per_token(seq_len, work)
 }
 
 /// `n` token ids below `vocab` from a generator seeded by `seed`.

@@ -25,8 +25,8 @@ use super::lora::Adapters;
 use super::{Param, ParamBuilder, Pass, Shard};
 use crate::comm::Comm;
 use crate::error::{Error, Result};
-use crate::optim::FlatShard;
 use crate::recompute::{checkpoint, Checkpointing};
+use crate::sharding::FlatShard;
 
 /// A module that maps activations to activations of the same layout (a transformer block),
 /// and can therefore be recomputed.

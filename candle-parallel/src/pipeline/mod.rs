@@ -5,11 +5,16 @@
 //! - [`stages`]: how a model's layers are cut into (virtual) stages.
 //! - [`executor`]: runs one rank's list on its model chunks ([`StageModel`]), sending and
 //!   receiving over the `pp` communicator.
+//! - [`stage`]: the one stage of every model (embed → layer range → head and loss) over a
+//!   model that describes its ends and layers ([`StagedModel`]), and a whole step on one rank
+//!   ([`run_stage_step`]).
 
 pub mod executor;
 pub mod schedule;
+pub mod stage;
 pub mod stages;
 
 pub use executor::{finish_step, run_schedule, ExecTimes, StageGrads, StageModel};
 pub use schedule::{Action, ActionKind, PipelineSchedule, ScheduleKind, ScheduleStats};
+pub use stage::{run_stage_step, Stage, StageLoss, StageOutput, StageStep, StagedModel};
 pub use stages::{gather_to_first, split_layers};

@@ -87,14 +87,6 @@ impl DitConfig {
         Ok(cfg)
     }
 
-    /// Whether a `config.json` text names a diffusers DiT (its `_class_name`).
-    pub fn is_dit(text: &str) -> bool {
-        serde_json::from_str::<serde_json::Value>(text)
-            .ok()
-            .and_then(|v| v.get("_class_name")?.as_str().map(|s| s == DIT_CLASS))
-            .unwrap_or(false)
-    }
-
     fn validate(&self, path: &Path) -> Result<()> {
         let bad = |msg: String| Err(Error::config(path, msg));
         if let Some(c) = &self.class_name {

@@ -312,6 +312,10 @@ pub struct Dit {
     /// Block 0's condition embedding for the output layer, on a last pipeline stage that does
     /// not hold block 0 (the first stage's copy gets the other part of its gradient).
     out_cond: Option<Unit<ConditionEmbedding>>,
+    /// Checkpoint path of block 0's condition embedding, which the output layer also uses: its
+    /// parameters are held by both ends of a pipeline (in block 0's unit on the first stage, in
+    /// `out_cond` on the last).
+    cond_path: String,
     ctx: ParallelCtx,
 }
 
@@ -363,9 +367,11 @@ impl Dit {
                 .map_err(unit_err)
             })
             .collect::<Result<Vec<_>>>()?;
+        let cond_vb = vb.pp("transformer_blocks").pp(0).pp("norm1").pp("emb");
+        let cond_path = cond_vb.prefix();
         let out_cond = if ends && !held(0) {
             let c = cfg.clone();
-            let path = vb.pp("transformer_blocks").pp(0).pp("norm1").pp("emb");
+            let path = cond_vb;
             Some(
                 Unit::new(&path, move |vb| {
                     ConditionEmbedding::new(&c, vb).map_err(candle_parallel::Error::from)
@@ -380,8 +386,40 @@ impl Dit {
             ends: ends_unit,
             blocks,
             out_cond,
+            cond_path,
             ctx: ctx.clone(),
         })
+    }
+
+    /// Names of the parameters this rank holds that both ends of a pipeline hold: the patch
+    /// embedding and output layer (the ends unit) and block 0's condition embedding (the
+    /// output layer's conditioning), on a rank that holds the ends. Local.
+    pub fn end_params(&self) -> Vec<String> {
+        if self.ends.is_none() {
+            return Vec::new();
+        }
+        let cond = format!("{}.", self.cond_path);
+        let mut names: Vec<String> = self
+            .ends
+            .iter()
+            .flat_map(|u| u.params())
+            .chain(self.out_cond.iter().flat_map(|u| u.params()))
+            .map(|p| p.name.clone())
+            .collect();
+        if let Some(Some(b0)) = self.blocks.first() {
+            names.extend(
+                b0.params()
+                    .iter()
+                    .filter(|p| p.name.starts_with(&cond))
+                    .map(|p| p.name.clone()),
+            );
+        }
+        names
+    }
+
+    /// Blocks of the whole model (this rank may hold only some).
+    pub fn num_blocks(&self) -> usize {
+        self.blocks.len()
     }
 
     pub fn config(&self) -> &DitConfig {

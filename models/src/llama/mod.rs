@@ -2,7 +2,6 @@
 
 pub mod config;
 pub mod model;
-pub mod pipeline;
 pub mod random;
 
 use std::sync::Arc;
@@ -14,7 +13,6 @@ use candle_parallel::nn::{
 
 pub use config::LlamaConfig;
 pub use model::{DecoderLayer, Ends, KvCache, Llama};
-pub use pipeline::{replicated_across_stages, LlamaStage, StageMicroBatch};
 pub use random::{random_weights, write_random_checkpoint};
 
 use crate::checkpoint::CheckpointReader;

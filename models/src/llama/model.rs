@@ -168,7 +168,7 @@ impl Llama {
 
     /// A pipeline stage of the model: only the decoder layers in `layers` (one range per model
     /// chunk of this rank) and, with `ends`, the embedding, final norm and head (the first and
-    /// the last stage hold them; see `pipeline::LlamaStage`). Loads nothing else.
+    /// the last stage hold them; see [`crate::causal_lm::LmStages`]). Loads nothing else.
     pub fn new_stage(
         cfg: &LlamaConfig,
         vb: ParamBuilder,
@@ -395,6 +395,65 @@ impl Llama {
         cache.len += n;
         let x = ends.norm.forward(&x.narrow(1, n - 1, 1)?)?;
         Ok(ends.lm_head.logits(&x.squeeze(1)?)?)
+    }
+}
+
+impl crate::causal_lm::CausalLm for Llama {
+    fn ctx(&self) -> &ParallelCtx {
+        &self.ctx
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.cfg.hidden_size
+    }
+
+    fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn embed_tokens(&self, batch: &Batch) -> Result<Tensor> {
+        self.embed(&self.ends(Track::Grad)?, batch)
+    }
+
+    fn run_layers(
+        &self,
+        layers: std::ops::Range<usize>,
+        x: &Tensor,
+        batch: &Batch,
+    ) -> Result<Tensor> {
+        Llama::run_layers(self, layers, x, batch)
+    }
+
+    fn norm_head_loss(
+        &self,
+        x: &Tensor,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<(Tensor, usize)> {
+        let ends = self.ends(Track::Grad)?;
+        let h = self.final_norm(&ends, x)?;
+        self.head_loss(&ends, &h, labels, opts)
+    }
+
+    /// The ends are gathered once (under ZeRO-3) for the embedding and the head.
+    fn loss_sum(
+        &self,
+        batch: &Batch,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<(Tensor, usize)> {
+        Llama::loss_sum(self, batch, labels, opts)
+    }
+
+    fn end_params(&self) -> Vec<String> {
+        self.ends
+            .iter()
+            .flat_map(|u| u.params().iter().map(|p| p.name.clone()))
+            .collect()
+    }
+
+    fn adapters(&self) -> Option<&Arc<Adapters>> {
+        self.adapters.as_ref()
     }
 }
 

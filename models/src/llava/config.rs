@@ -147,18 +147,6 @@ fn yes() -> bool {
 }
 
 impl LlavaConfig {
-    /// Whether `text` (a config.json) describes a LLaVA model.
-    pub fn is_llava(text: &str) -> bool {
-        serde_json::from_str::<serde_json::Value>(text)
-            .ok()
-            .is_some_and(|v| {
-                v["model_type"] == "llava"
-                    || v["architectures"]
-                        .as_array()
-                        .is_some_and(|a| a.iter().any(|x| x == "LlavaForConditionalGeneration"))
-            })
-    }
-
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let mut v: serde_json::Value = serde_json::from_str(&text)

@@ -14,9 +14,9 @@
 
 pub mod config;
 pub mod model;
+pub mod pipeline;
 pub mod preprocess;
 
-use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
@@ -24,6 +24,7 @@ use candle_parallel::nn::{ParallelCtx, ParamBuilder, ParamList, ParamMode, Shard
 
 pub use config::{FeatureLayer, LlavaConfig};
 pub use model::{Freeze, Llava, Projector};
+pub use pipeline::{LlavaMicroBatch, LlavaStages};
 
 use crate::checkpoint::CheckpointReader;
 use crate::error::{Error, Result};
@@ -126,13 +127,6 @@ pub struct LoadedLlava {
     pub params: ParamList,
     pub config: LlavaConfig,
     pub layout: KeyLayout,
-}
-
-/// Whether the model directory `dir` holds a LLaVA (`config.json`).
-pub fn is_llava_dir(dir: &Path) -> bool {
-    std::fs::read_to_string(dir.join("config.json"))
-        .map(|t| LlavaConfig::is_llava(&t))
-        .unwrap_or(false)
 }
 
 /// Loads the LLaVA `files` for `ctx`'s layout in `dtype` (default: the text config's stored

@@ -270,6 +270,25 @@ impl Llava {
         Ok(merged.reshape((b, s, ()))?)
     }
 
+    /// This rank's shard of the batch (positions, causal mask) and of the global `labels`.
+    /// Local.
+    pub fn shard_batch(&self, ids: &[Vec<u32>], labels: &[Vec<i64>]) -> Result<(Batch, Tensor)> {
+        Ok(Batch::from_tokens(
+            &self.ctx,
+            ids,
+            labels,
+            AttnMask::Causal,
+        )?)
+    }
+
+    /// The first pipeline stage's work: this rank's shard of the merged embeddings of the
+    /// global `ids` and the images. Collective over tp.
+    pub fn embed_shard(&self, ids: &[Vec<u32>], pixel_values: Option<&Tensor>) -> Result<Tensor> {
+        let ends = self.llama.ends(Track::Grad)?;
+        let merged = self.merged_embeddings(&ends, ids, pixel_values)?;
+        Ok(self.ctx.layer_tokens(&merged)?)
+    }
+
     /// This rank's shard of the batch and of the merged embeddings, and the sharded labels.
     fn shard(
         &self,
@@ -279,7 +298,7 @@ impl Llava {
         pixel_values: Option<&Tensor>,
     ) -> Result<(Batch, Tensor, Tensor)> {
         let merged = self.merged_embeddings(ends, ids, pixel_values)?;
-        let (batch, labels) = Batch::from_tokens(&self.ctx, ids, labels, AttnMask::Causal)?;
+        let (batch, labels) = self.shard_batch(ids, labels)?;
         let x = self.ctx.layer_tokens(&merged)?;
         Ok((batch, x, labels))
     }

@@ -1,0 +1,190 @@
+//! What every causal language model family provides ([`CausalLm`]), and the pipeline stage of
+//! any of them ([`LmStages`]).
+//!
+//! A family's model file implements [`CausalLm`] on its model type: its two ends (embedding;
+//! final norm, head and loss) and its layer stack, which unit holds the parameters both ends of
+//! a pipeline share, and the fused whole-model loss. Training, evaluation, pipelining and
+//! generation are written once against this trait (`cpl-train`'s trainer, the commands).
+//!
+//! [`LmStages`] is a [`StagedModel`] of any [`CausalLm`] for
+//! [`candle_parallel::pipeline::run_stage_step`]: the first virtual stage embeds the tokens,
+//! the last applies the final norm, the head and the loss. Activations between stages are the
+//! layers' input on this rank: `(batch, tokens, hidden)`, the tokens this rank's sequence shard
+//! (divided over tp under TP-sp).
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::{Shape, Tensor};
+use candle_parallel::nn::{Adapters, Batch, CrossEntropyOptions, ParallelCtx};
+use candle_parallel::pipeline::{StageLoss, StagedModel};
+use candle_parallel::plan::Parallelize;
+
+use crate::error::Result;
+
+/// A causal language model of any family, on one rank (see the [module docs](self)). Every
+/// method is collective over the model-parallel ranks (tp, sequence) unless it says otherwise.
+pub trait CausalLm: Parallelize + Send + Sync {
+    /// The layout the model was built for.
+    fn ctx(&self) -> &ParallelCtx;
+
+    /// Width of the activations between layers.
+    fn hidden_size(&self) -> usize;
+
+    /// Decoder layers of the whole model (this rank may hold only some of them).
+    fn num_layers(&self) -> usize;
+
+    /// The first stage's work: token embeddings `(batch, n', hidden)` of this rank's shard.
+    fn embed_tokens(&self, batch: &Batch) -> Result<Tensor>;
+
+    /// Decoder layers `layers` on `x`, each under its unit's checkpointing.
+    fn run_layers(&self, layers: Range<usize>, x: &Tensor, batch: &Batch) -> Result<Tensor>;
+
+    /// The last stage's work: final norm, head and the summed next-token loss of the last
+    /// layer's output `x` with its count of labelled tokens (`labels` as in
+    /// [`CausalLm::loss_sum`]).
+    fn norm_head_loss(
+        &self,
+        x: &Tensor,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<(Tensor, usize)>;
+
+    /// The whole model at once: sum of the next-token cross-entropies of this rank's tokens and
+    /// their count. `labels` `(batch, n)` i64, already shifted and sharded like the tokens,
+    /// `-100` ignored. Divide by the global count for the mean loss.
+    fn loss_sum(
+        &self,
+        batch: &Batch,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<(Tensor, usize)> {
+        let x = self.embed_tokens(batch)?;
+        let x = self.run_layers(0..self.num_layers(), &x, batch)?;
+        self.norm_head_loss(&x, labels, opts)
+    }
+
+    /// `loss.backward()` plus the parameter gradients computed inside recomputed layers.
+    fn backward(&self, loss: &Tensor) -> Result<GradStore> {
+        Ok(self.ctx().backward(loss)?)
+    }
+
+    /// Names of the parameters of this rank's end units (embedding, final norm, head), which
+    /// the first and the last pipeline stage both hold. Local.
+    fn end_params(&self) -> Vec<String>;
+
+    /// The LoRA adapters the model was built with, if any.
+    fn adapters(&self) -> Option<&Arc<Adapters>> {
+        None
+    }
+}
+
+/// One micro-batch as every stage sees it: the batch (ids, positions, mask) and the shifted
+/// labels of this rank's tokens.
+pub struct StageMicroBatch {
+    pub batch: Batch,
+    pub labels: Tensor,
+}
+
+/// Any [`CausalLm`] as pipeline stages with its next-token loss (see the
+/// [module docs](self)).
+pub struct LmStages<'a, M: ?Sized> {
+    pub model: &'a M,
+    pub opts: CrossEntropyOptions,
+}
+
+impl<M: CausalLm + ?Sized> StagedModel for LmStages<'_, M> {
+    type Micro = StageMicroBatch;
+
+    fn activation_shape(&self, m: &StageMicroBatch) -> candle_parallel::Result<Shape> {
+        let (b, n) = m.batch.input_ids.dims2()?;
+        let n = self.model.ctx().layer_token_count(n);
+        Ok(Shape::from((b, n, self.model.hidden_size())))
+    }
+
+    fn embed(&self, m: &StageMicroBatch) -> candle_parallel::Result<Tensor> {
+        Ok(self.model.embed_tokens(&m.batch)?)
+    }
+
+    fn run_layers(
+        &self,
+        layers: Range<usize>,
+        x: &Tensor,
+        m: &StageMicroBatch,
+    ) -> candle_parallel::Result<Tensor> {
+        Ok(self.model.run_layers(layers, x, &m.batch)?)
+    }
+
+    fn head_loss(&self, x: &Tensor, m: &StageMicroBatch) -> candle_parallel::Result<StageLoss> {
+        let (sum, _) = self.model.norm_head_loss(x, &m.labels, &self.opts)?;
+        Ok(StageLoss::new(sum))
+    }
+
+    fn backward(&self, root: &Tensor) -> candle_parallel::Result<GradStore> {
+        Ok(self.model.backward(root)?)
+    }
+
+    fn shared_params(&self) -> Vec<String> {
+        self.model.end_params()
+    }
+}
+
+/// A model of any registered family ([`crate::family::Family::load_causal_lm`]) is a causal LM.
+impl Parallelize for Box<dyn CausalLm> {
+    fn units(&mut self) -> Vec<&mut dyn candle_parallel::nn::UnitOps> {
+        (**self).units()
+    }
+}
+
+impl CausalLm for Box<dyn CausalLm> {
+    fn ctx(&self) -> &ParallelCtx {
+        (**self).ctx()
+    }
+
+    fn hidden_size(&self) -> usize {
+        (**self).hidden_size()
+    }
+
+    fn num_layers(&self) -> usize {
+        (**self).num_layers()
+    }
+
+    fn embed_tokens(&self, batch: &Batch) -> Result<Tensor> {
+        (**self).embed_tokens(batch)
+    }
+
+    fn run_layers(&self, layers: Range<usize>, x: &Tensor, batch: &Batch) -> Result<Tensor> {
+        (**self).run_layers(layers, x, batch)
+    }
+
+    fn norm_head_loss(
+        &self,
+        x: &Tensor,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<(Tensor, usize)> {
+        (**self).norm_head_loss(x, labels, opts)
+    }
+
+    fn loss_sum(
+        &self,
+        batch: &Batch,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<(Tensor, usize)> {
+        (**self).loss_sum(batch, labels, opts)
+    }
+
+    fn backward(&self, loss: &Tensor) -> Result<GradStore> {
+        (**self).backward(loss)
+    }
+
+    fn end_params(&self) -> Vec<String> {
+        (**self).end_params()
+    }
+
+    fn adapters(&self) -> Option<&Arc<Adapters>> {
+        (**self).adapters()
+    }
+}

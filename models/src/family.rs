@@ -1,0 +1,368 @@
+//! The model-family registry: which family a checkpoint belongs to, what it is, how it is
+//! described and saved. Every command routes through it; none names a family.
+//!
+//! A family is one [`Family`] value: the `architectures` (or diffusers `_class_name`) and
+//! `model_type` values of `config.json` it claims, its [`Kind`] (which objectives and commands
+//! it runs), the stem of its weight files, the files copied beside the weights into every
+//! checkpoint, and [`Family::describe`]: its size and its model FLOPs per token
+//! ([`Description::flops_per_token`], the one formula every progress line, metrics file,
+//! benchmark and the planner use). Causal LM families also load themselves for a layout
+//! ([`Family::load_causal_lm`]) as a [`CausalLm`].
+//!
+//! The built-in families are [`LLAMA`], [`DIT`] and [`LLAVA`]; [`register`] adds one from
+//! outside the crate (a program with its own model file).
+
+use std::path::Path;
+use std::sync::{Arc, RwLock};
+
+use candle_core::DType;
+use candle_parallel::nn::{Adapters, ParallelCtx, ParamList, ParamMode};
+use candle_parallel::planner::ModelShape;
+
+use crate::causal_lm::CausalLm;
+use crate::error::{Error, Result};
+use crate::hub::ModelFiles;
+
+/// What a family's models are, which decides the objectives and commands they run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A causal language model ([`CausalLm`]): train, finetune, eval, generate.
+    CausalLm,
+    /// A class-conditional diffusion transformer (diffusers' DiT).
+    Diffusion,
+    /// A vision-language model: a vision tower and projector in front of a causal LM.
+    VisionLanguage,
+}
+
+/// What a model's FLOPs are counted for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Work {
+    /// The forward pass (eval).
+    Forward,
+    /// Forward and backward, with the weights' gradients (full training).
+    Training,
+    /// Forward and backward of frozen weights (LoRA): the inputs' gradients but not the
+    /// weights'; the adapters' own products are not counted.
+    FrozenTraining,
+}
+
+/// A model's size and the terms of its FLOPs (see [`Description::flops_per_token`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Description {
+    /// Every parameter.
+    pub params: u64,
+    /// Parameters that multiply an activation (all but lookups: an input embedding that is
+    /// not also the head's matrix).
+    pub matmul_params: u64,
+    /// Blocks (decoder layers).
+    pub layers: usize,
+    /// Width of the activations between blocks.
+    pub hidden: usize,
+    /// Σ over the layers of query heads × head dim: attention's work per pair of tokens.
+    pub attention_width: u64,
+    /// Whether attention is causal (a token attends to half the pairs on average); causal
+    /// models default to the zigzag ring layout, full-attention models to contiguous.
+    pub causal: bool,
+    /// The shape the planner models (causal LMs).
+    pub planner_shape: Option<ModelShape>,
+}
+
+impl Description {
+    /// Model FLOPs per token at `seq_len` tokens per sequence: `2 N + 4 A S c` forward (N
+    /// the multiplying parameters, A the attention width, c one half for causal attention and
+    /// one for full); training three times that, frozen-weight training `4 N + 3 · 4 A S c` (no
+    /// weight gradients). Recomputation (activation checkpointing) is not useful work and is
+    /// not counted. The only FLOPs formula of the workspace.
+    pub fn flops_per_token(&self, seq_len: usize, work: Work) -> f64 {
+        let weights = 2.0 * self.matmul_params as f64;
+        let share = if self.causal { 0.5 } else { 1.0 };
+        let attn = 4.0 * self.attention_width as f64 * seq_len as f64 * share;
+        match work {
+            Work::Forward => weights + attn,
+            Work::Training => 3.0 * (weights + attn),
+            Work::FrozenTraining => 2.0 * weights + 3.0 * attn,
+        }
+    }
+}
+
+/// What loading a model for a layout needs besides its files.
+#[derive(Clone)]
+pub struct LoadSpec<'a> {
+    pub ctx: &'a ParallelCtx,
+    /// Parameter dtype (default: the checkpoint's declared dtype, else f32).
+    pub dtype: Option<DType>,
+    /// Trainable or frozen parameters.
+    pub mode: ParamMode,
+    /// The layers of this rank's pipeline chunks (every layer without a pipeline).
+    pub layers: &'a [std::ops::Range<usize>],
+    /// Whether this rank holds the model's two ends (embedding and head).
+    pub ends: bool,
+    /// LoRA adapters of the linear layers.
+    pub adapters: Option<Arc<Adapters>>,
+}
+
+/// A causal LM loaded for a layout, with its parameter list.
+pub struct LoadedCausalLm {
+    pub model: Box<dyn CausalLm>,
+    pub params: ParamList,
+}
+
+/// One model family (see the [module docs](self)).
+pub struct Family {
+    /// Short name (`llama`, `dit`, `llava`), as errors and `cpl inspect` print it.
+    pub name: &'static str,
+    pub kind: Kind,
+    /// `architectures` entries of `config.json` (diffusers: `_class_name`) it claims.
+    pub architectures: &'static [&'static str],
+    /// `model_type` values it claims (a config without `architectures`).
+    pub model_types: &'static [&'static str],
+    /// Stem of the weight files (`model` for `model.safetensors`).
+    pub weights_name: &'static str,
+    /// Files of the model directory copied beside the weights into every checkpoint, when
+    /// present (`config.json` always is).
+    pub extra_files: &'static [&'static str],
+    /// Size and FLOPs terms from `config.json` at the given path; errors name the file and
+    /// field.
+    pub describe: fn(&Path) -> Result<Description>,
+    /// Loads the model for a layout (causal LM families).
+    pub load_causal_lm: Option<fn(&ModelFiles, &LoadSpec<'_>) -> Result<LoadedCausalLm>>,
+}
+
+impl std::fmt::Debug for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Family")
+            .field("name", &self.name)
+            .field("kind", &self.kind)
+            .field("architectures", &self.architectures)
+            .finish()
+    }
+}
+
+const TEXT_FILES: &[&str] = &[
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+];
+
+/// `LlamaForCausalLM` (Llama 2, Llama 3.x, TinyLlama, SmolLM).
+pub static LLAMA: Family = Family {
+    name: "llama",
+    kind: Kind::CausalLm,
+    architectures: &["LlamaForCausalLM"],
+    model_types: &["llama"],
+    weights_name: "model",
+    extra_files: TEXT_FILES,
+    describe: describe_llama,
+    load_causal_lm: Some(load_llama),
+};
+
+/// diffusers' `DiTTransformer2DModel`.
+pub static DIT: Family = Family {
+    name: "dit",
+    kind: Kind::Diffusion,
+    architectures: &[crate::dit::config::DIT_CLASS],
+    model_types: &[],
+    weights_name: crate::dit::WEIGHTS_NAME,
+    extra_files: &["config.json"],
+    describe: describe_dit,
+    load_causal_lm: None,
+};
+
+/// transformers' `LlavaForConditionalGeneration`.
+pub static LLAVA: Family = Family {
+    name: "llava",
+    kind: Kind::VisionLanguage,
+    architectures: &["LlavaForConditionalGeneration"],
+    model_types: &["llava"],
+    weights_name: "model",
+    extra_files: &[
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+        "preprocessor_config.json",
+        "processor_config.json",
+    ],
+    describe: describe_llava,
+    load_causal_lm: None,
+};
+
+fn describe_llama(path: &Path) -> Result<Description> {
+    Ok(crate::llama::LlamaConfig::from_file(path)?.description())
+}
+
+impl crate::llama::LlamaConfig {
+    /// Size and FLOPs terms of this decoder ([`Description`]).
+    pub fn description(&self) -> Description {
+        text_description(self)
+    }
+}
+
+impl crate::dit::DitConfig {
+    /// Size and FLOPs terms of this DiT ([`Description`]): attention over the patch tokens
+    /// is full (not causal).
+    pub fn description(&self) -> Description {
+        let params = self.num_parameters() as u64;
+        Description {
+            params,
+            // The class and timestep embeddings' lookups are a negligible part of a DiT.
+            matmul_params: params,
+            layers: self.num_layers,
+            hidden: self.hidden_size(),
+            attention_width: (self.num_layers * self.hidden_size()) as u64,
+            causal: false,
+            planner_shape: None,
+        }
+    }
+}
+
+/// The description of a LLaMA-shaped decoder.
+fn text_description(cfg: &crate::llama::LlamaConfig) -> Description {
+    let lookup = if cfg.tie_word_embeddings {
+        0
+    } else {
+        cfg.vocab_size * cfg.hidden_size
+    };
+    let params = cfg.num_parameters() as u64;
+    Description {
+        params,
+        matmul_params: params.saturating_sub(lookup as u64),
+        layers: cfg.num_hidden_layers,
+        hidden: cfg.hidden_size,
+        attention_width: (cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim()) as u64,
+        causal: true,
+        planner_shape: Some(cfg.planner_shape()),
+    }
+}
+
+fn describe_dit(path: &Path) -> Result<Description> {
+    Ok(crate::dit::DitConfig::from_file(path)?.description())
+}
+
+fn describe_llava(path: &Path) -> Result<Description> {
+    let cfg = crate::llava::LlavaConfig::from_file(path)?;
+    let mut d = text_description(cfg.text());
+    d.planner_shape = None;
+    Ok(d)
+}
+
+fn load_llama(files: &ModelFiles, spec: &LoadSpec<'_>) -> Result<LoadedCausalLm> {
+    let loaded = crate::llama::load_stage_adapted(
+        files,
+        spec.ctx,
+        spec.dtype,
+        spec.mode,
+        spec.layers,
+        spec.ends,
+        spec.adapters.clone(),
+    )?;
+    Ok(LoadedCausalLm {
+        model: Box::new(loaded.model),
+        params: loaded.params,
+    })
+}
+
+static EXTRA: RwLock<Vec<&'static Family>> = RwLock::new(Vec::new());
+
+/// Adds `family` to the registry (a family written outside this crate). Families registered
+/// later are tried first, so a registration can take over an architecture. Errors when a
+/// family of the same name is registered.
+pub fn register(family: &'static Family) -> Result<()> {
+    let mut extra = EXTRA
+        .write()
+        .map_err(|_| Error::Invalid("the family registry is poisoned".into()))?;
+    if families_in(&extra).iter().any(|f| f.name == family.name) {
+        return Err(Error::Invalid(format!(
+            "a model family named `{}` is already registered",
+            family.name
+        )));
+    }
+    extra.push(family);
+    Ok(())
+}
+
+fn families_in(extra: &[&'static Family]) -> Vec<&'static Family> {
+    let mut all: Vec<&'static Family> = extra.iter().rev().copied().collect();
+    all.extend([&LLAMA, &DIT, &LLAVA]);
+    all
+}
+
+/// Every registered family, the last registered first, then the built-in ones.
+pub fn families() -> Vec<&'static Family> {
+    match EXTRA.read() {
+        Ok(extra) => families_in(&extra),
+        Err(_) => families_in(&[]),
+    }
+}
+
+/// The family of a parsed `config.json`: the first whose architectures include one of its
+/// `architectures` (or its `_class_name`), else the first whose model types include its
+/// `model_type`. `None` when no family claims it.
+pub fn detect_json(config: &serde_json::Value) -> Option<&'static Family> {
+    let all = families();
+    let mut names: Vec<&str> = config["architectures"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|x| x.as_str()).collect())
+        .unwrap_or_default();
+    names.extend(config["_class_name"].as_str());
+    if let Some(f) = all
+        .iter()
+        .find(|f| names.iter().any(|n| f.architectures.contains(n)))
+    {
+        return Some(f);
+    }
+    // Only when the config names no architecture: a named, unclaimed one is unsupported
+    // even if its model_type is known.
+    if !names.is_empty() {
+        return None;
+    }
+    let model_type = config["model_type"].as_str()?;
+    all.into_iter()
+        .find(|f| f.model_types.contains(&model_type))
+}
+
+/// The family of the model whose `config.json` is at `path`. Errors name the file, and when
+/// no family claims it, list the supported architectures.
+pub fn detect(path: &Path) -> Result<&'static Family> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::config(path, format!("not valid JSON: {e}")))?;
+    detect_json(&v).ok_or_else(|| {
+        let named = v["architectures"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| x.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
+            .filter(|s| !s.is_empty())
+            .or_else(|| v["_class_name"].as_str().map(String::from))
+            .or_else(|| v["model_type"].as_str().map(|t| format!("model_type {t}")))
+            .unwrap_or_else(|| "no architectures, _class_name or model_type".into());
+        Error::config(
+            path,
+            format!(
+                "unsupported model ({named}); supported families: {}",
+                supported_list()
+            ),
+        )
+    })
+}
+
+/// The supported families and their architectures, for errors and `--help`.
+pub fn supported_list() -> String {
+    families()
+        .iter()
+        .map(|f| format!("{} ({})", f.name, f.architectures.join(", ")))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// The family of the model directory `dir` (its `config.json`).
+pub fn detect_dir(dir: &Path) -> Result<&'static Family> {
+    detect(&dir.join("config.json"))
+}

@@ -1,0 +1,152 @@
+//! What a run optimises ([`Objective`]): how a step's data becomes this rank's micro-batches,
+//! what one micro-batch's loss is on the whole model, and the same loss on pipeline stages.
+//! [`Trainer::run_step`](crate::trainer::Trainer::run_step) is the one step loop over any
+//! objective: micro-batches → (pipeline or not) forward and backward → accumulate → apply.
+//!
+//! Objectives here: [`NextToken`] (the next-token loss of any [`CausalLm`] on packed windows).
+//! The diffusion loss ([`crate::diffusion`]), LLaVA's loss on image-text conversations
+//! ([`crate::multimodal`]) and DPO ([`crate::finetune`]) live beside their data.
+
+use candle_parallel::nn::{Batch, CrossEntropyOptions, ParallelCtx};
+use candle_parallel::pipeline::{StageLoss, StagedModel};
+use models::causal_lm::{CausalLm, LmStages, StageMicroBatch};
+
+use crate::data::{Batching, Windows};
+use crate::error::{Error, Result};
+use crate::trainer::TrainConfig;
+
+/// What an objective sees of the trainer when it deals a step's data.
+#[derive(Clone, Copy)]
+pub struct StepCtx<'a> {
+    /// The layout (sequence shards of a batch).
+    pub ctx: &'a ParallelCtx,
+    pub cfg: &'a TrainConfig,
+    /// How the step's global batch is dealt to the data-parallel ranks.
+    pub batching: &'a Batching,
+    /// This rank's data-parallel coordinate.
+    pub dp_rank: usize,
+    /// The pipeline group (one rank without a pipeline), for objectives that run a forward
+    /// pass to prepare their micro-batches.
+    pub pp: &'a candle_parallel::comm::Comm,
+    /// Dtype of the activations between pipeline stages.
+    pub dtype: candle_core::DType,
+}
+
+/// A training objective on models `M` (see the [module docs](self)).
+///
+/// Contract: [`Objective::global_count`] is the same on every rank without communication; the
+/// step's loss is the sum over every micro-batch of every rank holding different data of
+/// [`Objective::loss`]'s sum, divided by it. Parts are summed the same way and reported divided
+/// by it too.
+pub trait Objective<M> {
+    /// The dataset a step draws from.
+    type Data: ?Sized;
+    /// One micro-batch, ready for the model (the same on every pipeline stage).
+    type Micro;
+    /// The model with this objective's loss as pipeline stages.
+    type Staged<'a>: StagedModel<Micro = Self::Micro>
+    where
+        Self: 'a,
+        M: 'a;
+
+    /// Names of the loss parts [`Objective::loss`] reports, in order.
+    fn part_names(&self) -> &'static [&'static str] {
+        &[]
+    }
+
+    /// Whether every rank of a sequence group computes the same (whole-sequence) loss, as a
+    /// pairwise loss does: it then counts once per group. Otherwise each rank's loss covers its
+    /// own tokens and the group's losses add up.
+    fn whole_sequence_loss(&self) -> bool {
+        false
+    }
+
+    /// What the step's summed loss is divided by (labelled tokens, samples, pairs of the
+    /// global batch). Local.
+    fn global_count(&self, s: &StepCtx<'_>, data: &Self::Data, step: u64) -> Result<u64>;
+
+    /// This rank's micro-batches of `step`. Local, or collective over the world when the
+    /// objective needs a forward pass to prepare them (every rank calls it).
+    fn micro_batches(
+        &self,
+        s: &StepCtx<'_>,
+        model: &M,
+        data: &Self::Data,
+        step: u64,
+    ) -> Result<Vec<Self::Micro>>;
+
+    /// One micro-batch through the whole model on this rank: its summed loss and parts.
+    /// Collective over the model-parallel ranks.
+    fn loss(&self, model: &M, micro: &Self::Micro) -> Result<StageLoss>;
+
+    /// The model with this loss as pipeline stages, or an error when the objective does not
+    /// run under a pipeline.
+    fn staged<'a>(&'a self, model: &'a M) -> Result<Self::Staged<'a>>;
+}
+
+/// The next-token loss of a causal language model on packed windows ([`Windows`]), averaged
+/// over the global batch's labelled tokens.
+#[derive(Debug, Clone, Copy)]
+pub struct NextToken {
+    pub opts: CrossEntropyOptions,
+}
+
+impl NextToken {
+    /// The loss with `--loss-chunk` tokens per chunk of the vocab-parallel loss.
+    pub fn new(cfg: &TrainConfig) -> Self {
+        Self {
+            opts: CrossEntropyOptions {
+                chunk_tokens: cfg.loss_chunk_tokens,
+                ..Default::default()
+            },
+        }
+    }
+}
+
+impl<M: CausalLm> Objective<M> for NextToken {
+    type Data = dyn Windows;
+    type Micro = StageMicroBatch;
+    type Staged<'a>
+        = LmStages<'a, M>
+    where
+        M: 'a;
+
+    fn global_count(&self, s: &StepCtx<'_>, data: &Self::Data, step: u64) -> Result<u64> {
+        let n = s.batching.global_tokens(data, step);
+        if n == 0 {
+            return Err(Error::Invalid(format!(
+                "step {step}: no labelled token in the batch"
+            )));
+        }
+        Ok(n)
+    }
+
+    fn micro_batches(
+        &self,
+        s: &StepCtx<'_>,
+        _model: &M,
+        data: &Self::Data,
+        step: u64,
+    ) -> Result<Vec<StageMicroBatch>> {
+        s.batching
+            .micro_batches(data, step, s.dp_rank)
+            .into_iter()
+            .map(|mb| {
+                let (batch, labels) = Batch::from_tokens(s.ctx, &mb.ids, &mb.labels, mb.mask)?;
+                Ok(StageMicroBatch { batch, labels })
+            })
+            .collect()
+    }
+
+    fn loss(&self, model: &M, m: &StageMicroBatch) -> Result<StageLoss> {
+        let (sum, _) = model.loss_sum(&m.batch, &m.labels, &self.opts)?;
+        Ok(StageLoss::new(sum))
+    }
+
+    fn staged<'a>(&'a self, model: &'a M) -> Result<LmStages<'a, M>> {
+        Ok(LmStages {
+            model,
+            opts: self.opts,
+        })
+    }
+}
