@@ -1,7 +1,8 @@
 //! Fine-tuning under every parallel layout against the single-rank run.
 //!
 //! LoRA SFT (packed examples with document masks, loss on the reply tokens only), full SFT, and
-//! LoRA DPO, 3 AdamW steps each on the `gqa` fixture: every layout gives the same loss at every
+//! LoRA DPO, 3 AdamW steps each on the `gqa` fixture, also pipelined (pp2, pp2 × ring2; DPO's
+//! reference runs forward through the same stages): every layout gives the same loss at every
 //! step as one rank (1e-5 relative, f32) and the same final trained weights (1e-5 relative per
 //! tensor, tensor-parallel slices gathered). One example has a long prompt whose few trained
 //! tokens all land on one rank of the ring layouts: the loss is normalised by the global count
@@ -15,8 +16,10 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use candle_parallel::attention::Strategy;
 use candle_parallel::comm::LocalWorld;
+use candle_parallel::mesh::Dim;
 use candle_parallel::nn::{Adapters, LoraConfig, LoraTargets, ParamMode, TensorMap};
 use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
+use candle_parallel::pipeline::ScheduleKind;
 use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{assert_identical, fixture_files, rel_err, whole_weights, Layout};
@@ -25,7 +28,7 @@ use testkit::assert_identical_scalars;
 use train::finetune::{
     DpoConfig, DpoTrainer, Example, Overlong, PairDataset, Reference, SftDataset, SftOptions,
 };
-use train::trainer::{TrainConfig, Trainer};
+use train::trainer::{PipelineConfig, TrainConfig, Trainer};
 
 const TOL: f64 = 1e-5;
 const SEQ: usize = 32;
@@ -192,8 +195,17 @@ struct Run {
 }
 
 fn run(layout: &Layout, memory: MemoryPlan, job: Job) -> Run {
-    let dp = layout.mesh.degree(candle_parallel::mesh::Dim::Dp);
-    let cfg = config(1, 2 / dp, memory);
+    let dp = layout.mesh.degree(Dim::Dp);
+    let pp = layout.mesh.pp;
+    let mut cfg = config(1, 2 / dp, memory);
+    if pp > 1 {
+        // One decoder layer per stage of the 2-layer fixture.
+        cfg.pipeline = Some(PipelineConfig {
+            schedule: ScheduleKind::OneFOneB,
+            virtual_stages: 1,
+            layers: vec![1; pp],
+        });
+    }
     let files = fixture_files("gqa");
     let sft = sft_data(true);
     let pairs = pair_data();
@@ -201,11 +213,19 @@ fn run(layout: &Layout, memory: MemoryPlan, job: Job) -> Run {
         let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
         let (mesh, ctx) = layout.context(world.clone())?;
         let adapters = (job != Job::FullSft).then(random_adapters);
-        let m = llama::load_adapted(
+        // This rank's pipeline stage: its layers, and the ends on the first and last stage.
+        let r = mesh.coord(Dim::Pp);
+        let layers = match &cfg.pipeline {
+            Some(pc) => vec![pc.ranges()[r].clone()],
+            None => vec![0..2],
+        };
+        let m = llama::load_stage_adapted(
             &files,
             &ctx,
             Some(DType::F32),
             ParamMode::Trainable,
+            &layers,
+            r == 0 || r + 1 == pp,
             adapters.clone(),
         )
         .map_err(|x| e(&x))?;
@@ -243,15 +263,21 @@ fn run(layout: &Layout, memory: MemoryPlan, job: Job) -> Run {
         })
     })
     .unwrap_or_else(|e| panic!("{e}"));
-    let first = results.swap_remove(0);
+    // Every rank's weights: ranks holding a parameter (pipeline stages hold different ones;
+    // a parameter both ends hold) have the same copy.
+    let mut weights: HashMap<String, Tensor> = HashMap::new();
     for (r, other) in results.iter().enumerate() {
-        let who = format!("{}: rank {} vs rank 0", layout.name, r + 1);
-        assert_identical_scalars(&other.losses, &first.losses, &who);
-        assert_identical_scalars(&other.norms, &first.norms, &who);
-        for (n, w) in &first.weights {
-            assert_identical(&other.weights[n], w, &format!("{who}: {n}"));
+        let who = format!("{}: rank {r} vs rank 0", layout.name);
+        assert_identical_scalars(&other.losses, &results[0].losses, &who);
+        assert_identical_scalars(&other.norms, &results[0].norms, &who);
+        for (n, w) in &other.weights {
+            if let Some(prev) = weights.insert(n.clone(), w.clone()) {
+                assert_identical(&prev, w, &format!("{who}: copies of {n}"));
+            }
         }
     }
+    let mut first = results.swap_remove(0);
+    first.weights = weights;
     first
 }
 
@@ -318,6 +344,13 @@ fn layouts() -> Vec<(Layout, MemoryPlan)> {
             )
             .with_dp(2),
             zero2,
+        ),
+        // Pipelines: the stages' losses, gradient norms (parameters of the two ends counted
+        // once) and weights, and for DPO the reference's forward through the same stages.
+        (Layout::single().with_pp(2), plain),
+        (
+            Layout::new("pp2 x ring2", 1, 1, 2, Strategy::Ring).with_pp(2),
+            plain,
         ),
     ]
 }

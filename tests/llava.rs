@@ -82,7 +82,11 @@ fn check_reference(name: &str, freeze_vision: bool) {
             .vision_feature_layer
             .indices(model.config().vision_config.num_hidden_layers)
             .unwrap()[0];
-        let hs = model.vision.hidden_states(&pv, layer).unwrap();
+        let hs = model
+            .vision_tower()
+            .unwrap()
+            .hidden_states(&pv, layer)
+            .unwrap();
         assert_rel(
             &hs[layer],
             &r["image_features_raw"],
@@ -508,6 +512,164 @@ fn layouts_give_the_loss_and_gradients_of_one_rank() {
                     layout.name
                 );
             }
+        }
+    }
+}
+
+/// The loss and every gradient of the layout batch through `layout`'s pipeline stages (one
+/// decoder layer per stage; the tower and projector on the first), gathered to whole tensors
+/// and merged over the stages (copies held by both ends must agree bit for bit).
+fn pipelined_grads(name: &str, layout: &Layout) -> Grads {
+    use candle_parallel::mesh::Dim;
+    use candle_parallel::pipeline::{run_stage_step, PipelineSchedule, ScheduleKind, StageStep};
+    let f = files(name);
+    let r = reference(name);
+    let pv = r["pixel_values"].clone();
+    let pp = layout.mesh.pp;
+    let split = vec![0..1, 1..2];
+    let out = LocalWorld::run(layout.ranks, |world| -> Result<Grads, String> {
+        let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
+        let (mesh, ctx) = layout.context(world.clone())?;
+        let pp_comm = mesh.comm(Dim::Pp);
+        let rank = pp_comm.rank();
+        let m = llava::load_stage(
+            &f,
+            &ctx,
+            Some(DType::F32),
+            ParamMode::Trainable,
+            Freeze::default(),
+            Some(llava::LlavaStage {
+                layers: std::slice::from_ref(&split[rank]),
+                ends: true,
+                first: rank == 0,
+            }),
+        )
+        .map_err(|x| e(&x))?;
+        let per = m.model.tokens_per_image();
+        let (ids, labels) = layout_batch(m.model.config().image_token(), per);
+        let total: usize = labels.iter().flatten().filter(|&&l| l != -100).count();
+        // Two micro-batches: one sample each, images in order.
+        let micro = vec![
+            llava::LlavaMicroBatch::new(
+                &m.model,
+                vec![ids[0].clone()],
+                vec![labels[0].clone()],
+                Some(pv.narrow(0, 0, 1).unwrap()),
+            )
+            .map_err(|x| e(&x))?,
+            llava::LlavaMicroBatch::new(
+                &m.model,
+                vec![ids[1].clone()],
+                vec![labels[1].clone()],
+                Some(pv.narrow(0, 1, 2).unwrap()),
+            )
+            .map_err(|x| e(&x))?,
+        ];
+        let schedule =
+            PipelineSchedule::new(ScheduleKind::OneFOneB, pp, 2, 1).map_err(|x| e(&x))?;
+        let step = StageStep {
+            schedule: &schedule,
+            layers: &split,
+            pp: &pp_comm,
+            global_count: total as u64,
+            dtype: DType::F32,
+        };
+        let staged = llava::LlavaStages {
+            model: &m.model,
+            opts: CrossEntropyOptions::default(),
+        };
+        // The tower's layers past the selected feature layer load frozen.
+        let params: Vec<_> = m
+            .params
+            .sorted()
+            .into_iter()
+            .filter(|p| p.var.is_some())
+            .collect();
+        let out = run_stage_step(
+            &staged,
+            &step,
+            &micro,
+            cpl_integration_tests::trainable_vars(&params),
+            0,
+        )
+        .map_err(|x| e(&x))?;
+        let list: Vec<(String, Tensor)> = params
+            .iter()
+            .map(|p| {
+                out.grads
+                    .get(&p.name)
+                    .cloned()
+                    .map(|g| (p.name.clone(), g))
+                    .ok_or_else(|| e(&format!("rank {rank}: no gradient for {}", p.name)))
+            })
+            .collect::<Result<_, _>>()?;
+        let reduced =
+            candle_parallel::optim::reduce_gradients(&params, list, &ctx).map_err(|x| e(&x))?;
+        let seq = mesh.group(&[Dim::Ulysses, Dim::Ring]).map_err(|x| e(&x))?;
+        let loss = seq
+            .all_reduce(
+                &Tensor::new(&[out.loss_sum], &Device::Cpu).unwrap(),
+                candle_parallel::comm::ReduceOp::Sum,
+            )
+            .map_err(|x| e(&x))?
+            .to_vec1::<f64>()
+            .unwrap()[0];
+        Ok(Grads {
+            loss: loss / total as f64,
+            grads: reduced.into_iter().collect(),
+        })
+    })
+    .unwrap_or_else(|x| panic!("{x}"));
+    let mut grads: HashMap<String, Tensor> = HashMap::new();
+    for (i, r) in out.iter().enumerate() {
+        assert_eq!(
+            r.loss.to_bits(),
+            out[0].loss.to_bits(),
+            "{}: rank {i} loss",
+            layout.name
+        );
+        for (n, g) in &r.grads {
+            if let Some(prev) = grads.insert(n.clone(), g.clone()) {
+                testkit::assert_identical(&prev, g, &format!("{}: copies of {n}", layout.name));
+            }
+        }
+    }
+    Grads {
+        loss: out[0].loss,
+        grads,
+    }
+}
+
+/// LLaVA as pipeline stages (pp2, pp2 × ring2) gives the loss and every gradient of one rank:
+/// the tower and projector train on the first stage, the language model's embedding and head
+/// on both ends (their gradients summed between them).
+#[test]
+fn pipeline_stages_give_the_loss_and_gradients_of_one_rank() {
+    let want = layout_grads("clip", &Layout::single(), Default::default());
+    for layout in [
+        Layout::single().with_pp(2),
+        Layout::new("pp2 x ring2", 1, 1, 2, Strategy::Ring).with_pp(2),
+    ] {
+        let got = pipelined_grads("clip", &layout);
+        testkit::assert_close_scalar(got.loss, want.loss, 1e-5, &format!("{}: loss", layout.name));
+        assert_eq!(got.grads.len(), want.grads.len(), "{}", layout.name);
+        for (n, g) in &want.grads {
+            if n.ends_with("k_proj.bias") {
+                let scale = testkit::max_abs(&want.grads[&n.replace("k_proj", "q_proj")]);
+                let d = testkit::max_abs(&(&got.grads[n] - g).unwrap());
+                assert!(
+                    d <= 1e-5 * scale,
+                    "{}: {n}: {d:.2e} vs {scale:.2e}",
+                    layout.name
+                );
+                continue;
+            }
+            let e = rel_err(&got.grads[n], g);
+            assert!(
+                e <= 1e-5,
+                "{}: gradient of {n}: rel err {e:.3e}",
+                layout.name
+            );
         }
     }
 }

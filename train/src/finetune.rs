@@ -466,16 +466,23 @@ impl DpoLoss {
             global_count: 1,
             dtype: s.dtype,
         };
-        let rows: usize = micro
+        // Each micro-batch's sequences at their offset among every micro-batch's.
+        let mut rows = 0;
+        let placed = micro
             .iter()
-            .map(|m| m.labels.dim(0))
-            .sum::<candle_core::Result<_>>()?;
+            .map(|m| {
+                let at = rows;
+                rows += m.labels.dim(0)?;
+                Ok(PlacedMicroBatch { at, m })
+            })
+            .collect::<Result<Vec<_>>>()?;
         let run = |m: &Llama| -> Result<Vec<f64>> {
             let staged = SequenceLogps {
                 model: m,
                 opts: self.opts,
+                rows,
             };
-            Ok(run_stage_step(&staged, &step, micro, Vec::new(), rows)?.parts)
+            Ok(run_stage_step(&staged, &step, &placed, Vec::new(), rows)?.parts)
         };
         let all = match &self.reference {
             Reference::BaseOfAdapters(a) => {
@@ -597,43 +604,58 @@ fn sequence_logps(
     whole_sequences(sums.neg()?, model.ctx(), grad)
 }
 
+/// A micro-batch and the offset of its first sequence among the step's.
+struct PlacedMicroBatch<'a> {
+    at: usize,
+    m: &'a StageMicroBatch,
+}
+
 /// A causal LM as pipeline stages whose last stage reports every sequence's summed
-/// log-probability as the loss parts (the DPO reference, forward only).
+/// log-probability as the loss parts (the DPO reference, forward only): `rows` parts, each
+/// micro-batch's at its offset (the parts of micro-batches add up, so the others are 0).
 struct SequenceLogps<'a> {
     model: &'a Llama,
     opts: CrossEntropyOptions,
+    rows: usize,
 }
 
-impl StagedModel for SequenceLogps<'_> {
-    type Micro = StageMicroBatch;
+impl<'a> StagedModel for SequenceLogps<'a> {
+    type Micro = PlacedMicroBatch<'a>;
 
-    fn activation_shape(&self, m: &StageMicroBatch) -> candle_parallel::Result<Shape> {
+    fn activation_shape(&self, p: &PlacedMicroBatch<'a>) -> candle_parallel::Result<Shape> {
         LmStages {
             model: self.model,
             opts: self.opts,
         }
-        .activation_shape(m)
+        .activation_shape(p.m)
     }
 
-    fn embed(&self, m: &StageMicroBatch) -> candle_parallel::Result<Tensor> {
-        Ok(self.model.embed_tokens(&m.batch)?)
+    fn embed(&self, p: &PlacedMicroBatch<'a>) -> candle_parallel::Result<Tensor> {
+        Ok(self.model.embed_tokens(&p.m.batch)?)
     }
 
     fn run_layers(
         &self,
         layers: std::ops::Range<usize>,
         x: &Tensor,
-        m: &StageMicroBatch,
+        p: &PlacedMicroBatch<'a>,
     ) -> candle_parallel::Result<Tensor> {
-        Ok(CausalLm::run_layers(self.model, layers, x, &m.batch)?)
+        Ok(CausalLm::run_layers(self.model, layers, x, &p.m.batch)?)
     }
 
-    fn head_loss(&self, x: &Tensor, m: &StageMicroBatch) -> candle_parallel::Result<StageLoss> {
-        let logps = sequence_logps(self.model, x, &m.labels, &self.opts, false)
-            .map_err(|e| candle_parallel::Error::Candle(candle_core::Error::wrap(e)))?;
+    fn head_loss(
+        &self,
+        x: &Tensor,
+        p: &PlacedMicroBatch<'a>,
+    ) -> candle_parallel::Result<StageLoss> {
+        let logps = sequence_logps(self.model, x, &p.m.labels, &self.opts, false)
+            .map_err(|e| candle_parallel::Error::Candle(candle_core::Error::wrap(e)))?
+            .to_vec1::<f64>()?;
+        let mut parts = vec![0.0; self.rows];
+        parts[p.at..p.at + logps.len()].copy_from_slice(&logps);
         Ok(StageLoss {
             sum: Tensor::zeros((), DType::F32, x.device())?,
-            parts: logps.to_vec1()?,
+            parts,
         })
     }
 

@@ -138,6 +138,29 @@ pub fn load(
     mode: ParamMode,
     freeze: Freeze,
 ) -> Result<LoadedLlava> {
+    load_stage(files, ctx, dtype, mode, freeze, None)
+}
+
+/// A pipeline stage of a LLaVA model: what [`Llava::new_stage`] holds.
+#[derive(Debug, Clone, Copy)]
+pub struct LlavaStage<'a> {
+    /// The language model's decoder layers of this rank's chunks.
+    pub layers: &'a [std::ops::Range<usize>],
+    /// Whether this rank holds the first or the last stage (embedding and head).
+    pub ends: bool,
+    /// Whether this rank holds the first stage (the vision tower and projector).
+    pub first: bool,
+}
+
+/// [`load`] for a pipeline stage (`None`: the whole model).
+pub fn load_stage(
+    files: &ModelFiles,
+    ctx: &ParallelCtx,
+    dtype: Option<DType>,
+    mode: ParamMode,
+    freeze: Freeze,
+    stage: Option<LlavaStage<'_>>,
+) -> Result<LoadedLlava> {
     let config = LlavaConfig::from_file(&files.config)?;
     let reader = CheckpointReader::open(&files.weights)?;
     let layout = KeyLayout::detect(&reader.names(), reader.location())?;
@@ -150,7 +173,10 @@ pub fn load(
     };
     let source = Arc::new(LlavaSource { reader, layout });
     let (vb, params) = ParamBuilder::new(source, dtype, ctx.device(), mode);
-    let model = Llava::new(&config, vb, ctx, freeze)?;
+    let model = match stage {
+        Some(s) => Llava::new_stage(&config, vb, ctx, freeze, s.layers, s.ends, s.first)?,
+        None => Llava::new(&config, vb, ctx, freeze)?,
+    };
     Ok(LoadedLlava {
         model,
         params,

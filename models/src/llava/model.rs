@@ -70,10 +70,13 @@ impl Projector {
 /// A LLaVA model on one rank; see the [module docs](self).
 pub struct Llava {
     pub llama: Llama,
-    pub vision: VisionTower,
-    projector: Unit<Projector>,
+    /// The vision tower and projector (on the first pipeline stage only).
+    vision: Option<(VisionTower, Unit<Projector>)>,
     /// Whether the tower or the projector has trainable parameters.
     trains_vision: bool,
+    /// Image tokens each image fills.
+    per_image: usize,
+    dtype: DType,
     cfg: LlavaConfig,
     ctx: ParallelCtx,
 }
@@ -95,12 +98,41 @@ impl Llava {
         ctx: &ParallelCtx,
         freeze: Freeze,
     ) -> Result<Self> {
+        let all = 0..cfg.text().num_hidden_layers;
+        Self::new_stage(cfg, vb, ctx, freeze, std::slice::from_ref(&all), true, true)
+    }
+
+    /// A pipeline stage: the language model's decoder layers in `layers` (one range per chunk
+    /// of this rank), its embedding and head with `ends` (the first and last stage), and the
+    /// vision tower and projector with `first` (the stage that embeds). Loads nothing else.
+    pub fn new_stage(
+        cfg: &LlavaConfig,
+        vb: ParamBuilder,
+        ctx: &ParallelCtx,
+        freeze: Freeze,
+        layers: &[std::ops::Range<usize>],
+        ends: bool,
+        first: bool,
+    ) -> Result<Self> {
         let text_vb = if freeze.language_model {
             vb.clone().frozen()
         } else {
             vb.clone()
         };
-        let llama = Llama::new(cfg.text(), text_vb, ctx)?;
+        let llama = Llama::new_stage(cfg.text(), text_vb, ctx, layers, ends)?;
+        let dtype = vb.dtype();
+        if !first {
+            let per_image = Self::image_tokens(cfg)?;
+            return Ok(Self {
+                llama,
+                vision: None,
+                trains_vision: false,
+                per_image,
+                dtype,
+                cfg: cfg.clone(),
+                ctx: ctx.clone(),
+            });
+        }
         let vision_vb = vb.pp("vision_tower");
         let vision_vb = if freeze.vision_tower {
             vision_vb.frozen()
@@ -129,13 +161,40 @@ impl Llava {
         let mut all = vision.params();
         all.extend(projector.params().iter().cloned());
         let trains_vision = all.iter().any(|p| p.var.is_some());
+        let per_image = Self::image_tokens(cfg)?;
         Ok(Self {
             llama,
-            vision,
-            projector,
+            vision: Some((vision, projector)),
             trains_vision,
+            per_image,
+            dtype,
             cfg: cfg.clone(),
             ctx: ctx.clone(),
+        })
+    }
+
+    /// Image tokens an image fills under `cfg`: the tower's patches (and CLIP's class token),
+    /// less the class token under the `default` strategy.
+    fn image_tokens(cfg: &LlavaConfig) -> Result<usize> {
+        let v = &cfg.vision_config;
+        let clip = v.kind("vision_config")? == crate::vision::TowerKind::Clip;
+        let n = v.num_patches() + usize::from(clip);
+        Ok(if cfg.vision_feature_select_strategy == "default" {
+            n - 1
+        } else {
+            n
+        })
+    }
+
+    /// The vision tower (none on a pipeline stage that does not embed).
+    pub fn vision_tower(&self) -> Option<&VisionTower> {
+        self.vision.as_ref().map(|(v, _)| v)
+    }
+
+    /// The tower and projector, or an error on a pipeline stage that does not hold them.
+    fn vision(&self) -> Result<&(VisionTower, Unit<Projector>)> {
+        self.vision.as_ref().ok_or_else(|| {
+            Error::Invalid("this pipeline stage holds no vision tower or projector".into())
         })
     }
 
@@ -150,12 +209,7 @@ impl Llava {
     /// Image tokens each image fills: the tower's tokens, less CLIP's class token under the
     /// `default` strategy.
     pub fn tokens_per_image(&self) -> usize {
-        let n = self.vision.tokens_per_image();
-        if self.cfg.vision_feature_select_strategy == "default" {
-            n - 1
-        } else {
-            n
-        }
+        self.per_image
     }
 
     /// The selected vision features `(n, tokens, vision hidden · layers)` of `pixel_values`
@@ -166,8 +220,9 @@ impl Llava {
             .vision_feature_layer
             .indices(self.cfg.vision_config.num_hidden_layers)?;
         let upto = idx.iter().copied().max().unwrap_or(0);
-        let pv = pixel_values.to_dtype(self.vision.dtype())?;
-        let hs = self.vision.hidden_states(&pv, upto)?;
+        let (vision, _) = self.vision()?;
+        let pv = pixel_values.to_dtype(vision.dtype())?;
+        let hs = vision.hidden_states(&pv, upto)?;
         let sel: Vec<&Tensor> = idx.iter().map(|&i| &hs[i]).collect();
         let f = Tensor::cat(&sel, 2)?;
         if self.cfg.vision_feature_select_strategy == "default" {
@@ -181,7 +236,7 @@ impl Llava {
     /// The projected image features `(n, tokens, text hidden)`. Collective over tp.
     pub fn image_features(&self, pixel_values: &Tensor) -> Result<Tensor> {
         let f = self.vision_features(pixel_values)?;
-        let f = self.projector.get(Track::Grad)?.forward(&f)?;
+        let f = self.vision()?.1.get(Track::Grad)?.forward(&f)?;
         // Under TP-sp every tp rank computes the whole features and receives their whole
         // gradient; the tower's and projector's gradients are summed over tp like other
         // replicated parameters', so each rank passes on its share.
@@ -341,15 +396,17 @@ impl Llava {
     }
 
     pub fn dtype(&self) -> DType {
-        self.vision.dtype()
+        self.dtype
     }
 }
 
 impl Parallelize for Llava {
     fn units(&mut self) -> Vec<&mut dyn UnitOps> {
         let mut u = self.llama.units();
-        u.extend(self.vision.units());
-        u.push(&mut self.projector);
+        if let Some((vision, projector)) = &mut self.vision {
+            u.extend(vision.units());
+            u.push(projector);
+        }
         u
     }
 }
