@@ -28,7 +28,7 @@ use train::finetune::{
 };
 use train::trainer::{StepStats, Trainer};
 
-use crate::launch::{launch, Rank};
+use crate::launch::{launch_pipelined, stage_layers, Rank};
 use crate::progress::{peak_rss_mib, Progress, StepLine};
 use crate::train_cmd::{default_asset, interrupt_flag, JsonLines, TrainArgs};
 
@@ -503,9 +503,6 @@ fn lora_settings(a: &FinetuneArgs) -> Result<(LoraConfig, Option<Arc<dyn TensorS
 
 fn finetune(a: &FinetuneArgs) -> Result<()> {
     let t = &a.train;
-    if t.layout.pp > 1 {
-        bail!("--pp {}: cpl finetune runs without pipeline stages (use tp, sequence parallelism and ZeRO)", t.layout.pp);
-    }
     if t.eval_tokens.is_some() || t.tokens.is_some() {
         bail!("--tokens / --eval-tokens: cpl finetune reads chat data (--data, --eval-data)");
     }
@@ -540,6 +537,16 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
     };
     let files = models::hub::resolve(&model_id)?;
     let model_cfg = LlamaConfig::from_file(&files.config)?;
+    // Pipeline: the micro-batches of a step are --micro-batches (default --grad-accum).
+    let pp = t.layout.pp;
+    if pp > 1 {
+        cfg.grad_accum = t.pipeline.micro_batches.unwrap_or(cfg.grad_accum);
+    }
+    if t.pipeline.schedule(pp, cfg.grad_accum)?.is_some() {
+        cfg.pipeline = t
+            .pipeline
+            .stages(pp, model_cfg.num_hidden_layers, &files.config)?;
+    }
     let tok = Tokenizer::from_model(&files)?;
     // The bundled model has no chat template of its own.
     let template = match (&t.template, t.model.is_none()) {
@@ -708,16 +715,24 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         .as_ref()
         .map(|s| s.history.clone())
         .unwrap_or_default();
-    let result = launch(&t.layout, |rank: &Rank| {
+    let ranges = match &cfg.pipeline {
+        Some(pc) => pc.ranges(),
+        None => vec![0..model_cfg.num_hidden_layers],
+    };
+    let result = launch_pipelined(&t.layout, |rank: &Rank| {
         let adapters = match &lora {
             Some((c, src)) => Some(Adapters::new(c.clone(), src.clone())?),
             None => None,
         };
-        let m = models::llama::load_adapted(
+        // This rank's pipeline stage (the whole model without a pipeline).
+        let (mine, ends) = stage_layers(rank, &ranges);
+        let m = models::llama::load_stage_adapted(
             &load_files,
             &rank.ctx,
             Some(dtype),
             ParamMode::Trainable,
+            &mine,
+            ends,
             adapters.clone(),
         )
         .with_context(|| format!("loading {} with {}", files.source, t.layout.flags()))?;
@@ -732,8 +747,15 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
                 let reference = match (&adapters, &ref_files) {
                     (Some(ad), _) => Reference::BaseOfAdapters(ad.clone()),
                     (None, Some(rf)) => {
-                        let r = models::llama::load(rf, &rank.ctx, Some(dtype), ParamMode::Frozen)
-                            .with_context(|| format!("loading the reference {}", rf.source))?;
+                        let r = models::llama::load_stage(
+                            rf,
+                            &rank.ctx,
+                            Some(dtype),
+                            ParamMode::Frozen,
+                            &mine,
+                            ends,
+                        )
+                        .with_context(|| format!("loading the reference {}", rf.source))?;
                         Reference::Model(Box::new(r.model))
                     }
                     (None, None) => bail!("internal: DPO without a reference"),

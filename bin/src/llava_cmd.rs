@@ -20,9 +20,10 @@ use train::trainer::Trainer;
 
 use crate::eval::{EvalArgs, EvalReport};
 use crate::generate::GenerateArgs;
-use crate::launch::{launch, Rank};
+use crate::launch::{launch, launch_pipelined, stage_layers, Rank};
 use crate::progress::{Progress, StepLine};
 use crate::train_cmd::{interrupt_flag, save_or_stop, JsonLines, TrainArgs};
+use candle_parallel::pipeline::{run_stage_step, PipelineSchedule, StageStep};
 
 fn files(dir: &Path) -> Result<models::hub::ModelFiles> {
     Ok(models::hub::from_dir(&dir.display().to_string(), dir)?)
@@ -118,13 +119,37 @@ pub fn eval(args: &EvalArgs, dir: &Path) -> Result<(EvalReport, Vec<Tensor>)> {
             dir.display()
         );
     }
-    let out = launch(&args.layout, |rank: &Rank| {
-        let m = llava::load(&f, &rank.ctx, dtype, ParamMode::Frozen, Freeze::default())
-            .with_context(|| format!("loading {} with {}", dir.display(), args.layout.flags()))?;
+    let layers = cfg.text().num_hidden_layers;
+    let pipeline = args.pipeline.stages(args.layout.pp, layers, &f.config)?;
+    if pipeline.is_some() && want_logits {
+        bail!("--logits-out is not available with --pp");
+    }
+    let ranges = match &pipeline {
+        Some(pc) => pc.ranges(),
+        None => vec![0..layers],
+    };
+    let out = launch_pipelined(&args.layout, |rank: &Rank| {
+        let (mine_layers, ends) = stage_layers(rank, &ranges);
+        let stage = llava::LlavaStage {
+            layers: &mine_layers,
+            ends,
+            first: rank.mesh.coord(Dim::Pp) == 0,
+        };
+        let m = llava::load_stage(
+            &f,
+            &rank.ctx,
+            dtype,
+            ParamMode::Frozen,
+            Freeze::default(),
+            Some(stage),
+        )
+        .with_context(|| format!("loading {} with {}", dir.display(), args.layout.flags()))?;
         let (per, image) = (m.model.tokens_per_image(), cfg.image_token());
         let opts = CrossEntropyOptions::default();
         let (mut sum, mut count, mut next_image) = (0f64, 0u64, 0usize);
         let mut logits = Vec::new();
+        // Under a pipeline: this rank's sequences, forward through the stages at the end.
+        let mut staged_micro = Vec::new();
         let start = std::time::Instant::now();
         let (dp, dp_rank) = (rank.mesh.size(Dim::Dp), rank.mesh.coord(Dim::Dp));
         for (i, seq) in seqs.iter().enumerate() {
@@ -154,6 +179,15 @@ pub fn eval(args: &EvalArgs, dir: &Path) -> Result<(EvalReport, Vec<Tensor>)> {
                     _ => -100,
                 })
                 .collect();
+            if pipeline.is_some() {
+                staged_micro.push(llava::LlavaMicroBatch::new(
+                    &m.model,
+                    vec![ids],
+                    vec![labels],
+                    imgs,
+                )?);
+                continue;
+            }
             let (s, c) = m.model.loss_sum(
                 std::slice::from_ref(&ids),
                 std::slice::from_ref(&labels),
@@ -179,6 +213,31 @@ pub fn eval(args: &EvalArgs, dir: &Path) -> Result<(EvalReport, Vec<Tensor>)> {
                     p.dim(0)?
                 );
             }
+        }
+        if let (Some(pc), false) = (&pipeline, staged_micro.is_empty()) {
+            let pp = rank.mesh.comm(Dim::Pp);
+            let schedule =
+                PipelineSchedule::forward_only(pp.size(), staged_micro.len(), pc.virtual_stages)?;
+            let step = StageStep {
+                schedule: &schedule,
+                layers: &ranges,
+                pp: &pp,
+                global_count: 1,
+                dtype: m.model.dtype(),
+            };
+            let staged = llava::LlavaStages {
+                model: &m.model,
+                opts,
+            };
+            sum = run_stage_step(&staged, &step, &staged_micro, Vec::new(), 0)?.loss_sum;
+            // Labelled tokens of this rank's sequence shards.
+            count = staged_micro
+                .iter()
+                .map(|mb| -> Result<u64> {
+                    let l = mb.labels.flatten_all()?.to_vec1::<i64>()?;
+                    Ok(l.iter().filter(|&&x| x != -100).count() as u64)
+                })
+                .sum::<Result<u64>>()?;
         }
         let group = rank.mesh.group(&[Dim::Ulysses, Dim::Ring, Dim::Dp])?;
         let t = group
@@ -290,9 +349,6 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
     args.layout
         .device
         .require_cpu("cpl train of a LLaVA model")?;
-    if args.layout.pp > 1 {
-        bail!("--pp: LLaVA trains without pipeline stages");
-    }
     // Flags of text or diffusion training that mean nothing here are errors, not ignored.
     if args.tokens.is_some() || !args.eval_data.is_empty() || args.eval_tokens.is_some() {
         bail!(
@@ -306,7 +362,7 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
              sequence, weights from --model)"
         );
     }
-    let cfg = args.train_config()?;
+    let mut cfg = args.train_config()?;
     // --resume: the model (and optimizer) of the last checkpoint in --out.
     let resume = if args.resume {
         match checkpoint::list_checkpoints(&args.out).pop() {
@@ -337,10 +393,22 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         language_model: args.freeze_language_model,
     };
     // Tokens per image: from the config, without loading the model.
-    let vc = &lcfg.vision_config;
-    let per = vc.num_patches()
-        + usize::from(vc.kind("vision_config")? == models::vision::TowerKind::Clip)
-        - usize::from(lcfg.vision_feature_select_strategy == "default");
+    let per = lcfg.tokens_per_image()?;
+    // Pipeline: the language model's decoder layers cut into stages; the tower and
+    // projector on the first.
+    let pp = args.layout.pp;
+    if pp > 1 {
+        cfg.grad_accum = args.pipeline.micro_batches.unwrap_or(cfg.grad_accum);
+    }
+    if args.pipeline.schedule(pp, cfg.grad_accum)?.is_some() {
+        cfg.pipeline = args
+            .pipeline
+            .stages(pp, lcfg.text().num_hidden_layers, &f.config)?;
+    }
+    let ranges = match &cfg.pipeline {
+        Some(pc) => pc.ranges(),
+        None => vec![0..lcfg.text().num_hidden_layers],
+    };
     let mut data: Option<ImageTextDataset> = None;
     for data_path in &args.data {
         let more = ImageTextDataset::read(
@@ -398,8 +466,21 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
     let interrupted = interrupt_flag()?;
     let metrics_path = args.out.join("metrics.jsonl");
     let dtype = args.dtype.map(DType::from);
-    let history = launch(&args.layout, |rank: &Rank| {
-        let m = llava::load(&f, &rank.ctx, dtype, ParamMode::Trainable, freeze)?;
+    let history = launch_pipelined(&args.layout, |rank: &Rank| {
+        let (mine, ends) = stage_layers(rank, &ranges);
+        let stage = llava::LlavaStage {
+            layers: &mine,
+            ends,
+            first: rank.mesh.coord(Dim::Pp) == 0,
+        };
+        let m = llava::load_stage(
+            &f,
+            &rank.ctx,
+            dtype,
+            ParamMode::Trainable,
+            freeze,
+            Some(stage),
+        )?;
         let mut t = LlavaTrainer {
             trainer: Trainer::new(m.model, &rank.mesh, &rank.ctx, cfg.clone())?,
         };

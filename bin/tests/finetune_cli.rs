@@ -145,6 +145,12 @@ fn layouts_give_the_losses_of_one_rank() {
                 "full",
             ],
         ),
+        // Pipeline stages (the micro-batches are --grad-accum's 2).
+        ("pp2", vec!["--ranks", "2", "--pp", "2"]),
+        (
+            "pp2-ring2",
+            vec!["--ranks", "4", "--pp", "2", "--ring", "2"],
+        ),
     ] {
         let out = d.join(tag);
         let mut f = flags.clone();
@@ -169,6 +175,13 @@ fn layouts_give_the_losses_of_one_rank() {
         ],
     ));
     assert_close_losses(&metrics(&dpo4), &metrics(&dpo1), "dpo usp");
+    // Pipelined DPO: the reference (the base model, adapters off) runs through the stages.
+    let dpo_pp = d.join("dpo-pp2");
+    run_ok(&demo(
+        &dpo_pp,
+        &["--stage", "dpo", "--ranks", "2", "--pp", "2"],
+    ));
+    assert_close_losses(&metrics(&dpo_pp), &metrics(&dpo1), "dpo pp2");
     // Full-weight DPO: the reference is a frozen copy of the starting model.
     let full1 = d.join("full-dpo1");
     run_ok(&demo(
@@ -417,7 +430,10 @@ fn bad_finetuning_input_fails_with_a_clear_error() {
             "match no linear layer",
         ),
         (base(&["--adapter", "/nonexistent/adapter"]), "--adapter"),
-        (base(&["--pp", "2", "--ranks", "2"]), "--pp"),
+        (
+            base(&["--pp", "2", "--ranks", "2", "--pp-layers", "1,1"]),
+            "--pp-layers",
+        ),
         (
             vec!["finetune".into(), "--config".into(), s(&yaml)],
             "--zero",

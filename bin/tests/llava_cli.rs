@@ -208,6 +208,9 @@ fn training_on_conversations_matches_one_rank_and_saves_a_llava() {
                 "full",
             ],
         ),
+        // Pipeline stages: the tower and projector on the first.
+        ("pp2", vec!["--ranks", "2", "--pp", "2"]),
+        ("pp2-tp2", vec!["--ranks", "4", "--pp", "2", "--tp", "2"]),
     ] {
         let out = d.join(tag);
         run_ok(&base(&out, &flags));
@@ -256,18 +259,34 @@ fn training_on_conversations_matches_one_rank_and_saves_a_llava() {
     let whole = d.join("whole");
     run_ok(&base(&whole, &["--decay", "constant"]));
     assert_eq!(metrics(&part), metrics(&whole), "resumed losses");
-    // The checkpoint is a LLaVA directory again.
+    // The checkpoint is a LLaVA directory again; evaluated through pipeline stages it gives
+    // the loss of one rank.
     let (tokens, pv) = inputs(&d);
-    run_ok(&args(&[
-        "eval",
-        "--model",
-        &s(&one.join("step-3")),
-        "--tokens",
-        &s(&tokens),
-        "--pixel-values",
-        &s(&pv),
-        "--json",
-    ]));
+    let eval = |extra: &[&str]| -> f64 {
+        let mut a = args(&[
+            "eval",
+            "--model",
+            &s(&one.join("step-3")),
+            "--tokens",
+            &s(&tokens),
+            "--pixel-values",
+            &s(&pv),
+            "--json",
+        ]);
+        a.extend(extra.iter().map(|x| x.to_string()));
+        loss(&run_ok(&a))
+    };
+    let eval_one = eval(&[]);
+    for flags in [
+        &["--ranks", "2", "--pp", "2"][..],
+        &["--ranks", "4", "--pp", "2", "--tp", "2"][..],
+    ] {
+        let got = eval(flags);
+        assert!(
+            (got - eval_one).abs() <= 1e-5 * eval_one.abs() && got.is_finite(),
+            "eval {flags:?}: {got} vs {eval_one}"
+        );
+    }
     // Generation runs on it (the tiny model may well answer with its end-of-sequence token).
     run_ok(&args(&[
         "generate",

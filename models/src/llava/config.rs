@@ -147,6 +147,19 @@ fn yes() -> bool {
 }
 
 impl LlavaConfig {
+    /// Image tokens an image fills: the tower's patches (and CLIP's class token), less the
+    /// class token under the `default` feature strategy. Errors name an unknown tower.
+    pub fn tokens_per_image(&self) -> Result<usize> {
+        let v = &self.vision_config;
+        let clip = v.kind("vision_config")? == crate::vision::TowerKind::Clip;
+        let n = v.num_patches() + usize::from(clip);
+        Ok(if self.vision_feature_select_strategy == "default" {
+            n - 1
+        } else {
+            n
+        })
+    }
+
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let mut v: serde_json::Value = serde_json::from_str(&text)

@@ -122,7 +122,7 @@ impl Llava {
         let llama = Llama::new_stage(cfg.text(), text_vb, ctx, layers, ends)?;
         let dtype = vb.dtype();
         if !first {
-            let per_image = Self::image_tokens(cfg)?;
+            let per_image = cfg.tokens_per_image()?;
             return Ok(Self {
                 llama,
                 vision: None,
@@ -161,7 +161,7 @@ impl Llava {
         let mut all = vision.params();
         all.extend(projector.params().iter().cloned());
         let trains_vision = all.iter().any(|p| p.var.is_some());
-        let per_image = Self::image_tokens(cfg)?;
+        let per_image = cfg.tokens_per_image()?;
         Ok(Self {
             llama,
             vision: Some((vision, projector)),
@@ -170,19 +170,6 @@ impl Llava {
             dtype,
             cfg: cfg.clone(),
             ctx: ctx.clone(),
-        })
-    }
-
-    /// Image tokens an image fills under `cfg`: the tower's patches (and CLIP's class token),
-    /// less the class token under the `default` strategy.
-    fn image_tokens(cfg: &LlavaConfig) -> Result<usize> {
-        let v = &cfg.vision_config;
-        let clip = v.kind("vision_config")? == crate::vision::TowerKind::Clip;
-        let n = v.num_patches() + usize::from(clip);
-        Ok(if cfg.vision_feature_select_strategy == "default" {
-            n - 1
-        } else {
-            n
         })
     }
 
