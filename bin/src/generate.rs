@@ -1,13 +1,17 @@
-//! `cpl generate`: text continuation with a KV cache (single rank or tensor parallel).
+//! `cpl generate`: text continuation with a KV cache (one rank, tensor parallel, pipeline
+//! stages).
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
+use candle_parallel::comm::Comm;
+use candle_parallel::mesh::Dim;
 use candle_parallel::nn::ParamMode;
-use models::llama;
+use candle_parallel::pipeline::split_layers;
+use models::llama::{self, Llama, LlamaConfig};
 use models::tokenizer::{SpecialTokens, Tokenizer};
 
 use crate::eval::DtypeArg;
-use crate::launch::{launch, load_llama};
+use crate::launch::{launch_pipelined, load_llama_stage};
 use crate::layout::LayoutArgs;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -153,25 +157,44 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         bail!("--prompt: the prompt encodes to no tokens");
     }
     let adapter = crate::launch::read_adapter(args.adapter.as_deref())?;
-    let text = launch(&args.layout, |rank| {
-        let m = load_llama(
+    // Under --pp the decoder layers are cut into one stage per pipeline rank (the default
+    // split of `cpl train`).
+    let num_layers = LlamaConfig::from_file(&files.config)?.num_hidden_layers;
+    let pp = args.layout.pp;
+    let ranges = split_layers(num_layers, pp, None)
+        .with_context(|| format!("--pp {pp} for the {num_layers} layers of {}", files.source))?;
+    let text = launch_pipelined(&args.layout, |rank| {
+        let m = load_llama_stage(
             &files,
             rank,
             dtype,
             ParamMode::Frozen,
             &args.layout,
+            &ranges,
             adapter.as_ref(),
         )?;
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= m.config.vocab_size) {
             bail!("the prompt holds token id {bad}, outside the model's vocabulary");
         }
+        let stages = Stages {
+            pp: rank.mesh.comm(Dim::Pp),
+            layers: ranges[rank.mesh.coord(Dim::Pp)].clone(),
+            hidden: m.config.hidden_size,
+            dtype: m
+                .params
+                .sorted()
+                .first()
+                .map(|p| p.tensor.dtype())
+                .unwrap_or(DType::F32),
+        };
         let mut cache = llama::KvCache::default();
         let mut rng = Rng(args.seed);
         let mut out = prompt.clone();
         let dev = rank.ctx.device();
         let mut next = Tensor::from_vec(prompt.clone(), (1, prompt.len()), dev)?;
         for _ in 0..args.max_new_tokens {
-            let logits = m.model.forward_cached(&next, &mut cache)?;
+            // Every rank samples the same token: the last stage's logits are broadcast.
+            let logits = stages.forward(&m.model, &next, &mut cache)?;
             let logits = logits.squeeze(0)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
             let t = sample(&logits, args.temperature, args.top_p, &mut rng);
             out.push(t);
@@ -187,4 +210,44 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         println!("{text}");
     }
     Ok(())
+}
+
+/// A rank's pipeline stage for generation: its decoder layers, and the pipeline group through
+/// which hidden states go forward and the last stage's logits come back.
+struct Stages {
+    pp: Comm,
+    layers: std::ops::Range<usize>,
+    hidden: usize,
+    /// Dtype of the hidden states between stages (the parameters').
+    dtype: DType,
+}
+
+impl Stages {
+    /// The logits `(1, vocab)` f32 of the last of the new tokens `ids` `(1, n)`, on every rank
+    /// of the pipeline; extends this stage's layers in `cache`. Collective over the world.
+    fn forward(&self, model: &Llama, ids: &Tensor, cache: &mut llama::KvCache) -> Result<Tensor> {
+        let (p, r) = (self.pp.size(), self.pp.rank());
+        let n = ids.dim(1)?;
+        let x = if r == 0 {
+            model.embed_cached(ids)?
+        } else {
+            let shape = candle_core::Shape::from((1, n, self.hidden));
+            self.pp.recv(r - 1, &shape, self.dtype)?
+        };
+        let x = model.layers_cached(&x, self.layers.clone(), cache)?;
+        cache.advance(n);
+        if r + 1 < p {
+            self.pp.send(&x, r + 1)?;
+        }
+        let logits = if r + 1 == p {
+            model.head_cached(&x)?
+        } else {
+            Tensor::zeros((1, model.config().vocab_size), DType::F32, x.device())?
+        };
+        Ok(if p > 1 {
+            self.pp.broadcast(&logits, p - 1)?
+        } else {
+            logits
+        })
+    }
 }

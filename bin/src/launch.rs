@@ -41,7 +41,8 @@ where
 {
     if args.pp > 1 {
         bail!(
-            "--pp {}: pipeline parallelism is available in `cpl train` only",
+            "--pp {}: this command runs without pipeline stages (--pp is for cpl train, \
+             finetune, eval and generate of language models, and LLaVA training and eval)",
             args.pp
         );
     }

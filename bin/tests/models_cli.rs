@@ -475,7 +475,7 @@ fn inspect_reports_the_model() {
 }
 
 #[test]
-fn generate_is_deterministic_and_the_same_under_tp() {
+fn generate_is_deterministic_and_the_same_under_tp_and_pp() {
     let m = fixtures().join("mha");
     let args = |extra: &[&str]| {
         let mut a = vec![
@@ -498,6 +498,25 @@ fn generate_is_deterministic_and_the_same_under_tp() {
     assert_eq!(
         one,
         args(&["--temperature", "0", "--ranks", "2", "--tp", "2"])
+    );
+    // Pipeline stages: hidden states forward through the stages, the last stage's logits
+    // broadcast back; the greedy text is the one of one rank.
+    assert_eq!(
+        one,
+        args(&["--temperature", "0", "--ranks", "2", "--pp", "2"])
+    );
+    assert_eq!(
+        one,
+        args(&[
+            "--temperature",
+            "0",
+            "--ranks",
+            "4",
+            "--pp",
+            "2",
+            "--tp",
+            "2"
+        ])
     );
     let sampled = args(&["--temperature", "1.0", "--top-p", "0.9", "--seed", "7"]);
     assert_eq!(

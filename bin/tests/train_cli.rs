@@ -996,9 +996,9 @@ fn bad_pipeline_training_flags_fail_with_a_clear_error() {
         ),
         (
             words(&format!(
-                "generate --model {m} --prompt hi --ranks 2 --pp 2"
+                "generate --model {m} --prompt hi --ranks 3 --pp 3"
             )),
-            "available in `cpl train` only",
+            "--pp 3 for the 2 layers",
         ),
     ]);
     std::fs::remove_dir_all(&dir).unwrap();

@@ -109,6 +109,11 @@ impl KvCache {
         self.len
     }
 
+    /// Moves the position of the next tokens on by `n`, once every layer has cached them.
+    pub fn advance(&mut self, n: usize) {
+        self.len += n;
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -370,6 +375,62 @@ impl Llama {
     /// through the model, extends `cache`, and returns the logits `(batch, vocab)` f32 of the
     /// last token. Needs a layout without sequence parallelism (tensor parallelism is fine).
     pub fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let x = self.embed_cached(ids)?;
+        let x = self.layers_cached(&x, 0..self.layers.len(), cache)?;
+        cache.advance(ids.dim(1)?);
+        self.head_cached(&x)
+    }
+
+    /// Generation through pipeline stages, the first stage's work: the embeddings
+    /// `(batch, n, hidden)` of the new tokens `ids`. Collective over tp.
+    pub fn embed_cached(&self, ids: &Tensor) -> Result<Tensor> {
+        self.check_generation_layout()?;
+        Ok(self.ends(Track::NoGrad)?.embed_tokens.lookup(ids)?)
+    }
+
+    /// Generation through pipeline stages: decoder layers `layers` on the hidden states `x`
+    /// `(batch, n, hidden)` of the new tokens, at positions `cache.len()..`, extending those
+    /// layers' keys and values in `cache`. [`KvCache::advance`] moves the position on once
+    /// every range of the step has run. Collective over tp.
+    pub fn layers_cached(
+        &self,
+        x: &Tensor,
+        layers: std::ops::Range<usize>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        self.check_generation_layout()?;
+        let n = x.dim(1)?;
+        let start = cache.len;
+        let positions: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
+        if cache.layers.len() != self.layers.len() {
+            cache.layers = vec![None; self.layers.len()];
+        }
+        let mut x = x.clone();
+        for i in layers {
+            let c = cache.layers.get_mut(i).ok_or_else(|| {
+                Error::Invalid(format!(
+                    "layer {i} of a model with {} layers",
+                    self.layers.len()
+                ))
+            })?;
+            x = self
+                .layer(i)?
+                .get(Track::NoGrad)?
+                .forward_cached(&x, &positions, c)?;
+        }
+        Ok(x)
+    }
+
+    /// Generation through pipeline stages, the last stage's work: the logits `(batch, vocab)`
+    /// f32 of the last token of `x` `(batch, n, hidden)`. Collective over tp.
+    pub fn head_cached(&self, x: &Tensor) -> Result<Tensor> {
+        let ends = self.ends(Track::NoGrad)?;
+        let n = x.dim(1)?;
+        let x = ends.norm.forward(&x.narrow(1, n - 1, 1)?)?;
+        Ok(ends.lm_head.logits(&x.squeeze(1)?)?)
+    }
+
+    fn check_generation_layout(&self) -> Result<()> {
         let tp = self.ctx.tp();
         if self.ctx.sequence_group().size() > 1 || tp.sequence_parallel() {
             return Err(Error::Parallel(candle_parallel::Error::Layout(
@@ -378,23 +439,7 @@ impl Llama {
                     .into(),
             )));
         }
-        let (_, n) = ids.dims2()?;
-        let start = cache.len;
-        let positions: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
-        if cache.layers.len() != self.layers.len() {
-            cache.layers = vec![None; self.layers.len()];
-        }
-        let ends = self.ends(Track::NoGrad)?;
-        let mut x = ends.embed_tokens.lookup(ids)?;
-        for (i, c) in cache.layers.iter_mut().enumerate() {
-            x = self
-                .layer(i)?
-                .get(Track::NoGrad)?
-                .forward_cached(&x, &positions, c)?;
-        }
-        cache.len += n;
-        let x = ends.norm.forward(&x.narrow(1, n - 1, 1)?)?;
-        Ok(ends.lm_head.logits(&x.squeeze(1)?)?)
+        Ok(())
     }
 }
 
