@@ -34,6 +34,10 @@ fn load(dir: &Path, rank: &Rank, dtype: Option<DType>, mode: ParamMode) -> Resul
 /// `cpl train` on a DiT.
 pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
     args.layout.device.require_cpu("cpl train of a DiT")?;
+    // Full attention over the patch tokens: the contiguous ring layout by default.
+    let mut args = args.clone();
+    args.layout = args.layout.for_attention(false);
+    let args = &args;
     if args.template.is_some() || args.freeze_vision_tower || args.freeze_language_model {
         bail!("--template / --freeze-vision-tower / --freeze-language-model are for vision-language models (LLaVA), not DiT");
     }
@@ -259,6 +263,9 @@ struct DitEvalReport {
 /// is printed).
 pub fn eval(args: &EvalArgs, dir: &Path) -> Result<()> {
     args.layout.device.require_cpu("cpl eval of a DiT")?;
+    let mut args = args.clone();
+    args.layout = args.layout.for_attention(false);
+    let args = &args;
     let Some(path) = &args.inputs else {
         bail!("--inputs: a DiT evaluates a safetensors file with `sample` (B, C, H, W), `timestep` (B), `class_labels` (B) and optionally `noise`");
     };
@@ -350,6 +357,9 @@ pub fn eval(args: &EvalArgs, dir: &Path) -> Result<()> {
 /// `cpl generate` on a DiT: samples of `--class-labels`, written as a PNG grid.
 pub fn generate(args: &GenerateArgs, dir: &Path) -> Result<()> {
     args.layout.device.require_cpu("cpl generate of a DiT")?;
+    let mut args = args.clone();
+    args.layout = args.layout.for_attention(false);
+    let args = &args;
     let labels = parse_labels(&args.class_labels)?;
     if args.steps == 0 {
         bail!("--steps must be at least 1");

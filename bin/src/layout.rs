@@ -33,9 +33,10 @@ pub struct LayoutArgs {
     /// Placement of the (ulysses, ring) grid (LoongTrain).
     #[arg(long, value_enum, default_value_t = Placement::HeadFirst)]
     pub placement: Placement,
-    /// How the sequence is split over the ring ranks.
-    #[arg(long, value_enum, default_value_t = SeqLayout::Zigzag)]
-    pub ring_layout: SeqLayout,
+    /// How the sequence is split over the ring ranks. Default: the model's: zigzag for causal
+    /// attention (it balances the causal triangle), contiguous for full attention (DiT).
+    #[arg(long, value_enum)]
+    pub ring_layout: Option<SeqLayout>,
     /// Sequence-parallel attention. Default: usp when both --ulysses and --ring exceed 1,
     /// ulysses when only --ulysses does, ring otherwise.
     #[arg(long, value_enum)]
@@ -157,7 +158,7 @@ impl Default for LayoutArgs {
             dp: None,
             order: None,
             placement: Placement::HeadFirst,
-            ring_layout: SeqLayout::Zigzag,
+            ring_layout: None,
             cp_impl: None,
             inner_ring: 1,
             team: 1,
@@ -207,6 +208,20 @@ impl LayoutArgs {
 }
 
 impl LayoutArgs {
+    /// These flags for a model whose attention is `causal` or full: without an explicit
+    /// `--ring-layout`, zigzag for causal attention, contiguous for full attention (zigzag only
+    /// balances a causal mask, and needs sequences of a multiple of 2 x ring).
+    pub fn for_attention(mut self, causal: bool) -> Self {
+        if self.ring_layout.is_none() {
+            self.ring_layout = Some(if causal {
+                SeqLayout::Zigzag
+            } else {
+                SeqLayout::Contiguous
+            });
+        }
+        self
+    }
+
     /// The layout flags that differ from their defaults, as typed (`--ranks 4 --tp 2 --ring 2`).
     pub fn flags(&self) -> String {
         let d = Self::default();
@@ -232,8 +247,11 @@ impl LayoutArgs {
         if self.placement != d.placement {
             f.push(format!("--placement {}", self.placement));
         }
-        if self.ring_layout != d.ring_layout {
-            f.push(format!("--ring-layout {}", self.ring_layout));
+        if let Some(l) = self
+            .ring_layout
+            .filter(|_| self.ring_layout != d.ring_layout)
+        {
+            f.push(format!("--ring-layout {l}"));
         }
         if self.tp_sp {
             f.push("--tp-sp".into());
@@ -253,7 +271,7 @@ impl LayoutArgs {
             None => Strategy::Ring,
         };
         let cfg = SpConfig::new(strategy, self.ulysses, self.ring)
-            .with_layout(self.ring_layout)
+            .with_layout(self.ring_layout.unwrap_or(SeqLayout::Zigzag))
             .with_inner_ring(self.inner_ring)
             .with_team(self.team)
             .with_placement(self.placement);

@@ -359,3 +359,55 @@ fn bad_inputs_fail_clearly() {
         ),
     ]);
 }
+
+/// A DiT whose patch count is not a multiple of 2 x ring (12x12 images in 2x2 patches: 36
+/// tokens on ring 4) trains with the default ring layout, contiguous for full attention (zigzag
+/// would need a multiple of 8), with the losses of one rank; an explicit --ring-layout zigzag
+/// is still honoured, and refused with a clear error.
+#[test]
+fn full_attention_defaults_to_the_contiguous_ring_layout() {
+    let dir = tmpdir("dit-36");
+    let root = dir.join("images");
+    for class in ["a", "b"] {
+        std::fs::create_dir_all(root.join(class)).unwrap();
+        for i in 0..2u8 {
+            let img = image::GrayImage::from_fn(12, 12, |x, y| {
+                image::Luma([((x * 20 + y * 5) as u8).wrapping_add(i * 9)])
+            });
+            img.save(root.join(class).join(format!("{i}.png"))).unwrap();
+        }
+    }
+    let model = dir.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    let digits = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../assets/digits/dit/config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(digits).unwrap()).unwrap();
+    cfg["sample_size"] = 12.into();
+    cfg["num_embeds_ada_norm"] = 2.into();
+    std::fs::write(model.join("config.json"), cfg.to_string()).unwrap();
+    let run = |tag: &str, extra: &str| {
+        let out = dir.join(tag);
+        let o = cpl(&words(&format!(
+            "train --model {} --data {} --from-scratch --steps 2 --batch 2 --grad-accum 1 --out {} {extra}",
+            model.display(),
+            root.display(),
+            out.display()
+        )));
+        (o, out)
+    };
+    let (o, one) = run("one", "");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (o, ring) = run("ring4", "--ranks 4 --ring 4");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (want, got) = (losses(&one), losses(&ring));
+    assert_eq!(want.len(), 2);
+    for (a, b) in got.iter().zip(&want) {
+        testkit::assert_close_scalar(*a, *b, 1e-5, "ring4 (contiguous) vs one rank");
+    }
+    let (o, _) = run("zigzag", "--ranks 4 --ring 4 --ring-layout zigzag");
+    assert!(
+        !o.status.success(),
+        "zigzag over 36 tokens on ring 4 must be refused"
+    );
+    assert!(stderr(&o).contains("36 patch tokens"), "{}", stderr(&o));
+}
