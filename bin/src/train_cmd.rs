@@ -18,7 +18,7 @@ use candle_parallel::nn::ParamMode;
 use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
 use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
-use models::llama::LlamaConfig;
+use models::family::LoadSpec;
 use models::tokenizer::Tokenizer;
 use models::Kind;
 use train::checkpoint;
@@ -27,7 +27,7 @@ use train::data::{PackedDataset, Packing, TokenStream};
 use train::trainer::{TrainConfig, Trainer};
 
 use crate::eval::DtypeArg;
-use crate::launch::{launch_pipelined, load_llama_stage};
+use crate::launch::{launch_pipelined, stage_layers};
 use crate::layout::{LayoutArgs, PipelineArgs};
 use crate::progress::{peak_rss_mib, Progress, StepLine};
 
@@ -379,16 +379,22 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         None => default_asset("model").display().to_string(),
     };
     let files = models::hub::resolve(&model_id)?;
-    let model_cfg = LlamaConfig::from_file(&files.config)?;
+    // The family of the checkpoint (the registry), its size and FLOPs, and its loader.
+    let family = models::family::detect(&files.config)?;
+    let load = family.load_causal_lm.with_context(|| {
+        format!(
+            "--model {model_id}: the {} family does not load as a causal language model",
+            family.name
+        )
+    })?;
+    let desc = (family.describe)(&files.config)?;
     // Pipeline: the micro-batches of a step are --micro-batches (default --grad-accum).
     let pp = args.layout.pp;
     if pp > 1 {
         cfg.grad_accum = args.pipeline.micro_batches.unwrap_or(cfg.grad_accum);
     }
     if args.pipeline.schedule(pp, cfg.grad_accum)?.is_some() {
-        cfg.pipeline = args
-            .pipeline
-            .stages(pp, model_cfg.num_hidden_layers, &files.config)?;
+        cfg.pipeline = args.pipeline.stages(pp, desc.layers, &files.config)?;
     }
     let dtype = args.dtype.map(DType::from).unwrap_or(DType::F32);
     // Data: tokenized once, identical on every rank.
@@ -399,7 +405,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         Some(default_asset("corpus/shakespeare.jsonl")),
         &tokenizer,
         &args.text_field,
-        model_cfg.vocab_size,
+        desc.vocab,
         &cfg,
     )?
     .context("no training data")?;
@@ -409,7 +415,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         None,
         &tokenizer,
         &args.text_field,
-        model_cfg.vocab_size,
+        desc.vocab,
         &cfg,
     )?;
     // Resume point.
@@ -442,9 +448,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
     let interrupted = interrupt_flag()?;
     let peak = matmul_gflops();
-    let n_params = model_cfg.num_parameters() as f64;
-    let flops_per_token =
-        crate::bench::llama_flops_per_token(&model_cfg, cfg.seq_len, crate::bench::Work::Training);
+    let n_params = desc.params as f64;
+    let flops_per_token = desc.flops_per_token(cfg.seq_len, models::family::Work::Training);
     let resume_state = match &resume_from {
         Some(dir) => Some(checkpoint::read_state(dir)?),
         None => None,
@@ -462,21 +467,22 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let final_history = launch_pipelined(&args.layout, |rank| {
         // The loaded parameter list is dropped here, so that under ZeRO-3 the whole tensors
         // are freed once the trainer has sharded them.
-        let all = 0..model_cfg.num_hidden_layers;
         let ranges = match &cfg.pipeline {
             Some(pc) => pc.ranges(),
-            None => vec![all],
+            None => vec![0..desc.layers],
         };
-        let model = load_llama_stage(
-            &load_files,
-            rank,
-            Some(dtype),
-            ParamMode::Trainable,
-            &args.layout,
-            &ranges,
-            None,
-        )?
-        .model;
+        let (layers, ends) = stage_layers(rank, &ranges);
+        let spec = LoadSpec {
+            ctx: &rank.ctx,
+            dtype: Some(dtype),
+            mode: ParamMode::Trainable,
+            layers: &layers,
+            ends,
+            adapters: None,
+        };
+        let model = load(&load_files, &spec)
+            .with_context(|| format!("loading {} with {}", load_files.source, args.layout.flags()))?
+            .model;
         let mut trainer = Trainer::new(model, &rank.mesh, &rank.ctx, cfg.clone())?;
         if let (Some(dir), Some(state)) = (&resume_from, &resume_state) {
             checkpoint::restore(&mut trainer, dir, state)?;

@@ -58,6 +58,8 @@ pub struct Description {
     pub layers: usize,
     /// Width of the activations between blocks.
     pub hidden: usize,
+    /// Token vocabulary (0 for models that read no tokens).
+    pub vocab: usize,
     /// Σ over the layers of query heads × head dim: attention's work per pair of tokens.
     pub attention_width: u64,
     /// Whether attention is causal (a token attends to half the pairs on average); causal
@@ -212,6 +214,7 @@ impl crate::dit::DitConfig {
             matmul_params: params,
             layers: self.num_layers,
             hidden: self.hidden_size(),
+            vocab: 0,
             attention_width: (self.num_layers * self.hidden_size()) as u64,
             causal: false,
             planner_shape: None,
@@ -232,6 +235,7 @@ fn text_description(cfg: &crate::llama::LlamaConfig) -> Description {
         matmul_params: params.saturating_sub(lookup as u64),
         layers: cfg.num_hidden_layers,
         hidden: cfg.hidden_size,
+        vocab: cfg.vocab_size,
         attention_width: (cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim()) as u64,
         causal: true,
         planner_shape: Some(cfg.planner_shape()),
