@@ -449,6 +449,24 @@ fn layout_grads(name: &str, layout: &Layout, memory: candle_parallel::plan::Memo
     out.swap_remove(0)
 }
 
+/// `got`'s loss and every gradient equal `want`'s (1e-5 relative).
+fn assert_same_grads(got: &Grads, want: &Grads, what: &str) {
+    testkit::assert_close_scalar(got.loss, want.loss, 1e-5, &format!("{what}: loss"));
+    assert_eq!(got.grads.len(), want.grads.len(), "{what}");
+    for (n, g) in &want.grads {
+        if n.ends_with("k_proj.bias") {
+            // Round-off around an exact zero (see check_reference): bounded by the layer's
+            // q_proj.bias gradient instead.
+            let scale = testkit::max_abs(&want.grads[&n.replace("k_proj", "q_proj")]);
+            let d = testkit::max_abs(&(&got.grads[n] - g).unwrap());
+            assert!(d <= 1e-5 * scale, "{what}: {n}: {d:.2e} vs {scale:.2e}");
+            continue;
+        }
+        let e = rel_err(&got.grads[n], g);
+        assert!(e <= 1e-5, "{what}: gradient of {n}: rel err {e:.3e}");
+    }
+}
+
 #[test]
 fn layouts_give_the_loss_and_gradients_of_one_rank() {
     use candle_parallel::optim::ZeroStage;
@@ -485,33 +503,7 @@ fn layouts_give_the_loss_and_gradients_of_one_rank() {
             ),
         ] {
             let got = layout_grads(name, &layout, memory);
-            testkit::assert_close_scalar(
-                got.loss,
-                want.loss,
-                1e-5,
-                &format!("{name} {}: loss", layout.name),
-            );
-            assert_eq!(got.grads.len(), want.grads.len(), "{name} {}", layout.name);
-            for (n, g) in &want.grads {
-                if n.ends_with("k_proj.bias") {
-                    // Round-off around an exact zero (see check_reference): bounded by the
-                    // layer's q_proj.bias gradient instead.
-                    let scale = testkit::max_abs(&want.grads[&n.replace("k_proj", "q_proj")]);
-                    let d = testkit::max_abs(&(&got.grads[n] - g).unwrap());
-                    assert!(
-                        d <= 1e-5 * scale,
-                        "{name} {}: {n}: {d:.2e} vs {scale:.2e}",
-                        layout.name
-                    );
-                    continue;
-                }
-                let e = rel_err(&got.grads[n], g);
-                assert!(
-                    e <= 1e-5,
-                    "{name} {}: gradient of {n}: rel err {e:.3e}",
-                    layout.name
-                );
-            }
+            assert_same_grads(&got, &want, &format!("{name} {}", layout.name));
         }
     }
 }
@@ -651,26 +643,7 @@ fn pipeline_stages_give_the_loss_and_gradients_of_one_rank() {
         Layout::new("pp2 x ring2", 1, 1, 2, Strategy::Ring).with_pp(2),
     ] {
         let got = pipelined_grads("clip", &layout);
-        testkit::assert_close_scalar(got.loss, want.loss, 1e-5, &format!("{}: loss", layout.name));
-        assert_eq!(got.grads.len(), want.grads.len(), "{}", layout.name);
-        for (n, g) in &want.grads {
-            if n.ends_with("k_proj.bias") {
-                let scale = testkit::max_abs(&want.grads[&n.replace("k_proj", "q_proj")]);
-                let d = testkit::max_abs(&(&got.grads[n] - g).unwrap());
-                assert!(
-                    d <= 1e-5 * scale,
-                    "{}: {n}: {d:.2e} vs {scale:.2e}",
-                    layout.name
-                );
-                continue;
-            }
-            let e = rel_err(&got.grads[n], g);
-            assert!(
-                e <= 1e-5,
-                "{}: gradient of {n}: rel err {e:.3e}",
-                layout.name
-            );
-        }
+        assert_same_grads(&got, &want, layout.name);
     }
 }
 

@@ -45,21 +45,9 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
     cfg.seq_len = 0;
     let config_path = dir.join("config.json");
     let model_cfg = DitConfig::from_file(&config_path)?;
-    // Pipeline: a step's micro-batches are --micro-batches (default --grad-accum).
-    let pp = args.layout.pp;
-    if pp > 1 {
-        cfg.grad_accum = args.pipeline.micro_batches.unwrap_or(cfg.grad_accum);
-    }
-    if args.pipeline.schedule(pp, cfg.grad_accum)?.is_some() {
-        cfg.pipeline = args
-            .pipeline
-            .stages(pp, model_cfg.num_layers, &config_path)?;
-    }
-    let all = 0..model_cfg.num_layers;
-    let ranges = match &cfg.pipeline {
-        Some(pc) => pc.ranges(),
-        None => vec![all],
-    };
+    let ranges =
+        args.pipeline
+            .configure(&mut cfg, args.layout.pp, model_cfg.num_layers, &config_path)?;
     let Some(data_path) = args.data.first() else {
         bail!("--data: a DiT trains on images: a .safetensors file of `latents` and `labels`, or a folder with one sub-folder of PNG/JPEG images per class");
     };

@@ -537,16 +537,12 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
     };
     let files = models::hub::resolve(&model_id)?;
     let model_cfg = LlamaConfig::from_file(&files.config)?;
-    // Pipeline: the micro-batches of a step are --micro-batches (default --grad-accum).
-    let pp = t.layout.pp;
-    if pp > 1 {
-        cfg.grad_accum = t.pipeline.micro_batches.unwrap_or(cfg.grad_accum);
-    }
-    if t.pipeline.schedule(pp, cfg.grad_accum)?.is_some() {
-        cfg.pipeline = t
-            .pipeline
-            .stages(pp, model_cfg.num_hidden_layers, &files.config)?;
-    }
+    let ranges = t.pipeline.configure(
+        &mut cfg,
+        t.layout.pp,
+        model_cfg.num_hidden_layers,
+        &files.config,
+    )?;
     let tok = Tokenizer::from_model(&files)?;
     // The bundled model has no chat template of its own.
     let template = match (&t.template, t.model.is_none()) {
@@ -715,10 +711,6 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         .as_ref()
         .map(|s| s.history.clone())
         .unwrap_or_default();
-    let ranges = match &cfg.pipeline {
-        Some(pc) => pc.ranges(),
-        None => vec![0..model_cfg.num_hidden_layers],
-    };
     let result = launch_pipelined(&t.layout, |rank: &Rank| {
         let adapters = match &lora {
             Some((c, src)) => Some(Adapters::new(c.clone(), src.clone())?),

@@ -147,7 +147,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         bail!("--temperature {} must be >= 0", args.temperature);
     }
     if args.layout.ulysses > 1 || args.layout.ring > 1 || args.layout.tp_sp {
-        bail!("cpl generate runs on one rank or with --tp only (not --ulysses, --ring or --tp-sp)");
+        bail!("cpl generate runs on one rank, with --tp or with --pp (not --ulysses, --ring or --tp-sp)");
     }
     let files = models::hub::resolve(&args.model)?;
     let tok = Tokenizer::from_model(&files)?;

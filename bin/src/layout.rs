@@ -323,6 +323,29 @@ pub struct PipelineArgs {
 }
 
 impl PipelineArgs {
+    /// Sets `cfg`'s pipeline from these flags under `--pp pp` for a model of `num_layers`
+    /// layers (its config at `config_path`): a step's micro-batches are --micro-batches
+    /// (default --grad-accum), the stages' layers --pp-layers or the default split. Returns
+    /// the layers of every virtual stage (the whole model, one range, without a pipeline).
+    pub fn configure(
+        &self,
+        cfg: &mut train::trainer::TrainConfig,
+        pp: usize,
+        num_layers: usize,
+        config_path: &Path,
+    ) -> Result<Vec<std::ops::Range<usize>>> {
+        if pp > 1 {
+            cfg.grad_accum = self.micro_batches.unwrap_or(cfg.grad_accum);
+        }
+        if self.schedule(pp, cfg.grad_accum)?.is_some() {
+            cfg.pipeline = self.stages(pp, num_layers, config_path)?;
+        }
+        Ok(match &cfg.pipeline {
+            Some(pc) => pc.ranges(),
+            None => vec![0..num_layers],
+        })
+    }
+
     /// The layers of every virtual stage of `model` (its config at `config_path`) for `pp`
     /// ranks: `--pp-layers`, or the default split. `None` without a pipeline.
     pub fn stages(

@@ -29,6 +29,33 @@ fn files(dir: &Path) -> Result<models::hub::ModelFiles> {
     Ok(models::hub::from_dir(&dir.display().to_string(), dir)?)
 }
 
+/// This rank's pipeline stage of the LLaVA in `f` (the whole model without a pipeline):
+/// the language model's layers of its chunks of `ranges`, the vision tower and projector on
+/// the first stage.
+fn load_rank(
+    f: &models::hub::ModelFiles,
+    rank: &Rank,
+    ranges: &[std::ops::Range<usize>],
+    dtype: Option<DType>,
+    mode: ParamMode,
+    freeze: Freeze,
+) -> Result<llava::LoadedLlava> {
+    let (layers, ends) = stage_layers(rank, ranges);
+    let stage = llava::LlavaStage {
+        layers: &layers,
+        ends,
+        first: rank.mesh.coord(Dim::Pp) == 0,
+    };
+    Ok(llava::load_stage(
+        f,
+        &rank.ctx,
+        dtype,
+        mode,
+        freeze,
+        Some(stage),
+    )?)
+}
+
 /// The model's image processor (`preprocessor_config.json`).
 fn processor(dir: &Path) -> Result<ImageProcessor> {
     Ok(ImageProcessor::from_dir(dir)?)
@@ -129,19 +156,13 @@ pub fn eval(args: &EvalArgs, dir: &Path) -> Result<(EvalReport, Vec<Tensor>)> {
         None => vec![0..layers],
     };
     let out = launch_pipelined(&args.layout, |rank: &Rank| {
-        let (mine_layers, ends) = stage_layers(rank, &ranges);
-        let stage = llava::LlavaStage {
-            layers: &mine_layers,
-            ends,
-            first: rank.mesh.coord(Dim::Pp) == 0,
-        };
-        let m = llava::load_stage(
+        let m = load_rank(
             &f,
-            &rank.ctx,
+            rank,
+            &ranges,
             dtype,
             ParamMode::Frozen,
             Freeze::default(),
-            Some(stage),
         )
         .with_context(|| format!("loading {} with {}", dir.display(), args.layout.flags()))?;
         let (per, image) = (m.model.tokens_per_image(), cfg.image_token());
@@ -396,19 +417,12 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
     let per = lcfg.tokens_per_image()?;
     // Pipeline: the language model's decoder layers cut into stages; the tower and
     // projector on the first.
-    let pp = args.layout.pp;
-    if pp > 1 {
-        cfg.grad_accum = args.pipeline.micro_batches.unwrap_or(cfg.grad_accum);
-    }
-    if args.pipeline.schedule(pp, cfg.grad_accum)?.is_some() {
-        cfg.pipeline = args
-            .pipeline
-            .stages(pp, lcfg.text().num_hidden_layers, &f.config)?;
-    }
-    let ranges = match &cfg.pipeline {
-        Some(pc) => pc.ranges(),
-        None => vec![0..lcfg.text().num_hidden_layers],
-    };
+    let ranges = args.pipeline.configure(
+        &mut cfg,
+        args.layout.pp,
+        lcfg.text().num_hidden_layers,
+        &f.config,
+    )?;
     let mut data: Option<ImageTextDataset> = None;
     for data_path in &args.data {
         let more = ImageTextDataset::read(
@@ -467,20 +481,7 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
     let metrics_path = args.out.join("metrics.jsonl");
     let dtype = args.dtype.map(DType::from);
     let history = launch_pipelined(&args.layout, |rank: &Rank| {
-        let (mine, ends) = stage_layers(rank, &ranges);
-        let stage = llava::LlavaStage {
-            layers: &mine,
-            ends,
-            first: rank.mesh.coord(Dim::Pp) == 0,
-        };
-        let m = llava::load_stage(
-            &f,
-            &rank.ctx,
-            dtype,
-            ParamMode::Trainable,
-            freeze,
-            Some(stage),
-        )?;
+        let m = load_rank(&f, rank, &ranges, dtype, ParamMode::Trainable, freeze)?;
         let mut t = LlavaTrainer {
             trainer: Trainer::new(m.model, &rank.mesh, &rank.ctx, cfg.clone())?,
         };

@@ -388,14 +388,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         )
     })?;
     let desc = (family.describe)(&files.config)?;
-    // Pipeline: the micro-batches of a step are --micro-batches (default --grad-accum).
-    let pp = args.layout.pp;
-    if pp > 1 {
-        cfg.grad_accum = args.pipeline.micro_batches.unwrap_or(cfg.grad_accum);
-    }
-    if args.pipeline.schedule(pp, cfg.grad_accum)?.is_some() {
-        cfg.pipeline = args.pipeline.stages(pp, desc.layers, &files.config)?;
-    }
+    let ranges = args
+        .pipeline
+        .configure(&mut cfg, args.layout.pp, desc.layers, &files.config)?;
     let dtype = args.dtype.map(DType::from).unwrap_or(DType::F32);
     // Data: tokenized once, identical on every rank.
     let tokenizer = || Tokenizer::from_model(&files);
@@ -467,10 +462,6 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let final_history = launch_pipelined(&args.layout, |rank| {
         // The loaded parameter list is dropped here, so that under ZeRO-3 the whole tensors
         // are freed once the trainer has sharded them.
-        let ranges = match &cfg.pipeline {
-            Some(pc) => pc.ranges(),
-            None => vec![0..desc.layers],
-        };
         let (layers, ends) = stage_layers(rank, &ranges);
         let spec = LoadSpec {
             ctx: &rank.ctx,

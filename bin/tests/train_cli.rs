@@ -996,9 +996,9 @@ fn bad_pipeline_training_flags_fail_with_a_clear_error() {
         ),
         (
             words(&format!(
-                "generate --model {m} --prompt hi --ranks 3 --pp 3"
+                "generate --model {m} --prompt hi --ranks 4 --pp 2 --ring 2"
             )),
-            "--pp 3 for the 2 layers",
+            "not --ulysses, --ring or --tp-sp",
         ),
     ]);
     std::fs::remove_dir_all(&dir).unwrap();

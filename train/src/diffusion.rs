@@ -123,12 +123,7 @@ impl DiffusionLoss {
     /// Data-parallel rank `s.dp_rank`'s micro-batches of `step` (global sample indices, the
     /// same for any dataset).
     pub fn micro_samples(&self, s: &StepCtx<'_>, data: &ImageDataset, step: u64) -> Vec<Vec<u64>> {
-        let c = s.cfg;
-        data.sampler(c.seed, c.shuffle)
-            .samples(step, s.batching.dp, s.dp_rank, c.batch * c.grad_accum)
-            .chunks(c.batch)
-            .map(|c| c.to_vec())
-            .collect()
+        s.micro_samples(&s.sampler(data.len()), step, s.dp_rank)
     }
 }
 

@@ -37,7 +37,7 @@ use models::llama::Llama;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
-use crate::data::{Sampler, Window, Windows, IGNORE};
+use crate::data::{Window, Windows, IGNORE};
 use crate::error::{Error, Result};
 use crate::objective::{Objective, StepCtx};
 use crate::trainer::{StepStats, TrainConfig, Trainer};
@@ -420,16 +420,10 @@ impl DpoLoss {
 
     /// Data-parallel rank `s.dp_rank`'s micro-batches of pair indices for `step`.
     pub fn micro_pairs(&self, s: &StepCtx<'_>, data: &PairDataset, step: u64) -> Vec<Vec<usize>> {
-        let c = s.cfg;
-        let sampler = Sampler {
-            num_windows: data.len(),
-            seed: c.seed,
-            shuffle: c.shuffle,
-        };
-        sampler
-            .samples(step, s.batching.dp, s.dp_rank, c.batch * c.grad_accum)
-            .chunks(c.batch)
-            .map(|k| k.iter().map(|&k| sampler.window_of(k)).collect())
+        let sampler = s.sampler(data.len());
+        s.micro_samples(&sampler, step, s.dp_rank)
+            .into_iter()
+            .map(|m| m.into_iter().map(|k| sampler.window_of(k)).collect())
             .collect()
     }
 

@@ -22,7 +22,7 @@ use models::llava::{Llava, LlavaMicroBatch, LlavaStages};
 use models::tokenizer::Tokenizer;
 
 use crate::chat::{ChatTemplate, Conversation, TrainOn};
-use crate::data::{Sampler, IGNORE};
+use crate::data::IGNORE;
 use crate::error::{Error, Result};
 use crate::objective::{Objective, StepCtx};
 use crate::trainer::{StepStats, TrainModel, Trainer};
@@ -250,22 +250,12 @@ impl LlavaLoss {
         }
     }
 
-    fn sampler(s: &StepCtx<'_>, data: &ImageTextDataset) -> Sampler {
-        Sampler {
-            num_windows: data.examples.len(),
-            seed: s.cfg.seed,
-            shuffle: s.cfg.shuffle,
-        }
-    }
-
-    /// The example indices of `step` for data-parallel rank `d`.
-    fn picked(s: &StepCtx<'_>, data: &ImageTextDataset, step: u64, d: usize) -> Vec<usize> {
-        let c = s.cfg;
-        let sampler = Self::sampler(s, data);
-        sampler
-            .samples(step, s.batching.dp, d, c.batch * c.grad_accum)
+    /// The example indices of `step` for data-parallel rank `d`, in micro-batches.
+    fn picked(s: &StepCtx<'_>, data: &ImageTextDataset, step: u64, d: usize) -> Vec<Vec<usize>> {
+        let sampler = s.sampler(data.examples.len());
+        s.micro_samples(&sampler, step, d)
             .into_iter()
-            .map(|k| sampler.window_of(k))
+            .map(|m| m.into_iter().map(|k| sampler.window_of(k)).collect())
             .collect()
     }
 }
@@ -278,7 +268,7 @@ impl Objective<Llava> for LlavaLoss {
     /// Trained tokens of the global batch of `step` (from the labels alone).
     fn global_count(&self, s: &StepCtx<'_>, data: &ImageTextDataset, step: u64) -> Result<u64> {
         let n = (0..s.batching.dp)
-            .flat_map(|d| Self::picked(s, data, step, d))
+            .flat_map(|d| Self::picked(s, data, step, d).concat())
             .map(|i| {
                 data.examples[i]
                     .labels
@@ -304,7 +294,7 @@ impl Objective<Llava> for LlavaLoss {
         step: u64,
     ) -> Result<Vec<LlavaMicroBatch>> {
         Self::picked(s, data, step, s.dp_rank)
-            .chunks(s.cfg.batch)
+            .iter()
             .map(|m| {
                 let ids = m.iter().map(|&i| data.examples[i].ids.clone()).collect();
                 let labels = m.iter().map(|&i| data.examples[i].labels.clone()).collect();
