@@ -8,6 +8,11 @@
 //! Under tp2, zigzag ring4, ulysses2 x ring2 (USP) and ZeRO-3 (with and without selective
 //! checkpointing) it trains with the losses and final weights of one rank (1e-5 relative, f32),
 //! and every parameter receives a finite, non-zero gradient on every layout.
+//!
+//! The same model is then a family of the registry (`models::family`), registered from outside
+//! the models crate with its `config.json` architecture, description and loader: detected,
+//! loaded for each rank's layout and pipeline stage, and trained through the engine under tp2,
+//! ring2 and pp2 with the losses, gradient norms and weights of one rank.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,13 +26,16 @@ use candle_parallel::nn::{
     Pass, TensorMap, Track, Unit, UnitOps, VocabParallelEmbedding,
 };
 use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
+use candle_parallel::pipeline::ScheduleKind;
 use candle_parallel::plan::{MemoryPlan, Parallelize};
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{assert_identical, rel_err, whole_weights, Layout};
+use models::family::{Description, Family, Kind, LoadSpec, LoadedCausalLm};
+use models::hub::ModelFiles;
 use models::CausalLm;
 use testkit::{assert_close_scalar, assert_finite, max_abs};
 use train::data::{PackedDataset, Packing, TokenStream};
-use train::trainer::{TrainConfig, TrainModel, Trainer};
+use train::trainer::{PipelineConfig, TrainConfig, TrainModel, Trainer};
 
 // ------------------------------------------------------------------------------------------
 // The model
@@ -111,8 +119,10 @@ impl EncoderEnds {
 }
 
 struct Encoder {
-    ends: Unit<EncoderEnds>,
-    layers: Vec<Unit<EncoderLayer>>,
+    /// `None` on a pipeline stage that holds neither end.
+    ends: Option<Unit<EncoderEnds>>,
+    /// `None` for layers another pipeline stage holds.
+    layers: Vec<Option<Unit<EncoderLayer>>>,
     ctx: ParallelCtx,
 }
 
@@ -122,14 +132,31 @@ impl Encoder {
         vb: ParamBuilder,
         ctx: &ParallelCtx,
     ) -> candle_parallel::Result<Self> {
+        Self::new_stage(cfg, vb, ctx, &[0..cfg.num_layers], true)
+    }
+
+    /// A pipeline stage: the layers in `layers` and, with `ends`, the embedding and head.
+    fn new_stage(
+        cfg: &EncoderConfig,
+        vb: ParamBuilder,
+        ctx: &ParallelCtx,
+        layers: &[std::ops::Range<usize>],
+        ends: bool,
+    ) -> candle_parallel::Result<Self> {
         let (c, x) = (cfg.clone(), ctx.clone());
-        let ends = Unit::new(&vb, move |vb| EncoderEnds::new(&c, vb, &x))?;
+        let ends = ends
+            .then(|| Unit::new(&vb, move |vb| EncoderEnds::new(&c, vb, &x)))
+            .transpose()?;
         let layers = (0..cfg.num_layers)
             .map(|i| {
+                if !layers.iter().any(|r| r.contains(&i)) {
+                    return Ok(None);
+                }
                 let (c, x) = (cfg.clone(), ctx.clone());
                 Unit::new(&vb.pp("layers").pp(i), move |vb| {
                     EncoderLayer::new(&c, vb, &x)
                 })
+                .map(Some)
             })
             .collect::<candle_parallel::Result<Vec<_>>>()?;
         Ok(Self {
@@ -138,12 +165,26 @@ impl Encoder {
             ctx: ctx.clone(),
         })
     }
+
+    fn ends(&self) -> models::Result<EncoderEnds> {
+        let ends = self
+            .ends
+            .as_ref()
+            .ok_or_else(|| models::Error::Invalid("no ends on this stage".into()))?;
+        Ok(ends.get(Track::Grad)?)
+    }
 }
 
 impl Parallelize for Encoder {
     fn units(&mut self) -> Vec<&mut dyn UnitOps> {
-        let mut units: Vec<&mut dyn UnitOps> = vec![&mut self.ends];
-        units.extend(self.layers.iter_mut().map(|u| u as &mut dyn UnitOps));
+        let mut units: Vec<&mut dyn UnitOps> = Vec::new();
+        units.extend(self.ends.iter_mut().map(|u| u as &mut dyn UnitOps));
+        units.extend(
+            self.layers
+                .iter_mut()
+                .flatten()
+                .map(|u| u as &mut dyn UnitOps),
+        );
         units
     }
 }
@@ -168,8 +209,7 @@ impl CausalLm for Encoder {
     }
 
     fn embed_tokens(&self, batch: &Batch) -> models::Result<Tensor> {
-        let ends = self.ends.get(Track::Grad)?;
-        Ok(ends.embed.forward(&batch.input_ids)?)
+        Ok(self.ends()?.embed.forward(&batch.input_ids)?)
     }
 
     fn run_layers(
@@ -181,7 +221,10 @@ impl CausalLm for Encoder {
         // Bidirectional: every token sees the whole sequence, whatever the data's mask.
         let pass = Pass::new(&self.ctx, &batch.positions, &AttnMask::Full);
         let mut x = x.clone();
-        for layer in &self.layers[layers] {
+        for i in layers {
+            let layer = self.layers[i]
+                .as_ref()
+                .ok_or_else(|| models::Error::Invalid(format!("layer {i} is on another stage")))?;
             x = layer.forward(&x, &pass)?;
         }
         Ok(x)
@@ -193,12 +236,16 @@ impl CausalLm for Encoder {
         labels: &Tensor,
         opts: &CrossEntropyOptions,
     ) -> models::Result<(Tensor, usize)> {
-        let ends = self.ends.get(Track::Grad)?;
+        let ends = self.ends()?;
         Ok(ends.head.loss_sum(&ends.norm.forward(x)?, labels, opts)?)
     }
 
     fn end_params(&self) -> Vec<String> {
-        self.ends.params().iter().map(|p| p.name.clone()).collect()
+        self.ends
+            .iter()
+            .flat_map(|u| u.params())
+            .map(|p| p.name.clone())
+            .collect()
     }
 }
 
@@ -432,4 +479,209 @@ fn a_new_model_trains_like_one_rank_under_every_layout() {
             }
         }
     }
+}
+
+// ------------------------------------------------------------------------------------------
+// The same model as a family of the registry, registered from outside the models crate
+// ------------------------------------------------------------------------------------------
+
+/// `config.json` of the toy family's checkpoints.
+fn toy_config_json() -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["ToyEncoderForCausalLM"],
+        "model_type": "toy-encoder",
+        "vocab_size": CFG.vocab_size,
+        "hidden_size": CFG.hidden_size,
+        "num_attention_heads": CFG.num_heads,
+        "num_key_value_heads": CFG.num_kv_heads,
+        "intermediate_size": CFG.intermediate_size,
+        "num_hidden_layers": CFG.num_layers,
+    })
+}
+
+fn describe_toy(path: &std::path::Path) -> models::Result<Description> {
+    let v: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(path).map_err(|e| models::Error::Invalid(e.to_string()))?,
+    )
+    .map_err(|e| models::Error::Invalid(e.to_string()))?;
+    let n = |k: &str| v[k].as_u64().unwrap_or(0) as usize;
+    let (h, l, i, vocab) = (
+        n("hidden_size"),
+        n("num_hidden_layers"),
+        n("intermediate_size"),
+        n("vocab_size"),
+    );
+    let per_layer = 3 * h * h + 2 * h * i;
+    let params = (l * per_layer + 2 * vocab * h) as u64;
+    Ok(Description {
+        params,
+        matmul_params: params - (vocab * h) as u64,
+        layers: l,
+        hidden: h,
+        vocab,
+        attention_width: (l * h) as u64,
+        causal: false,
+        planner_shape: None,
+    })
+}
+
+fn load_toy(files: &ModelFiles, spec: &LoadSpec<'_>) -> models::Result<LoadedCausalLm> {
+    let reader = Arc::new(models::checkpoint::CheckpointReader::open(&files.weights)?);
+    let (vb, params) = ParamBuilder::new(
+        reader,
+        spec.dtype.unwrap_or(DType::F32),
+        spec.ctx.device(),
+        spec.mode,
+    );
+    let model = Encoder::new_stage(&CFG, vb, spec.ctx, spec.layers, spec.ends)?;
+    Ok(LoadedCausalLm {
+        model: Box::new(model),
+        params,
+    })
+}
+
+static TOY: Family = Family {
+    name: "toy-encoder",
+    kind: Kind::CausalLm,
+    architectures: &["ToyEncoderForCausalLM"],
+    model_types: &["toy-encoder"],
+    weights_name: "model",
+    extra_files: &["config.json"],
+    describe: describe_toy,
+    load_causal_lm: Some(load_toy),
+};
+
+/// A checkpoint of the toy family: `config.json` and `model.safetensors` of [`weights`].
+fn toy_checkpoint() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("cpl-toy-family-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), toy_config_json().to_string()).unwrap();
+    candle_core::safetensors::save(&weights(), dir.join("model.safetensors")).unwrap();
+    dir
+}
+
+/// Trains the registry's model of `dir` under `layout` (its pipeline stages one layer each):
+/// the losses, gradient norms and whole final weights (merged over the stages).
+fn registry_run(dir: &std::path::Path, layout: &Layout, steps: u64) -> (Run, Vec<f64>) {
+    let files = models::hub::from_dir("toy", dir).unwrap();
+    let family = models::family::detect(&files.config).unwrap();
+    let desc = (family.describe)(&files.config).unwrap();
+    let load = family.load_causal_lm.expect("a causal LM family");
+    let data = data();
+    let pp = layout.mesh.pp;
+    let dp = layout.mesh.degree(candle_parallel::mesh::Dim::Dp);
+    let mut cfg = config(steps, MemoryPlan::default(), 2 / dp);
+    if pp > 1 {
+        cfg.pipeline = Some(PipelineConfig {
+            schedule: ScheduleKind::OneFOneB,
+            virtual_stages: 1,
+            layers: vec![desc.layers / pp; pp],
+        });
+    }
+    let out = LocalWorld::run(layout.ranks, |world| -> Result<_, String> {
+        let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
+        let (mesh, ctx) = layout.context(world)?;
+        let r = mesh.coord(candle_parallel::mesh::Dim::Pp);
+        let layers = match &cfg.pipeline {
+            Some(pc) => vec![pc.ranges()[r].clone()],
+            None => vec![0..desc.layers],
+        };
+        let spec = LoadSpec {
+            ctx: &ctx,
+            dtype: Some(DType::F32),
+            mode: ParamMode::Trainable,
+            layers: &layers,
+            ends: r == 0 || r + 1 == pp,
+            adapters: None,
+        };
+        let model = load(&files, &spec).map_err(|x| e(&x))?.model;
+        let mut t = Trainer::new(model, &mesh, &ctx, cfg.clone()).map_err(|x| e(&x))?;
+        let (mut losses, mut norms) = (Vec::new(), Vec::new());
+        while t.step < steps {
+            let s = t.step(&data).map_err(|x| e(&x))?;
+            losses.push(s.loss);
+            norms.push(s.grad_norm);
+        }
+        Ok((losses, norms, whole_weights(&t, &mesh)?))
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut weights = HashMap::new();
+    for (i, (l, g, w)) in out.iter().enumerate() {
+        testkit::assert_identical_scalars(l, &out[0].0, &format!("{}: rank {i}", layout.name));
+        testkit::assert_identical_scalars(g, &out[0].1, &format!("{}: rank {i}", layout.name));
+        for (n, t) in w {
+            if let Some(prev) = weights.insert(n.clone(), t.clone()) {
+                assert_identical(&prev, t, &format!("{}: rank {i}: {n}", layout.name));
+            }
+        }
+    }
+    let run = Run {
+        losses: out[0].0.clone(),
+        weights,
+        grad_max: Vec::new(),
+    };
+    (run, out[0].1.clone())
+}
+
+/// A family registered from outside the models crate is detected from its `config.json`
+/// (`architectures`), described (FLOPs), loaded by its own loader for each rank's layout and
+/// pipeline stage, and trains through the engine under tp2, ring2 and pp2 with the losses,
+/// gradient norms and final weights of one rank (1e-5). An unknown architecture lists the
+/// supported families, the registered one among them.
+#[test]
+fn a_family_registered_from_outside_trains_through_the_registry() {
+    models::family::register(&TOY).unwrap();
+    assert!(models::family::register(&TOY).is_err(), "registered twice");
+    let dir = toy_checkpoint();
+    let family = models::family::detect(&dir.join("config.json")).unwrap();
+    assert_eq!(family.name, "toy-encoder");
+    let desc = (family.describe)(&dir.join("config.json")).unwrap();
+    let flops = desc.flops_per_token(32, models::family::Work::Training);
+    assert!(flops > 6.0 * desc.matmul_params as f64, "{flops}");
+    let steps = 3;
+    let (want, want_norms) = registry_run(&dir, &Layout::single(), steps);
+    assert!(want.losses.iter().all(|l| l.is_finite()));
+    assert_eq!(
+        want.weights.len(),
+        weights().len(),
+        "every parameter trained"
+    );
+    for layout in [
+        Layout::new("tp2", 2, 1, 1, Strategy::Ring),
+        Layout::new("ring2", 1, 1, 2, Strategy::Ring),
+        Layout::single().with_pp(2),
+    ] {
+        let (got, norms) = registry_run(&dir, &layout, steps);
+        for (i, (a, b)) in got.losses.iter().zip(&want.losses).enumerate() {
+            assert_close_scalar(*a, *b, 1e-5, &format!("{}: step {i}: loss", layout.name));
+        }
+        for (i, (g, w)) in norms.iter().zip(&want_norms).enumerate() {
+            let what = format!("{}: step {i}: gradient norm", layout.name);
+            assert_close_scalar(*g, *w, 1e-5, &what);
+        }
+        assert_eq!(got.weights.len(), want.weights.len(), "{}", layout.name);
+        for (n, w) in &want.weights {
+            let e = rel_err(&got.weights[n], w);
+            assert!(
+                e <= 1e-5,
+                "{}: final weight {n}: rel err {e:e}",
+                layout.name
+            );
+        }
+    }
+    // An architecture no family claims: the error lists the supported ones.
+    let other = dir.join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(
+        other.join("config.json"),
+        r#"{"architectures": ["MambaForCausalLM"]}"#,
+    )
+    .unwrap();
+    let err = models::family::detect(&other.join("config.json"))
+        .unwrap_err()
+        .to_string();
+    for want in ["MambaForCausalLM", "llama", "dit", "llava", "toy-encoder"] {
+        assert!(err.contains(want), "{want} in: {err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
