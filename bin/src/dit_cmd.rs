@@ -19,11 +19,12 @@ use train::diffusion::{DiffusionConfig, DiffusionTrainer};
 use train::images::{write_grid_png, ImageDataset, ImageOptions};
 use train::trainer::Trainer;
 
-use crate::eval::EvalArgs;
-use crate::generate::GenerateArgs;
+use crate::args::GenerateArgs;
+use crate::args::{interrupt_flag, TrainArgs};
+use crate::args::{EvalArgs, SamplerArg};
 use crate::launch::{launch, launch_pipelined, stage_layers, Rank};
-use crate::progress::{peak_rss_mib, Progress, StepLine};
-use crate::train_cmd::{interrupt_flag, JsonLines, TrainArgs};
+use train::driver;
+use train::driver::tasks::DiffusionTask;
 
 /// This rank's DiT from `dir`.
 fn load(dir: &Path, rank: &Rank, dtype: Option<DType>, mode: ParamMode) -> Result<LoadedDit> {
@@ -104,13 +105,27 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
     let load_dir = resume_from.clone().unwrap_or_else(|| dir.to_path_buf());
     let interrupted = interrupt_flag()?;
     let tokens_per_image = (model_cfg.sample_size / model_cfg.patch_size).pow(2);
-    // Training FLOPs per patch token: 6 per parameter, and attention's 6 · layers · tokens ·
-    // hidden (the same estimate as for text models).
-    let flops_per_token = 6.0 * model_cfg.num_parameters() as f64
-        + 6.0 * (model_cfg.num_layers * tokens_per_image * model_cfg.hidden_size()) as f64;
-    let peak = crate::train_cmd::matmul_gflops();
+    let flops_per_token = model_cfg
+        .description()
+        .flops_per_token(tokens_per_image, models::family::Work::Training);
     let dtype = args.dtype.map(DType::from).unwrap_or(DType::F32);
-    let metrics_path = args.out.join("metrics.jsonl");
+    let banner = format!(
+        "cpl train: DiT {} ({:.2} M params, {} patch tokens/image) on {} images of {} classes, {} images/step, {} steps, objective {}, {} rank(s)",
+        dir.display(),
+        model_cfg.num_parameters() as f64 / 1e6,
+        tokens_per_image,
+        data.len(),
+        data.num_classes,
+        args.layout.dp_degree()? * cfg.batch * cfg.grad_accum,
+        cfg.steps,
+        dcfg.objective,
+        args.layout.ranks
+    );
+    let opts = args.run_options(cfg.steps, extra, flops_per_token, banner);
+    let history0 = resume_state
+        .as_ref()
+        .map(|s| s.history.clone())
+        .unwrap_or_default();
     let history = launch_pipelined(&args.layout, |rank| {
         let (mine, ends) = stage_layers(rank, &ranges);
         let model = match &initial {
@@ -130,85 +145,23 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         if let (Some(d), Some(state)) = (&resume_from, &resume_state) {
             checkpoint::restore(&mut t.trainer, d, state)?;
         }
+        let mut task = DiffusionTask {
+            trainer: t,
+            data: &data,
+            tokens_per_image,
+        };
         let world = rank.world();
-        let main = rank.is_main();
-        let mut history = resume_state
-            .as_ref()
-            .map(|s| s.history.clone())
-            .unwrap_or_default();
-        let mut metrics = main
-            .then(|| JsonLines::continue_at(&metrics_path, t.trainer.step))
-            .transpose()?;
-        if main {
-            eprintln!(
-                "cpl train: DiT {} ({:.2} M params, {} patch tokens/image) on {} images of {} classes, {} images/step, {} steps, objective {}, {} rank(s)",
-                dir.display(),
-                model_cfg.num_parameters() as f64 / 1e6,
-                tokens_per_image,
-                data.len(),
-                data.num_classes,
-                t.global_batch(),
-                cfg.steps,
-                dcfg.objective,
-                world.size()
-            );
-        }
-        let mut progress = main.then(|| Progress::new(cfg.steps, args.log_every));
-        let (start, first) = (Instant::now(), t.trainer.step);
-        while t.trainer.step < cfg.steps {
-            let t0 = Instant::now();
-            let s = t.step(&data)?;
-            let dt = t0.elapsed().as_secs_f64();
-            history.steps.push(s.stats);
-            let images_per_sec = s.stats.tokens as f64 / dt;
-            if let Some(f) = metrics.as_mut() {
-                f.write(&serde_json::json!({
-                    "step": s.stats.step, "loss": s.stats.loss, "mse": s.mse, "vb": s.vb,
-                    "lr": s.stats.lr, "grad_norm": s.stats.grad_norm, "images": s.stats.tokens,
-                    "images_per_sec": images_per_sec, "seconds": dt,
-                    "peak_rss_mib": peak_rss_mib(),
-                }))?;
-            }
-            if let Some(p) = progress.as_mut() {
-                let done = t.trainer.step - first;
-                p.step(&StepLine {
-                    step: t.trainer.step,
-                    loss: s.stats.loss,
-                    lr: s.stats.lr,
-                    grad_norm: s.stats.grad_norm,
-                    tokens_per_sec: images_per_sec * tokens_per_image as f64,
-                    mfu: images_per_sec * tokens_per_image as f64 * flops_per_token / (peak * 1e9),
-                    eta_secs: start.elapsed().as_secs_f64() / done as f64
-                        * (cfg.steps - t.trainer.step) as f64,
-                });
-            }
-            crate::train_cmd::save_or_stop(
-                &t.trainer,
-                args,
-                cfg.steps,
-                &world,
-                &interrupted,
-                &extra,
-                &history,
-                progress.as_mut(),
-            )?;
-        }
-        Ok(history)
+        Ok(driver::run(
+            &mut task,
+            &world,
+            &opts,
+            history0.clone(),
+            &interrupted,
+        )?)
     })?;
     if let Some(h) = history {
-        if let (Some(first), Some(last)) = (h.steps.first(), h.steps.last()) {
-            eprintln!(
-                "loss {:.4} -> {:.4} over {} steps; metrics in {}",
-                first.loss,
-                last.loss,
-                h.steps.len(),
-                metrics_path.display()
-            );
-            let png = args.out.join("loss.png");
-            let title = format!("DiT: {} ({})", args.layout.flags(), dcfg.objective);
-            crate::plot::loss_curve(&h.steps, &h.evals, &title, &png)?;
-            eprintln!("loss curve in {}", png.display());
-        }
+        let title = format!("DiT: {} ({})", args.layout.flags(), dcfg.objective);
+        driver::finish(&h, &opts, &title)?;
     }
     Ok(())
 }
@@ -438,17 +391,6 @@ fn parse_labels(text: &Option<String>) -> Result<Vec<u32>> {
         bail!("--class-labels: no label");
     }
     Ok(labels)
-}
-
-/// The sampler of `cpl generate` on a diffusion model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum SamplerArg {
-    /// DDIM (eta 0) on the respaced DDPM schedule.
-    Ddim,
-    /// Ancestral DDPM on the respaced schedule (learned variance when the model has one).
-    Ddpm,
-    /// Euler steps of a rectified-flow model.
-    Flow,
 }
 
 /// `cpl inspect` on a DiT.

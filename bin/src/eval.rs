@@ -1,7 +1,6 @@
 //! `cpl eval`: mean next-token loss, perplexity and token count of a model on a data file.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -14,94 +13,9 @@ use models::tokenizer::Tokenizer;
 use models::StageMicroBatch;
 use train::trainer::{pipeline_eval, PipelineConfig};
 
+use crate::args::{EvalArgs, EvalReport};
 use crate::launch::{launch_pipelined, load_llama_stage, Rank};
-use crate::layout::{LayoutArgs, PipelineArgs};
-
-#[derive(clap::Args, Debug, Clone)]
-pub struct EvalArgs {
-    /// Model directory (config.json, *.safetensors, tokenizer.json) or Hugging Face Hub id.
-    #[arg(long)]
-    pub model: String,
-    /// A LoRA adapter (PEFT directory, e.g. a `cpl finetune` checkpoint) applied to --model.
-    #[arg(long)]
-    pub adapter: Option<PathBuf>,
-    /// Text (.txt), JSON-lines (.jsonl) or Parquet (.parquet) file to evaluate on; documents
-    /// are joined with EOS and cut into windows of --seq-len tokens.
-    #[arg(long, conflicts_with = "tokens")]
-    pub data: Option<PathBuf>,
-    /// JSON array of token-id arrays; each is evaluated as one sequence.
-    #[arg(long)]
-    pub tokens: Option<PathBuf>,
-    /// Tokens per window of --data.
-    #[arg(long, default_value_t = 1024)]
-    pub seq_len: usize,
-    /// The text field of .jsonl records and the text column of .parquet files.
-    #[arg(long, default_value = "text")]
-    pub text_field: String,
-    /// Compute dtype (default: the checkpoint's).
-    #[arg(long, value_enum)]
-    pub dtype: Option<DtypeArg>,
-    /// Print one JSON object instead of text.
-    #[arg(long)]
-    pub json: bool,
-    /// Write the logits of every sequence (`logits.<i>`, (tokens, vocab) f32) to this
-    /// safetensors file.
-    #[arg(long)]
-    pub logits_out: Option<PathBuf>,
-    /// Vision-language models (LLaVA): image files (PNG, JPEG) that fill the image-token runs
-    /// of the --tokens sequences in order (comma-separated).
-    #[arg(long, value_delimiter = ',', help_heading = "Vision-language")]
-    pub images: Vec<PathBuf>,
-    /// Vision-language models: preprocessed images, a safetensors file with `pixel_values`
-    /// (images, C, H, W), instead of --images.
-    #[arg(long, help_heading = "Vision-language")]
-    pub pixel_values: Option<PathBuf>,
-    /// Diffusion models (DiT): a safetensors file with `sample` (B, C, H, W), `timestep` (B),
-    /// `class_labels` (B) and optionally `noise` (then `sample` is the clean image, noised at
-    /// `timestep`, and the DDPM loss is printed).
-    #[arg(long, help_heading = "Diffusion")]
-    pub inputs: Option<PathBuf>,
-    /// Diffusion models: write the model output (`sample`) to this safetensors file.
-    #[arg(long, help_heading = "Diffusion")]
-    pub outputs_out: Option<PathBuf>,
-    #[command(flatten)]
-    pub layout: LayoutArgs,
-    /// With --pp: the model's stages (--virtual-stages, --pp-layers); the sequences run forward
-    /// through them one after the other.
-    #[command(flatten)]
-    pub pipeline: PipelineArgs,
-}
-
-/// The result of an evaluation.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct EvalReport {
-    pub loss: f64,
-    pub perplexity: f64,
-    pub tokens: u64,
-    pub sequences: usize,
-    /// Wall time of the forward passes (slowest rank; loading excluded).
-    pub seconds: f64,
-    /// Tokens scored per second over `seconds`.
-    pub tokens_per_sec: f64,
-}
-
-/// A compute dtype flag.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DtypeArg {
-    F32,
-    Bf16,
-    F16,
-}
-
-impl From<DtypeArg> for DType {
-    fn from(d: DtypeArg) -> Self {
-        match d {
-            DtypeArg::F32 => DType::F32,
-            DtypeArg::Bf16 => DType::BF16,
-            DtypeArg::F16 => DType::F16,
-        }
-    }
-}
+use crate::layout::LayoutArgs;
 
 /// The largest length `<= len` that the layout can shard (0 if none).
 fn fit_to_layout(len: usize, layout: &LayoutArgs) -> Result<usize> {

@@ -12,7 +12,6 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
@@ -21,16 +20,17 @@ use candle_parallel::nn::{Adapters, LoraConfig, LoraTargets, ParamMode, TensorSo
 use models::llama::LlamaConfig;
 use models::tokenizer::Tokenizer;
 use train::chat::{ChatTemplate, TokenizedExample, TrainOn};
-use train::checkpoint::{self, EvalPoint, History};
+use train::checkpoint;
 use train::finetune::{
     DpoConfig, DpoTrainer, Example, Overlong, PackStats, PairDataset, Reference, SftDataset,
     SftOptions,
 };
-use train::trainer::{StepStats, Trainer};
+use train::trainer::Trainer;
 
+use crate::args::{default_asset, interrupt_flag, TrainArgs};
 use crate::launch::{launch_pipelined, stage_layers, Rank};
-use crate::progress::{peak_rss_mib, Progress, StepLine};
-use crate::train_cmd::{default_asset, interrupt_flag, JsonLines, TrainArgs};
+use train::driver;
+use train::driver::tasks::{DpoTask, NextTokenTask};
 
 #[derive(clap::Args, Debug)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -699,14 +699,40 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
     let dtype = t.dtype.map(DType::from).unwrap_or(DType::F32);
     let interrupted = interrupt_flag()?;
     // Model FLOPs per token for the MFU estimate (LoRA's base weights get no gradients).
-    let peak = crate::train_cmd::matmul_gflops();
     let work = match lora {
-        Some(_) => crate::bench::Work::FrozenTraining,
-        None => crate::bench::Work::Training,
+        Some(_) => models::family::Work::FrozenTraining,
+        None => models::family::Work::Training,
     };
-    let flops_per_token = crate::bench::llama_flops_per_token(&model_cfg, cfg.seq_len, work);
-    let metrics_path = t.out.join("metrics.jsonl");
-    let eval_path = t.out.join("eval.jsonl");
+    let flops_per_token = model_cfg.description().flops_per_token(cfg.seq_len, work);
+    // Tokens a step processes: its sequences' (both sides of every DPO pair).
+    let sequences = if a.stage == Stage::Dpo { 2 } else { 1 };
+    let processed_tokens = (global * cfg.seq_len * sequences) as f64;
+    let banner = format!(
+        "cpl finetune: {} {} of {} ({}), seq {} x {} {}/step, {} steps, {} rank(s), {}",
+        match a.finetuning_type {
+            FinetuningType::Lora => "LoRA",
+            FinetuningType::Full => "full",
+        },
+        match a.stage {
+            Stage::Sft => "SFT",
+            Stage::Dpo => "DPO",
+        },
+        model_id,
+        lora.as_ref()
+            .map(|(c, _)| format!("r {} alpha {} {:?}", c.rank, c.alpha, c.targets))
+            .unwrap_or_else(|| "all weights".into()),
+        cfg.seq_len,
+        global,
+        if a.stage == Stage::Dpo {
+            "pairs"
+        } else {
+            "sequences"
+        },
+        cfg.steps,
+        t.layout.ranks,
+        sp.strategy.name()
+    );
+    let opts = t.run_options(cfg.steps, extra, flops_per_token, banner);
     let history0 = resume_state
         .as_ref()
         .map(|s| s.history.clone())
@@ -733,9 +759,19 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         if let (Some(dir), Some(state)) = (&resume_from, &resume_state) {
             checkpoint::restore(&mut trainer, dir, state)?;
         }
-        let mut job = match a.stage {
-            Stage::Sft => Job::Sft(trainer),
-            Stage::Dpo => {
+        let world = rank.world();
+        let history = match (a.stage, &data) {
+            (Stage::Sft, Data::Sft(windows)) => {
+                let mut task = NextTokenTask {
+                    trainer,
+                    data: windows,
+                    eval: eval_data.as_ref().map(|d| (d, t.eval_windows)),
+                    count_key: "trained_tokens",
+                    processed_tokens: Some(processed_tokens),
+                };
+                driver::run(&mut task, &world, &opts, history0.clone(), &interrupted)?
+            }
+            (Stage::Dpo, Data::Dpo(pairs)) => {
                 let reference = match (&adapters, &ref_files) {
                     (Some(ad), _) => Reference::BaseOfAdapters(ad.clone()),
                     (None, Some(rf)) => {
@@ -752,165 +788,22 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
                     }
                     (None, None) => bail!("internal: DPO without a reference"),
                 };
-                Job::Dpo(DpoTrainer::new(
-                    trainer,
-                    reference,
-                    DpoConfig { beta: a.dpo_beta },
-                )?)
+                let mut task = DpoTask {
+                    trainer: DpoTrainer::new(trainer, reference, DpoConfig { beta: a.dpo_beta })?,
+                    data: pairs,
+                    processed_tokens,
+                };
+                driver::run(&mut task, &world, &opts, history0.clone(), &interrupted)?
             }
+            _ => bail!("internal: stage and data disagree"),
         };
-        let world = rank.world();
-        let main = rank.is_main();
-        let mut history: History = history0.clone();
-        let step0 = job.trainer().step;
-        let mut metrics = main
-            .then(|| JsonLines::continue_at(&metrics_path, step0))
-            .transpose()?;
-        let mut evals = main
-            .then(|| JsonLines::continue_at(&eval_path, step0 + 1))
-            .transpose()?;
-        if main {
-            eprintln!(
-                "cpl finetune: {} {} of {} ({}), seq {} x {} {}/step, {} steps, {} rank(s), {}",
-                match a.finetuning_type {
-                    FinetuningType::Lora => "LoRA",
-                    FinetuningType::Full => "full",
-                },
-                match a.stage {
-                    Stage::Sft => "SFT",
-                    Stage::Dpo => "DPO",
-                },
-                model_id,
-                lora.as_ref()
-                    .map(|(c, _)| format!("r {} alpha {} {:?}", c.rank, c.alpha, c.targets))
-                    .unwrap_or_else(|| "all weights".into()),
-                cfg.seq_len,
-                global,
-                if a.stage == Stage::Dpo {
-                    "pairs"
-                } else {
-                    "sequences"
-                },
-                cfg.steps,
-                world.size(),
-                sp.strategy.name()
-            );
-        }
-        let mut progress = main.then(|| Progress::new(cfg.steps, t.log_every));
-        let start = Instant::now();
-        loop {
-            if job.trainer().step >= cfg.steps {
-                break;
-            }
-            let t0 = Instant::now();
-            let (stats, extra_metrics): (StepStats, serde_json::Value) = match (&mut job, &data) {
-                (Job::Dpo(d), Data::Dpo(pairs)) => {
-                    let s = d.step(pairs)?;
-                    (
-                        s.stats,
-                        serde_json::json!({"chosen_reward": s.chosen_reward,
-                            "rejected_reward": s.rejected_reward, "margin": s.margin,
-                            "accuracy": s.accuracy}),
-                    )
-                }
-                (Job::Sft(tr), Data::Sft(windows)) => (tr.step(windows)?, serde_json::json!({})),
-                _ => bail!("internal: stage and data disagree"),
-            };
-            let dt = t0.elapsed().as_secs_f64();
-            let tr = job.trainer();
-            history.steps.push(stats);
-            let sequences = if a.stage == Stage::Dpo { 2 } else { 1 };
-            let tokens = (global * cfg.seq_len * sequences) as f64;
-            if let Some(f) = metrics.as_mut() {
-                let mut line = serde_json::json!({
-                    "step": stats.step, "loss": stats.loss, "lr": stats.lr,
-                    "grad_norm": stats.grad_norm,
-                    "tokens_per_sec": tokens / dt, "seconds": dt, "peak_rss_mib": peak_rss_mib(),
-                });
-                // What the loss averages over: trained tokens (SFT) or pairs (DPO).
-                let count = if a.stage == Stage::Dpo {
-                    "pairs"
-                } else {
-                    "trained_tokens"
-                };
-                line[count] = serde_json::json!(stats.tokens);
-                if let (Some(o), Some(x)) = (line.as_object_mut(), extra_metrics.as_object()) {
-                    o.extend(x.clone());
-                }
-                f.write(&line)?;
-            }
-            if let Some(p) = progress.as_mut() {
-                let done = (tr.step - step0).max(1);
-                p.step(&StepLine {
-                    step: tr.step,
-                    loss: stats.loss,
-                    lr: stats.lr,
-                    grad_norm: stats.grad_norm,
-                    tokens_per_sec: tokens / dt,
-                    mfu: tokens / dt * flops_per_token / (peak * 1e9),
-                    eta_secs: start.elapsed().as_secs_f64() / done as f64
-                        * (cfg.steps - tr.step) as f64,
-                });
-            }
-            let eval_due = t.eval_every > 0 && tr.step % t.eval_every == 0;
-            if let (Some(ed), true) = (&eval_data, eval_due || tr.step == cfg.steps) {
-                let (loss, tokens) = tr.eval_loss(ed, t.eval_windows)?;
-                let point = EvalPoint {
-                    step: tr.step,
-                    loss,
-                    tokens,
-                };
-                history.evals.push(point);
-                if let Some(f) = evals.as_mut() {
-                    f.write(&serde_json::to_value(point)?)?;
-                }
-            }
-            crate::train_cmd::save_or_stop(
-                tr,
-                t,
-                cfg.steps,
-                &world,
-                &interrupted,
-                &extra,
-                &history,
-                progress.as_mut(),
-            )?;
-        }
-        drop(progress);
         Ok(history)
     })?;
-    let Some(history) = result else {
-        return Ok(());
-    };
-    if let (Some(first), Some(last)) = (history.steps.first(), history.steps.last()) {
-        eprintln!(
-            "loss {:.4} -> {:.4} over {} steps; metrics in {}; last checkpoint {}",
-            first.loss,
-            last.loss,
-            history.steps.len(),
-            metrics_path.display(),
-            checkpoint::step_dir(&t.out, last.step + 1).display()
-        );
-        let png = t.out.join("loss.png");
+    if let Some(history) = result {
         let title = format!("cpl finetune {model_id}: {}", t.layout.flags());
-        crate::plot::loss_curve(&history.steps, &history.evals, &title, &png)?;
+        driver::finish(&history, &opts, &title)?;
     }
     Ok(())
-}
-
-/// A run's trainer: SFT (the language-model step) or DPO.
-enum Job {
-    Sft(Trainer<models::llama::Llama>),
-    Dpo(DpoTrainer),
-}
-
-impl Job {
-    fn trainer(&self) -> &Trainer<models::llama::Llama> {
-        match self {
-            Job::Sft(t) => t,
-            Job::Dpo(d) => &d.trainer,
-        }
-    }
 }
 
 /// Files written into every checkpoint: under LoRA PEFT's `adapter_config.json`

@@ -222,6 +222,12 @@ impl LayoutArgs {
         self
     }
 
+    /// The data-parallel degree of these flags (checked).
+    pub fn dp_degree(&self) -> Result<usize> {
+        let mesh = self.mesh_config()?;
+        Ok(MeshLayout::new(&mesh, self.ranks)?.group_size(&[Dim::Dp]))
+    }
+
     /// The layout flags that differ from their defaults, as typed (`--ranks 4 --tp 2 --ring 2`).
     pub fn flags(&self) -> String {
         let d = Self::default();
@@ -405,34 +411,6 @@ impl PipelineArgs {
         }
         Ok(Some(s))
     }
-}
-
-/// `cpl plan`'s flags.
-#[derive(clap::Args, Debug, Clone)]
-pub struct PlanArgs {
-    #[command(flatten)]
-    pub layout: LayoutArgs,
-    #[command(flatten)]
-    pub pipeline: PipelineArgs,
-    #[command(flatten)]
-    pub auto: crate::plan_auto::AutoArgs,
-}
-
-/// Prints the mesh and, under a pipeline, every rank's schedule as a timetable with its bubble;
-/// with `--auto`, the ranked layouts of [`crate::plan_auto`].
-pub fn plan(args: &PlanArgs) -> Result<()> {
-    if args.auto.auto {
-        return crate::plan_auto::run(&args.auto, &args.layout);
-    }
-    let cfg = args.layout.mesh_config()?;
-    let layout = MeshLayout::new(&cfg, args.layout.ranks)?;
-    print!("{}", layout.describe());
-    let pp = &args.pipeline;
-    let m = pp.micro_batches.unwrap_or(1);
-    if let Some(schedule) = pp.schedule(args.layout.pp, m)? {
-        print!("{}", schedule.render()?);
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -14,16 +14,18 @@ use models::llava::preprocess::ImageProcessor;
 use models::llava::{self, Freeze, LlavaConfig};
 use models::tokenizer::Tokenizer;
 use train::chat::{ChatTemplate, Message, TrainOn};
-use train::checkpoint::{self, History};
+use train::checkpoint;
 use train::multimodal::{ImageTextDataset, ImageTokens, LlavaTrainer};
 use train::trainer::Trainer;
 
-use crate::eval::{EvalArgs, EvalReport};
-use crate::generate::GenerateArgs;
+use crate::args::EvalArgs;
+use crate::args::EvalReport;
+use crate::args::GenerateArgs;
+use crate::args::{interrupt_flag, TrainArgs};
 use crate::launch::{launch, launch_pipelined, stage_layers, Rank};
-use crate::progress::{Progress, StepLine};
-use crate::train_cmd::{interrupt_flag, save_or_stop, JsonLines, TrainArgs};
 use candle_parallel::pipeline::{run_stage_step, PipelineSchedule, StageStep};
+use train::driver;
+use train::driver::tasks::LlavaTask;
 
 fn files(dir: &Path) -> Result<models::hub::ModelFiles> {
     Ok(models::hub::from_dir(&dir.display().to_string(), dir)?)
@@ -341,12 +343,12 @@ pub fn generate(args: &GenerateArgs, dir: &Path) -> Result<()> {
         let m = llava::load(&f, &rank.ctx, dtype, ParamMode::Frozen, Freeze::default())?;
         let mut ids = expand_image_tokens(&ids, cfg.image_token(), m.model.tokens_per_image());
         let start = ids.len();
-        let mut rng = crate::generate::Rng(args.seed);
+        let mut rng = crate::sampling::Rng(args.seed);
         for _ in 0..args.max_new_tokens {
             let logits = m.model.logits(std::slice::from_ref(&ids), pv.as_ref())?;
             let logits = rank.ctx.gather_tokens(&logits)?;
             let last = logits.squeeze(0)?.get(ids.len() - 1)?.to_vec1::<f32>()?;
-            let next = crate::generate::sample(&last, args.temperature, args.top_p, &mut rng);
+            let next = crate::sampling::sample(&last, args.temperature, args.top_p, &mut rng);
             ids.push(next);
             if Some(next) == tok.eos_token_id {
                 break;
@@ -450,36 +452,25 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         .map(|d| checkpoint::read_state(d))
         .transpose()?;
     std::fs::create_dir_all(&args.out)?;
-    let mut extra = Vec::new();
-    for p in [
-        Some(&f.config),
-        f.tokenizer.as_ref(),
-        f.tokenizer_config.as_ref(),
-        f.chat_template.as_ref(),
-        f.generation_config.as_ref(),
-    ]
-    .into_iter()
-    .flatten()
-    .cloned()
-    .chain(
-        ["preprocessor_config.json", "processor_config.json"]
-            .into_iter()
-            .map(|n| model_dir.join(n))
-            .filter(|p| p.is_file()),
-    ) {
-        let p = &p;
-        let name = p
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        extra.push((
-            name,
-            std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
-        ));
-    }
+    let extra = crate::model_arg::checkpoint_files(&models::family::LLAVA, &f)?;
     let interrupted = interrupt_flag()?;
-    let metrics_path = args.out.join("metrics.jsonl");
     let dtype = args.dtype.map(DType::from);
+    let global = args.layout.dp_degree()? * cfg.batch * cfg.grad_accum;
+    let flops_per_token = (models::family::LLAVA.describe)(&f.config)?
+        .flops_per_token(cfg.seq_len, models::family::Work::Training);
+    let banner = format!(
+        "cpl train: LLaVA {} on {} conversations, seq {} x {global} sequences/step, {} steps, {} rank(s)",
+        dir.display(),
+        data.examples.len(),
+        cfg.seq_len,
+        cfg.steps,
+        args.layout.ranks
+    );
+    let opts = args.run_options(cfg.steps, extra, flops_per_token, banner);
+    let history0 = state
+        .as_ref()
+        .map(|s| s.history.clone())
+        .unwrap_or_default();
     let history = launch_pipelined(&args.layout, |rank: &Rank| {
         let m = load_rank(&f, rank, &ranges, dtype, ParamMode::Trainable, freeze)?;
         let mut t = LlavaTrainer {
@@ -488,61 +479,23 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         if let (Some(d), Some(st)) = (&resume, &state) {
             checkpoint::restore(&mut t.trainer, d, st)?;
         }
+        let mut task = LlavaTask {
+            trainer: t,
+            data: &data,
+            processed_tokens: (global * cfg.seq_len) as f64,
+        };
         let world = rank.world();
-        let main = rank.is_main();
-        let mut metrics = main
-            .then(|| JsonLines::continue_at(&metrics_path, t.trainer.step))
-            .transpose()?;
-        let mut history: History = state
-            .as_ref()
-            .map(|s| s.history.clone())
-            .unwrap_or_default();
-        let mut progress = main.then(|| Progress::new(cfg.steps, args.log_every));
-        while t.trainer.step < cfg.steps {
-            let t0 = std::time::Instant::now();
-            let s = t.step(&data)?;
-            let dt = t0.elapsed().as_secs_f64();
-            history.steps.push(s);
-            if let Some(f) = metrics.as_mut() {
-                f.write(
-                    &serde_json::json!({"step": s.step, "loss": s.loss, "lr": s.lr,
-                    "grad_norm": s.grad_norm, "trained_tokens": s.tokens, "seconds": dt}),
-                )?;
-            }
-            if let Some(p) = progress.as_mut() {
-                p.step(&StepLine {
-                    step: t.trainer.step,
-                    loss: s.loss,
-                    lr: s.lr,
-                    grad_norm: s.grad_norm,
-                    tokens_per_sec: (t.trainer.global_batch() * cfg.seq_len) as f64 / dt,
-                    mfu: f64::NAN,
-                    eta_secs: dt * (cfg.steps - t.trainer.step) as f64,
-                });
-            }
-            save_or_stop(
-                &t.trainer,
-                args,
-                cfg.steps,
-                &world,
-                &interrupted,
-                &extra,
-                &history,
-                progress.as_mut(),
-            )?;
-        }
-        Ok(history)
+        Ok(driver::run(
+            &mut task,
+            &world,
+            &opts,
+            history0.clone(),
+            &interrupted,
+        )?)
     })?;
     if let Some(h) = history {
-        if let (Some(a), Some(b)) = (h.steps.first(), h.steps.last()) {
-            eprintln!(
-                "loss {:.4} -> {:.4} over {} steps; metrics in {}",
-                a.loss,
-                b.loss,
-                h.steps.len(),
-                metrics_path.display()
-            );
-        }
+        let title = format!("LLaVA {}: {}", dir.display(), args.layout.flags());
+        driver::finish(&h, &opts, &title)?;
     }
     Ok(())
 }

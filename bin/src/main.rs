@@ -7,6 +7,7 @@
 //! (this machine's attention, communication, training and evaluation throughput).
 
 mod alloc;
+mod args;
 mod bench;
 mod data_cmd;
 mod demo;
@@ -20,11 +21,10 @@ mod layout;
 mod llava_cmd;
 mod model_arg;
 mod plan_auto;
-mod plot;
-mod progress;
+mod sampling;
 mod train_cmd;
 
-use anyhow::Result;
+use anyhow::{bail, Context, Result};
 
 use clap::{Parser, Subcommand};
 
@@ -47,17 +47,17 @@ enum Command {
     /// --pp > 1 also the pipeline schedule's per-rank timetable and bubble. `cpl plan --auto`
     /// chooses the layout: every layout of --world ranks for --model at --seq-len on --hardware,
     /// ranked by predicted step time.
-    Plan(layout::PlanArgs),
+    Plan(plan_auto::PlanArgs),
     /// Mean next-token loss, perplexity and token count of a model on a text, jsonl, Parquet or
     /// token file; for a DiT, its output (and DDPM loss) on an --inputs file.
-    Eval(eval::EvalArgs),
+    Eval(args::EvalArgs),
     /// Continue a prompt with a model (KV cache; one rank or tensor parallel); for a DiT, a PNG
     /// grid of samples of --class-labels.
-    Generate(generate::GenerateArgs),
+    Generate(args::GenerateArgs),
     /// Continued pretraining of a Hugging Face checkpoint under any layout, with ZeRO and
     /// activation checkpointing (no arguments: the bundled default); a diffusers DiT trains on
     /// latents or image folders (--objective ddpm|flow, --from-scratch).
-    Train(Box<train_cmd::TrainArgs>),
+    Train(Box<args::TrainArgs>),
     /// Fine-tuning on chat data: SFT or DPO (--stage), LoRA or full (--finetuning-type), every
     /// layout and memory flag of `cpl train`, LLaMA-Factory configs (--config x.yaml); no
     /// arguments: LoRA SFT of the bundled model on the bundled dialogue data. `cpl finetune
@@ -87,11 +87,63 @@ fn default_sigpipe() {
     }
 }
 
+/// Turns the keys of a TOML config into command-line flags placed before the real ones.
+fn args_with_config(raw: Vec<String>) -> Result<Vec<String>> {
+    if raw.get(1).map(String::as_str) == Some("finetune") {
+        return crate::finetune_cmd::expand_args(raw);
+    }
+    let Some(pos) = raw.iter().position(|a| a == "--config") else {
+        return Ok(raw);
+    };
+    let Some(path) = raw.get(pos + 1) else {
+        bail!("--config needs a file");
+    };
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("--config {path}: cannot read"))?;
+    let table: toml::Table = text
+        .parse()
+        .with_context(|| format!("--config {path}: not valid TOML"))?;
+    let mut flags = Vec::new();
+    for (k, v) in table {
+        let flag = format!("--{}", k.replace('_', "-"));
+        if raw.contains(&flag) {
+            continue;
+        }
+        match v {
+            toml::Value::Boolean(true) => flags.push(flag),
+            toml::Value::Boolean(false) => {}
+            toml::Value::String(s) => flags.extend([flag, s]),
+            toml::Value::Integer(i) => flags.extend([flag, i.to_string()]),
+            toml::Value::Float(f) => flags.extend([flag, f.to_string()]),
+            toml::Value::Array(a) => {
+                flags.push(flag.clone());
+                for x in a {
+                    match x {
+                        toml::Value::String(s) => flags.push(s),
+                        other => flags.push(other.to_string()),
+                    }
+                }
+            }
+            other => bail!("--config {path}: key {k:?} has an unsupported value {other}"),
+        }
+    }
+    // Insert after the subcommand name.
+    let sub = raw
+        .iter()
+        .position(|a| a == "train")
+        .map(|i| i + 1)
+        .unwrap_or(1);
+    let mut out = raw[..sub].to_vec();
+    out.extend(flags);
+    out.extend(raw[sub..].iter().cloned());
+    Ok(out)
+}
+
 fn main() {
     default_sigpipe();
     alloc::keep_freed_memory();
     let raw: Vec<String> = std::env::args().collect();
-    let raw = match train_cmd::args_with_config(raw) {
+    let raw = match args_with_config(raw) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -109,16 +161,16 @@ fn main() {
         }
     };
     let result: Result<()> = match cli.command {
-        None => train_cmd::run(&train_cmd::TrainArgs::embedded_default()),
+        None => train_cmd::run(&args::TrainArgs::embedded_default()),
         // `cpl train` alone is the README's main job, like `cpl`.
         Some(Command::Train(_)) if bare_train => {
-            train_cmd::run(&train_cmd::TrainArgs::embedded_default())
+            train_cmd::run(&args::TrainArgs::embedded_default())
         }
         Some(Command::Train(args)) => train_cmd::run(&args),
         Some(Command::Demo(args)) => demo::run(&args),
         Some(Command::Data(cmd)) => data_cmd::run(&cmd),
         Some(Command::Finetune(cli)) => finetune_cmd::run(&cli),
-        Some(Command::Plan(args)) => layout::plan(&args),
+        Some(Command::Plan(args)) => plan_auto::plan(&args),
         Some(Command::Eval(args)) => eval::run(&args),
         Some(Command::Generate(args)) => generate::run(&args),
         Some(Command::Inspect(args)) => inspect::run(&args),

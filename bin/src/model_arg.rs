@@ -32,3 +32,22 @@ pub fn resolve(model: &str) -> Result<ModelArg> {
         .unwrap_or_else(|| PathBuf::from("."));
     Ok(ModelArg { family, dir })
 }
+
+/// The files of `family` beside the weights of `files` (its `extra_files` present in the
+/// model's directory), as (name, bytes), copied into every checkpoint so that it is a complete
+/// model directory. Errors name a file that cannot be read.
+pub fn checkpoint_files(
+    family: &Family,
+    files: &models::hub::ModelFiles,
+) -> Result<Vec<(String, Vec<u8>)>> {
+    let dir = files.config.parent().unwrap_or(Path::new("."));
+    let mut out = Vec::new();
+    for name in family.extra_files {
+        let p = dir.join(name);
+        if p.is_file() {
+            let bytes = std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?;
+            out.push((name.to_string(), bytes));
+        }
+    }
+    Ok(out)
+}

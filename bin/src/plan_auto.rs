@@ -1,4 +1,4 @@
-//! `cpl plan --auto`: ranks the parallel layouts of a model, a sequence length and a cluster by
+//! `cpl plan`: the mesh of a layout and its pipeline timetable; `cpl plan --auto` ranks the parallel layouts of a model, a sequence length and a cluster by
 //! predicted step time ([`candle_parallel::planner`]), prints the best with their breakdown and
 //! the `cpl train` flags of the winner; `--measure K` runs K of them here (`cpl bench train`
 //! in a child process each) and reports how the predicted ranking and memory compare.
@@ -9,7 +9,7 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use candle_parallel::attention::Strategy;
-use candle_parallel::mesh::Dim;
+use candle_parallel::mesh::{Dim, MeshLayout};
 use candle_parallel::nn::TpActivations;
 use candle_parallel::planner::cost::Workload;
 use candle_parallel::planner::{
@@ -19,8 +19,8 @@ use candle_parallel::recompute::Checkpointing;
 use models::llama::LlamaConfig;
 use serde_json::{json, Value};
 
-use crate::eval::DtypeArg;
-use crate::layout::LayoutArgs;
+use crate::args::DtypeArg;
+use crate::layout::{LayoutArgs, PipelineArgs};
 
 /// The flags of `cpl plan --auto`.
 #[derive(clap::Args, Debug, Clone)]
@@ -399,6 +399,34 @@ fn print_measured(m: &Value) -> Result<()> {
     match m["kendall_tau"].as_f64() {
         Some(t) => println!("Kendall's tau of predicted and measured tokens/s: {t:.2}"),
         None => println!("Kendall's tau: undefined (ties)"),
+    }
+    Ok(())
+}
+
+/// `cpl plan`'s flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+    #[command(flatten)]
+    pub pipeline: PipelineArgs,
+    #[command(flatten)]
+    pub auto: AutoArgs,
+}
+
+/// Prints the mesh and, under a pipeline, every rank's schedule as a timetable with its bubble;
+/// with `--auto`, the ranked layouts of [`run`].
+pub fn plan(args: &PlanArgs) -> Result<()> {
+    if args.auto.auto {
+        return run(&args.auto, &args.layout);
+    }
+    let cfg = args.layout.mesh_config()?;
+    let layout = MeshLayout::new(&cfg, args.layout.ranks)?;
+    print!("{}", layout.describe());
+    let pp = &args.pipeline;
+    let m = pp.micro_batches.unwrap_or(1);
+    if let Some(schedule) = pp.schedule(args.layout.pp, m)? {
+        print!("{}", schedule.render()?);
     }
     Ok(())
 }

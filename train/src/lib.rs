@@ -1,15 +1,18 @@
 //! The training engine: data packing ([`data`]), what a run optimises ([`objective`]), the one
-//! training step of any model and objective under any parallel layout ([`trainer`]), and training checkpoints with exact resume
-//! ([`checkpoint`]); [`memory`] counts heap bytes for memory tests and benchmarks.
+//! training step of any model and objective under any parallel layout ([`trainer`]), the run
+//! driver around the steps ([`driver`]: progress, metrics, evaluation, checkpoints, Ctrl-C, the
+//! loss chart), and training checkpoints with exact resume ([`checkpoint`]); [`memory`] counts
+//! heap bytes for memory tests and benchmarks.
 //!
 //! A step is a list of micro-batches; each micro-batch runs forward and backward on its own
-//! and its gradients are accumulated in f32, so pipeline schedules can later drive the same
-//! micro-batches stage by stage.
+//! and its gradients are accumulated in f32, so pipeline schedules drive the same micro-batches
+//! stage by stage.
 
 pub mod chat;
 pub mod checkpoint;
 pub mod data;
 pub mod diffusion;
+pub mod driver;
 pub mod error;
 pub mod finetune;
 pub mod images;

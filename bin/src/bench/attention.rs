@@ -15,7 +15,7 @@ use flash_ring::{flash_bwd, flash_fwd, naive_attention, AttnSpec, MaskKind};
 use serde_json::{json, Value};
 
 use super::{at_least_one, best_of, print_report, Machine, MatmulRate};
-use crate::eval::DtypeArg;
+use crate::args::DtypeArg;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct AttentionArgs {

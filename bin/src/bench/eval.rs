@@ -9,7 +9,8 @@ use candle_parallel::nn::ParamMode;
 use serde_json::json;
 
 use super::{at_least_one, llama_flops_per_token, random_tokens, LlamaBenchArgs, Throughput, Work};
-use crate::eval::{score, EvalReport};
+use crate::args::EvalReport;
+use crate::eval::score;
 use crate::launch::launch;
 
 #[derive(clap::Args, Debug, Clone)]

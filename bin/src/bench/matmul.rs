@@ -16,7 +16,7 @@ use flash_ring::{Isa, KernelConfig};
 use serde_json::json;
 
 use super::{at_least_one, print_report, Machine};
-use crate::eval::DtypeArg;
+use crate::args::DtypeArg;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct MatmulArgs {

@@ -17,14 +17,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::DType;
 use candle_parallel::nn::{ParamMode, TensorMap};
 use models::hub::ModelFiles;
 use models::llama::{self, LlamaConfig, LoadedLlama};
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
-use crate::eval::DtypeArg;
+use crate::args::DtypeArg;
 use crate::launch::{load_llama, Rank};
 use crate::layout::LayoutArgs;
 
@@ -181,15 +181,11 @@ pub struct MatmulRate {
 impl MatmulRate {
     /// The rate in GFLOP/s: best of `repeats` products after a warm-up.
     pub fn gflops(&self, repeats: usize) -> Result<f64> {
-        let n = self.matmul_size;
-        at_least_one("--matmul-size", n)?;
-        let a = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
-        let b = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
-        let t = best_of(repeats, || {
-            a.matmul(&b)?;
-            Ok(())
-        })?;
-        Ok(2.0 * (n as f64).powi(3) / t / 1e9)
+        at_least_one("--matmul-size", self.matmul_size)?;
+        Ok(::train::driver::progress::matmul_gflops(
+            self.matmul_size,
+            repeats,
+        )?)
     }
 }
 

@@ -22,7 +22,7 @@ use train::trainer::{TrainConfig, Trainer};
 
 use super::{at_least_one, llama_flops_per_token, random_tokens, LlamaBenchArgs, Throughput, Work};
 use crate::launch::launch;
-use crate::progress::peak_rss_mib;
+use train::driver::progress::peak_rss_mib;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct TrainBenchArgs {

@@ -6,11 +6,11 @@
 use std::path::Path;
 use std::sync::Once;
 
-use anyhow::{anyhow, Context, Result};
+use crate::checkpoint::EvalPoint;
+use crate::error::{Error, Result};
+use crate::trainer::StepStats;
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
-use train::checkpoint::EvalPoint;
-use train::trainer::StepStats;
 
 const SIZE: (u32, u32) = (900, 560);
 const FONT: &str = "sans-serif";
@@ -20,8 +20,9 @@ fn register_embedded_font() -> Result<()> {
     static ONCE: Once = Once::new();
     let mut result = Ok(());
     ONCE.call_once(|| {
-        result = register_font(FONT, FontStyle::Normal, dejavu::sans::regular())
-            .map_err(|_| anyhow!("the embedded DejaVu Sans font could not be loaded"));
+        result = register_font(FONT, FontStyle::Normal, dejavu::sans::regular()).map_err(|_| {
+            Error::Invalid("the embedded DejaVu Sans font could not be loaded".into())
+        });
     });
     result
 }
@@ -118,7 +119,8 @@ pub fn loss_curve(
         root.present()?;
         Ok(())
     };
-    draw()
-        .map_err(|e| anyhow!("{e}"))
-        .with_context(|| format!("writing {}", path.display()))
+    draw().map_err(|e| Error::Image {
+        path: path.to_path_buf(),
+        msg: format!("writing the loss chart: {e}"),
+    })
 }

@@ -1,0 +1,451 @@
+//! The flags of the commands that several modules share: `cpl train`'s ([`TrainArgs`], also
+//! those of DiT and LLaVA training and `cpl finetune`), `cpl eval`'s ([`EvalArgs`]), `cpl
+//! generate`'s ([`GenerateArgs`]) and the dtype flag. A leaf module: the commands depend on it,
+//! it depends on no command.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use candle_core::DType;
+use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
+use candle_parallel::plan::MemoryPlan;
+use candle_parallel::recompute::Checkpointing;
+use train::driver::RunOptions;
+use train::trainer::TrainConfig;
+
+use crate::layout::{Backend, LayoutArgs, PipelineArgs};
+
+/// The repository's bundled default model and corpus.
+pub fn default_asset(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../assets/default")
+        .join(rel)
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// TOML file whose keys are the flags of this command (e.g. `seq-len = 512`); flags given
+    /// on the command line win.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Model directory or Hugging Face Hub id to continue training.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Training text: .txt, .jsonl or .parquet (Hugging Face datasets) files, or directories of
+    /// them. For a diffusion model (DiT): a .safetensors file of `latents` (N, C, H, W) and
+    /// `labels` (N), or a folder with one sub-folder of PNG/JPEG images per class.
+    #[arg(long, num_args = 1..)]
+    pub data: Vec<PathBuf>,
+    /// Pre-tokenized documents: a JSON array of token-id arrays.
+    #[arg(long, conflicts_with = "data")]
+    pub tokens: Option<PathBuf>,
+    /// The text field of .jsonl records and the text column of .parquet files.
+    #[arg(long, default_value = "text")]
+    pub text_field: String,
+    /// Tokens per training sequence.
+    #[arg(long, default_value_t = 512)]
+    pub seq_len: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 200)]
+    pub steps: u64,
+    /// Sequences per micro-batch on each data-parallel rank.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Micro-batches per optimizer step.
+    #[arg(long, default_value_t = 4)]
+    pub grad_accum: usize,
+    /// Llama 3 document masking of packed documents.
+    #[arg(long)]
+    pub doc_mask: bool,
+    #[arg(long, default_value_t = 2e-3)]
+    pub lr: f64,
+    #[arg(long, default_value_t = 2e-4)]
+    pub min_lr: f64,
+    /// Warmup steps (linear from 0, as in transformers: step 0 has lr 0).
+    #[arg(long, default_value_t = 10)]
+    pub warmup: u64,
+    /// Decay after warmup.
+    #[arg(long, value_enum, default_value_t = Decay::Cosine)]
+    pub decay: Decay,
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f64,
+    #[arg(long, default_value_t = 0.9)]
+    pub beta1: f64,
+    #[arg(long, default_value_t = 0.95)]
+    pub beta2: f64,
+    #[arg(long, default_value_t = 1e-8)]
+    pub eps: f64,
+    /// Clip gradients to this global norm (0: no clipping).
+    #[arg(long, default_value_t = 1.0)]
+    pub max_grad_norm: f64,
+    /// Parameter dtype (master weights and moments are f32 regardless). Default: f32.
+    #[arg(long, value_enum)]
+    pub dtype: Option<DtypeArg>,
+    #[arg(long, default_value_t = 1234)]
+    pub seed: u64,
+    /// Keep the data in stream order.
+    #[arg(long)]
+    pub no_shuffle: bool,
+    /// Save a checkpoint every K steps (0: only at the end).
+    #[arg(long, default_value_t = 0)]
+    pub save_every: u64,
+    /// Checkpoints to keep.
+    #[arg(long, default_value_t = 2)]
+    pub keep: usize,
+    /// Output directory: metrics.jsonl, step-N/ checkpoints, loss.png.
+    #[arg(long, default_value = "runs/default")]
+    pub out: PathBuf,
+    /// Continue from the last checkpoint in --out.
+    #[arg(long)]
+    pub resume: bool,
+    /// Held-out text to evaluate on (same formats as --data); its mean loss goes to eval.jsonl
+    /// and loss.png.
+    #[arg(long, num_args = 1.., help_heading = "Evaluation")]
+    pub eval_data: Vec<PathBuf>,
+    /// Held-out pre-tokenized documents (a JSON array of token-id arrays).
+    #[arg(long, conflicts_with = "eval_data", help_heading = "Evaluation")]
+    pub eval_tokens: Option<PathBuf>,
+    /// Evaluate every K steps (0: only after the last step).
+    #[arg(long, default_value_t = 0, help_heading = "Evaluation")]
+    pub eval_every: u64,
+    /// Windows of --seq-len tokens evaluated each time (the first ones of the eval data).
+    #[arg(long, default_value_t = 16, help_heading = "Evaluation")]
+    pub eval_windows: usize,
+    /// Tokens per chunk of the vocab-parallel loss. A chunk's logits (chunk x vocab / tp f32
+    /// values) are a fixed memory cost of every rank that more ranks do not shrink: lower it
+    /// (e.g. 128) to save memory at long context or with a large vocabulary.
+    #[arg(long, default_value_t = 1024, help_heading = "Memory")]
+    pub loss_chunk: usize,
+    /// ZeRO stage: 0 (off), 1 (shard optimizer states), 2 (and gradients), 3 (and parameters),
+    /// over the ulysses x ring x dp ranks.
+    #[arg(long, value_enum, default_value_t = ZeroStage::Off, help_heading = "Memory")]
+    pub zero: ZeroStage,
+    /// Ranks per ZeRO sharding group (divides ulysses x ring x dp; default: all of them; 1:
+    /// full replicas; between: hybrid sharding, replicated across groups).
+    #[arg(long, help_heading = "Memory")]
+    pub zero_group: Option<usize>,
+    /// Activation checkpointing of every decoder layer: full keeps each layer's input and
+    /// recomputes the layer; selective also keeps attention's output and lse, so attention and
+    /// its communication run once.
+    #[arg(long, value_enum, default_value_t = Checkpointing::None, help_heading = "Memory")]
+    pub checkpointing: Checkpointing,
+    /// Print a progress line every N steps (when stderr is not a terminal; a terminal shows a
+    /// progress bar redrawn every step).
+    #[arg(long, default_value_t = 10)]
+    pub log_every: u64,
+    /// Diffusion models (DiT): the training objective.
+    #[arg(long, value_enum, default_value_t = ObjectiveArg::Ddpm, help_heading = "Diffusion")]
+    pub objective: ObjectiveArg,
+    /// Diffusion models: probability of training a sample with the null class label
+    /// (classifier-free guidance).
+    #[arg(long, default_value_t = 0.1, help_heading = "Diffusion")]
+    pub class_dropout: f64,
+    /// Diffusion models: train from scratch: initialise the weights from --model's
+    /// config.json as DiT does (adaLN-Zero; seeded by --seed) instead of reading them.
+    #[arg(long, help_heading = "Diffusion")]
+    pub from_scratch: bool,
+    /// Chat data (cpl finetune, LLaVA): the chat template of the conversations, a built-in
+    /// name (chatml, plain) or a .jinja file. Default: the model's own (chat_template.jinja or
+    /// tokenizer_config.json), else plain.
+    #[arg(long, help_heading = "Chat data")]
+    pub template: Option<String>,
+    /// Vision-language models: do not train the vision tower.
+    #[arg(long, help_heading = "Vision-language")]
+    pub freeze_vision_tower: bool,
+    /// Vision-language models: do not train the language model (with --freeze-vision-tower:
+    /// projector-only pretraining, LLaVA's stage 1).
+    #[arg(long, help_heading = "Vision-language")]
+    pub freeze_language_model: bool,
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+    #[command(flatten)]
+    pub pipeline: PipelineArgs,
+}
+
+/// `--objective` of diffusion models.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ObjectiveArg {
+    /// DDPM noise prediction with DiT's schedule (and the variational-bound term of a learned
+    /// sigma).
+    Ddpm,
+    /// Rectified flow (velocity noise - x0 at logit-normal s).
+    Flow,
+}
+
+impl From<ObjectiveArg> for models::dit::loss::Objective {
+    fn from(o: ObjectiveArg) -> Self {
+        match o {
+            ObjectiveArg::Ddpm => Self::Ddpm,
+            ObjectiveArg::Flow => Self::Flow,
+        }
+    }
+}
+
+impl TrainArgs {
+    /// The embedded default: 4 local ranks, zigzag ring attention.
+    pub fn embedded_default() -> Self {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct P {
+            #[command(flatten)]
+            a: TrainArgs,
+        }
+        let mut a = P::parse_from(["cpl"]).a;
+        a.layout.ranks = 4;
+        a.layout.ring = 4;
+        a
+    }
+
+    /// The training settings of the flags (checked).
+    pub fn train_config(&self) -> Result<TrainConfig> {
+        if self.seq_len < 2 {
+            bail!("--seq-len {} must be at least 2", self.seq_len);
+        }
+        if self.steps == 0 {
+            bail!("--steps must be at least 1");
+        }
+        if self.batch == 0 || self.grad_accum == 0 {
+            bail!("--batch and --grad-accum must be at least 1");
+        }
+        if !(self.lr > 0.0 && self.lr.is_finite()) || self.min_lr < 0.0 || self.min_lr > self.lr {
+            bail!(
+                "--lr {} must be positive and --min-lr {} in [0, --lr]",
+                self.lr,
+                self.min_lr
+            );
+        }
+        if self.max_grad_norm < 0.0 {
+            bail!("--max-grad-norm must be >= 0");
+        }
+        if self.loss_chunk == 0 {
+            bail!("--loss-chunk must be at least 1");
+        }
+        let zero = self.zero;
+        if self.zero_group == Some(0) {
+            bail!("--zero-group must be at least 1");
+        }
+        if self.zero_group.is_some() && zero == ZeroStage::Off {
+            bail!("--zero-group needs --zero 1, 2 or 3");
+        }
+        let checkpointing = self.checkpointing;
+        Ok(TrainConfig {
+            seq_len: self.seq_len,
+            steps: self.steps,
+            batch: self.batch,
+            grad_accum: self.grad_accum,
+            doc_mask: self.doc_mask,
+            seed: self.seed,
+            shuffle: !self.no_shuffle,
+            adamw: AdamWConfig {
+                lr: self.lr,
+                beta1: self.beta1,
+                beta2: self.beta2,
+                eps: self.eps,
+                weight_decay: self.weight_decay,
+            },
+            schedule: LrSchedule {
+                peak_lr: self.lr,
+                min_lr: self.min_lr,
+                warmup_steps: self.warmup,
+                total_steps: self.steps,
+                decay: self.decay,
+            },
+            max_grad_norm: (self.max_grad_norm > 0.0).then_some(self.max_grad_norm),
+            loss_chunk_tokens: self.loss_chunk,
+            memory: MemoryPlan {
+                zero,
+                zero_group: self.zero_group,
+                checkpointing,
+            },
+            pipeline: None,
+        })
+    }
+}
+
+/// f32 matmul rate of this machine (GFLOP/s), for the MFU estimate: a quick measurement
+/// (512^3, best of 5); NaN when it fails.
+pub fn matmul_gflops() -> f64 {
+    train::driver::progress::matmul_gflops(512, 5).unwrap_or(f64::NAN)
+}
+
+/// Installs the Ctrl-C handler once per process: the driver saves a checkpoint and stops.
+pub fn interrupt_flag() -> Result<std::sync::Arc<std::sync::atomic::AtomicBool>> {
+    Ok(train::driver::interrupt_flag()?)
+}
+
+impl TrainArgs {
+    /// The run driver's options of these flags for a run of `steps` steps, `extra_files`
+    /// copied into every checkpoint, at `flops_per_token` (NaN: no MFU), printing `banner`
+    /// first.
+    pub fn run_options(
+        &self,
+        steps: u64,
+        extra_files: Vec<(String, Vec<u8>)>,
+        flops_per_token: f64,
+        banner: String,
+    ) -> RunOptions {
+        RunOptions {
+            out: self.out.clone(),
+            steps,
+            save_every: self.save_every,
+            keep: self.keep,
+            eval_every: self.eval_every,
+            log_every: self.log_every,
+            extra_files,
+            flops_per_token,
+            peak_gflops: matmul_gflops(),
+            banner,
+            local_ranks: self.layout.backend == Backend::Local,
+        }
+    }
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct EvalArgs {
+    /// Model directory (config.json, *.safetensors, tokenizer.json) or Hugging Face Hub id.
+    #[arg(long)]
+    pub model: String,
+    /// A LoRA adapter (PEFT directory, e.g. a `cpl finetune` checkpoint) applied to --model.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
+    /// Text (.txt), JSON-lines (.jsonl) or Parquet (.parquet) file to evaluate on; documents
+    /// are joined with EOS and cut into windows of --seq-len tokens.
+    #[arg(long, conflicts_with = "tokens")]
+    pub data: Option<PathBuf>,
+    /// JSON array of token-id arrays; each is evaluated as one sequence.
+    #[arg(long)]
+    pub tokens: Option<PathBuf>,
+    /// Tokens per window of --data.
+    #[arg(long, default_value_t = 1024)]
+    pub seq_len: usize,
+    /// The text field of .jsonl records and the text column of .parquet files.
+    #[arg(long, default_value = "text")]
+    pub text_field: String,
+    /// Compute dtype (default: the checkpoint's).
+    #[arg(long, value_enum)]
+    pub dtype: Option<DtypeArg>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the logits of every sequence (`logits.<i>`, (tokens, vocab) f32) to this
+    /// safetensors file.
+    #[arg(long)]
+    pub logits_out: Option<PathBuf>,
+    /// Vision-language models (LLaVA): image files (PNG, JPEG) that fill the image-token runs
+    /// of the --tokens sequences in order (comma-separated).
+    #[arg(long, value_delimiter = ',', help_heading = "Vision-language")]
+    pub images: Vec<PathBuf>,
+    /// Vision-language models: preprocessed images, a safetensors file with `pixel_values`
+    /// (images, C, H, W), instead of --images.
+    #[arg(long, help_heading = "Vision-language")]
+    pub pixel_values: Option<PathBuf>,
+    /// Diffusion models (DiT): a safetensors file with `sample` (B, C, H, W), `timestep` (B),
+    /// `class_labels` (B) and optionally `noise` (then `sample` is the clean image, noised at
+    /// `timestep`, and the DDPM loss is printed).
+    #[arg(long, help_heading = "Diffusion")]
+    pub inputs: Option<PathBuf>,
+    /// Diffusion models: write the model output (`sample`) to this safetensors file.
+    #[arg(long, help_heading = "Diffusion")]
+    pub outputs_out: Option<PathBuf>,
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+    /// With --pp: the model's stages (--virtual-stages, --pp-layers); the sequences run forward
+    /// through them one after the other.
+    #[command(flatten)]
+    pub pipeline: PipelineArgs,
+}
+
+/// A compute dtype flag.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DtypeArg {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl From<DtypeArg> for DType {
+    fn from(d: DtypeArg) -> Self {
+        match d {
+            DtypeArg::F32 => DType::F32,
+            DtypeArg::Bf16 => DType::BF16,
+            DtypeArg::F16 => DType::F16,
+        }
+    }
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct GenerateArgs {
+    /// Model directory or Hugging Face Hub id.
+    #[arg(long)]
+    pub model: String,
+    /// A LoRA adapter (PEFT directory, e.g. a `cpl finetune` checkpoint) applied to --model.
+    #[arg(long)]
+    pub adapter: Option<std::path::PathBuf>,
+    /// Vision-language models (LLaVA): image files the prompt is about (PNG or JPEG; repeat or
+    /// separate with commas).
+    #[arg(long, value_delimiter = ',', help_heading = "Vision-language")]
+    pub image: Vec<std::path::PathBuf>,
+    /// The text to continue (language models).
+    #[arg(long)]
+    pub prompt: Option<String>,
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0 picks the most likely token (greedy).
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Nucleus sampling: sample among the most likely tokens whose probabilities sum to top-p.
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f64,
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Compute dtype (default: the checkpoint's).
+    #[arg(long, value_enum)]
+    pub dtype: Option<DtypeArg>,
+    /// Diffusion models (DiT): the classes to sample, e.g. `1,2,3` (one image each).
+    #[arg(long, help_heading = "Diffusion")]
+    pub class_labels: Option<String>,
+    /// Diffusion models: sampling steps.
+    #[arg(long, default_value_t = 50, help_heading = "Diffusion")]
+    pub steps: usize,
+    /// Diffusion models: classifier-free guidance scale (1: none).
+    #[arg(long, default_value_t = 4.0, help_heading = "Diffusion")]
+    pub guidance: f64,
+    /// Diffusion models: the sampler (flow for rectified-flow models).
+    #[arg(long, value_enum, default_value_t = SamplerArg::Ddim, help_heading = "Diffusion")]
+    pub sampler: SamplerArg,
+    /// Diffusion models: where the PNG grid of samples goes.
+    #[arg(long, help_heading = "Diffusion")]
+    pub out: Option<std::path::PathBuf>,
+    /// Diffusion models: images per row of the grid (0: a square grid).
+    #[arg(long, default_value_t = 0, help_heading = "Diffusion")]
+    pub cols: usize,
+    /// Diffusion models: pixels per image pixel in the grid.
+    #[arg(long, default_value_t = 4, help_heading = "Diffusion")]
+    pub scale: usize,
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+}
+
+/// The sampler of `cpl generate` on a diffusion model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SamplerArg {
+    /// DDIM (eta 0) on the respaced DDPM schedule.
+    Ddim,
+    /// Ancestral DDPM on the respaced schedule (learned variance when the model has one).
+    Ddpm,
+    /// Euler steps of a rectified-flow model.
+    Flow,
+}
+
+/// The result of an evaluation (`cpl eval --json` prints it, for every model).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct EvalReport {
+    pub loss: f64,
+    pub perplexity: f64,
+    pub tokens: u64,
+    pub sequences: usize,
+    /// Wall time of the forward passes (slowest rank; loading excluded).
+    pub seconds: f64,
+    /// Tokens scored per second over `seconds`.
+    pub tokens_per_sec: f64,
+}

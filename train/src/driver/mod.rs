@@ -1,0 +1,347 @@
+//! The run driver: the one loop over a run's steps for every model and objective, with what a
+//! training run does around its steps: the progress bar or log lines ([`progress`]), the
+//! metrics and evaluation logs (`metrics.jsonl`, `eval.jsonl`, continued by a resumed run),
+//! held-out evaluation, checkpoints (every `save_every` steps, at the end and on Ctrl-C; the
+//! last `keep` kept), the peak memory, and the loss chart ([`plot`]).
+//!
+//! A command builds, on every rank, a [`Task`] (its trainer and data: what one step and one
+//! evaluation are) and calls [`run`] with the run's [`RunOptions`]; world rank 0 writes and
+//! prints. [`interrupt_flag`] is installed once per process before the ranks start.
+//!
+//! Contract: [`run`] is collective over the world (every rank calls it with the same options);
+//! it returns the run's history (the resumed run's earlier steps included) on every rank.
+
+pub mod plot;
+pub mod progress;
+pub mod tasks;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use candle_parallel::comm::{Comm, ReduceOp};
+
+use crate::checkpoint::{self, EvalPoint, History};
+use crate::error::{Error, Result};
+use crate::trainer::{StepStats, TrainModel, Trainer};
+use progress::{peak_rss_mib, Progress, StepLine};
+
+/// What one step of a task reports to the driver.
+#[derive(Debug, Clone)]
+pub struct StepOutcome {
+    pub stats: StepStats,
+    /// Task-specific fields of the step's `metrics.jsonl` line (counts, loss parts, rewards).
+    pub metrics: serde_json::Map<String, serde_json::Value>,
+    /// Quantities of the step written as rates (`name` per second of the step): e.g.
+    /// `("tokens_per_sec", tokens)`, `("images_per_sec", images)`.
+    pub rates: Vec<(&'static str, f64)>,
+    /// Tokens the step processed, for the progress line's tokens/s and MFU.
+    pub tokens: f64,
+}
+
+impl StepOutcome {
+    /// A step with no task-specific fields: `tokens` processed, written as `tokens_per_sec`.
+    pub fn new(stats: StepStats, tokens: f64) -> Self {
+        Self {
+            stats,
+            metrics: serde_json::Map::new(),
+            rates: vec![("tokens_per_sec", tokens)],
+            tokens,
+        }
+    }
+
+    /// Adds a field to the step's metrics line.
+    pub fn with(mut self, key: &str, value: impl Into<serde_json::Value>) -> Self {
+        self.metrics.insert(key.into(), value.into());
+        self
+    }
+}
+
+/// What a run trains: one optimizer step and one held-out evaluation, on every rank.
+pub trait Task {
+    type Model: TrainModel;
+
+    /// The task's trainer (its step count, checkpoints).
+    fn trainer(&self) -> &Trainer<Self::Model>;
+
+    /// Runs the next optimizer step. Collective over the world.
+    fn step(&mut self) -> Result<StepOutcome>;
+
+    /// The held-out loss and its count at the current step, `None` when the task has no
+    /// evaluation data. Collective over the world.
+    fn eval(&mut self) -> Result<Option<(f64, u64)>> {
+        Ok(None)
+    }
+}
+
+/// How a run is driven (the command line's flags).
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Output directory: `metrics.jsonl`, `eval.jsonl`, `step-N/` checkpoints, `loss.png`.
+    pub out: PathBuf,
+    /// Optimizer steps of the whole run.
+    pub steps: u64,
+    /// Save a checkpoint every K steps (0: only at the end and on Ctrl-C).
+    pub save_every: u64,
+    /// Checkpoints kept.
+    pub keep: usize,
+    /// Evaluate every K steps (0: only after the last step).
+    pub eval_every: u64,
+    /// A progress line every N steps when stderr is not a terminal.
+    pub log_every: u64,
+    /// Files copied into every checkpoint (config, tokenizer...).
+    pub extra_files: Vec<(String, Vec<u8>)>,
+    /// Model FLOPs per token (for the MFU of the progress line), and the machine's matmul
+    /// rate in GFLOP/s; NaN when unknown.
+    pub flops_per_token: f64,
+    pub peak_gflops: f64,
+    /// The first line the run prints (what trains, on what).
+    pub banner: String,
+    /// Whether the ranks are local threads (one process: one peak-memory figure).
+    pub local_ranks: bool,
+}
+
+impl RunOptions {
+    pub fn metrics_path(&self) -> PathBuf {
+        self.out.join("metrics.jsonl")
+    }
+
+    pub fn eval_path(&self) -> PathBuf {
+        self.out.join("eval.jsonl")
+    }
+}
+
+/// Runs `task` to `opts.steps` from its trainer's step (0, or a resumed run's), continuing
+/// `history` (see the [module docs](self)). Collective over `world`; `interrupted` is the flag
+/// of [`interrupt_flag`]. Ctrl-C on any rank saves a checkpoint and ends with an error telling
+/// to resume.
+pub fn run<T: Task>(
+    task: &mut T,
+    world: &Comm,
+    opts: &RunOptions,
+    mut history: History,
+    interrupted: &AtomicBool,
+) -> Result<History> {
+    let main = world.rank() == 0;
+    let first = task.trainer().step;
+    // Lines of steps after the resume point (from a run that died later) are dropped.
+    let mut metrics = main
+        .then(|| JsonLines::continue_at(&opts.metrics_path(), first))
+        .transpose()?;
+    let mut evals = main
+        .then(|| JsonLines::continue_at(&opts.eval_path(), first + 1))
+        .transpose()?;
+    if main {
+        eprintln!("{}", opts.banner);
+    }
+    let mut progress = main.then(|| Progress::new(opts.steps, opts.log_every));
+    let start = Instant::now();
+    while task.trainer().step < opts.steps {
+        let t0 = Instant::now();
+        let out = task.step()?;
+        let dt = t0.elapsed().as_secs_f64();
+        let s = out.stats;
+        history.steps.push(s);
+        if let Some(f) = metrics.as_mut() {
+            let mut line = serde_json::json!({
+                "step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
+                "seconds": dt, "peak_rss_mib": peak_rss_mib(),
+            });
+            if let Some(o) = line.as_object_mut() {
+                for (k, v) in &out.rates {
+                    o.insert((*k).into(), serde_json::json!(v / dt));
+                }
+                o.extend(out.metrics.clone());
+                if let Some(b) = s.pp_bubble {
+                    o.insert("pp_bubble".into(), serde_json::json!(b));
+                }
+            }
+            f.write(&line)?;
+        }
+        let step = task.trainer().step;
+        if let Some(p) = progress.as_mut() {
+            let done = (step - first).max(1);
+            let tps = out.tokens / dt;
+            p.step(&StepLine {
+                step,
+                loss: s.loss,
+                lr: s.lr,
+                grad_norm: s.grad_norm,
+                tokens_per_sec: tps,
+                mfu: tps * opts.flops_per_token / (opts.peak_gflops * 1e9),
+                eta_secs: start.elapsed().as_secs_f64() / done as f64 * (opts.steps - step) as f64,
+            });
+        }
+        let eval_due = opts.eval_every > 0 && step.is_multiple_of(opts.eval_every);
+        if eval_due || step == opts.steps {
+            if let Some((loss, tokens)) = task.eval()? {
+                let point = EvalPoint { step, loss, tokens };
+                history.evals.push(point);
+                if let Some(f) = evals.as_mut() {
+                    f.write(&serde_json::to_value(point).map_err(invalid)?)?;
+                }
+                if let Some(p) = progress.as_mut() {
+                    p.message(&format!(
+                        "step {step}: eval loss {loss:.4} ({tokens} tokens)"
+                    ));
+                }
+            }
+        }
+        save_or_stop(
+            task.trainer(),
+            opts,
+            world,
+            interrupted,
+            &history,
+            progress.as_mut(),
+        )?;
+    }
+    drop(progress);
+    report_peak_memory(world, opts, &task.trainer().cfg.memory)?;
+    Ok(history)
+}
+
+/// After a run, on the process that holds world rank 0: prints the loss's first and last
+/// values and draws `loss.png` titled `title`. Nothing when the run took no step.
+pub fn finish(history: &History, opts: &RunOptions, title: &str) -> Result<()> {
+    let (Some(first), Some(last)) = (history.steps.first(), history.steps.last()) else {
+        return Ok(());
+    };
+    eprintln!(
+        "loss {:.4} -> {:.4} over {} steps; metrics in {}; last checkpoint {}",
+        first.loss,
+        last.loss,
+        history.steps.len(),
+        opts.metrics_path().display(),
+        checkpoint::step_dir(&opts.out, last.step + 1).display()
+    );
+    let png = opts.out.join("loss.png");
+    plot::loss_curve(&history.steps, &history.evals, title, &png)?;
+    eprintln!("loss curve in {}", png.display());
+    Ok(())
+}
+
+/// Every rank's peak memory (one process for local ranks), printed by world rank 0.
+/// Collective over `world`.
+fn report_peak_memory(
+    world: &Comm,
+    opts: &RunOptions,
+    memory: &candle_parallel::plan::MemoryPlan,
+) -> Result<()> {
+    let mine = peak_rss_mib().unwrap_or(f64::NAN);
+    let peaks = world
+        .all_gather(&Tensor::new(&[mine], &Device::Cpu)?, 0)?
+        .to_vec1::<f64>()?;
+    if world.rank() != 0 || !mine.is_finite() {
+        return Ok(());
+    }
+    if opts.local_ranks {
+        eprintln!(
+            "peak memory: {mine:.0} MiB (RSS of this process, {} local rank(s); ZeRO {}, \
+             checkpointing {})",
+            world.size(),
+            memory.zero,
+            memory.checkpointing
+        );
+    } else {
+        let max = peaks.iter().copied().fold(f64::MIN, f64::max);
+        let min = peaks.iter().copied().fold(f64::MAX, f64::min);
+        eprintln!("peak memory per rank (RSS): max {max:.0} MiB, min {min:.0} MiB");
+    }
+    Ok(())
+}
+
+/// Set by Ctrl-C (the handler is installed here): [`run`] checks it after each step and stops
+/// with a checkpoint. Without the handler Ctrl-C would kill the run without its checkpoint:
+/// not optional. Call once per process.
+pub fn interrupt_flag() -> Result<Arc<AtomicBool>> {
+    let interrupted = Arc::new(AtomicBool::new(false));
+    let flag = interrupted.clone();
+    ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst)).map_err(|e| {
+        Error::Invalid(format!(
+            "installing the Ctrl-C handler (needed to save a checkpoint on Ctrl-C): {e}"
+        ))
+    })?;
+    Ok(interrupted)
+}
+
+/// The end of every step: saves a checkpoint every `save_every` steps, at the last step and
+/// when Ctrl-C reached any rank (then stops with an error telling to resume). Collective over
+/// `world`.
+fn save_or_stop<M: TrainModel>(
+    trainer: &Trainer<M>,
+    opts: &RunOptions,
+    world: &Comm,
+    interrupted: &AtomicBool,
+    history: &History,
+    progress: Option<&mut Progress>,
+) -> Result<()> {
+    let stop = stop_requested(world, interrupted)?;
+    let periodic = opts.save_every > 0 && trainer.step.is_multiple_of(opts.save_every);
+    if periodic || stop || trainer.step == opts.steps {
+        let dir = checkpoint::save(
+            trainer,
+            &opts.out,
+            world,
+            &opts.extra_files,
+            history,
+            opts.keep,
+        )?;
+        if let Some(p) = progress {
+            p.message(&format!("saved {}", dir.display()));
+        }
+    }
+    if stop {
+        return Err(Error::Invalid(format!(
+            "interrupted (Ctrl-C) after step {}; resume with --resume",
+            trainer.step
+        )));
+    }
+    Ok(())
+}
+
+/// Whether Ctrl-C reached any rank of `world` (collective over it).
+fn stop_requested(world: &Comm, flag: &AtomicBool) -> Result<bool> {
+    let stop = f32::from(flag.load(Ordering::SeqCst));
+    Ok(world
+        .all_reduce(&Tensor::new(&[stop], &Device::Cpu)?, ReduceOp::Max)?
+        .to_vec1::<f32>()?[0]
+        > 0.0)
+}
+
+/// A JSON-lines log (metrics, evaluations) continued by a resumed run.
+pub struct JsonLines(std::fs::File, PathBuf);
+
+impl JsonLines {
+    /// `path` with the lines of steps before `step` kept (a later run's are dropped).
+    pub fn continue_at(path: &Path, step: u64) -> Result<Self> {
+        let kept: Vec<String> = std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| {
+                serde_json::from_str::<serde_json::Value>(l)
+                    .ok()
+                    .and_then(|v| v["step"].as_u64())
+                    .is_some_and(|s| s < step)
+            })
+            .map(String::from)
+            .collect();
+        let mut f = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
+        for l in kept {
+            writeln!(f, "{l}").map_err(|e| Error::io(path, e))?;
+        }
+        Ok(Self(f, path.to_path_buf()))
+    }
+
+    pub fn write(&mut self, line: &serde_json::Value) -> Result<()> {
+        writeln!(self.0, "{line}").map_err(|e| Error::io(&self.1, e))?;
+        self.0.flush().map_err(|e| Error::io(&self.1, e))
+    }
+}
+
+fn invalid(e: impl std::fmt::Display) -> Error {
+    Error::Invalid(e.to_string())
+}

@@ -1,0 +1,119 @@
+//! The [`Task`]s of the commands: one per objective, each a trainer and its data.
+
+use crate::data::Windows;
+use crate::diffusion::DiffusionTrainer;
+use crate::driver::{StepOutcome, Task};
+use crate::error::Result;
+use crate::finetune::{DpoTrainer, PairDataset};
+use crate::images::ImageDataset;
+use crate::multimodal::{ImageTextDataset, LlavaTrainer};
+use crate::trainer::{TrainModel, Trainer};
+use models::causal_lm::CausalLm;
+
+/// Next-token training of a causal LM on packed windows (`cpl train`, SFT), evaluated on
+/// held-out windows when given.
+pub struct NextTokenTask<'a, M, W: 'static> {
+    pub trainer: Trainer<M>,
+    pub data: &'a W,
+    /// Held-out windows and how many of them each evaluation scores.
+    pub eval: Option<(&'a W, usize)>,
+    /// The metrics key of the step's labelled-token count (`tokens`, SFT's `trained_tokens`).
+    pub count_key: &'static str,
+    /// Tokens a step processes, for the throughput (none: its labelled tokens).
+    pub processed_tokens: Option<f64>,
+}
+
+impl<M: TrainModel + CausalLm, W: Windows + 'static> Task for NextTokenTask<'_, M, W> {
+    type Model = M;
+
+    fn trainer(&self) -> &Trainer<M> {
+        &self.trainer
+    }
+
+    fn step(&mut self) -> Result<StepOutcome> {
+        let s = self.trainer.step(self.data)?;
+        let tokens = self.processed_tokens.unwrap_or(s.tokens as f64);
+        Ok(StepOutcome::new(s, tokens).with(self.count_key, s.tokens))
+    }
+
+    fn eval(&mut self) -> Result<Option<(f64, u64)>> {
+        self.eval
+            .map(|(data, windows)| self.trainer.eval_loss(data, windows))
+            .transpose()
+    }
+}
+
+/// DPO on preference pairs (`cpl finetune --stage dpo`).
+pub struct DpoTask<'a> {
+    pub trainer: DpoTrainer,
+    pub data: &'a PairDataset,
+    /// Tokens a step processes (both sides of every pair), for the throughput.
+    pub processed_tokens: f64,
+}
+
+impl Task for DpoTask<'_> {
+    type Model = models::llama::Llama;
+
+    fn trainer(&self) -> &Trainer<Self::Model> {
+        &self.trainer.trainer
+    }
+
+    fn step(&mut self) -> Result<StepOutcome> {
+        let s = self.trainer.step(self.data)?;
+        Ok(StepOutcome::new(s.stats, self.processed_tokens)
+            .with("pairs", s.stats.tokens)
+            .with("chosen_reward", s.chosen_reward)
+            .with("rejected_reward", s.rejected_reward)
+            .with("margin", s.margin)
+            .with("accuracy", s.accuracy))
+    }
+}
+
+/// A diffusion transformer on images (`cpl train` of a DiT); throughput in images and patch
+/// tokens.
+pub struct DiffusionTask<'a> {
+    pub trainer: DiffusionTrainer,
+    pub data: &'a ImageDataset,
+    /// Patch tokens of one image.
+    pub tokens_per_image: usize,
+}
+
+impl Task for DiffusionTask<'_> {
+    type Model = models::dit::Dit;
+
+    fn trainer(&self) -> &Trainer<Self::Model> {
+        &self.trainer.trainer
+    }
+
+    fn step(&mut self) -> Result<StepOutcome> {
+        let s = self.trainer.step(self.data)?;
+        let images = s.stats.tokens as f64;
+        let mut out = StepOutcome::new(s.stats, images * self.tokens_per_image as f64)
+            .with("mse", s.mse)
+            .with("vb", s.vb)
+            .with("images", s.stats.tokens);
+        out.rates = vec![("images_per_sec", images)];
+        Ok(out)
+    }
+}
+
+/// A vision-language model on image-text conversations (`cpl train` of a LLaVA).
+pub struct LlavaTask<'a> {
+    pub trainer: LlavaTrainer,
+    pub data: &'a ImageTextDataset,
+    /// Tokens a step processes (its sequences' tokens), for the throughput.
+    pub processed_tokens: f64,
+}
+
+impl Task for LlavaTask<'_> {
+    type Model = models::llava::Llava;
+
+    fn trainer(&self) -> &Trainer<Self::Model> {
+        &self.trainer.trainer
+    }
+
+    fn step(&mut self) -> Result<StepOutcome> {
+        let s = self.trainer.step(self.data)?;
+        Ok(StepOutcome::new(s, self.processed_tokens).with("trained_tokens", s.tokens))
+    }
+}
