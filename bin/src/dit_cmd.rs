@@ -14,7 +14,6 @@ use models::checkpoint::CheckpointReader;
 use models::diffusion::{flow_sample_euler, DrawStream, GaussianDiffusion, Guidance};
 use models::dit::loss::{loss_sum, NoiseLevel, NoisedBatch};
 use models::dit::{self, Dit, DitConfig, LoadedDit};
-use train::checkpoint;
 use train::diffusion::{DiffusionConfig, DiffusionTrainer};
 use train::images::{write_grid_png, ImageDataset, ImageOptions};
 use train::trainer::Trainer;
@@ -23,8 +22,8 @@ use crate::args::GenerateArgs;
 use crate::args::{interrupt_flag, TrainArgs};
 use crate::args::{EvalArgs, SamplerArg};
 use crate::launch::{launch, launch_pipelined, stage_layers, Rank};
-use train::driver;
 use train::driver::tasks::DiffusionTask;
+use train::driver::{self, Resume};
 
 /// This rank's DiT from `dir`.
 fn load(dir: &Path, rank: &Rank, dtype: Option<DType>, mode: ParamMode) -> Result<LoadedDit> {
@@ -76,24 +75,13 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         class_dropout: args.class_dropout,
         num_timesteps: 1000,
     };
-    let resume_from = if args.resume {
-        match checkpoint::list_checkpoints(&args.out).pop() {
-            Some((_, d)) => Some(d),
-            None => bail!("--resume: no checkpoint in {}", args.out.display()),
-        }
-    } else {
-        None
-    };
+    let resume = Resume::find(args.resume, &args.out)?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("--out {}", args.out.display()))?;
     let config_bytes = std::fs::read(dir.join("config.json"))?;
     let extra = vec![("config.json".to_string(), config_bytes)];
-    let resume_state = match &resume_from {
-        Some(d) => Some(checkpoint::read_state(d)?),
-        None => None,
-    };
     // From scratch: DiT's initial weights, made in memory by every process alike (no file a
     // multi-process job would race on); otherwise the checkpoint to continue.
-    let initial = match (&resume_from, args.from_scratch) {
+    let initial = match (&resume, args.from_scratch) {
         (None, true) => Some(Arc::new(TensorMap::new(
             models::dit::init::initial_weights(&model_cfg, args.seed)?
                 .into_iter()
@@ -102,7 +90,10 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         ))),
         _ => None,
     };
-    let load_dir = resume_from.clone().unwrap_or_else(|| dir.to_path_buf());
+    let load_dir = resume
+        .as_ref()
+        .map(|r| r.dir.clone())
+        .unwrap_or_else(|| dir.to_path_buf());
     let interrupted = interrupt_flag()?;
     let tokens_per_image = (model_cfg.sample_size / model_cfg.patch_size).pow(2);
     let flops_per_token = model_cfg
@@ -122,10 +113,7 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         args.layout.ranks
     );
     let opts = args.run_options(cfg.steps, extra, flops_per_token, banner);
-    let history0 = resume_state
-        .as_ref()
-        .map(|s| s.history.clone())
-        .unwrap_or_default();
+    let history0 = Resume::history(resume.as_ref());
     let history = launch_pipelined(&args.layout, |rank| {
         let (mine, ends) = stage_layers(rank, &ranges);
         let model = match &initial {
@@ -142,8 +130,8 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         };
         let trainer = Trainer::new(model, &rank.mesh, &rank.ctx, cfg.clone())?;
         let mut t = DiffusionTrainer::new(trainer, dcfg)?;
-        if let (Some(d), Some(state)) = (&resume_from, &resume_state) {
-            checkpoint::restore(&mut t.trainer, d, state)?;
+        if let Some(r) = &resume {
+            r.restore(&mut t.trainer)?;
         }
         let mut task = DiffusionTask {
             trainer: t,

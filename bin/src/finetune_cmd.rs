@@ -20,7 +20,6 @@ use candle_parallel::nn::{Adapters, LoraConfig, LoraTargets, ParamMode, TensorSo
 use models::llama::LlamaConfig;
 use models::tokenizer::Tokenizer;
 use train::chat::{ChatTemplate, TokenizedExample, TrainOn};
-use train::checkpoint;
 use train::finetune::{
     DpoConfig, DpoTrainer, Example, Overlong, PackStats, PairDataset, Reference, SftDataset,
     SftOptions,
@@ -29,8 +28,8 @@ use train::trainer::Trainer;
 
 use crate::args::{default_asset, interrupt_flag, TrainArgs};
 use crate::launch::{launch_pipelined, stage_layers, Rank};
-use train::driver;
 use train::driver::tasks::{DpoTask, NextTokenTask};
+use train::driver::{self, Resume};
 
 #[derive(clap::Args, Debug)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -648,20 +647,10 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
             None
         }
     };
-    let resume_from = if t.resume {
-        match checkpoint::list_checkpoints(&t.out).pop() {
-            Some((_, dir)) => Some(dir),
-            None => bail!("--resume: no checkpoint in {}", t.out.display()),
-        }
-    } else {
-        None
-    };
-    let resume_state = match &resume_from {
-        Some(dir) => Some(checkpoint::read_state(dir)?),
-        None => None,
-    };
+    let resume = Resume::find(t.resume, &t.out)?;
+    let resume_from = resume.as_ref().map(|r| &r.dir);
     // Under LoRA a checkpoint holds the adapters; otherwise the whole model.
-    let (load_files, lora) = match (&resume_from, lora) {
+    let (load_files, lora) = match (resume_from, lora) {
         (Some(dir), Some((cfg, _))) => {
             // The checkpoint's adapters and their configuration (rank, alpha, targets).
             let ad = models::peft::load(dir)
@@ -733,10 +722,7 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         sp.strategy.name()
     );
     let opts = t.run_options(cfg.steps, extra, flops_per_token, banner);
-    let history0 = resume_state
-        .as_ref()
-        .map(|s| s.history.clone())
-        .unwrap_or_default();
+    let history0 = Resume::history(resume.as_ref());
     let result = launch_pipelined(&t.layout, |rank: &Rank| {
         let adapters = match &lora {
             Some((c, src)) => Some(Adapters::new(c.clone(), src.clone())?),
@@ -756,8 +742,8 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         .with_context(|| format!("loading {} with {}", files.source, t.layout.flags()))?;
         let mut trainer = Trainer::new(m.model, &rank.mesh, &rank.ctx, cfg.clone())?;
         drop(m.params);
-        if let (Some(dir), Some(state)) = (&resume_from, &resume_state) {
-            checkpoint::restore(&mut trainer, dir, state)?;
+        if let Some(r) = &resume {
+            r.restore(&mut trainer)?;
         }
         let world = rank.world();
         let history = match (a.stage, &data) {

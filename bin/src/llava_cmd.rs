@@ -14,7 +14,6 @@ use models::llava::preprocess::ImageProcessor;
 use models::llava::{self, Freeze, LlavaConfig};
 use models::tokenizer::Tokenizer;
 use train::chat::{ChatTemplate, Message, TrainOn};
-use train::checkpoint;
 use train::multimodal::{ImageTextDataset, ImageTokens, LlavaTrainer};
 use train::trainer::Trainer;
 
@@ -24,8 +23,8 @@ use crate::args::GenerateArgs;
 use crate::args::{interrupt_flag, TrainArgs};
 use crate::launch::{launch, launch_pipelined, stage_layers, Rank};
 use candle_parallel::pipeline::{run_stage_step, PipelineSchedule, StageStep};
-use train::driver;
 use train::driver::tasks::LlavaTask;
+use train::driver::{self, Resume};
 
 fn files(dir: &Path) -> Result<models::hub::ModelFiles> {
     Ok(models::hub::from_dir(&dir.display().to_string(), dir)?)
@@ -387,15 +386,11 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
     }
     let mut cfg = args.train_config()?;
     // --resume: the model (and optimizer) of the last checkpoint in --out.
-    let resume = if args.resume {
-        match checkpoint::list_checkpoints(&args.out).pop() {
-            Some((_, d)) => Some(d),
-            None => bail!("--resume: no checkpoint in {}", args.out.display()),
-        }
-    } else {
-        None
-    };
-    let model_dir = resume.clone().unwrap_or_else(|| dir.to_path_buf());
+    let resume = Resume::find(args.resume, &args.out)?;
+    let model_dir = resume
+        .as_ref()
+        .map(|r| r.dir.clone())
+        .unwrap_or_else(|| dir.to_path_buf());
     let f = files(&model_dir)?;
     let lcfg = LlavaConfig::from_file(&f.config)?;
     let tok = Tokenizer::from_model(&f)?;
@@ -447,10 +442,6 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         }
     }
     let data = data.context("no data")?;
-    let state = resume
-        .as_ref()
-        .map(|d| checkpoint::read_state(d))
-        .transpose()?;
     std::fs::create_dir_all(&args.out)?;
     let extra = crate::model_arg::checkpoint_files(&models::family::LLAVA, &f)?;
     let interrupted = interrupt_flag()?;
@@ -467,17 +458,14 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         args.layout.ranks
     );
     let opts = args.run_options(cfg.steps, extra, flops_per_token, banner);
-    let history0 = state
-        .as_ref()
-        .map(|s| s.history.clone())
-        .unwrap_or_default();
+    let history0 = Resume::history(resume.as_ref());
     let history = launch_pipelined(&args.layout, |rank: &Rank| {
         let m = load_rank(&f, rank, &ranges, dtype, ParamMode::Trainable, freeze)?;
         let mut t = LlavaTrainer {
             trainer: Trainer::new(m.model, &rank.mesh, &rank.ctx, cfg.clone())?,
         };
-        if let (Some(d), Some(st)) = (&resume, &state) {
-            checkpoint::restore(&mut t.trainer, d, st)?;
+        if let Some(r) = &resume {
+            r.restore(&mut t.trainer)?;
         }
         let mut task = LlavaTask {
             trainer: t,

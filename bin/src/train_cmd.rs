@@ -13,10 +13,9 @@ use candle_parallel::nn::ParamMode;
 use models::family::LoadSpec;
 use models::tokenizer::Tokenizer;
 use models::Kind;
-use train::checkpoint;
 use train::data::{PackedDataset, Packing, TokenStream};
 use train::driver::tasks::NextTokenTask;
-use train::driver::{self};
+use train::driver::{self, Resume};
 use train::trainer::{TrainConfig, Trainer};
 
 use crate::args::{default_asset, interrupt_flag, TrainArgs};
@@ -98,29 +97,14 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         &cfg,
     )?;
     // Resume point.
-    let resume_from = if args.resume {
-        match checkpoint::list_checkpoints(&args.out).pop() {
-            Some((_, dir)) => Some(dir),
-            None => bail!("--resume: no checkpoint in {}", args.out.display()),
-        }
-    } else {
-        None
-    };
+    let resume = Resume::find(args.resume, &args.out)?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("--out {}", args.out.display()))?;
     // Files copied into every checkpoint so that it is a complete HF model directory.
     let extra = crate::model_arg::checkpoint_files(family, &files)?;
     let interrupted = interrupt_flag()?;
     let flops_per_token = desc.flops_per_token(cfg.seq_len, models::family::Work::Training);
-    let resume_state = match &resume_from {
-        Some(dir) => Some(checkpoint::read_state(dir)?),
-        None => None,
-    };
-    let state_history = resume_state
-        .as_ref()
-        .map(|s| s.history.clone())
-        .unwrap_or_default();
-    let load_files = match &resume_from {
-        Some(dir) => models::hub::from_dir(&dir.display().to_string(), dir)?,
+    let load_files = match &resume {
+        Some(r) => models::hub::from_dir(&r.dir.display().to_string(), &r.dir)?,
         None => files.clone(),
     };
     let banner = format!(
@@ -151,8 +135,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             .with_context(|| format!("loading {} with {}", load_files.source, args.layout.flags()))?
             .model;
         let mut trainer = Trainer::new(model, &rank.mesh, &rank.ctx, cfg.clone())?;
-        if let (Some(dir), Some(state)) = (&resume_from, &resume_state) {
-            checkpoint::restore(&mut trainer, dir, state)?;
+        if let Some(r) = &resume {
+            r.restore(&mut trainer)?;
         }
         let mut task = NextTokenTask {
             trainer,
@@ -166,7 +150,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             &mut task,
             &world,
             &opts,
-            state_history.clone(),
+            Resume::history(resume.as_ref()),
             &interrupted,
         )?)
     })?;

@@ -114,6 +114,39 @@ impl RunOptions {
     }
 }
 
+/// The checkpoint a run resumes from (`--resume`: the last complete checkpoint in the output
+/// directory) and its state.
+#[derive(Debug, Clone)]
+pub struct Resume {
+    pub dir: PathBuf,
+    pub state: checkpoint::TrainerState,
+}
+
+impl Resume {
+    /// The last checkpoint in `out` when `resume`, `None` otherwise. Errors when `out` holds
+    /// no checkpoint or its state cannot be read.
+    pub fn find(resume: bool, out: &Path) -> Result<Option<Self>> {
+        if !resume {
+            return Ok(None);
+        }
+        let (_, dir) = checkpoint::list_checkpoints(out).pop().ok_or_else(|| {
+            Error::Invalid(format!("--resume: no checkpoint in {}", out.display()))
+        })?;
+        let state = checkpoint::read_state(&dir)?;
+        Ok(Some(Self { dir, state }))
+    }
+
+    /// The history a run continues: the resumed run's, or none.
+    pub fn history(resume: Option<&Self>) -> History {
+        resume.map(|r| r.state.history.clone()).unwrap_or_default()
+    }
+
+    /// Restores `trainer` (its model loaded from [`Resume::dir`]): optimizer state and step.
+    pub fn restore<M: TrainModel>(&self, trainer: &mut Trainer<M>) -> Result<()> {
+        checkpoint::restore(trainer, &self.dir, &self.state)
+    }
+}
+
 /// Runs `task` to `opts.steps` from its trainer's step (0, or a resumed run's), continuing
 /// `history` (see the [module docs](self)). Collective over `world`; `interrupted` is the flag
 /// of [`interrupt_flag`]. Ctrl-C on any rank saves a checkpoint and ends with an error telling
