@@ -286,6 +286,8 @@ fn from_dits_initialisation_every_parameter_is_trained() {
         .map(|(n, _)| n)
         .collect();
     for (n, w) in &weights {
+        // A NaN weight is neither zero nor a trained initialisation.
+        testkit::assert_finite(w, n);
         let zero = testkit::max_abs(w) == 0.0;
         assert_eq!(
             zero,
@@ -314,6 +316,7 @@ fn from_dits_initialisation_every_parameter_is_trained() {
             .map_err(|e| e.to_string())?;
         let first = t.noised_batch(&data, &[0, 1]).map_err(|e| e.to_string())?;
         let (_, _, g0) = t.forward_backward(&first).map_err(|e| e.to_string())?;
+        g0.iter().for_each(|(n, g)| testkit::assert_finite(g, n));
         let nonzero0: Vec<String> = g0
             .iter()
             .filter(|(_, g)| testkit::max_abs(g) > 0.0)

@@ -52,15 +52,9 @@ fn reference() -> Reference {
     }
 }
 
-/// `max |a - r| / max |r|` in f64.
+/// `max |a - r| / max |r|` in f64; `+inf` on a NaN anywhere (testkit's measure).
 fn rel(a: &[f64], r: &[f64]) -> f64 {
-    assert_eq!(a.len(), r.len());
-    let num = a
-        .iter()
-        .zip(r)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f64::max);
-    num / r.iter().map(|y| y.abs()).fold(0.0, f64::max)
+    testkit::rel_err_values(a, r)
 }
 
 /// The fixture's logits under `layout`, in global token order, as f64.

@@ -58,9 +58,10 @@ pub fn run(args: &DemoArgs) -> Result<()> {
     let stacked = Tensor::stack(&inputs, 0)?;
     let want_sum = stacked.sum(0)?;
     for (rank, (sum, gathered, a2a, _)) in reports.iter().enumerate() {
-        let err = (sum - &want_sum)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        // Element by element, a NaN failing (`max_all` would skip it, and `NaN > tol` is false).
+        let diff = (sum - &want_sum)?.abs()?.flatten_all()?.to_vec1::<f32>()?;
         let scale = want_sum.abs()?.max_all()?.to_scalar::<f32>()?;
-        if err > 1e-6 * scale {
+        if let Some(err) = diff.iter().find(|&&e| e.is_nan() || e > 1e-6 * scale) {
             bail!("rank {rank}: all_reduce differs from the single-rank sum by {err}");
         }
         if gathered.to_vec2::<f32>()? != stacked.to_vec2::<f32>()? {

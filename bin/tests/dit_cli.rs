@@ -25,9 +25,7 @@ fn reference() -> HashMap<String, Tensor> {
 }
 
 fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-    let m = b.abs().unwrap().max_all().unwrap();
-    (d.to_scalar::<f32>().unwrap() / m.to_scalar::<f32>().unwrap()) as f64
+    testkit::rel_err(a, b)
 }
 
 /// An `--inputs` file of the fixture's forward batch (and the DDPM batch with `noise`).

@@ -310,14 +310,7 @@ fn merge_writes_the_merged_model() {
     let mut n = 0;
     for (k, w) in &want {
         if let Some(name) = k.strip_prefix("merged.") {
-            let diff = (&got[name] - w)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let diff = testkit::max_abs(&(&got[name] - w).unwrap());
             assert!(diff < 1e-6, "{name}: {diff}");
             n += 1;
         }

@@ -101,13 +101,14 @@ fn calibrated_hardware_plans_and_measure_runs_the_layouts() {
     }
     assert!(text.contains("devices_per_node = 2") && text.contains("shared_node = true"));
     let model = config("plan-measure", 1, 64, 256);
+    // 5 layouts: Kendall's tau over 2 is always +-1 and checks nothing.
     let doc = plan_json(&format!(
-        "--model {model} --seq-len 128 --world 2 --hardware {} --measure 2",
+        "--model {model} --seq-len 128 --world 2 --hardware {} --measure 5",
         hw.display()
     ));
     let m = &doc["measured"];
     let rows = m["layouts"].as_array().unwrap();
-    assert_eq!(rows.len(), 2, "{m}");
+    assert_eq!(rows.len(), 5, "{m}");
     for r in rows {
         for k in [
             "predicted_tokens_per_sec",
@@ -117,10 +118,35 @@ fn calibrated_hardware_plans_and_measure_runs_the_layouts() {
             assert!(r[k].as_f64().is_some_and(|x| x > 0.0), "{k}: {r}");
         }
     }
-    // The first and the last of the ranking.
+    // Spread over the ranking from its first, in plan order (so predicted tokens/s fall).
     assert_eq!(rows[0]["rank_in_plan"], 1, "{m}");
-    let tau = m["kendall_tau"].as_f64();
-    assert!(tau.is_none_or(|t| t == 1.0 || t == -1.0), "{m}");
+    let col = |k: &str| -> Vec<f64> { rows.iter().map(|r| r[k].as_f64().unwrap()).collect() };
+    let plan_rank = col("rank_in_plan");
+    let (pred, meas) = (
+        col("predicted_tokens_per_sec"),
+        col("measured_tokens_per_sec"),
+    );
+    for i in 1..rows.len() {
+        assert!(plan_rank[i] > plan_rank[i - 1], "{m}");
+        assert!(pred[i] <= pred[i - 1], "{m}");
+    }
+    // The reported tau is Kendall's tau-b of these rows.
+    let sign = |x: f64| (x > 0.0) as i32 - (x < 0.0) as i32;
+    let (mut s, mut untied_pred, mut untied_meas) = (0, 0, 0);
+    for i in 0..rows.len() {
+        for j in i + 1..rows.len() {
+            let (a, b) = (sign(pred[i] - pred[j]), sign(meas[i] - meas[j]));
+            s += a * b;
+            untied_pred += a.abs();
+            untied_meas += b.abs();
+        }
+    }
+    let want = s as f64 / ((untied_pred * untied_meas) as f64).sqrt();
+    let tau = m["kendall_tau"].as_f64().unwrap_or(f64::NAN);
+    assert!(
+        (tau - want).abs() < 1e-12,
+        "tau {tau}, from the rows {want}: {m}"
+    );
 }
 
 #[test]

@@ -40,6 +40,7 @@ fn values(t: &Tensor) -> Vec<f64> {
 /// `|got − want| ≤ tol · max(max |want|, floor)` elementwise.
 fn assert_close(got: &[f64], want: &[f64], tol: f64, floor: f64, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
+    // nan-ok: each element is then compared with `<=` and `is_finite`, which fail on NaN.
     let scale = want.iter().fold(floor, |m, w| m.max(w.abs()));
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         assert!(

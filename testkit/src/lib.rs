@@ -88,16 +88,34 @@ pub fn rel_err(got: &Tensor, want: &Tensor) -> f64 {
 
 /// `max|t|`, NaN if `t` holds a NaN anywhere (candle's `max_all` would skip it).
 pub fn max_abs(t: &Tensor) -> f64 {
-    values(t)
-        .into_iter()
-        .try_fold(0.0f64, |m, x| {
-            if x.is_nan() {
-                None
-            } else {
-                Some(m.max(x.abs()))
-            }
-        })
-        .unwrap_or(f64::NAN)
+    max_abs_values(&values(t))
+}
+
+/// `max_i |x_i|` (0 for no values), NaN if any value is NaN: `fold(0.0, f64::max)` and
+/// `m.max(x)` would skip it, since `f64::max` returns the other operand of a NaN.
+pub fn max_abs_values(xs: &[f64]) -> f64 {
+    xs.iter().fold(0.0, |m, &x| max_or_nan(m, x.abs()))
+}
+
+/// The larger of `a` and `b`, NaN if either is NaN (where `a.max(b)` returns the other one):
+/// for running maxima of errors, `worst = max_or_nan(worst, e)`.
+pub fn max_or_nan(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else {
+        a.max(b)
+    }
+}
+
+/// Reports a test that cannot run on this machine (a missing instruction set): one line
+/// `SKIPPED: {test}: {why}` written straight to stdout, past the test harness's output capture,
+/// so that `cargo test` shows it even though the test passes, and CI counts such lines. `test`
+/// names the test without spaces (`crate/file::function`).
+pub fn skip(test: &str, why: &str) {
+    use std::io::Write;
+    let line = format!("SKIPPED: {test}: {why}\n");
+    // One write of the whole line (a concurrent test's output does not split it).
+    let _ = std::io::stdout().lock().write_all(line.as_bytes());
 }
 
 /// Asserts equal shapes, a reference with a non-zero value, no NaN or unmatched infinity, and

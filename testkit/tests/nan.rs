@@ -10,7 +10,7 @@ fn fails(f: impl FnOnce()) -> bool {
 use candle_core::{Device, Tensor};
 use testkit::{
     assert_close, assert_close_scalar, assert_finite, assert_identical, assert_identical_scalars,
-    max_abs, rel_err,
+    max_abs, max_abs_values, max_or_nan, rel_err,
 };
 
 /// 1..=n, with element `at` set to `x`.
@@ -91,4 +91,16 @@ fn a_small_error_is_measured_relative_to_the_reference() {
     assert!((e - 0.0005).abs() < 1e-7, "{e}");
     assert_close(&got, &want, 1e-3, "within");
     assert!(fails(|| assert_close(&got, &want, 1e-4, "beyond")));
+}
+
+#[test]
+fn slice_maxima_see_a_nan_in_the_middle() {
+    // What they replace: `f64::max` returns the other operand of a NaN.
+    let xs = [1.0, -3.0, f64::NAN, 2.0];
+    assert_eq!(xs.iter().map(|x| x.abs()).fold(0.0, f64::max), 3.0);
+    assert!(max_abs_values(&xs).is_nan());
+    assert!(max_or_nan(1.0, f64::NAN).is_nan() && max_or_nan(f64::NAN, 1.0).is_nan());
+    assert_eq!(max_abs_values(&[1.0, -3.0, 2.0]), 3.0);
+    assert_eq!(max_abs_values(&[]), 0.0);
+    assert_eq!(max_or_nan(1.0, 2.0), 2.0);
 }
