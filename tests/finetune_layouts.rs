@@ -217,7 +217,7 @@ fn run(layout: &Layout, memory: MemoryPlan, job: Job) -> Run {
         let r = mesh.coord(Dim::Pp);
         let layers = match &cfg.pipeline {
             Some(pc) => vec![pc.ranges()[r].clone()],
-            None => vec![0..2],
+            None => std::iter::once(0..2).collect(),
         };
         let m = llama::load_stage_adapted(
             &files,

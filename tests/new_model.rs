@@ -132,7 +132,7 @@ impl Encoder {
         vb: ParamBuilder,
         ctx: &ParallelCtx,
     ) -> candle_parallel::Result<Self> {
-        Self::new_stage(cfg, vb, ctx, &[0..cfg.num_layers], true)
+        Self::new_stage(cfg, vb, ctx, std::slice::from_ref(&(0..cfg.num_layers)), true)
     }
 
     /// A pipeline stage: the layers in `layers` and, with `ends`, the embedding and head.
@@ -584,7 +584,7 @@ fn registry_run(dir: &std::path::Path, layout: &Layout, steps: u64) -> (Run, Vec
         let r = mesh.coord(candle_parallel::mesh::Dim::Pp);
         let layers = match &cfg.pipeline {
             Some(pc) => vec![pc.ranges()[r].clone()],
-            None => vec![0..desc.layers],
+            None => std::iter::once(0..desc.layers).collect(),
         };
         let spec = LoadSpec {
             ctx: &ctx,

@@ -348,7 +348,7 @@ impl PipelineArgs {
         }
         Ok(match &cfg.pipeline {
             Some(pc) => pc.ranges(),
-            None => vec![0..num_layers],
+            None => std::iter::once(0..num_layers).collect(),
         })
     }
 

@@ -154,7 +154,7 @@ pub fn eval(args: &EvalArgs, dir: &Path) -> Result<(EvalReport, Vec<Tensor>)> {
     }
     let ranges = match &pipeline {
         Some(pc) => pc.ranges(),
-        None => vec![0..layers],
+        None => std::iter::once(0..layers).collect(),
     };
     let out = launch_pipelined(&args.layout, |rank: &Rank| {
         let m = load_rank(
