@@ -150,7 +150,23 @@ pub fn at_least_one(flag: &str, value: usize) -> Result<()> {
 }
 
 /// Best wall time in seconds of `repeats` runs of `f`, after one warm-up run.
-pub fn best_of(repeats: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+pub fn best_of(repeats: usize, f: impl FnMut() -> Result<()>) -> Result<f64> {
+    best_of_on(&Device::Cpu, repeats, f)
+}
+
+/// [`best_of`] of work queued on `device`: every run (the warm-up too) ends by waiting for the
+/// device, so each timing starts on an idle device and ends when its kernels have finished (a
+/// no-op on the CPU).
+pub fn best_of_on(
+    device: &Device,
+    repeats: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    let mut f = || -> Result<()> {
+        f()?;
+        device.synchronize()?;
+        Ok(())
+    };
     f()?;
     let mut best = f64::INFINITY;
     for _ in 0..repeats.max(1) {
@@ -181,11 +197,20 @@ pub struct MatmulRate {
 impl MatmulRate {
     /// The rate in GFLOP/s: best of `repeats` products after a warm-up.
     pub fn gflops(&self, repeats: usize) -> Result<f64> {
+        self.gflops_on(&Device::Cpu, DType::F32, repeats)
+    }
+
+    /// The rate in GFLOP/s of `dtype` products on `device`, synchronised around each.
+    pub fn gflops_on(&self, device: &Device, dtype: DType, repeats: usize) -> Result<f64> {
         let n = self.matmul_size;
         at_least_one("--matmul-size", n)?;
-        let a = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
-        let b = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
-        let t = best_of(repeats, || {
+        let randn = || -> Result<Tensor> {
+            Ok(Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?
+                .to_dtype(dtype)?
+                .to_device(device)?)
+        };
+        let (a, b) = (randn()?, randn()?);
+        let t = best_of_on(device, repeats, || {
             a.matmul(&b)?;
             Ok(())
         })?;
