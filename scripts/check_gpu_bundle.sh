@@ -95,7 +95,8 @@ check "LIBS lists what the binaries need" diff "$TMP/needed" "$BUNDLE/LIBS"
 
 # The stubs only: nothing of a real CUDA install may leak in.
 export LD_LIBRARY_PATH="$BUNDLE/stubs"
-export RUST_BACKTRACE=1
+# As a user runs it: with RUST_BACKTRACE set, candle's errors carry a backtrace by design.
+unset RUST_BACKTRACE
 resolves() {
     ldd "$1" >"$TMP/ldd" 2>&1
     if grep -q 'not found' "$TMP/ldd"; then
@@ -132,7 +133,7 @@ clean_failure() {
     echo "  exit $rc: $last"
     [ "$rc" -eq 1 ] || return 1
     grep -q -- "$needle" "$TMP/out" || { echo "  no '$needle'"; return 1; }
-    if grep -Eq 'panicked|stack backtrace|RUST_BACKTRACE' "$TMP/out"; then
+    if grep -Eq 'panicked|stack backtrace|RUST_BACKTRACE|^ +0: ' "$TMP/out"; then
         cat "$TMP/out"
         return 1
     fi

@@ -73,13 +73,15 @@ def build(out_dir, soname, versions, link_name=None):
             script = os.path.join(tmp, "versions.map")
             with open(script, "w") as f:
                 for v, syms in sorted(named.items()):
-                    f.write(f"{v} {{ global: {' '.join(sorted(syms))}; }};\n")
+                    f.write(f"{v} {{ global: {'; '.join(sorted(syms))}; }};\n")
                 unversioned = versions.get(None, set())
                 if unversioned:
                     # Imported without a version: exported from the base version.
-                    f.write(f"{{ global: {' '.join(sorted(unversioned))}; }};\n")
+                    f.write(f"{{ global: {'; '.join(sorted(unversioned))}; }};\n")
             cmd.append(f"-Wl,--version-script={script}")
-        subprocess.run(cmd, check=True)
+        if subprocess.run(cmd).returncode:
+            sys.exit(f"{soname}: the stub does not build" +
+                     (":\n" + open(script).read() if named else ""))
     if link_name:
         link = os.path.join(out_dir, link_name)
         if os.path.lexists(link):
@@ -109,8 +111,8 @@ def imports(binary):
     result = []
     for line in out.splitlines():
         # 0000000000000000      DF *UND*	0000000000000000 (libcublas.so.13) cublasCreate_v2
-        # 0000000000000000      DF *UND*	0000000000000000  cuInit
-        m = re.match(r"^[0-9a-f]+\s+.*\*UND\*\s+[0-9a-f]+\s+(?:\(([^)]+)\)\s+)?(\S+)$",
+        # 0000000000000000      DF *UND*	0000000000000000  Base        cuInit
+        m = re.match(r"^[0-9a-f]+\s+.*\*UND\*\s+[0-9a-f]+\s+(?:\(([^)]+)\)|Base)?\s*(\S+)$",
                      line.strip())
         if m:
             result.append((m.group(2), m.group(1)))
