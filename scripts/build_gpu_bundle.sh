@@ -2,10 +2,10 @@
 # Builds, on a machine with no GPU, the prebuilt binaries that scripts/gpu_check.sh runs on a GPU
 # machine with no Rust and no network (docs/gpu.md, "Running the GPU check"):
 #
-#   gpu-bundle/bin/cpl.xz        cpl with --features cuda,nccl (release, stripped, xz: each
+#   gpu-bundle/bin/cpl.xz        cpl with --features cuda,nccl (release, no debug info, xz: each
 #                                binary is about 75 MB, a third of it candle's CUDA kernels)
 #   gpu-bundle/bin/gpu-tests.xz  the GPU suite, tests/gpu.rs (--features cuda-tests,nccl,
-#                                release, stripped, xz)
+#                                release, no debug info, xz)
 #   gpu-bundle/BINARIES.sha256   sha256 of the unpacked binaries (gpu_check.sh unpacks them)
 #   gpu-bundle/stubs/         stub CUDA libraries (scripts/cuda_stubs.py) for the CPU-side check
 #                             (scripts/check_gpu_bundle.sh); never put on a GPU machine's path
@@ -137,8 +137,9 @@ rm -rf "$OUT"
 mkdir -p "$OUT/bin"
 UNPACKED=$(mktemp -d)
 trap 'rm -rf "$UNPACKED"' EXIT
-strip -o "$UNPACKED/cpl" "$CPL_BIN"
-strip -o "$UNPACKED/gpu-tests" "$GPU_TESTS"
+# Debug info goes, the symbol table stays (function names in backtraces: 0.7 MB packed).
+strip --strip-debug -o "$UNPACKED/cpl" "$CPL_BIN"
+strip --strip-debug -o "$UNPACKED/gpu-tests" "$GPU_TESTS"
 python3 scripts/cuda_stubs.py binaries --out "$OUT/stubs" "$UNPACKED/cpl" "$UNPACKED/gpu-tests"
 for b in "$UNPACKED"/*; do
     readelf -d "$b" | sed -n 's/.*(NEEDED).*Shared library: \[\(.*\)\]/\1/p'
@@ -160,7 +161,7 @@ git ls-files -z -- '*.rs' '*.toml' Cargo.lock 'third_party/*' |
     echo "nvcc: $(nvcc --version | tail -n 1)"
     echo "CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP CUDARC_CUDA_VERSION=$CUDARC_CUDA_VERSION"
     echo "linked against: ${LIB_WHEELS[*]} nvidia-cuda-runtime==13.0.88, libcuda stub"
-    echo "features: cpl cuda,nccl; gpu-tests cuda-tests,nccl (release profile, stripped, xz)"
+    echo "features: cpl cuda,nccl; gpu-tests cuda-tests,nccl (release profile, debug info stripped, xz)"
     echo "unpacked: $(cd "$UNPACKED" && du -b cpl gpu-tests | tr '\t\n' ' ')"
 } >"$OUT/BUILD.txt"
 

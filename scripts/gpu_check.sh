@@ -77,6 +77,8 @@ selected() {
 T_SUITE=180 T_TRAIN=100 T_NCCL=60 T_BENCH=120
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
 
+# Backtraces (with function names: the bundle keeps its symbols) in every log.
+export RUST_BACKTRACE=1
 mkdir -p "$OUT_DIR" || exit 2
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
@@ -383,7 +385,7 @@ stage_suite() {
         args+=(--skip nccl_collectives_match_the_local_backend)
         echo "($GPUS GPU: nccl_collectives_match_the_local_backend needs 2 and is skipped)" >>"$log"
     fi
-    CPL_TESTS_DIR="$ROOT/tests" RUST_BACKTRACE=1 run_limited "$T_SUITE" "$log" "$GPU_TESTS" "${args[@]}" || rc=$?
+    CPL_TESTS_DIR="$ROOT/tests" run_limited "$T_SUITE" "$log" "$GPU_TESTS" "${args[@]}" || rc=$?
     [ "$DRY_RUN" -eq 1 ] && { SUITE_TEXT="suite: dry-run"; return 0; }
     local result
     result=$(grep -E '^test result:' "$log" | tail -n 1)
@@ -530,7 +532,7 @@ for stage in "${ALL_STAGES[@]}"; do
     elif [ "$rc" -eq 0 ]; then
         record ok $((SECONDS - t0)) "$text"
     else
-        record FAIL $((SECONDS - t0)) "$text (exit $rc)"
+        record FAIL $((SECONDS - t0)) "$text"
     fi
 done
 [ "$FAILED" -eq 0 ]
