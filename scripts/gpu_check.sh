@@ -4,7 +4,7 @@
 #
 # Usage: bash scripts/gpu_check.sh [--out DIR] [--bundle DIR] [--stages LIST | --skip LIST]
 #                                  [--steps N] [--rtol X] [--dry-run]
-#   --out DIR      results folder (default $OUT, else gpu-results); at most 8 files:
+#   --out DIR      results folder (default $OUT, else gpu-results, git-ignored); at most 8 files:
 #                  env.txt suite.log train.log nccl.log bench.log bench.json summary.txt
 #   --bundle DIR   the bundle (default gpu-bundle beside this checkout)
 #   --stages LIST  comma-separated stages to run, of: env,suite,train,nccl,bench (default all)
@@ -30,11 +30,14 @@
 # shellcheck disable=SC2034  # the stages' *_TEXT variables are read through ${!var}
 set -uo pipefail
 
+CALLER_PWD=$PWD
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 ROOT=$PWD
+# A relative --out or --bundle is relative to where the script was started.
+from_caller() { case $1 in /*) echo "$1" ;; *) echo "$CALLER_PWD/$1" ;; esac; }
 
 ALL_STAGES=(env suite train nccl bench)
-OUT_DIR="${OUT:-gpu-results}"
+OUT_DIR="${OUT:-$ROOT/gpu-results}"
 BUNDLE="$ROOT/gpu-bundle"
 STAGES=""
 SKIP=""
@@ -44,8 +47,8 @@ DRY_RUN=0
 usage() { sed -n '2,30p' "$0"; }
 while [ $# -gt 0 ]; do
     case $1 in
-    --out) OUT_DIR=${2:?--out needs a folder}; shift ;;
-    --bundle) BUNDLE=${2:?--bundle needs a folder}; shift ;;
+    --out) OUT_DIR=$(from_caller "${2:?--out needs a folder}"); shift ;;
+    --bundle) BUNDLE=$(from_caller "${2:?--bundle needs a folder}"); shift ;;
     --stages) STAGES=${2:?--stages needs a list}; shift ;;
     --skip) SKIP=${2:?--skip needs a list}; shift ;;
     --steps) STEPS=${2:?--steps needs a number}; shift ;;
