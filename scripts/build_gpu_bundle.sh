@@ -63,6 +63,10 @@ export CUDARC_CUDA_VERSION=13000
 export CUDAFORGE_THREADS="${CUDAFORGE_THREADS:-2}"
 export CARGO_TERM_COLOR=never
 
+for tool in xz strip readelf objdump cc python3 git; do
+    command -v "$tool" >/dev/null || { echo "$tool not found (xz: apt-get install xz-utils)" >&2; exit 1; }
+done
+
 t0=$SECONDS
 log() { echo "== [$((SECONDS - t0))s] $*"; }
 
