@@ -20,9 +20,13 @@ use candle_parallel::recompute::Checkpointing;
 use models::hub::ModelFiles;
 use models::llama;
 
-/// `tests/fixtures/llama/<name>`.
+/// `tests/fixtures/llama/<name>`. `tests/` is where this crate was built, or `CPL_TESTS_DIR`
+/// when set: a prebuilt test binary run from another copy of the repository
+/// (`scripts/gpu_check.sh` runs the bundled GPU suite so).
 pub fn fixture_dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    std::env::var_os("CPL_TESTS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
         .join("fixtures")
         .join("llama")
         .join(name)

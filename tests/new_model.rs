@@ -132,7 +132,13 @@ impl Encoder {
         vb: ParamBuilder,
         ctx: &ParallelCtx,
     ) -> candle_parallel::Result<Self> {
-        Self::new_stage(cfg, vb, ctx, std::slice::from_ref(&(0..cfg.num_layers)), true)
+        Self::new_stage(
+            cfg,
+            vb,
+            ctx,
+            std::slice::from_ref(&(0..cfg.num_layers)),
+            true,
+        )
     }
 
     /// A pipeline stage: the layers in `layers` and, with `ends`, the embedding and head.

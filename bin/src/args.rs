@@ -265,7 +265,8 @@ impl TrainArgs {
 /// f32 matmul rate of this machine (GFLOP/s), for the MFU estimate: a quick measurement
 /// (512^3, best of 5); NaN when it fails.
 pub fn matmul_gflops() -> f64 {
-    train::driver::progress::matmul_gflops(512, 5).unwrap_or(f64::NAN)
+    train::driver::progress::matmul_gflops(&candle_core::Device::Cpu, DType::F32, 512, 5)
+        .unwrap_or(f64::NAN)
 }
 
 /// Installs the Ctrl-C handler once per process: the driver saves a checkpoint and stops.

@@ -95,8 +95,13 @@ impl DeviceArg {
                          `cargo build -p cpl --features cuda` (see docs/gpu.md)"
                     );
                 }
-                open_cuda(n + offset)
-                    .with_context(|| format!("--device {self}: opening GPU {}", n + offset))
+                open_cuda(n + offset).with_context(|| {
+                    format!(
+                        "--device {self}: cannot open CUDA GPU {} (is there one, with its \
+                         driver? see docs/gpu.md)",
+                        n + offset
+                    )
+                })
             }
         }
     }
@@ -106,6 +111,14 @@ impl DeviceArg {
     pub fn require_cpu(&self, what: &str) -> Result<()> {
         if *self != Self::Cpu {
             bail!("--device {self}: {what} runs on the CPU only for now (see docs/gpu.md)");
+        }
+        Ok(())
+    }
+
+    /// [`Self::require_cpu`] with the reason in the error.
+    pub fn require_cpu_because(&self, what: &str, why: &str) -> Result<()> {
+        if *self != Self::Cpu {
+            bail!("--device {self}: {what} runs on the CPU only: {why} (see docs/gpu.md)");
         }
         Ok(())
     }
@@ -435,6 +448,15 @@ mod device_tests {
         assert!(
             e.to_string()
                 .contains("--device cuda:0: cpl train of a DiT"),
+            "{e}"
+        );
+        assert!(DeviceArg::Cpu.require_cpu_because("x", "y").is_ok());
+        let e = DeviceArg::Cuda(1)
+            .require_cpu_because("cpl bench train", "its timings do not synchronise a GPU")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--device cuda:1: cpl bench train runs on the CPU only: its timings"),
             "{e}"
         );
     }

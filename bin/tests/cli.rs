@@ -192,6 +192,12 @@ fn gpu_flags_without_gpu_features_fail_clearly() {
             eval(&["--backend", "nccl"]),
             "--backend nccl: this cpl was built without NCCL",
         ),
+        (
+            ["bench", "attention", "--device", "cuda", "--seqs", "16"]
+                .map(String::from)
+                .to_vec(),
+            "--device cuda:0: this cpl was built without CUDA",
+        ),
     ]);
     // The CPU stays the default and `--device cpu` is accepted.
     let o = cpl(&eval(&["--device", "cpu"]));

@@ -1,5 +1,9 @@
 //! `cpl bench attention`: the flash-ring CPU kernel against naive candle attention.
 //!
+//! `--device cuda[:N]` times the same calls on a GPU (flash-ring's composite path there), with
+//! the device synchronised after every timed run, against the GPU's f32 and bf16 matmul rates.
+//! The other benchmarks (`train`, `eval`) refuse a GPU: their timings do not synchronise it.
+//!
 //! Shape (batch 1, --heads, S, --head-dim) for every S of --seqs, dtype and mask: forward and
 //! forward+backward time of flash-ring and of naive candle attention (up to --naive-max-seq),
 //! this machine's f32 matmul rate (candle, 2048^3, same run), the achieved GFLOP/s (forward =
@@ -14,8 +18,9 @@ use candle_core::{DType, Device, Tensor, Var};
 use flash_ring::{flash_bwd, flash_fwd, naive_attention, AttnSpec, MaskKind};
 use serde_json::{json, Value};
 
-use super::{at_least_one, best_of, print_report, Machine, MatmulRate};
+use super::{at_least_one, best_of_on, print_report, Machine, MatmulRate};
 use crate::args::DtypeArg;
+use crate::layout::DeviceArg;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct AttentionArgs {
@@ -58,6 +63,10 @@ pub struct AttentionArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Where q, k, v live and attention runs: cpu, cuda or cuda:N (needs a build with
+    /// `--features cuda`); on a GPU every timing waits for the device.
+    #[arg(long, default_value = "cpu", value_parser = DeviceArg::parse)]
+    pub device: DeviceArg,
 }
 
 /// An attention mask flag.
@@ -145,6 +154,7 @@ struct Row {
 /// Forward, forward+backward and naive times of one shape, next to PyTorch's.
 fn measure(
     args: &AttentionArgs,
+    device: &Device,
     torch: &Torch,
     dtype: DType,
     s: usize,
@@ -152,15 +162,17 @@ fn measure(
 ) -> Result<Row> {
     let shape = (1, s, args.heads, args.head_dim);
     let randn = || -> Result<Tensor> {
-        Ok(Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?.to_dtype(dtype)?)
+        Ok(Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(device)?)
     };
     let (q, k, v, dout) = (randn()?, randn()?, randn()?, randn()?);
     let spec = AttnSpec::dense(1.0 / (args.head_dim as f32).sqrt(), mask.kind(), s, s);
-    let fwd = best_of(args.repeats, || {
+    let fwd = best_of_on(device, args.repeats, || {
         flash_fwd(&q, &k, &v, &spec)?;
         Ok(())
     })?;
-    let fwd_bwd = best_of(args.repeats, || {
+    let fwd_bwd = best_of_on(device, args.repeats, || {
         let (o, l) = flash_fwd(&q, &k, &v, &spec)?;
         flash_bwd(&q, &k, &v, &o, &l, &dout, &spec)?;
         Ok(())
@@ -188,11 +200,11 @@ fn measure(
         Var::from_tensor(&k)?,
         Var::from_tensor(&v)?,
     );
-    let naive_f = best_of(1, || {
+    let naive_f = best_of_on(device, 1, || {
         naive_attention(&q, &k, &v, &spec)?;
         Ok(())
     })?;
-    let naive_fb = best_of(1, || {
+    let naive_fb = best_of_on(device, 1, || {
         let o = naive_attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), &spec)?;
         let g = (o.to_dtype(DType::F32)? * dout.to_dtype(DType::F32)?)?
             .sum_all()?
@@ -219,14 +231,27 @@ pub fn run(args: &AttentionArgs) -> Result<()> {
         args.heads, args.head_dim
     );
     let torch = Torch::read(args.torch.as_ref(), &shape)?;
-    let mm = args.matmul.gflops(args.repeats.max(10))?;
+    let device = args.device.open(0)?;
+    let mm = args
+        .matmul
+        .gflops_on(&device, DType::F32, args.repeats.max(10))?;
+    // On a GPU, bf16 attention is also set against the bf16 matmul rate (tensor cores).
+    let mm_bf16 = match args.device {
+        DeviceArg::Cpu => None,
+        DeviceArg::Cuda(_) => Some(args.matmul.gflops_on(
+            &device,
+            DType::BF16,
+            args.repeats.max(10),
+        )?),
+    };
     let pct = |x: f64, of: Option<f64>| of.map_or("-".into(), |t| format!("{:.0}%", 100.0 * x / t));
     let ms = |x: Option<f64>| x.map_or("-".to_string(), |t| format!("{:.1}", t * 1e3));
     if !args.json {
-        println!("{}", Machine::detect().line());
+        println!("{}; device {}", Machine::detect().line(), args.device);
         println!(
-            "shape {shape}; f32 matmul {}^3: candle {mm:.1} GFLOP/s{}",
+            "shape {shape}; f32 matmul {}^3: candle {mm:.1} GFLOP/s{}{}",
             args.matmul.matmul_size,
+            mm_bf16.map_or(String::new(), |b| format!(", bf16 {b:.1} GFLOP/s")),
             torch
                 .matmul_gflops
                 .map_or(String::new(), |t| format!(", PyTorch {t:.1} GFLOP/s"))
@@ -257,7 +282,7 @@ pub fn run(args: &AttentionArgs) -> Result<()> {
         let dtype = DType::from(dt);
         for &s in &args.seqs {
             for &m in &args.masks {
-                let row = measure(args, &torch, dtype, s, m)?;
+                let row = measure(args, &device, &torch, dtype, s, m)?;
                 if !args.json {
                     println!(
                         "{:<6} {:>5} {:<6} | {:>9.1} {:>9.1} {:>7.1} {:>5.0}% {:>6} | {:>9} {:>9} | {:>9} {:>9} {:>7}",
@@ -291,6 +316,7 @@ pub fn run(args: &AttentionArgs) -> Result<()> {
                 "fwd_s": r.fwd, "fwd_bwd_s": r.fwd_bwd,
                 "fwd_gflops": r.fwd_gflops, "fwd_bwd_gflops": r.gflops,
                 "fraction_of_matmul": r.gflops / mm,
+                "fraction_of_bf16_matmul": mm_bf16.map(|b| r.gflops / b),
                 "fraction_of_torch_matmul": torch.matmul_gflops.map(|t| r.gflops / t),
                 "naive_fwd_s": r.naive.map(|n| n.0), "naive_fwd_bwd_s": r.naive.map(|n| n.1),
                 "torch_fwd_s": r.torch.0, "torch_fwd_bwd_s": r.torch.1,
@@ -302,7 +328,8 @@ pub fn run(args: &AttentionArgs) -> Result<()> {
         "attention",
         json!({
             "shape": shape, "batch": 1, "heads": args.heads, "head_dim": args.head_dim,
-            "repeats": args.repeats, "matmul_f32_gflops": mm,
+            "device": args.device.to_string(),
+            "repeats": args.repeats, "matmul_f32_gflops": mm, "matmul_bf16_gflops": mm_bf16,
             "matmul_size": args.matmul.matmul_size,
             "torch_matmul_f32_gflops": torch.matmul_gflops, "results": results,
         }),

@@ -24,8 +24,11 @@ pub struct EvalBenchArgs {
 
 pub fn run(args: &EvalBenchArgs) -> Result<()> {
     let a = &args.llama;
-    // Its timings do not synchronise a GPU and its MFU is against the CPU's matmul rate.
-    a.layout.device.require_cpu("cpl bench eval")?;
+    a.layout.device.require_cpu_because(
+        "cpl bench eval",
+        "its timings do not synchronise a GPU and its MFU is against the CPU's matmul rate \
+         (`cpl bench attention --device cuda` measures a GPU)",
+    )?;
     at_least_one("--repeats", args.repeats)?;
     a.check()?;
     let model = a.resolve()?;

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::DType;
+use candle_core::{DType, Device};
 use candle_parallel::nn::{ParamMode, TensorMap};
 use models::hub::ModelFiles;
 use models::llama::{self, LlamaConfig, LoadedLlama};
@@ -150,7 +150,23 @@ pub fn at_least_one(flag: &str, value: usize) -> Result<()> {
 }
 
 /// Best wall time in seconds of `repeats` runs of `f`, after one warm-up run.
-pub fn best_of(repeats: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+pub fn best_of(repeats: usize, f: impl FnMut() -> Result<()>) -> Result<f64> {
+    best_of_on(&Device::Cpu, repeats, f)
+}
+
+/// [`best_of`] of work queued on `device`: every run (the warm-up too) ends by waiting for the
+/// device, so each timing starts on an idle device and ends when its kernels have finished (a
+/// no-op on the CPU).
+pub fn best_of_on(
+    device: &Device,
+    repeats: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    let mut f = || -> Result<()> {
+        f()?;
+        device.synchronize()?;
+        Ok(())
+    };
     f()?;
     let mut best = f64::INFINITY;
     for _ in 0..repeats.max(1) {
@@ -181,8 +197,15 @@ pub struct MatmulRate {
 impl MatmulRate {
     /// The rate in GFLOP/s: best of `repeats` products after a warm-up.
     pub fn gflops(&self, repeats: usize) -> Result<f64> {
+        self.gflops_on(&Device::Cpu, DType::F32, repeats)
+    }
+
+    /// The rate in GFLOP/s of `dtype` products on `device`, synchronised around each.
+    pub fn gflops_on(&self, device: &Device, dtype: DType, repeats: usize) -> Result<f64> {
         at_least_one("--matmul-size", self.matmul_size)?;
         Ok(::train::driver::progress::matmul_gflops(
+            device,
+            dtype,
             self.matmul_size,
             repeats,
         )?)

@@ -59,8 +59,11 @@ struct Measured {
 
 pub fn run(args: &TrainBenchArgs) -> Result<()> {
     let a = &args.llama;
-    // Its timings do not synchronise a GPU and its MFU is against the CPU's matmul rate.
-    a.layout.device.require_cpu("cpl bench train")?;
+    a.layout.device.require_cpu_because(
+        "cpl bench train",
+        "its timings do not synchronise a GPU and its MFU is against the CPU's matmul rate \
+         (`cpl bench attention --device cuda` measures a GPU)",
+    )?;
     if args.steps < 2 {
         bail!(
             "--steps {} must be at least 2 (the first step is a warm-up)",

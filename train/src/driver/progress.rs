@@ -99,17 +99,31 @@ pub fn peak_rss_mib() -> Option<f64> {
     Some(kb / 1024.0)
 }
 
-/// This machine's f32 matmul rate in GFLOP/s (candle's product of two `n x n` matrices, best
-/// of `repeats` after a warm-up): the reference of GFLOP/s and MFU figures.
-pub fn matmul_gflops(n: usize, repeats: usize) -> candle_core::Result<f64> {
+/// The rate in GFLOP/s of `dtype` products of two `n x n` matrices (candle's matmul) on
+/// `device`, best of `repeats` after a warm-up, each run ended by waiting for the device: the
+/// reference of GFLOP/s and MFU figures.
+pub fn matmul_gflops(
+    device: &candle_core::Device,
+    dtype: candle_core::DType,
+    n: usize,
+    repeats: usize,
+) -> candle_core::Result<f64> {
     use candle_core::{Device, Tensor};
-    let a = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
-    let b = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
-    a.matmul(&b)?;
+    let randn = || {
+        Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(device)
+    };
+    let (a, b) = (randn()?, randn()?);
+    let run = || -> candle_core::Result<()> {
+        a.matmul(&b)?;
+        device.synchronize()
+    };
+    run()?;
     let mut best = f64::INFINITY;
     for _ in 0..repeats.max(1) {
         let t = std::time::Instant::now();
-        a.matmul(&b)?;
+        run()?;
         best = best.min(t.elapsed().as_secs_f64());
     }
     Ok(2.0 * (n as f64).powi(3) / best / 1e9)
