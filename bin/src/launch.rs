@@ -6,7 +6,7 @@ use candle_parallel::comm::Comm;
 use candle_parallel::mesh::{DeviceMesh, Dim};
 use std::sync::Arc;
 
-use candle_parallel::nn::{Adapters, ParallelCtx, ParamMode, TensorSource, TpActivations};
+use candle_parallel::nn::{Adapters, ParallelCtx, ParamMode, TensorSource};
 use models::hub::ModelFiles;
 use models::llama::{self, LlamaConfig, LoadedLlama};
 use models::peft::Adapter;
@@ -55,18 +55,12 @@ where
     T: Send,
     F: Fn(&Rank) -> Result<T> + Sync,
 {
-    let mesh_cfg = args.mesh_config()?;
-    let sp_cfg = args.sp_config()?;
+    let layout = args.layout()?;
     let run_rank = |world: Comm, device: Device| -> Result<T> {
-        let mesh = DeviceMesh::new(&mesh_cfg, world).context("building the device mesh")?;
-        let tp = if args.tp_sp {
-            TpActivations::SequenceSharded
-        } else {
-            TpActivations::Replicated
-        };
-        let ctx = ParallelCtx::new(&mesh, &sp_cfg, tp)
-            .context("building the parallel layout")?
-            .with_device(device);
+        let (mesh, ctx) = layout
+            .context(world)
+            .context("building the device mesh and the parallel layout")?;
+        let ctx = ctx.with_device(device);
         f(&Rank { mesh, ctx })
     };
     match args.backend {

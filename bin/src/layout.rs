@@ -235,6 +235,21 @@ impl LayoutArgs {
         self
     }
 
+    /// The parallel layout these flags describe (mesh, sequence-parallel attention, TP-sp):
+    /// what every rank builds its mesh and context from.
+    pub fn layout(&self) -> Result<candle_parallel::plan::Layout> {
+        let tp = if self.tp_sp {
+            candle_parallel::nn::TpActivations::SequenceSharded
+        } else {
+            candle_parallel::nn::TpActivations::Replicated
+        };
+        Ok(candle_parallel::plan::Layout::new(
+            self.mesh_config()?,
+            self.sp_config()?,
+            tp,
+        ))
+    }
+
     /// The data-parallel degree of these flags (checked).
     pub fn dp_degree(&self) -> Result<usize> {
         let mesh = self.mesh_config()?;
