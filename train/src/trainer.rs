@@ -272,19 +272,42 @@ pub struct StepStats {
     pub pp_bubble: Option<f64>,
 }
 
-/// Where a trainable parameter's value lives under the memory plan.
+/// Where a trainable parameter's value lives under the memory plan: the ZeRO stage as a
+/// parameter-state strategy. Each state knows how to give the whole value, take and gather
+/// its optimizer entries, and collect a micro-batch's gradient; the trainer does not match on
+/// the stage for those.
 enum ParamState {
     /// The model's whole tensor-parallel slice, trained in place (no ZeRO).
     Whole(Var),
     /// ZeRO-1/2: the model keeps the whole slice; the optimizer trains this rank's chunk (a
-    /// copy), gathered into the whole after each step.
+    /// copy), gathered into the whole after each step. Under ZeRO-2 each micro-batch's
+    /// gradient is reduce-scattered into the chunk.
     Mirrored {
         whole: Var,
-        flat: FlatShard,
-        chunk: Var,
+        chunk: Chunk,
+        reduce_scatter: bool,
     },
     /// ZeRO-3: the model's unit holds only this rank's chunk, trained directly.
-    Sharded { flat: FlatShard, chunk: Var },
+    Sharded(Chunk),
+}
+
+/// This rank's chunk of a parameter under ZeRO: the variable, how the tensor is cut, and the
+/// sharding group it is cut over.
+struct Chunk {
+    var: Var,
+    flat: FlatShard,
+    group: Comm,
+    /// The ranks holding the same chunk, whose chunk gradients add up (ZeRO's replica group;
+    /// with the tensor-parallel ranks for a replicated parameter under TP-sp).
+    replicas: Comm,
+}
+
+impl Chunk {
+    /// The whole tensor of `chunk` (this rank's chunk of a tensor shaped `shape`). Collective
+    /// over the sharding group.
+    fn gather(&self, chunk: &Tensor, shape: &[usize]) -> Result<Tensor> {
+        Ok(self.flat.gather(chunk, &self.group, shape)?)
+    }
 }
 
 /// One trainable parameter as the trainer handles it.
@@ -303,7 +326,7 @@ impl TrainParam {
     fn optimized(&self) -> &Var {
         match &self.state {
             ParamState::Whole(v) => v,
-            ParamState::Mirrored { chunk, .. } | ParamState::Sharded { chunk, .. } => chunk,
+            ParamState::Mirrored { chunk, .. } | ParamState::Sharded(chunk) => &chunk.var,
         }
     }
 
@@ -311,23 +334,109 @@ impl TrainParam {
     fn differentiated(&self) -> &Var {
         match &self.state {
             ParamState::Whole(v) | ParamState::Mirrored { whole: v, .. } => v,
-            ParamState::Sharded { chunk, .. } => chunk,
+            ParamState::Sharded(chunk) => &chunk.var,
         }
     }
 
-    fn flat(&self) -> Option<&FlatShard> {
+    /// The chunk the optimizer trains under ZeRO.
+    fn chunk(&self) -> Option<&Chunk> {
         match &self.state {
             ParamState::Whole(_) => None,
-            ParamState::Mirrored { flat, .. } | ParamState::Sharded { flat, .. } => Some(flat),
+            ParamState::Mirrored { chunk, .. } | ParamState::Sharded(chunk) => Some(chunk),
         }
+    }
+
+    /// The current value of this rank's whole tensor-parallel slice. Collective over the
+    /// sharding group under ZeRO-3.
+    fn whole_value(&self) -> Result<Tensor> {
+        match &self.state {
+            ParamState::Whole(v) | ParamState::Mirrored { whole: v, .. } => {
+                Ok(v.as_tensor().detach())
+            }
+            ParamState::Sharded(c) => c.gather(&c.var.as_tensor().detach(), &self.local_shape),
+        }
+    }
+
+    /// An optimizer entry of this parameter (shaped as the optimized variable) shaped as the
+    /// tensor-parallel slice. Collective over the sharding group under ZeRO.
+    fn whole_entry(&self, t: Tensor) -> Result<Tensor> {
+        match self.chunk() {
+            Some(c) => c.gather(&t, &self.local_shape),
+            None => Ok(t),
+        }
+    }
+
+    /// This rank's part of an entry shaped as the tensor-parallel slice. Local.
+    fn own_entry(&self, t: &Tensor) -> Result<Tensor> {
+        match self.chunk() {
+            Some(c) => Ok(c.flat.take(t)?),
+            None => Ok(t.clone()),
+        }
+    }
+
+    /// A micro-batch's gradient `g` of the differentiated variable as it is accumulated: f32,
+    /// and under ZeRO-2 this rank's chunk, reduce-scattered over the sharding group
+    /// (collective then).
+    fn collect(&self, g: &Tensor) -> Result<Tensor> {
+        match &self.state {
+            ParamState::Mirrored {
+                chunk,
+                reduce_scatter: true,
+                ..
+            } => Ok(chunk.flat.reduce_scatter(g, &chunk.group)?),
+            _ => Ok(g.to_dtype(DType::F32)?),
+        }
+    }
+
+    /// The step's accumulated gradient `g` summed over every rank it is summed over: whole
+    /// gradients over `grad_group` (the ranks sharing the parameter; ZeRO-1 then keeps this
+    /// rank's chunk), chunks already summed over the sharding group over its replicas.
+    /// Collective over those groups.
+    fn reduce_gradient(&self, g: Tensor, grad_group: &Comm) -> Result<Tensor> {
+        match &self.state {
+            ParamState::Mirrored {
+                chunk,
+                reduce_scatter: true,
+                ..
+            }
+            | ParamState::Sharded(chunk) => all_reduce_if(&chunk.replicas, g),
+            _ => self.own_entry(&all_reduce_if(grad_group, g)?),
+        }
+    }
+
+    /// After an optimizer step: the whole slice set from the updated chunks (ZeRO-1/2).
+    /// Collective over the sharding group then; nothing to do otherwise.
+    fn refresh(&self) -> Result<()> {
+        if let ParamState::Mirrored { whole, chunk, .. } = &self.state {
+            whole.set(&chunk.gather(chunk.var.as_tensor(), &self.local_shape)?)?;
+        }
+        Ok(())
     }
 }
 
 /// A parameter that does not train, kept for saving: as loaded, or under ZeRO-3 this rank's
-/// chunk.
+/// chunk and its sharding group.
 enum FrozenParam {
     Resident(Param),
-    Sharded(candle_parallel::nn::ShardedParam),
+    Sharded(candle_parallel::nn::ShardedParam, Comm),
+}
+
+impl FrozenParam {
+    /// Its whole tensor-parallel slice. Collective over the sharding group under ZeRO-3.
+    fn whole(&self) -> Result<Param> {
+        Ok(match self {
+            FrozenParam::Resident(p) => {
+                Param::value(&p.name, p.tensor.detach(), p.shard, &p.global_shape)
+            }
+            FrozenParam::Sharded(c, group) => Param::value(
+                &c.name,
+                c.flat
+                    .gather(&c.var.as_tensor().detach(), group, &c.local_shape)?,
+                c.shard,
+                &c.global_shape,
+            ),
+        })
+    }
 }
 
 /// One rank's trainer of a model `M`.
@@ -391,12 +500,25 @@ impl<M: TrainModel> Trainer<M> {
         let zero = cfg.memory.zero_groups(mesh)?;
         let param_meta = |p: &Param| (p.name.clone(), p.shard, p.global_shape.clone());
         let planned = cfg.memory.apply(&mut model, zero.as_ref())?;
+        let tp_sp = ctx.tp().sequence_parallel();
+        // The sharding group and the replica group of a parameter split (or not) over tp.
+        let groups = |shard: &Shard| -> Result<(Comm, Comm)> {
+            let z = zero.as_ref().ok_or_else(|| {
+                Error::Invalid("internal: parameters sharded without ZeRO groups".into())
+            })?;
+            let replicas = if tp_sp && !shard.is_split() {
+                &z.replica_tp
+            } else {
+                &z.replica
+            };
+            Ok((z.shard.clone(), replicas.clone()))
+        };
         let frozen: Vec<FrozenParam> = match &planned {
             PlannedParams::Sharded(chunks) => chunks
                 .iter()
                 .filter(|c| !c.trainable)
-                .map(|c| FrozenParam::Sharded(c.clone()))
-                .collect(),
+                .map(|c| Ok(FrozenParam::Sharded(c.clone(), groups(&c.shard)?.0)))
+                .collect::<Result<_>>()?,
             PlannedParams::Resident(params) => params
                 .iter()
                 .filter(|p| p.var.is_none())
@@ -408,17 +530,22 @@ impl<M: TrainModel> Trainer<M> {
             PlannedParams::Sharded(chunks) => chunks
                 .into_iter()
                 .filter(|s| s.trainable)
-                .map(|s| TrainParam {
-                    name: s.name,
-                    shard: s.shard,
-                    global_shape: s.global_shape,
-                    local_shape: s.local_shape,
-                    state: ParamState::Sharded {
-                        flat: s.flat,
-                        chunk: s.var,
-                    },
+                .map(|s| {
+                    let (group, replicas) = groups(&s.shard)?;
+                    Ok(TrainParam {
+                        name: s.name,
+                        shard: s.shard,
+                        global_shape: s.global_shape,
+                        local_shape: s.local_shape,
+                        state: ParamState::Sharded(Chunk {
+                            var: s.var,
+                            flat: s.flat,
+                            group,
+                            replicas,
+                        }),
+                    })
                 })
-                .collect(),
+                .collect::<Result<Vec<_>>>()?,
             PlannedParams::Resident(params) => params
                 .iter()
                 .filter_map(|p| p.var.clone().map(|whole| (p, whole)))
@@ -426,8 +553,18 @@ impl<M: TrainModel> Trainer<M> {
                     let state = match &zero {
                         Some(z) => {
                             let flat = z.flat_shard(p.tensor.elem_count())?;
-                            let chunk = Var::from_tensor(&flat.take(&p.tensor)?)?;
-                            ParamState::Mirrored { whole, flat, chunk }
+                            let var = Var::from_tensor(&flat.take(&p.tensor)?)?;
+                            let (group, replicas) = groups(&p.shard)?;
+                            ParamState::Mirrored {
+                                whole,
+                                chunk: Chunk {
+                                    var,
+                                    flat,
+                                    group,
+                                    replicas,
+                                },
+                                reduce_scatter: cfg.memory.zero == ZeroStage::Gradients,
+                            }
                         }
                         None => ParamState::Whole(whole),
                     };
@@ -524,24 +661,7 @@ impl<M: TrainModel> Trainer<M> {
         let mut out = self.trained_params()?;
         if self.model.saves_frozen() {
             for f in &self.frozen {
-                out.push(match (f, &self.zero) {
-                    (FrozenParam::Resident(p), _) => {
-                        Param::value(&p.name, p.tensor.detach(), p.shard, &p.global_shape)
-                    }
-                    (FrozenParam::Sharded(c), Some(z)) => Param::value(
-                        &c.name,
-                        c.flat
-                            .gather(&c.var.as_tensor().detach(), &z.shard, &c.local_shape)?,
-                        c.shard,
-                        &c.global_shape,
-                    ),
-                    (FrozenParam::Sharded(c), None) => {
-                        return Err(Error::Invalid(format!(
-                            "internal: parameter `{}` is sharded without ZeRO groups",
-                            c.name
-                        )))
-                    }
-                });
+                out.push(f.whole()?);
             }
             out.sort_by(|a, b| a.name.cmp(&b.name));
         }
@@ -554,21 +674,12 @@ impl<M: TrainModel> Trainer<M> {
         self.params
             .iter()
             .map(|p| {
-                let tensor = match (&p.state, &self.zero) {
-                    (ParamState::Whole(v) | ParamState::Mirrored { whole: v, .. }, _) => {
-                        v.as_tensor().detach()
-                    }
-                    (ParamState::Sharded { flat, chunk }, Some(z)) => {
-                        flat.gather(&chunk.as_tensor().detach(), &z.shard, &p.local_shape)?
-                    }
-                    (ParamState::Sharded { .. }, None) => {
-                        return Err(Error::Invalid(format!(
-                            "internal: parameter `{}` is sharded without ZeRO groups",
-                            p.name
-                        )))
-                    }
-                };
-                Ok(Param::value(&p.name, tensor, p.shard, &p.global_shape))
+                Ok(Param::value(
+                    &p.name,
+                    p.whole_value()?,
+                    p.shard,
+                    &p.global_shape,
+                ))
             })
             .collect()
     }
@@ -587,11 +698,7 @@ impl<M: TrainModel> Trainer<M> {
     pub fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::new();
         for (entry, t) in self.optimizer.state_tensors()? {
-            let p = self.param(&entry)?;
-            let t = match (p.flat(), &self.zero) {
-                (Some(flat), Some(z)) => flat.gather(&t, &z.shard, &p.local_shape)?,
-                _ => t,
-            };
+            let t = self.param(&entry)?.whole_entry(t)?;
             out.push((entry, t));
         }
         Ok(out)
@@ -616,10 +723,7 @@ impl<M: TrainModel> Trainer<M> {
                     p.local_shape
                 )));
             }
-            let t = match p.flat() {
-                Some(flat) => flat.take(&t)?,
-                None => t,
-            };
+            let t = p.own_entry(&t)?;
             local.insert(entry, t);
         }
         self.optimizer.load_state(&local, step)?;
@@ -873,19 +977,11 @@ impl<M: TrainModel> Trainer<M> {
         &self,
         mut grad_of: impl FnMut(&TrainParam) -> Option<Tensor>,
     ) -> Result<Vec<(String, Tensor)>> {
-        let stage2 = self.cfg.memory.zero == ZeroStage::Gradients;
         self.params
             .iter()
             .map(|p| {
                 let g = grad_of(p).ok_or_else(|| no_gradient(&p.name))?;
-                let g = &g;
-                let g = match (&p.state, &self.zero) {
-                    (ParamState::Mirrored { flat, .. }, Some(z)) if stage2 => {
-                        flat.reduce_scatter(g, &z.shard)?
-                    }
-                    _ => g.to_dtype(DType::F32)?,
-                };
-                Ok((p.name.clone(), g))
+                Ok((p.name.clone(), p.collect(&g)?))
             })
             .collect()
     }
@@ -902,8 +998,6 @@ impl<M: TrainModel> Trainer<M> {
                 self.params.len()
             )));
         }
-        let tp_sp = self.ctx.tp().sequence_parallel();
-        let stage = self.cfg.memory.zero;
         let mut grads = Vec::with_capacity(acc.len());
         for (p, (n, g)) in self.params.iter().zip(acc) {
             if p.name != n {
@@ -912,28 +1006,7 @@ impl<M: TrainModel> Trainer<M> {
                     p.name
                 )));
             }
-            let g = match (&self.zero, stage) {
-                // Whole gradients: sum over the ranks sharing the parameter (ZeRO-1 then keeps
-                // this rank's chunk).
-                (None, _) | (Some(_), ZeroStage::Off | ZeroStage::OptimizerStates) => {
-                    let group = self.ctx.grad_group(&p.shard);
-                    let g = all_reduce_if(group, g)?;
-                    match p.flat() {
-                        Some(flat) => flat.take(&g)?,
-                        None => g,
-                    }
-                }
-                // Chunks already summed over the sharding group: add the replicas (and, for
-                // replicated parameters under TP-sp, the tensor-parallel ranks).
-                (Some(z), ZeroStage::Gradients | ZeroStage::Parameters) => {
-                    let group = if tp_sp && !p.shard.is_split() {
-                        &z.replica_tp
-                    } else {
-                        &z.replica
-                    };
-                    all_reduce_if(group, g)?
-                }
-            };
+            let g = p.reduce_gradient(g, self.ctx.grad_group(&p.shard))?;
             grads.push((n, g));
         }
         let split: HashMap<&str, bool> = self
@@ -973,11 +1046,8 @@ impl<M: TrainModel> Trainer<M> {
     /// ZeRO stages 1 and 2: sets every whole parameter from the sharding group's updated
     /// chunks. Collective over the sharding group; nothing to do otherwise.
     fn gather_updated(&self) -> Result<()> {
-        let Some(z) = &self.zero else { return Ok(()) };
         for p in &self.params {
-            if let ParamState::Mirrored { whole, flat, chunk } = &p.state {
-                whole.set(&flat.gather(chunk.as_tensor(), &z.shard, &p.local_shape)?)?;
-            }
+            p.refresh()?;
         }
         Ok(())
     }
