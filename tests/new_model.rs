@@ -246,6 +246,11 @@ impl CausalLm for Encoder {
         Ok(ends.head.loss_sum(&ends.norm.forward(x)?, labels, opts)?)
     }
 
+    fn norm_head_logits(&self, x: &Tensor) -> models::Result<Tensor> {
+        let ends = self.ends()?;
+        Ok(ends.head.logits(&ends.norm.forward(x)?)?)
+    }
+
     fn end_params(&self) -> Vec<String> {
         self.ends
             .iter()
@@ -608,6 +613,10 @@ fn registry_run(dir: &std::path::Path, layout: &Layout, steps: u64) -> (Run, Vec
             losses.push(s.loss);
             norms.push(s.grad_norm);
         }
+        // Held-out evaluation of the trained model (forward only, through the stages under a
+        // pipeline), as the driver's evaluation runs it.
+        let (eval, _) = t.eval_loss(&data, 4).map_err(|x| e(&x))?;
+        norms.push(eval);
         Ok((losses, norms, whole_weights(&t, &mesh)?))
     })
     .unwrap_or_else(|e| panic!("{e}"));
@@ -631,8 +640,8 @@ fn registry_run(dir: &std::path::Path, layout: &Layout, steps: u64) -> (Run, Vec
 
 /// A family registered from outside the models crate is detected from its `config.json`
 /// (`architectures`), described (FLOPs), loaded by its own loader for each rank's layout and
-/// pipeline stage, and trains through the engine under tp2, ring2 and pp2 with the losses,
-/// gradient norms and final weights of one rank (1e-5). An unknown architecture lists the
+/// pipeline stage, and trains and evaluates through the engine under tp2, ring2 and pp2 with
+/// the losses, gradient norms, held-out loss and final weights of one rank (1e-5). An unknown architecture lists the
 /// supported families, the registered one among them.
 #[test]
 fn a_family_registered_from_outside_trains_through_the_registry() {
@@ -661,8 +670,10 @@ fn a_family_registered_from_outside_trains_through_the_registry() {
         for (i, (a, b)) in got.losses.iter().zip(&want.losses).enumerate() {
             assert_close_scalar(*a, *b, 1e-5, &format!("{}: step {i}: loss", layout.name));
         }
+        // Gradient norms of every step, then the held-out loss after training.
+        assert_eq!(norms.len(), steps as usize + 1);
         for (i, (g, w)) in norms.iter().zip(&want_norms).enumerate() {
-            let what = format!("{}: step {i}: gradient norm", layout.name);
+            let what = format!("{}: step {i}: gradient norm / eval loss", layout.name);
             assert_close_scalar(*g, *w, 1e-5, &what);
         }
         assert_eq!(got.weights.len(), want.weights.len(), "{}", layout.name);

@@ -7,14 +7,16 @@ use candle_core::{DType, Device, Tensor};
 use candle_parallel::attention::{AttnMask, ShardPlan};
 use candle_parallel::comm::ReduceOp;
 use candle_parallel::mesh::Dim;
-use candle_parallel::nn::{Batch, CrossEntropyOptions, ParamMode};
-use models::llama::{LlamaConfig, LoadedLlama};
+use candle_parallel::nn::{Adapters, Batch, CrossEntropyOptions, ParamMode, TensorSource};
+use models::family::LoadSpec;
 use models::tokenizer::Tokenizer;
+use models::CausalLm;
 use models::StageMicroBatch;
+use std::sync::Arc;
 use train::trainer::{pipeline_eval, PipelineConfig};
 
 use crate::args::{EvalArgs, EvalReport};
-use crate::launch::{launch_pipelined, load_llama_stage, Rank};
+use crate::launch::{launch_pipelined, stage_layers, Rank};
 use crate::layout::LayoutArgs;
 
 /// The largest length `<= len` that the layout can shard (0 if none).
@@ -34,11 +36,11 @@ fn fit_to_layout(len: usize, layout: &LayoutArgs) -> Result<usize> {
 fn sequences(
     args: &EvalArgs,
     files: &models::hub::ModelFiles,
-    cfg: &LlamaConfig,
+    vocab_size: usize,
 ) -> Result<Vec<Vec<u32>>> {
     let sp = args.layout.sp_config()?;
     if let Some(path) = &args.tokens {
-        let seqs = train::data::read_token_sequences(path, cfg.vocab_size, "--tokens")?;
+        let seqs = train::data::read_token_sequences(path, vocab_size, "--tokens")?;
         for (i, s) in seqs.iter().enumerate() {
             ShardPlan::new(s.len(), sp.layout, sp.ring, sp.ulysses).with_context(|| {
                 format!(
@@ -73,7 +75,7 @@ fn sequences(
     }
     let tok = Tokenizer::from_model(files)?;
     let docs = train::data::read_documents(path, &args.text_field, "--data")?;
-    let ids = train::data::TokenStream::from_documents(&tok, &docs, cfg.vocab_size)
+    let ids = train::data::TokenStream::from_documents(&tok, &docs, vocab_size)
         .with_context(|| format!("tokenizing --data {}", path.display()))?
         .ids;
     let mut seqs: Vec<Vec<u32>> = ids.chunks(window).map(|c| c.to_vec()).collect();
@@ -94,44 +96,82 @@ fn sequences(
 /// of an MPI job).
 pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
     let files = models::hub::resolve(&args.model)?;
-    let cfg = LlamaConfig::from_file(&files.config)?;
+    // The family of the checkpoint (the registry): its layers, vocabulary and loader.
+    let family = models::family::detect(&files.config)?;
+    let load = family.load_causal_lm.with_context(|| {
+        format!(
+            "--model {}: the {} family does not load as a causal language model",
+            args.model, family.name
+        )
+    })?;
+    let desc = (family.describe)(&files.config)?;
     let dtype = args.dtype.map(DType::from);
-    let seqs = sequences(args, &files, &cfg)?;
+    let seqs = sequences(args, &files, desc.vocab)?;
     let want_logits = args.logits_out.is_some();
     let pipeline = args
         .pipeline
-        .stages(args.layout.pp, cfg.num_hidden_layers, &files.config)?;
+        .stages(args.layout.pp, desc.layers, &files.config)?;
     if pipeline.is_some() && want_logits {
         bail!("--logits-out is not available with --pp");
     }
     let adapter = crate::launch::read_adapter(args.adapter.as_deref())?;
     launch_pipelined(&args.layout, |rank: &Rank| {
-        let all = 0..cfg.num_hidden_layers;
-        let ranges = pipeline.as_ref().map(|pc| pc.ranges()).unwrap_or(vec![all]);
-        let loaded = load_llama_stage(
-            &files,
-            rank,
+        let ranges = match &pipeline {
+            Some(pc) => pc.ranges(),
+            None => std::iter::once(0..desc.layers).collect(),
+        };
+        let (layers, ends) = stage_layers(rank, &ranges);
+        let adapters = adapter
+            .as_ref()
+            .map(|a| {
+                Adapters::new(
+                    a.lora.clone(),
+                    Some(a.source.clone() as Arc<dyn TensorSource>),
+                )
+            })
+            .transpose()?;
+        let spec = LoadSpec {
+            ctx: &rank.ctx,
             dtype,
-            ParamMode::Frozen,
-            &args.layout,
-            &ranges,
-            adapter.as_ref(),
-        )?;
-        score(rank, &loaded, &seqs, pipeline.as_ref(), want_logits)
+            mode: ParamMode::Frozen,
+            layers: &layers,
+            ends,
+            adapters,
+        };
+        let loaded = load(&files, &spec)
+            .with_context(|| format!("loading {} with {}", files.source, args.layout.flags()))?;
+        let act = activation_dtype(&loaded.params);
+        score(
+            rank,
+            loaded.model.as_ref(),
+            act,
+            &seqs,
+            pipeline.as_ref(),
+            want_logits,
+        )
     })
 }
 
-/// The mean loss of `loaded` (this rank's stage) on `seqs`, timed from a barrier to the slowest
+/// Dtype of a model's activations: that of its parameters (f32 when it has none).
+pub fn activation_dtype(params: &candle_parallel::nn::ParamList) -> DType {
+    params
+        .sorted()
+        .first()
+        .map(|p| p.tensor.dtype())
+        .unwrap_or(DType::F32)
+}
+
+/// The mean loss of `model` (this rank's stage, activations in `act`) on `seqs`, timed from a barrier to the slowest
 /// rank's end; with `want_logits`, rank 0 also returns every sequence's global logits.
 /// Collective over the world of `rank`.
 pub fn score(
     rank: &Rank,
-    loaded: &LoadedLlama,
+    model: &dyn CausalLm,
+    act: DType,
     seqs: &[Vec<u32>],
     pipeline: Option<&PipelineConfig>,
     want_logits: bool,
 ) -> Result<(EvalReport, Vec<Tensor>)> {
-    let model = &loaded.model;
     let (dp, dp_rank) = (rank.mesh.size(Dim::Dp), rank.mesh.coord(Dim::Dp));
     let opts = CrossEntropyOptions::default();
     rank.world().barrier()?;
@@ -150,12 +190,6 @@ pub fn score(
                 Ok(StageMicroBatch { batch, labels })
             })
             .collect::<Result<Vec<_>>>()?;
-        let act = loaded
-            .params
-            .sorted()
-            .first()
-            .map(|p| p.tensor.dtype())
-            .unwrap_or(DType::F32);
         (sum, count) = pipeline_eval(model, &rank.mesh.comm(Dim::Pp), pc, &micro, opts, act)?;
     }
     for (i, seq) in seqs.iter().enumerate().filter(|_| pipeline.is_none()) {

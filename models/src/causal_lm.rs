@@ -51,6 +51,18 @@ pub trait CausalLm: Parallelize + Send + Sync {
         opts: &CrossEntropyOptions,
     ) -> Result<(Tensor, usize)>;
 
+    /// The last stage's work for evaluation: final norm and head, the logits `(.., tokens, V)`
+    /// f32 of the last layer's output `x` (all-gathered over the vocabulary shards).
+    fn norm_head_logits(&self, x: &Tensor) -> Result<Tensor>;
+
+    /// Logits `(batch, n, vocab)` f32 of this rank's tokens (for evaluation and generation, not
+    /// for long-context training).
+    fn logits(&self, batch: &Batch) -> Result<Tensor> {
+        let x = self.embed_tokens(batch)?;
+        let x = self.run_layers(0..self.num_layers(), &x, batch)?;
+        self.norm_head_logits(&x)
+    }
+
     /// The whole model at once: sum of the next-token cross-entropies of this rank's tokens and
     /// their count. `labels` `(batch, n)` i64, already shifted and sharded like the tokens,
     /// `-100` ignored. Divide by the global count for the mean loss.
@@ -174,6 +186,14 @@ impl CausalLm for Box<dyn CausalLm> {
         opts: &CrossEntropyOptions,
     ) -> Result<(Tensor, usize)> {
         (**self).loss_sum(batch, labels, opts)
+    }
+
+    fn norm_head_logits(&self, x: &Tensor) -> Result<Tensor> {
+        (**self).norm_head_logits(x)
+    }
+
+    fn logits(&self, batch: &Batch) -> Result<Tensor> {
+        (**self).logits(batch)
     }
 
     fn backward(&self, loss: &Tensor) -> Result<GradStore> {

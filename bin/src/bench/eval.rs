@@ -42,8 +42,9 @@ pub fn run(args: &EvalBenchArgs) -> Result<()> {
             .map(|i| random_tokens(a.seq_len, vocab, a.seed + i))
             .collect();
         let loaded = model.load(rank, dtype, ParamMode::Frozen, &a.layout)?;
+        let act = crate::eval::activation_dtype(&loaded.params);
         (0..=args.repeats)
-            .map(|_| Ok(score(rank, &loaded, &seqs, None, false)?.0))
+            .map(|_| Ok(score(rank, &loaded.model, act, &seqs, None, false)?.0))
             .collect::<Result<Vec<EvalReport>>>()
     })?;
     let Some(reports) = reports else {

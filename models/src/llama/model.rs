@@ -480,6 +480,17 @@ impl crate::causal_lm::CausalLm for Llama {
         self.head_loss(&ends, &h, labels, opts)
     }
 
+    fn norm_head_logits(&self, x: &Tensor) -> Result<Tensor> {
+        let ends = self.ends(Track::Grad)?;
+        let h = self.final_norm(&ends, x)?;
+        self.head_logits(&ends, &h)
+    }
+
+    /// The ends are gathered once (under ZeRO-3) for the embedding and the head.
+    fn logits(&self, batch: &Batch) -> Result<Tensor> {
+        Llama::logits(self, batch)
+    }
+
     /// The ends are gathered once (under ZeRO-3) for the embedding and the head.
     fn loss_sum(
         &self,
