@@ -7,16 +7,14 @@ use candle_core::{DType, Device, Tensor};
 use candle_parallel::attention::{AttnMask, ShardPlan};
 use candle_parallel::comm::ReduceOp;
 use candle_parallel::mesh::Dim;
-use candle_parallel::nn::{Adapters, Batch, CrossEntropyOptions, ParamMode, TensorSource};
-use models::family::LoadSpec;
+use candle_parallel::nn::{Batch, CrossEntropyOptions, ParamMode};
 use models::tokenizer::Tokenizer;
 use models::CausalLm;
 use models::StageMicroBatch;
-use std::sync::Arc;
 use train::trainer::{pipeline_eval, PipelineConfig};
 
 use crate::args::{EvalArgs, EvalReport};
-use crate::launch::{launch_pipelined, stage_layers, Rank};
+use crate::launch::{launch_pipelined, load_causal_lm, Rank};
 use crate::layout::LayoutArgs;
 
 /// The largest length `<= len` that the layout can shard (0 if none).
@@ -98,12 +96,6 @@ pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
     let files = models::hub::resolve(&args.model)?;
     // The family of the checkpoint (the registry): its layers, vocabulary and loader.
     let family = models::family::detect(&files.config)?;
-    let load = family.load_causal_lm.with_context(|| {
-        format!(
-            "--model {}: the {} family does not load as a causal language model",
-            args.model, family.name
-        )
-    })?;
     let desc = (family.describe)(&files.config)?;
     let dtype = args.dtype.map(DType::from);
     let seqs = sequences(args, &files, desc.vocab)?;
@@ -120,26 +112,15 @@ pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
             Some(pc) => pc.ranges(),
             None => std::iter::once(0..desc.layers).collect(),
         };
-        let (layers, ends) = stage_layers(rank, &ranges);
-        let adapters = adapter
-            .as_ref()
-            .map(|a| {
-                Adapters::new(
-                    a.lora.clone(),
-                    Some(a.source.clone() as Arc<dyn TensorSource>),
-                )
-            })
-            .transpose()?;
-        let spec = LoadSpec {
-            ctx: &rank.ctx,
+        let loaded = load_causal_lm(
+            &files,
+            rank,
+            &ranges,
             dtype,
-            mode: ParamMode::Frozen,
-            layers: &layers,
-            ends,
-            adapters,
-        };
-        let loaded = load(&files, &spec)
-            .with_context(|| format!("loading {} with {}", files.source, args.layout.flags()))?;
+            ParamMode::Frozen,
+            &args.layout,
+            adapter.as_ref(),
+        )?;
         let act = activation_dtype(&loaded.params);
         score(
             rank,

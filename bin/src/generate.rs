@@ -7,11 +7,11 @@ use candle_parallel::comm::Comm;
 use candle_parallel::mesh::Dim;
 use candle_parallel::nn::ParamMode;
 use candle_parallel::pipeline::split_layers;
-use models::llama::{self, Llama, LlamaConfig};
+use models::causal_lm::{CausalLm, KvCache};
 use models::tokenizer::{SpecialTokens, Tokenizer};
 
 use crate::args::GenerateArgs;
-use crate::launch::{launch_pipelined, load_llama_stage};
+use crate::launch::{launch_pipelined, load_causal_lm};
 use crate::sampling::{sample, Rng};
 
 pub fn run(args: &GenerateArgs) -> Result<()> {
@@ -44,44 +44,41 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         bail!("--prompt: the prompt encodes to no tokens");
     }
     let adapter = crate::launch::read_adapter(args.adapter.as_deref())?;
-    // Under --pp the decoder layers are cut into one stage per pipeline rank (the default
-    // split of `cpl train`).
-    let num_layers = LlamaConfig::from_file(&files.config)?.num_hidden_layers;
-    let pp = args.layout.pp;
+    // The family of the checkpoint (the registry): its layers, width and vocabulary. Under
+    // --pp the decoder layers are cut into one stage per pipeline rank (the default split of
+    // `cpl train`).
+    let desc = (models::family::detect(&files.config)?.describe)(&files.config)?;
+    if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= desc.vocab) {
+        bail!("the prompt holds token id {bad}, outside the model's vocabulary");
+    }
+    let (num_layers, pp) = (desc.layers, args.layout.pp);
     let ranges = split_layers(num_layers, pp, None)
         .with_context(|| format!("--pp {pp} for the {num_layers} layers of {}", files.source))?;
     let text = launch_pipelined(&args.layout, |rank| {
-        let m = load_llama_stage(
+        let m = load_causal_lm(
             &files,
             rank,
+            &ranges,
             dtype,
             ParamMode::Frozen,
             &args.layout,
-            &ranges,
             adapter.as_ref(),
         )?;
-        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= m.config.vocab_size) {
-            bail!("the prompt holds token id {bad}, outside the model's vocabulary");
-        }
         let stages = Stages {
             pp: rank.mesh.comm(Dim::Pp),
             layers: ranges[rank.mesh.coord(Dim::Pp)].clone(),
-            hidden: m.config.hidden_size,
-            dtype: m
-                .params
-                .sorted()
-                .first()
-                .map(|p| p.tensor.dtype())
-                .unwrap_or(DType::F32),
+            hidden: desc.hidden,
+            vocab: desc.vocab,
+            dtype: crate::eval::activation_dtype(&m.params),
         };
-        let mut cache = llama::KvCache::default();
+        let mut cache = KvCache::default();
         let mut rng = Rng(args.seed);
         let mut out = prompt.clone();
         let dev = rank.ctx.device();
         let mut next = Tensor::from_vec(prompt.clone(), (1, prompt.len()), dev)?;
         for _ in 0..args.max_new_tokens {
             // Every rank samples the same token: the last stage's logits are broadcast.
-            let logits = stages.forward(&m.model, &next, &mut cache)?;
+            let logits = stages.forward(m.model.as_ref(), &next, &mut cache)?;
             let logits = logits.squeeze(0)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
             let t = sample(&logits, args.temperature, args.top_p, &mut rng);
             out.push(t);
@@ -105,6 +102,7 @@ struct Stages {
     pp: Comm,
     layers: std::ops::Range<usize>,
     hidden: usize,
+    vocab: usize,
     /// Dtype of the hidden states between stages (the parameters').
     dtype: DType,
 }
@@ -112,7 +110,7 @@ struct Stages {
 impl Stages {
     /// The logits `(1, vocab)` f32 of the last of the new tokens `ids` `(1, n)`, on every rank
     /// of the pipeline; extends this stage's layers in `cache`. Collective over the world.
-    fn forward(&self, model: &Llama, ids: &Tensor, cache: &mut llama::KvCache) -> Result<Tensor> {
+    fn forward(&self, model: &dyn CausalLm, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         let (p, r) = (self.pp.size(), self.pp.rank());
         let n = ids.dim(1)?;
         let x = if r == 0 {
@@ -129,7 +127,7 @@ impl Stages {
         let logits = if r + 1 == p {
             model.head_cached(&x)?
         } else {
-            Tensor::zeros((1, model.config().vocab_size), DType::F32, x.device())?
+            Tensor::zeros((1, self.vocab), DType::F32, x.device())?
         };
         Ok(if p > 1 {
             self.pp.broadcast(&logits, p - 1)?

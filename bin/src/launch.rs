@@ -364,16 +364,53 @@ pub fn load_llama_stage(
     adapter: Option<&Adapter>,
 ) -> Result<LoadedLlama> {
     let (mine, ends) = stage_layers(rank, layers);
-    let adapters = adapter
+    let adapters = adapters_of(adapter)?;
+    llama::load_stage_adapted(files, &rank.ctx, dtype, mode, &mine, ends, adapters)
+        .with_context(|| format!("loading {} with {}", files.source, layout.flags()))
+}
+
+/// The causal LM of `files` (the registry's family of its `config.json`) for `rank`'s
+/// layout: the decoder layers of its chunks of `ranges` (every virtual stage's layers) and the
+/// two ends on the first and last stage, with the LoRA `adapter` when given. Errors name the
+/// model, the family and the layout flags.
+pub fn load_causal_lm(
+    files: &ModelFiles,
+    rank: &Rank,
+    ranges: &[std::ops::Range<usize>],
+    dtype: Option<DType>,
+    mode: ParamMode,
+    layout: &LayoutArgs,
+    adapter: Option<&Adapter>,
+) -> Result<models::family::LoadedCausalLm> {
+    let family = models::family::detect(&files.config)?;
+    let load = family.load_causal_lm.with_context(|| {
+        format!(
+            "{}: the {} family does not load as a causal language model",
+            files.source, family.name
+        )
+    })?;
+    let (layers, ends) = stage_layers(rank, ranges);
+    let spec = models::family::LoadSpec {
+        ctx: &rank.ctx,
+        dtype,
+        mode,
+        layers: &layers,
+        ends,
+        adapters: adapters_of(adapter)?,
+    };
+    load(files, &spec).with_context(|| format!("loading {} with {}", files.source, layout.flags()))
+}
+
+/// The adapters of a PEFT `adapter` for building a model with them.
+fn adapters_of(adapter: Option<&Adapter>) -> Result<Option<Arc<Adapters>>> {
+    Ok(adapter
         .map(|a| {
             Adapters::new(
                 a.lora.clone(),
                 Some(a.source.clone() as Arc<dyn TensorSource>),
             )
         })
-        .transpose()?;
-    llama::load_stage_adapted(files, &rank.ctx, dtype, mode, &mine, ends, adapters)
-        .with_context(|| format!("loading {} with {}", files.source, layout.flags()))
+        .transpose()?)
 }
 
 /// The PEFT adapter of an `--adapter DIR` flag.

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
 use candle_core::{Shape, Tensor};
-use candle_parallel::nn::{Adapters, Batch, CrossEntropyOptions, ParallelCtx};
+use candle_parallel::nn::{Adapters, Batch, CrossEntropyOptions, LayerKv, ParallelCtx};
 use candle_parallel::pipeline::{StageLoss, StagedModel};
 use candle_parallel::plan::Parallelize;
 
@@ -82,6 +82,33 @@ pub trait CausalLm: Parallelize + Send + Sync {
         Ok(self.ctx().backward(loss)?)
     }
 
+    /// Generation, the first stage's work: the embeddings of the new tokens `ids` `(batch, n)`.
+    /// A family without cached generation errors.
+    fn embed_cached(&self, ids: &Tensor) -> Result<Tensor> {
+        let _ = ids;
+        Err(no_generation())
+    }
+
+    /// Generation: decoder layers `layers` on the new tokens' hidden states `x`, at positions
+    /// `cache.len()..`, extending those layers' keys and values in `cache`
+    /// ([`KvCache::advance`] moves the position once every range of the step has run).
+    fn layers_cached(
+        &self,
+        x: &Tensor,
+        layers: Range<usize>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let _ = (x, layers, cache);
+        Err(no_generation())
+    }
+
+    /// Generation, the last stage's work: the logits `(batch, vocab)` f32 of the last of the
+    /// new tokens.
+    fn head_cached(&self, x: &Tensor) -> Result<Tensor> {
+        let _ = x;
+        Err(no_generation())
+    }
+
     /// Names of the parameters of this rank's end units (embedding, final norm, head), which
     /// the first and the last pipeline stage both hold. Local.
     fn end_params(&self) -> Vec<String>;
@@ -92,11 +119,50 @@ pub trait CausalLm: Parallelize + Send + Sync {
     }
 }
 
+/// The keys and values of every layer for incremental generation, and the position of the
+/// next tokens.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    layers: Vec<LayerKv>,
+    len: usize,
+}
+
+impl KvCache {
+    /// Tokens already in the cache.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Moves the position of the next tokens on by `n`, once every layer has cached them.
+    pub fn advance(&mut self, n: usize) {
+        self.len += n;
+    }
+
+    /// Layer `i`'s keys and values of a model of `num_layers` layers. Errors when `i` is out
+    /// of range.
+    pub fn layer(&mut self, i: usize, num_layers: usize) -> Result<&mut LayerKv> {
+        if self.layers.len() != num_layers {
+            self.layers = vec![None; num_layers];
+        }
+        self.layers.get_mut(i).ok_or_else(|| {
+            crate::Error::Invalid(format!("layer {i} of a model with {num_layers} layers"))
+        })
+    }
+}
+
 /// One micro-batch as every stage sees it: the batch (ids, positions, mask) and the shifted
 /// labels of this rank's tokens.
 pub struct StageMicroBatch {
     pub batch: Batch,
     pub labels: Tensor,
+}
+
+fn no_generation() -> crate::Error {
+    crate::Error::Invalid("this model family does not generate with a KV cache".into())
 }
 
 /// Any [`CausalLm`] as pipeline stages with its next-token loss (see the
@@ -206,5 +272,22 @@ impl CausalLm for Box<dyn CausalLm> {
 
     fn adapters(&self) -> Option<&Arc<Adapters>> {
         (**self).adapters()
+    }
+
+    fn embed_cached(&self, ids: &Tensor) -> Result<Tensor> {
+        (**self).embed_cached(ids)
+    }
+
+    fn layers_cached(
+        &self,
+        x: &Tensor,
+        layers: Range<usize>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        (**self).layers_cached(x, layers, cache)
+    }
+
+    fn head_cached(&self, x: &Tensor) -> Result<Tensor> {
+        (**self).head_cached(x)
     }
 }

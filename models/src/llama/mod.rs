@@ -11,8 +11,9 @@ use candle_parallel::nn::{
     Adapters, ParallelCtx, ParamBuilder, ParamList, ParamMode, TensorSource,
 };
 
+pub use crate::causal_lm::KvCache;
 pub use config::LlamaConfig;
-pub use model::{DecoderLayer, Ends, KvCache, Llama};
+pub use model::{DecoderLayer, Ends, Llama};
 pub use random::{random_weights, write_random_checkpoint};
 
 use crate::checkpoint::CheckpointReader;

@@ -22,6 +22,7 @@ use candle_parallel::ops::RotaryEmbedding;
 use candle_parallel::plan::Parallelize;
 
 use super::config::LlamaConfig;
+use crate::causal_lm::KvCache;
 use crate::error::{Error, Result};
 
 impl LlamaConfig {
@@ -93,29 +94,6 @@ impl Block for DecoderLayer {
         let x = (x + self.self_attn.forward(&h, pass)?)?;
         let h = self.post_attention_layernorm.forward(&x)?;
         Ok((&x + self.mlp.forward(&h)?)?)
-    }
-}
-
-/// The keys and values of every layer for incremental generation.
-#[derive(Debug, Clone, Default)]
-pub struct KvCache {
-    layers: Vec<LayerKv>,
-    len: usize,
-}
-
-impl KvCache {
-    /// Tokens already in the cache.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Moves the position of the next tokens on by `n`, once every layer has cached them.
-    pub fn advance(&mut self, n: usize) {
-        self.len += n;
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 }
 
@@ -400,19 +378,11 @@ impl Llama {
     ) -> Result<Tensor> {
         self.check_generation_layout()?;
         let n = x.dim(1)?;
-        let start = cache.len;
+        let start = cache.len();
         let positions: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
-        if cache.layers.len() != self.layers.len() {
-            cache.layers = vec![None; self.layers.len()];
-        }
         let mut x = x.clone();
         for i in layers {
-            let c = cache.layers.get_mut(i).ok_or_else(|| {
-                Error::Invalid(format!(
-                    "layer {i} of a model with {} layers",
-                    self.layers.len()
-                ))
-            })?;
+            let c = cache.layer(i, self.layers.len())?;
             x = self
                 .layer(i)?
                 .get(Track::NoGrad)?
@@ -506,6 +476,23 @@ impl crate::causal_lm::CausalLm for Llama {
             .iter()
             .flat_map(|u| u.params().iter().map(|p| p.name.clone()))
             .collect()
+    }
+
+    fn embed_cached(&self, ids: &Tensor) -> Result<Tensor> {
+        Llama::embed_cached(self, ids)
+    }
+
+    fn layers_cached(
+        &self,
+        x: &Tensor,
+        layers: std::ops::Range<usize>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        Llama::layers_cached(self, x, layers, cache)
+    }
+
+    fn head_cached(&self, x: &Tensor) -> Result<Tensor> {
+        Llama::head_cached(self, x)
     }
 
     fn adapters(&self) -> Option<&Arc<Adapters>> {
