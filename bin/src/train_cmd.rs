@@ -10,7 +10,6 @@ use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use candle_parallel::mesh::{Dim, MeshLayout};
 use candle_parallel::nn::ParamMode;
-use models::family::LoadSpec;
 use models::tokenizer::Tokenizer;
 use models::Kind;
 use train::data::{PackedDataset, Packing, TokenStream};
@@ -19,7 +18,7 @@ use train::driver::{self, Resume};
 use train::trainer::{TrainConfig, Trainer};
 
 use crate::args::{default_asset, interrupt_flag, TrainArgs};
-use crate::launch::{launch_pipelined, stage_layers};
+use crate::launch::{launch_pipelined, load_causal_lm};
 
 pub fn run(args: &TrainArgs) -> Result<()> {
     if let Some(model) = &args.model {
@@ -64,12 +63,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let files = models::hub::resolve(&model_id)?;
     // The family of the checkpoint (the registry), its size and FLOPs, and its loader.
     let family = models::family::detect(&files.config)?;
-    let load = family.load_causal_lm.with_context(|| {
-        format!(
+    if family.load_causal_lm.is_none() {
+        bail!(
             "--model {model_id}: the {} family does not load as a causal language model",
             family.name
-        )
-    })?;
+        );
+    }
     let desc = (family.describe)(&files.config)?;
     let ranges = args
         .pipeline
@@ -122,18 +121,16 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let final_history = launch_pipelined(&args.layout, |rank| {
         // The loaded parameter list is dropped here, so that under ZeRO-3 the whole tensors
         // are freed once the trainer has sharded them.
-        let (layers, ends) = stage_layers(rank, &ranges);
-        let spec = LoadSpec {
-            ctx: &rank.ctx,
-            dtype: Some(dtype),
-            mode: ParamMode::Trainable,
-            layers: &layers,
-            ends,
-            adapters: None,
-        };
-        let model = load(&load_files, &spec)
-            .with_context(|| format!("loading {} with {}", load_files.source, args.layout.flags()))?
-            .model;
+        let model = load_causal_lm(
+            &load_files,
+            rank,
+            &ranges,
+            Some(dtype),
+            ParamMode::Trainable,
+            &args.layout,
+            None,
+        )?
+        .model;
         let mut trainer = Trainer::new(model, &rank.mesh, &rank.ctx, cfg.clone())?;
         if let Some(r) = &resume {
             r.restore(&mut trainer)?;
