@@ -621,10 +621,7 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         tpl.name()
     );
     // Epochs: steps to see every window (pair) `epochs` times.
-    let mesh = t.layout.mesh_config()?;
-    let dp = candle_parallel::mesh::MeshLayout::new(&mesh, t.layout.ranks)?
-        .group_size(&[candle_parallel::mesh::Dim::Dp]);
-    let global = dp * cfg.batch * cfg.grad_accum;
+    let global = t.layout.dp_degree()? * cfg.batch * cfg.grad_accum;
     if let Some(e) = a.epochs {
         if !(e > 0.0 && e.is_finite()) {
             bail!("--epochs {e} must be positive");

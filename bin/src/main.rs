@@ -51,8 +51,8 @@ enum Command {
     /// Mean next-token loss, perplexity and token count of a model on a text, jsonl, Parquet or
     /// token file; for a DiT, its output (and DDPM loss) on an --inputs file.
     Eval(args::EvalArgs),
-    /// Continue a prompt with a model (KV cache; one rank or tensor parallel); for a DiT, a PNG
-    /// grid of samples of --class-labels.
+    /// Continue a prompt with a model (KV cache; one rank, tensor parallel or pipeline stages
+    /// with --pp); for a DiT, a PNG grid of samples of --class-labels.
     Generate(args::GenerateArgs),
     /// Continued pretraining of a Hugging Face checkpoint under any layout, with ZeRO and
     /// activation checkpointing (no arguments: the bundled default); a diffusers DiT trains on

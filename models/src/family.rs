@@ -370,3 +370,56 @@ pub fn supported_list() -> String {
 pub fn detect_dir(dir: &Path) -> Result<&'static Family> {
     detect(&dir.join("config.json"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The one formula by hand: causal attention counts half the pairs, full attention all;
+    /// training is three forwards, frozen-weight training skips the weights' gradients.
+    #[test]
+    fn flops_per_token_by_hand() {
+        let mut d = Description {
+            params: 1000,
+            matmul_params: 900,
+            layers: 2,
+            hidden: 8,
+            vocab: 10,
+            attention_width: 16,
+            causal: true,
+            planner_shape: None,
+        };
+        let (w, a) = (2.0 * 900.0, 4.0 * 16.0 * 32.0 * 0.5);
+        assert_eq!(d.flops_per_token(32, Work::Forward), w + a);
+        assert_eq!(d.flops_per_token(32, Work::Training), 3.0 * (w + a));
+        assert_eq!(
+            d.flops_per_token(32, Work::FrozenTraining),
+            2.0 * w + 3.0 * a
+        );
+        d.causal = false;
+        assert_eq!(d.flops_per_token(32, Work::Forward), w + 2.0 * a);
+    }
+
+    /// Detection by architecture, by model_type when none is named, and not by model_type when
+    /// an unclaimed architecture is named.
+    #[test]
+    fn detection_rules() {
+        let j = |s: &str| serde_json::from_str::<serde_json::Value>(s).unwrap();
+        let name = |s: &str| detect_json(&j(s)).map(|f| f.name);
+        assert_eq!(
+            name(r#"{"architectures": ["LlamaForCausalLM"]}"#),
+            Some("llama")
+        );
+        assert_eq!(name(r#"{"model_type": "llama"}"#), Some("llama"));
+        assert_eq!(
+            name(r#"{"_class_name": "DiTTransformer2DModel"}"#),
+            Some("dit")
+        );
+        assert_eq!(name(r#"{"model_type": "llava"}"#), Some("llava"));
+        assert_eq!(
+            name(r#"{"architectures": ["MistralForCausalLM"], "model_type": "llama"}"#),
+            None
+        );
+        assert_eq!(name(r#"{}"#), None);
+    }
+}

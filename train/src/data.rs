@@ -522,19 +522,33 @@ impl Batching {
         self.dp * self.batch * self.grad_accum
     }
 
-    fn sampler(&self, data: &(impl Windows + ?Sized)) -> Sampler {
+    /// The sampler over a dataset of `n` windows (samples, pairs) with this run's seed and
+    /// shuffling.
+    pub fn sampler(&self, n: usize) -> Sampler {
         Sampler {
-            num_windows: data.num_windows(),
+            num_windows: n,
             seed: self.seed,
             shuffle: self.shuffle,
         }
     }
 
+    /// Data-parallel rank `d`'s global sample indices of `step` (see [`Sampler::samples`]) in
+    /// micro-batches of `batch`: what every dataset (windows, images, conversations, pairs)
+    /// deals a step by.
+    pub fn micro_samples(&self, sampler: &Sampler, step: u64, d: usize) -> Vec<Vec<u64>> {
+        sampler
+            .samples(step, self.dp, d, self.batch * self.grad_accum)
+            .chunks(self.batch)
+            .map(|k| k.to_vec())
+            .collect()
+    }
+
     /// The windows data-parallel rank `d` trains on in `step`.
     pub fn windows(&self, data: &(impl Windows + ?Sized), step: u64, d: usize) -> Vec<Window> {
-        let s = self.sampler(data);
-        s.samples(step, self.dp, d, self.batch * self.grad_accum)
+        let s = self.sampler(data.num_windows());
+        self.micro_samples(&s, step, d)
             .into_iter()
+            .flatten()
             .map(|k| data.window(s.window_of(k)))
             .collect()
     }

@@ -123,7 +123,8 @@ impl DiffusionLoss {
     /// Data-parallel rank `s.dp_rank`'s micro-batches of `step` (global sample indices, the
     /// same for any dataset).
     pub fn micro_samples(&self, s: &StepCtx<'_>, data: &ImageDataset, step: u64) -> Vec<Vec<u64>> {
-        s.micro_samples(&s.sampler(data.len()), step, s.dp_rank)
+        s.batching
+            .micro_samples(&s.batching.sampler(data.len()), step, s.dp_rank)
     }
 }
 

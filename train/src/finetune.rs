@@ -420,8 +420,9 @@ impl DpoLoss {
 
     /// Data-parallel rank `s.dp_rank`'s micro-batches of pair indices for `step`.
     pub fn micro_pairs(&self, s: &StepCtx<'_>, data: &PairDataset, step: u64) -> Vec<Vec<usize>> {
-        let sampler = s.sampler(data.len());
-        s.micro_samples(&sampler, step, s.dp_rank)
+        let sampler = s.batching.sampler(data.len());
+        s.batching
+            .micro_samples(&sampler, step, s.dp_rank)
             .into_iter()
             .map(|m| m.into_iter().map(|k| sampler.window_of(k)).collect())
             .collect()
@@ -672,9 +673,15 @@ impl StagedModel for DpoStages<'_> {
     type Micro = DpoMicroBatch;
 
     fn activation_shape(&self, m: &DpoMicroBatch) -> candle_parallel::Result<Shape> {
-        let (b, n) = m.batch.input_ids.dims2()?;
-        let n = self.model.ctx().layer_token_count(n);
-        Ok(Shape::from((b, n, CausalLm::hidden_size(self.model))))
+        let micro = StageMicroBatch {
+            batch: m.batch.clone(),
+            labels: m.labels.clone(),
+        };
+        LmStages {
+            model: self.model,
+            opts: self.loss.opts,
+        }
+        .activation_shape(&micro)
     }
 
     fn embed(&self, m: &DpoMicroBatch) -> candle_parallel::Result<Tensor> {

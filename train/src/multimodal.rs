@@ -252,8 +252,9 @@ impl LlavaLoss {
 
     /// The example indices of `step` for data-parallel rank `d`, in micro-batches.
     fn picked(s: &StepCtx<'_>, data: &ImageTextDataset, step: u64, d: usize) -> Vec<Vec<usize>> {
-        let sampler = s.sampler(data.examples.len());
-        s.micro_samples(&sampler, step, d)
+        let sampler = s.batching.sampler(data.examples.len());
+        s.batching
+            .micro_samples(&sampler, step, d)
             .into_iter()
             .map(|m| m.into_iter().map(|k| sampler.window_of(k)).collect())
             .collect()

@@ -11,7 +11,7 @@ use candle_parallel::nn::{Batch, CrossEntropyOptions, ParallelCtx};
 use candle_parallel::pipeline::{StageLoss, StagedModel};
 use models::causal_lm::{CausalLm, LmStages, StageMicroBatch};
 
-use crate::data::{Batching, Sampler, Windows};
+use crate::data::{Batching, Windows};
 use crate::error::{Error, Result};
 use crate::trainer::TrainConfig;
 
@@ -30,29 +30,6 @@ pub struct StepCtx<'a> {
     pub pp: &'a candle_parallel::comm::Comm,
     /// Dtype of the activations between pipeline stages.
     pub dtype: candle_core::DType,
-}
-
-impl StepCtx<'_> {
-    /// The sampler over a dataset of `n` windows (samples, pairs) with this run's seed and
-    /// shuffling.
-    pub fn sampler(&self, n: usize) -> Sampler {
-        Sampler {
-            num_windows: n,
-            seed: self.cfg.seed,
-            shuffle: self.cfg.shuffle,
-        }
-    }
-
-    /// Data-parallel rank `d`'s global sample indices of `step` (see [`Sampler::samples`]),
-    /// in micro-batches of `batch`.
-    pub fn micro_samples(&self, sampler: &Sampler, step: u64, d: usize) -> Vec<Vec<u64>> {
-        let c = self.cfg;
-        sampler
-            .samples(step, self.batching.dp, d, c.batch * c.grad_accum)
-            .chunks(c.batch)
-            .map(|k| k.to_vec())
-            .collect()
-    }
 }
 
 /// A training objective on models `M` (see the [module docs](self)).

@@ -948,16 +948,6 @@ impl<M: TrainModel> Trainer<M> {
         .idle())
     }
 
-    /// Gradients by parameter name (a pipeline stage's accumulators) as
-    /// [`Trainer::forward_backward`] returns them: in parameter order, f32, under ZeRO-2 this
-    /// rank's chunks. Errors name a parameter without one. Collective under ZeRO-2.
-    pub fn collect_named(
-        &self,
-        mut grads: HashMap<String, Tensor>,
-    ) -> Result<Vec<(String, Tensor)>> {
-        self.collect_with(|p| grads.remove(&p.name))
-    }
-
     /// Dtype of the model's activations: that of its parameters.
     pub fn activation_dtype(&self) -> DType {
         self.params

@@ -8,7 +8,7 @@ use candle_parallel::mesh::Dim;
 use candle_parallel::nn::ParamMode;
 use serde_json::json;
 
-use super::{at_least_one, llama_flops_per_token, random_tokens, LlamaBenchArgs, Throughput, Work};
+use super::{at_least_one, random_tokens, LlamaBenchArgs, Throughput, Work};
 use crate::args::EvalReport;
 use crate::eval::score;
 use crate::launch::launch;
@@ -52,7 +52,10 @@ pub fn run(args: &EvalBenchArgs) -> Result<()> {
     };
     let timed = &reports[1..];
     let seconds: Vec<f64> = timed.iter().map(|r| r.seconds).collect();
-    let flops = llama_flops_per_token(&model.config, a.seq_len, Work::Forward);
+    let flops = model
+        .config
+        .description()
+        .flops_per_token(a.seq_len, Work::Forward);
     let rate = Throughput::new(&seconds, timed[0].tokens as f64, flops, mm, &a.matmul);
     let loss = timed[0].loss;
     if a.json {

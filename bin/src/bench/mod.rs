@@ -214,12 +214,6 @@ impl MatmulRate {
 
 pub use models::family::Work;
 
-/// Model FLOPs per token of a LLaMA at `seq_len` tokens (the family's
-/// [`models::family::Description::flops_per_token`]).
-pub fn llama_flops_per_token(cfg: &LlamaConfig, seq_len: usize, work: Work) -> f64 {
-    cfg.description().flops_per_token(seq_len, work)
-}
-
 /// `n` token ids below `vocab` from a generator seeded by `seed`.
 pub fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -507,15 +501,15 @@ mod tests {
         .unwrap();
         let (n, attn) = (744.0, 32.0);
         assert_eq!(
-            llama_flops_per_token(&cfg, 4, Work::Forward),
+            cfg.description().flops_per_token(4, Work::Forward),
             2.0 * n + 2.0 * attn
         );
         assert_eq!(
-            llama_flops_per_token(&cfg, 4, Work::Training),
+            cfg.description().flops_per_token(4, Work::Training),
             6.0 * n + 6.0 * attn
         );
         assert_eq!(
-            llama_flops_per_token(&cfg, 4, Work::FrozenTraining),
+            cfg.description().flops_per_token(4, Work::FrozenTraining),
             4.0 * n + 6.0 * attn
         );
     }

@@ -5,7 +5,7 @@
 //! PyTorch) through the library's `Trainer`, the same step `cpl train` takes. The first step is
 //! a warm-up; tokens/s are the best and the median of the others (the slowest rank's time of
 //! each step). Also: the peak resident memory, this machine's f32 matmul rate and the model
-//! FLOPs utilisation (`llama_flops_per_token` x tokens/s over that rate).
+//! FLOPs utilisation (the family's `Description::flops_per_token` x tokens/s over that rate).
 
 use std::time::Instant;
 
@@ -20,7 +20,7 @@ use serde_json::json;
 use train::data::{PackedDataset, Packing, TokenStream};
 use train::trainer::{TrainConfig, Trainer};
 
-use super::{at_least_one, llama_flops_per_token, random_tokens, LlamaBenchArgs, Throughput, Work};
+use super::{at_least_one, random_tokens, LlamaBenchArgs, Throughput, Work};
 use crate::launch::launch;
 use train::driver::progress::peak_rss_mib;
 
@@ -135,7 +135,10 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     let Some(m) = measured else {
         return Ok(());
     };
-    let flops = llama_flops_per_token(&model.config, a.seq_len, Work::Training);
+    let flops = model
+        .config
+        .description()
+        .flops_per_token(a.seq_len, Work::Training);
     let rate = Throughput::new(&m.seconds[1..], m.tokens as f64, flops, mm, &a.matmul);
     if a.json {
         return a.print_json(

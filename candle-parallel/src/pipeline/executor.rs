@@ -74,16 +74,6 @@ impl StageGrads {
         Ok(())
     }
 
-    /// The variables whose names `shared` selects (those both ends of the pipeline hold, for
-    /// [`finish_step`]).
-    pub fn shared(&self, shared: impl Fn(&str) -> bool) -> Vec<(String, Var)> {
-        self.params
-            .iter()
-            .filter(|(n, _)| shared(n))
-            .cloned()
-            .collect()
-    }
-
     /// The accumulated gradients by name.
     pub fn into_grads(self) -> HashMap<String, Tensor> {
         self.grads

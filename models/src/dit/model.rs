@@ -417,11 +417,6 @@ impl Dit {
         names
     }
 
-    /// Blocks of the whole model (this rank may hold only some).
-    pub fn num_blocks(&self) -> usize {
-        self.blocks.len()
-    }
-
     pub fn config(&self) -> &DitConfig {
         &self.cfg
     }
