@@ -16,7 +16,6 @@ use candle_parallel::planner::{
     kendall_tau, search, Candidate, Hardware, ModelShape, Prediction, Request, GIB,
 };
 use candle_parallel::recompute::Checkpointing;
-use models::llama::LlamaConfig;
 use serde_json::{json, Value};
 
 use crate::args::DtypeArg;
@@ -81,7 +80,14 @@ fn model_shape(model: &str) -> Result<ModelShape> {
     } else {
         models::hub::resolve(model)?.config
     };
-    let shape = LlamaConfig::from_file(&config)?.planner_shape();
+    let family = models::family::detect(&config)?;
+    let shape = (family.describe)(&config)?.planner_shape.with_context(|| {
+        format!(
+            "--model {model}: the planner models causal language models; {} is a {} model",
+            config.display(),
+            family.name
+        )
+    })?;
     shape
         .validate()
         .with_context(|| format!("model config {}", config.display()))?;

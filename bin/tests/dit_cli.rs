@@ -399,6 +399,7 @@ fn full_attention_defaults_to_the_contiguous_ring_layout() {
     assert!(o.status.success(), "{}", stderr(&o));
     let (want, got) = (losses(&one), losses(&ring));
     assert_eq!(want.len(), 2);
+    assert_eq!(got.len(), want.len(), "ring4 steps");
     for (a, b) in got.iter().zip(&want) {
         testkit::assert_close_scalar(*a, *b, 1e-5, "ring4 (contiguous) vs one rank");
     }

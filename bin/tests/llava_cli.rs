@@ -214,6 +214,7 @@ fn training_on_conversations_matches_one_rank_and_saves_a_llava() {
     ] {
         let out = d.join(tag);
         run_ok(&base(&out, &flags));
+        assert_eq!(metrics(&out).len(), want.len(), "{tag}: steps");
         for (a, b) in metrics(&out).iter().zip(&want) {
             assert!((a - b).abs() / b < 1e-5, "{tag}: {a} vs {b}");
         }
