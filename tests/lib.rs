@@ -18,18 +18,48 @@ use candle_parallel::optim::{collect_gradients, reduce_gradients, ZeroGroups, Ze
 use candle_parallel::plan::{MemoryPlan, PlannedParams};
 use candle_parallel::recompute::Checkpointing;
 use models::hub::ModelFiles;
-use models::llama;
 
-/// `tests/fixtures/llama/<name>`. `tests/` is where this crate was built, or `CPL_TESTS_DIR`
-/// when set: a prebuilt test binary run from another copy of the repository
-/// (`scripts/gpu_check.sh` runs the bundled GPU suite so).
+/// `tests/fixtures/llama/<name>`, or `tests/fixtures/<name>` for a name with a folder
+/// (`zoo/qwen2`). `tests/` is where this crate was built, or `CPL_TESTS_DIR` when set: a
+/// prebuilt test binary run from another copy of the repository (`scripts/gpu_check.sh` runs the
+/// bundled GPU suite so).
 pub fn fixture_dir(name: &str) -> PathBuf {
-    std::env::var_os("CPL_TESTS_DIR")
+    let fixtures = std::env::var_os("CPL_TESTS_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
-        .join("fixtures")
-        .join("llama")
-        .join(name)
+        .join("fixtures");
+    if name.contains('/') {
+        fixtures.join(name)
+    } else {
+        fixtures.join("llama").join(name)
+    }
+}
+
+/// The causal LM of fixture `name` for `ctx`'s layout, loaded through the family registry
+/// (whole, trainable).
+pub fn load_fixture_lm(
+    name: &str,
+    ctx: &ParallelCtx,
+    dtype: Option<DType>,
+) -> models::Result<models::family::LoadedCausalLm> {
+    let files = fixture_files(name);
+    let family = models::family::detect(&files.config)?;
+    let load = family.load_causal_lm.ok_or_else(|| {
+        models::Error::Invalid(format!("{name}: family {} is no causal LM", family.name))
+    })?;
+    let desc = (family.describe)(&files.config)?;
+    let all = 0..desc.layers;
+    load(
+        &files,
+        &models::family::LoadSpec {
+            ctx,
+            dtype,
+            mode: ParamMode::Trainable,
+            layers: std::slice::from_ref(&all),
+            ends: true,
+            adapters: None,
+        },
+    )
 }
 
 pub fn fixture_files(name: &str) -> ModelFiles {
@@ -213,6 +243,34 @@ impl StepPlan {
     }
 }
 
+/// Fixture `name` on one rank against its transformers reference: logits and loss within 1e-5
+/// relative, and every stored parameter's gradient within 1e-5 relative (max-abs / max|ref|,
+/// per tensor), with exactly the checkpoint's parameters receiving gradients.
+pub fn check_reference(name: &str) {
+    let r = reference(name);
+    let got = run_layout(name, &Layout::single());
+    let e = rel_err(&got.logits, &r.logits);
+    assert!(e <= 1e-5, "{name}: logits rel err {e}");
+    testkit::assert_close_scalar(
+        got.loss as f64,
+        r.loss as f64,
+        1e-5,
+        &format!("{name}: loss vs transformers"),
+    );
+    let mut names: Vec<&String> = r.grads.keys().collect();
+    names.sort();
+    let mut ours: Vec<&String> = got.grads.keys().collect();
+    ours.sort();
+    assert_eq!(
+        ours, names,
+        "{name}: parameters with gradients differ from transformers'"
+    );
+    for n in names {
+        let e = rel_err(&got.grads[n], &r.grads[n]);
+        assert!(e <= 1e-5, "{name}: gradient of {n}: rel err {e}");
+    }
+}
+
 /// [`run_layout_with`] with every parameter resident and no checkpointing.
 pub fn run_layout(name: &str, layout: &Layout) -> StepResult {
     run_layout_with(name, layout, StepPlan::default())
@@ -223,7 +281,6 @@ pub fn run_layout(name: &str, layout: &Layout) -> StepResult {
 /// gathers everything to global form. Returns rank 0's result (every other rank's is checked to
 /// be bit-identical). Errors (as a panic naming the layout) when a parameter receives no gradient.
 pub fn run_layout_with(name: &str, layout: &Layout, plan: StepPlan) -> StepResult {
-    let files = fixture_files(name);
     let r = reference(name);
     let labels = r.labels.to_vec2::<i64>().unwrap();
     let seqs = r.input_ids.clone();
@@ -231,9 +288,7 @@ pub fn run_layout_with(name: &str, layout: &Layout, plan: StepPlan) -> StepResul
         let e = |e: &dyn std::fmt::Display| format!("{}: {e}", layout.name);
         let (mesh, ctx) = layout.context(world)?;
         let dtype = Some(plan.dtype.unwrap_or(DType::F32));
-        let mut model = llama::load(&files, &ctx, dtype, ParamMode::Trainable)
-            .map_err(|x| e(&x))?
-            .model;
+        let mut model = load_fixture_lm(name, &ctx, dtype).map_err(|x| e(&x))?.model;
         let memory = plan.memory();
         let zero = memory.zero_groups(&mesh).map_err(|x| e(&x))?;
         let planned = memory.apply(&mut model, zero.as_ref()).map_err(|x| e(&x))?;
@@ -393,4 +448,93 @@ pub fn trainable_vars(params: &[Param]) -> Vec<(String, candle_core::Var)> {
             )
         })
         .collect()
+}
+
+/// What [`train_through_registry`] returns, identical on every rank.
+pub struct RegistryRun {
+    /// The loss of every step.
+    pub losses: Vec<f64>,
+    /// The (pre-clipping) gradient norm of every step.
+    pub grad_norms: Vec<f64>,
+    /// The held-out loss after training (4 sequences of the data, forward only; through the
+    /// stages under a pipeline).
+    pub eval_loss: f64,
+    /// The whole final weights, merged over the pipeline stages.
+    pub weights: HashMap<String, Tensor>,
+}
+
+/// Trains the model of `files`, loaded through the family registry, for `cfg.steps` steps of
+/// `data` under `layout` (f32). With pipeline stages (`layout.mesh.pp > 1`) and no
+/// `cfg.pipeline`, the layers are split over the stages under 1F1B (the first stages take one
+/// more where they do not divide). Every rank's losses,
+/// norms and weights are asserted bit-identical. Panics name the layout.
+pub fn train_through_registry(
+    files: &ModelFiles,
+    layout: &Layout,
+    cfg: &train::trainer::TrainConfig,
+    data: &train::data::PackedDataset,
+) -> RegistryRun {
+    use train::trainer::{PipelineConfig, Trainer};
+    let family = models::family::detect(&files.config).unwrap_or_else(|e| panic!("{e}"));
+    let desc = (family.describe)(&files.config).unwrap_or_else(|e| panic!("{e}"));
+    let load = family
+        .load_causal_lm
+        .unwrap_or_else(|| panic!("{} is no causal LM family", family.name));
+    let pp = layout.mesh.pp;
+    let mut cfg = cfg.clone();
+    if pp > 1 && cfg.pipeline.is_none() {
+        let n = desc.layers;
+        cfg.pipeline = Some(PipelineConfig {
+            schedule: candle_parallel::pipeline::ScheduleKind::OneFOneB,
+            virtual_stages: 1,
+            layers: (0..pp).map(|r| n / pp + usize::from(r < n % pp)).collect(),
+        });
+    }
+    let steps = cfg.steps;
+    let out = LocalWorld::run(layout.ranks, |world| -> Result<_, String> {
+        let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
+        let (mesh, ctx) = layout.context(world)?;
+        let r = mesh.coord(Dim::Pp);
+        let layers = match &cfg.pipeline {
+            Some(pc) => vec![pc.ranges()[r].clone()],
+            None => vec![0..desc.layers],
+        };
+        let spec = models::family::LoadSpec {
+            ctx: &ctx,
+            dtype: Some(DType::F32),
+            mode: ParamMode::Trainable,
+            layers: &layers,
+            ends: r == 0 || r + 1 == pp,
+            adapters: None,
+        };
+        let model = load(files, &spec).map_err(|x| e(&x))?.model;
+        let mut t = Trainer::new(model, &mesh, &ctx, cfg.clone()).map_err(|x| e(&x))?;
+        let (mut losses, mut norms) = (Vec::new(), Vec::new());
+        while t.step < steps {
+            let s = t.step(data).map_err(|x| e(&x))?;
+            losses.push(s.loss);
+            norms.push(s.grad_norm);
+        }
+        let (eval, _) = t.eval_loss(data, 4).map_err(|x| e(&x))?;
+        Ok((losses, norms, eval, whole_weights(&t, &mesh)?))
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut weights = HashMap::new();
+    for (i, (l, g, ev, w)) in out.iter().enumerate() {
+        let who = format!("{}: rank {i} vs rank 0", layout.name);
+        testkit::assert_identical_scalars(l, &out[0].0, &format!("{who}: losses"));
+        testkit::assert_identical_scalars(g, &out[0].1, &format!("{who}: gradient norms"));
+        testkit::assert_identical_scalars(&[*ev], &[out[0].2], &format!("{who}: eval loss"));
+        for (n, t) in w {
+            if let Some(prev) = weights.insert(n.clone(), t.clone()) {
+                assert_identical(&prev, t, &format!("{who}: {n}"));
+            }
+        }
+    }
+    RegistryRun {
+        losses: out[0].0.clone(),
+        grad_norms: out[0].1.clone(),
+        eval_loss: out[0].2,
+        weights,
+    }
 }

@@ -6,7 +6,7 @@
 //! Tolerances: logits 1e-4 relative (max-abs / max|ref|), loss 1e-5 relative, gradients 1e-4
 //! relative, per parameter. Every parameter of the checkpoint must receive a gradient.
 
-use cpl_integration_tests::{reference, rel_err, run_layout, Layout};
+use cpl_integration_tests::{check_reference, reference, rel_err, run_layout, Layout};
 
 const FIXTURES: [&str; 7] = [
     "mha",
@@ -19,28 +19,7 @@ const FIXTURES: [&str; 7] = [
 ];
 
 fn check(name: &str) {
-    let r = reference(name);
-    let got = run_layout(name, &Layout::single());
-    let e = rel_err(&got.logits, &r.logits);
-    assert!(e <= 1e-5, "{name}: logits rel err {e}");
-    testkit::assert_close_scalar(
-        got.loss as f64,
-        r.loss as f64,
-        1e-5,
-        &format!("{name}: loss vs transformers"),
-    );
-    let mut names: Vec<&String> = r.grads.keys().collect();
-    names.sort();
-    let mut ours: Vec<&String> = got.grads.keys().collect();
-    ours.sort();
-    assert_eq!(
-        ours, names,
-        "{name}: parameters with gradients differ from transformers'"
-    );
-    for n in names {
-        let e = rel_err(&got.grads[n], &r.grads[n]);
-        assert!(e <= 1e-5, "{name}: gradient of {n}: rel err {e}");
-    }
+    check_reference(name)
 }
 
 #[test]

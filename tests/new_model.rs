@@ -26,16 +26,17 @@ use candle_parallel::nn::{
     Pass, TensorMap, Track, Unit, UnitOps, VocabParallelEmbedding,
 };
 use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
-use candle_parallel::pipeline::ScheduleKind;
 use candle_parallel::plan::{MemoryPlan, Parallelize};
 use candle_parallel::recompute::Checkpointing;
-use cpl_integration_tests::{assert_identical, rel_err, whole_weights, Layout};
+use cpl_integration_tests::{
+    assert_identical, rel_err, train_through_registry, whole_weights, Layout,
+};
 use models::family::{Description, Family, Kind, LoadSpec, LoadedCausalLm};
 use models::hub::ModelFiles;
 use models::CausalLm;
 use testkit::{assert_close_scalar, assert_finite, max_abs};
 use train::data::{PackedDataset, Packing, TokenStream};
-use train::trainer::{PipelineConfig, TrainConfig, TrainModel, Trainer};
+use train::trainer::{TrainConfig, TrainModel, Trainer};
 
 // ------------------------------------------------------------------------------------------
 // The model
@@ -571,71 +572,20 @@ fn toy_checkpoint() -> std::path::PathBuf {
     dir
 }
 
-/// Trains the registry's model of `dir` under `layout` (its pipeline stages one layer each):
-/// the losses, gradient norms and whole final weights (merged over the stages).
+/// Trains the registry's model of `dir` under `layout` (see [`train_through_registry`]).
 fn registry_run(dir: &std::path::Path, layout: &Layout, steps: u64) -> (Run, Vec<f64>) {
     let files = models::hub::from_dir("toy", dir).unwrap();
-    let family = models::family::detect(&files.config).unwrap();
-    let desc = (family.describe)(&files.config).unwrap();
-    let load = family.load_causal_lm.expect("a causal LM family");
-    let data = data();
-    let pp = layout.mesh.pp;
     let dp = layout.mesh.degree(candle_parallel::mesh::Dim::Dp);
-    let mut cfg = config(steps, MemoryPlan::default(), 2 / dp);
-    if pp > 1 {
-        cfg.pipeline = Some(PipelineConfig {
-            schedule: ScheduleKind::OneFOneB,
-            virtual_stages: 1,
-            layers: vec![desc.layers / pp; pp],
-        });
-    }
-    let out = LocalWorld::run(layout.ranks, |world| -> Result<_, String> {
-        let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
-        let (mesh, ctx) = layout.context(world)?;
-        let r = mesh.coord(candle_parallel::mesh::Dim::Pp);
-        let layers = match &cfg.pipeline {
-            Some(pc) => vec![pc.ranges()[r].clone()],
-            None => std::iter::once(0..desc.layers).collect(),
-        };
-        let spec = LoadSpec {
-            ctx: &ctx,
-            dtype: Some(DType::F32),
-            mode: ParamMode::Trainable,
-            layers: &layers,
-            ends: r == 0 || r + 1 == pp,
-            adapters: None,
-        };
-        let model = load(&files, &spec).map_err(|x| e(&x))?.model;
-        let mut t = Trainer::new(model, &mesh, &ctx, cfg.clone()).map_err(|x| e(&x))?;
-        let (mut losses, mut norms) = (Vec::new(), Vec::new());
-        while t.step < steps {
-            let s = t.step(&data).map_err(|x| e(&x))?;
-            losses.push(s.loss);
-            norms.push(s.grad_norm);
-        }
-        // Held-out evaluation of the trained model (forward only, through the stages under a
-        // pipeline), as the driver's evaluation runs it.
-        let (eval, _) = t.eval_loss(&data, 4).map_err(|x| e(&x))?;
-        norms.push(eval);
-        Ok((losses, norms, whole_weights(&t, &mesh)?))
-    })
-    .unwrap_or_else(|e| panic!("{e}"));
-    let mut weights = HashMap::new();
-    for (i, (l, g, w)) in out.iter().enumerate() {
-        testkit::assert_identical_scalars(l, &out[0].0, &format!("{}: rank {i}", layout.name));
-        testkit::assert_identical_scalars(g, &out[0].1, &format!("{}: rank {i}", layout.name));
-        for (n, t) in w {
-            if let Some(prev) = weights.insert(n.clone(), t.clone()) {
-                assert_identical(&prev, t, &format!("{}: rank {i}: {n}", layout.name));
-            }
-        }
-    }
+    let cfg = config(steps, MemoryPlan::default(), 2 / dp);
+    let got = train_through_registry(&files, layout, &cfg, &data());
+    let mut norms = got.grad_norms;
+    norms.push(got.eval_loss);
     let run = Run {
-        losses: out[0].0.clone(),
-        weights,
+        losses: got.losses,
+        weights: got.weights,
         grad_max: Vec::new(),
     };
-    (run, out[0].1.clone())
+    (run, norms)
 }
 
 /// A family registered from outside the models crate is detected from its `config.json`

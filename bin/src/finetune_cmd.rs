@@ -689,7 +689,7 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         Some(_) => models::family::Work::FrozenTraining,
         None => models::family::Work::Training,
     };
-    let flops_per_token = model_cfg.description().flops_per_token(cfg.seq_len, work);
+    let flops_per_token = model_cfg.description()?.flops_per_token(cfg.seq_len, work);
     // Tokens a step processes: its sequences' (both sides of every DPO pair).
     let sequences = if a.stage == Stage::Dpo { 2 } else { 1 };
     let processed_tokens = (global * cfg.seq_len * sequences) as f64;

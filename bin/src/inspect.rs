@@ -63,7 +63,7 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     println!(
         "parameters   {total} in the checkpoint ({:.2} M; the config implies {})",
         total as f64 / 1e6,
-        cfg.num_parameters()
+        cfg.num_parameters()?
     );
     let dt: Vec<String> = dtypes.iter().map(|(d, n)| format!("{d}: {n}")).collect();
     println!("dtypes       {}", dt.join(", "));

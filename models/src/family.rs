@@ -9,7 +9,8 @@
 //! benchmark and the planner use). Causal LM families also load themselves for a layout
 //! ([`Family::load_causal_lm`]) as a [`CausalLm`].
 //!
-//! The built-in families are [`LLAMA`], [`DIT`] and [`LLAVA`]; [`register`] adds one from
+//! The built-in families are [`LLAMA`], those of [`crate::zoo`] (Qwen2, Qwen3, Mistral),
+//! [`DIT`] and [`LLAVA`]; [`register`] adds one from
 //! outside the crate (a program with its own model file).
 
 use std::path::Path;
@@ -140,7 +141,8 @@ impl std::fmt::Debug for Family {
     }
 }
 
-const TEXT_FILES: &[&str] = &[
+/// The files of a text model's directory every checkpoint carries.
+pub const TEXT_FILES: &[&str] = &[
     "config.json",
     "tokenizer.json",
     "tokenizer_config.json",
@@ -156,8 +158,8 @@ pub static LLAMA: Family = Family {
     model_types: &["llama"],
     weights_name: "model",
     extra_files: TEXT_FILES,
-    describe: describe_llama,
-    load_causal_lm: Some(load_llama),
+    describe: crate::decoder::describe::<crate::llama::LlamaConfig>,
+    load_causal_lm: Some(crate::decoder::load_family::<crate::llama::LlamaConfig>),
 };
 
 /// diffusers' `DiTTransformer2DModel`.
@@ -192,17 +194,6 @@ pub static LLAVA: Family = Family {
     load_causal_lm: None,
 };
 
-fn describe_llama(path: &Path) -> Result<Description> {
-    Ok(crate::llama::LlamaConfig::from_file(path)?.description())
-}
-
-impl crate::llama::LlamaConfig {
-    /// Size and FLOPs terms of this decoder ([`Description`]).
-    pub fn description(&self) -> Description {
-        text_description(self)
-    }
-}
-
 impl crate::dit::DitConfig {
     /// Size and FLOPs terms of this DiT ([`Description`]): attention over the patch tokens
     /// is full (not causal).
@@ -222,51 +213,16 @@ impl crate::dit::DitConfig {
     }
 }
 
-/// The description of a LLaMA-shaped decoder.
-fn text_description(cfg: &crate::llama::LlamaConfig) -> Description {
-    let lookup = if cfg.tie_word_embeddings {
-        0
-    } else {
-        cfg.vocab_size * cfg.hidden_size
-    };
-    let params = cfg.num_parameters() as u64;
-    Description {
-        params,
-        matmul_params: params.saturating_sub(lookup as u64),
-        layers: cfg.num_hidden_layers,
-        hidden: cfg.hidden_size,
-        vocab: cfg.vocab_size,
-        attention_width: (cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim()) as u64,
-        causal: true,
-        planner_shape: Some(cfg.planner_shape()),
-    }
-}
-
 fn describe_dit(path: &Path) -> Result<Description> {
     Ok(crate::dit::DitConfig::from_file(path)?.description())
 }
 
 fn describe_llava(path: &Path) -> Result<Description> {
+    use crate::decoder::ToDecoderSpec;
     let cfg = crate::llava::LlavaConfig::from_file(path)?;
-    let mut d = text_description(cfg.text());
+    let mut d = cfg.text().decoder_spec()?.description();
     d.planner_shape = None;
     Ok(d)
-}
-
-fn load_llama(files: &ModelFiles, spec: &LoadSpec<'_>) -> Result<LoadedCausalLm> {
-    let loaded = crate::llama::load_stage_adapted(
-        files,
-        spec.ctx,
-        spec.dtype,
-        spec.mode,
-        spec.layers,
-        spec.ends,
-        spec.adapters.clone(),
-    )?;
-    Ok(LoadedCausalLm {
-        model: Box::new(loaded.model),
-        params: loaded.params,
-    })
 }
 
 static EXTRA: RwLock<Vec<&'static Family>> = RwLock::new(Vec::new());
@@ -290,7 +246,14 @@ pub fn register(family: &'static Family) -> Result<()> {
 
 fn families_in(extra: &[&'static Family]) -> Vec<&'static Family> {
     let mut all: Vec<&'static Family> = extra.iter().rev().copied().collect();
-    all.extend([&LLAMA, &DIT, &LLAVA]);
+    all.extend([
+        &LLAMA,
+        &crate::zoo::QWEN2,
+        &crate::zoo::QWEN3,
+        &crate::zoo::MISTRAL,
+        &DIT,
+        &LLAVA,
+    ]);
     all
 }
 

@@ -14,12 +14,14 @@
 //!   the HF layout;
 //! - [`tokenizer`]: `tokenizer.json` and the special tokens of `tokenizer_config.json`;
 //! - [`causal_lm`]: what every causal LM family provides ([`CausalLm`]) and its pipeline stage;
-//! - [`llama`]: the `LlamaForCausalLM` model;
+//! - [`decoder`]: the decoder-only transformer every LLaMA-like family shares ([`decoder::DecoderSpec`]);
+//! - [`llama`]: the `LlamaForCausalLM` family; [`zoo`]: Qwen2/2.5, Qwen3, Mistral;
 //! - [`peft`]: LoRA adapters in PEFT's format (load, save, merge);
 //! - [`dit`]: diffusers' `DiTTransformer2DModel` (class-conditional diffusion transformer).
 
 pub mod causal_lm;
 pub mod checkpoint;
+pub mod decoder;
 pub mod diffusion;
 pub mod dit;
 pub mod error;
@@ -30,6 +32,7 @@ pub mod llava;
 pub mod peft;
 pub mod tokenizer;
 pub mod vision;
+pub mod zoo;
 
 pub use causal_lm::{CausalLm, LmStages, StageMicroBatch};
 pub use error::{Error, Result};

@@ -54,7 +54,7 @@ pub fn run(args: &EvalBenchArgs) -> Result<()> {
     let seconds: Vec<f64> = timed.iter().map(|r| r.seconds).collect();
     let flops = model
         .config
-        .description()
+        .description()?
         .flops_per_token(a.seq_len, Work::Forward);
     let rate = Throughput::new(&seconds, timed[0].tokens as f64, flops, mm, &a.matmul);
     let loss = timed[0].loss;

@@ -462,7 +462,7 @@ impl BenchModel {
             "name": self.name, "layers": c.num_hidden_layers, "hidden": c.hidden_size,
             "heads": c.num_attention_heads, "kv_heads": c.num_kv_heads(),
             "intermediate": c.intermediate_size, "vocab": c.vocab_size,
-            "parameters": c.num_parameters(),
+            "parameters": c.num_parameters().unwrap_or_default(),
         })
     }
 
@@ -477,7 +477,7 @@ impl BenchModel {
             c.num_attention_heads,
             c.intermediate_size,
             c.vocab_size,
-            c.num_parameters() as f64 / 1e6
+            c.num_parameters().unwrap_or_default() as f64 / 1e6
         )
     }
 }
@@ -501,15 +501,19 @@ mod tests {
         .unwrap();
         let (n, attn) = (744.0, 32.0);
         assert_eq!(
-            cfg.description().flops_per_token(4, Work::Forward),
+            cfg.description().unwrap().flops_per_token(4, Work::Forward),
             2.0 * n + 2.0 * attn
         );
         assert_eq!(
-            cfg.description().flops_per_token(4, Work::Training),
+            cfg.description()
+                .unwrap()
+                .flops_per_token(4, Work::Training),
             6.0 * n + 6.0 * attn
         );
         assert_eq!(
-            cfg.description().flops_per_token(4, Work::FrozenTraining),
+            cfg.description()
+                .unwrap()
+                .flops_per_token(4, Work::FrozenTraining),
             4.0 * n + 6.0 * attn
         );
     }

@@ -137,7 +137,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     };
     let flops = model
         .config
-        .description()
+        .description()?
         .flops_per_token(a.seq_len, Work::Training);
     let rate = Throughput::new(&m.seconds[1..], m.tokens as f64, flops, mm, &a.matmul);
     if a.json {

@@ -76,7 +76,7 @@ pub fn block_fwd(
     kb: &MaskBlock,
 ) -> Result<Option<(Tensor, Tensor)>> {
     let mask = &call.mask;
-    if !mask.may_attend(qb, kb) {
+    if !call.may_attend(qb, kb) {
         return Ok(None);
     }
     let t = Trimmed::new(mask, qb, kb)?;
@@ -118,7 +118,7 @@ pub fn block_bwd(
     kb: &MaskBlock,
 ) -> Result<Option<(Tensor, Tensor, Tensor)>> {
     let mask = &call.mask;
-    if !mask.may_attend(qb, kb) {
+    if !call.may_attend(qb, kb) {
         return Ok(None);
     }
     let t = Trimmed::new(mask, qb, kb)?;

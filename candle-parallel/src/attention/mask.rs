@@ -155,6 +155,18 @@ impl AttnMask {
         }
         true
     }
+
+    /// False only when no pair of `q` and `k` lies within a sliding window of `w` tokens
+    /// (`|pq - pk| < w` for a bidirectional mask, `pq - pk < w` with `pk <= pq` for a causal
+    /// one; the causal order itself is [`AttnMask::may_attend`]'s test).
+    pub fn window_reaches(&self, q: &MaskBlock, k: &MaskBlock, w: usize) -> bool {
+        let w = w as u64;
+        let near = |a_min: u32, b_max: u32| (a_min as u64) < b_max as u64 + w;
+        match self.kind() {
+            MaskKind::Causal => near(q.min, k.max),
+            MaskKind::Full => near(q.min, k.max) && near(k.min, q.max),
+        }
+    }
 }
 
 /// The global positions of a block of rows, with the ranges [`AttnMask::may_attend`] reads.

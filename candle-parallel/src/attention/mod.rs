@@ -86,17 +86,29 @@ use crate::comm::Comm;
 use crate::error::{Error, Result};
 use crate::mesh::{DeviceMesh, Dim};
 
-/// One attention call: the mask over the GLOBAL sequence and the softmax scale. Every rank of
-/// the group passes the same call.
+/// One attention call: the mask over the GLOBAL sequence, the softmax scale and an optional
+/// sliding window (a query at `pq` sees keys at `pq - pk < window` on top of the mask: the
+/// convention of transformers' `sliding_window`). Every rank of the group passes the same call.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttnCall {
     pub mask: AttnMask,
     pub scale: f32,
+    pub window: Option<usize>,
 }
 
 impl AttnCall {
     pub fn new(mask: AttnMask, scale: f32) -> Self {
-        Self { mask, scale }
+        Self {
+            mask,
+            scale,
+            window: None,
+        }
+    }
+
+    /// The same call with a sliding window of `window` tokens (`None`: no window).
+    pub fn with_window(mut self, window: Option<usize>) -> Self {
+        self.window = window;
+        self
     }
 
     /// The flash-ring spec of this call for rows at `q_pos` against keys at `k_pos`.
@@ -105,7 +117,20 @@ impl AttnCall {
         q_pos: flash_ring::Positions,
         k_pos: flash_ring::Positions,
     ) -> flash_ring::AttnSpec {
-        self.mask.spec(self.scale, q_pos, k_pos)
+        let spec = self.mask.spec(self.scale, q_pos, k_pos);
+        match self.window {
+            Some(w) => spec.with_window(w),
+            None => spec,
+        }
+    }
+
+    /// False only when no query of `q` may attend any key of `k` under the mask and the window
+    /// (a conservative test on the blocks' ranges); a strategy then skips the pair's compute.
+    pub fn may_attend(&self, q: &MaskBlock, k: &MaskBlock) -> bool {
+        self.mask.may_attend(q, k)
+            && self
+                .window
+                .is_none_or(|w| self.mask.window_reaches(q, k, w))
     }
 }
 

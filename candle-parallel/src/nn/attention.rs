@@ -1,6 +1,7 @@
 //! Multi-head attention over any parallel layout: q/k/v projections column-parallel (heads
-//! split over the tensor-parallel group), optional rotary embeddings at the tokens' global
-//! positions, the pass's sequence-parallel attention over the ulysses × ring group (any
+//! split over the tensor-parallel group; biases on q/k/v and on the output each optional),
+//! optional per-head RMSNorms of q and k, optional rotary embeddings at the tokens' global
+//! positions, an optional sliding window per layer, the pass's sequence-parallel attention over the ulysses × ring group (any
 //! [`Strategy`](crate::attention::Strategy), any [`AttnMask`](crate::attention::AttnMask): causal,
 //! full, documents), GQA with any ratio, and a row-parallel output projection. The same module
 //! serves a causal LM, a DiT block (full mask, no RoPE) and a vision tower.
@@ -8,8 +9,8 @@
 use candle_core::Tensor;
 
 use super::{
-    ColumnParallelLinear, Entered, LinearConfig, ParallelCtx, ParamBuilder, Pass,
-    RowParallelLinear, TpGroup,
+    ColumnParallelLinear, Entered, LinearConfig, NormConfig, ParallelCtx, ParamBuilder, Pass,
+    RmsNorm, RowParallelLinear, TpGroup,
 };
 use crate::attention::AttnCall;
 use crate::error::{Error, Result};
@@ -23,8 +24,17 @@ pub struct AttentionConfig {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
-    /// Biases on q, k, v and o.
+    /// Biases on q, k and v.
     pub bias: bool,
+    /// A bias on the output projection (default: as [`AttentionConfig::bias`]; Qwen2 has
+    /// biases on q, k and v only).
+    pub o_bias: bool,
+    /// RMSNorm over each head's `head_dim` features of q and k (`q_norm`, `k_norm`, applied
+    /// before RoPE: Qwen3, Gemma 3); `None`: no q/k norms.
+    pub qk_norm: Option<NormConfig>,
+    /// Sliding window of the layer: a query at `pq` sees keys at `pq - pk < window` (on top
+    /// of the pass's mask); `None`: global attention.
+    pub window: Option<usize>,
     /// Rotary embeddings of q and k at the tokens' global positions (none: no RoPE).
     pub rope: Option<RotaryEmbedding>,
     /// Softmax scale (default `1/sqrt(head_dim)`).
@@ -45,6 +55,9 @@ impl AttentionConfig {
             num_kv_heads,
             head_dim,
             bias: false,
+            o_bias: false,
+            qk_norm: None,
+            window: None,
             rope: None,
             scale: 1.0 / (head_dim as f32).sqrt(),
             q: "q_proj".into(),
@@ -54,8 +67,35 @@ impl AttentionConfig {
         }
     }
 
+    /// Biases on all four projections.
     pub fn with_bias(mut self, bias: bool) -> Self {
         self.bias = bias;
+        self.o_bias = bias;
+        self
+    }
+
+    /// Biases on q, k, v (`qkv`) and on the output projection (`o`) separately.
+    pub fn with_biases(mut self, qkv: bool, o: bool) -> Self {
+        self.bias = qkv;
+        self.o_bias = o;
+        self
+    }
+
+    /// Per-head RMSNorms of q and k before RoPE (`norm.hidden_size` must be `head_dim`).
+    pub fn with_qk_norm(mut self, norm: Option<NormConfig>) -> Self {
+        self.qk_norm = norm;
+        self
+    }
+
+    /// A sliding window of `window` tokens (`None`: global attention).
+    pub fn with_window(mut self, window: Option<usize>) -> Self {
+        self.window = window;
+        self
+    }
+
+    /// Another softmax scale (Gemma's `query_pre_attn_scalar ** -0.5`).
+    pub fn with_scale(mut self, scale: f32) -> Self {
+        self.scale = scale;
         self
     }
 
@@ -83,6 +123,9 @@ pub struct ParallelAttention {
     v_proj: ColumnParallelLinear,
     o_proj: RowParallelLinear,
     rope: Option<RotaryEmbedding>,
+    /// Per-head norms of q and k.
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
+    window: Option<usize>,
     /// Heads of this tensor-parallel rank.
     q_heads: usize,
     kv_heads: usize,
@@ -131,17 +174,35 @@ impl ParallelAttention {
                 ));
             }
         }
+        if cfg.window == Some(0) {
+            return Err(Error::invalid("attention", "a sliding window of 0 tokens"));
+        }
+        let qk_norm = match &cfg.qk_norm {
+            Some(n) if n.hidden_size != d => {
+                return Err(Error::invalid(
+                    "attention",
+                    format!("q/k norms of {} features for head_dim {d}", n.hidden_size),
+                ))
+            }
+            Some(n) => Some((
+                RmsNorm::new_per_head(n, vb.pp("q_norm"), ctx)?,
+                RmsNorm::new_per_head(n, vb.pp("k_norm"), ctx)?,
+            )),
+            None => None,
+        };
         let lin = |out: usize| LinearConfig::new(h, out).with_bias(cfg.bias);
         Ok(Self {
             q_proj: ColumnParallelLinear::new(&lin(hq * d), vb.pp(&cfg.q), ctx)?,
             k_proj: ColumnParallelLinear::new(&lin(hkv * d), vb.pp(&cfg.k), ctx)?,
             v_proj: ColumnParallelLinear::new(&lin(hkv * d), vb.pp(&cfg.v), ctx)?,
             o_proj: RowParallelLinear::new(
-                &LinearConfig::new(hq * d, h).with_bias(cfg.bias),
+                &LinearConfig::new(hq * d, h).with_bias(cfg.o_bias),
                 vb.pp(&cfg.o),
                 ctx,
             )?,
             rope: cfg.rope.clone(),
+            qk_norm,
+            window: cfg.window,
             q_heads: hq / tp.size(),
             kv_heads: hkv / tp.size(),
             head_dim: d,
@@ -162,6 +223,10 @@ impl ParallelAttention {
             heads(&self.q_proj, self.q_heads)?,
             heads(&self.k_proj, self.kv_heads)?,
         );
+        let (q, k) = match &self.qk_norm {
+            Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?),
+            None => (q, k),
+        };
         let (q, k) = match &self.rope {
             Some(rope) => (rope.apply(&q, positions)?, rope.apply(&k, positions)?),
             None => (q, k),
@@ -175,7 +240,7 @@ impl ParallelAttention {
     pub fn forward(&self, x: &Tensor, pass: &Pass) -> Result<Tensor> {
         let (q, k, v) = self.qkv(x, pass.positions)?;
         let (b, n) = (q.dim(0)?, q.dim(1)?);
-        let call = AttnCall::new(pass.mask.clone(), self.scale);
+        let call = AttnCall::new(pass.mask.clone(), self.scale).with_window(self.window);
         let o = pass.attention.attention(&q, &k, &v, &call)?;
         self.o_proj
             .forward(&o.reshape((b, n, self.q_heads * self.head_dim))?)
@@ -198,6 +263,10 @@ impl ParallelAttention {
             flash_ring::Positions::list(pos.to_vec()),
             flash_ring::Positions::range(0, k.dim(1)?),
         );
+        let spec = match self.window {
+            Some(w) => spec.with_window(w),
+            None => spec,
+        };
         let (o, _) = flash_ring::flash_fwd(&q, &k, &v, &spec)
             .map_err(crate::attention::block::kernel_err)?;
         self.o_proj

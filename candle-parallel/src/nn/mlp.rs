@@ -16,6 +16,9 @@ use crate::ops::{gelu_tanh, swiglu};
 pub enum Activation {
     /// `silu(gate(x)) * up(x)` (LLaMA): needs a gate projection.
     SwiGlu,
+    /// `gelu_tanh(gate(x)) * up(x)` (Gemma's GeGLU, `gelu_pytorch_tanh`): needs a gate
+    /// projection.
+    GeGluTanh,
     /// GELU with the exact erf (PyTorch's `gelu`, CLIP's `gelu`).
     Gelu,
     /// GELU with the tanh approximation (`gelu_pytorch_tanh`: SigLIP, DiT).
@@ -31,7 +34,7 @@ pub fn quick_gelu(x: &Tensor) -> Result<Tensor> {
 }
 
 /// The shape and checkpoint names of an [`Mlp`]: `up` `(intermediate, hidden)`, `down`
-/// `(hidden, intermediate)`, and for [`Activation::SwiGlu`] `gate` like `up`.
+/// `(hidden, intermediate)`, and for the gated activations `gate` like `up`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MlpConfig {
     pub hidden_size: usize,
@@ -78,6 +81,13 @@ impl MlpConfig {
         self
     }
 
+    /// The same projections with another gated activation ([`Activation::SwiGlu`] or
+    /// [`Activation::GeGluTanh`]).
+    pub fn with_activation(mut self, activation: Activation) -> Self {
+        self.activation = activation;
+        self
+    }
+
     /// Other checkpoint names for the up and down projections (and the gate, for SwiGLU).
     pub fn with_names(mut self, up: &str, down: &str, gate: &str) -> Self {
         (self.up, self.down, self.gate) = (up.into(), down.into(), gate.into());
@@ -101,7 +111,9 @@ impl Mlp {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         let up_cfg = LinearConfig::new(h, i).with_bias(cfg.bias);
         let gate = match cfg.activation {
-            Activation::SwiGlu => Some(ColumnParallelLinear::new(&up_cfg, vb.pp(&cfg.gate), ctx)?),
+            Activation::SwiGlu | Activation::GeGluTanh => {
+                Some(ColumnParallelLinear::new(&up_cfg, vb.pp(&cfg.gate), ctx)?)
+            }
             Activation::Gelu | Activation::GeluTanh | Activation::QuickGelu => None,
         };
         Ok(Self {
@@ -122,6 +134,7 @@ impl Mlp {
         let x = Entered::new(x, &self.tp)?;
         let up = self.up.forward_entered(&x)?;
         let h = match (&self.gate, self.activation) {
+            (Some(gate), Activation::GeGluTanh) => (gelu_tanh(&gate.forward_entered(&x)?)? * up)?,
             (Some(gate), _) => swiglu(&gate.forward_entered(&x)?, &up)?,
             (None, Activation::GeluTanh) => gelu_tanh(&up)?,
             (None, Activation::QuickGelu) => quick_gelu(&up)?,

@@ -6,6 +6,8 @@
 use candle_core::{DType, Tensor, D};
 
 use super::{ParallelCtx, ParamBuilder};
+use crate::collectives::copy_to_parallel_region;
+use crate::comm::Comm;
 use crate::error::Result;
 use crate::ops::rms_norm;
 
@@ -18,6 +20,8 @@ pub struct NormConfig {
     pub eps: f64,
     pub bias: bool,
     pub affine: bool,
+    /// [`RmsNorm`] scales by `1 + weight` (Gemma's stored weights are offsets from one).
+    pub unit_offset: bool,
 }
 
 impl NormConfig {
@@ -28,7 +32,14 @@ impl NormConfig {
             eps,
             bias: false,
             affine: true,
+            unit_offset: false,
         }
+    }
+
+    /// An [`RmsNorm`] that scales by `1 + weight` (Gemma).
+    pub fn with_unit_offset(mut self, unit_offset: bool) -> Self {
+        self.unit_offset = unit_offset;
+        self
     }
 
     pub fn with_bias(mut self, bias: bool) -> Self {
@@ -45,11 +56,17 @@ impl NormConfig {
 }
 
 /// RMSNorm with Hugging Face's `LlamaRMSNorm` semantics (`weight * x / rms(x)`, in f32), by the
-/// fused op with backward of [`crate::ops::rms_norm`]. `weight` `(hidden)`.
+/// fused op with backward of [`crate::ops::rms_norm`]. `weight` `(hidden)`. With
+/// [`NormConfig::unit_offset`] it is `GemmaRMSNorm`: `(1 + weight) * x / rms(x)`, the scale and
+/// the product in f32 and only the result rounded to `x`'s dtype.
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
     weight: Tensor,
     eps: f64,
+    unit_offset: bool,
+    /// All-reduce the weight's gradient over this group in backward (see
+    /// [`RmsNorm::new_per_head`]).
+    grad_reduce: Option<Comm>,
 }
 
 impl RmsNorm {
@@ -57,12 +74,38 @@ impl RmsNorm {
         Ok(Self {
             weight: vb.get(cfg.hidden_size, "weight")?,
             eps: cfg.eps,
+            unit_offset: cfg.unit_offset,
+            grad_reduce: None,
         })
     }
 
-    /// `x` `(.., hidden)` → the same shape and dtype. Local.
+    /// A norm over each attention head's features (Qwen3's and Gemma 3's `q_norm`, `k_norm`):
+    /// applied to this tensor-parallel rank's heads only, so its weight's gradient is partial
+    /// over tp. Under TP-sp the context's gradient group sums it over tp like every replicated
+    /// weight's; otherwise the backward all-reduces it over tp here, so that every rank holds
+    /// the whole gradient as for the other replicated weights.
+    pub fn new_per_head(cfg: &NormConfig, vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
+        let mut norm = Self::new(cfg, vb, ctx)?;
+        let tp = ctx.tp();
+        if tp.size() > 1 && !tp.sequence_parallel() {
+            norm.grad_reduce = Some(tp.comm().clone());
+        }
+        Ok(norm)
+    }
+
+    /// `x` `(.., hidden)` → the same shape and dtype. Local (a per-head norm's backward is
+    /// collective over tp).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(rms_norm(x, &self.weight, self.eps)?)
+        let weight = match &self.grad_reduce {
+            Some(comm) => copy_to_parallel_region(&self.weight, comm)?,
+            None => self.weight.clone(),
+        };
+        if !self.unit_offset {
+            return Ok(rms_norm(x, &weight, self.eps)?);
+        }
+        let scale = (weight.to_dtype(DType::F32)? + 1.0)?;
+        let y = rms_norm(&x.to_dtype(DType::F32)?, &scale, self.eps)?;
+        Ok(y.to_dtype(x.dtype())?)
     }
 }
 

@@ -4,10 +4,13 @@
 use std::path::Path;
 
 use candle_core::DType;
-use candle_parallel::ops::RopeScaling;
+use candle_parallel::nn::Activation;
+use candle_parallel::ops::{RopeScaling, RotaryEmbedding};
 use serde::Deserialize;
 
+use crate::decoder::{DecoderConfig, DecoderSpec, LayerSpec, NormStyle, ToDecoderSpec};
 use crate::error::{Error, Result};
+use crate::family::Description;
 
 /// `config.json` as Hugging Face writes it (the fields LLaMA-family models use).
 #[derive(Debug, Clone, Deserialize)]
@@ -83,34 +86,47 @@ impl LlamaConfig {
     }
 
     fn validate(&self, path: &Path) -> Result<()> {
-        let supported = ["LlamaForCausalLM"];
+        self.check_names(path, "LlamaForCausalLM", "llama")?;
+        self.check_activation(path, "silu")?;
+        self.validate_common(path)
+    }
+
+    /// Fails unless `architectures` (when given) names only `architecture` and `model_type`
+    /// (when given) is `model_type`.
+    pub fn check_names(&self, path: &Path, architecture: &str, model_type: &str) -> Result<()> {
         if let Some(archs) = &self.architectures {
-            if let Some(a) = archs.iter().find(|a| !supported.contains(&a.as_str())) {
+            if let Some(a) = archs.iter().find(|a| a.as_str() != architecture) {
                 return Err(Error::config(
                     path,
-                    format!(
-                        "unsupported architecture `{a}` (supported: {})",
-                        supported.join(", ")
-                    ),
+                    format!("unsupported architecture `{a}` (supported: {architecture})"),
                 ));
             }
         }
         if let Some(t) = &self.model_type {
-            if t != "llama" {
+            if t != model_type {
                 return Err(Error::config(
                     path,
-                    format!("unsupported model_type `{t}` (supported: llama)"),
+                    format!("unsupported model_type `{t}` (supported: {model_type})"),
                 ));
             }
         }
-        if let Some(act) = &self.hidden_act {
-            if act != "silu" {
-                return Err(Error::config(
-                    path,
-                    format!("unsupported hidden_act `{act}` (supported: silu)"),
-                ));
-            }
+        Ok(())
+    }
+
+    /// Fails unless `hidden_act` (when given) is `act`.
+    pub fn check_activation(&self, path: &Path, act: &str) -> Result<()> {
+        match &self.hidden_act {
+            Some(a) if a != act => Err(Error::config(
+                path,
+                format!("unsupported hidden_act `{a}` (supported: {act})"),
+            )),
+            _ => Ok(()),
         }
+    }
+
+    /// The checks every family sharing these fields needs: positive sizes, heads that divide,
+    /// an even head_dim, a positive eps, a RoPE and a dtype this crate reads.
+    pub fn validate_common(&self, path: &Path) -> Result<()> {
         let nonzero = [
             ("hidden_size", self.hidden_size),
             ("intermediate_size", self.intermediate_size),
@@ -230,62 +246,61 @@ impl LlamaConfig {
             .ok_or_else(|| Error::config(path, format!("unsupported dtype `{name}`")))
     }
 
-    /// The name and shape of every parameter, as in a Hugging Face checkpoint.
-    pub fn parameter_shapes(&self) -> Vec<(String, Vec<usize>)> {
-        let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
-        let (q, kv) = (
-            self.num_attention_heads * self.head_dim(),
-            self.num_kv_heads() * self.head_dim(),
-        );
-        let mut out = vec![
-            ("model.embed_tokens.weight".to_string(), vec![v, h]),
-            ("model.norm.weight".to_string(), vec![h]),
-        ];
-        if !self.tie_word_embeddings {
-            out.push(("lm_head.weight".into(), vec![v, h]));
-        }
-        for l in 0..self.num_hidden_layers {
-            let p = |n: &str| format!("model.layers.{l}.{n}");
-            out.push((p("input_layernorm.weight"), vec![h]));
-            out.push((p("post_attention_layernorm.weight"), vec![h]));
-            for (name, shape, bias) in [
-                ("self_attn.q_proj", vec![q, h], self.attention_bias),
-                ("self_attn.k_proj", vec![kv, h], self.attention_bias),
-                ("self_attn.v_proj", vec![kv, h], self.attention_bias),
-                ("self_attn.o_proj", vec![h, q], self.attention_bias),
-                ("mlp.gate_proj", vec![i, h], self.mlp_bias),
-                ("mlp.up_proj", vec![i, h], self.mlp_bias),
-                ("mlp.down_proj", vec![h, i], self.mlp_bias),
-            ] {
-                if bias {
-                    out.push((p(&format!("{name}.bias")), vec![shape[0]]));
-                }
-                out.push((p(&format!("{name}.weight")), shape));
-            }
-        }
-        out
+    /// The decoder these fields describe with LLaMA's choices (RMSNorm, SwiGLU,
+    /// `attention_bias` on all four projections, every layer global with one RoPE): the base
+    /// other families change. `family` names the family in errors.
+    pub fn base_spec(&self, family: &'static str, path: &Path) -> Result<DecoderSpec> {
+        let (theta, scaling) = self.rope(path)?;
+        let rope = RotaryEmbedding::new(self.head_dim(), theta, &scaling)?;
+        Ok(DecoderSpec {
+            family,
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            vocab_size: self.vocab_size,
+            num_heads: self.num_attention_heads,
+            num_kv_heads: self.num_kv_heads(),
+            head_dim: self.head_dim(),
+            norm_eps: self.rms_norm_eps,
+            norm: NormStyle::Weight,
+            qkv_bias: self.attention_bias,
+            o_bias: self.attention_bias,
+            mlp_bias: self.mlp_bias,
+            qk_norm: false,
+            activation: Activation::SwiGlu,
+            sandwich_norms: false,
+            embed_scale: None,
+            attn_scale: 1.0 / (self.head_dim() as f32).sqrt(),
+            tie_word_embeddings: self.tie_word_embeddings,
+            layers: vec![LayerSpec { window: None, rope }; self.num_hidden_layers],
+        })
+    }
+}
+
+impl LlamaConfig {
+    /// Size and FLOPs terms of this model ([`Description`]).
+    pub fn description(&self) -> Result<Description> {
+        Ok(self.decoder_spec()?.description())
     }
 
     /// Number of parameters of the whole model.
-    pub fn num_parameters(&self) -> usize {
-        self.parameter_shapes()
-            .iter()
-            .map(|(_, s)| s.iter().product::<usize>())
-            .sum()
+    pub fn num_parameters(&self) -> Result<usize> {
+        Ok(self.decoder_spec()?.num_parameters())
+    }
+}
+
+impl DecoderConfig for LlamaConfig {
+    fn from_file(path: &Path) -> Result<Self> {
+        LlamaConfig::from_file(path)
     }
 
-    /// The shape `cpl plan --auto`'s cost model plans for.
-    pub fn planner_shape(&self) -> candle_parallel::planner::ModelShape {
-        candle_parallel::planner::ModelShape {
-            layers: self.num_hidden_layers,
-            hidden: self.hidden_size,
-            heads: self.num_attention_heads,
-            kv_heads: self.num_kv_heads(),
-            head_dim: self.head_dim(),
-            intermediate: self.intermediate_size,
-            vocab: self.vocab_size,
-            tied_embeddings: self.tie_word_embeddings,
-        }
+    fn base(&self) -> &LlamaConfig {
+        self
+    }
+}
+
+impl ToDecoderSpec for LlamaConfig {
+    fn decoder_spec(&self) -> Result<DecoderSpec> {
+        self.base_spec("llama", Path::new("config.json"))
     }
 }
 
@@ -314,8 +329,13 @@ mod tests {
                     "vocab_size": 50, "rms_norm_eps": 1e-6, "tie_word_embeddings": {tied}}}"#
             );
             let cfg = LlamaConfig::from_json(&text, Path::new("planner")).unwrap();
-            let shape = cfg.planner_shape();
-            assert_eq!(shape.params() as usize, cfg.num_parameters(), "tied {tied}");
+            let spec = cfg.decoder_spec().unwrap();
+            let shape = spec.planner_shape();
+            assert_eq!(
+                shape.params() as usize,
+                spec.num_parameters(),
+                "tied {tied}"
+            );
             assert_eq!((shape.head_dim, shape.kv_heads), (12, 2));
         }
     }

@@ -1,24 +1,26 @@
-//! LLaMA: configuration ([`config`]) and model ([`model`]).
+//! LLaMA (Llama 2, Llama 3.x, TinyLlama, SmolLM) as `LlamaForCausalLM`: its configuration
+//! ([`config`]), mapped onto the shared [`crate::decoder`] model.
 
 pub mod config;
-pub mod model;
 pub mod random;
 
 use std::sync::Arc;
 
 use candle_core::DType;
-use candle_parallel::nn::{
-    Adapters, ParallelCtx, ParamBuilder, ParamList, ParamMode, TensorSource,
-};
+use candle_parallel::nn::{Adapters, ParallelCtx, ParamList, ParamMode, TensorSource};
 
 pub use crate::causal_lm::KvCache;
+pub use crate::decoder::{DecoderLayer, Ends};
 pub use config::LlamaConfig;
-pub use model::{DecoderLayer, Ends, Llama};
 pub use random::{random_weights, write_random_checkpoint};
 
-use crate::checkpoint::CheckpointReader;
+use crate::decoder::{self, ToDecoderSpec};
 use crate::error::Result;
+use crate::family::LoadSpec;
 use crate::hub::ModelFiles;
+
+/// `LlamaForCausalLM`: the shared decoder (every LLaMA-like family's model).
+pub type Llama = crate::decoder::Decoder;
 
 /// A loaded model with the list of its parameters (for training, gradient reduction, saving).
 pub struct LoadedLlama {
@@ -86,25 +88,19 @@ pub fn load_stage_adapted(
     adapters: Option<Arc<Adapters>>,
 ) -> Result<LoadedLlama> {
     let config = LlamaConfig::from_file(&files.config)?;
-    let dtype = match dtype {
-        Some(d) => d,
-        None => config.stored_dtype(&files.config)?.unwrap_or(DType::F32),
-    };
-    let reader = Arc::new(CheckpointReader::open(&files.weights)?);
-    let (vb, params) = ParamBuilder::new(reader, dtype, ctx.device(), mode);
-    let model = Llama::new_stage(
-        &config,
-        vb.with_adapters(adapters.clone()),
+    let spec = config.decoder_spec()?;
+    let load = LoadSpec {
         ctx,
+        dtype,
+        mode,
         layers,
         ends,
-    )?;
-    if let Some(ad) = &adapters {
-        check_adapters_used(ad, &params, layers)?;
-    }
+        adapters,
+    };
+    let loaded = decoder::load(files, &spec, config.stored_dtype(&files.config)?, &load)?;
     Ok(LoadedLlama {
-        model,
-        params,
+        model: loaded.model,
+        params: loaded.params,
         config,
     })
 }
@@ -118,62 +114,20 @@ pub fn build(
     dtype: DType,
     mode: ParamMode,
 ) -> Result<LoadedLlama> {
-    let (vb, params) = ParamBuilder::new(source, dtype, ctx.device(), mode);
+    let spec = config.decoder_spec()?;
+    let all = 0..spec.num_layers();
+    let load = LoadSpec {
+        ctx,
+        dtype: Some(dtype),
+        mode,
+        layers: std::slice::from_ref(&all),
+        ends: true,
+        adapters: None,
+    };
+    let loaded = decoder::build(&spec, source, &load)?;
     Ok(LoadedLlama {
-        model: Llama::new(config, vb, ctx)?,
-        params,
+        model: loaded.model,
+        params: loaded.params,
         config: config.clone(),
     })
-}
-
-/// Every tensor of the adapters' source (for the layers this stage holds) was loaded by a
-/// targeted linear layer, and at least one layer is adapted: an adapter for a layer this model
-/// does not adapt (e.g. PEFT's `lm_head`), or targets that match nothing, are errors rather
-/// than silently ignored.
-fn check_adapters_used(
-    adapters: &Adapters,
-    params: &ParamList,
-    layers: &[std::ops::Range<usize>],
-) -> Result<()> {
-    let loaded: std::collections::HashSet<String> =
-        params.sorted().into_iter().map(|p| p.name).collect();
-    if !loaded
-        .iter()
-        .any(|n| candle_parallel::nn::lora::is_adapter_param(n))
-    {
-        return Err(crate::Error::Invalid(format!(
-            "the LoRA targets {:?} match no linear layer of the model (its layers are q_proj, \
-             k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)",
-            adapters.cfg.targets
-        )));
-    }
-    let Some(names) = adapters.source().and_then(|s| s.names()) else {
-        return Ok(());
-    };
-    let held = |name: &str| -> bool {
-        let layer = name
-            .strip_prefix("model.layers.")
-            .and_then(|r| r.split('.').next())
-            .and_then(|i| i.parse::<usize>().ok());
-        match layer {
-            Some(i) => layers.iter().any(|r| r.contains(&i)),
-            // Not a decoder layer's: checked on every stage.
-            None => true,
-        }
-    };
-    let mut unused: Vec<&String> = names
-        .iter()
-        .filter(|n| held(n) && !loaded.contains(*n))
-        .collect();
-    unused.sort();
-    if let Some(first) = unused.first() {
-        return Err(crate::Error::Invalid(format!(
-            "{}: {} adapter tensor(s) adapt no layer of this model, e.g. `{first}` (only the \
-             decoder layers' linear layers take adapters; the adapter's target_modules must \
-             match them)",
-            adapters.source().map(|s| s.location()).unwrap_or_default(),
-            unused.len()
-        )));
-    }
-    Ok(())
 }

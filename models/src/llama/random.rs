@@ -7,6 +7,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::LlamaConfig;
 use crate::checkpoint::{write_hf_dir, SaveOptions};
+use crate::decoder::{NormStyle, ToDecoderSpec};
 use crate::error::{Error, Result};
 use crate::hub::ModelFiles;
 
@@ -31,9 +32,18 @@ pub fn write_random_checkpoint(
 }
 
 /// Random f32 weights of a model of `cfg`, by checkpoint name (sorted): uniform with standard
-/// deviation 0.02 (norm weights 1, biases 0), from a generator seeded by `seed`. In memory they
-/// load with [`super::build`] through a `TensorMap`.
-pub fn random_weights(cfg: &LlamaConfig, seed: u64) -> Result<Vec<(String, Tensor)>> {
+/// deviation 0.02 (norm weights 1, or 0 where the norm scales by `1 + weight`; biases 0), from a
+/// generator seeded by `seed`. In memory they load with [`super::build`] (or
+/// [`crate::decoder::build`]) through a `TensorMap`.
+pub fn random_weights<C: ToDecoderSpec + ?Sized>(
+    cfg: &C,
+    seed: u64,
+) -> Result<Vec<(String, Tensor)>> {
+    let spec = cfg.decoder_spec()?;
+    let norm_weight = match spec.norm {
+        NormStyle::Weight => 1.0,
+        NormStyle::UnitOffset => 0.0,
+    };
     let mut state = seed;
     let mut next = move || {
         state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -44,10 +54,10 @@ pub fn random_weights(cfg: &LlamaConfig, seed: u64) -> Result<Vec<(String, Tenso
     };
     let a = 0.02 * 3f32.sqrt();
     let mut tensors = Vec::new();
-    for (name, shape) in cfg.parameter_shapes() {
+    for (name, shape) in spec.parameter_shapes() {
         let n: usize = shape.iter().product();
         let values: Vec<f32> = if name.ends_with("norm.weight") {
-            vec![1.0; n]
+            vec![norm_weight; n]
         } else if name.ends_with(".bias") {
             vec![0.0; n]
         } else {

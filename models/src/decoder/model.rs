@@ -1,5 +1,6 @@
-//! LLaMA (Llama 2, Llama 3.x, TinyLlama, SmolLM) as `LlamaForCausalLM`, from the parallel
-//! modules of [`candle_parallel::nn`].
+//! The decoder-only transformer of every LLaMA-like family (LLaMA, Qwen2/2.5, Qwen3, Mistral,
+//! Gemma 3, ...), described by a [`DecoderSpec`], from the parallel modules of
+//! [`candle_parallel::nn`].
 //!
 //! The file describes the model and nothing else: every module is built by its
 //! `fn new(cfg, vb, ctx)` with `vb.pp(..)` mirroring the checkpoint keys, and the layout (how the
@@ -14,86 +15,80 @@ use candle_core::Tensor;
 use std::sync::Arc;
 
 use candle_parallel::nn::{
-    Adapters, AttentionConfig, Batch, Block, CrossEntropyOptions, EmbeddingConfig, LayerKv, LmHead,
-    Mlp, MlpConfig, NormConfig, ParallelAttention, ParallelCtx, ParamBuilder, Pass, RmsNorm, Track,
-    Unit, UnitOps, VocabParallelEmbedding,
+    Adapters, Batch, Block, CrossEntropyOptions, LayerKv, LmHead, Mlp, ParallelAttention,
+    ParallelCtx, ParamBuilder, Pass, RmsNorm, Track, Unit, UnitOps, VocabParallelEmbedding,
 };
-use candle_parallel::ops::RotaryEmbedding;
 use candle_parallel::plan::Parallelize;
 
-use super::config::LlamaConfig;
+use super::spec::DecoderSpec;
+use super::ToDecoderSpec;
 use crate::causal_lm::KvCache;
 use crate::error::{Error, Result};
 
-impl LlamaConfig {
-    /// The attention of a decoder layer (RoPE of this config).
-    pub fn attention_config(&self) -> Result<AttentionConfig> {
-        let (theta, scaling) = self.rope(std::path::Path::new("config.json"))?;
-        let rope = RotaryEmbedding::new(self.head_dim(), theta, &scaling)?;
-        Ok(AttentionConfig::new(
-            self.hidden_size,
-            self.num_attention_heads,
-            self.num_kv_heads(),
-            self.head_dim(),
-        )
-        .with_bias(self.attention_bias)
-        .with_rope(rope))
-    }
-
-    /// The SwiGLU MLP of a decoder layer.
-    pub fn mlp_config(&self) -> MlpConfig {
-        MlpConfig::swiglu(self.hidden_size, self.intermediate_size).with_bias(self.mlp_bias)
-    }
-
-    /// The RMSNorms.
-    pub fn norm_config(&self) -> NormConfig {
-        NormConfig::new(self.hidden_size, self.rms_norm_eps)
-    }
-
-    /// The embedding table and the LM head.
-    pub fn embedding_config(&self) -> EmbeddingConfig {
-        EmbeddingConfig {
-            vocab_size: self.vocab_size,
-            hidden_size: self.hidden_size,
-        }
-    }
-}
-
-/// One decoder layer (pre-norm attention and MLP with residuals).
+/// One decoder layer: attention and MLP, each pre-normed with a residual add; with sandwich
+/// norms ([`DecoderSpec::sandwich_norms`]) their outputs are normed too before the add.
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
     input_layernorm: RmsNorm,
     self_attn: ParallelAttention,
+    /// Before the MLP (LLaMA), or on the attention's output (sandwich norms).
     post_attention_layernorm: RmsNorm,
+    /// Sandwich norms: before the MLP and on its output.
+    feedforward_norms: Option<(RmsNorm, RmsNorm)>,
     mlp: Mlp,
 }
 
 impl DecoderLayer {
-    pub fn new(cfg: &LlamaConfig, vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
-        let norm = cfg.norm_config();
+    /// Layer `i` of `spec`, `vb` at `model.layers.{i}`.
+    pub fn new(spec: &DecoderSpec, i: usize, vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
+        let norm = spec.norm_config(spec.hidden_size);
+        let feedforward_norms = if spec.sandwich_norms {
+            Some((
+                RmsNorm::new(&norm, vb.pp("pre_feedforward_layernorm"), ctx)?,
+                RmsNorm::new(&norm, vb.pp("post_feedforward_layernorm"), ctx)?,
+            ))
+        } else {
+            None
+        };
         Ok(Self {
             input_layernorm: RmsNorm::new(&norm, vb.pp("input_layernorm"), ctx)?,
-            self_attn: ParallelAttention::new(&cfg.attention_config()?, vb.pp("self_attn"), ctx)?,
+            self_attn: ParallelAttention::new(&spec.attention_config(i)?, vb.pp("self_attn"), ctx)?,
             post_attention_layernorm: RmsNorm::new(&norm, vb.pp("post_attention_layernorm"), ctx)?,
-            mlp: Mlp::new(&cfg.mlp_config(), vb.pp("mlp"), ctx)?,
+            feedforward_norms,
+            mlp: Mlp::new(&spec.mlp_config(), vb.pp("mlp"), ctx)?,
         })
+    }
+
+    /// The layer around an attention output `attn` of the normed input: the residual adds and
+    /// the MLP.
+    fn finish(&self, x: &Tensor, attn: Tensor) -> candle_parallel::Result<Tensor> {
+        match &self.feedforward_norms {
+            None => {
+                let x = (x + attn)?;
+                let h = self.post_attention_layernorm.forward(&x)?;
+                Ok((&x + self.mlp.forward(&h)?)?)
+            }
+            Some((pre, post)) => {
+                let x = (x + self.post_attention_layernorm.forward(&attn)?)?;
+                let h = self.mlp.forward(&pre.forward(&x)?)?;
+                Ok((&x + post.forward(&h)?)?)
+            }
+        }
     }
 
     /// Incremental forward for generation, see [`ParallelAttention::forward_cached`].
     pub fn forward_cached(&self, x: &Tensor, pos: &[u32], cache: &mut LayerKv) -> Result<Tensor> {
         let h = self.input_layernorm.forward(x)?;
-        let x = (x + self.self_attn.forward_cached(&h, pos, cache)?)?;
-        let h = self.post_attention_layernorm.forward(&x)?;
-        Ok((&x + self.mlp.forward(&h)?)?)
+        let attn = self.self_attn.forward_cached(&h, pos, cache)?;
+        Ok(self.finish(x, attn)?)
     }
 }
 
 impl Block for DecoderLayer {
     fn forward(&self, x: &Tensor, pass: &Pass) -> candle_parallel::Result<Tensor> {
         let h = self.input_layernorm.forward(x)?;
-        let x = (x + self.self_attn.forward(&h, pass)?)?;
-        let h = self.post_attention_layernorm.forward(&x)?;
-        Ok((&x + self.mlp.forward(&h)?)?)
+        let attn = self.self_attn.forward(&h, pass)?;
+        self.finish(x, attn)
     }
 }
 
@@ -109,65 +104,72 @@ pub struct Ends {
 
 impl Ends {
     /// `vb` at the checkpoint root (`model.embed_tokens`, `model.norm`, `lm_head`).
-    pub fn new(cfg: &LlamaConfig, vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
+    pub fn new(spec: &DecoderSpec, vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
         let m = vb.pp("model");
-        let emb = cfg.embedding_config();
+        let emb = spec.embedding_config();
         let embed_tokens = VocabParallelEmbedding::new(&emb, m.pp("embed_tokens"), ctx)?;
-        let lm_head = if cfg.tie_word_embeddings {
+        let lm_head = if spec.tie_word_embeddings {
             LmHead::tied(&embed_tokens, ctx)
         } else {
             LmHead::new(&emb, vb.pp("lm_head"), ctx)?
         };
         Ok(Self {
-            norm: RmsNorm::new(&cfg.norm_config(), m.pp("norm"), ctx)?,
+            norm: RmsNorm::new(&spec.norm_config(spec.hidden_size), m.pp("norm"), ctx)?,
             embed_tokens,
             lm_head,
         })
     }
 }
 
-/// `LlamaForCausalLM`; see the [module docs](self). Parameter gradients arrive through
-/// [`Llama::backward`] (`loss.backward()` plus those of recomputed layers).
+/// A decoder-only language model; see the [module docs](self). Parameter gradients arrive
+/// through [`Decoder::backward`] (`loss.backward()` plus those of recomputed layers).
 #[derive(Debug, Clone)]
-pub struct Llama {
+pub struct Decoder {
     /// `None` on a pipeline stage that holds neither the first nor the last layer.
     ends: Option<Unit<Ends>>,
     /// `None` for layers another pipeline stage holds.
     layers: Vec<Option<Unit<DecoderLayer>>>,
     ctx: ParallelCtx,
-    cfg: LlamaConfig,
+    spec: Arc<DecoderSpec>,
     /// The LoRA adapters the model was built with (see [`ParamBuilder::with_adapters`]).
     adapters: Option<Arc<Adapters>>,
 }
 
-impl Llama {
-    /// Builds the model for this rank's layout, loading its slice of every parameter through
-    /// `vb` (keys as in the Hugging Face checkpoint). Local. Errors (naming the config field)
-    /// when the layout does not divide the heads, the hidden units or the vocabulary.
-    pub fn new(cfg: &LlamaConfig, vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
-        let all = 0..cfg.num_hidden_layers;
-        Self::new_stage(cfg, vb, ctx, std::slice::from_ref(&all), true)
+impl Decoder {
+    /// Builds the model of `cfg` (a family's config, or a [`DecoderSpec`]) for this rank's
+    /// layout, loading its slice of every parameter through `vb` (keys as in the Hugging Face
+    /// checkpoint). Local. Errors (naming the config field) when the layout does not divide the
+    /// heads, the hidden units or the vocabulary.
+    pub fn new<C: ToDecoderSpec + ?Sized>(
+        cfg: &C,
+        vb: ParamBuilder,
+        ctx: &ParallelCtx,
+    ) -> Result<Self> {
+        let spec = cfg.decoder_spec()?;
+        let all = 0..spec.num_layers();
+        Self::new_stage(&spec, vb, ctx, std::slice::from_ref(&all), true)
     }
 
     /// A pipeline stage of the model: only the decoder layers in `layers` (one range per model
     /// chunk of this rank) and, with `ends`, the embedding, final norm and head (the first and
     /// the last stage hold them; see [`crate::causal_lm::LmStages`]). Loads nothing else.
-    pub fn new_stage(
-        cfg: &LlamaConfig,
+    pub fn new_stage<C: ToDecoderSpec + ?Sized>(
+        cfg: &C,
         vb: ParamBuilder,
         ctx: &ParallelCtx,
         layers: &[std::ops::Range<usize>],
         ends: bool,
     ) -> Result<Self> {
+        let spec = Arc::new(cfg.decoder_spec()?);
         let unit_err = |e: candle_parallel::Error| Error::Parallel(e);
-        if let Some(r) = layers.iter().find(|r| r.end > cfg.num_hidden_layers) {
+        if let Some(r) = layers.iter().find(|r| r.end > spec.num_layers()) {
             return Err(Error::Invalid(format!(
                 "layers {r:?} of a model with {} layers (num_hidden_layers)",
-                cfg.num_hidden_layers
+                spec.num_layers()
             )));
         }
         let ends = if ends {
-            let (c, x) = (cfg.clone(), ctx.clone());
+            let (c, x) = (spec.clone(), ctx.clone());
             Some(
                 Unit::new(&vb, move |vb| {
                     Ends::new(&c, vb, &x).map_err(candle_parallel::Error::from)
@@ -177,15 +179,15 @@ impl Llama {
         } else {
             None
         };
-        let layers = (0..cfg.num_hidden_layers)
+        let layers = (0..spec.num_layers())
             .map(|i| {
                 if !layers.iter().any(|r| r.contains(&i)) {
                     return Ok(None);
                 }
-                let (c, x) = (cfg.clone(), ctx.clone());
+                let (c, x) = (spec.clone(), ctx.clone());
                 let vb = vb.pp("model").pp("layers").pp(i);
                 Unit::new(&vb, move |vb| {
-                    DecoderLayer::new(&c, vb, &x).map_err(candle_parallel::Error::from)
+                    DecoderLayer::new(&c, i, vb, &x).map_err(candle_parallel::Error::from)
                 })
                 .map(Some)
                 .map_err(unit_err)
@@ -195,13 +197,25 @@ impl Llama {
             ends,
             layers,
             ctx: ctx.clone(),
-            cfg: cfg.clone(),
+            spec,
             adapters: vb.adapters().cloned(),
         })
     }
 
-    pub fn config(&self) -> &LlamaConfig {
-        &self.cfg
+    /// What the model is.
+    pub fn spec(&self) -> &DecoderSpec {
+        &self.spec
+    }
+
+    /// Token embeddings times the family's embedding scale (rounded to their dtype first).
+    fn scale_embeddings(&self, x: Tensor) -> Result<Tensor> {
+        match self.spec.embed_scale {
+            None => Ok(x),
+            Some(s) => {
+                let s = Tensor::new(s, x.device())?.to_dtype(x.dtype())?;
+                Ok(x.broadcast_mul(&s)?)
+            }
+        }
     }
 
     /// The LoRA adapters of the model, if it was built with them (switch them off with
@@ -231,7 +245,7 @@ impl Llama {
     /// (under TP-sp its tensor-parallel part of the tokens). Collective over tp.
     pub fn embed(&self, ends: &Ends, batch: &Batch) -> Result<Tensor> {
         batch.pass(&self.ctx)?;
-        Ok(ends.embed_tokens.forward(&batch.input_ids)?)
+        self.scale_embeddings(ends.embed_tokens.forward(&batch.input_ids)?)
     }
 
     /// Decoder layers `layers` on `x` (the embeddings, or the previous stage's output), each
@@ -267,10 +281,10 @@ impl Llama {
     /// TP-sp split): for models that change the embedded sequence before sharding it
     /// (image features in a vision-language model). Collective over tp.
     pub fn embed_global(&self, ends: &Ends, ids: &Tensor) -> Result<Tensor> {
-        Ok(ends.embed_tokens.lookup(ids)?)
+        self.scale_embeddings(ends.embed_tokens.lookup(ids)?)
     }
 
-    /// Logits `(.., tokens, V)` f32 of final hidden states `h` (see [`Llama::logits`]).
+    /// Logits `(.., tokens, V)` f32 of final hidden states `h` (see [`Decoder::logits`]).
     /// Collective over tp.
     pub fn head_logits(&self, ends: &Ends, h: &Tensor) -> Result<Tensor> {
         Ok(ends.lm_head.logits(h)?)
@@ -310,7 +324,7 @@ impl Llama {
     /// Per-sequence sums of this rank's token cross-entropies, `(batch,)` f32 (the negative
     /// log-likelihood of each sequence's labelled tokens on this rank; sum over the sequence
     /// group for the whole sequence), for preference losses (DPO). `labels` as in
-    /// [`Llama::loss_sum`]; a sequence with no labelled token here gives 0. Collective over tp.
+    /// [`Decoder::loss_sum`]; a sequence with no labelled token here gives 0. Collective over tp.
     pub fn sequence_loss_sums(
         &self,
         batch: &Batch,
@@ -329,7 +343,7 @@ impl Llama {
         Ok(Tensor::cat(&sums, 0)?)
     }
 
-    /// The loss of the LM head on final hidden states `h` (see [`Llama::loss_sum`]). Collective
+    /// The loss of the LM head on final hidden states `h` (see [`Decoder::loss_sum`]). Collective
     /// over tp.
     pub fn head_loss(
         &self,
@@ -363,7 +377,7 @@ impl Llama {
     /// `(batch, n, hidden)` of the new tokens `ids`. Collective over tp.
     pub fn embed_cached(&self, ids: &Tensor) -> Result<Tensor> {
         self.check_generation_layout()?;
-        Ok(self.ends(Track::NoGrad)?.embed_tokens.lookup(ids)?)
+        self.scale_embeddings(self.ends(Track::NoGrad)?.embed_tokens.lookup(ids)?)
     }
 
     /// Generation through pipeline stages: decoder layers `layers` on the hidden states `x`
@@ -413,13 +427,13 @@ impl Llama {
     }
 }
 
-impl crate::causal_lm::CausalLm for Llama {
+impl crate::causal_lm::CausalLm for Decoder {
     fn ctx(&self) -> &ParallelCtx {
         &self.ctx
     }
 
     fn hidden_size(&self) -> usize {
-        self.cfg.hidden_size
+        self.spec.hidden_size
     }
 
     fn num_layers(&self) -> usize {
@@ -436,7 +450,7 @@ impl crate::causal_lm::CausalLm for Llama {
         x: &Tensor,
         batch: &Batch,
     ) -> Result<Tensor> {
-        Llama::run_layers(self, layers, x, batch)
+        Decoder::run_layers(self, layers, x, batch)
     }
 
     fn norm_head_loss(
@@ -458,7 +472,7 @@ impl crate::causal_lm::CausalLm for Llama {
 
     /// The ends are gathered once (under ZeRO-3) for the embedding and the head.
     fn logits(&self, batch: &Batch) -> Result<Tensor> {
-        Llama::logits(self, batch)
+        Decoder::logits(self, batch)
     }
 
     /// The ends are gathered once (under ZeRO-3) for the embedding and the head.
@@ -468,7 +482,7 @@ impl crate::causal_lm::CausalLm for Llama {
         labels: &Tensor,
         opts: &CrossEntropyOptions,
     ) -> Result<(Tensor, usize)> {
-        Llama::loss_sum(self, batch, labels, opts)
+        Decoder::loss_sum(self, batch, labels, opts)
     }
 
     fn end_params(&self) -> Vec<String> {
@@ -479,7 +493,7 @@ impl crate::causal_lm::CausalLm for Llama {
     }
 
     fn embed_cached(&self, ids: &Tensor) -> Result<Tensor> {
-        Llama::embed_cached(self, ids)
+        Decoder::embed_cached(self, ids)
     }
 
     fn layers_cached(
@@ -488,11 +502,11 @@ impl crate::causal_lm::CausalLm for Llama {
         layers: std::ops::Range<usize>,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        Llama::layers_cached(self, x, layers, cache)
+        Decoder::layers_cached(self, x, layers, cache)
     }
 
     fn head_cached(&self, x: &Tensor) -> Result<Tensor> {
-        Llama::head_cached(self, x)
+        Decoder::head_cached(self, x)
     }
 
     fn adapters(&self) -> Option<&Arc<Adapters>> {
@@ -500,7 +514,7 @@ impl crate::causal_lm::CausalLm for Llama {
     }
 }
 
-impl Parallelize for Llama {
+impl Parallelize for Decoder {
     fn units(&mut self) -> Vec<&mut dyn UnitOps> {
         let mut units: Vec<&mut dyn UnitOps> = Vec::new();
         units.extend(self.ends.iter_mut().map(|u| u as &mut dyn UnitOps));

@@ -1,0 +1,174 @@
+//! The decoder-only transformer every LLaMA-like family shares: what it is ([`DecoderSpec`],
+//! [`spec`]), the model ([`Decoder`], [`model`]), and loading it from a checkpoint for a layout
+//! ([`load`]). A family's file parses its `config.json`, maps it onto a [`DecoderSpec`]
+//! ([`ToDecoderSpec`]) and registers itself ([`crate::family`]); nothing else about it is
+//! written twice.
+
+pub mod model;
+pub mod spec;
+
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::DType;
+use candle_parallel::nn::{Adapters, ParamBuilder, ParamList, TensorSource};
+
+pub use model::{Decoder, DecoderLayer, Ends};
+pub use spec::{DecoderSpec, LayerSpec, NormStyle};
+
+use crate::checkpoint::CheckpointReader;
+use crate::error::Result;
+use crate::family::{Description, LoadSpec, LoadedCausalLm};
+use crate::hub::ModelFiles;
+use crate::llama::LlamaConfig;
+
+/// A family's config that describes a decoder ([`DecoderSpec`]).
+pub trait ToDecoderSpec {
+    /// The model this config describes; errors name the config field.
+    fn decoder_spec(&self) -> Result<DecoderSpec>;
+}
+
+impl ToDecoderSpec for DecoderSpec {
+    fn decoder_spec(&self) -> Result<DecoderSpec> {
+        Ok(self.clone())
+    }
+}
+
+/// A family's `config.json`: parsed and validated from a file, sharing LLaMA's fields
+/// ([`LlamaConfig`]), describing a decoder. [`describe`] and [`load_family`] serve every such
+/// family's registry entry.
+pub trait DecoderConfig: ToDecoderSpec + Sized {
+    /// Reads and validates `path`; errors name the file and field.
+    fn from_file(path: &Path) -> Result<Self>;
+
+    /// The fields every LLaMA-like config shares (sizes, RoPE, dtype).
+    fn base(&self) -> &LlamaConfig;
+}
+
+/// [`crate::Family::describe`] of a decoder family with config `C`.
+pub fn describe<C: DecoderConfig>(path: &Path) -> Result<Description> {
+    Ok(C::from_file(path)?.decoder_spec()?.description())
+}
+
+/// [`crate::Family::load_causal_lm`] of a decoder family with config `C`.
+pub fn load_family<C: DecoderConfig>(
+    files: &ModelFiles,
+    spec: &LoadSpec<'_>,
+) -> Result<LoadedCausalLm> {
+    let cfg = C::from_file(&files.config)?;
+    let stored = cfg.base().stored_dtype(&files.config)?;
+    Ok(load(files, &cfg.decoder_spec()?, stored, spec)?.into())
+}
+
+/// A decoder loaded for a layout, with the list of its parameters.
+pub struct LoadedDecoder {
+    pub model: Decoder,
+    pub params: ParamList,
+}
+
+/// Loads the decoder `spec` from `files` for `load`'s layout: only this rank's slice of each
+/// split parameter, only the layers of its pipeline chunks, the ends only where it holds them.
+/// `load.dtype` defaults to `stored` (the checkpoint's declared dtype), else f32. With adapters,
+/// the base parameters are frozen and every adapter tensor must adapt a layer.
+pub fn load(
+    files: &ModelFiles,
+    spec: &DecoderSpec,
+    stored: Option<DType>,
+    load: &LoadSpec<'_>,
+) -> Result<LoadedDecoder> {
+    let dtype = load.dtype.or(stored).unwrap_or(DType::F32);
+    let reader = Arc::new(CheckpointReader::open(&files.weights)?);
+    let (vb, params) = ParamBuilder::new(reader, dtype, load.ctx.device(), load.mode);
+    let model = Decoder::new_stage(
+        spec,
+        vb.with_adapters(load.adapters.clone()),
+        load.ctx,
+        load.layers,
+        load.ends,
+    )?;
+    if let Some(ad) = &load.adapters {
+        check_adapters_used(ad, &params, load.layers)?;
+    }
+    Ok(LoadedDecoder { model, params })
+}
+
+/// The whole model `spec` from weights that are not files (e.g. random weights in a
+/// `TensorMap`), for `load`'s layout: [`load`] without a checkpoint.
+pub fn build(
+    spec: &DecoderSpec,
+    source: Arc<dyn TensorSource>,
+    load: &LoadSpec<'_>,
+) -> Result<LoadedDecoder> {
+    let dtype = load.dtype.unwrap_or(DType::F32);
+    let (vb, params) = ParamBuilder::new(source, dtype, load.ctx.device(), load.mode);
+    let model = Decoder::new_stage(
+        spec,
+        vb.with_adapters(load.adapters.clone()),
+        load.ctx,
+        load.layers,
+        load.ends,
+    )?;
+    Ok(LoadedDecoder { model, params })
+}
+
+impl From<LoadedDecoder> for LoadedCausalLm {
+    fn from(l: LoadedDecoder) -> Self {
+        LoadedCausalLm {
+            model: Box::new(l.model),
+            params: l.params,
+        }
+    }
+}
+
+/// Every tensor of the adapters' source (for the layers this stage holds) was loaded by a
+/// targeted linear layer, and at least one layer is adapted: an adapter for a layer this model
+/// does not adapt (e.g. PEFT's `lm_head`), or targets that match nothing, are errors rather
+/// than silently ignored.
+fn check_adapters_used(
+    adapters: &Adapters,
+    params: &ParamList,
+    layers: &[Range<usize>],
+) -> Result<()> {
+    let loaded: std::collections::HashSet<String> =
+        params.sorted().into_iter().map(|p| p.name).collect();
+    if !loaded
+        .iter()
+        .any(|n| candle_parallel::nn::lora::is_adapter_param(n))
+    {
+        return Err(crate::Error::Invalid(format!(
+            "the LoRA targets {:?} match no linear layer of the model (its layers are q_proj, \
+             k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)",
+            adapters.cfg.targets
+        )));
+    }
+    let Some(names) = adapters.source().and_then(|s| s.names()) else {
+        return Ok(());
+    };
+    let held = |name: &str| -> bool {
+        let layer = name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|i| i.parse::<usize>().ok());
+        match layer {
+            Some(i) => layers.iter().any(|r| r.contains(&i)),
+            // Not a decoder layer's: checked on every stage.
+            None => true,
+        }
+    };
+    let mut unused: Vec<&String> = names
+        .iter()
+        .filter(|n| held(n) && !loaded.contains(*n))
+        .collect();
+    unused.sort();
+    if let Some(first) = unused.first() {
+        return Err(crate::Error::Invalid(format!(
+            "{}: {} adapter tensor(s) adapt no layer of this model, e.g. `{first}` (only the \
+             decoder layers' linear layers take adapters; the adapter's target_modules must \
+             match them)",
+            adapters.source().map(|s| s.location()).unwrap_or_default(),
+            unused.len()
+        )));
+    }
+    Ok(())
+}

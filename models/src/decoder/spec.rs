@@ -1,0 +1,263 @@
+//! [`DecoderSpec`]: what a decoder-only language model is, independent of the family whose
+//! `config.json` it came from. Each family's file reads its config and maps it onto a spec
+//! (`Qwen2Config::spec`, ...); the model ([`super::Decoder`]), its parameter names and shapes,
+//! its description for the planner and the FLOPs formula are written once, against the spec.
+
+use std::path::Path;
+
+use candle_parallel::nn::{Activation, AttentionConfig, EmbeddingConfig, MlpConfig, NormConfig};
+use candle_parallel::ops::RotaryEmbedding;
+
+use crate::error::{Error, Result};
+use crate::family::Description;
+
+/// How a norm's stored weight scales the normalised activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormStyle {
+    /// `weight * x / rms(x)` (LLaMA, Qwen, Mistral).
+    Weight,
+    /// `(1 + weight) * x / rms(x)`, in f32 (Gemma).
+    UnitOffset,
+}
+
+/// One decoder layer's attention: its window and its rotary embedding.
+#[derive(Debug, Clone)]
+pub struct LayerSpec {
+    /// Sliding window in tokens (`pq - pk < window`); `None`: global attention.
+    pub window: Option<usize>,
+    pub rope: RotaryEmbedding,
+}
+
+/// A decoder-only transformer (see the [module docs](self)). Checkpoint names are
+/// transformers' LLaMA names (`model.embed_tokens`, `model.layers.{i}.self_attn.q_proj`,
+/// `mlp.gate_proj`, `input_layernorm`, `post_attention_layernorm`, `model.norm`, `lm_head`),
+/// plus `self_attn.q_norm` / `k_norm` with q/k norms and `pre_feedforward_layernorm` /
+/// `post_feedforward_layernorm` with sandwich norms.
+#[derive(Debug, Clone)]
+pub struct DecoderSpec {
+    /// The family's short name, for errors.
+    pub family: &'static str,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub vocab_size: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub norm_eps: f64,
+    pub norm: NormStyle,
+    /// Biases on q, k and v.
+    pub qkv_bias: bool,
+    /// A bias on the attention's output projection.
+    pub o_bias: bool,
+    pub mlp_bias: bool,
+    /// Per-head RMSNorms of q and k before RoPE.
+    pub qk_norm: bool,
+    /// [`Activation::SwiGlu`] or [`Activation::GeGluTanh`].
+    pub activation: Activation,
+    /// Gemma's four norms per layer: the attention's and the MLP's outputs are normalised
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`) before their residual add,
+    /// and the MLP's input by `pre_feedforward_layernorm`. Without: LLaMA's two pre-norms
+    /// (`input_layernorm`, and `post_attention_layernorm` before the MLP).
+    pub sandwich_norms: bool,
+    /// The embeddings are multiplied by this (rounded to their dtype first, as transformers
+    /// does: Gemma's `sqrt(hidden_size)`).
+    pub embed_scale: Option<f64>,
+    /// Softmax scale (`1/sqrt(head_dim)` unless the family says otherwise).
+    pub attn_scale: f32,
+    pub tie_word_embeddings: bool,
+    /// One per decoder layer.
+    pub layers: Vec<LayerSpec>,
+}
+
+impl DecoderSpec {
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// The attention of layer `i`.
+    pub fn attention_config(&self, i: usize) -> Result<AttentionConfig> {
+        let layer = self.layer(i)?;
+        let qk_norm = self.qk_norm.then(|| self.norm_config(self.head_dim));
+        Ok(AttentionConfig::new(
+            self.hidden_size,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+        .with_biases(self.qkv_bias, self.o_bias)
+        .with_qk_norm(qk_norm)
+        .with_window(layer.window)
+        .with_scale(self.attn_scale)
+        .with_rope(layer.rope.clone()))
+    }
+
+    fn layer(&self, i: usize) -> Result<&LayerSpec> {
+        self.layers.get(i).ok_or_else(|| {
+            Error::Invalid(format!(
+                "layer {i} of a model with {} layers",
+                self.layers.len()
+            ))
+        })
+    }
+
+    /// The gated MLP of a decoder layer.
+    pub fn mlp_config(&self) -> MlpConfig {
+        MlpConfig::swiglu(self.hidden_size, self.intermediate_size)
+            .with_activation(self.activation)
+            .with_bias(self.mlp_bias)
+    }
+
+    /// A norm of `features` features in this model's style.
+    pub fn norm_config(&self, features: usize) -> NormConfig {
+        NormConfig::new(features, self.norm_eps)
+            .with_unit_offset(self.norm == NormStyle::UnitOffset)
+    }
+
+    /// The embedding table and the LM head.
+    pub fn embedding_config(&self) -> EmbeddingConfig {
+        EmbeddingConfig {
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+        }
+    }
+
+    /// The norms of a decoder layer, in checkpoint names.
+    pub fn layer_norm_names(&self) -> &'static [&'static str] {
+        if self.sandwich_norms {
+            &[
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            ]
+        } else {
+            &["input_layernorm", "post_attention_layernorm"]
+        }
+    }
+
+    /// The name and shape of every parameter, as in a Hugging Face checkpoint.
+    pub fn parameter_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
+        let (q, kv) = (
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        );
+        let mut out = vec![
+            ("model.embed_tokens.weight".to_string(), vec![v, h]),
+            ("model.norm.weight".to_string(), vec![h]),
+        ];
+        if !self.tie_word_embeddings {
+            out.push(("lm_head.weight".into(), vec![v, h]));
+        }
+        for l in 0..self.num_layers() {
+            let p = |n: &str| format!("model.layers.{l}.{n}");
+            for norm in self.layer_norm_names() {
+                out.push((p(&format!("{norm}.weight")), vec![h]));
+            }
+            if self.qk_norm {
+                out.push((p("self_attn.q_norm.weight"), vec![self.head_dim]));
+                out.push((p("self_attn.k_norm.weight"), vec![self.head_dim]));
+            }
+            for (name, shape, bias) in [
+                ("self_attn.q_proj", vec![q, h], self.qkv_bias),
+                ("self_attn.k_proj", vec![kv, h], self.qkv_bias),
+                ("self_attn.v_proj", vec![kv, h], self.qkv_bias),
+                ("self_attn.o_proj", vec![h, q], self.o_bias),
+                ("mlp.gate_proj", vec![i, h], self.mlp_bias),
+                ("mlp.up_proj", vec![i, h], self.mlp_bias),
+                ("mlp.down_proj", vec![h, i], self.mlp_bias),
+            ] {
+                if bias {
+                    out.push((p(&format!("{name}.bias")), vec![shape[0]]));
+                }
+                out.push((p(&format!("{name}.weight")), shape));
+            }
+        }
+        out
+    }
+
+    /// Number of parameters of the whole model.
+    pub fn num_parameters(&self) -> usize {
+        self.parameter_shapes()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum()
+    }
+
+    /// The shape `cpl plan --auto`'s cost model plans for.
+    pub fn planner_shape(&self) -> candle_parallel::planner::ModelShape {
+        candle_parallel::planner::ModelShape {
+            layers: self.num_layers(),
+            hidden: self.hidden_size,
+            heads: self.num_heads,
+            kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            intermediate: self.intermediate_size,
+            vocab: self.vocab_size,
+            tied_embeddings: self.tie_word_embeddings,
+        }
+    }
+
+    /// Size and FLOPs terms ([`Description`]). Sliding windows are not discounted: the
+    /// formula counts every layer's attention as global.
+    pub fn description(&self) -> Description {
+        let lookup = if self.tie_word_embeddings {
+            0
+        } else {
+            self.vocab_size * self.hidden_size
+        };
+        let params = self.num_parameters() as u64;
+        Description {
+            params,
+            matmul_params: params.saturating_sub(lookup as u64),
+            layers: self.num_layers(),
+            hidden: self.hidden_size,
+            vocab: self.vocab_size,
+            attention_width: (self.num_layers() * self.num_heads * self.head_dim) as u64,
+            causal: true,
+            planner_shape: Some(self.planner_shape()),
+        }
+    }
+}
+
+/// transformers' name of a layer with global attention in `layer_types`.
+pub const FULL_ATTENTION: &str = "full_attention";
+/// transformers' name of a layer with sliding-window attention in `layer_types`.
+pub const SLIDING_ATTENTION: &str = "sliding_attention";
+
+/// Whether each of `layers` layers is windowed: from `layer_types` when the config has it
+/// (transformers writes it), else `default_sliding(i)` (the family's rule). Errors name
+/// `layer_types` when its length or a value is wrong.
+pub fn sliding_layers(
+    layer_types: Option<&[String]>,
+    default_sliding: impl Fn(usize) -> bool,
+    layers: usize,
+    path: &Path,
+) -> Result<Vec<bool>> {
+    let Some(types) = layer_types else {
+        return Ok((0..layers).map(default_sliding).collect());
+    };
+    if types.len() != layers {
+        return Err(Error::config(
+            path,
+            format!(
+                "`layer_types` has {} entries for {layers} layers (num_hidden_layers)",
+                types.len()
+            ),
+        ));
+    }
+    types
+        .iter()
+        .map(|t| match t.as_str() {
+            FULL_ATTENTION => Ok(false),
+            SLIDING_ATTENTION => Ok(true),
+            other => Err(Error::config(
+                path,
+                format!(
+                    "unsupported `layer_types` entry `{other}` (supported: {FULL_ATTENTION}, \
+                     {SLIDING_ATTENTION})"
+                ),
+            )),
+        })
+        .collect()
+}

@@ -1,0 +1,11 @@
+//! The decoder families besides LLaMA, one file each: the family's `config.json`, how it maps
+//! onto the shared [`crate::decoder::DecoderSpec`], and its registry entry
+//! ([`crate::family::Family`]).
+
+pub mod mistral;
+pub mod qwen2;
+pub mod qwen3;
+
+pub use mistral::{MistralConfig, MISTRAL};
+pub use qwen2::{Qwen2Config, QWEN2};
+pub use qwen3::{Qwen3Config, QWEN3};
