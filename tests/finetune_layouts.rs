@@ -229,7 +229,8 @@ fn run(layout: &Layout, memory: MemoryPlan, job: Job) -> Run {
             adapters.clone(),
         )
         .map_err(|x| e(&x))?;
-        let t = Trainer::new(m.model, &mesh, &ctx, cfg.clone()).map_err(|x| e(&x))?;
+        let model: Box<dyn models::CausalLm> = Box::new(m.model);
+        let t = Trainer::new(model, &mesh, &ctx, cfg.clone()).map_err(|x| e(&x))?;
         let mut losses = Vec::new();
         let mut norms = Vec::new();
         let t = match job {

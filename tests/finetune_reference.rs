@@ -369,8 +369,13 @@ fn dpo_equals_trl() {
             memory: Default::default(),
             pipeline: None,
         };
-        let t =
-            train::trainer::Trainer::new(m.model, &mesh, &ctx, cfg).map_err(|e| e.to_string())?;
+        let t = train::trainer::Trainer::new(
+            Box::new(m.model) as Box<dyn models::CausalLm>,
+            &mesh,
+            &ctx,
+            cfg,
+        )
+        .map_err(|e| e.to_string())?;
         let d = DpoTrainer::new(
             t,
             Reference::BaseOfAdapters(adapters.clone()),

@@ -497,7 +497,7 @@ pub fn train_through_registry(
         let r = mesh.coord(Dim::Pp);
         let layers = match &cfg.pipeline {
             Some(pc) => vec![pc.ranges()[r].clone()],
-            None => vec![0..desc.layers],
+            None => std::iter::once(0..desc.layers).collect(),
         };
         let spec = models::family::LoadSpec {
             ctx: &ctx,

@@ -534,6 +534,7 @@ fn describe_toy(path: &std::path::Path) -> models::Result<Description> {
         attention_width: (l * h) as u64,
         causal: false,
         planner_shape: None,
+        summary: String::new(),
     })
 }
 

@@ -4,7 +4,6 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use models::llama::LlamaConfig;
 use models::tokenizer::Tokenizer;
 
 #[derive(clap::Subcommand, Debug)]
@@ -77,12 +76,13 @@ pub fn run(cmd: &DataCommand) -> Result<()> {
 
 fn prepare(a: &PrepareArgs) -> Result<()> {
     let files = models::hub::resolve(&a.model)?;
-    let cfg = LlamaConfig::from_file(&files.config)?;
+    let family = models::family::detect(&files.config)?;
+    let desc = (family.describe)(&files.config)?;
     let tok = Tokenizer::from_model(&files)?;
     let docs = train::data::read_corpus(&a.data, &a.text_field, "--data")?;
     let seqs = train::data::tokenize_documents(&tok, &docs)?;
     // The same checks `cpl train` applies to the ids.
-    train::data::TokenStream::from_sequences(&seqs, cfg.vocab_size)?;
+    train::data::TokenStream::from_sequences(&seqs, desc.vocab)?;
     let json = serde_json::to_vec(&seqs)?;
     let tmp = a.out.with_extension("json.tmp");
     std::fs::write(&tmp, &json)

@@ -17,7 +17,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use candle_parallel::attention::ShardPlan;
 use candle_parallel::nn::{Adapters, LoraConfig, LoraTargets, ParamMode, TensorSource};
-use models::llama::LlamaConfig;
+
 use models::tokenizer::Tokenizer;
 use train::chat::{ChatTemplate, TokenizedExample, TrainOn};
 use train::finetune::{
@@ -27,7 +27,7 @@ use train::finetune::{
 use train::trainer::Trainer;
 
 use crate::args::{default_asset, interrupt_flag, TrainArgs};
-use crate::launch::{launch_pipelined, stage_layers, Rank};
+use crate::launch::{launch_pipelined, load_causal_lm_adapted, Rank};
 use train::driver::tasks::{DpoTask, NextTokenTask};
 use train::driver::{self, Resume};
 
@@ -535,13 +535,22 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         None => default_asset("model").display().to_string(),
     };
     let files = models::hub::resolve(&model_id)?;
-    let model_cfg = LlamaConfig::from_file(&files.config)?;
-    let ranges = t.pipeline.configure(
-        &mut cfg,
-        t.layout.pp,
-        model_cfg.num_hidden_layers,
-        &files.config,
-    )?;
+    let family = models::family::detect(&files.config)?;
+    if family.kind != models::Kind::CausalLm {
+        bail!(
+            "{}: cpl finetune takes a causal language model; {} is a {} family",
+            files.config.display(),
+            family.name,
+            match family.kind {
+                models::Kind::Diffusion => "diffusion",
+                _ => "vision-language",
+            }
+        );
+    }
+    let model_desc = (family.describe)(&files.config)?;
+    let ranges = t
+        .pipeline
+        .configure(&mut cfg, t.layout.pp, model_desc.layers, &files.config)?;
     let tok = Tokenizer::from_model(&files)?;
     // The bundled model has no chat template of its own.
     let template = match (&t.template, t.model.is_none()) {
@@ -576,7 +585,7 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         prompt: a.train_on_prompt,
         mask_history: a.mask_history,
     };
-    let vocab = model_cfg.vocab_size;
+    let vocab = model_desc.vocab;
     let (data, stats) = read_data(
         &data_paths,
         "--data",
@@ -689,7 +698,7 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         Some(_) => models::family::Work::FrozenTraining,
         None => models::family::Work::Training,
     };
-    let flops_per_token = model_cfg.description()?.flops_per_token(cfg.seq_len, work);
+    let flops_per_token = model_desc.flops_per_token(cfg.seq_len, work);
     // Tokens a step processes: its sequences' (both sides of every DPO pair).
     let sequences = if a.stage == Stage::Dpo { 2 } else { 1 };
     let processed_tokens = (global * cfg.seq_len * sequences) as f64;
@@ -725,18 +734,15 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
             Some((c, src)) => Some(Adapters::new(c.clone(), src.clone())?),
             None => None,
         };
-        // This rank's pipeline stage (the whole model without a pipeline).
-        let (mine, ends) = stage_layers(rank, &ranges);
-        let m = models::llama::load_stage_adapted(
+        let m = load_causal_lm_adapted(
             &load_files,
-            &rank.ctx,
+            rank,
+            &ranges,
             Some(dtype),
             ParamMode::Trainable,
-            &mine,
-            ends,
+            &t.layout,
             adapters.clone(),
-        )
-        .with_context(|| format!("loading {} with {}", files.source, t.layout.flags()))?;
+        )?;
         let mut trainer = Trainer::new(m.model, &rank.mesh, &rank.ctx, cfg.clone())?;
         drop(m.params);
         if let Some(r) = &resume {
@@ -758,16 +764,17 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
                 let reference = match (&adapters, &ref_files) {
                     (Some(ad), _) => Reference::BaseOfAdapters(ad.clone()),
                     (None, Some(rf)) => {
-                        let r = models::llama::load_stage(
+                        let r = load_causal_lm_adapted(
                             rf,
-                            &rank.ctx,
+                            rank,
+                            &ranges,
                             Some(dtype),
                             ParamMode::Frozen,
-                            &mine,
-                            ends,
+                            &t.layout,
+                            None,
                         )
                         .with_context(|| format!("loading the reference {}", rf.source))?;
-                        Reference::Model(Box::new(r.model))
+                        Reference::Model(r.model)
                     }
                     (None, None) => bail!("internal: DPO without a reference"),
                 };

@@ -2,9 +2,8 @@
 
 use std::collections::BTreeMap;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use models::checkpoint::CheckpointReader;
-use models::llama::LlamaConfig;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct InspectArgs {
@@ -21,33 +20,31 @@ pub fn run(args: &InspectArgs) -> Result<()> {
         models::Kind::CausalLm => {}
     }
     let files = models::hub::resolve(&args.model)?;
-    let cfg = LlamaConfig::from_file(&files.config)?;
+    let desc = (model.family.describe)(&files.config)?;
     let reader = CheckpointReader::open(&files.weights)?;
-    let (theta, scaling) = cfg.rope(&files.config)?;
     println!("model        {}", files.source);
     println!("config       {}", files.config.display());
-    // The architecture as config.json names it (validated by `LlamaConfig`), not assumed.
-    let architecture = match cfg.architectures.as_deref() {
-        Some(archs) if !archs.is_empty() => archs.join(", "),
-        _ => format!(
-            "(none in config.json; model_type {}, read as LLaMA)",
-            cfg.model_type.as_deref().unwrap_or("unset")
-        ),
+    // The architecture as config.json names it (validated by the family's loader), not assumed.
+    let raw: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(&files.config)
+            .with_context(|| format!("reading {}", files.config.display()))?,
+    )
+    .with_context(|| format!("{}: not valid JSON", files.config.display()))?;
+    let named: Vec<&str> = raw["architectures"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|x| x.as_str()).collect())
+        .unwrap_or_default();
+    let architecture = if named.is_empty() {
+        format!(
+            "(none in config.json; model_type {}, read as {})",
+            raw["model_type"].as_str().unwrap_or("unset"),
+            model.family.name
+        )
+    } else {
+        named.join(", ")
     };
-    println!(
-        "architecture {architecture}: {} layers, hidden {}, intermediate {}, {} heads / {} kv heads, head_dim {}, vocab {}",
-        cfg.num_hidden_layers,
-        cfg.hidden_size,
-        cfg.intermediate_size,
-        cfg.num_attention_heads,
-        cfg.num_kv_heads(),
-        cfg.head_dim(),
-        cfg.vocab_size
-    );
-    println!(
-        "             rope theta {theta}, scaling {scaling:?}, tied embeddings {}, rms_norm_eps {}",
-        cfg.tie_word_embeddings, cfg.rms_norm_eps
-    );
+    println!("architecture {architecture}: {}", desc.summary);
+    println!("family       {}", model.family.name);
     let mut total = 0usize;
     let mut dtypes: BTreeMap<String, usize> = BTreeMap::new();
     let mut per_file: BTreeMap<String, (usize, usize)> = BTreeMap::new();
@@ -63,7 +60,7 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     println!(
         "parameters   {total} in the checkpoint ({:.2} M; the config implies {})",
         total as f64 / 1e6,
-        cfg.num_parameters()?
+        desc.params
     );
     let dt: Vec<String> = dtypes.iter().map(|(d, n)| format!("{d}: {n}")).collect();
     println!("dtypes       {}", dt.join(", "));

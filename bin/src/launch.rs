@@ -382,6 +382,21 @@ pub fn load_causal_lm(
     layout: &LayoutArgs,
     adapter: Option<&Adapter>,
 ) -> Result<models::family::LoadedCausalLm> {
+    let adapters = adapters_of(adapter)?;
+    load_causal_lm_adapted(files, rank, ranges, dtype, mode, layout, adapters)
+}
+
+/// [`load_causal_lm`] with LoRA `adapters` already built (fresh ones for fine-tuning, or a
+/// PEFT adapter's).
+pub fn load_causal_lm_adapted(
+    files: &ModelFiles,
+    rank: &Rank,
+    ranges: &[std::ops::Range<usize>],
+    dtype: Option<DType>,
+    mode: ParamMode,
+    layout: &LayoutArgs,
+    adapters: Option<Arc<Adapters>>,
+) -> Result<models::family::LoadedCausalLm> {
     let family = models::family::detect(&files.config)?;
     let load = family.load_causal_lm.with_context(|| {
         format!(
@@ -396,7 +411,7 @@ pub fn load_causal_lm(
         mode,
         layers: &layers,
         ends,
-        adapters: adapters_of(adapter)?,
+        adapters,
     };
     load(files, &spec).with_context(|| format!("loading {} with {}", files.source, layout.flags()))
 }

@@ -77,6 +77,28 @@ pub trait CausalLm: Parallelize + Send + Sync {
         self.norm_head_loss(&x, labels, opts)
     }
 
+    /// Per-sequence sums of this rank's token cross-entropies, `(batch,)` f32 (the negative
+    /// log-likelihood of each sequence's labelled tokens on this rank; sum over the sequence
+    /// group for the whole sequence), for preference losses (DPO). `labels` as in
+    /// [`CausalLm::loss_sum`]; a sequence with no labelled token here gives 0.
+    fn sequence_loss_sums(
+        &self,
+        batch: &Batch,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<Tensor> {
+        let x = self.embed_tokens(batch)?;
+        let x = self.run_layers(0..self.num_layers(), &x, batch)?;
+        let sums = (0..x.dim(0)?)
+            .map(|i| {
+                let (s, _) =
+                    self.norm_head_loss(&x.narrow(0, i, 1)?, &labels.narrow(0, i, 1)?, opts)?;
+                Ok(s.reshape(1)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&sums, 0)?)
+    }
+
     /// `loss.backward()` plus the parameter gradients computed inside recomputed layers.
     fn backward(&self, loss: &Tensor) -> Result<GradStore> {
         Ok(self.ctx().backward(loss)?)
@@ -260,6 +282,15 @@ impl CausalLm for Box<dyn CausalLm> {
 
     fn logits(&self, batch: &Batch) -> Result<Tensor> {
         (**self).logits(batch)
+    }
+
+    fn sequence_loss_sums(
+        &self,
+        batch: &Batch,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<Tensor> {
+        (**self).sequence_loss_sums(batch, labels, opts)
     }
 
     fn backward(&self, loss: &Tensor) -> Result<GradStore> {

@@ -68,6 +68,8 @@ pub struct Description {
     pub causal: bool,
     /// The shape the planner models (causal LMs).
     pub planner_shape: Option<ModelShape>,
+    /// The architecture in one line, for `cpl inspect` (`2 layers, hidden 32, ...`).
+    pub summary: String,
 }
 
 impl Description {
@@ -209,6 +211,12 @@ impl crate::dit::DitConfig {
             attention_width: (self.num_layers * self.hidden_size()) as u64,
             causal: false,
             planner_shape: None,
+            summary: format!(
+                "{} layers, hidden {}, {} heads",
+                self.num_layers,
+                self.hidden_size(),
+                self.num_attention_heads
+            ),
         }
     }
 }
@@ -351,6 +359,7 @@ mod tests {
             attention_width: 16,
             causal: true,
             planner_shape: None,
+            summary: String::new(),
         };
         let (w, a) = (2.0 * 900.0, 4.0 * 16.0 * 32.0 * 0.5);
         assert_eq!(d.flops_per_token(32, Work::Forward), w + a);

@@ -33,7 +33,6 @@ use candle_parallel::pipeline::{
     run_stage_step, PipelineSchedule, StageLoss, StageStep, StagedModel,
 };
 use models::causal_lm::{CausalLm, LmStages, StageMicroBatch};
-use models::llama::Llama;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
@@ -346,7 +345,7 @@ pub enum Reference {
     /// The policy's base model: the policy with its LoRA adapters switched off.
     BaseOfAdapters(Arc<Adapters>),
     /// A separate frozen model (full fine-tuning: the starting checkpoint).
-    Model(Box<Llama>),
+    Model(Box<dyn CausalLm>),
 }
 
 /// What one DPO step reports (means over the global batch of pairs).
@@ -430,7 +429,12 @@ impl DpoLoss {
 
     /// The reference's per-sequence log-probabilities of a batch on the whole model (no
     /// pipeline), whole over the sequence group. Collective over the world.
-    fn reference_logps(&self, model: &Llama, batch: &Batch, labels: &Tensor) -> Result<Tensor> {
+    fn reference_logps(
+        &self,
+        model: &dyn CausalLm,
+        batch: &Batch,
+        labels: &Tensor,
+    ) -> Result<Tensor> {
         let sums = match &self.reference {
             Reference::BaseOfAdapters(a) => {
                 a.set_enabled(false);
@@ -448,7 +452,7 @@ impl DpoLoss {
     fn pipelined_reference_logps(
         &self,
         s: &StepCtx<'_>,
-        model: &Llama,
+        model: &dyn CausalLm,
         micro: &[StageMicroBatch],
         pc: &crate::trainer::PipelineConfig,
     ) -> Result<Vec<Tensor>> {
@@ -471,7 +475,7 @@ impl DpoLoss {
                 Ok(PlacedMicroBatch { at, m })
             })
             .collect::<Result<Vec<_>>>()?;
-        let run = |m: &Llama| -> Result<Vec<f64>> {
+        let run = |m: &dyn CausalLm| -> Result<Vec<f64>> {
             let staged = SequenceLogps {
                 model: m,
                 opts: self.opts,
@@ -581,7 +585,7 @@ fn pair_batch(
 /// The per-sequence log-probabilities of the last layer's output `x`, whole over the sequence
 /// group (differentiable with `grad`).
 fn sequence_logps(
-    model: &Llama,
+    model: &dyn CausalLm,
     x: &Tensor,
     labels: &Tensor,
     opts: &CrossEntropyOptions,
@@ -609,7 +613,7 @@ struct PlacedMicroBatch<'a> {
 /// log-probability as the loss parts (the DPO reference, forward only): `rows` parts, each
 /// micro-batch's at its offset (the parts of micro-batches add up, so the others are 0).
 struct SequenceLogps<'a> {
-    model: &'a Llama,
+    model: &'a dyn CausalLm,
     opts: CrossEntropyOptions,
     rows: usize,
 }
@@ -665,7 +669,7 @@ impl<'a> StagedModel for SequenceLogps<'a> {
 
 /// The policy with the DPO loss as pipeline stages.
 pub struct DpoStages<'a> {
-    model: &'a Llama,
+    model: &'a dyn CausalLm,
     loss: &'a DpoLoss,
 }
 
@@ -713,7 +717,7 @@ impl StagedModel for DpoStages<'_> {
     }
 }
 
-impl Objective<Llama> for DpoLoss {
+impl Objective<Box<dyn CausalLm>> for DpoLoss {
     type Data = PairDataset;
     type Micro = DpoMicroBatch;
     type Staged<'a> = DpoStages<'a>;
@@ -737,7 +741,7 @@ impl Objective<Llama> for DpoLoss {
     fn micro_batches(
         &self,
         s: &StepCtx<'_>,
-        model: &Llama,
+        model: &Box<dyn CausalLm>,
         data: &PairDataset,
         step: u64,
     ) -> Result<Vec<DpoMicroBatch>> {
@@ -769,7 +773,7 @@ impl Objective<Llama> for DpoLoss {
             .collect())
     }
 
-    fn loss(&self, model: &Llama, m: &DpoMicroBatch) -> Result<StageLoss> {
+    fn loss(&self, model: &Box<dyn CausalLm>, m: &DpoMicroBatch) -> Result<StageLoss> {
         let policy = whole_sequences(
             model
                 .sequence_loss_sums(&m.batch, &m.labels, &self.opts)?
@@ -780,19 +784,26 @@ impl Objective<Llama> for DpoLoss {
         Ok(dpo_loss(self.terms_of(&policy, m)?))
     }
 
-    fn staged<'a>(&'a self, model: &'a Llama) -> Result<DpoStages<'a>> {
-        Ok(DpoStages { model, loss: self })
+    fn staged<'a>(&'a self, model: &'a Box<dyn CausalLm>) -> Result<DpoStages<'a>> {
+        Ok(DpoStages {
+            model: model.as_ref(),
+            loss: self,
+        })
     }
 }
 
 /// A trainer of the DPO objective (see the [module docs](self)).
 pub struct DpoTrainer {
-    pub trainer: Trainer<Llama>,
+    pub trainer: Trainer<Box<dyn CausalLm>>,
     pub loss: DpoLoss,
 }
 
 impl DpoTrainer {
-    pub fn new(trainer: Trainer<Llama>, reference: Reference, cfg: DpoConfig) -> Result<Self> {
+    pub fn new(
+        trainer: Trainer<Box<dyn CausalLm>>,
+        reference: Reference,
+        cfg: DpoConfig,
+    ) -> Result<Self> {
         let loss = DpoLoss::new(cfg, reference, &trainer.cfg)?;
         Ok(Self { trainer, loss })
     }

@@ -485,6 +485,16 @@ impl crate::causal_lm::CausalLm for Decoder {
         Decoder::loss_sum(self, batch, labels, opts)
     }
 
+    /// The ends are gathered once (under ZeRO-3) for the embedding and the head.
+    fn sequence_loss_sums(
+        &self,
+        batch: &Batch,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<Tensor> {
+        Decoder::sequence_loss_sums(self, batch, labels, opts)
+    }
+
     fn end_params(&self) -> Vec<String> {
         self.ends
             .iter()

@@ -216,7 +216,48 @@ impl DecoderSpec {
             attention_width: (self.num_layers() * self.num_heads * self.head_dim) as u64,
             causal: true,
             planner_shape: Some(self.planner_shape()),
+            summary: self.summary(),
         }
+    }
+
+    /// `2 layers, hidden 32, intermediate 64, 4 heads / 2 kv heads, head_dim 8, vocab 256`,
+    /// then what differs from LLaMA (tied embeddings, biases, q/k norms, GeGLU, sandwich norms,
+    /// windows, ...).
+    pub fn summary(&self) -> String {
+        let mut s = format!(
+            "{} layers, hidden {}, intermediate {}, {} heads / {} kv heads, head_dim {}, vocab {}",
+            self.num_layers(),
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.vocab_size
+        );
+        let mut add = |on: bool, what: &str| {
+            if on {
+                s.push_str(", ");
+                s.push_str(what);
+            }
+        };
+        add(self.tie_word_embeddings, "tied embeddings");
+        add(self.qkv_bias && self.o_bias, "attention biases");
+        add(self.qkv_bias && !self.o_bias, "q/k/v biases");
+        add(self.mlp_bias, "MLP biases");
+        add(self.qk_norm, "q/k norms");
+        add(self.activation == Activation::GeGluTanh, "GeGLU (tanh)");
+        add(self.norm == NormStyle::UnitOffset, "(1 + w) RMSNorm");
+        add(self.sandwich_norms, "pre/post norms");
+        add(self.embed_scale.is_some(), "scaled embeddings");
+        let windows: Vec<usize> = self.layers.iter().filter_map(|l| l.window).collect();
+        if let Some(w) = windows.first() {
+            s.push_str(&format!(
+                ", sliding window {w} on {} of {} layers",
+                windows.len(),
+                self.num_layers()
+            ));
+        }
+        s
     }
 }
 

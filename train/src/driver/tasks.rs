@@ -52,7 +52,7 @@ pub struct DpoTask<'a> {
 }
 
 impl Task for DpoTask<'_> {
-    type Model = models::llama::Llama;
+    type Model = Box<dyn models::CausalLm>;
 
     fn trainer(&self) -> &Trainer<Self::Model> {
         &self.trainer.trainer

@@ -1,0 +1,218 @@
+//! Every command on every zoo family (Qwen2 with sliding windows, Qwen3, Mistral) through the
+//! command line, one layout per command: `inspect` names the architecture and its features,
+//! `eval` gives transformers' loss (1e-5) on one rank and under a ring, `generate` is the same
+//! greedy text under tp2 as on one rank (prompt and reply longer than the window), `train`
+//! under pp2 writes a checkpoint that `eval` reloads, and `finetune` (LoRA SFT) under pp2 writes
+//! a PEFT adapter.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, D};
+use common::{cpl, fixtures, stderr, stdout, tmpdir};
+
+/// A copy of zoo fixture `name` with the LLaMA fixtures' tokenizer (vocab 256, as the models').
+fn zoo_model(name: &str, dir: &Path) -> PathBuf {
+    let out = dir.join(name);
+    std::fs::create_dir_all(&out).unwrap();
+    let src = fixtures("zoo").join(name);
+    for f in ["config.json", "generation_config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), out.join(f)).unwrap();
+    }
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixtures("llama/tokenizer").join(f), out.join(f)).unwrap();
+    }
+    out
+}
+
+/// The fixture's input ids as a `--tokens` file, and transformers' mean next-token loss on them
+/// (every position counted) from its reference logits.
+fn tokens_and_loss(name: &str, dir: &Path) -> (PathBuf, f64) {
+    let t = candle_core::safetensors::load(
+        fixtures("zoo").join(name).join("reference.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let ids = t["input_ids"]
+        .to_dtype(DType::I64)
+        .unwrap()
+        .to_vec2::<i64>()
+        .unwrap();
+    let path = dir.join(format!("{name}-tokens.json"));
+    std::fs::write(&path, serde_json::to_string(&ids).unwrap()).unwrap();
+    let logits = t["logits"].to_dtype(DType::F64).unwrap();
+    let m = logits.max_keepdim(D::Minus1).unwrap();
+    let lse = (logits
+        .broadcast_sub(&m)
+        .unwrap()
+        .exp()
+        .unwrap()
+        .sum_keepdim(D::Minus1)
+        .unwrap()
+        .log()
+        .unwrap()
+        + m)
+        .unwrap();
+    let logp = logits
+        .broadcast_sub(&lse)
+        .unwrap()
+        .to_vec3::<f64>()
+        .unwrap();
+    let (mut sum, mut n) = (0.0, 0usize);
+    for (b, row) in ids.iter().enumerate() {
+        for i in 0..row.len() - 1 {
+            sum -= logp[b][i][row[i + 1] as usize];
+            n += 1;
+        }
+    }
+    (path, sum / n as f64)
+}
+
+fn run_ok(args: &[&str]) -> String {
+    let o = cpl(args);
+    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    stdout(&o)
+}
+
+fn eval_loss(model: &Path, tokens: &Path, layout: &[&str]) -> f64 {
+    let mut a = vec![
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--tokens",
+        tokens.to_str().unwrap(),
+        "--json",
+    ];
+    a.extend_from_slice(layout);
+    let out = run_ok(&a);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    v["loss"].as_f64().unwrap()
+}
+
+fn generate(model: &Path, layout: &[&str]) -> String {
+    let mut a = vec![
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "Hello world! The miller",
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0",
+    ];
+    a.extend_from_slice(layout);
+    run_ok(&a)
+}
+
+#[test]
+fn every_command_runs_every_zoo_family() {
+    let dir = tmpdir("zoo-cli");
+    for (name, arch, feature) in [
+        ("qwen2", "Qwen2ForCausalLM", "q/k/v biases"),
+        ("qwen3", "Qwen3ForCausalLM", "q/k norms"),
+        (
+            "mistral",
+            "MistralForCausalLM",
+            "sliding window 8 on 2 of 2 layers",
+        ),
+    ] {
+        let model = zoo_model(name, &dir);
+        let m = model.to_str().unwrap();
+
+        let out = run_ok(&["inspect", "--model", m]);
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("architecture "))
+            .unwrap_or_else(|| panic!("{name}: {out}"));
+        assert!(line.starts_with(&format!("architecture {arch}: ")), "{out}");
+        assert!(line.contains(feature), "{name}: {feature} in {line}");
+        assert!(
+            out.lines().any(|l| l == format!("family       {name}")),
+            "{out}"
+        );
+
+        let (tokens, want) = tokens_and_loss(name, &dir);
+        let one = eval_loss(&model, &tokens, &[]);
+        assert!(
+            (one - want).abs() / want <= 1e-5,
+            "{name}: eval {one} vs transformers {want}"
+        );
+        let ring = eval_loss(&model, &tokens, &["--ranks", "2", "--ring", "2"]);
+        assert!(
+            (ring - one).abs() / one <= 1e-5,
+            "{name}: ring2 {ring} vs {one}"
+        );
+
+        let text = generate(&model, &[]);
+        assert!(
+            text.starts_with("Hello world! The miller"),
+            "{name}: {text}"
+        );
+        assert_eq!(
+            text,
+            generate(&model, &["--ranks", "2", "--tp", "2"]),
+            "{name}: tp2"
+        );
+
+        let out = dir.join(format!("{name}-train"));
+        run_ok(&[
+            "train",
+            "--model",
+            m,
+            "--tokens",
+            tokens.to_str().unwrap(),
+            "--seq-len",
+            "16",
+            "--steps",
+            "2",
+            "--warmup",
+            "0",
+            "--save-every",
+            "2",
+            "--ranks",
+            "2",
+            "--pp",
+            "2",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        let saved = out.join("step-2");
+        let family = models::family::detect(&saved.join("config.json")).unwrap();
+        assert_eq!(family.name, name, "the checkpoint keeps its family");
+        let after = eval_loss(&saved, &tokens, &[]);
+        assert!(
+            after.is_finite() && after != one,
+            "{name}: trained eval {after} vs {one}"
+        );
+
+        let ft = dir.join(format!("{name}-lora"));
+        run_ok(&[
+            "finetune",
+            "--model",
+            m,
+            "--template",
+            "plain",
+            "--seq-len",
+            "64",
+            "--steps",
+            "2",
+            "--max-examples",
+            "8",
+            "--warmup",
+            "0",
+            "--ranks",
+            "2",
+            "--pp",
+            "2",
+            "--out",
+            ft.to_str().unwrap(),
+        ]);
+        let adapter: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(ft.join("step-2/adapter_config.json")).unwrap())
+                .unwrap();
+        assert_eq!(adapter["peft_type"], "LORA", "{name}: {adapter}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
