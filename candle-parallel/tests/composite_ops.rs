@@ -522,6 +522,7 @@ fn cross_entropy_composite_matches_fused() {
         let opts = CrossEntropyOptions {
             chunk_tokens: chunk,
             ignore_index: ignore,
+            softcap: None,
         };
         for p in [1, 2, 4] {
             let what = format!("{dt:?} chunk={chunk} ignore={ignore} P={p}");

@@ -58,12 +58,16 @@ const OP: &str = "vocab_parallel_cross_entropy";
 pub const IGNORE_INDEX: i64 = -100;
 
 /// Options of [`vocab_parallel_cross_entropy`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CrossEntropyOptions {
     /// Tokens per chunk: at most `chunk_tokens × V/P` logits exist at a time. Default 1024.
     pub chunk_tokens: usize,
     /// Labels equal to this value are skipped. Default [`IGNORE_INDEX`].
     pub ignore_index: i64,
+    /// Final-logit soft-capping (Gemma 2's `final_logit_softcapping`): the loss is taken of
+    /// `c · tanh(logit / c)`, and the logits' gradient gets the factor `1 - tanh²`. Default
+    /// none; an [`LmHead`] with a cap sets it.
+    pub softcap: Option<f32>,
 }
 
 impl Default for CrossEntropyOptions {
@@ -71,8 +75,17 @@ impl Default for CrossEntropyOptions {
         Self {
             chunk_tokens: 1024,
             ignore_index: IGNORE_INDEX,
+            softcap: None,
         }
     }
+}
+
+/// `c · tanh(x / c)` (soft-capping of logits), or `x` without a cap.
+pub fn soft_cap(x: &Tensor, cap: Option<f32>) -> Result<Tensor> {
+    Ok(match cap {
+        None => x.clone(),
+        Some(c) => ((x / c as f64)?.tanh()? * c as f64)?,
+    })
 }
 
 /// Sum of token cross-entropies of `hidden @ weight^T` against `labels`, with the vocabulary
@@ -150,7 +163,7 @@ pub fn vocab_parallel_cross_entropy_composite(
     let w32 = weight.to_dtype(DType::F32)?;
     let mut loss = Tensor::zeros((), DType::F32, hidden.device())?;
     for (s, c) in plan.chunks() {
-        let logits = h32.narrow(0, s, c)?.matmul(&w32.t()?)?;
+        let logits = soft_cap(&h32.narrow(0, s, c)?.matmul(&w32.t()?)?, plan.softcap)?;
         let here = plan.here.narrow(0, s, c)?;
         let idx = plan.local_idx.narrow(0, s, c)?;
         let target = (logits.gather(&idx, 1)? * &here)?;
@@ -180,6 +193,8 @@ pub struct LmHead {
     /// This rank's rows `(V/P, H)`.
     weight: Tensor,
     tp: TpGroup,
+    /// Final-logit soft-capping (see [`CrossEntropyOptions::softcap`]).
+    softcap: Option<f32>,
 }
 
 impl LmHead {
@@ -188,7 +203,21 @@ impl LmHead {
         Ok(Self {
             weight: load_vocab_rows(cfg, &vb, ctx)?,
             tp: ctx.tp().clone(),
+            softcap: None,
         })
+    }
+
+    /// The same head with its logits soft-capped at `cap` (`c · tanh(logit / c)`; `None`: no
+    /// cap), in the loss and in [`LmHead::logits`]. Errors on a cap that is not positive.
+    pub fn with_softcap(mut self, cap: Option<f32>) -> Result<Self> {
+        if let Some(c) = cap.filter(|c| !(c.is_finite() && *c > 0.0)) {
+            return Err(Error::invalid(
+                "lm_head",
+                format!("final_logit_softcapping {c} must be a positive number"),
+            ));
+        }
+        self.softcap = cap;
+        Ok(self)
     }
 
     /// The head tied to `embedding` (`tie_word_embeddings`): the same tensor, one parameter.
@@ -196,6 +225,7 @@ impl LmHead {
         Self {
             weight: embedding.weight().clone(),
             tp: ctx.tp().clone(),
+            softcap: None,
         }
     }
 
@@ -216,12 +246,16 @@ impl LmHead {
     ) -> Result<(Tensor, usize)> {
         let h = self.tp.gather_tokens(h)?;
         let (b, n, hd) = h.dims3()?;
+        let opts = CrossEntropyOptions {
+            softcap: self.softcap.or(opts.softcap),
+            ..*opts
+        };
         vocab_parallel_cross_entropy(
             &h.reshape((b * n, hd))?,
             &self.weight,
             &labels.flatten_all()?,
             self.tp.comm(),
-            opts,
+            &opts,
         )
     }
 
@@ -234,10 +268,13 @@ impl LmHead {
         } else {
             h.clone()
         };
-        let local = super::linear(
-            &h.to_dtype(DType::F32)?,
-            &self.weight.to_dtype(DType::F32)?,
-            None,
+        let local = soft_cap(
+            &super::linear(
+                &h.to_dtype(DType::F32)?,
+                &self.weight.to_dtype(DType::F32)?,
+                None,
+            )?,
+            self.softcap,
         )?;
         if self.tp.size() == 1 {
             return Ok(local);
@@ -264,6 +301,8 @@ struct Plan {
     /// Per token: the label's row in this rank's shard where it is here (host copy of
     /// `local_idx` and `here`, for the CPU softmax kernels).
     target_here: Vec<Option<u32>>,
+    /// Final-logit soft-capping.
+    softcap: Option<f32>,
 }
 
 impl Plan {
@@ -366,7 +405,14 @@ impl Plan {
             .zip(&here)
             .map(|(&i, &h)| (h > 0.0).then_some(i))
             .collect();
+        if let Some(c) = opts.softcap.filter(|c| !(c.is_finite() && *c > 0.0)) {
+            return Err(Error::invalid(
+                OP,
+                format!("the logit soft-cap {c} must be a positive number"),
+            ));
+        }
         Ok(Self {
+            softcap: opts.softcap,
             target_here,
             comm: comm.clone(),
             n,
@@ -408,16 +454,27 @@ impl Plan {
         Ok(if bf16_dot { w } else { w.to_dtype(DType::F32)? })
     }
 
-    /// This chunk's f32 logits against the local shard `(c, V/P)`; `w` from
-    /// [`Self::product_weight`].
+    /// This chunk's f32 logits against the local shard `(c, V/P)` (soft-capped with a cap);
+    /// `w` from [`Self::product_weight`].
     fn logits(&self, hidden: &Tensor, w: &Tensor, s: usize, c: usize) -> Result<Tensor> {
         let h = hidden.narrow(0, s, c)?;
-        if w.dtype() == DType::BF16 {
-            return flash_ring::matmul_to_f32(&h, &w.t()?)
-                .map_err(crate::attention::block::kernel_err);
-        }
-        let h = h.to_dtype(DType::F32)?.contiguous()?;
-        super::linear::matmul(&h, &w.t()?)
+        let logits = if w.dtype() == DType::BF16 {
+            flash_ring::matmul_to_f32(&h, &w.t()?).map_err(crate::attention::block::kernel_err)?
+        } else {
+            let h = h.to_dtype(DType::F32)?.contiguous()?;
+            super::linear::matmul(&h, &w.t()?)?
+        };
+        soft_cap(&logits, self.softcap)
+    }
+
+    /// The derivative of the soft-cap at capped logits `capped`: `1 - (capped / c)²`
+    /// (`None` without a cap).
+    fn cap_slope(&self, capped: &Tensor) -> Result<Option<Tensor>> {
+        let Some(c) = self.softcap else {
+            return Ok(None);
+        };
+        let t = (capped / c as f64)?;
+        Ok(Some((t.sqr()?.neg()? + 1.0)?))
     }
 
     /// Forward on detached inputs: the scalar f32 loss sum and the per-token lse `(N, 1)`.
@@ -479,6 +536,13 @@ impl Plan {
             let bf16 = w.dtype() == DType::BF16;
             let dtype = if bf16 { DType::BF16 } else { DType::F32 };
             let lse_c = lse.narrow(0, s, c)?;
+            // With a cap the gradient of the capped logits is taken in f32, times the cap's
+            // slope, then rounded.
+            let slope = self.cap_slope(&logits)?;
+            let (final_dtype, dtype) = match slope {
+                Some(_) => (dtype, DType::F32),
+                None => (dtype, dtype),
+            };
             let dlogits = if logits.device().is_cpu() {
                 let target = self.target_here[s..s + c].to_vec();
                 crate::ops::softmax_rows::softmax_grad_rows(logits, &lse_c, &scale, target, dtype)?
@@ -490,6 +554,10 @@ impl Plan {
                 probs.scatter_add_set(&self.local_idx.narrow(0, s, c)?, &minus_here, 1)?;
                 drop(logits);
                 probs.broadcast_mul(&scale)?.to_dtype(dtype)?
+            };
+            let dlogits = match slope {
+                Some(slope) => (dlogits * slope)?.to_dtype(final_dtype)?,
+                None => dlogits,
             };
             let mul = |a: &Tensor, b: &Tensor| -> Result<Tensor> {
                 if bf16 {

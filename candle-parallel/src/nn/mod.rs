@@ -52,7 +52,7 @@ pub use linear::{
     RowParallelLinear,
 };
 pub use lora::{Adapters, LoraConfig, LoraTargets, LoraWeights};
-pub use loss::{vocab_parallel_cross_entropy, CrossEntropyOptions, LmHead, IGNORE_INDEX};
+pub use loss::{soft_cap, vocab_parallel_cross_entropy, CrossEntropyOptions, LmHead, IGNORE_INDEX};
 pub use mlp::{Activation, Mlp, MlpConfig};
 pub use norm::{LayerNorm, NormConfig, RmsNorm};
 pub use param::{Param, ParamBuilder, ParamList, ParamMode, Shard, TensorMap, TensorSource};
