@@ -7,9 +7,9 @@
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
+use flash_ring::{flash_bwd, flash_fwd, AttnSpec, MaskKind};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use flash_ring::{flash_bwd, flash_fwd, AttnSpec, MaskKind};
 
 fn arg(i: usize, default: usize) -> usize {
     std::env::args()
@@ -22,7 +22,9 @@ fn main() -> flash_ring::Result<()> {
     let (s, h, d, repeats) = (arg(1, 4096), arg(2, 4), arg(3, 64), arg(4, 5));
     let mut rng = StdRng::seed_from_u64(7);
     let mut input = || {
-        let x: Vec<f32> = (0..s * h * d).map(|_| rng.random_range(-2.0..2.0)).collect();
+        let x: Vec<f32> = (0..s * h * d)
+            .map(|_| rng.random_range(-2.0..2.0))
+            .collect();
         Tensor::from_vec(x, (1, s, h, d), &Device::Cpu)
     };
     let (q, k, v, dout) = (input()?, input()?, input()?, input()?);
