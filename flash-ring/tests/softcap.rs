@@ -428,9 +428,15 @@ fn no_cap_is_the_uncapped_attention() {
     }
 }
 
-fn config_err_names_softcap<T: std::fmt::Debug>(r: flash_ring::Result<T>, what: &str) {
+/// `r` is an `Error::Config` whose message contains `softcap` and `says`.
+fn config_err_names_softcap<T: std::fmt::Debug>(r: flash_ring::Result<T>, what: &str, says: &str) {
     match r {
-        Err(Error::Config(m)) => assert!(m.contains("softcap"), "{what}: message {m:?}"),
+        Err(Error::Config(m)) => {
+            assert!(
+                m.contains("softcap") && m.contains(says),
+                "{what}: message {m:?}"
+            )
+        }
         other => panic!("{what}: expected Error::Config naming softcap, got {other:?}"),
     }
 }
@@ -453,18 +459,25 @@ fn invalid_softcap_is_refused() {
     ] {
         let spec = c.spec.clone().with_softcap(cap);
         let what = format!("softcap {cap}");
-        config_err_names_softcap(flash_fwd(&q, &k, &v, &spec), &what);
-        config_err_names_softcap(flash_bwd(&q, &k, &v, &o, &l, &dout, &spec), &what);
-        config_err_names_softcap(flash_attention(&q, &k, &v, &spec), &what);
+        let says = if cap == 1e-45 {
+            "too small"
+        } else {
+            "must be finite and > 0"
+        };
+        config_err_names_softcap(flash_fwd(&q, &k, &v, &spec), &what, says);
+        config_err_names_softcap(flash_bwd(&q, &k, &v, &o, &l, &dout, &spec), &what, says);
+        config_err_names_softcap(flash_attention(&q, &k, &v, &spec), &what, says);
         config_err_names_softcap(
             composite::forward(&q, &k, &v, &spec, &COMPOSITE_TILES),
             &what,
+            says,
         );
         config_err_names_softcap(
             composite::backward(&q, &k, &v, &o, &l, &dout, &spec, &COMPOSITE_TILES, false),
             &what,
+            says,
         );
-        config_err_names_softcap(naive_attention(&q, &k, &v, &spec), &what);
+        config_err_names_softcap(naive_attention(&q, &k, &v, &spec), &what, says);
     }
     match plan_flash_attn(&c.spec.clone().with_softcap(CAP), SQ, SK) {
         Err(Error::FlashAttnPlan(m)) => assert!(m.contains("softcap"), "{m:?}"),
