@@ -1,6 +1,6 @@
 //! Times the CPU kernels on one shape: `cargo run -p flash-ring --release --example
-//! attention_timing -- [seq] [heads] [head_dim] [repeats]` (defaults 4096, 4, 64, 5; causal,
-//! f32, batch 1). Prints the best forward and backward times in milliseconds over `repeats`
+//! attention_timing -- [seq] [heads] [head_dim] [repeats] [softcap]` (defaults 4096, 4, 64, 5,
+//! none; causal, f32, batch 1; a soft-cap of 0 is none). Prints the best forward and backward times in milliseconds over `repeats`
 //! timed runs after one warm-up, and a hash of the bits of out, lse, dq, dk and dv (inputs from
 //! a fixed seed: two builds that print the same hash computed the same bits).
 
@@ -28,7 +28,11 @@ fn main() -> flash_ring::Result<()> {
         Tensor::from_vec(x, (1, s, h, d), &Device::Cpu)
     };
     let (q, k, v, dout) = (input()?, input()?, input()?, input()?);
-    let spec = AttnSpec::dense(1.0 / (d as f32).sqrt(), MaskKind::Causal, s, s);
+    let mut spec = AttnSpec::dense(1.0 / (d as f32).sqrt(), MaskKind::Causal, s, s);
+    let cap = arg(5, 0);
+    if cap > 0 {
+        spec = spec.with_softcap(cap as f32);
+    }
     let (mut fwd, mut bwd) = (f64::MAX, f64::MAX);
     let mut hash = 0xcbf2_9ce4_8422_2325u64;
     for i in 0..=repeats {
@@ -50,8 +54,9 @@ fn main() -> flash_ring::Result<()> {
         }
     }
     println!(
-        "seq {s} heads {h} head_dim {d} causal f32: fwd {fwd:.1} ms, bwd {bwd:.1} ms, \
-         bits {hash:016x}"
+        "seq {s} heads {h} head_dim {d} causal f32 softcap {:?}: fwd {fwd:.1} ms, bwd {bwd:.1} ms, \
+         bits {hash:016x}",
+        spec.softcap
     );
     Ok(())
 }
