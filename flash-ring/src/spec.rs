@@ -165,7 +165,8 @@ impl AttnSpec {
         self
     }
 
-    /// The same spec (scale, mask, documents, window, soft-cap) for another pair of blocks (e.g. the next ring step).
+    /// The same spec (scale, mask, documents, window, soft-cap) for another pair of blocks (e.g.
+    /// the next ring step).
     pub fn with_positions(&self, q_pos: Positions, k_pos: Positions) -> Self {
         AttnSpec {
             q_pos,

@@ -302,7 +302,8 @@ impl Case {
         for (name, e) in errs {
             assert!(
                 e <= tol,
-                "{name}: rel err {e:.3e} > {tol:.0e} (b={} sq={} sk={} hq={} hkv={} d={} {:?} {:?} window {:?} docs {} softcap {:?})",
+                "{name}: rel err {e:.3e} > {tol:.0e} (b={} sq={} sk={} hq={} hkv={} d={} {:?} {:?} \
+                 window {:?} docs {} softcap {:?})",
                 self.shape.b,
                 self.shape.sq,
                 self.shape.sk,
