@@ -15,6 +15,9 @@
 //! - The mask is evaluated on the host from the spec ([`AttnSpec::allowed`]) one tile at a time
 //!   and uploaded as an additive bias; a tile with no allowed pair is skipped and a fully allowed
 //!   tile gets no bias. Rows with no allowed key get `out = 0`, `lse = -inf` and zero gradients.
+//! - A logit soft-cap ([`AttnSpec::softcap`]) is applied to each score tile right after the
+//!   product, before the mask bias: `c * tanh(s / c)`; the backward multiplies dS by
+//!   `1 - tanh^2(s / c)` (its own backward, not candle's autograd, see [`backward`]).
 //! - Arithmetic in f32 whatever the input dtype (as the CPU kernel), outputs in q's dtype
 //!   (gradients optionally in f32).
 //!
@@ -176,10 +179,19 @@ impl HostMask<'_> {
     }
 }
 
+/// A tile of logits: `(b, hkv, g * qn, kn)`, soft-capped and masked.
+struct Scores {
+    s: Tensor,
+    /// With a soft-cap: `tanh(s / c)` of every entry (masked ones too), for the backward's
+    /// `d(capped)/ds = 1 - tanh^2(s / c)`.
+    tanh: Option<Tensor>,
+}
+
 impl HostMask<'_> {
-    /// The masked scores `qs · kt^T` of q rows `q0..q0 + qn` (grouped and already scaled,
-    /// `(b, hkv, g * qn, d)`) against the k tile `kt` (rows `k0..k0 + kn`): `(b, hkv, g * qn, kn)`,
-    /// or `None` when no pair of the tile is allowed. Sets `alive` as [`HostMask::tile`] does.
+    /// The logits of q rows `q0..q0 + qn` (grouped and already scaled, `(b, hkv, g * qn, d)`)
+    /// against the k tile `kt` (rows `k0..k0 + kn`): `s = qs · kt^T`, soft-capped to
+    /// `c tanh(s / c)` when the spec has a cap, then masked; `None` when no pair of the tile is
+    /// allowed. Sets `alive` as [`HostMask::tile`] does.
     fn scores(
         &self,
         qs: &Tensor,
@@ -188,17 +200,25 @@ impl HostMask<'_> {
         (q0, qn): (usize, usize),
         (k0, kn): (usize, usize),
         alive: &mut [bool],
-    ) -> Result<Option<Tensor>> {
+    ) -> Result<Option<Scores>> {
         let bias = match self.tile(q0, qn, k0, kn, alive)? {
             TileMask::Empty => return Ok(None),
             TileMask::Full => None,
             TileMask::Bias(b) => Some(b),
         };
         let s = qs.matmul(&kt.t()?)?;
-        Ok(Some(match bias {
+        let (s, tanh) = match self.spec.softcap {
+            None => (s, None),
+            Some(c) => {
+                let t = (s / c as f64)?.tanh()?;
+                ((&t * c as f64)?, Some(t))
+            }
+        };
+        let s = match bias {
             Some(bias) => add_bias(&s, &bias, dm, qn, kn)?,
             None => s,
-        }))
+        };
+        Ok(Some(Scores { s, tanh }))
     }
 }
 
@@ -273,7 +293,9 @@ pub fn forward(
         for k0 in (0..dm.sk).step_by(cfg.k_tile) {
             let kn = cfg.k_tile.min(dm.sk - k0);
             let kt = kg.narrow(2, k0, kn)?;
-            let Some(s) = mask.scores(&qt, &kt, &dm, (q0, qn), (k0, kn), &mut alive)? else {
+            let Some(Scores { s, .. }) =
+                mask.scores(&qt, &kt, &dm, (q0, qn), (k0, kn), &mut alive)?
+            else {
                 continue;
             };
             let vt = vg.narrow(2, k0, kn)?;
@@ -385,13 +407,21 @@ pub fn backward(
         for (t, k0) in (0..dm.sk).step_by(cfg.k_tile).enumerate() {
             let kn = cfg.k_tile.min(dm.sk - k0);
             let kt = kg.narrow(2, k0, kn)?;
-            let Some(s) = mask.scores(&qs, &kt, &dm, (q0, qn), (k0, kn), &mut seen)? else {
+            let Some(Scores { s, tanh }) =
+                mask.scores(&qs, &kt, &dm, (q0, qn), (k0, kn), &mut seen)?
+            else {
                 continue;
             };
             let vt = vg.narrow(2, k0, kn)?;
             let p = s.broadcast_sub(&lt)?.exp()?; // (b, hkv, g*qn, kn)
             let dp = dot.matmul(&vt.t()?)?;
             let ds = (&p * dp.broadcast_sub(&delta)?)?;
+            // The gradient with respect to the uncapped logit (masked entries: p = 0).
+            let ds = match tanh {
+                // 1 - t^2 as (1 - t)(1 + t): accurate where t is close to +-1.
+                Some(t) => ((ds * t.affine(-1.0, 1.0)?)? * t.affine(1.0, 1.0)?)?,
+                None => ds,
+            };
             dq = (dq + (ds.matmul(&kt)? * scale)?)?;
             // Products over the g*qn rows: the q heads of a group add up by themselves.
             let dk_part = (ds.t()?.matmul(&qt)? * scale)?;

@@ -45,6 +45,12 @@
 //! - The same plan serves every batch entry and head (GQA/MQA included); the softmax scale is the
 //!   spec's.
 //!
+//! # Soft-capping
+//! A spec with a logit soft-cap ([`AttnSpec::softcap`]) is refused with
+//! [`Error::FlashAttnPlan`] naming the soft-cap: the calls planned here carry no cap, and
+//! running them would silently compute uncapped attention. Such specs take another path (the
+//! CPU kernel or the composite path, which both cap).
+//!
 //! # LSE conventions
 //! flash-attn writes `lse = +inf` for a fully masked row, flash-ring `-inf` (and `out = 0`).
 //! [`remap_lse_from_flash_attn`] / [`lse_from_flash_attn`] convert; [`FlashAttnAccumulator`]
@@ -207,7 +213,8 @@ impl FlashAttnPlan {
 /// default options (local windows allowed, no call limit).
 ///
 /// Errors: the spec's positions do not match `seq_q` / `seq_k`, a position lies outside
-/// `doc_ids`, or the scale is not finite.
+/// `doc_ids`, the scale is not finite, or the spec has a soft-cap (not planned, see the module
+/// docs).
 pub fn plan_flash_attn(spec: &AttnSpec, seq_q: usize, seq_k: usize) -> Result<FlashAttnPlan> {
     plan_flash_attn_with_options(spec, seq_q, seq_k, &FlashAttnPlanOptions::default())
 }
@@ -221,6 +228,12 @@ pub fn plan_flash_attn_with_options(
     opts: &FlashAttnPlanOptions,
 ) -> Result<FlashAttnPlan> {
     spec.validate(seq_q, seq_k)?;
+    if let Some(c) = spec.softcap {
+        return Err(Error::FlashAttnPlan(format!(
+            "spec.softcap = {c}: flash-attn calls are planned without a logit soft-cap; \
+             use the CPU kernel or the composite path for a soft-capped spec"
+        )));
+    }
     let docs = spec.doc_ids.as_deref();
     let qsegs = segments(&spec.q_pos, docs);
     let ksegs = segments(&spec.k_pos, docs);

@@ -11,6 +11,12 @@
 //! call serves any (q block, kv block) pair of a ring, zigzag or striped layout. See
 //! [`AttnSpec`] for the rule.
 //!
+//! Logit soft-capping (Gemma 2/3, [`AttnSpec::with_softcap`]): the softmax takes `c tanh(s / c)`
+//! of the scaled logit `s = scale q.k`, masked pairs excluded after the cap; the lse is that of
+//! the capped logits, so [`merge`] combines capped partial results exactly, and the backward
+//! includes the cap's derivative `1 - tanh^2(s / c)`. Every path here implements it (CPU kernels,
+//! composite path, references); [`flash_attn_plan`] refuses a capped spec.
+//!
 //! [`matmul`] is the dense product of the layers around attention, on the same CPU kernels,
 //! with short accumulation chains (accurate sums of large same-sign terms).
 //!
@@ -246,6 +252,8 @@ pub fn flash_attention_with_config(
             return Err(rank_err(name, t.dims()));
         }
     }
+    // Before the op, which would wrap the error into a candle error.
+    spec.check_softcap()?;
     if !q.device().is_cpu() {
         return op::composite_attention(q, k, v, spec, &CompositeConfig::default());
     }

@@ -6,7 +6,8 @@
 //!   an oracle independent of candle and of the flash kernels.
 //!
 //! Both follow the crate's conventions: a row with no allowed key has `out = 0`, `lse = -inf`
-//! and zero gradients.
+//! and zero gradients; a logit soft-cap `c` ([`AttnSpec::softcap`]) turns the scaled logit `s`
+//! into `c tanh(s / c)` before the mask.
 
 use candle_core::{DType, Device, Tensor, D};
 
@@ -82,6 +83,11 @@ pub fn naive_attention_with_lse(
     let (add, any) = mask_tensors(spec, sq, sk, q.device())?;
     let add = add.to_dtype(work)?;
     let scores = (qt.matmul(&kt.t()?)? * spec.scale as f64)?; // (b, hq, sq, sk)
+    let scores = match spec.softcap {
+        // Capped before the mask (differentiable: candle's tanh has a backward).
+        Some(c) => ((scores / c as f64)?.tanh()? * c as f64)?,
+        None => scores,
+    };
     let s = scores.broadcast_add(&add)?;
     // Shift by the (detached) row max; rows with nothing allowed shift by a finite -1e30 so
     // that exp gives exactly 0 and no NaN appears.
@@ -123,7 +129,9 @@ impl RefShape {
     }
 }
 
-/// Probabilities of one (batch, q head) in f64: `p[i * sk + j]`, plus lse per row.
+/// Probabilities of one (batch, q head) in f64: `p[i * sk + j]`, plus lse per row and the
+/// derivative of the (soft-capped) logit with respect to the scaled one, `1 - tanh^2(s / c)`
+/// (1 without a cap; 0 where masked).
 fn probs(
     q: &[f64],
     k: &[f64],
@@ -131,18 +139,26 @@ fn probs(
     spec: &AttnSpec,
     b: usize,
     h: usize,
-) -> (Vec<f64>, Vec<f64>) {
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let kh = h / (sh.hq / sh.hkv);
     let mut p = vec![0.0f64; sh.sq * sh.sk];
+    let mut dcap = vec![0.0f64; sh.sq * sh.sk];
     let mut lse = vec![f64::NEG_INFINITY; sh.sq];
     for i in 0..sh.sq {
         let qr = &q[sh.qi(b, i, h)..sh.qi(b, i, h) + sh.d];
         let row = &mut p[i * sh.sk..(i + 1) * sh.sk];
+        let drow = &mut dcap[i * sh.sk..(i + 1) * sh.sk];
         let mut mx = f64::NEG_INFINITY;
         for (j, x) in row.iter_mut().enumerate() {
             if spec.allowed(spec.q_pos.get(i), spec.k_pos.get(j)) {
                 let kr = &k[sh.ki(b, j, kh)..sh.ki(b, j, kh) + sh.d];
                 *x = spec.scale as f64 * qr.iter().zip(kr).map(|(a, c)| a * c).sum::<f64>();
+                drow[j] = 1.0;
+                if let Some(c) = spec.softcap {
+                    let t = (*x / c as f64).tanh();
+                    *x = c as f64 * t;
+                    drow[j] = 1.0 - t * t;
+                }
                 mx = mx.max(*x);
             } else {
                 *x = f64::NEG_INFINITY;
@@ -160,7 +176,7 @@ fn probs(
         row.iter_mut().for_each(|x| *x /= sum);
         lse[i] = mx + sum.ln();
     }
-    (p, lse)
+    (p, lse, dcap)
 }
 
 /// Forward in f64: returns `out` (b, sq, hq, d) and `lse` (b, hq, sq).
@@ -176,7 +192,7 @@ pub fn attention_f64(
     let g = sh.hq / sh.hkv;
     for b in 0..sh.b {
         for h in 0..sh.hq {
-            let (p, l) = probs(q, k, &sh, spec, b, h);
+            let (p, l, _) = probs(q, k, &sh, spec, b, h);
             lse[(b * sh.hq + h) * sh.sq..(b * sh.hq + h + 1) * sh.sq].copy_from_slice(&l);
             for i in 0..sh.sq {
                 let o = sh.qi(b, i, h);
@@ -212,11 +228,11 @@ pub fn attention_bwd_f64(
     for b in 0..sh.b {
         for h in 0..sh.hq {
             let kh = h / g;
-            let (p, _) = probs(q, k, &sh, spec, b, h);
+            let (p, _, dcap) = probs(q, k, &sh, spec, b, h);
             for i in 0..sh.sq {
                 let qo = sh.qi(b, i, h);
                 let dor = &dout[qo..qo + sh.d];
-                // dP_ij = dO_i . V_j ; D_i = sum_j P_ij dP_ij ; dS = P (dP - D)
+                // dP_ij = dO_i . V_j ; D_i = sum_j P_ij dP_ij ; dS = P (dP - D) (1 - tanh^2)
                 let dp: Vec<f64> = (0..sh.sk)
                     .map(|j| {
                         let vo = sh.ki(b, j, kh);
@@ -230,7 +246,7 @@ pub fn attention_bwd_f64(
                     if pij == 0.0 {
                         continue;
                     }
-                    let ds = pij * (dp[j] - dd);
+                    let ds = pij * (dp[j] - dd) * dcap[i * sh.sk + j];
                     let ko = sh.ki(b, j, kh);
                     for t in 0..sh.d {
                         dv[ko + t] += pij * dor[t];

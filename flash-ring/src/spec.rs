@@ -5,6 +5,11 @@
 //! `same_doc` holds when no `doc_ids` are given or `doc_ids[pq] == doc_ids[pk]`, and
 //! `within_window` holds when no window is given, or `pq - pk < w` (causal; `pk <= pq` already
 //! holds) / `|pq - pk| < w` (full).
+//!
+//! Logits: with `s = scale * (q . k)`, the softmax takes `s` itself, or `c * tanh(s / c)` with a
+//! logit soft-cap `c` ([`AttnSpec::softcap`], Gemma 2/3's `attn_logit_softcapping`). The cap
+//! applies after the scale and before the mask: masked pairs are left out (`-inf`) whatever
+//! their capped value, and the returned LSE is that of the capped logits.
 
 use std::sync::Arc;
 
@@ -103,6 +108,12 @@ pub struct AttnSpec {
     pub doc_ids: Option<Arc<[u32]>>,
     /// Sliding window: allowed iff `pq - pk < w` (causal) or `|pq - pk| < w` (full).
     pub window: Option<usize>,
+    /// Logit soft-cap `c` (Gemma 2/3's `attn_logit_softcapping`): the softmax takes
+    /// `c * tanh(s / c)` for the scaled logit `s = scale * (q . k)`, capping logits to
+    /// `(-c, c)`; the mask applies after the cap (masked pairs stay excluded), the LSE is of
+    /// the capped logits and the backward carries `d(capped)/ds = 1 - tanh^2(s / c)`. `None`:
+    /// no cap (the softmax takes `s`). Must be finite and `> 0` (checked by every call).
+    pub softcap: Option<f32>,
 }
 
 impl AttnSpec {
@@ -115,6 +126,7 @@ impl AttnSpec {
             k_pos,
             doc_ids: None,
             window: None,
+            softcap: None,
         }
     }
 
@@ -145,7 +157,16 @@ impl AttnSpec {
         self
     }
 
-    /// The same spec for another pair of blocks (e.g. the next ring step).
+    /// Caps the logits softly at `c`: the softmax takes `c * tanh(s / c)`, `s = scale * q . k`
+    /// (see [`AttnSpec::softcap`]). `c` must be finite and `> 0`; a call with any other value
+    /// fails with [`Error::Config`].
+    pub fn with_softcap(mut self, c: f32) -> Self {
+        self.softcap = Some(c);
+        self
+    }
+
+    /// The same spec (scale, mask, documents, window, soft-cap) for another pair of blocks (e.g.
+    /// the next ring step).
     pub fn with_positions(&self, q_pos: Positions, k_pos: Positions) -> Self {
         AttnSpec {
             q_pos,
@@ -174,7 +195,27 @@ impl AttnSpec {
         true
     }
 
-    /// Checks the positions against the row counts and the document table.
+    /// Checks the soft-cap: finite, `> 0`, and `scale / c` finite (the kernels scale q by it).
+    pub(crate) fn check_softcap(&self) -> Result<()> {
+        if let Some(c) = self.softcap {
+            if !(c.is_finite() && c > 0.0) {
+                return Err(Error::Config(format!(
+                    "spec.softcap must be finite and > 0, got {c}"
+                )));
+            }
+            // The kernels scale q by `scale / c`.
+            if self.scale.is_finite() && !(self.scale / c).is_finite() {
+                return Err(Error::Config(format!(
+                    "spec.softcap {c} is too small for spec.scale {}: scale / softcap overflows",
+                    self.scale
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the positions against the row counts and the document table, the scale and the
+    /// soft-cap.
     pub(crate) fn validate(&self, seq_q: usize, seq_k: usize) -> Result<()> {
         for (positions, tensor, len, rows) in [
             ("spec.q_pos", "q", self.q_pos.len(), seq_q),
@@ -195,6 +236,7 @@ impl AttnSpec {
                 self.scale
             )));
         }
+        self.check_softcap()?;
         if let Some(d) = &self.doc_ids {
             for (name, p) in [("spec.q_pos", &self.q_pos), ("spec.k_pos", &self.k_pos)] {
                 if let Some(m) = p.max() {

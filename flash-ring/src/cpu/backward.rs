@@ -1,6 +1,10 @@
 //! Backward pass (FlashAttention-2): P is recomputed from the final lse, `D = rowsum(dO * O)`,
 //! `dS = P * (dP - D)`. One rayon task per (batch, q head, chunk of key tiles).
 //!
+//! With a logit soft-cap `c` the scores are recomputed as the forward computes them (see
+//! `forward::logit_units`) and dS gets the cap's derivative: `dS = P (dP - D) (1 - tanh^2(s/c))`
+//! is the gradient with respect to the uncapped logit `s = scale q.k`.
+//!
 //! Deterministic whatever the thread timing (a rank's gradients must not depend on which task
 //! finishes first, or multi-rank runs drift apart): every floating-point sum has a fixed order.
 //! - dK/dV: each task owns the rows of its key tiles in a per-q-head accumulator (no other task
@@ -10,9 +14,10 @@
 //!   parks its buffer, and whichever task completes the prefix adds the parked ones in order.
 
 use rayon::prelude::*;
-use std::f32::consts::{LN_2, LOG2_E};
+use std::f32::consts::LN_2;
 use std::sync::Mutex;
 
+use super::forward::logit_units;
 use super::pool::PoolBuf;
 use super::simd::{self, MatMul, CHUNK};
 use super::{
@@ -37,7 +42,7 @@ pub(crate) struct BwdOut {
 
 /// Query-side operands of one (batch, q head).
 struct PackedQ {
-    /// Q * scale * log2 e, rows of length dp.
+    /// Q * qmul (see `forward::logit_units`), rows of length dp.
     q: PoolBuf,
     /// dO, rows of length dp.
     dout: PoolBuf,
@@ -109,7 +114,9 @@ pub(crate) fn backward(
     let qb = BlockPos::new(&spec.q_pos, spec.doc_ids.as_ref(), bq);
     let kb = BlockPos::new(&spec.k_pos, spec.doc_ids.as_ref(), bk);
     let rule = MaskRule::new(spec);
-    let qmul = spec.scale * LOG2_E;
+    let (qmul, cap) = logit_units(spec);
+    // dK = dS^T (Q * qmul) times this: `scale / qmul`, i.e. ln 2, or `c` with a cap.
+    let dk_mul = spec.softcap.unwrap_or(LN_2);
     // bf16 inputs on AVX512-BF16: S = Q K^T and dP = dO V^T, the two products of stored
     // inputs, on the bf16 dot products (exact products, f32 sums; S scaled afterwards). The
     // products with P or dS stay f32 (neither is rounded). S is computed as the forward
@@ -211,6 +218,12 @@ pub(crate) fn backward(
         let mut g = vec![0.0f32; bq * bk];
         let mut dk_t = vec![0.0f32; bk * dp];
         let mut dv_t = vec![0.0f32; bk * dp];
+        // d(capped)/ds of the row being processed (soft-cap only).
+        let mut dcap = if cap.is_some() {
+            vec![0.0f32; bk]
+        } else {
+            Vec::new()
+        };
         // dq target: with one chunk per head this task owns the head's dq (lock held for the
         // whole task, uncontended); otherwise a private buffer added in chunk order at the end.
         let mut own = None;
@@ -293,17 +306,27 @@ pub(crate) fn backward(
                             grow.fill(0.0);
                             continue;
                         }
-                        if dot_s {
-                            simd::scale_row(isa, &mut row[c0..c1], qmul);
+                        match (cap, dot_s) {
+                            (None, false) => {}
+                            (None, true) => simd::scale_row(isa, &mut row[c0..c1], qmul),
+                            // The cap before the mask, as in the forward.
+                            (Some(post), dot) => {
+                                let pre = if dot { qmul } else { 1.0 };
+                                let dc = Some(&mut dcap[c0..c1]);
+                                simd::softcap_row(isa, &mut row[c0..c1], pre, post, dc);
+                            }
                         }
                         if class == TileClass::Partial {
                             rule.mask_row(&qb, q0 + i, &kb, kt, row, f32::NEG_INFINITY);
                         }
                         simd::p_ds_row(isa, &mut row[c0..c1], grow, l, qs.dd[q0 + i]);
+                        if cap.is_some() {
+                            simd::mul_row(isa, grow, &dcap[c0..c1]);
+                        }
                     }
                     let sb = &s[r0 * bk + c0..];
                     let gb = &g[r0 * bk + c0..];
-                    // dV += P^T dO ; dK += dS^T Qs (rescaled by ln 2 at the end).
+                    // dV += P^T dO ; dK += dS^T Qs (rescaled by `dk_mul` at the end).
                     let tn = MatMul {
                         m: cn,
                         n: dp,
@@ -346,7 +369,7 @@ pub(crate) fn backward(
                 let (dka, dva) = &mut *dkv;
                 let r = (k0 - row0) * dp..(k0 - row0 + kn) * dp;
                 for (a, x) in dka[r.clone()].iter_mut().zip(&dk_t[..kn * dp]) {
-                    *a += x * LN_2;
+                    *a += x * dk_mul;
                 }
                 for (a, x) in dva[r].iter_mut().zip(&dv_t[..kn * dp]) {
                     *a += x;

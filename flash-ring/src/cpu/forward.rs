@@ -1,4 +1,9 @@
 //! Forward pass: online softmax over key tiles, one rayon task per (batch, q head, q tile).
+//!
+//! Scores are kept in log2 units: without a soft-cap q is packed times `scale * log2 e`, so
+//! `Q K^T` is the logit in log2 units; with a soft-cap `c` q is packed times `scale / c` and each
+//! row of `Q K^T` becomes `c log2 e * tanh(.)` before the mask (one branch per row of a strip,
+//! the uncapped loop untouched).
 
 use rayon::prelude::*;
 use std::f32::consts::{LN_2, LOG2_E};
@@ -88,7 +93,7 @@ pub(crate) fn forward(
         })
         .collect();
     let nqt = sq.div_ceil(bq);
-    let qmul = spec.scale * LOG2_E;
+    let (qmul, cap) = logit_units(spec);
     let out_w = SharedOut::new(&mut out);
     let lse_w = SharedOut::new(&mut lse);
     (0..b * hq * nqt).into_par_iter().for_each_init(
@@ -108,6 +113,7 @@ pub(crate) fn forward(
             let t = TileTask {
                 dot,
                 qmul,
+                cap,
                 isa,
                 dims,
                 rule: &rule,
@@ -140,6 +146,16 @@ pub(crate) fn forward(
     Ok(FwdOut { out, lse, dims })
 }
 
+/// The factor q is packed with, and the soft-cap's factor after `tanh`: `(scale log2 e, None)`
+/// without a cap, `(scale / c, Some(c log2 e))` with cap `c`, so that the kernels' scores are
+/// `q.k * qmul` (log2 units) or `c log2 e * tanh(q.k * qmul)`. Shared with the backward.
+pub(crate) fn logit_units(spec: &AttnSpec) -> (f32, Option<f32>) {
+    match spec.softcap {
+        None => (spec.scale * LOG2_E, None),
+        Some(c) => (spec.scale / c, Some(c * LOG2_E)),
+    }
+}
+
 /// Per-thread buffers of the forward kernel (O(tile) memory).
 struct Scratch {
     q: Vec<f32>,
@@ -167,8 +183,10 @@ impl Scratch {
 struct TileTask<'a> {
     /// S = Q K^T on the bf16 dot products (`sc.q16`, `kv.kt16`), times `qmul` afterwards.
     dot: bool,
-    /// scale * log2(e).
+    /// The factor of q (see `logit_units`).
     qmul: f32,
+    /// Soft-cap: scores become `cap * tanh(q.k * qmul)` (see `logit_units`).
+    cap: Option<f32>,
     isa: Isa,
     dims: Dims,
     rule: &'a MaskRule,
@@ -240,7 +258,7 @@ impl TileTask<'_> {
     ) {
         let (isa, dp, bk) = (self.isa, self.dims.dp, self.bk);
         let q0 = self.qt * self.qb.tile;
-        // S = (Q * scale * log2 e) K^T over whole 32-key panels.
+        // S = (Q * qmul) K^T over whole 32-key panels.
         let cols = (c1 - c0).div_ceil(CHUNK) * CHUNK;
         let ops = if self.dot {
             PanelOperands::Bf16(&sc.q16[r0 * dp..], &kv.kt16[(k0 + c0) * dp..])
@@ -250,8 +268,14 @@ impl TileTask<'_> {
         panel_product(isa, ops, rn, cols, dp, &mut sc.s[r0 * bk + c0..], bk);
         for i in r0..r0 + rn {
             let full = &mut sc.s[i * bk..i * bk + kn];
-            if self.dot {
-                simd::scale_row(isa, &mut full[c0..c1], self.qmul);
+            match (self.cap, self.dot) {
+                (None, false) => {}
+                (None, true) => simd::scale_row(isa, &mut full[c0..c1], self.qmul),
+                // The cap before the mask (masked scores become -inf below).
+                (Some(post), dot) => {
+                    let pre = if dot { self.qmul } else { 1.0 };
+                    simd::softcap_row(isa, &mut full[c0..c1], pre, post, None);
+                }
             }
             if class == TileClass::Partial {
                 self.rule

@@ -158,6 +158,8 @@ pub struct Case {
     pub cfg: KernelConfig,
     pub path: Path,
     pub seed: u64,
+    /// Factor on q and k of [`Case::inputs`] (1: the default inputs, unchanged).
+    pub qk_mul: f32,
 }
 
 impl Case {
@@ -184,7 +186,14 @@ impl Case {
             cfg: KernelConfig::default(),
             path: Path::Kernel,
             seed: 42,
+            qk_mul: 1.0,
         }
+    }
+
+    /// Multiplies q and k of the inputs by `m` (larger logits, e.g. to saturate a soft-cap).
+    pub fn qk_mul(mut self, m: f32) -> Self {
+        self.qk_mul = m;
+        self
     }
 
     pub fn dtype(mut self, dt: DType) -> Self {
@@ -214,7 +223,13 @@ impl Case {
         let nk = self.shape.b * self.shape.sk * self.shape.hkv * self.shape.d;
         // Scale q so the softmax is neither flat nor one-hot.
         let q: Vec<f32> = randv(&mut r, nq).iter().map(|x| x * 2.0).collect();
-        [q, randv(&mut r, nk), randv(&mut r, nk), randv(&mut r, nq)]
+        let mut inputs = [q, randv(&mut r, nk), randv(&mut r, nk), randv(&mut r, nq)];
+        if self.qk_mul != 1.0 {
+            for x in inputs[..2].iter_mut().flatten() {
+                *x *= self.qk_mul;
+            }
+        }
+        inputs
     }
 
     pub fn tensors(&self) -> [Tensor; 4] {
@@ -287,7 +302,8 @@ impl Case {
         for (name, e) in errs {
             assert!(
                 e <= tol,
-                "{name}: rel err {e:.3e} > {tol:.0e} (b={} sq={} sk={} hq={} hkv={} d={} {:?} {:?})",
+                "{name}: rel err {e:.3e} > {tol:.0e} (b={} sq={} sk={} hq={} hkv={} d={} {:?} {:?} \
+                 window {:?} docs {} softcap {:?})",
                 self.shape.b,
                 self.shape.sq,
                 self.shape.sk,
@@ -295,7 +311,10 @@ impl Case {
                 self.shape.hkv,
                 self.shape.d,
                 self.dtype,
-                self.spec.mask
+                self.spec.mask,
+                self.spec.window,
+                self.spec.doc_ids.is_some(),
+                self.spec.softcap
             );
             worst = testkit::max_or_nan(worst, e);
         }
