@@ -6,7 +6,7 @@ Run from the repository root:
     python3 -m venv .venv && .venv/bin/pip install -r scripts/requirements-fixtures.txt && .venv/bin/python scripts/make_zoo_fixtures.py
 
 One random checkpoint per family variant (Qwen2 with and without its sliding window, Qwen3, Mistral,
-Gemma 3 text), saved with ``save_pretrained`` in f32, plus ``reference.safetensors`` in the format of
+Gemma 2, Gemma 3 text), saved with ``save_pretrained`` in f32, plus ``reference.safetensors`` in the format of
 ``scripts/make_llama_fixtures.py``: ``input_ids`` (2, 32) int64, ``labels`` (2, 32) int64 (a few -100),
 ``logits`` (2, 32, 256) f32, ``loss`` (scalar) f32 and ``grad.<name>`` f32 for every stored tensor.
 
@@ -98,6 +98,17 @@ FIXTURES = {
         dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=WINDOW,
              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         f"MistralForCausalLM: every layer windowed to {WINDOW} tokens, GQA 4/2, untied",
+    ),
+    "gemma2": (
+        "gemma2", 205,
+        dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             query_pre_attn_scalar=24, sliding_window=WINDOW, attn_logit_softcapping=2.0,
+             final_logit_softcapping=3.0,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "Gemma2ForCausalLM: (1 + w) RMSNorms, four norms per layer, GeGLU, embeddings times "
+        "sqrt(32), softmax scale 24^-0.5 (head_dim 16), layers 0 and 2 windowed to "
+        f"{WINDOW} tokens, attention logits capped at 2 and final logits at 3 (both saturate), "
+        "tied embeddings (Gemma's default)",
     ),
 }
 
@@ -199,7 +210,9 @@ def window_matters(model_type, overrides, d, input_ids, ref_logits):
     plain = dict(overrides)
     plain.pop("sliding_window", None)
     plain.pop("use_sliding_window", None)
-    cfg = make_config(model_type, dict(plain, sliding_window=None))
+    # Gemma needs a window value for its sliding layers: one longer than the sequence.
+    no_window = 4 * SEQ if model_type.startswith("gemma") else None
+    cfg = make_config(model_type, dict(plain, sliding_window=no_window))
     cfg._attn_implementation = "eager"
     m = AutoModelForCausalLM.from_pretrained(str(d), config=cfg, dtype=torch.float64).eval()
     logits = m(input_ids=input_ids, use_cache=False).logits.detach()
@@ -231,6 +244,16 @@ def build_fixture(name, input_ids, labels):
     if name == "mistral":
         extra["no_window_rel_diff"] = window_matters(model_type, overrides, d, input_ids, logits)
         assert extra["no_window_rel_diff"] > 1e-3, extra
+    if name == "gemma2":
+        assert extra["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+        extra["no_window_rel_diff"] = window_matters(model_type, overrides, d, input_ids, logits)
+        assert extra["no_window_rel_diff"] > 1e-3, extra
+        uncapped = make_config(model_type, dict(overrides, attn_logit_softcapping=None,
+                                                 final_logit_softcapping=None))
+        uncapped._attn_implementation = "eager"
+        m = AutoModelForCausalLM.from_pretrained(str(d), config=uncapped, dtype=torch.float64).eval()
+        extra["no_caps_rel_diff"] = rel_err(m(input_ids=input_ids, use_cache=False).logits.detach(), logits)
+        assert extra["no_caps_rel_diff"] > 1e-2, extra
     if name == "qwen2_v4":
         assert m64.config.sliding_window is None, m64.config.sliding_window
         assert set(extra["layer_types"]) == {"full_attention"}, extra

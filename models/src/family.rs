@@ -259,6 +259,7 @@ fn families_in(extra: &[&'static Family]) -> Vec<&'static Family> {
         &crate::zoo::QWEN2,
         &crate::zoo::QWEN3,
         &crate::zoo::MISTRAL,
+        &crate::zoo::GEMMA2,
         &DIT,
         &LLAVA,
     ]);

@@ -86,14 +86,17 @@ use crate::comm::Comm;
 use crate::error::{Error, Result};
 use crate::mesh::{DeviceMesh, Dim};
 
-/// One attention call: the mask over the GLOBAL sequence, the softmax scale and an optional
+/// One attention call: the mask over the GLOBAL sequence, the softmax scale, an optional
 /// sliding window (a query at `pq` sees keys at `pq - pk < window` on top of the mask: the
-/// convention of transformers' `sliding_window`). Every rank of the group passes the same call.
+/// convention of transformers' `sliding_window`) and an optional logit soft-cap (the softmax
+/// takes `c · tanh(scale · q·k / c)`: Gemma 2's `attn_logit_softcapping`). Every rank of the
+/// group passes the same call.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttnCall {
     pub mask: AttnMask,
     pub scale: f32,
     pub window: Option<usize>,
+    pub softcap: Option<f32>,
 }
 
 impl AttnCall {
@@ -102,7 +105,14 @@ impl AttnCall {
             mask,
             scale,
             window: None,
+            softcap: None,
         }
+    }
+
+    /// The same call with its logits soft-capped at `softcap` (`None`: no cap).
+    pub fn with_softcap(mut self, softcap: Option<f32>) -> Self {
+        self.softcap = softcap;
+        self
     }
 
     /// The same call with a sliding window of `window` tokens (`None`: no window).
@@ -118,8 +128,12 @@ impl AttnCall {
         k_pos: flash_ring::Positions,
     ) -> flash_ring::AttnSpec {
         let spec = self.mask.spec(self.scale, q_pos, k_pos);
-        match self.window {
+        let spec = match self.window {
             Some(w) => spec.with_window(w),
+            None => spec,
+        };
+        match self.softcap {
+            Some(c) => spec.with_softcap(c),
             None => spec,
         }
     }

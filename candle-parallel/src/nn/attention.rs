@@ -1,7 +1,7 @@
 //! Multi-head attention over any parallel layout: q/k/v projections column-parallel (heads
 //! split over the tensor-parallel group; biases on q/k/v and on the output each optional),
 //! optional per-head RMSNorms of q and k, optional rotary embeddings at the tokens' global
-//! positions, an optional sliding window per layer, the pass's sequence-parallel attention over the ulysses × ring group (any
+//! positions, an optional sliding window and logit soft-cap per layer, the pass's sequence-parallel attention over the ulysses × ring group (any
 //! [`Strategy`](crate::attention::Strategy), any [`AttnMask`](crate::attention::AttnMask): causal,
 //! full, documents), GQA with any ratio, and a row-parallel output projection. The same module
 //! serves a causal LM, a DiT block (full mask, no RoPE) and a vision tower.
@@ -35,6 +35,9 @@ pub struct AttentionConfig {
     /// Sliding window of the layer: a query at `pq` sees keys at `pq - pk < window` (on top
     /// of the pass's mask); `None`: global attention.
     pub window: Option<usize>,
+    /// Attention-logit soft-cap `c` (the softmax takes `c · tanh(s / c)` of the scaled scores
+    /// `s`: Gemma 2); `None`: no cap.
+    pub softcap: Option<f32>,
     /// Rotary embeddings of q and k at the tokens' global positions (none: no RoPE).
     pub rope: Option<RotaryEmbedding>,
     /// Softmax scale (default `1/sqrt(head_dim)`).
@@ -58,6 +61,7 @@ impl AttentionConfig {
             o_bias: false,
             qk_norm: None,
             window: None,
+            softcap: None,
             rope: None,
             scale: 1.0 / (head_dim as f32).sqrt(),
             q: "q_proj".into(),
@@ -90,6 +94,12 @@ impl AttentionConfig {
     /// A sliding window of `window` tokens (`None`: global attention).
     pub fn with_window(mut self, window: Option<usize>) -> Self {
         self.window = window;
+        self
+    }
+
+    /// Attention logits soft-capped at `softcap` (`None`: no cap).
+    pub fn with_softcap(mut self, softcap: Option<f32>) -> Self {
+        self.softcap = softcap;
         self
     }
 
@@ -126,6 +136,7 @@ pub struct ParallelAttention {
     /// Per-head norms of q and k.
     qk_norm: Option<(RmsNorm, RmsNorm)>,
     window: Option<usize>,
+    softcap: Option<f32>,
     /// Heads of this tensor-parallel rank.
     q_heads: usize,
     kv_heads: usize,
@@ -177,6 +188,12 @@ impl ParallelAttention {
         if cfg.window == Some(0) {
             return Err(Error::invalid("attention", "a sliding window of 0 tokens"));
         }
+        if let Some(c) = cfg.softcap.filter(|c| !(c.is_finite() && *c > 0.0)) {
+            return Err(Error::invalid(
+                "attention",
+                format!("attn_logit_softcapping {c} must be a positive number"),
+            ));
+        }
         let qk_norm = match &cfg.qk_norm {
             Some(n) if n.hidden_size != d => {
                 return Err(Error::invalid(
@@ -203,6 +220,7 @@ impl ParallelAttention {
             rope: cfg.rope.clone(),
             qk_norm,
             window: cfg.window,
+            softcap: cfg.softcap,
             q_heads: hq / tp.size(),
             kv_heads: hkv / tp.size(),
             head_dim: d,
@@ -240,7 +258,9 @@ impl ParallelAttention {
     pub fn forward(&self, x: &Tensor, pass: &Pass) -> Result<Tensor> {
         let (q, k, v) = self.qkv(x, pass.positions)?;
         let (b, n) = (q.dim(0)?, q.dim(1)?);
-        let call = AttnCall::new(pass.mask.clone(), self.scale).with_window(self.window);
+        let call = AttnCall::new(pass.mask.clone(), self.scale)
+            .with_window(self.window)
+            .with_softcap(self.softcap);
         let o = pass.attention.attention(&q, &k, &v, &call)?;
         self.o_proj
             .forward(&o.reshape((b, n, self.q_heads * self.head_dim))?)
@@ -265,6 +285,10 @@ impl ParallelAttention {
         );
         let spec = match self.window {
             Some(w) => spec.with_window(w),
+            None => spec,
+        };
+        let spec = match self.softcap {
+            Some(c) => spec.with_softcap(c),
             None => spec,
         };
         let (o, _) = flash_ring::flash_fwd(&q, &k, &v, &spec)

@@ -112,7 +112,8 @@ impl Ends {
             LmHead::tied(&embed_tokens, ctx)
         } else {
             LmHead::new(&emb, vb.pp("lm_head"), ctx)?
-        };
+        }
+        .with_softcap(spec.final_softcap)?;
         Ok(Self {
             norm: RmsNorm::new(&spec.norm_config(spec.hidden_size), m.pp("norm"), ctx)?,
             embed_tokens,

@@ -64,6 +64,10 @@ pub struct DecoderSpec {
     pub embed_scale: Option<f64>,
     /// Softmax scale (`1/sqrt(head_dim)` unless the family says otherwise).
     pub attn_scale: f32,
+    /// Attention-logit soft-cap (Gemma 2's `attn_logit_softcapping`).
+    pub attn_softcap: Option<f32>,
+    /// Final-logit soft-cap (Gemma 2's `final_logit_softcapping`), in the loss and the logits.
+    pub final_softcap: Option<f32>,
     pub tie_word_embeddings: bool,
     /// One per decoder layer.
     pub layers: Vec<LayerSpec>,
@@ -88,6 +92,7 @@ impl DecoderSpec {
         .with_qk_norm(qk_norm)
         .with_window(layer.window)
         .with_scale(self.attn_scale)
+        .with_softcap(self.attn_softcap)
         .with_rope(layer.rope.clone()))
     }
 
@@ -249,6 +254,8 @@ impl DecoderSpec {
         add(self.norm == NormStyle::UnitOffset, "(1 + w) RMSNorm");
         add(self.sandwich_norms, "pre/post norms");
         add(self.embed_scale.is_some(), "scaled embeddings");
+        add(self.attn_softcap.is_some(), "attention logit soft-cap");
+        add(self.final_softcap.is_some(), "final logit soft-cap");
         let windows: Vec<usize> = self.layers.iter().filter_map(|l| l.window).collect();
         if let Some(w) = windows.first() {
             s.push_str(&format!(

@@ -270,6 +270,8 @@ impl LlamaConfig {
             sandwich_norms: false,
             embed_scale: None,
             attn_scale: 1.0 / (self.head_dim() as f32).sqrt(),
+            attn_softcap: None,
+            final_softcap: None,
             tie_word_embeddings: self.tie_word_embeddings,
             layers: vec![LayerSpec { window: None, rope }; self.num_hidden_layers],
         })

@@ -2,10 +2,12 @@
 //! onto the shared [`crate::decoder::DecoderSpec`], and its registry entry
 //! ([`crate::family::Family`]).
 
+pub mod gemma;
 pub mod mistral;
 pub mod qwen2;
 pub mod qwen3;
 
+pub use gemma::{GemmaConfig, GEMMA2};
 pub use mistral::{MistralConfig, MISTRAL};
 pub use qwen2::{Qwen2Config, QWEN2};
 pub use qwen3::{Qwen3Config, QWEN3};

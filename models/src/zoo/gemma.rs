@@ -1,0 +1,215 @@
+//! Gemma 2 (`Gemma2ForCausalLM`) and Gemma 3's text model (`Gemma3ForCausalLM`): LLaMA's
+//! decoder with `(1 + w)` RMSNorms in f32, four norms per layer (the attention's and the MLP's
+//! outputs normed before their residual add), GeGLU (`gelu_pytorch_tanh`), embeddings scaled by
+//! `sqrt(hidden_size)` (rounded to f32, then to the embeddings' dtype, as transformers does),
+//! the softmax scale `query_pre_attn_scalar ** -0.5`, and sliding-window layers alternating
+//! with global ones (`layer_types`; by default every other layer in Gemma 2, five of every six
+//! in Gemma 3, `sliding_window_pattern`).
+//!
+//! Gemma 2 soft-caps the attention logits (`attn_logit_softcapping`) and the final logits
+//! (`final_logit_softcapping`); Gemma 3 norms q and k per head instead.
+
+use std::path::Path;
+
+use candle_parallel::nn::Activation;
+use serde::Deserialize;
+
+use crate::decoder::spec::sliding_layers;
+use crate::decoder::{DecoderConfig, DecoderSpec, NormStyle, ToDecoderSpec};
+use crate::error::{Error, Result};
+use crate::family::{Family, Kind};
+use crate::llama::LlamaConfig;
+
+/// Which Gemma.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Generation {
+    Gemma2,
+    Gemma3,
+}
+
+/// `config.json` of `Gemma2ForCausalLM` and of Gemma 3's text model.
+#[derive(Debug, Clone, Deserialize)]
+pub struct GemmaConfig {
+    #[serde(flatten)]
+    pub base: LlamaConfig,
+    /// Gemma ties its head to the embedding unless the config says otherwise.
+    #[serde(default)]
+    pub tie_word_embeddings: Option<bool>,
+    #[serde(default)]
+    pub hidden_activation: Option<String>,
+    #[serde(default = "default_query_pre_attn_scalar")]
+    pub query_pre_attn_scalar: f64,
+    #[serde(default = "default_sliding_window")]
+    pub sliding_window: Option<usize>,
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    /// Gemma 3 configs on the Hub (before `layer_types`): one global layer every this many.
+    #[serde(default)]
+    pub sliding_window_pattern: Option<usize>,
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    pub attn_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    pub use_bidirectional_attention: Option<bool>,
+    #[serde(skip)]
+    pub generation: Option<Generation>,
+}
+
+fn default_query_pre_attn_scalar() -> f64 {
+    256.0
+}
+
+fn default_sliding_window() -> Option<usize> {
+    Some(4096)
+}
+
+impl GemmaConfig {
+    /// Reads and validates `path` as a config of `generation`.
+    pub fn from_file(path: &Path, generation: Generation) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::from_json(&text, path, generation)
+    }
+
+    /// Parses and validates a config; `path` names it in errors.
+    pub fn from_json(text: &str, path: &Path, generation: Generation) -> Result<Self> {
+        let mut cfg: Self = serde_json::from_str(text)
+            .map_err(|e| Error::config(path, format!("not a valid Gemma config.json: {e}")))?;
+        cfg.generation = Some(generation);
+        let (arch, model_type) = match generation {
+            Generation::Gemma2 => ("Gemma2ForCausalLM", "gemma2"),
+            Generation::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
+        };
+        cfg.base.check_names(path, arch, model_type)?;
+        cfg.base.check_activation(path, "gelu_pytorch_tanh")?;
+        if let Some(a) = cfg
+            .hidden_activation
+            .as_deref()
+            .filter(|a| *a != "gelu_pytorch_tanh")
+        {
+            return Err(Error::config(
+                path,
+                format!("unsupported hidden_activation `{a}` (supported: gelu_pytorch_tanh)"),
+            ));
+        }
+        if cfg.use_bidirectional_attention == Some(true) {
+            return Err(Error::config(
+                path,
+                "`use_bidirectional_attention: true` (an encoder variant) is not supported",
+            ));
+        }
+        if !(cfg.query_pre_attn_scalar.is_finite() && cfg.query_pre_attn_scalar > 0.0) {
+            return Err(Error::config(
+                path,
+                "`query_pre_attn_scalar` must be positive",
+            ));
+        }
+        for (name, cap) in [
+            ("attn_logit_softcapping", cfg.attn_logit_softcapping),
+            ("final_logit_softcapping", cfg.final_logit_softcapping),
+        ] {
+            if cap.is_some_and(|c| !(c.is_finite() && c > 0.0)) {
+                return Err(Error::config(path, format!("`{name}` must be positive")));
+            }
+        }
+        if cfg.sliding_window == Some(0) || cfg.sliding_window_pattern == Some(0) {
+            return Err(Error::config(
+                path,
+                "`sliding_window` and `sliding_window_pattern` must be positive",
+            ));
+        }
+        cfg.base.validate_common(path)?;
+        cfg.spec(path)?;
+        Ok(cfg)
+    }
+
+    fn generation(&self) -> Generation {
+        self.generation.unwrap_or(Generation::Gemma2)
+    }
+
+    fn spec(&self, path: &Path) -> Result<DecoderSpec> {
+        let generation = self.generation();
+        let mut spec = self.base.base_spec(
+            match generation {
+                Generation::Gemma2 => "gemma2",
+                Generation::Gemma3 => "gemma3",
+            },
+            path,
+        )?;
+        spec.norm = NormStyle::UnitOffset;
+        spec.activation = Activation::GeGluTanh;
+        spec.sandwich_norms = true;
+        spec.tie_word_embeddings = self.tie_word_embeddings.unwrap_or(true);
+        // transformers keeps sqrt(hidden) in an f32 buffer and casts it to the weights' dtype.
+        spec.embed_scale = Some((self.base.hidden_size as f64).sqrt() as f32 as f64);
+        spec.attn_scale = self.query_pre_attn_scalar.powf(-0.5) as f32;
+        let every = match generation {
+            Generation::Gemma2 => 2,
+            Generation::Gemma3 => self.sliding_window_pattern.unwrap_or(6),
+        };
+        let sliding = sliding_layers(
+            self.layer_types.as_deref(),
+            |i| !(i + 1).is_multiple_of(every),
+            spec.num_layers(),
+            path,
+        )?;
+        for (layer, s) in spec.layers.iter_mut().zip(sliding) {
+            layer.window = self.sliding_window.filter(|_| s);
+        }
+        match generation {
+            Generation::Gemma2 => {
+                spec.attn_softcap = self.attn_logit_softcapping.map(|c| c as f32);
+                spec.final_softcap = self.final_logit_softcapping.map(|c| c as f32);
+            }
+            Generation::Gemma3 => {
+                spec.qk_norm = true;
+                if self.attn_logit_softcapping.is_some() || self.final_logit_softcapping.is_some() {
+                    return Err(Error::config(
+                        path,
+                        "Gemma 3 with `attn_logit_softcapping` or `final_logit_softcapping` set \
+                         is not supported (transformers' Gemma 3 ignores the attention cap)",
+                    ));
+                }
+            }
+        }
+        Ok(spec)
+    }
+}
+
+impl ToDecoderSpec for GemmaConfig {
+    fn decoder_spec(&self) -> Result<DecoderSpec> {
+        self.spec(Path::new("config.json"))
+    }
+}
+
+/// Gemma 2's config (the [`DecoderConfig`] of [`GEMMA2`]).
+#[derive(Debug, Clone)]
+pub struct Gemma2Config(pub GemmaConfig);
+
+impl ToDecoderSpec for Gemma2Config {
+    fn decoder_spec(&self) -> Result<DecoderSpec> {
+        self.0.decoder_spec()
+    }
+}
+
+impl DecoderConfig for Gemma2Config {
+    fn from_file(path: &Path) -> Result<Self> {
+        GemmaConfig::from_file(path, Generation::Gemma2).map(Self)
+    }
+
+    fn base(&self) -> &LlamaConfig {
+        &self.0.base
+    }
+}
+
+/// `Gemma2ForCausalLM` (Gemma 2 2B, 9B, 27B).
+pub static GEMMA2: Family = Family {
+    name: "gemma2",
+    kind: Kind::CausalLm,
+    architectures: &["Gemma2ForCausalLM"],
+    model_types: &["gemma2"],
+    weights_name: "model",
+    extra_files: crate::family::TEXT_FILES,
+    describe: crate::decoder::describe::<Gemma2Config>,
+    load_causal_lm: Some(crate::decoder::load_family::<Gemma2Config>),
+};
