@@ -34,6 +34,7 @@ mod merge;
 mod op;
 pub mod reference;
 mod spec;
+pub mod work;
 
 use std::sync::{Arc, Mutex};
 

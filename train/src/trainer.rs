@@ -270,6 +270,11 @@ pub struct StepStats {
     /// outside the model's forward and backward (summed over the pipeline ranks).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pp_bubble: Option<f64>,
+    /// Attention work of the step: the query-key scores flash-ring's CPU kernels computed on
+    /// the busiest rank of the ulysses × ring × dp group (forward, backward and recomputation;
+    /// masked and out-of-window tiles are skipped, so a window or a document mask lowers it).
+    #[serde(default)]
+    pub attention_scores: u64,
 }
 
 /// Where a trainable parameter's value lives under the memory plan: the ZeRO stage as a
@@ -763,6 +768,12 @@ impl<M: TrainModel> Trainer<M> {
             .loss_group
             .all_reduce(&Tensor::new(&[loss_sum], &Device::Cpu)?, ReduceOp::Sum)?
             .to_vec1::<f64>()?[0];
+        // Counted on this rank's thread since the last step (flash-ring counts per caller).
+        let scores = candle_parallel::attention::take_attention_scores() as f64;
+        let scores = self
+            .loss_group
+            .all_reduce(&Tensor::new(&[scores], &Device::Cpu)?, ReduceOp::Max)?
+            .to_vec1::<f64>()?[0];
         self.step += 1;
         Ok(StepStats {
             step,
@@ -771,6 +782,7 @@ impl<M: TrainModel> Trainer<M> {
             grad_norm,
             tokens: global_count,
             pp_bubble,
+            attention_scores: scores as u64,
         })
     }
 
@@ -802,6 +814,8 @@ impl<M: TrainModel> Trainer<M> {
     /// world.
     pub fn run_step<O: Objective<M>>(&mut self, obj: &O, data: &O::Data) -> Result<StepReport> {
         let step = self.step;
+        // The step's attention work is counted from here (evaluations in between excluded).
+        candle_parallel::attention::take_attention_scores();
         let count = obj.global_count(&self.step_ctx(), data, step)?;
         if count == 0 {
             return Err(Error::Invalid(format!(

@@ -86,6 +86,12 @@ use crate::comm::Comm;
 use crate::error::{Error, Result};
 use crate::mesh::{DeviceMesh, Dim};
 
+/// The query-key scores flash-ring's kernels computed for this thread's (this rank's)
+/// attention calls since the last call, forward and backward (see [`flash_ring::work`]).
+pub fn take_attention_scores() -> u64 {
+    flash_ring::work::take_scores()
+}
+
 /// One attention call: the mask over the GLOBAL sequence, the softmax scale, an optional
 /// sliding window (a query at `pq` sees keys at `pq - pk < window` on top of the mask: the
 /// convention of transformers' `sliding_window`) and an optional logit soft-cap (the softmax

@@ -15,6 +15,7 @@
 
 use rayon::prelude::*;
 use std::f32::consts::LN_2;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use super::forward::logit_units;
@@ -207,7 +208,9 @@ pub(crate) fn backward(
         })
         .collect();
 
+    let work = AtomicU64::new(0);
     (0..b * hq * chunks).into_par_iter().try_for_each(|task| {
+        let mut scores = 0u64;
         let ch = task % chunks;
         let head = task / chunks;
         let (bi, h) = (head / hq, head % hq);
@@ -275,6 +278,7 @@ pub(crate) fn backward(
                     }
                     let c0 = lo / CHUNK * CHUNK;
                     let cn = c1 - c0;
+                    scores += (rn * cn) as u64;
                     let qrows = &qs.q[(q0 + r0) * dp..];
                     let dorows = &qs.dout[(q0 + r0) * dp..];
                     let sb = &mut s[r0 * bk + c0..];
@@ -383,8 +387,10 @@ pub(crate) fn backward(
                 .map_err(|_| Error::Config("poisoned dq lock".into()))?
                 .add(ch, local);
         }
+        work.fetch_add(scores, Ordering::Relaxed);
         Ok::<(), Error>(())
     })?;
+    crate::work::add(work.into_inner());
 
     // Scatter the per-head buffers into the (b, s, h, d) outputs.
     let dq_heads: Vec<PoolBuf> = dq_acc

@@ -7,6 +7,7 @@
 
 use rayon::prelude::*;
 use std::f32::consts::{LN_2, LOG2_E};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::pool::PoolBuf;
 use super::simd::{self, Isa, MatMul, CHUNK};
@@ -96,6 +97,7 @@ pub(crate) fn forward(
     let (qmul, cap) = logit_units(spec);
     let out_w = SharedOut::new(&mut out);
     let lse_w = SharedOut::new(&mut lse);
+    let work = AtomicU64::new(0);
     (0..b * hq * nqt).into_par_iter().for_each_init(
         || Scratch::new(bq, bk, dp),
         |sc, task| {
@@ -122,6 +124,7 @@ pub(crate) fn forward(
                 qt,
                 qn,
                 bk,
+                work: &work,
             };
             t.run(kv, sc);
             // Finalise: out = o / l, lse = m + log(l) (natural log).
@@ -143,6 +146,7 @@ pub(crate) fn forward(
             }
         },
     );
+    crate::work::add(work.into_inner());
     Ok(FwdOut { out, lse, dims })
 }
 
@@ -195,6 +199,8 @@ struct TileTask<'a> {
     qt: usize,
     qn: usize,
     bk: usize,
+    /// Scores computed, summed over the tasks (see [`crate::work`]).
+    work: &'a AtomicU64,
 }
 
 impl TileTask<'_> {
@@ -207,6 +213,7 @@ impl TileTask<'_> {
         sc.m[..qn].fill(f32::NEG_INFINITY);
         sc.l[..qn].fill(0.0);
         let nkt = self.dims.sk.div_ceil(bk);
+        let mut scores = 0u64;
         for kt in 0..nkt {
             let class = self
                 .rule
@@ -235,9 +242,11 @@ impl TileTask<'_> {
                     continue; // no row of the strip sees this tile
                 }
                 let c0 = lo / CHUNK * CHUNK;
+                scores += (rn * (hi - c0)) as u64;
                 self.strip(kv, sc, class, kt, k0, kn, r0, rn, c0, hi);
             }
         }
+        self.work.fetch_add(scores, Ordering::Relaxed);
     }
 
     /// One strip of rows `r0..r0 + rn` of the q tile against columns `c0..c1` of key tile `kt`

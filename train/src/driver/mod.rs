@@ -182,6 +182,7 @@ pub fn run<T: Task>(
             let mut line = serde_json::json!({
                 "step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
                 "seconds": dt, "peak_rss_mib": peak_rss_mib(),
+                "attention_scores": s.attention_scores,
             });
             if let Some(o) = line.as_object_mut() {
                 for (k, v) in &out.rates {
