@@ -16,6 +16,8 @@
 //! - [`causal_lm`]: what every causal LM family provides ([`CausalLm`]) and its pipeline stage;
 //! - [`llama`]: the `LlamaForCausalLM` model;
 //! - [`peft`]: LoRA adapters in PEFT's format (load, save, merge);
+//! - [`rope`]: the rotary-embedding keys of every family's `config.json` (every RoPE type of
+//!   transformers, v4 and v5 forms, per layer type);
 //! - [`dit`]: diffusers' `DiTTransformer2DModel` (class-conditional diffusion transformer).
 
 pub mod causal_lm;
@@ -28,6 +30,7 @@ pub mod hub;
 pub mod llama;
 pub mod llava;
 pub mod peft;
+pub mod rope;
 pub mod tokenizer;
 pub mod vision;
 

@@ -18,7 +18,6 @@ use candle_parallel::nn::{
     Mlp, MlpConfig, NormConfig, ParallelAttention, ParallelCtx, ParamBuilder, Pass, RmsNorm, Track,
     Unit, UnitOps, VocabParallelEmbedding,
 };
-use candle_parallel::ops::RotaryEmbedding;
 use candle_parallel::plan::Parallelize;
 
 use super::config::LlamaConfig;
@@ -28,8 +27,9 @@ use crate::error::{Error, Result};
 impl LlamaConfig {
     /// The attention of a decoder layer (RoPE of this config).
     pub fn attention_config(&self) -> Result<AttentionConfig> {
-        let (theta, scaling) = self.rope(std::path::Path::new("config.json"))?;
-        let rope = RotaryEmbedding::new(self.head_dim(), theta, &scaling)?;
+        let rope = self
+            .rope_spec(std::path::Path::new("config.json"))?
+            .embedding()?;
         Ok(AttentionConfig::new(
             self.hidden_size,
             self.num_attention_heads,
