@@ -237,3 +237,281 @@ fn every_fixture_matches_transformers() {
         }
     }
 }
+
+/// A LLaMA config.json with the given RoPE keys (head_dim 16, max_position_embeddings 128).
+fn llama_json(rope_keys: &str) -> String {
+    let sep = if rope_keys.is_empty() { "" } else { "," };
+    format!(
+        r#"{{"hidden_size": 32, "intermediate_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "head_dim": 16, "vocab_size": 16,
+            "max_position_embeddings": 128{sep} {rope_keys}}}"#
+    )
+}
+
+fn llama_spec(rope_keys: &str) -> models::Result<RopeSpec> {
+    let path = Path::new("config.json");
+    LlamaConfig::from_json(&llama_json(rope_keys), path)?.rope_spec(path)
+}
+
+/// Each config form of the same parameters parses to the same spec: v4 `rope_theta` +
+/// `rope_scaling` with `type` or `rope_type`, v5 `rope_parameters` (theta inside, or the
+/// top-level one as fallback), for every type.
+#[test]
+fn every_config_form_gives_the_same_spec() {
+    let params = [
+        r#""factor": 4.0"#,
+        r#""factor": 2.0"#,
+        r#""factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 16, "mscale": 0.7, "mscale_all_dim": 1.0, "truncate": false"#,
+        r#""short_factor": [1,1,1,1,2,2,2,2], "long_factor": [1,2,3,4,5,6,7,8], "original_max_position_embeddings": 32"#,
+        r#""factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32"#,
+    ];
+    for (kind, p) in ["linear", "dynamic", "yarn", "longrope", "llama3"]
+        .iter()
+        .zip(params)
+    {
+        let forms = [
+            format!(r#""rope_theta": 50000.0, "rope_scaling": {{"type": "{kind}", {p}}}"#),
+            format!(r#""rope_theta": 50000.0, "rope_scaling": {{"rope_type": "{kind}", {p}}}"#),
+            format!(r#""rope_parameters": {{"rope_type": "{kind}", "rope_theta": 50000, {p}}}"#),
+            format!(r#""rope_theta": 50000.0, "rope_parameters": {{"rope_type": "{kind}", {p}}}"#),
+            // transformers: a non-empty rope_scaling wins over rope_parameters.
+            format!(
+                r#""rope_theta": 50000.0, "rope_scaling": {{"type": "{kind}", {p}}},
+                   "rope_parameters": {{"rope_type": "default", "rope_theta": 7.0}}"#
+            ),
+        ];
+        let specs: Vec<RopeSpec> = forms
+            .iter()
+            .map(|f| llama_spec(f).unwrap_or_else(|e| panic!("{kind}: {f}: {e}")))
+            .collect();
+        assert_eq!(specs[0].scaling.name(), *kind);
+        assert_eq!(specs[0].theta, 50000.0);
+        for (f, s) in forms.iter().zip(&specs) {
+            assert_eq!(s, &specs[0], "{kind}: {f}");
+        }
+        // The embedding of every form rotates identically (same frequencies at every length).
+        let a = specs[0].embedding().unwrap();
+        let b = specs[2].embedding().unwrap();
+        for len in [8, 32, 33, 128, 300] {
+            assert_eq!(a.inv_freq_at(len), b.inv_freq_at(len), "{kind} at {len}");
+        }
+    }
+    // No keys, an empty rope_scaling, and explicit defaults: base 10000, default type.
+    for form in [
+        "",
+        r#""rope_scaling": {}"#,
+        r#""rope_scaling": null, "rope_theta": 10000"#,
+        r#""rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}"#,
+    ] {
+        let s = llama_spec(form).unwrap();
+        assert_eq!(
+            (s.theta, &s.scaling, s.dim),
+            (10000.0, &RopeScaling::Default, 16),
+            "{form}"
+        );
+    }
+}
+
+/// Defaults as transformers applies them: `original_max_position_embeddings` from
+/// `max_position_embeddings` (overridden by a top-level key), yarn's attention factor from
+/// `factor`/`mscale`, betas 32/1 (also for 0), longrope's from `max_position_embeddings /
+/// original`.
+#[test]
+fn defaults_follow_transformers() {
+    let s = llama_spec(r#""rope_scaling": {"type": "yarn", "factor": 4.0}"#).unwrap();
+    let RopeScaling::Yarn {
+        original_max_position_embeddings,
+        beta_fast,
+        beta_slow,
+        truncate,
+        attention_factor,
+        ..
+    } = s.scaling
+    else {
+        panic!("{s:?}")
+    };
+    assert_eq!(original_max_position_embeddings, 128);
+    assert_eq!((beta_fast, beta_slow, truncate), (32.0, 1.0, true));
+    assert_eq!(attention_factor, 0.1 * 4f64.ln() + 1.0);
+    let s = llama_spec(
+        r#""original_max_position_embeddings": 64,
+           "rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32,
+                            "beta_fast": 0, "beta_slow": null}"#,
+    )
+    .unwrap();
+    let RopeScaling::Yarn {
+        original_max_position_embeddings,
+        beta_fast,
+        beta_slow,
+        ..
+    } = s.scaling
+    else {
+        panic!("{s:?}")
+    };
+    assert_eq!(original_max_position_embeddings, 64, "top-level key wins");
+    assert_eq!((beta_fast, beta_slow), (32.0, 1.0));
+    let s = llama_spec(
+        r#""rope_scaling": {"type": "longrope", "original_max_position_embeddings": 32,
+                            "short_factor": [1,1,1,1,1,1,1,1], "long_factor": [2,2,2,2,2,2,2,2]}"#,
+    )
+    .unwrap();
+    let want = (1.0 + 4f64.ln() / 32f64.ln()).sqrt();
+    assert_eq!(s.scaling.attention_factor(), want);
+}
+
+/// Bad inputs are errors naming the field (and, for an unknown type, the supported ones).
+#[test]
+fn bad_rope_keys_name_the_field() {
+    let cases: [(&str, &[&str]); 14] = [
+        (
+            r#""rope_scaling": {"type": "su", "factor": 2}"#,
+            &[
+                "rope_scaling.type",
+                "`su`",
+                "default, linear, dynamic, yarn, longrope, llama3",
+            ],
+        ),
+        (
+            r#""rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}"#,
+            &["rope_parameters.rope_type", "`proportional`", "longrope"],
+        ),
+        (
+            r#""rope_scaling": {"type": "linear"}"#,
+            &["rope_scaling.factor", "linear"],
+        ),
+        (
+            r#""rope_parameters": {"rope_type": "dynamic"}"#,
+            &["rope_parameters.factor", "dynamic"],
+        ),
+        (
+            r#""rope_scaling": {"type": "yarn", "original_max_position_embeddings": 32}"#,
+            &["rope_scaling.factor", "yarn"],
+        ),
+        (
+            r#""rope_scaling": {"type": "linear", "factor": -2.0}"#,
+            &["rope_scaling.factor", "-2"],
+        ),
+        (
+            r#""rope_scaling": {"type": "dynamic", "factor": 0}"#,
+            &["rope_scaling.factor", "positive"],
+        ),
+        (
+            r#""rope_scaling": {"type": "linear", "factor": "4"}"#,
+            &["rope_scaling.factor", "number"],
+        ),
+        (
+            r#""rope_scaling": {"type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 1}"#,
+            &[
+                "rope_scaling.high_freq_factor",
+                "rope_scaling.low_freq_factor",
+            ],
+        ),
+        (
+            r#""rope_scaling": {"type": "llama3", "factor": 8, "high_freq_factor": 4}"#,
+            &["rope_scaling.low_freq_factor"],
+        ),
+        (
+            r#""rope_scaling": {"type": "longrope", "short_factor": [1,1,1], "long_factor": [1,1,1,1,1,1,1,1]}"#,
+            &["rope_scaling.short_factor", "3 values", "8 frequencies"],
+        ),
+        (
+            r#""rope_scaling": {"type": "longrope", "short_factor": [1,1,1,1,1,1,1,1]}"#,
+            &["rope_scaling.long_factor", "8 numbers"],
+        ),
+        (
+            r#""rope_parameters": {"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 0}"#,
+            &["rope_parameters.original_max_position_embeddings"],
+        ),
+        (
+            r#""rope_parameters": {"rope_type": "default", "rope_theta": -1}"#,
+            &["rope_parameters.rope_theta"],
+        ),
+    ];
+    for (keys, needles) in cases {
+        let e = llama_spec(keys).expect_err(keys).to_string();
+        for n in needles {
+            assert!(e.contains(n), "{keys}: error `{e}` does not mention `{n}`");
+        }
+    }
+    // Per-layer-type parameters in a model without layer types; partial rotation in LLaMA.
+    let e = llama_spec(r#""rope_parameters": {"full_attention": {"rope_type": "default"}}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("per layer type") && e.contains("full_attention"),
+        "{e}"
+    );
+    let e = llama_spec(r#""partial_rotary_factor": 0.5"#)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("partial_rotary_factor"), "{e}");
+    let mut f = RopeFields::new(16, 128);
+    f.partial_rotary_factor = Some(1.5);
+    let e = f.resolve(Path::new("c.json")).unwrap_err().to_string();
+    assert!(
+        e.contains("partial_rotary_factor") && e.contains("1.5"),
+        "{e}"
+    );
+}
+
+/// Gemma 3's per-layer-type forms: v5 nested `rope_parameters`, v4 `rope_theta` +
+/// `rope_local_base_freq` + `rope_scaling` on global layers, and the defaults (1e6 global, 1e4
+/// local) give the same specs; partial rotation (Phi-3) halves the rotated dims.
+#[test]
+fn per_layer_type_forms_agree() {
+    let v5: Value = serde_json::from_str(
+        r#"{"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}"#,
+    )
+    .unwrap();
+    let v4_scaling: Value =
+        serde_json::from_str(r#"{"rope_type": "linear", "factor": 8.0}"#).unwrap();
+    let path = Path::new("config.json");
+    for layer in ["sliding_attention", "full_attention"] {
+        let nested = RopeFields {
+            rope_parameters: Some(&v5),
+            ..RopeFields::new(16, 128)
+        }
+        .gemma3_layer(layer, None)
+        .resolve(path)
+        .unwrap();
+        let v4 = RopeFields {
+            rope_theta: Some(1e6),
+            rope_scaling: Some(&v4_scaling),
+            ..RopeFields::new(16, 128)
+        }
+        .gemma3_layer(layer, Some(1e4))
+        .resolve(path)
+        .unwrap();
+        let defaults = RopeFields {
+            rope_scaling: Some(&v4_scaling),
+            ..RopeFields::new(16, 128)
+        }
+        .gemma3_layer(layer, None)
+        .resolve(path)
+        .unwrap();
+        assert_eq!(nested, v4, "{layer}");
+        assert_eq!(nested, defaults, "{layer}");
+        let linear = layer == "full_attention";
+        assert_eq!(matches!(nested.scaling, RopeScaling::Linear { .. }), linear);
+    }
+    // A missing layer-type entry is the default type with the layer type's default base.
+    let only_full: Value =
+        serde_json::from_str(r#"{"full_attention": {"rope_type": "linear", "factor": 2}}"#)
+            .unwrap();
+    let s = RopeFields {
+        rope_parameters: Some(&only_full),
+        ..RopeFields::new(16, 128)
+    }
+    .gemma3_layer("sliding_attention", None)
+    .resolve(path)
+    .unwrap();
+    assert_eq!((s.theta, &s.scaling), (10_000.0, &RopeScaling::Default));
+    let s = RopeFields {
+        partial_rotary_factor: Some(0.75),
+        ..RopeFields::new(16, 128)
+    }
+    .resolve(path)
+    .unwrap();
+    assert_eq!((s.dim, s.embedding().unwrap().rotated_dims()), (12, 12));
+}
