@@ -1,9 +1,11 @@
-//! Sequence-length-dependent RoPE (dynamic NTK, longrope) under sequence parallelism: a rank
-//! holds only a shard of the positions, yet must rotate with the frequencies of the whole
-//! sequence (transformers' `max(position_ids) + 1` over the batch). Checked at two levels:
+//! Sequence-length-dependent RoPE (dynamic NTK, longrope, partial rotation) under sequence
+//! parallelism: a rank holds only a shard of the positions, yet must rotate with the frequencies
+//! of the whole sequence (transformers' `max(position_ids) + 1` over the batch). Checked at two
+//! levels:
 //! - the op: every shard of a zigzag or contiguous split rotated with
 //!   [`RotaryEmbedding::apply_seq`] and the global length is bit-identical to the rows of the
-//!   whole sequence rotated on one rank (and the shard's own `max + 1` would not be);
+//!   whole sequence rotated on one rank (and the shard's own `max + 1` would not be), and the
+//!   composite path equals the kernel;
 //! - the module: [`ParallelAttention`] with such a rope on ring (zigzag) and ulysses layouts of 2
 //!   and 4 local ranks equals the single-rank output (1e-5 relative: the attention's blockwise
 //!   softmax merges in another order; the rotation itself is exact).
@@ -101,6 +103,13 @@ fn sharded_positions_rotate_as_the_whole_sequence() {
     let all: Vec<u32> = (0..SEQ as u32).collect();
     for (name, rope) in ropes() {
         let whole = rope.apply(&x, &all).unwrap();
+        // The composite (what runs off the CPU) rotates identically, partial rotation included.
+        let composite = rope.apply_composite(&x, &all).unwrap();
+        assert_eq!(
+            common::max_abs(&(&composite - &whole).unwrap()),
+            0.0,
+            "{name}: composite"
+        );
         let mut differs = false;
         for p in [2, 4] {
             for (split, shards) in splits(SEQ, p).into_iter().enumerate() {
