@@ -136,6 +136,36 @@ FIXTURES = {
         "config.json exactly as transformers 5 writes it (rope_parameters {rope_theta 50000, rope_type "
         "default}, dtype, head_dim) with head_dim 16 != hidden/heads (8): q/k/v_proj are 64x32, o_proj 32x64",
     ),
+    "yarn_rope": (
+        108,
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 16}),
+        {},
+        "YaRN (factor 4, original_max_position_embeddings 16: the 32-token inputs run past the original "
+        "context; default beta_fast 32 / beta_slow 1, truncated ramp; attention factor 0.1 ln 4 + 1 "
+        "multiplying cos and sin), GQA 4 / 2, head_dim 16",
+    ),
+    "longrope_rope": (
+        109,
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                              "original_max_position_embeddings": 16,
+                              "short_factor": [1.0, 1.0, 1.05, 1.1, 1.3, 1.7, 2.2, 2.9],
+                              "long_factor": [1.0, 1.2, 1.9, 3.5, 6.0, 11.5, 17.25, 24.0]}),
+        {},
+        "LongRoPE (original_max_position_embeddings 16: the 32-token inputs use the long factors; "
+        "attention factor sqrt(1 + ln(256/16) / ln 16) from max_position_embeddings / original), GQA 4 / 2, "
+        "head_dim 16",
+    ),
+    "dynamic_rope": (
+        110,
+        dict(num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16,
+             rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+        {},
+        "dynamic NTK RoPE (factor 2) with max_position_embeddings 16: the 32-token inputs scale the base "
+        "by (2 * 32 / 16 - 1) ** (8 / 6); MHA 4 heads, head_dim 8",
+    ),
     "sharded": (
         101,  # same weights as `mha`
         dict(num_attention_heads=4, num_key_value_heads=4,
@@ -279,7 +309,7 @@ def build_tokenizer(out_dir: Path) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 def make_model(seed: int, overrides: dict) -> LlamaForCausalLM:
-    config = LlamaConfig(**BASE, **overrides)
+    config = LlamaConfig(**{**BASE, **overrides})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     # RMSNorm weights start at 1.0; randomise them so a loader that ignores them is caught.
@@ -328,14 +358,41 @@ def load(fixture_dir: Path, dtype, config=None) -> LlamaForCausalLM:
 # Float64 forward/backward
 # ----------------------------------------------------------------------------------------------
 
-def inv_freq_f64(config) -> torch.Tensor:
-    """RoPE inverse frequencies in float64 (same formulas as transformers.modeling_rope_utils)."""
+def inv_freq_f64(config, seq_len=None) -> torch.Tensor:
+    """RoPE inverse frequencies in float64 (same formulas as transformers.modeling_rope_utils) for a
+    forward over ``seq_len`` tokens (``max(position_ids) + 1``; None: at initialisation)."""
     rp = config.rope_parameters
     dim = config.head_dim
-    inv = 1.0 / (rp["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    arange = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+    inv = 1.0 / (rp["rope_theta"] ** arange)
     kind = rp["rope_type"]
     if kind == "default":
         return inv
+    if kind == "dynamic":
+        mpe, factor = config.max_position_embeddings, rp["factor"]
+        s = max(seq_len or mpe, mpe)
+        base = rp["rope_theta"] * ((factor * s / mpe) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base ** arange)
+    if kind == "yarn":
+        base, factor, omp = rp["rope_theta"], rp["factor"], rp["original_max_position_embeddings"]
+        beta_fast, beta_slow = rp.get("beta_fast") or 32, rp.get("beta_slow") or 1
+
+        def correction_dim(rotations):
+            return (dim * math.log(omp / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if rp.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        return (inv / factor) * (1 - extrapolation) + inv * extrapolation
+    if kind == "longrope":
+        long = seq_len is not None and seq_len > rp["original_max_position_embeddings"]
+        ext = torch.tensor(rp["long_factor" if long else "short_factor"], dtype=torch.float64)
+        return inv / ext
     if kind == "linear":
         return inv / rp["factor"]
     if kind == "llama3":
@@ -366,7 +423,9 @@ def pure_f64(model):
 
     def rot_forward(self, x, position_ids):
         hits["rope"] += 1
-        freqs = position_ids[..., None].to(torch.float64) * self.inv_freq_f64
+        # transformers' `dynamic_rope_update`: the length of this forward, `max(position_ids) + 1`.
+        inv_freq = inv_freq_f64(self.config, int(position_ids.max()) + 1)
+        freqs = position_ids[..., None].to(torch.float64) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
@@ -376,15 +435,11 @@ def pure_f64(model):
             dtype = torch.float64
         return orig_softmax(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
 
-    rotary = model.model.rotary_emb
-    assert rotary.attention_scaling == 1.0
-    rotary.inv_freq_f64 = inv_freq_f64(model.config)
     rms_cls.forward, rot_cls.forward, torch.nn.functional.softmax = rms_forward, rot_forward, softmax
     try:
         yield hits
     finally:
         rms_cls.forward, rot_cls.forward, torch.nn.functional.softmax = orig_rms, orig_rot, orig_softmax
-        del rotary.inv_freq_f64
 
 
 def causal_lm_loss(logits, labels):
@@ -525,6 +580,10 @@ def dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
+# Checks of checkpoints written by `cpl` (run by hand; results recorded here, not recomputed).
+TRAINED_CHECKPOINT_CHECKS = "A checkpoint that `cpl train` wrote after training is checked against cpl's own logits:\n\n```sh\ncpl train --model tests/fixtures/llama/mha --tokens tests/fixtures/llama/tokens.json --seq-len 8 \\\n    --steps 5 --warmup 1 --lr 1e-2 --min-lr 1e-3 --grad-accum 1 --ranks 4 --tp 2 --ring 2 \\\n    --zero 3 --checkpointing selective --out /tmp/tck\ncpl eval --model /tmp/tck/step-5 --tokens tests/fixtures/llama/tokens.json --logits-out /tmp/tck/logits.safetensors\n.venv/bin/python scripts/check_trained_checkpoint.py /tmp/tck/step-5 tests/fixtures/llama/tokens.json /tmp/tck/logits.safetensors\n```\n\nResults (2026-11-23, transformers 5.23.0, torch 2.15.0, CPU):\n\n| checkpoint | written by | check | result |\n|---|---|---|---|\n| `mha` saved under tp2 as 4 sharded files + index, f32 | `tests/llama_reference.rs` (`target/tmp/saved-mha-tp2`) | `check_hf_roundtrip.py`, rtol 1e-4 | OK 9.8e-7 |\n| the same saved in bf16 | `target/tmp/saved-mha-tp2-bf16` | `check_hf_roundtrip.py`, rtol 2e-2 (bf16 weights) | OK 1.8e-2 |\n| `mha` after 5 steps of `cpl train` at tp2 x ring2, ZeRO-3, selective checkpointing | the commands above | `check_trained_checkpoint.py`, rtol 1e-4 | OK 8.2e-7 |\n\nThese need the 5.6 GB PyTorch stack, so CI does not run them; the Rust tests check the same\ndirectories reload in `cpl` with the same logits (`tests/llama_reference.rs`)."
+
+
 def write_readme(results, tok_info):
     lines = []
     w = lines.append
@@ -639,6 +698,8 @@ def write_readme(results, tok_info):
     w("")
     w("loads OUT_DIR with `LlamaForCausalLM.from_pretrained`, runs the reference `input_ids`, and requires "
       "max |logits - ref| / max |ref| <= 1e-4; it prints `OK <err>` or exits non-zero.")
+    w("")
+    w(TRAINED_CHECKPOINT_CHECKS)
     w("")
     w("## Sizes (bytes)")
     w("")

@@ -1,5 +1,6 @@
 //! LLaMA against transformers: for each fixture of `scripts/make_llama_fixtures.py` (tiny random
-//! checkpoints with MHA, GQA 4:1, tied embeddings, Llama 3 rope scaling, v4- and v5-style config
+//! checkpoints with MHA, GQA 4:1, tied embeddings, Llama 3, YaRN, LongRoPE and dynamic-NTK rope
+//! scaling (the last three on inputs longer than the original context), v4- and v5-style config
 //! keys, a sharded checkpoint), our single-rank logits, loss and the gradient of every parameter
 //! equal transformers' (computed in f64, stored in f32).
 //!
@@ -8,11 +9,14 @@
 
 use cpl_integration_tests::{check_reference, reference, rel_err, run_layout, Layout};
 
-const FIXTURES: [&str; 7] = [
+const FIXTURES: [&str; 10] = [
     "mha",
     "gqa",
     "tied",
     "llama3_rope",
+    "yarn_rope",
+    "longrope_rope",
+    "dynamic_rope",
     "v4_keys",
     "v5_keys",
     "sharded",
@@ -40,6 +44,21 @@ fn tied_embeddings_match_transformers() {
 #[test]
 fn llama3_rope_scaling_matches_transformers() {
     check("llama3_rope");
+}
+
+#[test]
+fn yarn_rope_scaling_matches_transformers() {
+    check("yarn_rope");
+}
+
+#[test]
+fn longrope_scaling_matches_transformers() {
+    check("longrope_rope");
+}
+
+#[test]
+fn dynamic_ntk_rope_scaling_matches_transformers() {
+    check("dynamic_rope");
 }
 
 #[test]

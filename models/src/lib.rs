@@ -17,6 +17,8 @@
 //! - [`decoder`]: the decoder-only transformer every LLaMA-like family shares ([`decoder::DecoderSpec`]);
 //! - [`llama`]: the `LlamaForCausalLM` family; [`zoo`]: Qwen2/2.5, Qwen3, Mistral;
 //! - [`peft`]: LoRA adapters in PEFT's format (load, save, merge);
+//! - [`rope`]: the rotary-embedding keys of every family's `config.json` (every RoPE type of
+//!   transformers, v4 and v5 forms, per layer type);
 //! - [`dit`]: diffusers' `DiTTransformer2DModel` (class-conditional diffusion transformer).
 
 pub mod causal_lm;
@@ -30,6 +32,7 @@ pub mod hub;
 pub mod llama;
 pub mod llava;
 pub mod peft;
+pub mod rope;
 pub mod tokenizer;
 pub mod vision;
 pub mod zoo;

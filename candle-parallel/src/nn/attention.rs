@@ -229,9 +229,15 @@ impl ParallelAttention {
         })
     }
 
-    /// q, k, v `(b, n, heads, head_dim)` of this rank's heads, rotated at `positions`, from `x`
-    /// `(b, n', hidden)` (under TP-sp `n'` is this rank's part of the `n` tokens).
-    fn qkv(&self, x: &Tensor, positions: &[u32]) -> Result<(Tensor, Tensor, Tensor)> {
+    /// q, k, v `(b, n, heads, head_dim)` of this rank's heads, rotated at `positions` with the
+    /// frequencies of a sequence of `seq_len` tokens, from `x` `(b, n', hidden)` (under TP-sp
+    /// `n'` is this rank's part of the `n` tokens).
+    fn qkv(
+        &self,
+        x: &Tensor,
+        positions: &[u32],
+        seq_len: usize,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let x = Entered::new(x, &self.tp)?;
         let (b, n, _) = x.entered.dims3()?;
         let heads = |p: &ColumnParallelLinear, h: usize| -> Result<Tensor> {
@@ -246,7 +252,10 @@ impl ParallelAttention {
             None => (q, k),
         };
         let (q, k) = match &self.rope {
-            Some(rope) => (rope.apply(&q, positions)?, rope.apply(&k, positions)?),
+            Some(rope) => (
+                rope.apply_seq(&q, positions, seq_len)?,
+                rope.apply_seq(&k, positions, seq_len)?,
+            ),
             None => (q, k),
         };
         Ok((q, k, heads(&self.v_proj, self.kv_heads)?))
@@ -256,7 +265,7 @@ impl ParallelAttention {
     /// the whole sequence with the pass's mask and strategy. Collective over tp and the
     /// sequence-parallel group.
     pub fn forward(&self, x: &Tensor, pass: &Pass) -> Result<Tensor> {
-        let (q, k, v) = self.qkv(x, pass.positions)?;
+        let (q, k, v) = self.qkv(x, pass.positions, pass.seq_len)?;
         let (b, n) = (q.dim(0)?, q.dim(1)?);
         let call = AttnCall::new(pass.mask.clone(), self.scale)
             .with_window(self.window)
@@ -269,8 +278,13 @@ impl ParallelAttention {
     /// Incremental causal attention for generation (no sequence parallelism): `x` `(b, n,
     /// hidden)` new tokens at positions `pos`, appended to `cache` (keys and values of the earlier
     /// tokens, at positions `0..`). Collective over tp.
+    ///
+    /// RoPE as in transformers' `generate`: the new tokens rotated with the frequencies of the
+    /// sequence so far (`max(pos) + 1` tokens, which matters for dynamic and longrope), the
+    /// cached keys keeping the rotation they were given when they were new.
     pub fn forward_cached(&self, x: &Tensor, pos: &[u32], cache: &mut LayerKv) -> Result<Tensor> {
-        let (q, k, v) = self.qkv(x, pos)?;
+        let seq_len = pos.iter().max().map_or(0, |&p| p as usize + 1);
+        let (q, k, v) = self.qkv(x, pos, seq_len)?;
         let (b, n) = (q.dim(0)?, q.dim(1)?);
         let (k, v) = match cache.take() {
             Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 1)?, Tensor::cat(&[&pv, &v], 1)?),

@@ -370,7 +370,8 @@ impl ParallelCtx {
 }
 
 /// What the layers of one forward pass share besides their input: the context, the global
-/// positions (RoPE) of the tokens attention sees on this rank, the attention mask of the global
+/// positions (RoPE) of the tokens attention sees on this rank and the length of the global
+/// sequence (identical on every rank), the attention mask of the global
 /// sequence, the sequence-parallel attention to run (the context's, or the recording or
 /// replaying one of a checkpointed unit), and an optional per-sample conditioning. Model code
 /// passes it through unchanged.
@@ -378,6 +379,10 @@ impl ParallelCtx {
 pub struct Pass<'a> {
     pub ctx: &'a ParallelCtx,
     pub positions: &'a [u32],
+    /// The length of the global sequence, transformers' `max(position_ids) + 1` over all of its
+    /// tokens: what the sequence-length-dependent RoPE types (dynamic, longrope) scale by, the
+    /// same on every rank of the sequence-parallel group whatever shard of positions it holds.
+    pub seq_len: usize,
     pub mask: &'a AttnMask,
     pub attention: &'a dyn SequenceParallelAttention,
     /// Per-sample inputs every block reads besides its activations, `(batch, ..)` (a diffusion
@@ -391,21 +396,33 @@ impl<'a> Pass<'a> {
     /// rank alone, whatever the sequence-parallel layout (tensor parallelism still applies).
     /// Blocks run with it must not be recomputed by a unit (their recomputation would take the
     /// context's sequence-parallel attention): call them through [`Unit::get`].
+    /// The sequence length is `max(positions) + 1`.
     pub fn local(ctx: &'a ParallelCtx, positions: &'a [u32], mask: &'a AttnMask) -> Self {
         Self {
             ctx,
             positions,
+            seq_len: max_plus_one(positions),
             mask,
             attention: ctx.local_attention.as_ref(),
             cond: None,
         }
     }
 
-    /// A pass of `ctx`'s configured attention.
+    /// A pass of `ctx`'s configured attention. The global sequence length ([`Pass::seq_len`]) is
+    /// `max(positions) + 1` without sequence parallelism, and under it the length the
+    /// sequence-parallel attention runs over, `positions.len() · degree` (the shards of one
+    /// sequence `0..S`, as [`Batch`] cuts them); [`Pass::with_seq_len`] sets another.
     pub fn new(ctx: &'a ParallelCtx, positions: &'a [u32], mask: &'a AttnMask) -> Self {
+        let degree = ctx.attention().group().degree();
+        let seq_len = if degree > 1 {
+            (positions.len() * degree).max(max_plus_one(positions))
+        } else {
+            max_plus_one(positions)
+        };
         Self {
             ctx,
             positions,
+            seq_len,
             mask,
             attention: ctx.attention(),
             cond: None,
@@ -420,8 +437,18 @@ impl<'a> Pass<'a> {
         }
     }
 
+    /// The same pass over a global sequence of `seq_len` tokens (see [`Pass::seq_len`]).
+    pub fn with_seq_len(&self, seq_len: usize) -> Self {
+        Self { seq_len, ..*self }
+    }
+
     /// The same pass with another attention (inside a checkpointed unit).
     pub fn with_attention(&self, attention: &'a dyn SequenceParallelAttention) -> Self {
         Self { attention, ..*self }
     }
+}
+
+/// transformers' `max(position_ids) + 1` (0 for no positions).
+fn max_plus_one(positions: &[u32]) -> usize {
+    positions.iter().max().map_or(0, |&p| p as usize + 1)
 }

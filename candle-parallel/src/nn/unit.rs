@@ -232,6 +232,7 @@ impl<T: Block> Unit<T> {
         let unit = self.clone();
         let (ctx, mask) = (pass.ctx.clone(), pass.mask.clone());
         let positions: Arc<[u32]> = pass.positions.into();
+        let seq_len = pass.seq_len;
         let cond = pass.cond.map(|c| c.detach());
         let block: crate::recompute::Block = Arc::new(move |x, attention| {
             let track = if x.track_op() {
@@ -242,6 +243,7 @@ impl<T: Block> Unit<T> {
             let pass = Pass {
                 ctx: &ctx,
                 positions: &positions,
+                seq_len,
                 mask: &mask,
                 attention,
                 cond: cond.as_ref(),

@@ -31,7 +31,10 @@ pub use gelu::gelu_tanh_composite;
 pub use rms_norm::rms_norm;
 #[doc(hidden)]
 pub use rms_norm::rms_norm_composite;
-pub use rope::{inv_freq, RopeScaling, RotaryEmbedding};
+pub use rope::{
+    inv_freq, inv_freq_at, longrope_attention_factor, yarn_attention_factor, RopeScaling,
+    RotaryEmbedding,
+};
 pub use swiglu::swiglu;
 #[doc(hidden)]
 pub use swiglu::swiglu_composite;

@@ -1,16 +1,18 @@
 //! LLaMA `config.json`, with both the transformers v4 keys (`rope_theta`, `rope_scaling`,
-//! `torch_dtype`) and the v5 keys (`rope_parameters`, `dtype`, explicit `head_dim`).
+//! `torch_dtype`) and the v5 keys (`rope_parameters`, `dtype`, explicit `head_dim`); the RoPE
+//! keys are read by [`crate::rope`].
 
 use std::path::Path;
 
 use candle_core::DType;
 use candle_parallel::nn::Activation;
-use candle_parallel::ops::{RopeScaling, RotaryEmbedding};
+use candle_parallel::ops::RopeScaling;
 use serde::Deserialize;
 
 use crate::decoder::{DecoderConfig, DecoderSpec, LayerSpec, NormStyle, ToDecoderSpec};
 use crate::error::{Error, Result};
 use crate::family::Description;
+use crate::rope::{RopeFields, RopeSpec};
 
 /// `config.json` as Hugging Face writes it (the fields LLaMA-family models use).
 #[derive(Debug, Clone, Deserialize)]
@@ -50,6 +52,14 @@ pub struct LlamaConfig {
     /// v5: `{"rope_theta": ..., "rope_type": ..., scaling fields}`.
     #[serde(default)]
     pub rope_parameters: Option<serde_json::Value>,
+    /// A top-level pre-scaling context length (overrides the one of `rope_scaling` /
+    /// `rope_parameters`, as in transformers).
+    #[serde(default)]
+    pub original_max_position_embeddings: Option<usize>,
+    /// Rotation of part of each head: transformers' `LlamaForCausalLM` rotates whole heads, so
+    /// only 1 is accepted.
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
     /// v4 name of the stored dtype.
     #[serde(default)]
     pub torch_dtype: Option<String>,
@@ -186,54 +196,41 @@ impl LlamaConfig {
             .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
-    /// `(theta, scaling)` of the rotary embeddings from whichever keys the file uses
-    /// (`rope_parameters` first, then `rope_theta` / `rope_scaling`; theta defaults to 10000).
-    pub fn rope(&self, path: &Path) -> Result<(f64, RopeScaling)> {
-        let params = self.rope_parameters.as_ref().or(self.rope_scaling.as_ref());
-        let theta = self
-            .rope_parameters
-            .as_ref()
-            .and_then(|p| p.get("rope_theta"))
-            .and_then(|v| v.as_f64())
-            .or(self.rope_theta)
-            .unwrap_or(10000.0);
-        if theta.is_nan() || theta <= 0.0 || theta.is_infinite() {
-            return Err(Error::config(path, "rope_theta must be positive"));
+    /// The RoPE keys of this config (see [`crate::rope`]).
+    pub fn rope_fields(&self) -> RopeFields<'_> {
+        RopeFields {
+            rope_theta: self.rope_theta,
+            rope_scaling: self.rope_scaling.as_ref(),
+            rope_parameters: self.rope_parameters.as_ref(),
+            original_max_position_embeddings: self.original_max_position_embeddings,
+            partial_rotary_factor: self.partial_rotary_factor,
+            ..RopeFields::new(self.head_dim(), self.max_position_embeddings)
         }
-        let Some(p) = params.filter(|p| !p.is_null()) else {
-            return Ok((theta, RopeScaling::Default));
-        };
-        let kind = p
-            .get("rope_type")
-            .or_else(|| p.get("type"))
-            .and_then(|v| v.as_str())
-            .unwrap_or("default");
-        let num = |k: &str| -> Result<f64> {
-            p.get(k).and_then(|v| v.as_f64()).ok_or_else(|| {
-                Error::config(path, format!("rope scaling `{kind}` needs a numeric `{k}`"))
-            })
-        };
-        let scaling = match kind {
-            "default" => RopeScaling::Default,
-            "linear" => RopeScaling::Linear {
-                factor: num("factor")?,
-            },
-            "llama3" => RopeScaling::Llama3 {
-                factor: num("factor")?,
-                low_freq_factor: num("low_freq_factor")?,
-                high_freq_factor: num("high_freq_factor")?,
-                original_max_position_embeddings: num("original_max_position_embeddings")? as usize,
-            },
-            other => {
-                return Err(Error::config(
-                    path,
-                    format!(
-                    "unsupported rope scaling type `{other}` (supported: default, linear, llama3)"
+    }
+
+    /// The rotary embeddings of the attention layers, from whichever keys the file uses (see
+    /// [`crate::rope`]; theta defaults to 10000). Every RoPE type of transformers; whole heads
+    /// only (`partial_rotary_factor` other than 1 is refused: transformers' LLaMA cannot apply
+    /// it).
+    pub fn rope_spec(&self, path: &Path) -> Result<RopeSpec> {
+        let spec = self.rope_fields().resolve(path)?;
+        if spec.dim != spec.head_dim {
+            return Err(Error::config(
+                path,
+                format!(
+                    "`partial_rotary_factor` {:?}: LLaMA rotates whole heads (transformers' \
+                     LlamaForCausalLM does not apply a partial rotation)",
+                    self.partial_rotary_factor
                 ),
-                ))
-            }
-        };
-        Ok((theta, scaling))
+            ));
+        }
+        Ok(spec)
+    }
+
+    /// `(theta, scaling)` of the rotary embeddings (see [`LlamaConfig::rope_spec`]).
+    pub fn rope(&self, path: &Path) -> Result<(f64, RopeScaling)> {
+        let spec = self.rope_spec(path)?;
+        Ok((spec.theta, spec.scaling))
     }
 
     /// The dtype the checkpoint declares (`dtype`, else `torch_dtype`), if any.
@@ -250,8 +247,7 @@ impl LlamaConfig {
     /// `attention_bias` on all four projections, every layer global with one RoPE): the base
     /// other families change. `family` names the family in errors.
     pub fn base_spec(&self, family: &'static str, path: &Path) -> Result<DecoderSpec> {
-        let (theta, scaling) = self.rope(path)?;
-        let rope = RotaryEmbedding::new(self.head_dim(), theta, &scaling)?;
+        let rope = self.rope_spec(path)?.embedding()?;
         Ok(DecoderSpec {
             family,
             hidden_size: self.hidden_size,
