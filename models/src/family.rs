@@ -390,9 +390,18 @@ mod tests {
         );
         assert_eq!(name(r#"{"model_type": "llava"}"#), Some("llava"));
         assert_eq!(
-            name(r#"{"architectures": ["MistralForCausalLM"], "model_type": "llama"}"#),
+            name(r#"{"architectures": ["MambaForCausalLM"], "model_type": "llama"}"#),
             None
         );
+        for (arch, family) in [
+            ("MistralForCausalLM", "mistral"),
+            ("Qwen2ForCausalLM", "qwen2"),
+            ("Qwen3ForCausalLM", "qwen3"),
+            ("Gemma2ForCausalLM", "gemma2"),
+        ] {
+            let config = format!(r#"{{"architectures": ["{arch}"]}}"#);
+            assert_eq!(name(&config), Some(family), "{arch}");
+        }
         assert_eq!(name(r#"{}"#), None);
     }
 }
