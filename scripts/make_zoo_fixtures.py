@@ -39,7 +39,7 @@ import safetensors  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -110,6 +110,30 @@ FIXTURES = {
         f"{WINDOW} tokens, attention logits capped at 2 and final logits at 3 (both saturate), "
         "tied embeddings (Gemma's default)",
     ),
+    "gemma3": (
+        "gemma3_text", 206,
+        dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             query_pre_attn_scalar=24, sliding_window=WINDOW, tie_word_embeddings=False,
+             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+             rope_parameters={
+                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+        "Gemma3ForCausalLM (text): Gemma 2's layout with per-head (1 + w) q/k norms, no soft-caps, "
+        f"layers 0 and 1 windowed to {WINDOW} tokens with RoPE base 10000, layer 2 global with base "
+        "1e6 and linear scaling 2 (per-layer-type rope_parameters, as transformers 5 writes them), untied",
+    ),
+    "gemma3_v4": (
+        "gemma3_text", 206,
+        dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             query_pre_attn_scalar=24, sliding_window=WINDOW, tie_word_embeddings=False,
+             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+             rope_parameters={
+                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+        "the `gemma3` weights with the Hub's spelling of the same settings (as gemma-3 configs "
+        "ship): sliding_window_pattern 3, rope_theta 1e6 with rope_scaling linear 2 for global "
+        "layers, rope_local_base_freq 10000, no layer_types or rope_parameters",
+    ),
 }
 
 
@@ -157,6 +181,22 @@ def write_v4_config(fixture_dir: Path, overrides: dict):
     cfg.pop("layer_types")
     cfg.pop("dtype", None)
     cfg["rope_theta"] = rp["rope_theta"]
+    cfg["torch_dtype"] = "float32"
+    (fixture_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def write_gemma3_v4_config(fixture_dir: Path):
+    """The Hub spelling of a Gemma 3 text config (before transformers 5)."""
+    cfg = json.loads((fixture_dir / "config.json").read_text())
+    cfg.pop("layer_types")
+    rp = cfg.pop("rope_parameters")
+    cfg.pop("dtype", None)
+    full = dict(rp["full_attention"])
+    cfg["rope_theta"] = full.pop("rope_theta")
+    cfg["rope_scaling"] = full
+    cfg["rope_local_base_freq"] = rp["sliding_attention"]["rope_theta"]
+    cfg.pop("_sliding_window_pattern", None)
+    cfg["sliding_window_pattern"] = 3
     cfg["torch_dtype"] = "float32"
     (fixture_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
@@ -226,6 +266,8 @@ def build_fixture(name, input_ids, labels):
     model.save_pretrained(str(d))
     if name == "qwen2_v4":
         write_v4_config(d, overrides)
+    if name == "gemma3_v4":
+        write_gemma3_v4_config(d)
     keys = checkpoint_keys(d)
     m64 = load(d, torch.float64)
     ref = run(m64, input_ids, labels, keys)
@@ -254,6 +296,14 @@ def build_fixture(name, input_ids, labels):
         m = AutoModelForCausalLM.from_pretrained(str(d), config=uncapped, dtype=torch.float64).eval()
         extra["no_caps_rel_diff"] = rel_err(m(input_ids=input_ids, use_cache=False).logits.detach(), logits)
         assert extra["no_caps_rel_diff"] > 1e-2, extra
+    if name in ("gemma3", "gemma3_v4"):
+        assert extra["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention"], extra
+        extra["no_window_rel_diff"] = window_matters(model_type, overrides, d, input_ids, logits)
+        assert extra["no_window_rel_diff"] > 1e-3, extra
+    if name == "gemma3_v4":
+        # The Hub spelling means exactly the v5 settings of `gemma3` (same weights).
+        v5 = load_file(str(OUT / "gemma3" / "reference.safetensors"))
+        assert torch.equal(v5["logits"], logits.float()), rel_err(logits, v5["logits"])
     if name == "qwen2_v4":
         assert m64.config.sliding_window is None, m64.config.sliding_window
         assert set(extra["layer_types"]) == {"full_attention"}, extra

@@ -1,5 +1,5 @@
-//! The model zoo (Qwen2/2.5, Qwen3, Mistral, Gemma 2) against transformers and under every
-//! layout.
+//! The model zoo (Qwen2/2.5, Qwen3, Mistral, Gemma 2, Gemma 3) against transformers and under
+//! every layout.
 //!
 //! - Each fixture of `scripts/make_zoo_fixtures.py` on one rank: logits, loss and every
 //!   parameter's gradient equal transformers' float64 reference within 1e-5 relative (max-abs /
@@ -21,12 +21,14 @@ use cpl_integration_tests::{
 use train::data::{PackedDataset, Packing, TokenStream};
 
 const TOL: f64 = 1e-5;
-const FAMILIES: [&str; 5] = [
+const FAMILIES: [&str; 7] = [
     "zoo/qwen2",
     "zoo/qwen2_v4",
     "zoo/qwen3",
     "zoo/mistral",
     "zoo/gemma2",
+    "zoo/gemma3",
+    "zoo/gemma3_v4",
 ];
 
 #[test]
@@ -54,6 +56,16 @@ fn gemma2_with_soft_caps_matches_transformers() {
     check_reference("zoo/gemma2");
 }
 
+#[test]
+fn gemma3_with_per_layer_rope_matches_transformers() {
+    check_reference("zoo/gemma3");
+}
+
+#[test]
+fn gemma3_hub_config_matches_transformers() {
+    check_reference("zoo/gemma3_v4");
+}
+
 /// Every fixture directory has a test above, and the registry names its family.
 #[test]
 fn every_zoo_fixture_is_tested_and_detected() {
@@ -75,6 +87,8 @@ fn every_zoo_fixture_is_tested_and_detected() {
         ("zoo/qwen3", "qwen3"),
         ("zoo/mistral", "mistral"),
         ("zoo/gemma2", "gemma2"),
+        ("zoo/gemma3", "gemma3"),
+        ("zoo/gemma3_v4", "gemma3"),
     ] {
         let f = models::family::detect(&fixture_files(name).config).unwrap();
         assert_eq!(f.name, family, "{name}");
@@ -109,7 +123,13 @@ fn layouts() -> Vec<(Layout, StepPlan)> {
 
 #[test]
 fn every_family_under_every_layout_matches_one_rank() {
-    for name in ["zoo/qwen2", "zoo/qwen3", "zoo/mistral", "zoo/gemma2"] {
+    for name in [
+        "zoo/qwen2",
+        "zoo/qwen3",
+        "zoo/mistral",
+        "zoo/gemma2",
+        "zoo/gemma3",
+    ] {
         let want = run_layout(name, &Layout::single());
         for (layout, plan) in layouts() {
             let got = run_layout_with(name, &layout, plan);
@@ -189,6 +209,7 @@ fn every_family_trains_under_a_pipeline_like_one_rank() {
         ("zoo/qwen3", vec![Layout::single().with_pp(2)]),
         ("zoo/mistral", vec![Layout::single().with_pp(2)]),
         ("zoo/gemma2", vec![Layout::single().with_pp(2)]),
+        ("zoo/gemma3", vec![Layout::single().with_pp(2)]),
         (
             "zoo/qwen2",
             vec![Layout::new("pp2 x ring2", 1, 1, 2, Strategy::Ring).with_pp(2)],
@@ -231,7 +252,13 @@ fn kv_cache_follows_transformers_through_the_windows() {
     use cpl_integration_tests::{load_fixture_lm, reference};
     use models::causal_lm::KvCache;
 
-    for name in ["zoo/qwen2", "zoo/qwen3", "zoo/mistral", "zoo/gemma2"] {
+    for name in [
+        "zoo/qwen2",
+        "zoo/qwen3",
+        "zoo/mistral",
+        "zoo/gemma2",
+        "zoo/gemma3",
+    ] {
         let r = reference(name);
         let ids = r.input_ids[0].clone();
         let want = r.logits.narrow(0, 0, 1).unwrap().squeeze(0).unwrap();

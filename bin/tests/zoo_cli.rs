@@ -1,4 +1,4 @@
-//! Every command on every zoo family (Qwen2 with sliding windows, Qwen3, Mistral, Gemma 2) through the
+//! Every command on every zoo family (Qwen2 with sliding windows, Qwen3, Mistral, Gemma 2 and 3) through the
 //! command line, one layout per command: `inspect` names the architecture and its features,
 //! `eval` gives transformers' loss (1e-5) on one rank and under a ring, `generate` is the same
 //! greedy text under tp2 as on one rank (prompt and reply longer than the window), `train`

@@ -9,7 +9,8 @@
 //! benchmark and the planner use). Causal LM families also load themselves for a layout
 //! ([`Family::load_causal_lm`]) as a [`CausalLm`].
 //!
-//! The built-in families are [`LLAMA`], those of [`crate::zoo`] (Qwen2, Qwen3, Mistral),
+//! The built-in families are [`LLAMA`], those of [`crate::zoo`] (Qwen2, Qwen3, Mistral, Gemma 2
+//! and 3),
 //! [`DIT`] and [`LLAVA`]; [`register`] adds one from
 //! outside the crate (a program with its own model file).
 
@@ -260,6 +261,7 @@ fn families_in(extra: &[&'static Family]) -> Vec<&'static Family> {
         &crate::zoo::QWEN3,
         &crate::zoo::MISTRAL,
         &crate::zoo::GEMMA2,
+        &crate::zoo::GEMMA3,
         &DIT,
         &LLAVA,
     ]);
@@ -398,6 +400,7 @@ mod tests {
             ("Qwen2ForCausalLM", "qwen2"),
             ("Qwen3ForCausalLM", "qwen3"),
             ("Gemma2ForCausalLM", "gemma2"),
+            ("Gemma3ForCausalLM", "gemma3"),
         ] {
             let config = format!(r#"{{"architectures": ["{arch}"]}}"#);
             assert_eq!(name(&config), Some(family), "{arch}");

@@ -98,7 +98,9 @@ impl LlamaConfig {
     fn validate(&self, path: &Path) -> Result<()> {
         self.check_names(path, "LlamaForCausalLM", "llama")?;
         self.check_activation(path, "silu")?;
-        self.validate_common(path)
+        self.validate_common(path)?;
+        self.rope(path)?;
+        Ok(())
     }
 
     /// Fails unless `architectures` (when given) names only `architecture` and `model_type`
@@ -135,7 +137,8 @@ impl LlamaConfig {
     }
 
     /// The checks every family sharing these fields needs: positive sizes, heads that divide,
-    /// an even head_dim, a positive eps, a RoPE and a dtype this crate reads.
+    /// an even head_dim, a positive eps and a dtype this crate reads (the RoPE keys are
+    /// checked when the family builds its spec: some read them per layer type).
     pub fn validate_common(&self, path: &Path) -> Result<()> {
         let nonzero = [
             ("hidden_size", self.hidden_size),
@@ -182,7 +185,6 @@ impl LlamaConfig {
         if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
             return Err(Error::config(path, "`rms_norm_eps` must be positive"));
         }
-        self.rope(path)?;
         self.stored_dtype(path)?;
         Ok(())
     }
@@ -247,7 +249,16 @@ impl LlamaConfig {
     /// `attention_bias` on all four projections, every layer global with one RoPE): the base
     /// other families change. `family` names the family in errors.
     pub fn base_spec(&self, family: &'static str, path: &Path) -> Result<DecoderSpec> {
-        let rope = self.rope_spec(path)?.embedding()?;
+        self.base_spec_with_rope(family, self.rope_spec(path)?.embedding()?)
+    }
+
+    /// [`LlamaConfig::base_spec`] with every layer's rotary embedding `rope` (a family that
+    /// reads its RoPE keys another way: Gemma 3's per-layer types).
+    pub fn base_spec_with_rope(
+        &self,
+        family: &'static str,
+        rope: candle_parallel::ops::RotaryEmbedding,
+    ) -> Result<DecoderSpec> {
         Ok(DecoderSpec {
             family,
             hidden_size: self.hidden_size,

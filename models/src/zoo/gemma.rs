@@ -14,7 +14,7 @@ use std::path::Path;
 use candle_parallel::nn::Activation;
 use serde::Deserialize;
 
-use crate::decoder::spec::sliding_layers;
+use crate::decoder::spec::{sliding_layers, FULL_ATTENTION, SLIDING_ATTENTION};
 use crate::decoder::{DecoderConfig, DecoderSpec, NormStyle, ToDecoderSpec};
 use crate::error::{Error, Result};
 use crate::family::{Family, Kind};
@@ -52,6 +52,9 @@ pub struct GemmaConfig {
     pub attn_logit_softcapping: Option<f64>,
     #[serde(default)]
     pub use_bidirectional_attention: Option<bool>,
+    /// Gemma 3's RoPE base of sliding layers in the Hub's (v4) spelling.
+    #[serde(default)]
+    pub rope_local_base_freq: Option<f64>,
     #[serde(skip)]
     pub generation: Option<Generation>,
 }
@@ -129,13 +132,13 @@ impl GemmaConfig {
 
     fn spec(&self, path: &Path) -> Result<DecoderSpec> {
         let generation = self.generation();
-        let mut spec = self.base.base_spec(
-            match generation {
-                Generation::Gemma2 => "gemma2",
-                Generation::Gemma3 => "gemma3",
-            },
-            path,
-        )?;
+        let mut spec = match generation {
+            Generation::Gemma2 => self.base.base_spec("gemma2", path)?,
+            // Each layer type has its own RoPE (set below); global layers' to start with.
+            Generation::Gemma3 => self
+                .base
+                .base_spec_with_rope("gemma3", self.layer_rope(FULL_ATTENTION, path)?)?,
+        };
         spec.norm = NormStyle::UnitOffset;
         spec.activation = Activation::GeGluTanh;
         spec.sandwich_norms = true;
@@ -155,6 +158,11 @@ impl GemmaConfig {
         )?;
         for (layer, s) in spec.layers.iter_mut().zip(sliding) {
             layer.window = self.sliding_window.filter(|_| s);
+            if generation == Generation::Gemma3 {
+                // Each layer type its own RoPE (per-layer-type parameters, or the v4 keys).
+                let kind = if s { SLIDING_ATTENTION } else { FULL_ATTENTION };
+                layer.rope = self.layer_rope(kind, path)?;
+            }
         }
         match generation {
             Generation::Gemma2 => {
@@ -173,6 +181,18 @@ impl GemmaConfig {
             }
         }
         Ok(spec)
+    }
+}
+
+impl GemmaConfig {
+    /// Gemma 3's rotary embedding of the layers of `kind` (`full_attention`,
+    /// `sliding_attention`), from per-layer-type `rope_parameters` or the v4 keys.
+    fn layer_rope(&self, kind: &str, path: &Path) -> Result<candle_parallel::ops::RotaryEmbedding> {
+        self.base
+            .rope_fields()
+            .gemma3_layer(kind, self.rope_local_base_freq)
+            .resolve(path)?
+            .embedding()
     }
 }
 
@@ -212,4 +232,36 @@ pub static GEMMA2: Family = Family {
     extra_files: crate::family::TEXT_FILES,
     describe: crate::decoder::describe::<Gemma2Config>,
     load_causal_lm: Some(crate::decoder::load_family::<Gemma2Config>),
+};
+
+/// Gemma 3's text config (the [`DecoderConfig`] of [`GEMMA3`]).
+#[derive(Debug, Clone)]
+pub struct Gemma3Config(pub GemmaConfig);
+
+impl ToDecoderSpec for Gemma3Config {
+    fn decoder_spec(&self) -> Result<DecoderSpec> {
+        self.0.decoder_spec()
+    }
+}
+
+impl DecoderConfig for Gemma3Config {
+    fn from_file(path: &Path) -> Result<Self> {
+        GemmaConfig::from_file(path, Generation::Gemma3).map(Self)
+    }
+
+    fn base(&self) -> &LlamaConfig {
+        &self.0.base
+    }
+}
+
+/// `Gemma3ForCausalLM` (Gemma 3 1B, and the text model of the larger ones).
+pub static GEMMA3: Family = Family {
+    name: "gemma3",
+    kind: Kind::CausalLm,
+    architectures: &["Gemma3ForCausalLM"],
+    model_types: &["gemma3_text"],
+    weights_name: "model",
+    extra_files: crate::family::TEXT_FILES,
+    describe: crate::decoder::describe::<Gemma3Config>,
+    load_causal_lm: Some(crate::decoder::load_family::<Gemma3Config>),
 };

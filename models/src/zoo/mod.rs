@@ -1,4 +1,4 @@
-//! The decoder families besides LLaMA, one file each: the family's `config.json`, how it maps
+//! The decoder families besides LLaMA (Qwen2/2.5, Qwen3, Mistral, Gemma 2, Gemma 3), one file each: the family's `config.json`, how it maps
 //! onto the shared [`crate::decoder::DecoderSpec`], and its registry entry
 //! ([`crate::family::Family`]).
 
@@ -7,7 +7,7 @@ pub mod mistral;
 pub mod qwen2;
 pub mod qwen3;
 
-pub use gemma::{GemmaConfig, GEMMA2};
+pub use gemma::{GemmaConfig, GEMMA2, GEMMA3};
 pub use mistral::{MistralConfig, MISTRAL};
 pub use qwen2::{Qwen2Config, QWEN2};
 pub use qwen3::{Qwen3Config, QWEN3};
