@@ -39,8 +39,15 @@ impl ToDecoderSpec for DecoderSpec {
 /// ([`LlamaConfig`]), describing a decoder. [`describe`] and [`load_family`] serve every such
 /// family's registry entry.
 pub trait DecoderConfig: ToDecoderSpec + Sized {
-    /// Reads and validates `path`; errors name the file and field.
-    fn from_file(path: &Path) -> Result<Self>;
+    /// Parses and validates a `config.json`'s text; `path` names it in errors, which name the
+    /// field.
+    fn from_json(text: &str, path: &Path) -> Result<Self>;
+
+    /// Reads and validates `path`.
+    fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| crate::Error::io(path, e))?;
+        Self::from_json(&text, path)
+    }
 
     /// The fields every LLaMA-like config shares (sizes, RoPE, dtype).
     fn base(&self) -> &LlamaConfig;

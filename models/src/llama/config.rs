@@ -298,8 +298,8 @@ impl LlamaConfig {
 }
 
 impl DecoderConfig for LlamaConfig {
-    fn from_file(path: &Path) -> Result<Self> {
-        LlamaConfig::from_file(path)
+    fn from_json(text: &str, path: &Path) -> Result<Self> {
+        LlamaConfig::from_json(text, path)
     }
 
     fn base(&self) -> &LlamaConfig {

@@ -68,12 +68,6 @@ fn default_sliding_window() -> Option<usize> {
 }
 
 impl GemmaConfig {
-    /// Reads and validates `path` as a config of `generation`.
-    pub fn from_file(path: &Path, generation: Generation) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        Self::from_json(&text, path, generation)
-    }
-
     /// Parses and validates a config; `path` names it in errors.
     pub fn from_json(text: &str, path: &Path, generation: Generation) -> Result<Self> {
         let mut cfg: Self = serde_json::from_str(text)
@@ -213,8 +207,8 @@ impl ToDecoderSpec for Gemma2Config {
 }
 
 impl DecoderConfig for Gemma2Config {
-    fn from_file(path: &Path) -> Result<Self> {
-        GemmaConfig::from_file(path, Generation::Gemma2).map(Self)
+    fn from_json(text: &str, path: &Path) -> Result<Self> {
+        GemmaConfig::from_json(text, path, Generation::Gemma2).map(Self)
     }
 
     fn base(&self) -> &LlamaConfig {
@@ -245,8 +239,8 @@ impl ToDecoderSpec for Gemma3Config {
 }
 
 impl DecoderConfig for Gemma3Config {
-    fn from_file(path: &Path) -> Result<Self> {
-        GemmaConfig::from_file(path, Generation::Gemma3).map(Self)
+    fn from_json(text: &str, path: &Path) -> Result<Self> {
+        GemmaConfig::from_json(text, path, Generation::Gemma3).map(Self)
     }
 
     fn base(&self) -> &LlamaConfig {

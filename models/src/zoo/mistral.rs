@@ -20,14 +20,8 @@ pub struct MistralConfig {
 }
 
 impl MistralConfig {
-    /// Reads and validates `path`.
-    pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        Self::from_json(&text, path)
-    }
-
     /// Parses and validates a config; `path` names it in errors.
-    pub fn from_json(text: &str, path: &Path) -> Result<Self> {
+    fn parse(text: &str, path: &Path) -> Result<Self> {
         let cfg: Self = serde_json::from_str(text)
             .map_err(|e| Error::config(path, format!("not a valid Mistral config.json: {e}")))?;
         cfg.base
@@ -52,8 +46,8 @@ impl ToDecoderSpec for MistralConfig {
 }
 
 impl DecoderConfig for MistralConfig {
-    fn from_file(path: &Path) -> Result<Self> {
-        MistralConfig::from_file(path)
+    fn from_json(text: &str, path: &Path) -> Result<Self> {
+        Self::parse(text, path)
     }
 
     fn base(&self) -> &LlamaConfig {

@@ -59,14 +59,8 @@ impl QwenWindows {
 }
 
 impl Qwen2Config {
-    /// Reads and validates `path`.
-    pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        Self::from_json(&text, path)
-    }
-
     /// Parses and validates a config; `path` names it in errors.
-    pub fn from_json(text: &str, path: &Path) -> Result<Self> {
+    fn parse(text: &str, path: &Path) -> Result<Self> {
         let cfg: Self = serde_json::from_str(text)
             .map_err(|e| Error::config(path, format!("not a valid Qwen2 config.json: {e}")))?;
         cfg.base.check_names(path, "Qwen2ForCausalLM", "qwen2")?;
@@ -94,8 +88,8 @@ impl ToDecoderSpec for Qwen2Config {
 }
 
 impl DecoderConfig for Qwen2Config {
-    fn from_file(path: &Path) -> Result<Self> {
-        Qwen2Config::from_file(path)
+    fn from_json(text: &str, path: &Path) -> Result<Self> {
+        Self::parse(text, path)
     }
 
     fn base(&self) -> &LlamaConfig {

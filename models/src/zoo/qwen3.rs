@@ -21,14 +21,8 @@ pub struct Qwen3Config {
 }
 
 impl Qwen3Config {
-    /// Reads and validates `path`.
-    pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        Self::from_json(&text, path)
-    }
-
     /// Parses and validates a config; `path` names it in errors.
-    pub fn from_json(text: &str, path: &Path) -> Result<Self> {
+    fn parse(text: &str, path: &Path) -> Result<Self> {
         let cfg: Self = serde_json::from_str(text)
             .map_err(|e| Error::config(path, format!("not a valid Qwen3 config.json: {e}")))?;
         cfg.base.check_names(path, "Qwen3ForCausalLM", "qwen3")?;
@@ -56,8 +50,8 @@ impl ToDecoderSpec for Qwen3Config {
 }
 
 impl DecoderConfig for Qwen3Config {
-    fn from_file(path: &Path) -> Result<Self> {
-        Qwen3Config::from_file(path)
+    fn from_json(text: &str, path: &Path) -> Result<Self> {
+        Self::parse(text, path)
     }
 
     fn base(&self) -> &LlamaConfig {
