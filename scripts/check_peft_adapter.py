@@ -5,18 +5,18 @@ base model and reproduces reference logits; optionally check a merged model dire
     python scripts/check_peft_adapter.py BASE_DIR ADAPTER_DIR REFERENCE.safetensors [--merged MERGED_DIR]
                                          [--rtol 1e-4]
 
-BASE_DIR: the base LlamaForCausalLM directory (e.g. tests/fixtures/llama/gqa).
+BASE_DIR: the base model directory of any causal-LM family (e.g. tests/fixtures/llama/gqa, tests/fixtures/zoo/qwen3).
 ADAPTER_DIR: adapter_config.json + adapter_model.safetensors (PEFT layout).
 REFERENCE.safetensors: a file with `input_ids` (B, T) and `logits` (B, T, V), e.g.
 tests/fixtures/finetune/lora/reference.safetensors.
 MERGED_DIR: a plain model directory (config.json + model.safetensors) with the adapter merged in.
 Setup: scripts/requirements-finetune.txt.
 
-Loads BASE_DIR with `LlamaForCausalLM.from_pretrained(attn_implementation="eager")` (float32, eval,
+Loads BASE_DIR with `AutoModelForCausalLM.from_pretrained(attn_implementation="eager")` (float32, eval,
 use_cache=False), applies ADAPTER_DIR with `PeftModel.from_pretrained`, and requires that every tensor of
 adapter_model.safetensors was loaded into a LoRA parameter (no unknown or missing keys) and that
     max |logits - ref_logits| / max |ref_logits| <= rtol   (default 1e-4).
-With --merged, MERGED_DIR is loaded as a plain LlamaForCausalLM (no missing / unexpected tensors, no
+With --merged, MERGED_DIR is loaded as a plain AutoModelForCausalLM (no missing / unexpected tensors, no
 leftover lora keys) and its logits must match the PEFT model's within the same tolerance.
 Prints the max diffs and "OK" and exits 0; otherwise prints "FAIL: ..." to stderr and exits 1 (2 for
 usage errors).
@@ -62,7 +62,7 @@ def main():
     import torch
     from peft import PeftModel
     from safetensors.torch import load_file
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -77,7 +77,7 @@ def main():
 
     def load_plain(d: Path):
         try:
-            model, info = LlamaForCausalLM.from_pretrained(
+            model, info = AutoModelForCausalLM.from_pretrained(
                 str(d), attn_implementation="eager", dtype=torch.float32, output_loading_info=True)
         except Exception as e:  # noqa: BLE001 - report any loading error clearly
             fail(f"transformers could not load {d}: {type(e).__name__}: {e}")
