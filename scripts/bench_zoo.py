@@ -160,7 +160,7 @@ def main():
                       f"{row['transformers_tokens_per_sec']:.0f} tok/s ({attn}), ratio {row['ratio']:.2f}x, "
                       f"load {row['load_average']:.2f}, {row['wall_seconds']:.0f} s", flush=True)
     print()
-    print(f"| family | dtype | work | cpl tok/s best (median) | transformers tok/s | ratio | transformers attention |")
+    print("| family | dtype | work | cpl tok/s best (median) | transformers tok/s | ratio | transformers attention |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['family']} | {r['dtype']} | {r['work']} | {r['cpl_tokens_per_sec']:.0f} "

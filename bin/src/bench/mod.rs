@@ -471,8 +471,9 @@ impl BenchModel {
     ) -> Result<LoadedCausalLm> {
         match &self.weights {
             Weights::Files(files) => {
-                let all = [0..self.desc.layers];
-                load_causal_lm(files, rank, &all, dtype, mode, layout, None)
+                let all = 0..self.desc.layers;
+                let ranges = std::slice::from_ref(&all);
+                load_causal_lm(files, rank, ranges, dtype, mode, layout, None)
             }
             Weights::Memory(config, map) => {
                 let dtype = dtype.unwrap_or(DType::F32);
