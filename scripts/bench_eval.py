@@ -39,17 +39,25 @@ def main():
     ids = torch.randint(0, 32000, (1, a.seq_len), generator=torch.Generator().manual_seed(1))
     with open(os.path.join(a.dir, "eval_tokens.json"), "w") as f:
         json.dump(ids.tolist(), f)
-    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=dtype, attn_implementation="sdpa").eval()
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=dtype, attn_implementation="sdpa")
+    best, loss = time_eval(model, ids, a.repeats)
+    print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": a.dtype,
+                      "seq_len": a.seq_len, "seconds": best, "tokens_per_sec": (a.seq_len - 1) / best,
+                      "loss": loss, "model": model_dir}))
+
+
+def time_eval(model, ids, repeats):
+    """Best seconds of `repeats` forwards of `ids` (eval mode, no grad, loss from the labels) after a
+    warm-up, and the loss."""
+    model.eval()
     best = float("inf")
     with torch.no_grad():
         model(input_ids=ids, labels=ids)
-        for _ in range(a.repeats):
+        for _ in range(repeats):
             t = time.perf_counter()
             out = model(input_ids=ids, labels=ids)
             best = min(best, time.perf_counter() - t)
-    print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": a.dtype,
-                      "seq_len": a.seq_len, "seconds": best, "tokens_per_sec": (a.seq_len - 1) / best,
-                      "loss": out.loss.item(), "model": model_dir}))
+    return best, out.loss.item()
 
 
 if __name__ == "__main__":

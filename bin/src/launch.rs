@@ -8,7 +8,6 @@ use std::sync::Arc;
 
 use candle_parallel::nn::{Adapters, ParallelCtx, ParamMode, TensorSource};
 use models::hub::ModelFiles;
-use models::llama::{self, LlamaConfig, LoadedLlama};
 use models::peft::Adapter;
 
 use crate::layout::{Backend, LayoutArgs};
@@ -336,37 +335,6 @@ where
     F: Fn(Comm, Device) -> Result<T>,
 {
     bail!("--backend mpi: this cpl was built without MPI; rebuild with `cargo build -p cpl --features mpi`")
-}
-
-/// Loads the LLaMA `files` for `rank`'s layout, with the LoRA `adapter` when given; errors name
-/// the layout flags (`--tp 3`) when the layout does not fit the model.
-pub fn load_llama(
-    files: &ModelFiles,
-    rank: &Rank,
-    dtype: Option<DType>,
-    mode: ParamMode,
-    layout: &LayoutArgs,
-    adapter: Option<&Adapter>,
-) -> Result<LoadedLlama> {
-    let all = 0..LlamaConfig::from_file(&files.config)?.num_hidden_layers;
-    load_llama_stage(files, rank, dtype, mode, layout, &[all], adapter)
-}
-
-/// [`load_llama`] for this rank's pipeline stage: the decoder layers of its virtual stages
-/// `layers[c * pp + r]` and, on the first and last pipeline rank, the embedding, norm and head.
-pub fn load_llama_stage(
-    files: &ModelFiles,
-    rank: &Rank,
-    dtype: Option<DType>,
-    mode: ParamMode,
-    layout: &LayoutArgs,
-    layers: &[std::ops::Range<usize>],
-    adapter: Option<&Adapter>,
-) -> Result<LoadedLlama> {
-    let (mine, ends) = stage_layers(rank, layers);
-    let adapters = adapters_of(adapter)?;
-    llama::load_stage_adapted(files, &rank.ctx, dtype, mode, &mine, ends, adapters)
-        .with_context(|| format!("loading {} with {}", files.source, layout.flags()))
 }
 
 /// The causal LM of `files` (the registry's family of its `config.json`) for `rank`'s

@@ -118,6 +118,8 @@ fn train_json() {
     assert_eq!(doc["step_seconds"].as_array().map(Vec::len), Some(2));
     assert_eq!(doc["model"]["layers"], 1);
     assert_eq!(doc["model"]["name"], "random");
+    assert_eq!(doc["family"], "llama");
+    assert_eq!(doc["model"]["family"], "llama");
 }
 
 #[test]
@@ -164,6 +166,56 @@ fn eval_and_train_json_of_a_checkpoint() {
     assert_eq!(doc["dtype"], "bf16");
 }
 
+/// Checkpoints of other families, through the registry: the report names the family, its
+/// shape and its FLOPs, and the rates are positive.
+#[test]
+fn eval_and_train_json_of_zoo_families() {
+    let small = "--seq-len 16 --matmul-size 64";
+    // (fixture, family, layers, heads, kv heads, head_dim)
+    for (dir, family, layers, heads, kv_heads, head_dim) in [
+        ("zoo/qwen2", "qwen2", 3, 4, 2, 8),
+        ("zoo/gemma2", "gemma2", 3, 4, 2, 16),
+    ] {
+        let model = fixtures(dir).display().to_string();
+        let doc = bench_json(&format!("eval --model {model} --repeats 1 {small}"));
+        assert_positive(&doc, &RATES);
+        assert_positive(&doc, &["loss"]);
+        assert_eq!(doc["family"], family, "{doc}");
+        let m = &doc["model"];
+        assert_eq!(m["family"], family, "{doc}");
+        assert_eq!(m["name"], model);
+        assert_eq!(
+            [&m["layers"], &m["heads"], &m["kv_heads"], &m["head_dim"]],
+            [layers, heads, kv_heads, head_dim],
+            "{doc}"
+        );
+        assert_eq!(doc["dtype"], "f32");
+        assert_eq!(doc["tokens"], 15);
+        let doc = bench_json(&format!("train --model {model} --steps 2 {small}"));
+        assert_positive(&doc, &RATES);
+        assert_positive(&doc, &["peak_rss_mib", "loss_first"]);
+        assert_eq!(doc["family"], family, "{doc}");
+        assert_eq!(doc["tokens_per_step"], 16);
+        assert_eq!(doc["step_seconds"].as_array().map(Vec::len), Some(2));
+    }
+}
+
+/// The text table names the family and its shape.
+#[test]
+fn eval_table_of_a_zoo_family() {
+    let model = fixtures("zoo/gemma2").display().to_string();
+    let o = cpl(&words(&format!(
+        "bench eval --model {model} --seq-len 16 --repeats 1 --matmul-size 64"
+    )));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.starts_with("machine: "), "{out}");
+    assert!(
+        out.contains(&format!("model: {model} (gemma2: 3 layers, hidden 32")),
+        "{out}"
+    );
+}
+
 /// A text table by default, with the machine line.
 #[test]
 fn comm_table() {
@@ -178,6 +230,10 @@ fn comm_table() {
 
 #[test]
 fn bad_flags_are_clear_errors() {
+    let dit_model = format!(
+        "train --model {} --seq-len 16",
+        fixtures("dit/tiny").display()
+    );
     let cases = [
         ("comm --ranks 0", "--ranks must be at least 1"),
         ("comm --iters 0", "--iters must be at least 1"),
@@ -216,6 +272,14 @@ fn bad_flags_are_clear_errors() {
         ),
         ("eval --hidden 30 --heads 4", "--hidden 30 --heads 4"),
         ("eval --model x --layers 2", "--layers"),
+        (
+            "eval --model /nonexistent/model --seq-len 16",
+            "--model /nonexistent/model",
+        ),
+        (
+            dit_model.as_str(),
+            "the dit family does not load as a causal language model",
+        ),
         ("eval --repeats 0", "--repeats must be at least 1"),
         ("matmul --isa neon", "--isa"),
     ];

@@ -1,14 +1,14 @@
-//! `cpl bench eval`: forward throughput of a LLaMA as `cpl eval` measures it (the same scoring
-//! code): one sequence of --seq-len random tokens, a warm-up pass, then --repeats timed passes
-//! (the slowest rank's time of each); tokens/s count the scored tokens (--seq-len - 1), as
-//! `cpl eval` and `scripts/bench_eval.py` do.
+//! `cpl bench eval`: forward throughput of a causal LM of any family (the registry's) as
+//! `cpl eval` measures it (the same scoring code): one sequence of --seq-len random tokens, a
+//! warm-up pass, then --repeats timed passes (the slowest rank's time of each); tokens/s count
+//! the scored tokens (--seq-len - 1), as `cpl eval` and `scripts/bench_eval.py` do.
 
 use anyhow::Result;
 use candle_parallel::mesh::Dim;
 use candle_parallel::nn::ParamMode;
 use serde_json::json;
 
-use super::{at_least_one, random_tokens, LlamaBenchArgs, Throughput, Work};
+use super::{at_least_one, random_tokens, LmBenchArgs, Throughput, Work};
 use crate::args::EvalReport;
 use crate::eval::score;
 use crate::launch::launch;
@@ -19,11 +19,11 @@ pub struct EvalBenchArgs {
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
     #[command(flatten)]
-    pub llama: LlamaBenchArgs,
+    pub lm: LmBenchArgs,
 }
 
 pub fn run(args: &EvalBenchArgs) -> Result<()> {
-    let a = &args.llama;
+    let a = &args.lm;
     a.layout.device.require_cpu_because(
         "cpl bench eval",
         "its timings do not synchronise a GPU and its MFU is against the CPU's matmul rate \
@@ -32,8 +32,8 @@ pub fn run(args: &EvalBenchArgs) -> Result<()> {
     at_least_one("--repeats", args.repeats)?;
     a.check()?;
     let model = a.resolve()?;
-    let dtype = model.dtype(a.dtype)?;
-    let vocab = model.config.vocab_size;
+    let dtype = model.dtype(a.dtype);
+    let vocab = model.desc.vocab;
     let mm = a.matmul.gflops(10)?;
     let reports = launch(&a.layout, |rank| {
         // One sequence per data-parallel rank, so every rank works and the tokens/s is the
@@ -43,19 +43,17 @@ pub fn run(args: &EvalBenchArgs) -> Result<()> {
             .collect();
         let loaded = model.load(rank, dtype, ParamMode::Frozen, &a.layout)?;
         let act = crate::eval::activation_dtype(&loaded.params);
-        (0..=args.repeats)
-            .map(|_| Ok(score(rank, &loaded.model, act, &seqs, None, false)?.0))
-            .collect::<Result<Vec<EvalReport>>>()
+        let reports = (0..=args.repeats)
+            .map(|_| Ok(score(rank, loaded.model.as_ref(), act, &seqs, None, false)?.0))
+            .collect::<Result<Vec<EvalReport>>>()?;
+        Ok((act, reports))
     })?;
-    let Some(reports) = reports else {
+    let Some((dtype, reports)) = reports else {
         return Ok(());
     };
     let timed = &reports[1..];
     let seconds: Vec<f64> = timed.iter().map(|r| r.seconds).collect();
-    let flops = model
-        .config
-        .description()?
-        .flops_per_token(a.seq_len, Work::Forward);
+    let flops = model.desc.flops_per_token(a.seq_len, Work::Forward);
     let rate = Throughput::new(&seconds, timed[0].tokens as f64, flops, mm, &a.matmul);
     let loss = timed[0].loss;
     if a.json {

@@ -1,5 +1,6 @@
 //! `cpl bench`: what this machine does with candle-parallel: the attention kernel, the local
-//! communicator's bandwidth, training and evaluation throughput of a LLaMA, dense products.
+//! communicator's bandwidth, training and evaluation throughput of a causal LM of any family,
+//! dense products.
 //!
 //! Every subcommand prints a table, or with `--json` one JSON object that also describes the
 //! machine (CPU, ISA flags, threads, cpl version). The comparisons with PyTorch and
@@ -19,13 +20,14 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use candle_parallel::nn::{ParamMode, TensorMap};
+use models::family::{Description, LoadedCausalLm};
 use models::hub::ModelFiles;
-use models::llama::{self, LlamaConfig, LoadedLlama};
+use models::llama::{self, LlamaConfig};
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
 use crate::args::DtypeArg;
-use crate::launch::{load_llama, Rank};
+use crate::launch::{load_causal_lm, Rank};
 use crate::layout::LayoutArgs;
 
 #[derive(clap::Subcommand, Debug)]
@@ -36,10 +38,11 @@ pub enum BenchCommand {
     /// Bandwidth of the collectives of local ranks (NCCL-tests conventions: algbw, busbw)
     /// next to this machine's memcpy bandwidth.
     Comm(comm::CommArgs),
-    /// Training tokens/s of a LLaMA (default: a random 4-layer, hidden-512 model built in
-    /// memory), peak memory and model FLOPs utilisation, under any layout.
+    /// Training tokens/s of a causal LM of any family (default: a random 4-layer, hidden-512
+    /// LLaMA built in memory), peak memory and model FLOPs utilisation, under any layout.
     Train(train::TrainBenchArgs),
-    /// Forward tokens/s of a LLaMA as `cpl eval` measures it, under any layout.
+    /// Forward tokens/s of a causal LM of any family as `cpl eval` measures it, under any
+    /// layout.
     Eval(eval::EvalBenchArgs),
     /// flash-ring's dense product against candle's matmul on the products of the LLaMA
     /// layers, with each one's error against float64.
@@ -223,9 +226,10 @@ pub fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 /// What `cpl bench train` and `cpl bench eval` share: the model, the sequence, the dtype, the
 /// layout.
 #[derive(clap::Args, Debug, Clone)]
-pub struct LlamaBenchArgs {
-    /// Model directory or Hugging Face Hub id (default: a random-weight LLaMA of the shape
-    /// of the random model flags, built in memory).
+pub struct LmBenchArgs {
+    /// Model directory or Hugging Face Hub id of a causal LM of any family of the registry
+    /// (`cpl inspect` lists them; default: a random-weight LLaMA of the shape of the random
+    /// model flags, built in memory).
     #[arg(long, conflicts_with = "RandomModel")]
     pub model: Option<String>,
     /// Seed of the random weights and of the random tokens.
@@ -250,7 +254,7 @@ pub struct LlamaBenchArgs {
     pub random: RandomModel,
 }
 
-impl LlamaBenchArgs {
+impl LmBenchArgs {
     /// Errors naming the flags when the sequence length or the layout is not one a benchmark
     /// runs: checked before any model is built.
     pub fn check(&self) -> Result<()> {
@@ -267,14 +271,23 @@ impl LlamaBenchArgs {
         self.layout.check_seq_len(self.seq_len)
     }
 
-    /// The model of --model, or the random model.
+    /// The model of --model (its family from the registry), or the random model.
     pub fn resolve(&self) -> Result<BenchModel> {
         if let Some(m) = &self.model {
-            let files = models::hub::resolve(m)?;
-            let config = LlamaConfig::from_file(&files.config)?;
+            let family = crate::model_arg::resolve(m)?.family;
+            if family.load_causal_lm.is_none() {
+                bail!(
+                    "--model {m}: the {} family does not load as a causal language model \
+                     (cpl bench train and eval measure causal LMs)",
+                    family.name
+                );
+            }
+            let files = models::hub::resolve(m).with_context(|| format!("--model {m}"))?;
+            let desc = (family.describe)(&files.config).with_context(|| format!("--model {m}"))?;
             return Ok(BenchModel {
                 name: m.clone(),
-                config,
+                family: family.name,
+                desc,
                 weights: Weights::Files(files),
             });
         }
@@ -302,11 +315,15 @@ impl LlamaBenchArgs {
         let weights = llama::random_weights(&config, self.seed)?;
         Ok(BenchModel {
             name: "random".into(),
-            config,
-            weights: Weights::Memory(Arc::new(TensorMap::new(
-                weights.into_iter().collect(),
-                "random model",
-            ))),
+            family: models::family::LLAMA.name,
+            desc: config.description()?,
+            weights: Weights::Memory(
+                config,
+                Arc::new(TensorMap::new(
+                    weights.into_iter().collect(),
+                    "random model",
+                )),
+            ),
         })
     }
 
@@ -321,8 +338,8 @@ impl LlamaBenchArgs {
         extra: Value,
     ) -> Result<()> {
         let mut body = json!({
-            "model": model.json(), "dtype": dtype.as_str(), "seq_len": self.seq_len,
-            "layout": self.layout.flags(),
+            "model": model.json(), "family": model.family, "dtype": dtype.as_str(),
+            "seq_len": self.seq_len, "layout": self.layout.flags(),
         });
         if let (Some(b), Value::Object(r), Value::Object(e)) =
             (body.as_object_mut(), serde_json::to_value(rate)?, extra)
@@ -416,68 +433,82 @@ pub struct RandomModel {
 
 /// Where a benchmark's model comes from.
 enum Weights {
+    /// A checkpoint, loaded by its family.
     Files(ModelFiles),
-    Memory(Arc<TensorMap>),
+    /// The random LLaMA, built in memory.
+    Memory(LlamaConfig, Arc<TensorMap>),
 }
 
 /// A benchmark's model, loaded on each rank by [`BenchModel::load`].
 pub struct BenchModel {
     /// The --model, or "random".
     pub name: String,
-    pub config: LlamaConfig,
+    /// Its family's name in the registry (`llama`, `qwen2`, ...).
+    pub family: &'static str,
+    /// Its size and FLOPs terms (the family's `describe`).
+    pub desc: Description,
     weights: Weights,
 }
 
 impl BenchModel {
-    /// The compute dtype: `arg`, else the checkpoint's, else f32.
-    pub fn dtype(&self, arg: Option<DtypeArg>) -> Result<DType> {
-        if let Some(d) = arg {
-            return Ok(d.into());
+    /// The parameter dtype to load: `arg`, else the checkpoint's (decided by its family's
+    /// loader: `None`), f32 for the random model. What ran is the loaded parameters' dtype.
+    pub fn dtype(&self, arg: Option<DtypeArg>) -> Option<DType> {
+        match (arg, &self.weights) {
+            (Some(d), _) => Some(d.into()),
+            (None, Weights::Files(_)) => None,
+            (None, Weights::Memory(..)) => Some(DType::F32),
         }
-        Ok(match &self.weights {
-            Weights::Files(f) => self.config.stored_dtype(&f.config)?.unwrap_or(DType::F32),
-            Weights::Memory(_) => DType::F32,
-        })
     }
 
-    /// This rank's part of the model under `layout`.
+    /// This rank's part of the model under `layout` (no pipeline: every layer and both ends).
     pub fn load(
         &self,
         rank: &Rank,
-        dtype: DType,
+        dtype: Option<DType>,
         mode: ParamMode,
         layout: &LayoutArgs,
-    ) -> Result<LoadedLlama> {
+    ) -> Result<LoadedCausalLm> {
         match &self.weights {
-            Weights::Files(files) => load_llama(files, rank, Some(dtype), mode, layout, None),
-            Weights::Memory(map) => llama::build(&self.config, map.clone(), &rank.ctx, dtype, mode)
-                .with_context(|| format!("building the random model with {}", layout.flags())),
+            Weights::Files(files) => {
+                let all = 0..self.desc.layers;
+                let ranges = std::slice::from_ref(&all);
+                load_causal_lm(files, rank, ranges, dtype, mode, layout, None)
+            }
+            Weights::Memory(config, map) => {
+                let dtype = dtype.unwrap_or(DType::F32);
+                let l = llama::build(config, map.clone(), &rank.ctx, dtype, mode).with_context(
+                    || format!("building the random model with {}", layout.flags()),
+                )?;
+                Ok(LoadedCausalLm {
+                    model: Box::new(l.model),
+                    params: l.params,
+                })
+            }
         }
     }
 
-    /// The model's name and shape, for a report.
+    /// The model's name, family and shape, for a report.
     pub fn json(&self) -> Value {
-        let c = &self.config;
+        let d = &self.desc;
+        let shape = d.planner_shape.as_ref();
         json!({
-            "name": self.name, "layers": c.num_hidden_layers, "hidden": c.hidden_size,
-            "heads": c.num_attention_heads, "kv_heads": c.num_kv_heads(),
-            "intermediate": c.intermediate_size, "vocab": c.vocab_size,
-            "parameters": c.num_parameters().unwrap_or_default(),
+            "name": self.name, "family": self.family, "layers": d.layers, "hidden": d.hidden,
+            "heads": shape.map(|s| s.heads), "kv_heads": shape.map(|s| s.kv_heads),
+            "head_dim": shape.map(|s| s.head_dim),
+            "intermediate": shape.map(|s| s.intermediate), "vocab": d.vocab,
+            "parameters": d.params,
         })
     }
 
-    /// "random (4 layers, hidden 512, 24.9 M parameters)", for a table's title.
+    /// "random (llama: 4 layers, hidden 512, ..., 24.9 M parameters)", for a table's title.
     pub fn describe(&self) -> String {
-        let c = &self.config;
         format!(
-            "{} ({} layers, hidden {}, {} heads, intermediate {}, vocab {}, {:.1} M parameters)",
+            "{} ({}: {}, {:.1} M parameters)",
             self.name,
-            c.num_hidden_layers,
-            c.hidden_size,
-            c.num_attention_heads,
-            c.intermediate_size,
-            c.vocab_size,
-            c.num_parameters().unwrap_or_default() as f64 / 1e6
+            self.family,
+            self.desc.summary,
+            self.desc.params as f64 / 1e6
         )
     }
 }

@@ -1,4 +1,5 @@
-//! `cpl bench train`: training throughput of a LLaMA under any layout and memory plan.
+//! `cpl bench train`: training throughput of a causal LM of any family (the registry's) under
+//! any layout and memory plan.
 //!
 //! Each step trains --grad-accum sequences of --seq-len random tokens per data-parallel rank (forward,
 //! backward, clipping to norm 1, AdamW at lr 1e-4, as `scripts/bench_train.py` does in
@@ -10,7 +11,7 @@
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_parallel::comm::ReduceOp;
 use candle_parallel::nn::ParamMode;
 use candle_parallel::optim::ZeroStage;
@@ -20,7 +21,7 @@ use serde_json::json;
 use train::data::{PackedDataset, Packing, TokenStream};
 use train::trainer::{TrainConfig, Trainer};
 
-use super::{at_least_one, random_tokens, LlamaBenchArgs, Throughput, Work};
+use super::{at_least_one, random_tokens, LmBenchArgs, Throughput, Work};
 use crate::launch::launch;
 use train::driver::progress::peak_rss_mib;
 
@@ -42,11 +43,13 @@ pub struct TrainBenchArgs {
     #[arg(long, default_value_t = 1024, help_heading = "Memory")]
     pub loss_chunk: usize,
     #[command(flatten)]
-    pub llama: LlamaBenchArgs,
+    pub lm: LmBenchArgs,
 }
 
 /// What rank 0 reports of the run.
 struct Measured {
+    /// The dtype of the loaded parameters.
+    dtype: DType,
     /// Per step: the slowest rank's seconds.
     seconds: Vec<f64>,
     /// Labelled tokens of a step's global batch.
@@ -58,7 +61,7 @@ struct Measured {
 }
 
 pub fn run(args: &TrainBenchArgs) -> Result<()> {
-    let a = &args.llama;
+    let a = &args.lm;
     a.layout.device.require_cpu_because(
         "cpl bench train",
         "its timings do not synchronise a GPU and its MFU is against the CPU's matmul rate \
@@ -74,7 +77,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     at_least_one("--grad-accum", args.grad_accum)?;
     a.check()?;
     let model = a.resolve()?;
-    let dtype = model.dtype(a.dtype)?;
+    let dtype = model.dtype(a.dtype);
     let cfg = TrainConfig {
         grad_accum: args.grad_accum,
         seed: a.seed,
@@ -92,7 +95,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     };
     // One window of random tokens per rank and micro-batch (every data-parallel rank gets its
     // own).
-    let vocab = model.config.vocab_size;
+    let vocab = model.desc.vocab;
     let ids = random_tokens(
         a.layout.ranks * args.grad_accum * a.seq_len + 1,
         vocab,
@@ -106,6 +109,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     let mm = a.matmul.gflops(10)?;
     let measured = launch(&a.layout, |rank| {
         let loaded = model.load(rank, dtype, ParamMode::Trainable, &a.layout)?;
+        let dtype = crate::eval::activation_dtype(&loaded.params);
         let mut trainer = Trainer::new(loaded.model, &rank.mesh, &rank.ctx, cfg.clone())?;
         let world = rank.world();
         let (mut seconds, mut losses, mut tokens) = (Vec::new(), Vec::new(), 0);
@@ -125,6 +129,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
             .all_reduce(&Tensor::new(&[rss], cpu)?, ReduceOp::Max)?
             .to_vec1::<f64>()?[0];
         Ok(Measured {
+            dtype,
             seconds,
             tokens,
             loss_first: losses.first().copied().unwrap_or(f64::NAN),
@@ -135,16 +140,13 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     let Some(m) = measured else {
         return Ok(());
     };
-    let flops = model
-        .config
-        .description()?
-        .flops_per_token(a.seq_len, Work::Training);
+    let flops = model.desc.flops_per_token(a.seq_len, Work::Training);
     let rate = Throughput::new(&m.seconds[1..], m.tokens as f64, flops, mm, &a.matmul);
     if a.json {
         return a.print_json(
             "train",
             &model,
-            dtype,
+            m.dtype,
             &rate,
             json!({
                 "steps": args.steps, "grad_accum": args.grad_accum, "zero": args.zero.to_string(),
@@ -161,7 +163,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
         m.tokens / a.seq_len as u64,
         a.seq_len,
         args.steps,
-        dtype.as_str(),
+        m.dtype.as_str(),
         args.zero,
         args.checkpointing
     );

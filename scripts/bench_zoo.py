@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""`cpl bench eval|train` next to transformers + PyTorch for every causal-LM family (issue 33).
+
+Run through scripts/bench_zoo.sh (which builds cpl first), from the repository root:
+
+    scripts/bench_zoo.sh [--families llama,qwen2,qwen3,mistral,gemma2] [--dtypes f32,bf16]
+                         [--seq-len 4096] [--repeats 3] [--json FILE]
+
+For each family it builds once, with transformers (``AutoConfig.for_model`` + ``save_pretrained``, random
+weights, f32), a bench-sized checkpoint in target/bench/zoo/<family>-4l-512/: 4 layers, hidden 512, 8 heads /
+4 kv heads of dim 64, intermediate 1536, vocab 32000, every other setting the family's default (Gemma 2: tied
+embeddings, GeGLU, sandwich norms, soft-caps 50 and 30, ``query_pre_attn_scalar`` scaled down to the head dim
+64). Sliding windows stay where the family has them (Mistral on every layer, Gemma 2 on every other layer;
+Qwen2 and Qwen3 have theirs off by default) but are ``max(4096, seq_len)`` tokens long, so they never cut
+the sequence: the timings are of the same computation as full causal attention, not of the window's savings.
+(target/bench/llama-4l-512 is the 8/8-head checkpoint of scripts/bench_eval.py; the zoo's LLaMA is 8/4 like
+the others.)
+
+Then for each dtype, in this process and one after the other on the same checkpoint:
+- transformers' forward (scripts/bench_eval.py's ``time_eval``: eval mode, no grad, loss from the labels) on
+  one sequence of --seq-len random tokens, best of --repeats after a warm-up; next to ``cpl bench eval
+  --seq-len S --repeats R`` (best pass after a warm-up). Tokens/s count the S - 1 scored tokens in both.
+- transformers' training step (scripts/bench_train.py's ``time_train``: forward, backward, clip 1.0, AdamW at
+  lr 1e-4) on the same S tokens (S - 1 labelled), best of --repeats after a warm-up; next to ``cpl bench train
+  --seq-len S-1 --steps R+1`` (S - 1 inputs with a label each; best step after the first).
+transformers runs ``sdpa`` attention where the family supports it, else its default (Gemma 2: ``eager``,
+as sdpa has no soft-cap); the table says which. It prints the CPU (lscpu: vendor, model name, the flags
+avx2, avx512f, avx512_bf16, amx), the load average before and after, and a table per family and dtype.
+"""
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_eval import time_eval  # noqa: E402
+from bench_train import time_train  # noqa: E402
+
+VOCAB = 32000
+SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=8192)
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def family_overrides(family, window):
+    """The config fields of `family` besides SHAPE (its windows `window` tokens long)."""
+    return {
+        "llama": dict(tie_word_embeddings=False),
+        "qwen2": dict(),  # use_sliding_window is off by default
+        "qwen3": dict(head_dim=64),  # Qwen3's default head_dim (128) is not hidden / heads
+        "mistral": dict(sliding_window=window),
+        # Gemma 2's defaults are head_dim 256 and query_pre_attn_scalar 256: scaled to the head dim.
+        "gemma2": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=window),
+    }[family]
+
+
+def checkpoint(family, root, seq_len):
+    """The directory of `family`'s bench checkpoint, built when missing."""
+    d = os.path.join(root, "zoo", f"{family}-4l-512")
+    window = max(4096, seq_len)
+    if os.path.exists(os.path.join(d, "model.safetensors")):
+        with open(os.path.join(d, "config.json")) as f:
+            w = json.load(f).get("sliding_window")
+        if seq_len <= 4096 or w is None or w >= seq_len:
+            return d
+    cfg = AutoConfig.for_model(family, **SHAPE, **family_overrides(family, window))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    return d
+
+
+def load(model_dir, dtype):
+    """transformers' model of `model_dir` in `dtype`, with sdpa attention where the family has it."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    except ValueError:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+
+
+def cpl(binary, args):
+    """The JSON object `cpl bench ... --json` prints."""
+    out = subprocess.run([binary, "bench", *args, "--json"], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def lscpu():
+    """Vendor, model name and the flags that decide the kernels, from lscpu."""
+    fields = {}
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        k, _, v = line.partition(":")
+        fields[k.strip()] = v.strip()
+    flags = set(fields.get("Flags", "").split())
+    return {
+        "vendor": fields.get("Vendor ID", "?"),
+        "model_name": fields.get("Model name", "?"),
+        "cpus": fields.get("CPU(s)", "?"),
+        "flags": {f: f in flags for f in ("avx2", "avx512f", "avx512_bf16")} | {"amx": "amx_tile" in flags},
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--families", default="llama,qwen2,qwen3,mistral,gemma2")
+    p.add_argument("--dtypes", default="f32,bf16")
+    p.add_argument("--works", default="eval,train")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default="target/bench")
+    p.add_argument("--cpl", default=os.path.join(os.environ.get("CARGO_TARGET_DIR", "target"), "release", "cpl"))
+    p.add_argument("--json", help="also write every measurement to this file")
+    a = p.parse_args()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    cpu = lscpu()
+    on = [f for f, v in cpu["flags"].items() if v]
+    off = [f for f, v in cpu["flags"].items() if not v]
+    print(f"CPU: {cpu['vendor']} {cpu['model_name']}, {cpu['cpus']} CPUs; flags: {' '.join(on) or '-'}"
+          f" (not: {' '.join(off) or '-'}); torch {torch.__version__} with {torch.get_num_threads()} threads;"
+          f" load average {os.getloadavg()[0]:.2f}", flush=True)
+    S, R = a.seq_len, a.repeats
+    rows = []
+    for family in a.families.split(","):
+        model_dir = checkpoint(family, a.dir, S)
+        ids = torch.randint(0, VOCAB, (1, S), generator=torch.Generator().manual_seed(1))
+        for dt in a.dtypes.split(","):
+            for work in a.works.split(","):
+                model = load(model_dir, DTYPES[dt])
+                attn = model.config._attn_implementation
+                t0 = time.time()
+                if work == "eval":
+                    seconds, _ = time_eval(model, ids, R)
+                else:
+                    seconds = time_train(model, ids, R)
+                del model
+                gc.collect()
+                if work == "eval":
+                    c = cpl(a.cpl, ["eval", "--model", model_dir, "--seq-len", str(S), "--repeats", str(R),
+                                    "--dtype", dt])
+                else:
+                    c = cpl(a.cpl, ["train", "--model", model_dir, "--seq-len", str(S - 1), "--steps",
+                                    str(R + 1), "--dtype", dt])
+                row = {"family": family, "cpl_family": c["family"], "dtype": dt, "work": work, "seq_len": S,
+                       "cpl_tokens_per_sec": c["tokens_per_sec_best"],
+                       "cpl_tokens_per_sec_median": c["tokens_per_sec_median"],
+                       "transformers_tokens_per_sec": (S - 1) / seconds, "transformers_attention": attn,
+                       "load_average": os.getloadavg()[0], "wall_seconds": time.time() - t0, "cpl": c}
+                row["ratio"] = row["cpl_tokens_per_sec"] / row["transformers_tokens_per_sec"]
+                rows.append(row)
+                print(f"{family} {dt} {work}: cpl {row['cpl_tokens_per_sec']:.0f} tok/s, transformers "
+                      f"{row['transformers_tokens_per_sec']:.0f} tok/s ({attn}), ratio {row['ratio']:.2f}x, "
+                      f"load {row['load_average']:.2f}, {row['wall_seconds']:.0f} s", flush=True)
+    print()
+    print("| family | dtype | work | cpl tok/s best (median) | transformers tok/s | ratio | transformers attention |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['family']} | {r['dtype']} | {r['work']} | {r['cpl_tokens_per_sec']:.0f} "
+              f"({r['cpl_tokens_per_sec_median']:.0f}) | {r['transformers_tokens_per_sec']:.0f} | "
+              f"**{r['ratio']:.2f}x** | {r['transformers_attention']} |")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"cpu": cpu, "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows},
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
