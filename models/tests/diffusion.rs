@@ -858,7 +858,10 @@ fn ddpm_sample_follows_p_sample_loop() -> Res {
     )?;
     // Different noise gives different samples, and both are numbers (NaN would differ too).
     let (va, vb) = (values(&a), values(&b));
-    assert!(va.iter().chain(&vb).all(|x| x.is_finite()), "non-finite samples");
+    assert!(
+        va.iter().chain(&vb).all(|x| x.is_finite()),
+        "non-finite samples"
+    );
     assert_ne!(va, vb);
     Ok(())
 }

@@ -318,7 +318,7 @@ impl LmBenchArgs {
             family: models::family::LLAMA.name,
             desc: config.description()?,
             weights: Weights::Memory(
-                config,
+                Box::new(config),
                 Arc::new(TensorMap::new(
                     weights.into_iter().collect(),
                     "random model",
@@ -436,7 +436,7 @@ enum Weights {
     /// A checkpoint, loaded by its family.
     Files(ModelFiles),
     /// The random LLaMA, built in memory.
-    Memory(LlamaConfig, Arc<TensorMap>),
+    Memory(Box<LlamaConfig>, Arc<TensorMap>),
 }
 
 /// A benchmark's model, loaded on each rank by [`BenchModel::load`].
