@@ -3,7 +3,7 @@
 
 Run through scripts/bench_zoo.sh (which builds cpl first), from the repository root:
 
-    scripts/bench_zoo.sh [--families llama,qwen2,qwen3,mistral,gemma2] [--dtypes f32,bf16]
+    scripts/bench_zoo.sh [--families llama,qwen2,qwen3,mistral,gemma2,gemma3] [--dtypes f32,bf16]
                          [--seq-len 4096] [--repeats 3] [--json FILE]
 
 For each family it builds once, with transformers (``AutoConfig.for_model`` + ``save_pretrained``, random
@@ -61,7 +61,14 @@ def family_overrides(family, window):
         "mistral": dict(sliding_window=window),
         # Gemma 2's defaults are head_dim 256 and query_pre_attn_scalar 256: scaled to the head dim.
         "gemma2": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=window),
+        # Gemma 3 (text): the same scaling; q/k norms, per-layer-type RoPE, no soft-caps.
+        "gemma3": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=window,
+                       tie_word_embeddings=True),
     }[family]
+
+
+# transformers' model_type of a family whose name differs from it.
+MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 
 def checkpoint(family, root, seq_len):
@@ -73,7 +80,7 @@ def checkpoint(family, root, seq_len):
             w = json.load(f).get("sliding_window")
         if seq_len <= 4096 or w is None or w >= seq_len:
             return d
-    cfg = AutoConfig.for_model(family, **SHAPE, **family_overrides(family, window))
+    cfg = AutoConfig.for_model(MODEL_TYPES.get(family, family), **SHAPE, **family_overrides(family, window))
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
     return d
@@ -110,7 +117,7 @@ def lscpu():
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--families", default="llama,qwen2,qwen3,mistral,gemma2")
+    p.add_argument("--families", default="llama,qwen2,qwen3,mistral,gemma2,gemma3")
     p.add_argument("--dtypes", default="f32,bf16")
     p.add_argument("--works", default="eval,train")
     p.add_argument("--seq-len", type=int, default=4096)
