@@ -532,6 +532,7 @@ fn describe_toy(path: &std::path::Path) -> models::Result<Description> {
         hidden: h,
         vocab,
         attention_width: (l * h) as u64,
+        windowed: Vec::new(),
         causal: false,
         planner_shape: None,
         summary: String::new(),

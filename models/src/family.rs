@@ -62,8 +62,12 @@ pub struct Description {
     pub hidden: usize,
     /// Token vocabulary (0 for models that read no tokens).
     pub vocab: usize,
-    /// Σ over the layers of query heads × head dim: attention's work per pair of tokens.
+    /// Σ over the layers with global attention of query heads × head dim: attention's work
+    /// per pair of tokens.
     pub attention_width: u64,
+    /// The layers with a sliding window: `(query heads × head dim, window)` each (causal
+    /// models).
+    pub windowed: Vec<(u64, usize)>,
     /// Whether attention is causal (a token attends to half the pairs on average); causal
     /// models default to the zigzag ring layout, full-attention models to contiguous.
     pub causal: bool,
@@ -76,13 +80,29 @@ pub struct Description {
 impl Description {
     /// Model FLOPs per token at `seq_len` tokens per sequence: `2 N + 4 A S c` forward (N
     /// the multiplying parameters, A the attention width, c one half for causal attention and
-    /// one for full); training three times that, frozen-weight training `4 N + 3 · 4 A S c` (no
-    /// weight gradients). Recomputation (activation checkpointing) is not useful work and is
-    /// not counted. The only FLOPs formula of the workspace.
+    /// one for full), plus `4 A_w K(S, w)` for each windowed layer, where `K` is the keys a
+    /// query sees on average (`S / 2` up to `S = w`, then `w - w² / 2S`); training three times
+    /// that, frozen-weight training `4 N + 3 · 4 A S c` (no weight gradients). Recomputation
+    /// (activation checkpointing) is not useful work and is not counted. The only FLOPs formula
+    /// of the workspace.
     pub fn flops_per_token(&self, seq_len: usize, work: Work) -> f64 {
         let weights = 2.0 * self.matmul_params as f64;
         let share = if self.causal { 0.5 } else { 1.0 };
-        let attn = 4.0 * self.attention_width as f64 * seq_len as f64 * share;
+        let s = seq_len as f64;
+        let windowed: f64 = self
+            .windowed
+            .iter()
+            .map(|&(width, w)| {
+                let w = w as f64;
+                let keys = if s <= w {
+                    s / 2.0
+                } else {
+                    w - w * w / (2.0 * s)
+                };
+                4.0 * width as f64 * keys
+            })
+            .sum();
+        let attn = 4.0 * self.attention_width as f64 * s * share + windowed;
         match work {
             Work::Forward => weights + attn,
             Work::Training => 3.0 * (weights + attn),
@@ -210,6 +230,7 @@ impl crate::dit::DitConfig {
             hidden: self.hidden_size(),
             vocab: 0,
             attention_width: (self.num_layers * self.hidden_size()) as u64,
+            windowed: Vec::new(),
             causal: false,
             planner_shape: None,
             summary: format!(
@@ -360,6 +381,7 @@ mod tests {
             hidden: 8,
             vocab: 10,
             attention_width: 16,
+            windowed: Vec::new(),
             causal: true,
             planner_shape: None,
             summary: String::new(),
@@ -373,6 +395,19 @@ mod tests {
         );
         d.causal = false;
         assert_eq!(d.flops_per_token(32, Work::Forward), w + 2.0 * a);
+        // A windowed layer of width 16 and window 8 at 32 tokens: a query sees 8 - 64/64 = 7
+        // keys on average (exactly: (1 + ... + 8 + 24 x 8) / 32 = 7.125); at 8 tokens or fewer,
+        // as a global layer.
+        d.causal = true;
+        d.windowed = vec![(16, 8)];
+        assert_eq!(
+            d.flops_per_token(32, Work::Forward),
+            w + a + 4.0 * 16.0 * 7.0
+        );
+        assert_eq!(
+            d.flops_per_token(8, Work::Forward),
+            w + 2.0 * 4.0 * 16.0 * 8.0 * 0.5
+        );
     }
 
     /// Detection by architecture, by model_type when none is named, and not by model_type when

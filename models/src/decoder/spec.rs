@@ -203,8 +203,8 @@ impl DecoderSpec {
         }
     }
 
-    /// Size and FLOPs terms ([`Description`]). Sliding windows are not discounted: the
-    /// formula counts every layer's attention as global.
+    /// Size and FLOPs terms ([`Description`]); windowed layers count the keys their window
+    /// lets a query see.
     pub fn description(&self) -> Description {
         let lookup = if self.tie_word_embeddings {
             0
@@ -218,7 +218,18 @@ impl DecoderSpec {
             layers: self.num_layers(),
             hidden: self.hidden_size,
             vocab: self.vocab_size,
-            attention_width: (self.num_layers() * self.num_heads * self.head_dim) as u64,
+            attention_width: self
+                .layers
+                .iter()
+                .filter(|l| l.window.is_none())
+                .map(|_| (self.num_heads * self.head_dim) as u64)
+                .sum(),
+            windowed: self
+                .layers
+                .iter()
+                .filter_map(|l| l.window)
+                .map(|w| ((self.num_heads * self.head_dim) as u64, w))
+                .collect(),
             causal: true,
             planner_shape: Some(self.planner_shape()),
             summary: self.summary(),
