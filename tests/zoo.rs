@@ -6,7 +6,7 @@
 //!   max|ref| per tensor; transformers' own float32 run is 1e-6 to 7e-6 from it, see the
 //!   fixtures' README). The sequence (32) is longer than the sliding windows (8), whose removal
 //!   changes the logits by 70-110%.
-//! - Each family under tp2, zigzag ring4, USP 2x2, double ring, all-gather CP and ZeRO-3 with
+//! - Each family under tp2, zigzag and contiguous ring4, USP 2x2, double ring, all-gather CP and ZeRO-3 with
 //!   selective checkpointing: loss, logits and every parameter's whole gradient equal one rank
 //!   (1e-5 relative), every gradient non-zero.
 //! - Each family trains 3 AdamW steps through the registry under pp2 (and Qwen2 under pp2 x
@@ -100,6 +100,12 @@ fn layouts() -> Vec<(Layout, StepPlan)> {
     vec![
         (Layout::new("tp2", 2, 1, 1, Strategy::Ring), plain),
         (Layout::new("zigzag ring4", 1, 1, 4, Strategy::Ring), plain),
+        // Contiguous blocks of 8 tokens: a window of 8 lets the ring skip whole block pairs.
+        (
+            Layout::new("contiguous ring4", 1, 1, 4, Strategy::Ring)
+                .with_sp(|s| s.with_layout(candle_parallel::attention::SeqLayout::Contiguous)),
+            plain,
+        ),
         (Layout::new("usp 2x2", 1, 2, 2, Strategy::Usp), plain),
         (
             Layout::new("double ring w2 on 4", 1, 1, 4, Strategy::DoubleRing)
