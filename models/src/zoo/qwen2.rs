@@ -59,20 +59,27 @@ impl QwenWindows {
 }
 
 impl Qwen2Config {
-    /// Parses and validates a config; `path` names it in errors.
-    fn parse(text: &str, path: &Path) -> Result<Self> {
-        let cfg: Self = serde_json::from_str(text)
-            .map_err(|e| Error::config(path, format!("not a valid Qwen2 config.json: {e}")))?;
-        cfg.base.check_names(path, "Qwen2ForCausalLM", "qwen2")?;
+    /// Parses and validates a config of `architecture` / `model_type` (Qwen3's config has the
+    /// same fields); `path` names it in errors.
+    pub(crate) fn parse_as(
+        text: &str,
+        path: &Path,
+        architecture: &str,
+        model_type: &'static str,
+    ) -> Result<Self> {
+        let cfg: Self = serde_json::from_str(text).map_err(|e| {
+            Error::config(path, format!("not a valid {architecture} config.json: {e}"))
+        })?;
+        cfg.base.check_names(path, architecture, model_type)?;
         cfg.base.check_activation(path, "silu")?;
         cfg.base.validate_common(path)?;
-        cfg.spec(path)?;
+        cfg.windowed_spec(model_type, path)?;
         Ok(cfg)
     }
 
-    fn spec(&self, path: &Path) -> Result<DecoderSpec> {
-        let mut spec = self.base.base_spec("qwen2", path)?;
-        (spec.qkv_bias, spec.o_bias) = (true, false);
+    /// LLaMA's decoder of these fields with Qwen's windows; `family` names it in errors.
+    pub(crate) fn windowed_spec(&self, family: &'static str, path: &Path) -> Result<DecoderSpec> {
+        let mut spec = self.base.base_spec(family, path)?;
         let windows = self.windows.windows(spec.num_layers(), path)?;
         for (layer, window) in spec.layers.iter_mut().zip(windows) {
             layer.window = window;
@@ -82,14 +89,17 @@ impl Qwen2Config {
 }
 
 impl ToDecoderSpec for Qwen2Config {
+    /// Biases on q, k and v, none on the output projection.
     fn decoder_spec(&self) -> Result<DecoderSpec> {
-        self.spec(Path::new("config.json"))
+        let mut spec = self.windowed_spec("qwen2", Path::new("config.json"))?;
+        (spec.qkv_bias, spec.o_bias) = (true, false);
+        Ok(spec)
     }
 }
 
 impl DecoderConfig for Qwen2Config {
     fn from_json(text: &str, path: &Path) -> Result<Self> {
-        Self::parse(text, path)
+        Self::parse_as(text, path, "Qwen2ForCausalLM", "qwen2")
     }
 
     fn base(&self) -> &LlamaConfig {
