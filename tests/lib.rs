@@ -538,3 +538,42 @@ pub fn train_through_registry(
         weights,
     }
 }
+
+/// The small AdamW run the family tests train: 32-token sequences, one per micro-batch,
+/// `grad_accum` micro-batches per step, lr 5e-3 with one warmup step and a cosine decay to 5e-4,
+/// weight decay 0.1, clipping at 1.0, loss chunks of 16 tokens, seed `seed`.
+pub fn small_train_config(
+    steps: u64,
+    memory: candle_parallel::plan::MemoryPlan,
+    grad_accum: usize,
+    seed: u64,
+) -> train::trainer::TrainConfig {
+    use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule};
+    train::trainer::TrainConfig {
+        seq_len: 32,
+        steps,
+        batch: 1,
+        grad_accum,
+        doc_mask: false,
+        seed,
+        shuffle: true,
+        adamw: AdamWConfig {
+            lr: 5e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        },
+        schedule: LrSchedule {
+            peak_lr: 5e-3,
+            min_lr: 5e-4,
+            warmup_steps: 1,
+            total_steps: steps,
+            decay: Decay::Cosine,
+        },
+        max_grad_norm: Some(1.0),
+        loss_chunk_tokens: 16,
+        memory,
+        pipeline: None,
+    }
+}

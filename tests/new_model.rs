@@ -25,7 +25,7 @@ use candle_parallel::nn::{
     LmHead, Mlp, MlpConfig, NormConfig, ParallelAttention, ParallelCtx, ParamBuilder, ParamMode,
     Pass, TensorMap, Track, Unit, UnitOps, VocabParallelEmbedding,
 };
-use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
+use candle_parallel::optim::ZeroStage;
 use candle_parallel::plan::{MemoryPlan, Parallelize};
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{
@@ -325,33 +325,7 @@ fn weights() -> HashMap<String, Tensor> {
 }
 
 fn config(steps: u64, memory: MemoryPlan, grad_accum: usize) -> TrainConfig {
-    TrainConfig {
-        seq_len: 32,
-        steps,
-        batch: 1,
-        grad_accum,
-        doc_mask: false,
-        seed: 3,
-        shuffle: true,
-        adamw: AdamWConfig {
-            lr: 5e-3,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        },
-        schedule: LrSchedule {
-            peak_lr: 5e-3,
-            min_lr: 5e-4,
-            warmup_steps: 1,
-            total_steps: steps,
-            decay: Decay::Cosine,
-        },
-        max_grad_norm: Some(1.0),
-        loss_chunk_tokens: 16,
-        memory,
-        pipeline: None,
-    }
+    cpl_integration_tests::small_train_config(steps, memory, grad_accum, 3)
 }
 
 fn data() -> PackedDataset {

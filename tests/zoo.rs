@@ -160,34 +160,7 @@ fn every_family_under_every_layout_matches_one_rank() {
 }
 
 fn config(steps: u64) -> train::trainer::TrainConfig {
-    use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule};
-    train::trainer::TrainConfig {
-        seq_len: 32,
-        steps,
-        batch: 1,
-        grad_accum: 2,
-        doc_mask: false,
-        seed: 5,
-        shuffle: true,
-        adamw: AdamWConfig {
-            lr: 5e-3,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        },
-        schedule: LrSchedule {
-            peak_lr: 5e-3,
-            min_lr: 5e-4,
-            warmup_steps: 1,
-            total_steps: steps,
-            decay: Decay::Cosine,
-        },
-        max_grad_norm: Some(1.0),
-        loss_chunk_tokens: 16,
-        memory: Default::default(),
-        pipeline: None,
-    }
+    cpl_integration_tests::small_train_config(steps, Default::default(), 2, 5)
 }
 
 fn data() -> PackedDataset {
