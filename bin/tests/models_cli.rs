@@ -10,9 +10,9 @@
 use std::path::{Path, PathBuf};
 
 mod common;
-use common::{assert_clear_errors, cpl, cpl_env, stderr, stdout, tmpdir, words};
+use common::{assert_clear_errors, cpl, cpl_env, next_token_loss, stderr, stdout, tmpdir, words};
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 
 fn fixtures() -> PathBuf {
     common::fixtures("llama")
@@ -46,34 +46,7 @@ fn reference_loss(ids: &[Vec<i64>]) -> f64 {
     let t =
         candle_core::safetensors::load(fixtures().join("mha/reference.safetensors"), &Device::Cpu)
             .unwrap();
-    let logits = t["logits"].to_dtype(DType::F64).unwrap();
-    let lse = {
-        let m = logits.max_keepdim(D::Minus1).unwrap();
-        (logits
-            .broadcast_sub(&m)
-            .unwrap()
-            .exp()
-            .unwrap()
-            .sum_keepdim(D::Minus1)
-            .unwrap()
-            .log()
-            .unwrap()
-            + m)
-            .unwrap()
-    };
-    let logp = logits
-        .broadcast_sub(&lse)
-        .unwrap()
-        .to_vec3::<f64>()
-        .unwrap();
-    let (mut sum, mut n) = (0.0, 0usize);
-    for (b, row) in ids.iter().enumerate() {
-        for i in 0..row.len() - 1 {
-            sum -= logp[b][i][row[i + 1] as usize];
-            n += 1;
-        }
-    }
-    sum / n as f64
+    next_token_loss(&t["logits"], ids)
 }
 
 fn eval_json(args: &[&str], env: &[(&str, &str)]) -> serde_json::Value {

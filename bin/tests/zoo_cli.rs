@@ -9,8 +9,8 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device, D};
-use common::{cpl, fixtures, stderr, stdout, tmpdir};
+use candle_core::{DType, Device};
+use common::{cpl, fixtures, next_token_loss, stderr, stdout, tmpdir};
 
 /// A copy of zoo fixture `name` with the LLaMA fixtures' tokenizer (vocab 256, as the models').
 fn zoo_model(name: &str, dir: &Path) -> PathBuf {
@@ -41,32 +41,7 @@ fn tokens_and_loss(name: &str, dir: &Path) -> (PathBuf, f64) {
         .unwrap();
     let path = dir.join(format!("{name}-tokens.json"));
     std::fs::write(&path, serde_json::to_string(&ids).unwrap()).unwrap();
-    let logits = t["logits"].to_dtype(DType::F64).unwrap();
-    let m = logits.max_keepdim(D::Minus1).unwrap();
-    let lse = (logits
-        .broadcast_sub(&m)
-        .unwrap()
-        .exp()
-        .unwrap()
-        .sum_keepdim(D::Minus1)
-        .unwrap()
-        .log()
-        .unwrap()
-        + m)
-        .unwrap();
-    let logp = logits
-        .broadcast_sub(&lse)
-        .unwrap()
-        .to_vec3::<f64>()
-        .unwrap();
-    let (mut sum, mut n) = (0.0, 0usize);
-    for (b, row) in ids.iter().enumerate() {
-        for i in 0..row.len() - 1 {
-            sum -= logp[b][i][row[i + 1] as usize];
-            n += 1;
-        }
-    }
-    (path, sum / n as f64)
+    (path, next_token_loss(&t["logits"], &ids))
 }
 
 fn run_ok(args: &[&str]) -> String {

@@ -64,3 +64,36 @@ pub fn assert_clear_errors<S: AsRef<OsStr> + std::fmt::Debug>(cases: &[(Vec<S>, 
 pub fn words(line: &str) -> Vec<String> {
     line.split_whitespace().map(str::to_string).collect()
 }
+
+/// Mean next-token cross-entropy (f64) of `logits` `(batch, seq, vocab)` on the ids `ids`
+/// (every position but the last scored against the next id): a reference's loss from its
+/// logits.
+pub fn next_token_loss(logits: &candle_core::Tensor, ids: &[Vec<i64>]) -> f64 {
+    use candle_core::{DType, D};
+    let logits = logits.to_dtype(DType::F64).unwrap();
+    let m = logits.max_keepdim(D::Minus1).unwrap();
+    let lse = (logits
+        .broadcast_sub(&m)
+        .unwrap()
+        .exp()
+        .unwrap()
+        .sum_keepdim(D::Minus1)
+        .unwrap()
+        .log()
+        .unwrap()
+        + m)
+        .unwrap();
+    let logp = logits
+        .broadcast_sub(&lse)
+        .unwrap()
+        .to_vec3::<f64>()
+        .unwrap();
+    let (mut sum, mut n) = (0.0, 0usize);
+    for (b, row) in ids.iter().enumerate() {
+        for i in 0..row.len() - 1 {
+            sum -= logp[b][i][row[i + 1] as usize];
+            n += 1;
+        }
+    }
+    sum / n as f64
+}
