@@ -290,11 +290,6 @@ impl LlamaConfig {
     pub fn description(&self) -> Result<Description> {
         Ok(self.decoder_spec()?.description())
     }
-
-    /// Number of parameters of the whole model.
-    pub fn num_parameters(&self) -> Result<usize> {
-        Ok(self.decoder_spec()?.num_parameters())
-    }
 }
 
 impl DecoderConfig for LlamaConfig {
