@@ -4,6 +4,8 @@
 //! (never a silent pass).
 //!
 //! Each test computes on CUDA and compares with the CPU result of the same inputs:
+//! - flash-ring's CUDA kernels (NVRTC) forward and backward for every mask kind, soft-cap, GQA,
+//!   head dims 64/80/128/256, f32/bf16/f16, run twice for bit-identity; and through autograd;
 //! - flash attention (the composite path on CUDA) forward and backward against flash-ring's CPU
 //!   kernels, for causal, full, documents, windows, zigzag and striped blocks, GQA, head dims 64
 //!   and 128, in f32 (relative max-norm error 1e-5: both are f32 arithmetic, cuBLAS may use a
@@ -109,7 +111,7 @@ fn specs(d: usize) -> Vec<(&'static str, AttnSpec, usize, usize)> {
 }
 
 #[test]
-fn flash_attention_on_cuda_matches_the_cpu_kernels() {
+fn composite_attention_on_cuda_matches_the_cpu_kernels() {
     let dev = cuda();
     for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
         for d in [64, 128] {
@@ -122,13 +124,17 @@ fn flash_attention_on_cuda_matches_the_cpu_kernels() {
                 let g = flash_ring::flash_bwd_f32(&q, &k, &v, &o, &l, &dout, &spec).expect("cpu");
                 let on = |t: &Tensor| t.to_device(&dev).expect("to cuda");
                 let (qc, kc, vc, dc) = (on(&q), on(&k), on(&v), on(&dout));
-                let (oc, lc) = flash_ring::flash_fwd(&qc, &kc, &vc, &spec).expect("cuda fwd");
+                // The composite path explicitly: flash_fwd on CUDA takes the kernels.
+                let cc = flash_ring::CompositeConfig::default();
+                let (oc, lc) =
+                    flash_ring::composite::forward(&qc, &kc, &vc, &spec, &cc).expect("cuda fwd");
                 assert!(
                     oc.device().is_cuda() && lc.device().is_cuda(),
                     "stays on CUDA"
                 );
-                let gc = flash_ring::flash_bwd_f32(&qc, &kc, &vc, &oc, &lc, &dc, &spec)
-                    .expect("cuda bwd");
+                let gc =
+                    flash_ring::composite::backward(&qc, &kc, &vc, &oc, &lc, &dc, &spec, &cc, true)
+                        .expect("cuda bwd");
                 for (what, a, b) in [
                     ("out", &oc, &o),
                     ("lse", &lc, &l),
@@ -145,6 +151,178 @@ fn flash_attention_on_cuda_matches_the_cpu_kernels() {
             }
         }
     }
+}
+
+/// Every mask kind of `specs` plus a soft-cap, a full-mask window and rows with no allowed key.
+fn kernel_specs(d: usize) -> Vec<(&'static str, AttnSpec, usize, usize)> {
+    let s = 1.0 / (d as f32).sqrt();
+    let mut v = specs(d);
+    v.push((
+        "causal softcap",
+        AttnSpec::dense(s, MaskKind::Causal, 200, 200).with_softcap(5.0),
+        200,
+        200,
+    ));
+    v.push((
+        "full window",
+        AttnSpec::dense(s, MaskKind::Full, 150, 170).with_window(40),
+        150,
+        170,
+    ));
+    // q rows 0..50 see keys at positions 100.. only under a causal mask: no allowed key.
+    v.push((
+        "empty rows",
+        AttnSpec::new(
+            s,
+            MaskKind::Causal,
+            Positions::range(0, 120),
+            Positions::range(60, 90),
+        ),
+        120,
+        90,
+    ));
+    v
+}
+
+/// flash-ring's CUDA kernels (`flash_ring::cuda`, NVRTC) against the CPU kernels: forward (out,
+/// lse) and backward (dq, dk, dv) for every mask kind, GQA 8:2, head dims 64, 80, 128 and 256,
+/// f32 (1e-5 relative max-norm: f32 arithmetic on both sides, only the summation order differs),
+/// bf16 and f16 (2e-2 and 1e-2: the outputs are rounded to the input dtype); and bit-identical
+/// when run twice (no atomics).
+#[test]
+fn cuda_kernels_match_the_cpu_kernels() {
+    let dev = cuda();
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 1e-2)] {
+        for d in [64, 80, 128, 256] {
+            for (name, spec, sq, sk) in kernel_specs(d) {
+                let q = random((2, sq, 8, d), 11, dtype);
+                let k = random((2, sk, 2, d), 12, dtype);
+                let v = random((2, sk, 2, d), 13, dtype);
+                let dout = random((2, sq, 8, d), 14, dtype);
+                let (o, l) = flash_ring::flash_fwd(&q, &k, &v, &spec).expect("cpu fwd");
+                let g = flash_ring::flash_bwd_f32(&q, &k, &v, &o, &l, &dout, &spec).expect("cpu");
+                let on = |t: &Tensor| t.to_device(&dev).expect("to cuda");
+                let (qc, kc, vc, dc) = (on(&q), on(&k), on(&v), on(&dout));
+                let (oc, lc) = flash_ring::cuda::forward(&qc, &kc, &vc, &spec).expect("cuda fwd");
+                let gc = flash_ring::cuda::backward(&qc, &kc, &vc, &oc, &lc, &dc, &spec, true)
+                    .expect("cuda bwd");
+                for (what, a, b) in [
+                    ("out", &oc, &o),
+                    ("lse", &lc, &l),
+                    ("dq", &gc.0, &g.0),
+                    ("dk", &gc.1, &g.1),
+                    ("dv", &gc.2, &g.2),
+                ] {
+                    assert!(a.device().is_cuda(), "{what} stays on CUDA");
+                    let e = rel(a, b);
+                    assert!(
+                        e <= tol,
+                        "kernel {name} d={d} {dtype:?}: {what} rel err {e:.3e} > {tol}"
+                    );
+                }
+                if dtype == DType::F32 && d == 128 {
+                    let (oc2, _) = flash_ring::cuda::forward(&qc, &kc, &vc, &spec).expect("fwd");
+                    let gc2 = flash_ring::cuda::backward(&qc, &kc, &vc, &oc, &lc, &dc, &spec, true)
+                        .expect("bwd");
+                    for (what, a, b) in [
+                        ("out", &oc2, &oc),
+                        ("dq", &gc2.0, &gc.0),
+                        ("dk", &gc2.1, &gc.1),
+                    ] {
+                        let diff = (a - b)
+                            .and_then(|t| t.abs())
+                            .and_then(|t| t.flatten_all())
+                            .and_then(|t| t.max(0))
+                            .and_then(|t| t.to_scalar::<f32>())
+                            .expect("diff");
+                        assert_eq!(diff, 0.0, "kernel {name}: {what} differs between two runs");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The differentiable entry point on CUDA tensors takes the kernels: gradients through
+/// `flash_attention` match the CPU's (f32, 1e-5).
+#[test]
+fn cuda_kernels_serve_flash_attention_autograd() {
+    let dev = cuda();
+    let (sq, d) = (300, 64);
+    let spec = AttnSpec::dense(0.125, MaskKind::Causal, sq, sq).with_window(90);
+    let q = random((1, sq, 4, d), 21, DType::F32);
+    let k = random((1, sq, 2, d), 22, DType::F32);
+    let v = random((1, sq, 2, d), 23, DType::F32);
+    let w = random((1, sq, 4, d), 24, DType::F32);
+    let run = |dev: &Device| {
+        let vars: Vec<candle_core::Var> = [&q, &k, &v]
+            .iter()
+            .map(|t| candle_core::Var::from_tensor(&t.to_device(dev).expect("dev")).expect("var"))
+            .collect();
+        let out = flash_ring::flash_attention(
+            vars[0].as_tensor(),
+            vars[1].as_tensor(),
+            vars[2].as_tensor(),
+            &spec,
+        )
+        .expect("attention");
+        let loss = (out * w.to_device(dev).expect("w"))
+            .and_then(|t| t.sum_all())
+            .expect("loss");
+        let grads = loss.backward().expect("backward");
+        let mut res = vec![loss];
+        for var in &vars {
+            res.push(
+                grads
+                    .get(var.as_tensor())
+                    .expect("every input gets a gradient")
+                    .clone(),
+            );
+        }
+        res
+    };
+    let (cpu, gpu) = (run(&Device::Cpu), run(&dev));
+    for (what, a, b) in [("loss", 0, 0), ("dq", 1, 1), ("dk", 2, 2), ("dv", 3, 3)] {
+        let e = rel(&gpu[a], &cpu[b]);
+        assert!(e <= 1e-5, "autograd {what}: rel err {e:.3e}");
+    }
+}
+
+/// Needs no GPU, only the NVRTC library (`scripts/check_gpu_bundle.sh` runs it on the CPU
+/// machine): every kernel variant compiles for sm_80 and sm_90, its PTX holds the three entry
+/// points, and the launch geometry keeps at most 32 dims per thread.
+#[test]
+fn nvrtc_compiles_every_kernel_variant() {
+    for arch in ["compute_80", "compute_90"] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for d in [1, 32, 64, 80, 96, 128, 160, 256] {
+                let ptx = flash_ring::cuda::compile(dtype, d, arch)
+                    .unwrap_or_else(|e| panic!("{arch} {dtype:?} d={d}: {e}"));
+                for entry in flash_ring::cuda::ENTRY_POINTS {
+                    assert!(
+                        ptx.contains(&format!(".entry {entry}(")),
+                        "{arch} {dtype:?} d={d}: no entry {entry}"
+                    );
+                }
+                assert!(
+                    ptx.contains(&format!(".target sm_{}", &arch[8..])),
+                    "{arch}: target"
+                );
+                let (g, rows, tile) =
+                    flash_ring::cuda::launch_geometry(dtype, d).expect("geometry");
+                assert!(
+                    g.is_power_of_two()
+                        && d.div_ceil(g) <= 32
+                        && (g == 1 || d.div_ceil(g / 2) > 32)
+                );
+                assert_eq!(rows * g, 128);
+                assert_eq!(tile, if d <= 128 { 32 } else { 16 });
+            }
+        }
+    }
+    assert!(flash_ring::cuda::compile(DType::F32, 257, "compute_80").is_err());
+    assert!(flash_ring::cuda::compile(DType::F64, 64, "compute_80").is_err());
+    assert!(!flash_ring::cuda::supports(DType::F32, 0));
 }
 
 #[test]

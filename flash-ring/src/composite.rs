@@ -68,13 +68,13 @@ impl CompositeConfig {
 
 /// Shapes of one call: batch, q rows, q heads, k rows, k/v heads, head dim.
 #[derive(Clone, Copy, Debug)]
-struct Dims {
-    b: usize,
-    sq: usize,
-    hq: usize,
-    sk: usize,
-    hkv: usize,
-    d: usize,
+pub(crate) struct Dims {
+    pub(crate) b: usize,
+    pub(crate) sq: usize,
+    pub(crate) hq: usize,
+    pub(crate) sk: usize,
+    pub(crate) hkv: usize,
+    pub(crate) d: usize,
 }
 
 impl Dims {
@@ -83,7 +83,8 @@ impl Dims {
     }
 }
 
-fn dims(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttnSpec) -> Result<Dims> {
+/// Checks the shapes, dtypes and spec of a call (shared with the CUDA kernels' host code).
+pub(crate) fn dims(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttnSpec) -> Result<Dims> {
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
         if t.rank() != 4 {
             return Err(crate::rank_err(name, t.dims()));

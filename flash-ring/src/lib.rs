@@ -21,12 +21,16 @@
 //! with short accumulation chains (accurate sums of large same-sign terms).
 //!
 //! The functions here take candle tensors and dispatch on the device: CPU tensors run the tiled
-//! CPU kernels ([`cpu`]); tensors on any other device (CUDA, Metal) run the [`composite`] path,
+//! CPU kernels ([`cpu`]); CUDA tensors run flash-ring's CUDA kernels (`cuda`, feature `cuda`,
+//! compiled at run time by NVRTC) for f32/bf16/f16 and head dims up to 256; everything else on
+//! a device (Metal, larger head dims, `FLASH_RING_CUDA=composite`) runs the [`composite`] path,
 //! the same blockwise algorithm in candle tensor ops, which is also the oracle a device kernel is
 //! tested against. Nothing is copied to the CPU behind the caller's back.
 
 pub mod composite;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod error;
 pub mod flash_attn_plan;
 mod matmul;
@@ -68,6 +72,10 @@ pub fn flash_fwd_with_config(
 ) -> Result<(Tensor, Tensor)> {
     check_devices(q, &[("k", k), ("v", v)])?;
     if !q.device().is_cpu() {
+        #[cfg(feature = "cuda")]
+        if cuda_kernels(q) {
+            return cuda::forward(q, k, v, spec);
+        }
         return composite::forward(q, k, v, spec, &CompositeConfig::default());
     }
     let (gq, lq) = q.storage_and_layout();
@@ -175,6 +183,10 @@ pub(crate) fn flash_bwd_impl(
         ],
     )?;
     if !q.device().is_cpu() {
+        #[cfg(feature = "cuda")]
+        if cuda_kernels(q) {
+            return cuda::backward(q, k, v, out, lse, dout, spec, f32_grads);
+        }
         return composite::backward(
             q,
             k,
@@ -256,7 +268,7 @@ pub fn flash_attention_with_config(
     // Before the op, which would wrap the error into a candle error.
     spec.check_softcap()?;
     if !q.device().is_cpu() {
-        return op::composite_attention(q, k, v, spec, &CompositeConfig::default());
+        return op::device_attention(q, k, v, spec, &CompositeConfig::default());
     }
     let cell = Arc::new(Mutex::new(None));
     let op = op::FlashAttnOp {
@@ -271,6 +283,13 @@ pub fn flash_attention_with_config(
         .and_then(|g| g.clone())
         .ok_or_else(|| Error::Config("forward did not produce an lse".into()))?;
     Ok((out, lse))
+}
+
+/// Whether a call whose q is `q` (not on the CPU) runs flash-ring's CUDA kernels ([`cuda`])
+/// rather than the composite path.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_kernels(q: &Tensor) -> bool {
+    q.device().is_cuda() && q.rank() == 4 && cuda::selected(q.dtype(), q.dims()[3])
 }
 
 pub(crate) fn rank_err(name: &'static str, dims: &[usize]) -> Error {

@@ -73,8 +73,32 @@ impl CustomOp3 for FlashAttnOp {
     }
 }
 
-/// Off the CPU: the [`composite`] forward, recorded as a node of `(q, k, v)` whose backward is
-/// the composite backward. Returns `(out, lse)` like [`crate::flash_attention_with_lse`].
+/// Off the CPU: the device forward (flash-ring's CUDA kernels where they apply, else the
+/// [`composite`] path), recorded as a node of `(q, k, v)` whose backward is the same route's
+/// backward. Returns `(out, lse)` like [`crate::flash_attention_with_lse`].
+pub(crate) fn device_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &AttnSpec,
+    cfg: &CompositeConfig,
+) -> crate::Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if crate::cuda_kernels(q) {
+        let (out, lse) = crate::cuda::forward(q, k, v, spec)?;
+        let (saved_lse, spec) = (lse.clone(), spec.clone());
+        let backward: Backward3 = Box::new(move |q, k, v, out, dout| {
+            Ok(crate::cuda::backward(
+                q, k, v, out, &saved_lse, dout, &spec, false,
+            )?)
+        });
+        return Ok((record3("flash-ring-cuda", q, k, v, out, backward)?, lse));
+    }
+    composite_attention(q, k, v, spec, cfg)
+}
+
+/// The composite forward recorded as a node of `(q, k, v)` whose backward is the composite
+/// backward (what [`composite::attention`] runs).
 pub(crate) fn composite_attention(
     q: &Tensor,
     k: &Tensor,

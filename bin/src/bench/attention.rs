@@ -2,7 +2,8 @@
 //!
 //! `--device cuda[:N]` times the same calls on a GPU (flash-ring's composite path there), with
 //! the device synchronised after every timed run, against the GPU's f32 and bf16 matmul rates.
-//! The other benchmarks (`train`, `eval`) refuse a GPU: their timings do not synchronise it.
+//! `cpl bench eval` refuses a GPU (its timings do not synchronise it); `cpl bench train` synchronises
+//! after every step.
 //!
 //! Shape (batch 1, --heads, S, --head-dim) for every S of --seqs, dtype and mask: forward and
 //! forward+backward time of flash-ring and of naive candle attention (up to --naive-max-seq),

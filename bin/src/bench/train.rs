@@ -7,6 +7,8 @@
 //! a warm-up; tokens/s are the best and the median of the others (the slowest rank's time of
 //! each step). Also: the peak resident memory, this machine's f32 matmul rate and the model
 //! FLOPs utilisation (the family's `Description::flops_per_token` x tokens/s over that rate).
+//! With `--device cuda`: each step's time ends with the GPU synchronised, and the MFU is against
+//! that GPU's matmul rate in the model's dtype (bf16 on tensor cores).
 
 use std::time::Instant;
 
@@ -20,6 +22,8 @@ use candle_parallel::recompute::Checkpointing;
 use serde_json::json;
 use train::data::{PackedDataset, Packing, TokenStream};
 use train::trainer::{TrainConfig, Trainer};
+
+use crate::layout::DeviceArg;
 
 use super::{at_least_one, random_tokens, LmBenchArgs, Throughput, Work};
 use crate::launch::launch;
@@ -62,11 +66,6 @@ struct Measured {
 
 pub fn run(args: &TrainBenchArgs) -> Result<()> {
     let a = &args.lm;
-    a.layout.device.require_cpu_because(
-        "cpl bench train",
-        "its timings do not synchronise a GPU and its MFU is against the CPU's matmul rate \
-         (`cpl bench attention --device cuda` measures a GPU)",
-    )?;
     if args.steps < 2 {
         bail!(
             "--steps {} must be at least 2 (the first step is a warm-up)",
@@ -106,7 +105,12 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
         a.seq_len,
         Packing::Continuous,
     )?;
-    let mm = a.matmul.gflops(10)?;
+    // On a GPU: MFU against that GPU's matmul rate in the model's dtype (tensor cores for bf16),
+    // and every step's time ends with the device synchronised.
+    let cpu_mm = match a.layout.device {
+        DeviceArg::Cpu => Some(a.matmul.gflops(10)?),
+        DeviceArg::Cuda(_) => None,
+    };
     let measured = launch(&a.layout, |rank| {
         let loaded = model.load(rank, dtype, ParamMode::Trainable, &a.layout)?;
         let dtype = crate::eval::activation_dtype(&loaded.params);
@@ -116,6 +120,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
         while trainer.step < cfg.steps {
             let t0 = Instant::now();
             let stats = trainer.step(&data)?;
+            rank.ctx.device().synchronize()?;
             seconds.push(t0.elapsed().as_secs_f64());
             losses.push(stats.loss);
             tokens = stats.tokens;
@@ -139,6 +144,10 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     })?;
     let Some(m) = measured else {
         return Ok(());
+    };
+    let mm = match cpu_mm {
+        Some(mm) => mm,
+        None => a.matmul.gflops_on(&a.layout.device.open(0)?, m.dtype, 10)?,
     };
     let flops = model.desc.flops_per_token(a.seq_len, Work::Training);
     let rate = Throughput::new(&m.seconds[1..], m.tokens as f64, flops, mm, &a.matmul);
