@@ -26,7 +26,7 @@ check() { # check NAME COMMAND...
     fi
 }
 
-SCRIPTS=(scripts/gpu_check.sh scripts/build_gpu_bundle.sh scripts/check_gpu_bundle.sh
+SCRIPTS=(scripts/gpu_check.sh scripts/gpu_bench.sh scripts/build_gpu_bundle.sh scripts/check_gpu_bundle.sh
     scripts/test_gpu_check.sh)
 for s in "${SCRIPTS[@]}"; do
     check "bash -n $s" bash -n "$s"
