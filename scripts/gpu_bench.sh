@@ -49,7 +49,7 @@ done
 SHAPE=(--heads 32 --head-dim 128)
 TORCH_ARG=()
 if [ -n "$PY" ]; then
-    step torch 150 "$PY" scripts/bench_attention_torch.py --device cuda --heads 32 --head-dim 128 \
+    step torch 90 "$PY" scripts/bench_attention_torch.py --device cuda --heads 32 --head-dim 128 \
         --seqs "$SEQS" --dtypes f32,bf16 --repeats 3 --out "$OUT/torch-attention.json" >/dev/null
     [ -s "$OUT/torch-attention.json" ] && TORCH_ARG=(--torch "$OUT/torch-attention.json")
 else
@@ -57,11 +57,11 @@ else
 fi
 # shellcheck disable=SC2206
 SEQ_ARG=(--seqs ${SEQS//,/ })
-step attention 200 "$W/cpl" bench attention --device cuda "${SHAPE[@]}" "${SEQ_ARG[@]}" \
+step attention 150 "$W/cpl" bench attention --device cuda "${SHAPE[@]}" "${SEQ_ARG[@]}" \
     --repeats 2 "${TORCH_ARG[@]}" --json >"$OUT/attention.json" 2>>"$OUT/attention.log"
-step composite 120 env FLASH_RING_CUDA=composite "$W/cpl" bench attention --device cuda "${SHAPE[@]}" \
+step composite 60 env FLASH_RING_CUDA=composite "$W/cpl" bench attention --device cuda "${SHAPE[@]}" \
     --seqs 8192 --repeats 2 --json >"$OUT/composite.json" 2>&1
-step train32k 180 "$W/cpl" bench train --device cuda --seq-len 32768 --steps 3 --dtype bf16 \
+step train32k 120 "$W/cpl" bench train --device cuda --seq-len 32768 --steps 3 --dtype bf16 \
     --layers 4 --hidden 1024 --heads 8 --kv-heads 8 --intermediate 2816 --vocab 32000 \
     >"$OUT/train32k.log" 2>&1
 cat "$REPORT"

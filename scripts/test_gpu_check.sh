@@ -130,7 +130,7 @@ check "dry run: exit 0" rc_is dry 0
 check "dry run: env checked (driver, libraries via PYTHONPATH's nvidia/*/lib, commit)" \
     summary_has dry '^ok .*env: bundle built from these sources; driver 580.65.06 >= R580; CUDA libraries found'
 check "dry run: the other stages printed, not run" summary_has dry '^dry-run .*bench: dry-run'
-check "dry run: the commands shown" grep -q 'dry-run, limit 180s.*gpu-tests --test-threads=1 --skip nccl_collectives' "$TMP/dry.out"
+check "dry run: the commands shown" grep -q 'dry-run, limit 180s.*gpu-tests --test-threads=1 --skip nvrtc_compiles_every_kernel_variant --skip nccl_collectives' "$TMP/dry.out"
 check "dry run: libraries found in the Python environment" grep -q "libcublas.so.13: $TMP/site/nvidia/cu13/lib" "$TMP/dry/env.txt"
 
 gpu pass -- --steps 3
