@@ -39,7 +39,8 @@ step() { # step NAME LIMIT_S COMMAND...
     local name=$1 limit=$2 t0=$SECONDS rc=0
     shift 2
     timeout "$limit" "$@" || rc=$?
-    echo "$name: exit $rc in $((SECONDS - t0)) s" | tee -a "$REPORT"
+    # To the report only: the caller's stdout may be a result file.
+    echo "$name: exit $rc in $((SECONDS - t0)) s" >>"$REPORT"
 }
 
 PY=
@@ -53,10 +54,9 @@ if [ -n "$PY" ]; then
         --seqs "$SEQS" --dtypes f32,bf16 --repeats 3 --out "$OUT/torch-attention.json" >/dev/null
     [ -s "$OUT/torch-attention.json" ] && TORCH_ARG=(--torch "$OUT/torch-attention.json")
 else
-    echo "torch: no Python with CUDA torch found" | tee -a "$REPORT"
+    echo "torch: no Python with CUDA torch found" >>"$REPORT"
 fi
-# shellcheck disable=SC2206
-SEQ_ARG=(--seqs ${SEQS//,/ })
+SEQ_ARG=(--seqs "$SEQS")
 step attention 150 "$W/cpl" bench attention --device cuda "${SHAPE[@]}" "${SEQ_ARG[@]}" \
     --repeats 2 "${TORCH_ARG[@]}" --json >"$OUT/attention.json" 2>>"$OUT/attention.log"
 step composite 60 env FLASH_RING_CUDA=composite "$W/cpl" bench attention --device cuda "${SHAPE[@]}" \

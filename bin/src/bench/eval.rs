@@ -75,6 +75,6 @@ pub fn run(args: &EvalBenchArgs) -> Result<()> {
         args.repeats,
         dtype.as_str(),
     );
-    a.print_table(&model, &title, &rate);
+    a.print_table(&model, &title, &rate, "f32 matmul");
     Ok(())
 }

@@ -350,12 +350,15 @@ impl LmBenchArgs {
         print_report(name, body)
     }
 
-    /// Prints the machine, the model, the run's `title` and the table of `rate`.
-    pub fn print_table(&self, model: &BenchModel, title: &str, rate: &Throughput) {
+    /// Prints the machine, the model, the run's `title` and the table of `rate`, whose matmul
+    /// rate is labelled `matmul` (e.g. "f32 matmul", "bf16 matmul on cuda:0").
+    pub fn print_table(&self, model: &BenchModel, title: &str, rate: &Throughput, matmul: &str) {
         println!("{}", Machine::detect().line());
         println!("model: {}", model.describe());
         println!("{title}, {}", self.layout.flags());
-        println!("| tokens/s best | tokens/s median | f32 matmul GFLOP/s | MFU best (of f32 matmul) | MFU median |");
+        println!(
+            "| tokens/s best | tokens/s median | {matmul} GFLOP/s | MFU best (of {matmul}) | MFU median |"
+        );
         println!("|---|---|---|---|---|");
         println!(
             "| {:.0} | {:.0} | {:.1} | {:.1}% | {:.1}% |",

@@ -145,6 +145,10 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     let Some(m) = measured else {
         return Ok(());
     };
+    let matmul = match a.layout.device {
+        DeviceArg::Cpu => "f32 matmul".to_string(),
+        d => format!("{} matmul on {d}", m.dtype.as_str()),
+    };
     let mm = match cpu_mm {
         Some(mm) => mm,
         None => a.matmul.gflops_on(&a.layout.device.open(0)?, m.dtype, 10)?,
@@ -162,7 +166,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
                 "checkpointing": args.checkpointing.to_string(), "loss_chunk": args.loss_chunk,
                 "tokens_per_step": m.tokens, "step_seconds": m.seconds,
                 "peak_rss_mib": m.peak_rss_mib,
-                "loss_first": m.loss_first, "loss_last": m.loss_last,
+                "loss_first": m.loss_first, "loss_last": m.loss_last, "matmul": matmul,
             }),
         );
     }
@@ -176,7 +180,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
         args.zero,
         args.checkpointing
     );
-    a.print_table(&model, &title, &rate);
+    a.print_table(&model, &title, &rate, &matmul);
     let steps: Vec<String> = m.seconds.iter().map(|s| format!("{s:.2}")).collect();
     println!("step seconds: {}", steps.join(" "));
     println!("peak memory: {:.0} MiB (RSS)", m.peak_rss_mib);
