@@ -57,6 +57,9 @@ pub struct TrainArgs {
     /// Llama 3 document masking of packed documents.
     #[arg(long)]
     pub doc_mask: bool,
+    /// Context extension: a new RoPE for the run (text models).
+    #[command(flatten)]
+    pub rope: RopeArgs,
     #[arg(long, default_value_t = 2e-3)]
     pub lr: f64,
     #[arg(long, default_value_t = 2e-4)]
@@ -449,4 +452,105 @@ pub struct EvalReport {
     pub seconds: f64,
     /// Tokens scored per second over `seconds`.
     pub tokens_per_sec: f64,
+}
+
+/// `--rope-*`: a new rotary embedding for a run (context extension), written into the config the
+/// run loads and every checkpoint it saves, in the form the checkpoint's `config.json` uses
+/// (`models::rope_override` states the defaults).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct RopeArgs {
+    /// New RoPE base (`rope_theta`), e.g. 500000.
+    #[arg(long, help_heading = "Context extension (RoPE)")]
+    pub rope_theta: Option<f64>,
+    /// RoPE scaling type: default (none), linear, dynamic, yarn, longrope or llama3.
+    #[arg(long, help_heading = "Context extension (RoPE)")]
+    pub rope_scaling: Option<String>,
+    /// Scaling factor (> 1): the extension ratio.
+    #[arg(long, help_heading = "Context extension (RoPE)")]
+    pub rope_factor: Option<f64>,
+    /// The context the checkpoint was trained at (yarn, longrope, llama3; default: its
+    /// max_position_embeddings).
+    #[arg(long, help_heading = "Context extension (RoPE)")]
+    pub original_max_position: Option<usize>,
+    /// llama3: low frequency factor.
+    #[arg(long, help_heading = "Context extension (RoPE)")]
+    pub rope_low_freq_factor: Option<f64>,
+    /// llama3: high frequency factor.
+    #[arg(long, help_heading = "Context extension (RoPE)")]
+    pub rope_high_freq_factor: Option<f64>,
+    /// yarn: beta_fast (default 32).
+    #[arg(long, help_heading = "Context extension (RoPE)")]
+    pub rope_beta_fast: Option<f64>,
+    /// yarn: beta_slow (default 1).
+    #[arg(long, help_heading = "Context extension (RoPE)")]
+    pub rope_beta_slow: Option<f64>,
+    /// yarn, longrope: attention factor (default: the type's formula).
+    #[arg(long, help_heading = "Context extension (RoPE)")]
+    pub rope_attention_factor: Option<f64>,
+    /// longrope: short factors, one per rotated dim pair, comma-separated.
+    #[arg(long, value_delimiter = ',', help_heading = "Context extension (RoPE)")]
+    pub rope_short_factor: Option<Vec<f64>>,
+    /// longrope: long factors, comma-separated.
+    #[arg(long, value_delimiter = ',', help_heading = "Context extension (RoPE)")]
+    pub rope_long_factor: Option<Vec<f64>>,
+    /// New max_position_embeddings (default with a factor: original x factor; dynamic keeps it).
+    #[arg(long, help_heading = "Context extension (RoPE)")]
+    pub max_position_embeddings: Option<usize>,
+}
+
+impl RopeArgs {
+    /// The override these flags ask for; `None` when no flag is given. A scaling parameter
+    /// without `--rope-scaling` is an error naming it.
+    pub fn to_override(&self) -> Result<Option<models::rope_override::RopeOverride>> {
+        use models::rope_override::{RopeOverride, RopeScalingArgs};
+        let params = [
+            ("--rope-factor", self.rope_factor.is_some()),
+            (
+                "--original-max-position",
+                self.original_max_position.is_some(),
+            ),
+            (
+                "--rope-low-freq-factor",
+                self.rope_low_freq_factor.is_some(),
+            ),
+            (
+                "--rope-high-freq-factor",
+                self.rope_high_freq_factor.is_some(),
+            ),
+            ("--rope-beta-fast", self.rope_beta_fast.is_some()),
+            ("--rope-beta-slow", self.rope_beta_slow.is_some()),
+            (
+                "--rope-attention-factor",
+                self.rope_attention_factor.is_some(),
+            ),
+            ("--rope-short-factor", self.rope_short_factor.is_some()),
+            ("--rope-long-factor", self.rope_long_factor.is_some()),
+        ];
+        let scaling = match &self.rope_scaling {
+            Some(t) => Some(RopeScalingArgs {
+                rope_type: t.clone(),
+                factor: self.rope_factor,
+                original_max_position_embeddings: self.original_max_position,
+                low_freq_factor: self.rope_low_freq_factor,
+                high_freq_factor: self.rope_high_freq_factor,
+                beta_fast: self.rope_beta_fast,
+                beta_slow: self.rope_beta_slow,
+                attention_factor: self.rope_attention_factor,
+                short_factor: self.rope_short_factor.clone(),
+                long_factor: self.rope_long_factor.clone(),
+            }),
+            None => {
+                if let Some((flag, _)) = params.iter().find(|(_, given)| *given) {
+                    anyhow::bail!("{flag} needs --rope-scaling (the RoPE type it parameterises)");
+                }
+                None
+            }
+        };
+        let o = RopeOverride {
+            theta: self.rope_theta,
+            scaling,
+            max_position_embeddings: self.max_position_embeddings,
+        };
+        Ok((!o.is_empty()).then_some(o))
+    }
 }

@@ -51,3 +51,50 @@ pub fn checkpoint_files(
     }
     Ok(out)
 }
+
+/// Applies `--rope-*` (see [`crate::args::RopeArgs`]) to the run's model: writes the changed
+/// `config.json` to `out/rope-config.json` (atomically), points `files.config` at it, and
+/// returns its bytes, which replace `config.json` in `extra` (the files every checkpoint
+/// carries). A run resumed from `resume_dir` must have been saved with the same config: else an
+/// error, so that a resumed run never silently changes its RoPE. Nothing happens without flags.
+pub fn apply_rope(
+    files: &mut models::hub::ModelFiles,
+    rope: &crate::args::RopeArgs,
+    out: &Path,
+    extra: &mut [(String, Vec<u8>)],
+    resume_dir: Option<&Path>,
+) -> Result<()> {
+    let Some(o) = rope.to_override()? else {
+        return Ok(());
+    };
+    let text = std::fs::read_to_string(&files.config)
+        .with_context(|| format!("reading {}", files.config.display()))?;
+    let changed = o.apply(&text, &files.config)?;
+    if let Some(dir) = resume_dir {
+        let saved = dir.join("config.json");
+        let was = std::fs::read_to_string(&saved)
+            .with_context(|| format!("reading {}", saved.display()))?;
+        if was != changed {
+            anyhow::bail!(
+                "--rope-*: the checkpoint being resumed ({}) was saved with another RoPE config; \
+                 resume with the flags of the run that saved it",
+                saved.display()
+            );
+        }
+    }
+    std::fs::create_dir_all(out).with_context(|| format!("--out {}", out.display()))?;
+    let path = out.join("rope-config.json");
+    let tmp = out.join(".rope-config.json.tmp");
+    std::fs::write(&tmp, &changed).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, &path).with_context(|| format!("writing {}", path.display()))?;
+    // The changed config must still load through its family.
+    let family = models::family::detect(&path).context("--rope-*")?;
+    (family.describe)(&path).context("--rope-*: the changed config.json")?;
+    files.config = path;
+    for (name, bytes) in extra.iter_mut() {
+        if name == "config.json" {
+            *bytes = changed.clone().into_bytes();
+        }
+    }
+    Ok(())
+}

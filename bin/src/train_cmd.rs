@@ -23,6 +23,13 @@ use crate::launch::{launch_pipelined, load_causal_lm};
 pub fn run(args: &TrainArgs) -> Result<()> {
     if let Some(model) = &args.model {
         let m = crate::model_arg::resolve(model)?;
+        if m.family.kind != Kind::CausalLm && args.rope.to_override()?.is_some() {
+            bail!(
+                "--rope-*: only text models (causal LMs) take a RoPE change; --model {model} is a \
+                 {} model",
+                m.family.name
+            );
+        }
         match m.family.kind {
             Kind::Diffusion => return crate::dit_cmd::train(args, &m.dir),
             Kind::VisionLanguage => return crate::llava_cmd::train(args, &m.dir),
@@ -60,7 +67,19 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         Some(m) => m.clone(),
         None => default_asset("model").display().to_string(),
     };
-    let files = models::hub::resolve(&model_id)?;
+    let mut files = models::hub::resolve(&model_id)?;
+    // Files copied into every checkpoint so that it is a complete HF model directory (read
+    // before --rope-* points the config elsewhere).
+    let mut extra =
+        crate::model_arg::checkpoint_files(models::family::detect(&files.config)?, &files)?;
+    let resume = Resume::find(args.resume, &args.out)?;
+    crate::model_arg::apply_rope(
+        &mut files,
+        &args.rope,
+        &args.out,
+        &mut extra,
+        resume.as_ref().map(|r| r.dir.as_path()),
+    )?;
     // The family of the checkpoint (the registry), its size and FLOPs, and its loader.
     let family = models::family::detect(&files.config)?;
     if family.load_causal_lm.is_none() {
@@ -95,11 +114,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         desc.vocab,
         &cfg,
     )?;
-    // Resume point.
-    let resume = Resume::find(args.resume, &args.out)?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("--out {}", args.out.display()))?;
-    // Files copied into every checkpoint so that it is a complete HF model directory.
-    let extra = crate::model_arg::checkpoint_files(family, &files)?;
     let interrupted = interrupt_flag()?;
     let flops_per_token = desc.flops_per_token(cfg.seq_len, models::family::Work::Training);
     let load_files = match &resume {

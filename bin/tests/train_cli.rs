@@ -1240,3 +1240,102 @@ fn flags_for_other_model_kinds_are_errors() {
         ),
     ]);
 }
+
+/// `--rope-*` (context extension): the run trains with the new RoPE (its first loss differs from
+/// the unchanged run's), every checkpoint carries it in the config's own form, a resume with
+/// other RoPE flags is refused and one with the same flags continues, and bad flags are clear
+/// errors naming the flag.
+#[test]
+fn rope_flags_change_the_run_and_its_checkpoints() {
+    let dir = common::tmpdir("rope-flags");
+    let tokens = docs_file(&dir);
+    let (plain, ext) = (dir.join("plain"), dir.join("ext"));
+    let rope = [
+        "--rope-scaling",
+        "yarn",
+        "--rope-factor",
+        "4",
+        "--rope-theta",
+        "20000",
+    ];
+    let o = cpl(&base_args(&tokens, &plain, 2));
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let o = cpl(&set_flags(base_args(&tokens, &ext, 2), &rope));
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let (a, b) = (losses(&plain), losses(&ext));
+    assert!(
+        (a[0].1 - b[0].1).abs() > 1e-6,
+        "the new RoPE changes the first loss: {} vs {}",
+        a[0].1,
+        b[0].1
+    );
+    let saved = std::fs::read_to_string(ext.join("step-2/config.json")).unwrap();
+    assert_eq!(
+        saved,
+        std::fs::read_to_string(ext.join("rope-config.json")).unwrap(),
+        "the checkpoint carries the run's config"
+    );
+    let input: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture().join("config.json")).unwrap())
+            .unwrap();
+    let trained = input["max_position_embeddings"].as_u64().unwrap();
+    let cfg: serde_json::Value = serde_json::from_str(&saved).unwrap();
+    let params = match cfg.get("rope_parameters") {
+        Some(p) => p.clone(),
+        None => {
+            let mut p = cfg["rope_scaling"].clone();
+            p["rope_theta"] = cfg["rope_theta"].clone();
+            p
+        }
+    };
+    assert_eq!(
+        params,
+        serde_json::json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 20000.0,
+            "original_max_position_embeddings": trained}),
+        "{saved}"
+    );
+    assert_eq!(cfg["max_position_embeddings"].as_u64(), Some(trained * 4));
+    assert_eq!(
+        cfg.get("rope_parameters").is_some(),
+        input.get("rope_parameters").is_some(),
+        "the config's form is kept"
+    );
+    // Resuming with another RoPE is refused; with the same flags it continues.
+    let mut other = set_flags(base_args(&tokens, &ext, 3), &rope);
+    other = set_flags(other, &["--rope-factor", "8"]);
+    other.push("--resume".into());
+    let o = cpl(&other);
+    assert_eq!(o.status.code(), Some(1), "{}", common::stderr(&o));
+    assert!(common::stderr(&o).contains("was saved with another RoPE config"));
+    let mut same = set_flags(base_args(&tokens, &ext, 3), &rope);
+    same.push("--resume".into());
+    let o = cpl(&same);
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    assert_eq!(losses(&ext).len(), 3);
+    let bad = |extra: &[&str]| set_flags(base_args(&tokens, &dir.join("bad"), 1), extra);
+    common::assert_clear_errors(&[
+        (
+            bad(&["--rope-factor", "4"]),
+            "--rope-factor needs --rope-scaling",
+        ),
+        (
+            bad(&["--rope-scaling", "yarn", "--rope-factor", "1"]),
+            "--rope-factor 1: must be > 1",
+        ),
+        (
+            bad(&[
+                "--rope-scaling",
+                "linear",
+                "--rope-factor",
+                "2",
+                "--rope-beta-fast",
+                "3",
+            ]),
+            "--rope-beta-fast: --rope-scaling linear does not take it",
+        ),
+        (
+            bad(&["--rope-scaling", "ntk", "--rope-factor", "2"]),
+            "--rope-scaling ntk: not a RoPE type",
+        ),
+    ]);
+}

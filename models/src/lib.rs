@@ -33,6 +33,7 @@ pub mod llama;
 pub mod llava;
 pub mod peft;
 pub mod rope;
+pub mod rope_override;
 pub mod tokenizer;
 pub mod vision;
 pub mod zoo;
