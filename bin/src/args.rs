@@ -335,6 +335,19 @@ pub struct EvalArgs {
     /// safetensors file.
     #[arg(long)]
     pub logits_out: Option<PathBuf>,
+    /// Long context: the loss by token position, in buckets [1, 16), [16, 32), ... doubling up
+    /// to the sequence length (a token's position is the number of tokens before it); under any
+    /// sequence-parallel layout (each rank scores its own tokens).
+    #[arg(long, help_heading = "Long context")]
+    pub by_position: bool,
+    /// With --by-position: draw the loss by position as this PNG, with the curves of earlier
+    /// `cpl eval --by-position --json` outputs given by --compare.
+    #[arg(long, requires = "by_position", help_heading = "Long context")]
+    pub by_position_plot: Option<PathBuf>,
+    /// JSON outputs of earlier `cpl eval --by-position --json` runs (e.g. before an extension) to
+    /// draw beside this one in --by-position-plot.
+    #[arg(long, num_args = 1.., requires = "by_position_plot", help_heading = "Long context")]
+    pub compare: Vec<PathBuf>,
     /// Vision-language models (LLaVA): image files (PNG, JPEG) that fill the image-token runs
     /// of the --tokens sequences in order (comma-separated).
     #[arg(long, value_delimiter = ',', help_heading = "Vision-language")]
@@ -452,6 +465,25 @@ pub struct EvalReport {
     pub seconds: f64,
     /// Tokens scored per second over `seconds`.
     pub tokens_per_sec: f64,
+    /// `--by-position`: the model evaluated and the loss of each position bucket.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub by_position: Option<ByPosition>,
+}
+
+/// The loss by token position of one evaluation (`cpl eval --by-position`).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct ByPosition {
+    pub model: String,
+    pub buckets: Vec<PositionBucket>,
+}
+
+/// Tokens at positions `from..to` (the number of tokens before each): their mean loss.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct PositionBucket {
+    pub from: usize,
+    pub to: usize,
+    pub loss: f64,
+    pub tokens: u64,
 }
 
 /// `--rope-*`: a new rotary embedding for a run (context extension), written into the config the

@@ -7,13 +7,13 @@ use candle_core::{DType, Device, Tensor};
 use candle_parallel::attention::{AttnMask, ShardPlan};
 use candle_parallel::comm::ReduceOp;
 use candle_parallel::mesh::Dim;
-use candle_parallel::nn::{Batch, CrossEntropyOptions, ParamMode};
+use candle_parallel::nn::{Batch, CrossEntropyOptions, ParamMode, IGNORE_INDEX};
 use models::tokenizer::Tokenizer;
 use models::CausalLm;
 use models::StageMicroBatch;
 use train::trainer::{pipeline_eval, PipelineConfig};
 
-use crate::args::{EvalArgs, EvalReport};
+use crate::args::{ByPosition, EvalArgs, EvalReport, PositionBucket};
 use crate::launch::{launch_pipelined, load_causal_lm, Rank};
 use crate::layout::LayoutArgs;
 
@@ -106,6 +106,12 @@ pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
     if pipeline.is_some() && want_logits {
         bail!("--logits-out is not available with --pp");
     }
+    if pipeline.is_some() && args.by_position {
+        bail!("--by-position is not available with --pp (every sequence-parallel layout is)");
+    }
+    let buckets = args
+        .by_position
+        .then(|| position_buckets(seqs.iter().map(Vec::len).max().unwrap_or(0)));
     let adapter = crate::launch::read_adapter(args.adapter.as_deref())?;
     launch_pipelined(&args.layout, |rank: &Rank| {
         let ranges = match &pipeline {
@@ -129,8 +135,22 @@ pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
             &seqs,
             pipeline.as_ref(),
             want_logits,
+            buckets.as_deref(),
         )
     })
+}
+
+/// The position buckets of sequences of at most `len` tokens: `[1, 16), [16, 32), ...`
+/// doubling, the last ending at `len` (a token's position is the number of tokens before it;
+/// position 0 has no label).
+pub fn position_buckets(len: usize) -> Vec<(usize, usize)> {
+    let (mut from, mut to, mut v) = (1, 16, Vec::new());
+    while from < len {
+        v.push((from, to.min(len)));
+        from = to;
+        to *= 2;
+    }
+    v
 }
 
 /// Dtype of a model's activations: that of its parameters (f32 when it has none).
@@ -143,7 +163,8 @@ pub fn activation_dtype(params: &candle_parallel::nn::ParamList) -> DType {
 }
 
 /// The mean loss of `model` (this rank's stage, activations in `act`) on `seqs`, timed from a barrier to the slowest
-/// rank's end; with `want_logits`, rank 0 also returns every sequence's global logits.
+/// rank's end; with `want_logits`, rank 0 also returns every sequence's global logits; with
+/// `buckets` (no pipeline), also the loss of each position bucket (see [`position_buckets`]).
 /// Collective over the world of `rank`.
 pub fn score(
     rank: &Rank,
@@ -152,7 +173,10 @@ pub fn score(
     seqs: &[Vec<u32>],
     pipeline: Option<&PipelineConfig>,
     want_logits: bool,
+    buckets: Option<&[(usize, usize)]>,
 ) -> Result<(EvalReport, Vec<Tensor>)> {
+    let nb = buckets.map_or(0, <[_]>::len);
+    let (mut bucket_sums, mut bucket_counts) = (vec![0f64; nb], vec![0f64; nb]);
     let (dp, dp_rank) = (rank.mesh.size(Dim::Dp), rank.mesh.coord(Dim::Dp));
     let opts = CrossEntropyOptions::default();
     rank.world().barrier()?;
@@ -183,6 +207,37 @@ pub fn score(
             let (s, c) = model.loss_sum(&batch, &labels, &opts)?;
             sum += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             count += c as u64;
+            if let Some(b) = buckets {
+                // This rank's labels of each bucket, by the global position of the token each
+                // predicts (one after the input token's).
+                let local = labels.flatten_all()?.to_vec1::<i64>()?;
+                let sets = b
+                    .iter()
+                    .map(|&(from, to)| {
+                        let masked: Vec<i64> = local
+                            .iter()
+                            .zip(&batch.positions)
+                            .map(|(&l, &p)| {
+                                let pos = p as usize + 1;
+                                if (from..to).contains(&pos) {
+                                    l
+                                } else {
+                                    IGNORE_INDEX
+                                }
+                            })
+                            .collect();
+                        Ok(Tensor::new(masked, labels.device())?.reshape(labels.shape())?)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                for (k, (s, c)) in model
+                    .loss_sums_per_labels(&batch, &sets, &opts)?
+                    .into_iter()
+                    .enumerate()
+                {
+                    bucket_sums[k] += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                    bucket_counts[k] += c as f64;
+                }
+            }
         }
         if want_logits {
             let l = model.logits(&batch)?;
@@ -198,11 +253,27 @@ pub fn score(
         .all_reduce(&Tensor::new(&[elapsed], &Device::Cpu)?, ReduceOp::Max)?
         .to_vec1::<f64>()?[0];
     let group = rank.mesh.group(&[Dim::Ulysses, Dim::Ring, Dim::Dp])?;
-    let totals = group.all_reduce(
-        &Tensor::new(&[sum, count as f64], &Device::Cpu)?,
-        ReduceOp::Sum,
-    )?;
+    let mut local = vec![sum, count as f64];
+    local.extend(&bucket_sums);
+    local.extend(&bucket_counts);
+    let totals = group.all_reduce(&Tensor::new(local, &Device::Cpu)?, ReduceOp::Sum)?;
     let totals = totals.to_vec1::<f64>()?;
+    let by_position = buckets.map(|b| ByPosition {
+        model: String::new(),
+        buckets: b
+            .iter()
+            .enumerate()
+            .map(|(k, &(from, to))| {
+                let (s, c) = (totals[2 + k], totals[2 + nb + k]);
+                PositionBucket {
+                    from,
+                    to,
+                    loss: if c > 0.0 { s / c } else { f64::NAN },
+                    tokens: c as u64,
+                }
+            })
+            .collect(),
+    });
     let (sum, count) = (totals[0], totals[1] as u64);
     if count == 0 {
         bail!("no tokens to evaluate");
@@ -216,6 +287,7 @@ pub fn score(
             sequences: seqs.len(),
             seconds,
             tokens_per_sec: count as f64 / seconds.max(1e-12),
+            by_position,
         },
         logits,
     ))
@@ -245,9 +317,15 @@ pub fn run(args: &EvalArgs) -> Result<()> {
             evaluate(args)?
         }
     };
-    let Some((report, logits)) = result else {
+    let Some((mut report, logits)) = result else {
         return Ok(());
     };
+    if let Some(b) = report.by_position.as_mut() {
+        b.model = args.model.clone();
+    }
+    if let (Some(path), Some(b)) = (&args.by_position_plot, &report.by_position) {
+        plot_by_position(b, &args.compare, path)?;
+    }
     if let Some(path) = &args.logits_out {
         let map: HashMap<String, Tensor> = logits
             .into_iter()
@@ -264,6 +342,47 @@ pub fn run(args: &EvalArgs) -> Result<()> {
             "loss {:.6}  perplexity {:.4}  tokens {}  sequences {}",
             report.loss, report.perplexity, report.tokens, report.sequences
         );
+        if let Some(b) = &report.by_position {
+            println!("| positions | tokens | loss |\n|---|---|---|");
+            for k in &b.buckets {
+                println!("| {}-{} | {} | {:.4} |", k.from, k.to, k.tokens, k.loss);
+            }
+        }
     }
     Ok(())
+}
+
+/// Draws `--by-position-plot`: this evaluation's curve and those of the `--compare` files
+/// (JSON of earlier `cpl eval --by-position --json` runs), each labelled with its model.
+fn plot_by_position(
+    this: &ByPosition,
+    compare: &[std::path::PathBuf],
+    path: &std::path::Path,
+) -> Result<()> {
+    let mut curves = Vec::new();
+    for c in compare {
+        let text = std::fs::read_to_string(c)
+            .with_context(|| format!("--compare {}: cannot read", c.display()))?;
+        let v: serde_json::Value = serde_json::from_str(text.trim())
+            .with_context(|| format!("--compare {}: not JSON", c.display()))?;
+        let b: ByPosition =
+            serde_json::from_value(v.get("by_position").cloned().unwrap_or_default())
+                .with_context(|| {
+                    format!(
+                    "--compare {}: no by_position (the JSON of `cpl eval --by-position --json`)",
+                    c.display()
+                )
+                })?;
+        curves.push(b);
+    }
+    curves.push(this.clone());
+    let curves: Vec<_> = curves
+        .into_iter()
+        .map(|b| {
+            let pts = b.buckets.iter().map(|k| (k.from, k.to, k.loss)).collect();
+            (b.model, pts)
+        })
+        .collect();
+    train::driver::plot::loss_by_position(&curves, "loss by token position", path)
+        .with_context(|| format!("--by-position-plot {}", path.display()))
 }

@@ -284,6 +284,7 @@ pub fn eval(args: &EvalArgs, dir: &Path) -> Result<(EvalReport, Vec<Tensor>)> {
                 sequences: seqs.len(),
                 seconds,
                 tokens_per_sec: t[1] / seconds.max(1e-12),
+                by_position: None,
             },
             logits,
         ))

@@ -99,6 +99,24 @@ pub trait CausalLm: Parallelize + Send + Sync {
         Ok(Tensor::cat(&sums, 0)?)
     }
 
+    /// This rank's token cross-entropy sums and counts for several label sets of one batch (each
+    /// `(batch, n)` i64 like [`CausalLm::loss_sum`]'s, e.g. the labels of one position bucket
+    /// with every other label `-100`): one forward, then one head loss per set. Collective over
+    /// tp: every rank passes the same number of sets.
+    fn loss_sums_per_labels(
+        &self,
+        batch: &Batch,
+        labels: &[Tensor],
+        opts: &CrossEntropyOptions,
+    ) -> Result<Vec<(Tensor, usize)>> {
+        let x = self.embed_tokens(batch)?;
+        let x = self.run_layers(0..self.num_layers(), &x, batch)?;
+        labels
+            .iter()
+            .map(|l| self.norm_head_loss(&x, l, opts))
+            .collect()
+    }
+
     /// `loss.backward()` plus the parameter gradients computed inside recomputed layers.
     fn backward(&self, loss: &Tensor) -> Result<GradStore> {
         Ok(self.ctx().backward(loss)?)

@@ -44,7 +44,7 @@ pub fn run(args: &EvalBenchArgs) -> Result<()> {
         let loaded = model.load(rank, dtype, ParamMode::Frozen, &a.layout)?;
         let act = crate::eval::activation_dtype(&loaded.params);
         let reports = (0..=args.repeats)
-            .map(|_| Ok(score(rank, loaded.model.as_ref(), act, &seqs, None, false)?.0))
+            .map(|_| Ok(score(rank, loaded.model.as_ref(), act, &seqs, None, false, None)?.0))
             .collect::<Result<Vec<EvalReport>>>()?;
         Ok((act, reports))
     })?;

@@ -124,3 +124,80 @@ pub fn loss_curve(
         msg: format!("writing the loss chart: {e}"),
     })
 }
+
+/// One curve of [`loss_by_position`]: its label and `(from, to, mean loss)` per position bucket.
+pub type PositionCurve = (String, Vec<(usize, usize, f64)>);
+
+/// Draws the loss by token position of one or more models (`cpl eval --by-position`) as `path`
+/// (PNG): the mean loss of each bucket at its geometric midpoint, positions on a log scale.
+pub fn loss_by_position(curves: &[PositionCurve], title: &str, path: &Path) -> Result<()> {
+    register_embedded_font()?;
+    let points: Vec<(String, Vec<(f64, f64)>)> = curves
+        .iter()
+        .map(|(label, b)| {
+            let pts = b
+                .iter()
+                .filter(|(_, _, l)| l.is_finite())
+                .map(|&(from, to, l)| (((from.max(1) * to.max(1)) as f64).sqrt(), l))
+                .collect();
+            (label.clone(), pts)
+        })
+        .collect();
+    let all: Vec<(f64, f64)> = points.iter().flat_map(|(_, p)| p.iter().copied()).collect();
+    if all.is_empty() {
+        return Err(Error::Invalid(format!(
+            "{}: no finite loss to plot",
+            path.display()
+        )));
+    }
+    let fold = |f: fn(f64, f64) -> f64, init: f64, g: fn(&(f64, f64)) -> f64| {
+        all.iter().map(g).fold(init, f)
+    };
+    let (x0, x1) = (
+        fold(f64::min, f64::INFINITY, |p| p.0),
+        fold(f64::max, 0.0, |p| p.0),
+    );
+    let (y0, y1) = (
+        fold(f64::min, f64::INFINITY, |p| p.1),
+        fold(f64::max, f64::NEG_INFINITY, |p| p.1),
+    );
+    let pad = ((y1 - y0) * 0.08).max(1e-3);
+    let draw = || -> std::result::Result<(), Box<dyn std::error::Error>> {
+        let root = BitMapBackend::new(path, SIZE).into_drawing_area();
+        root.fill(&WHITE)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, (FONT, 20))
+            .margin(12)
+            .x_label_area_size(44)
+            .y_label_area_size(60)
+            .build_cartesian_2d(
+                ((x0 / 1.5).max(0.5)..x1 * 1.5).log_scale(),
+                (y0 - pad)..(y1 + pad),
+            )?;
+        chart
+            .configure_mesh()
+            .x_desc("token position (log scale; bucket midpoints)")
+            .y_desc("mean loss (nats)")
+            .label_style((FONT, 14))
+            .draw()?;
+        for (i, (label, pts)) in points.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            chart
+                .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))?
+                .label(label.clone())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                });
+            chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
+        }
+        chart
+            .configure_series_labels()
+            .label_font((FONT, 14))
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()?;
+        root.present()?;
+        Ok(())
+    };
+    draw().map_err(|e| Error::Invalid(format!("{}: cannot draw the chart: {e}", path.display())))
+}

@@ -1,0 +1,132 @@
+//! Long-context evaluation from the command line: `cpl eval --by-position` (loss by token
+//! position) on one rank and under sequence parallelism, its plot, and its errors.
+
+use std::path::Path;
+
+mod common;
+use common::{assert_clear_errors, cpl, stderr, stdout, tmpdir};
+
+fn eval_json(model: &Path, tokens: &Path, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--tokens",
+        tokens.to_str().unwrap(),
+        "--dtype",
+        "f32",
+        "--json",
+        "--by-position",
+    ];
+    args.extend_from_slice(extra);
+    let o = cpl(&args);
+    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    serde_json::from_str(stdout(&o).trim()).expect("one JSON object")
+}
+
+/// The buckets partition every scored token; their token-weighted mean is the overall loss; and
+/// ring 4 (zigzag), Ulysses 2 x ring 2 and tp 2 give each bucket's loss of one rank (1e-5: f32,
+/// another summation order).
+#[test]
+fn loss_by_position_is_exact_under_every_layout() {
+    let dir = tmpdir("by-position");
+    let model = common::fixtures("llama/mha");
+    let seqs: Vec<Vec<u32>> = (0..3)
+        .map(|b| (0..64).map(|i| ((i * 37 + b * 11) % 256) as u32).collect())
+        .collect();
+    let tokens = dir.join("ids.json");
+    std::fs::write(&tokens, serde_json::to_string(&seqs).unwrap()).unwrap();
+    let one = eval_json(&model, &tokens, &[]);
+    let buckets = one["by_position"]["buckets"].as_array().unwrap();
+    let edges: Vec<(u64, u64)> = buckets
+        .iter()
+        .map(|b| (b["from"].as_u64().unwrap(), b["to"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(edges, vec![(1, 16), (16, 32), (32, 64)]);
+    let counts: Vec<u64> = buckets.iter().map(|b| b["tokens"].as_u64().unwrap()).collect();
+    assert_eq!(counts, vec![15 * 3, 16 * 3, 32 * 3], "every labelled token once");
+    assert_eq!(counts.iter().sum::<u64>(), one["tokens"].as_u64().unwrap());
+    let weighted: f64 = buckets
+        .iter()
+        .map(|b| b["loss"].as_f64().unwrap() * b["tokens"].as_f64().unwrap())
+        .sum::<f64>()
+        / one["tokens"].as_f64().unwrap();
+    let overall = one["loss"].as_f64().unwrap();
+    assert!(
+        (weighted - overall).abs() <= 1e-6 * overall,
+        "{weighted} vs {overall}"
+    );
+    let losses = |v: &serde_json::Value| -> Vec<f64> {
+        v["by_position"]["buckets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["loss"].as_f64().unwrap())
+            .collect()
+    };
+    assert!(
+        losses(&one).windows(2).any(|w| (w[0] - w[1]).abs() > 1e-3),
+        "the buckets differ: {:?}",
+        losses(&one)
+    );
+    for layout in [
+        &["--ranks", "4", "--ring", "4"][..],
+        &["--ranks", "4", "--ulysses", "2", "--ring", "2"],
+        &["--ranks", "2", "--tp", "2"],
+    ] {
+        let got = eval_json(&model, &tokens, layout);
+        for (g, w) in losses(&got).iter().zip(losses(&one)) {
+            assert!((g - w).abs() <= 1e-5 * w.abs(), "{layout:?}: {g} vs {w}");
+        }
+        assert_eq!(got["by_position"]["buckets"].as_array().unwrap().len(), 3);
+    }
+    // The plot, with the first run's JSON as a second curve.
+    let first = dir.join("first.json");
+    std::fs::write(&first, serde_json::to_string(&one).unwrap()).unwrap();
+    let png = dir.join("by-position.png");
+    let again = eval_json(
+        &model,
+        &tokens,
+        &[
+            "--by-position-plot",
+            png.to_str().unwrap(),
+            "--compare",
+            first.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(losses(&again), losses(&one), "same run, same losses");
+    let bytes = std::fs::read(&png).expect("the plot is written");
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    // Errors name the flag.
+    let not_json = dir.join("not.json");
+    std::fs::write(&not_json, "{\"loss\": 1.0}").unwrap();
+    let base = |extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = [
+            "eval",
+            "--model",
+            model.to_str().unwrap(),
+            "--tokens",
+            tokens.to_str().unwrap(),
+        ]
+        .map(String::from)
+        .to_vec();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    assert_clear_errors(&[
+        (
+            base(&["--by-position", "--ranks", "2", "--pp", "2"]),
+            "--by-position is not available with --pp",
+        ),
+        (
+            base(&[
+                "--by-position",
+                "--by-position-plot",
+                png.to_str().unwrap(),
+                "--compare",
+                not_json.to_str().unwrap(),
+            ]),
+            "no by_position",
+        ),
+    ]);
+}
