@@ -348,6 +348,26 @@ pub struct EvalArgs {
     /// draw beside this one in --by-position-plot.
     #[arg(long, num_args = 1.., requires = "by_position_plot", help_heading = "Long context")]
     pub compare: Vec<PathBuf>,
+    /// Long context: passkey retrieval instead of the loss: a 5-digit key hidden at each depth
+    /// of filler text of each length, scored by teacher-forced greedy decoding (every answer
+    /// token the argmax), under any sequence-parallel layout (not --pp). Needs no --data.
+    #[arg(long, conflicts_with_all = ["by_position", "logits_out"], help_heading = "Long context")]
+    pub passkey: bool,
+    /// Passkey prompt lengths in tokens.
+    #[arg(long, value_delimiter = ',', default_values_t = [256usize, 512, 1024, 2048], help_heading = "Long context")]
+    pub passkey_lengths: Vec<usize>,
+    /// Passkey depths in [0, 1] (0: the key right after the start).
+    #[arg(long, value_delimiter = ',', default_values_t = [0.0f64, 0.25, 0.5, 0.75, 1.0], help_heading = "Long context")]
+    pub passkey_depths: Vec<f64>,
+    /// Keys per (length, depth) cell.
+    #[arg(long, default_value_t = 4, help_heading = "Long context")]
+    pub passkey_trials: usize,
+    /// Seed of the keys.
+    #[arg(long, default_value_t = 0, help_heading = "Long context")]
+    pub passkey_seed: u64,
+    /// Draw the passkey accuracy as a length x depth heatmap PNG.
+    #[arg(long, requires = "passkey", help_heading = "Long context")]
+    pub passkey_plot: Option<PathBuf>,
     /// Vision-language models (LLaVA): image files (PNG, JPEG) that fill the image-token runs
     /// of the --tokens sequences in order (comma-separated).
     #[arg(long, value_delimiter = ',', help_heading = "Vision-language")]
@@ -468,6 +488,27 @@ pub struct EvalReport {
     /// `--by-position`: the model evaluated and the loss of each position bucket.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub by_position: Option<ByPosition>,
+}
+
+/// Passkey retrieval of one model (`cpl eval --passkey`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PasskeyReport {
+    pub model: String,
+    /// Retrieved prompts over all prompts.
+    pub accuracy: f64,
+    pub cells: Vec<PasskeyCell>,
+}
+
+/// One (length, depth) cell of the passkey grid.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PasskeyCell {
+    pub length: usize,
+    pub depth: f64,
+    pub retrieved: usize,
+    pub trials: usize,
+    pub accuracy: f64,
+    /// Mean log-likelihood (nats) of the answer tokens, over the cell's prompts.
+    pub answer_loglik: f64,
 }
 
 /// The loss by token position of one evaluation (`cpl eval --by-position`).

@@ -13,7 +13,7 @@ use models::CausalLm;
 use models::StageMicroBatch;
 use train::trainer::{pipeline_eval, PipelineConfig};
 
-use crate::args::{ByPosition, EvalArgs, EvalReport, PositionBucket};
+use crate::args::{ByPosition, EvalArgs, EvalReport, PasskeyCell, PasskeyReport, PositionBucket};
 use crate::launch::{launch_pipelined, load_causal_lm, Rank};
 use crate::layout::LayoutArgs;
 
@@ -304,6 +304,12 @@ pub fn run(args: &EvalArgs) -> Result<()> {
             args.model
         );
     }
+    if args.passkey {
+        if model.family.kind != models::Kind::CausalLm {
+            bail!("--passkey: {} is not a text model", args.model);
+        }
+        return passkey_run(args);
+    }
     let result = match model.family.kind {
         models::Kind::VisionLanguage => Some(crate::llava_cmd::eval(args, &model.dir)?),
         _ => {
@@ -385,4 +391,175 @@ fn plot_by_position(
         .collect();
     train::driver::plot::loss_by_position(&curves, "loss by token position", path)
         .with_context(|| format!("--by-position-plot {}", path.display()))
+}
+
+/// `cpl eval --passkey`: the grid of [`train::passkey`] scored on every rank's tokens (see
+/// there), rank 0 printing the report.
+fn passkey_run(args: &EvalArgs) -> Result<()> {
+    let files = models::hub::resolve(&args.model)?;
+    let family = models::family::detect(&files.config)?;
+    let desc = (family.describe)(&files.config)?;
+    if args.layout.pp > 1 {
+        bail!("--passkey is not available with --pp (every sequence-parallel layout is)");
+    }
+    if args.passkey_trials == 0 {
+        bail!("--passkey-trials must be at least 1");
+    }
+    for &l in &args.passkey_lengths {
+        fit_to_layout(l, &args.layout)
+            .and_then(|f| {
+                if f == l {
+                    Ok(())
+                } else {
+                    bail!("is not a multiple of what the layout splits sequences into")
+                }
+            })
+            .with_context(|| format!("--passkey-lengths {l}"))?;
+    }
+    let tok = Tokenizer::from_model(&files).context("--passkey needs the model's tokenizer")?;
+    let encode = |s: &str| -> train::Result<Vec<u32>> {
+        tok.encode(s, models::tokenizer::SpecialTokens::Drop)
+            .map_err(|e| train::error::Error::Invalid(e.to_string()))
+    };
+    let prompts = train::passkey::grid(
+        &encode,
+        tok.bos_token_id,
+        &args.passkey_lengths,
+        &args.passkey_depths,
+        args.passkey_trials,
+        args.passkey_seed,
+    )
+    .context("--passkey")?;
+    if let Some(t) = prompts
+        .iter()
+        .flat_map(|p| &p.tokens)
+        .find(|&&t| t as usize >= desc.vocab)
+    {
+        bail!("--passkey: the tokenizer gives token {t}, outside the model's vocabulary");
+    }
+    let dtype = args.dtype.map(DType::from);
+    let out = launch_pipelined(&args.layout, |rank: &Rank| {
+        let ranges: Vec<_> = std::iter::once(0..desc.layers).collect();
+        let loaded = load_causal_lm(
+            &files,
+            rank,
+            &ranges,
+            dtype,
+            ParamMode::Frozen,
+            &args.layout,
+            None,
+        )?;
+        let model = loaded.model.as_ref();
+        let opts = CrossEntropyOptions::default();
+        let mut local = Vec::with_capacity(prompts.len() * 3);
+        for p in &prompts {
+            let (batch, labels) = Batch::from_sequences(
+                &rank.ctx,
+                std::slice::from_ref(&p.tokens),
+                AttnMask::Causal,
+            )?;
+            // Only the answer's labels: those predicting a token at answer_start or later.
+            let all = labels.flatten_all()?.to_vec1::<i64>()?;
+            let kept: Vec<i64> = all
+                .iter()
+                .zip(&batch.positions)
+                .map(|(&l, &pos)| {
+                    if pos as usize + 1 >= p.answer_start {
+                        l
+                    } else {
+                        IGNORE_INDEX
+                    }
+                })
+                .collect();
+            let answer = Tensor::new(kept.as_slice(), labels.device())?.reshape(labels.shape())?;
+            let (nll, _) = model.loss_sum(&batch, &answer, &opts)?;
+            let predicted = model
+                .logits(&batch)?
+                .argmax(candle_core::D::Minus1)?
+                .flatten_all()?
+                .to_vec1::<u32>()?;
+            let (mut wrong, mut count) = (0f64, 0f64);
+            for (&l, &g) in kept.iter().zip(&predicted) {
+                if l != IGNORE_INDEX {
+                    count += 1.0;
+                    wrong += f64::from(u8::from(g as i64 != l));
+                }
+            }
+            local.extend([nll.to_dtype(DType::F64)?.to_scalar::<f64>()?, count, wrong]);
+        }
+        // Each sequence-parallel rank scored its own answer tokens.
+        let sp = rank.mesh.group(&[Dim::Ulysses, Dim::Ring])?;
+        let t = sp
+            .all_reduce(&Tensor::new(local, &Device::Cpu)?, ReduceOp::Sum)?
+            .to_vec1::<f64>()?;
+        Ok(t)
+    })?;
+    let Some(t) = out else {
+        return Ok(());
+    };
+    let retrieved: Vec<bool> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let (count, wrong) = (t[3 * i + 1], t[3 * i + 2]);
+            count as usize == p.tokens.len() - p.answer_start && wrong == 0.0
+        })
+        .collect();
+    let loglik: Vec<f64> = (0..prompts.len())
+        .map(|i| -t[3 * i] / t[3 * i + 1].max(1.0))
+        .collect();
+    let cells = train::passkey::cells(&prompts, &retrieved)
+        .into_iter()
+        .map(|(length, depth, r, n)| {
+            let ll: Vec<f64> = prompts
+                .iter()
+                .zip(&loglik)
+                .filter(|(p, _)| p.length == length && p.depth == depth)
+                .map(|(_, &l)| l)
+                .collect();
+            PasskeyCell {
+                length,
+                depth,
+                retrieved: r,
+                trials: n,
+                accuracy: r as f64 / n as f64,
+                answer_loglik: ll.iter().sum::<f64>() / ll.len().max(1) as f64,
+            }
+        })
+        .collect::<Vec<_>>();
+    let report = PasskeyReport {
+        model: args.model.clone(),
+        accuracy: retrieved.iter().filter(|&&r| r).count() as f64 / retrieved.len() as f64,
+        cells,
+    };
+    if let Some(path) = &args.passkey_plot {
+        let cells: Vec<(usize, f64, f64)> = report
+            .cells
+            .iter()
+            .map(|c| (c.length, c.depth, c.accuracy))
+            .collect();
+        train::driver::plot::passkey_heatmap(
+            &cells,
+            &format!("passkey retrieval: {}", args.model),
+            path,
+        )
+        .with_context(|| format!("--passkey-plot {}", path.display()))?;
+    }
+    if args.json {
+        println!("{}", serde_json::json!({ "passkey": report }));
+    } else {
+        println!(
+            "passkey accuracy {:.3} ({} prompts)",
+            report.accuracy,
+            prompts.len()
+        );
+        println!("| length | depth | retrieved | answer log-likelihood |\n|---|---|---|---|");
+        for c in &report.cells {
+            println!(
+                "| {} | {:.2} | {}/{} | {:.3} |",
+                c.length, c.depth, c.retrieved, c.trials, c.answer_loglik
+            );
+        }
+    }
+    Ok(())
 }

@@ -50,7 +50,7 @@ enum Command {
     Plan(plan_auto::PlanArgs),
     /// Mean next-token loss, perplexity and token count of a model on a text, jsonl, Parquet or
     /// token file; for a DiT, its output (and DDPM loss) on an --inputs file.
-    Eval(args::EvalArgs),
+    Eval(Box<args::EvalArgs>),
     /// Continue a prompt with a model (KV cache; one rank, tensor parallel or pipeline stages
     /// with --pp); for a DiT, a PNG grid of samples of --class-labels.
     Generate(args::GenerateArgs),

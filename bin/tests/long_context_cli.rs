@@ -43,8 +43,15 @@ fn loss_by_position_is_exact_under_every_layout() {
         .map(|b| (b["from"].as_u64().unwrap(), b["to"].as_u64().unwrap()))
         .collect();
     assert_eq!(edges, vec![(1, 16), (16, 32), (32, 64)]);
-    let counts: Vec<u64> = buckets.iter().map(|b| b["tokens"].as_u64().unwrap()).collect();
-    assert_eq!(counts, vec![15 * 3, 16 * 3, 32 * 3], "every labelled token once");
+    let counts: Vec<u64> = buckets
+        .iter()
+        .map(|b| b["tokens"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        counts,
+        vec![15 * 3, 16 * 3, 32 * 3],
+        "every labelled token once"
+    );
     assert_eq!(counts.iter().sum::<u64>(), one["tokens"].as_u64().unwrap());
     let weighted: f64 = buckets
         .iter()
@@ -127,6 +134,98 @@ fn loss_by_position_is_exact_under_every_layout() {
                 not_json.to_str().unwrap(),
             ]),
             "no by_position",
+        ),
+    ]);
+}
+
+fn passkey_json(extra: &[&str]) -> serde_json::Value {
+    let model = common::default_model();
+    let mut args = vec![
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--passkey",
+        "--passkey-lengths",
+        "64,128",
+        "--passkey-trials",
+        "2",
+        "--dtype",
+        "f32",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let o = cpl(&args);
+    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    serde_json::from_str(stdout(&o).trim()).expect("one JSON object")
+}
+
+/// `cpl eval --passkey`: the grid (2 lengths x 5 depths x 2 keys) on the bundled model, the same
+/// retrievals and answer log-likelihoods (1e-5) under ring 2 (zigzag) and Ulysses 2 as on one
+/// rank, the heatmap, and its errors. (The bundled 1 M-parameter model retrieves no key; the
+/// scorer itself is tested on hand-made answers in `train::passkey`.)
+#[test]
+fn passkey_grid_is_the_same_under_every_layout() {
+    let one = passkey_json(&[]);
+    let cells = one["passkey"]["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), 10);
+    for c in cells {
+        assert_eq!(c["trials"].as_u64(), Some(2));
+        let ll = c["answer_loglik"].as_f64().unwrap();
+        assert!(ll.is_finite() && ll < 0.0, "{c}");
+    }
+    let acc = one["passkey"]["accuracy"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&acc));
+    for layout in [
+        &["--ranks", "2", "--ring", "2"][..],
+        &["--ranks", "2", "--ulysses", "2"],
+    ] {
+        let got = passkey_json(layout);
+        for (g, w) in got["passkey"]["cells"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(cells)
+        {
+            assert_eq!(g["retrieved"], w["retrieved"], "{layout:?}");
+            let (a, b) = (
+                g["answer_loglik"].as_f64().unwrap(),
+                w["answer_loglik"].as_f64().unwrap(),
+            );
+            assert!((a - b).abs() <= 1e-5 * b.abs(), "{layout:?}: {a} vs {b}");
+        }
+    }
+    let dir = tmpdir("passkey");
+    let png = dir.join("passkey.png");
+    passkey_json(&["--passkey-plot", png.to_str().unwrap()]);
+    assert_eq!(&std::fs::read(&png).unwrap()[..8], b"\x89PNG\r\n\x1a\n");
+    let model = common::default_model();
+    let base = |extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = ["eval", "--model", model.to_str().unwrap(), "--passkey"]
+            .map(String::from)
+            .to_vec();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    assert_clear_errors(&[
+        (
+            base(&["--passkey-lengths", "16"]),
+            "the needle, question and answer alone take",
+        ),
+        (
+            base(&["--passkey-trials", "0"]),
+            "--passkey-trials must be at least 1",
+        ),
+        (
+            base(&["--passkey-lengths", "64", "--ranks", "2", "--pp", "2"]),
+            "--passkey is not available with --pp",
+        ),
+        (
+            base(&["--passkey-lengths", "66", "--ranks", "2", "--ring", "2"]),
+            "--passkey-lengths 66",
+        ),
+        (
+            base(&["--passkey-depths", "1.5"]),
+            "passkey depth 1.5 is not in [0, 1]",
         ),
     ]);
 }

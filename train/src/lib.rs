@@ -19,6 +19,7 @@ pub mod images;
 pub mod memory;
 pub mod multimodal;
 pub mod objective;
+pub mod passkey;
 pub mod trainer;
 
 pub use error::{Error, Result};

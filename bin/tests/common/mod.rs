@@ -13,6 +13,11 @@ pub fn fixtures(rel: &str) -> PathBuf {
         .join(rel)
 }
 
+/// The bundled default model (`assets/default/model`: a 1 M-parameter LLaMA with its tokenizer).
+pub fn default_model() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../assets/default/model")
+}
+
 /// Runs `cpl args` with the extra environment `env` and waits for it.
 pub fn cpl_env<S: AsRef<OsStr>>(args: &[S], env: &[(&str, &str)]) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_cpl"));

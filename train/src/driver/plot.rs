@@ -201,3 +201,83 @@ pub fn loss_by_position(curves: &[PositionCurve], title: &str, path: &Path) -> R
     };
     draw().map_err(|e| Error::Invalid(format!("{}: cannot draw the chart: {e}", path.display())))
 }
+
+/// Draws passkey accuracy `(length, depth, accuracy)` as a heatmap PNG `path`: lengths across,
+/// depths down, each cell shaded from red (0) to green (1) with its accuracy written in it.
+pub fn passkey_heatmap(cells: &[(usize, f64, f64)], title: &str, path: &Path) -> Result<()> {
+    register_embedded_font()?;
+    let mut lengths: Vec<usize> = cells.iter().map(|c| c.0).collect();
+    lengths.sort_unstable();
+    lengths.dedup();
+    let mut depths: Vec<f64> = cells.iter().map(|c| c.1).collect();
+    depths.sort_by(f64::total_cmp);
+    depths.dedup();
+    if lengths.is_empty() {
+        return Err(Error::Invalid(format!(
+            "{}: no passkey cells",
+            path.display()
+        )));
+    }
+    let draw = || -> std::result::Result<(), Box<dyn std::error::Error>> {
+        let root = BitMapBackend::new(path, SIZE).into_drawing_area();
+        root.fill(&WHITE)?;
+        let (nx, ny) = (lengths.len(), depths.len());
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, (FONT, 18))
+            .margin(12)
+            .x_label_area_size(44)
+            .y_label_area_size(60)
+            .build_cartesian_2d(
+                // A segmented 0..n has n + 1 segments: 0..n - 1 gives the n cells.
+                (0..nx.max(2) - 1).into_segmented(),
+                (0..ny.max(2) - 1).into_segmented(),
+            )?;
+        chart
+            .configure_mesh()
+            .disable_mesh()
+            .x_desc("prompt length (tokens)")
+            .y_desc("key depth")
+            .x_labels(nx)
+            .y_labels(ny)
+            .x_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(i) => {
+                    lengths.get(*i).map(|l| l.to_string()).unwrap_or_default()
+                }
+                _ => String::new(),
+            })
+            .y_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(i) => depths
+                    .get(*i)
+                    .map(|d| format!("{d:.2}"))
+                    .unwrap_or_default(),
+                _ => String::new(),
+            })
+            .label_style((FONT, 14))
+            .draw()?;
+        for &(l, d, acc) in cells {
+            let (Some(x), Some(y)) = (
+                lengths.iter().position(|&v| v == l),
+                depths.iter().position(|&v| v == d),
+            ) else {
+                continue;
+            };
+            let a = acc.clamp(0.0, 1.0);
+            let color = RGBColor((220.0 * (1.0 - a)) as u8, (60.0 + 140.0 * a) as u8, 70);
+            chart.draw_series(std::iter::once(Rectangle::new(
+                [
+                    (SegmentValue::Exact(x), SegmentValue::Exact(y)),
+                    (SegmentValue::Exact(x + 1), SegmentValue::Exact(y + 1)),
+                ],
+                color.filled(),
+            )))?;
+            chart.draw_series(std::iter::once(Text::new(
+                format!("{a:.2}"),
+                (SegmentValue::CenterOf(x), SegmentValue::CenterOf(y)),
+                (FONT, 16).into_font().color(&WHITE),
+            )))?;
+        }
+        root.present()?;
+        Ok(())
+    };
+    draw().map_err(|e| Error::Invalid(format!("{}: cannot draw the heatmap: {e}", path.display())))
+}
