@@ -95,6 +95,11 @@ pub struct TrainArgs {
     /// Checkpoints to keep.
     #[arg(long, default_value_t = 2)]
     pub keep: usize,
+    /// Largest weight file of a checkpoint, as transformers' `max_shard_size`: bytes, or with a
+    /// unit (`5GB`, `500MB`, `200KB`: powers of 10; `2GiB`, `512MiB`: powers of 2). Larger
+    /// models are saved as `model-0000i-of-0000n.safetensors` with an index.
+    #[arg(long, default_value = "5GB", value_parser = parse_size)]
+    pub max_shard_size: usize,
     /// Output directory: metrics.jsonl, step-N/ checkpoints, loss.png.
     #[arg(long, default_value = "runs/default")]
     pub out: PathBuf,
@@ -296,6 +301,7 @@ impl TrainArgs {
             eval_every: self.eval_every,
             log_every: self.log_every,
             extra_files,
+            max_shard_bytes: self.max_shard_size,
             flops_per_token,
             peak_gflops: matmul_gflops(),
             banner,
@@ -625,5 +631,53 @@ impl RopeArgs {
             max_position_embeddings: self.max_position_embeddings,
         };
         Ok((!o.is_empty()).then_some(o))
+    }
+}
+
+/// A size in bytes with an optional unit, as transformers' `convert_file_size_to_int`: `KB`,
+/// `MB`, `GB` are powers of 10, `KiB`, `MiB`, `GiB` powers of 2 (case-insensitive); at least 1.
+pub fn parse_size(s: &str) -> std::result::Result<usize, String> {
+    let t = s.trim();
+    let lower = t.to_ascii_lowercase();
+    let units: [(&str, f64); 7] = [
+        ("kib", 1024.0),
+        ("mib", 1024.0 * 1024.0),
+        ("gib", 1024.0 * 1024.0 * 1024.0),
+        ("kb", 1e3),
+        ("mb", 1e6),
+        ("gb", 1e9),
+        ("b", 1.0),
+    ];
+    let (num, mult) = units
+        .iter()
+        .find(|(u, _)| lower.ends_with(u))
+        .map(|(u, m)| (&t[..t.len() - u.len()], *m))
+        .unwrap_or((t, 1.0));
+    let n: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (e.g. 5GB, 200MB, 2GiB or a byte count)"))?;
+    let bytes = n * mult;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes <= usize::MAX as f64) {
+        return Err(format!("`{s}`: a size must be at least 1 byte"));
+    }
+    Ok(bytes as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_parse_as_transformers_reads_them() {
+        assert_eq!(parse_size("5GB"), Ok(5_000_000_000));
+        assert_eq!(parse_size("200kb"), Ok(200_000));
+        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("1234"), Ok(1234));
+        assert_eq!(parse_size("1.5MB"), Ok(1_500_000));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("five GB").is_err());
+        assert!(parse_size("-3KB").is_err());
     }
 }

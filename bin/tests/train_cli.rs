@@ -1339,3 +1339,92 @@ fn rope_flags_change_the_run_and_its_checkpoints() {
         ),
     ]);
 }
+
+/// A kill in the middle of a save, for real: with `--max-shard-size 20KB` the small model is
+/// written as several weight files; a test hook (`CPL_TEST_PAUSE_SAVE=step-4:1`) stops the save
+/// of `step-4` after its first file, and the test kills the process there with SIGKILL. The
+/// previous checkpoint (step 2) stays complete and is the one `--resume` picks; the partial
+/// save is removed (and said so); the resumed run ends with the uninterrupted run's losses, bit
+/// for bit, and its checkpoints are sharded with an index.
+#[test]
+fn a_kill_during_a_save_keeps_the_previous_checkpoint_for_resume() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tmpdir("kill-in-save");
+    let tokens = docs_file(&dir);
+    let flags = [
+        "--save-every",
+        "2",
+        "--keep",
+        "5",
+        "--max-shard-size",
+        "20KB",
+    ];
+    let full = dir.join("full");
+    let o = cpl(&set_flags(base_args(&tokens, &full, 6), &flags));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want = losses(&full);
+    let shards: Vec<String> = std::fs::read_dir(full.join("step-6"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("model-") && n.ends_with(".safetensors"))
+        .collect();
+    assert!(shards.len() >= 3, "sharded: {shards:?}");
+    assert!(full.join("step-6/model.safetensors.index.json").is_file());
+
+    let cut = dir.join("cut");
+    let args = set_flags(base_args(&tokens, &cut, 6), &flags);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cpl"))
+        .args(&args)
+        .env("CPL_TEST_PAUSE_SAVE", "step-4:1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let paused = || -> Option<PathBuf> {
+        std::fs::read_dir(&cut)
+            .ok()?
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .find(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with(".step-4.tmp-"))
+                    && p.join("PAUSED").is_file()
+            })
+    };
+    let t0 = Instant::now();
+    while paused().is_none() && t0.elapsed() < Duration::from_secs(120) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let partial = paused().expect("the save of step-4 paused after its first file");
+    child.kill().unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.signal(), Some(9), "killed by SIGKILL: {status:?}");
+    assert!(
+        !cut.join("step-4").exists(),
+        "no step-4 from a partial save"
+    );
+    assert!(cut.join("step-2/trainer_state.json").is_file());
+    let written = std::fs::read_dir(&partial).unwrap().count();
+    assert!(
+        written >= 2,
+        "the partial save holds a weight file and the marker"
+    );
+
+    let mut resume = args.clone();
+    resume.push("--resume".into());
+    let o = cpl(&resume);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("removed the partial checkpoint"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(
+        stderr(&o).contains("(step 2)") && stderr(&o).contains("resuming from"),
+        "resumed from the step-2 checkpoint: {}",
+        stderr(&o)
+    );
+    assert!(!partial.exists(), "the partial save is cleaned up");
+    assert_identical_losses(&losses(&cut), &want, "killed during a save, resumed");
+}

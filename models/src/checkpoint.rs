@@ -335,6 +335,7 @@ pub fn write_hf_dir(tensors: &[(String, Tensor)], dir: &Path, opts: &SaveOptions
         };
         safetensors::serialize_to_file(views, Some(meta), &path)
             .map_err(|e| Error::Invalid(format!("writing {}: {e}", path.display())))?;
+        pause_for_tests(&tmp, &base, i + 1);
     }
     if n > 1 {
         let index = serde_json::json!({
@@ -369,6 +370,25 @@ pub fn write_hf_dir(tensors: &[(String, Tensor)], dir: &Path, opts: &SaveOptions
         std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
     }
     Ok(())
+}
+
+/// Test hook (never set in normal use): with `CPL_TEST_PAUSE_SAVE=<dir name>:<n>`, the save of
+/// the directory named `<dir name>` (e.g. `step-4`) stops for good after writing its `n`-th
+/// weight file, leaving a `PAUSED` file in its temporary directory, so a test can kill the
+/// process in the middle of a save (`bin/tests/train_cli.rs`).
+fn pause_for_tests(tmp: &Path, base: &str, written: usize) {
+    let Ok(v) = std::env::var("CPL_TEST_PAUSE_SAVE") else {
+        return;
+    };
+    let Some((name, n)) = v.split_once(':') else {
+        return;
+    };
+    if name == base && n.parse::<usize>().ok() == Some(written) {
+        let _ = std::fs::write(tmp.join("PAUSED"), b"");
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        }
+    }
 }
 
 /// The bytes of a safetensors file holding `tensors` (metadata `{"format": "pt"}`).

@@ -74,6 +74,44 @@ pub fn list_checkpoints(out: &Path) -> Vec<(u64, PathBuf)> {
     v
 }
 
+/// Removes what an interrupted save left in `out`: its temporary directories
+/// (`.step-N.tmp-<pid>`, never complete), and puts back a previous checkpoint that was moved
+/// aside (`.step-N.old-<pid>`) when no `step-N` replaced it. Returns the paths removed. Run by
+/// the driver before it looks for a checkpoint to resume, so a partial save is never picked.
+pub fn clean_partial(out: &Path) -> Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    for e in std::fs::read_dir(out)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+    {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix(".step-") else {
+            continue;
+        };
+        let p = e.path();
+        if let Some((step, _)) = rest.split_once(".old-") {
+            let dir = out.join(format!("step-{step}"));
+            if !dir.exists() {
+                // Another process of the job may have done it first (NotFound).
+                match std::fs::rename(&p, &dir) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                        return Err(Error::io(&p, e))
+                    }
+                    _ => continue,
+                }
+            }
+        } else if !rest.contains(".tmp-") {
+            continue;
+        }
+        match std::fs::remove_dir_all(&p) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&p, e)),
+            _ => removed.push(p),
+        }
+    }
+    Ok(removed)
+}
+
 /// Collective over the world: saves the trainer's model and state as `out/step-N` (written by
 /// world rank 0), then removes all but the last `keep` checkpoints. `extra_files` (config.json,
 /// tokenizer files) are copied into the model directory.
@@ -84,6 +122,30 @@ pub fn save<M: TrainModel>(
     extra_files: &[(String, Vec<u8>)],
     history: &History,
     keep: usize,
+) -> Result<PathBuf> {
+    let max_shard_bytes = SaveOptions::default().max_shard_bytes;
+    save_sharded(
+        trainer,
+        out,
+        world,
+        extra_files,
+        history,
+        keep,
+        max_shard_bytes,
+    )
+}
+
+/// [`save`] with the model's weights split into files of at most `max_shard_bytes`
+/// (`model-0000i-of-0000n.safetensors` and an index, as transformers' `max_shard_size`).
+#[allow(clippy::too_many_arguments)]
+pub fn save_sharded<M: TrainModel>(
+    trainer: &Trainer<M>,
+    out: &Path,
+    world: &Comm,
+    extra_files: &[(String, Vec<u8>)],
+    history: &History,
+    keep: usize,
+    max_shard_bytes: usize,
 ) -> Result<PathBuf> {
     let tp = trainer.tp().clone();
     let write = world.rank() == 0;
@@ -128,7 +190,7 @@ pub fn save<M: TrainModel>(
         dtype,
         extra_files: files,
         weights_name: trainer.model.weights_name().into(),
-        ..Default::default()
+        max_shard_bytes,
     };
     let pp = trainer.pp();
     if pp.size() > 1 {

@@ -94,6 +94,8 @@ pub struct RunOptions {
     pub log_every: u64,
     /// Files copied into every checkpoint (config, tokenizer...).
     pub extra_files: Vec<(String, Vec<u8>)>,
+    /// Largest weight file of a checkpoint (`--max-shard-size`); larger models are split.
+    pub max_shard_bytes: usize,
     /// Model FLOPs per token (for the MFU of the progress line), and the machine's matmul
     /// rate in GFLOP/s; NaN when unknown.
     pub flops_per_token: f64,
@@ -126,6 +128,13 @@ impl Resume {
     /// The last checkpoint in `out` when `resume`, `None` otherwise. Errors when `out` holds
     /// no checkpoint or its state cannot be read.
     pub fn find(resume: bool, out: &Path) -> Result<Option<Self>> {
+        // What an interrupted save left is never a checkpoint.
+        for p in checkpoint::clean_partial(out)? {
+            eprintln!(
+                "removed the partial checkpoint {} (an interrupted save)",
+                p.display()
+            );
+        }
         if !resume {
             return Ok(None);
         }
@@ -133,6 +142,7 @@ impl Resume {
             Error::Invalid(format!("--resume: no checkpoint in {}", out.display()))
         })?;
         let state = checkpoint::read_state(&dir)?;
+        eprintln!("resuming from {} (step {})", dir.display(), state.step);
         Ok(Some(Self { dir, state }))
     }
 
@@ -316,13 +326,14 @@ fn save_or_stop<M: TrainModel>(
     let stop = stop_requested(world, interrupted)?;
     let periodic = opts.save_every > 0 && trainer.step.is_multiple_of(opts.save_every);
     if periodic || stop || trainer.step == opts.steps {
-        let dir = checkpoint::save(
+        let dir = checkpoint::save_sharded(
             trainer,
             &opts.out,
             world,
             &opts.extra_files,
             history,
             opts.keep,
+            opts.max_shard_bytes,
         )?;
         if let Some(p) = progress {
             p.message(&format!("saved {}", dir.display()));
