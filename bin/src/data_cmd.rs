@@ -84,12 +84,7 @@ fn prepare(a: &PrepareArgs) -> Result<()> {
     // The same checks `cpl train` applies to the ids.
     train::data::TokenStream::from_sequences(&seqs, desc.vocab)?;
     let json = serde_json::to_vec(&seqs)?;
-    let tmp = a.out.with_extension("json.tmp");
-    std::fs::write(&tmp, &json)
-        .and_then(|()| std::fs::rename(&tmp, &a.out))
-        .inspect_err(|_| {
-            let _ = std::fs::remove_file(&tmp);
-        })
+    models::checkpoint::write_atomic(&a.out, &json)
         .with_context(|| format!("--out {}: cannot write", a.out.display()))?;
     let tokens: usize = seqs.iter().map(|s| s.len()).sum();
     eprintln!(

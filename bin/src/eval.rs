@@ -406,14 +406,8 @@ fn passkey_run(args: &EvalArgs) -> Result<()> {
         bail!("--passkey-trials must be at least 1");
     }
     for &l in &args.passkey_lengths {
-        fit_to_layout(l, &args.layout)
-            .and_then(|f| {
-                if f == l {
-                    Ok(())
-                } else {
-                    bail!("is not a multiple of what the layout splits sequences into")
-                }
-            })
+        args.layout
+            .check_seq_len(l)
             .with_context(|| format!("--passkey-lengths {l}"))?;
     }
     let tok = Tokenizer::from_model(&files).context("--passkey needs the model's tokenizer")?;

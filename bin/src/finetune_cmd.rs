@@ -505,6 +505,14 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
     if t.eval_tokens.is_some() || t.tokens.is_some() {
         bail!("--tokens / --eval-tokens: cpl finetune reads chat data (--data, --eval-data)");
     }
+    if t.rope.to_override()?.is_some() {
+        // A LoRA adapter would not carry the base model's new RoPE, so its users would load it
+        // onto the old one.
+        bail!(
+            "--rope-*: cpl finetune does not change the RoPE yet; extend the context with cpl \
+             train --rope-*, then fine-tune its checkpoint"
+        );
+    }
     if t.from_scratch || t.freeze_vision_tower || t.freeze_language_model {
         bail!(
             "--from-scratch / --freeze-vision-tower / --freeze-language-model: cpl finetune \

@@ -84,9 +84,8 @@ pub fn apply_rope(
     }
     std::fs::create_dir_all(out).with_context(|| format!("--out {}", out.display()))?;
     let path = out.join("rope-config.json");
-    let tmp = out.join(".rope-config.json.tmp");
-    std::fs::write(&tmp, &changed).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, &path).with_context(|| format!("writing {}", path.display()))?;
+    models::checkpoint::write_atomic(&path, changed.as_bytes())
+        .with_context(|| format!("writing {}", path.display()))?;
     // The changed config must still load through its family.
     let family = models::family::detect(&path).context("--rope-*")?;
     (family.describe)(&path).context("--rope-*: the changed config.json")?;

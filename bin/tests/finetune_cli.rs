@@ -416,6 +416,10 @@ fn bad_finetuning_input_fails_with_a_clear_error() {
         ),
         (base(&["--data", &o, "--template", "nosuch"]), "--template"),
         (base(&["--lora-dropout", "0.1"]), "--lora-dropout"),
+        (
+            base(&["--rope-scaling", "yarn", "--rope-factor", "4"]),
+            "--rope-*: cpl finetune does not change the RoPE yet",
+        ),
         (base(&["--stage", "dpo", "--packing"]), "--packing"),
         (base(&["--lora-rank", "0"]), "rank"),
         (

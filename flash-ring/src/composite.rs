@@ -130,6 +130,45 @@ pub(crate) fn dims(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttnSpec) -> Resul
     })
 }
 
+/// [`dims`] of a backward call, also checking `out` and `dout` (shape of q) and `lse`
+/// ((batch, q_heads, seq_q) f32); shared with the CUDA kernels' host code.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_dims(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    spec: &AttnSpec,
+) -> Result<Dims> {
+    let dm = dims(q, k, v, spec)?;
+    for (name, t) in [("out", out), ("dout", dout)] {
+        if t.dims() != q.dims() {
+            return Err(Error::Shape {
+                tensor: name,
+                got: t.dims().to_vec(),
+                expected: format!("{:?} (the shape of q)", q.dims()),
+            });
+        }
+    }
+    if lse.dims() != [dm.b, dm.hq, dm.sq] {
+        return Err(Error::Shape {
+            tensor: "lse",
+            got: lse.dims().to_vec(),
+            expected: format!("[{}, {}, {}] (batch, q_heads, seq_q)", dm.b, dm.hq, dm.sq),
+        });
+    }
+    if lse.dtype() != DType::F32 {
+        return Err(Error::DType {
+            tensor: "lse",
+            got: lse.dtype(),
+            expected: "f32",
+        });
+    }
+    Ok(dm)
+}
+
 /// How a (q tile, k tile) pair is masked.
 enum TileMask {
     /// No pair allowed: the tile is skipped.
@@ -345,30 +384,7 @@ pub fn backward(
     f32_grads: bool,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     cfg.check()?;
-    let dm = dims(q, k, v, spec)?;
-    for (name, t) in [("out", out), ("dout", dout)] {
-        if t.dims() != q.dims() {
-            return Err(Error::Shape {
-                tensor: name,
-                got: t.dims().to_vec(),
-                expected: format!("{:?} (the shape of q)", q.dims()),
-            });
-        }
-    }
-    if lse.dims() != [dm.b, dm.hq, dm.sq] {
-        return Err(Error::Shape {
-            tensor: "lse",
-            got: lse.dims().to_vec(),
-            expected: format!("[{}, {}, {}] (batch, q_heads, seq_q)", dm.b, dm.hq, dm.sq),
-        });
-    }
-    if lse.dtype() != DType::F32 {
-        return Err(Error::DType {
-            tensor: "lse",
-            got: lse.dtype(),
-            expected: "f32",
-        });
-    }
+    let dm = backward_dims(q, k, v, out, lse, dout, spec)?;
     let dev = q.device().clone();
     let (q, k, v) = (q.detach(), k.detach(), v.detach());
     let (out, lse, dout) = (out.detach(), lse.detach(), dout.detach());

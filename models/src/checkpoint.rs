@@ -402,6 +402,24 @@ pub fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
         .map_err(|e| Error::Invalid(format!("serializing tensors: {e}")))
 }
 
+/// Writes `bytes` to `path` atomically: a temporary file beside it (`.<name>.<pid>.tmp`), synced,
+/// then renamed over `path`, so `path` is either the old file or the whole new one, never a part.
+/// The temporary file is removed on failure. Errors name `path`.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let name = path
+        .file_name()
+        .ok_or_else(|| Error::Invalid(format!("{}: not a file path", path.display())))?
+        .to_string_lossy()
+        .into_owned();
+    let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+    let written = write_file(&tmp, bytes)
+        .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e)));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
 fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
     let mut f = File::create(path).map_err(|e| Error::io(path, e))?;

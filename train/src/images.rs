@@ -472,19 +472,12 @@ pub fn write_grid_png(images: &Tensor, cols: usize, scale: usize, path: &Path) -
         .write_image(&buf, width32, height32, color)
         .map_err(|e| err(format!("cannot encode the PNG: {e}")))?;
 
-    let name = path
-        .file_name()
-        .ok_or_else(|| err("not a file path".into()))?
-        .to_string_lossy()
-        .into_owned();
+    if path.file_name().is_none() {
+        return Err(err("not a file path".into()));
+    }
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     }
-    let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
-    let written = std::fs::write(&tmp, &png).and_then(|()| std::fs::rename(&tmp, path));
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(Error::io(path, e));
-    }
+    models::checkpoint::write_atomic(path, &png)?;
     Ok(())
 }

@@ -206,9 +206,8 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
         machine.line(),
         hw.to_toml()?
     );
-    let tmp = args.out.with_extension("toml.tmp");
-    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, &args.out).with_context(|| format!("writing {}", args.out.display()))?;
+    models::checkpoint::write_atomic(&args.out, text.as_bytes())
+        .with_context(|| format!("writing {}", args.out.display()))?;
     println!("wrote {}", args.out.display());
     Ok(())
 }

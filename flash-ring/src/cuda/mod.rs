@@ -168,18 +168,9 @@ pub fn selected(dtype: DType, head_dim: usize) -> bool {
     !forced && supports(dtype, head_dim)
 }
 
-/// Shapes of a call, checked like the composite path's.
-struct Shapes {
-    b: usize,
-    sq: usize,
-    hq: usize,
-    sk: usize,
-    hkv: usize,
-    d: usize,
-}
-
-fn shapes(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttnSpec) -> Result<Shapes> {
-    let dm = composite::dims(q, k, v, spec)?;
+/// The composite path's checks of a call (shapes, dtypes, spec), and k and v in q's dtype (one
+/// kernel variant reads all three).
+fn same_dtype(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
     for (name, t) in [("k", k), ("v", v)] {
         if t.dtype() != q.dtype() {
             return Err(Error::DType {
@@ -189,14 +180,7 @@ fn shapes(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttnSpec) -> Result<Shapes>
             });
         }
     }
-    Ok(Shapes {
-        b: dm.b,
-        sq: dm.sq,
-        hq: dm.hq,
-        sk: dm.sk,
-        hkv: dm.hkv,
-        d: dm.d,
-    })
+    Ok(())
 }
 
 fn cuda_device(t: &Tensor) -> Result<CudaDevice> {
@@ -302,7 +286,8 @@ fn grid(rows: usize, per_block: u32, heads: usize, batch: usize) -> Result<Launc
 /// Forward on CUDA tensors: `(out, lse)` as [`crate::flash_fwd`]. Errors for an unsupported
 /// dtype or head dim (see [`supports`]).
 pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttnSpec) -> Result<(Tensor, Tensor)> {
-    let s = shapes(q, k, v, spec)?;
+    let s = composite::dims(q, k, v, spec)?;
+    same_dtype(q, k, v)?;
     let var = Variant::new(q.dtype(), s.d)?;
     if s.b * s.sq * s.hq * s.sk == 0 {
         return composite::forward(q, k, v, spec, &crate::CompositeConfig::default());
@@ -368,31 +353,9 @@ pub fn backward(
     spec: &AttnSpec,
     f32_grads: bool,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let s = shapes(q, k, v, spec)?;
+    let s = composite::backward_dims(q, k, v, out, lse, dout, spec)?;
+    same_dtype(q, k, v)?;
     let var = Variant::new(q.dtype(), s.d)?;
-    for (name, t) in [("out", out), ("dout", dout)] {
-        if t.dims() != q.dims() {
-            return Err(Error::Shape {
-                tensor: name,
-                got: t.dims().to_vec(),
-                expected: format!("{:?} (the shape of q)", q.dims()),
-            });
-        }
-    }
-    if lse.dims() != [s.b, s.hq, s.sq] {
-        return Err(Error::Shape {
-            tensor: "lse",
-            got: lse.dims().to_vec(),
-            expected: format!("[{}, {}, {}] (batch, q_heads, seq_q)", s.b, s.hq, s.sq),
-        });
-    }
-    if lse.dtype() != DType::F32 {
-        return Err(Error::DType {
-            tensor: "lse",
-            got: lse.dtype(),
-            expected: "f32",
-        });
-    }
     if s.b * s.sq * s.hq * s.sk == 0 {
         return composite::backward(
             q,
