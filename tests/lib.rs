@@ -12,7 +12,7 @@ use candle_parallel::attention::{AttnMask, SpConfig, Strategy};
 use candle_parallel::comm::{Comm, LocalWorld, ReduceOp};
 use candle_parallel::mesh::{DeviceMesh, Dim, MeshConfig};
 use candle_parallel::nn::{
-    Batch, CrossEntropyOptions, ParallelCtx, Param, ParamMode, TpActivations,
+    Batch, CrossEntropyOptions, ParallelCtx, Param, ParamMode, TensorSource, TpActivations,
 };
 use candle_parallel::optim::{collect_gradients, reduce_gradients, ZeroGroups, ZeroStage};
 use candle_parallel::plan::{MemoryPlan, PlannedParams};
@@ -459,64 +459,166 @@ pub struct RegistryRun {
     /// The held-out loss after training (4 sequences of the data, forward only; through the
     /// stages under a pipeline).
     pub eval_loss: f64,
-    /// The whole final weights, merged over the pipeline stages.
+    /// The whole final weights (the trained ones: the adapters under LoRA), merged over the
+    /// pipeline stages.
     pub weights: HashMap<String, Tensor>,
 }
 
+/// The pipeline of `layout` for a model of `layers` decoder layers: `None` without stages,
+/// else 1F1B with the layers split evenly (the first stages take one more where they do not
+/// divide).
+pub fn registry_pipeline(layout: &Layout, layers: usize) -> Option<train::trainer::PipelineConfig> {
+    let pp = layout.mesh.pp;
+    (pp > 1).then(|| train::trainer::PipelineConfig {
+        schedule: candle_parallel::pipeline::ScheduleKind::OneFOneB,
+        virtual_stages: 1,
+        layers: (0..pp)
+            .map(|r| layers / pp + usize::from(r < layers % pp))
+            .collect(),
+    })
+}
+
+/// Loads the causal LM of `files` through the family registry for this rank of `layout`'s
+/// `mesh` (its pipeline stage's layers under `pipeline`), f32, with `adapters`.
+pub fn load_through_registry(
+    files: &ModelFiles,
+    mesh: &DeviceMesh,
+    ctx: &ParallelCtx,
+    pipeline: Option<&train::trainer::PipelineConfig>,
+    mode: ParamMode,
+    adapters: Option<std::sync::Arc<candle_parallel::nn::Adapters>>,
+) -> Result<models::family::LoadedCausalLm, String> {
+    let family = models::family::detect(&files.config).map_err(|e| e.to_string())?;
+    let desc = (family.describe)(&files.config).map_err(|e| e.to_string())?;
+    let load = family
+        .load_causal_lm
+        .ok_or_else(|| format!("{} is no causal LM family", family.name))?;
+    let (r, pp) = (mesh.coord(Dim::Pp), mesh.size(Dim::Pp));
+    let layers = match pipeline {
+        Some(pc) => vec![pc.ranges()[r].clone()],
+        None => std::iter::once(0..desc.layers).collect(),
+    };
+    let spec = models::family::LoadSpec {
+        ctx,
+        dtype: Some(DType::F32),
+        mode,
+        layers: &layers,
+        ends: r == 0 || r + 1 == pp,
+        adapters,
+    };
+    load(files, &spec).map_err(|e| e.to_string())
+}
+
 /// Trains the model of `files`, loaded through the family registry, for `cfg.steps` steps of
-/// `data` under `layout` (f32). With pipeline stages (`layout.mesh.pp > 1`) and no
-/// `cfg.pipeline`, the layers are split over the stages under 1F1B (the first stages take one
-/// more where they do not divide). Every rank's losses,
-/// norms and weights are asserted bit-identical. Panics name the layout.
+/// `data` under `layout` (f32), through the run driver (see [`drive_through_registry`]); the
+/// run's directory is removed afterwards.
 pub fn train_through_registry(
     files: &ModelFiles,
     layout: &Layout,
     cfg: &train::trainer::TrainConfig,
     data: &train::data::PackedDataset,
 ) -> RegistryRun {
-    use train::trainer::{PipelineConfig, Trainer};
+    let out = std::env::temp_dir().join(format!(
+        "cpl-registry-{}-{}-{:?}",
+        std::process::id(),
+        layout.name,
+        std::thread::current().id()
+    ));
+    let run = drive_through_registry(files, layout, cfg, data, None, &out);
+    let _ = std::fs::remove_dir_all(&out);
+    run
+}
+
+/// The driver's next-token task (what `cpl train` runs, and `cpl finetune`'s SFT with a LoRA
+/// config and the adapters' initial values, else PEFT's initialisation) on the model of `files`, loaded through the family registry, under `layout` (f32):
+/// `cfg.steps` steps of `data`, the held-out loss of its first 4 windows after the last step,
+/// `metrics.jsonl` and the final checkpoint (`step-N`, with `files`' `config.json`, and under
+/// LoRA the adapters with PEFT's `adapter_config.json`) in `out`.
+/// With pipeline stages (`layout.mesh.pp > 1`) and no `cfg.pipeline`, the layers are split as
+/// [`registry_pipeline`] does. Every rank's losses, norms and weights are asserted
+/// bit-identical. Panics name the layout.
+pub fn drive_through_registry<W: train::data::Windows + Sync + 'static>(
+    files: &ModelFiles,
+    layout: &Layout,
+    cfg: &train::trainer::TrainConfig,
+    data: &W,
+    lora: Option<(
+        &candle_parallel::nn::LoraConfig,
+        Option<std::sync::Arc<dyn TensorSource>>,
+    )>,
+    out: &std::path::Path,
+) -> RegistryRun {
+    use std::sync::atomic::AtomicBool;
+    use train::driver::tasks::NextTokenTask;
+    use train::driver::RunOptions;
+    use train::trainer::Trainer;
     let family = models::family::detect(&files.config).unwrap_or_else(|e| panic!("{e}"));
     let desc = (family.describe)(&files.config).unwrap_or_else(|e| panic!("{e}"));
-    let load = family
-        .load_causal_lm
-        .unwrap_or_else(|| panic!("{} is no causal LM family", family.name));
-    let pp = layout.mesh.pp;
     let mut cfg = cfg.clone();
-    if pp > 1 && cfg.pipeline.is_none() {
-        let n = desc.layers;
-        cfg.pipeline = Some(PipelineConfig {
-            schedule: candle_parallel::pipeline::ScheduleKind::OneFOneB,
-            virtual_stages: 1,
-            layers: (0..pp).map(|r| n / pp + usize::from(r < n % pp)).collect(),
-        });
+    if cfg.pipeline.is_none() {
+        cfg.pipeline = registry_pipeline(layout, desc.layers);
     }
-    let steps = cfg.steps;
+    std::fs::create_dir_all(out).unwrap_or_else(|e| panic!("{}: {e}", out.display()));
+    let config = std::fs::read(&files.config).unwrap_or_else(|e| panic!("{e}"));
+    let mut extra_files = vec![("config.json".to_string(), config)];
+    if let Some((l, _)) = &lora {
+        // What `cpl finetune` writes beside the adapters.
+        let json = models::peft::AdapterConfig::from_lora(l, "base").to_json();
+        extra_files.push((
+            models::peft::CONFIG_NAME.into(),
+            json.unwrap_or_else(|e| panic!("{e}")),
+        ));
+    }
+    let opts = RunOptions {
+        out: out.to_path_buf(),
+        steps: cfg.steps,
+        save_every: 0,
+        keep: 1,
+        eval_every: 0,
+        log_every: 1,
+        extra_files,
+        max_shard_bytes: usize::MAX,
+        flops_per_token: f64::NAN,
+        peak_gflops: f64::NAN,
+        banner: format!("{} under {}", family.name, layout.name),
+        local_ranks: true,
+        skip_nonfinite_steps: 0,
+    };
     let out = LocalWorld::run(layout.ranks, |world| -> Result<_, String> {
         let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
-        let (mesh, ctx) = layout.context(world)?;
-        let r = mesh.coord(Dim::Pp);
-        let layers = match &cfg.pipeline {
-            Some(pc) => vec![pc.ranges()[r].clone()],
-            None => std::iter::once(0..desc.layers).collect(),
+        let (mesh, ctx) = layout.context(world.clone())?;
+        let adapters = lora
+            .as_ref()
+            .map(|(c, src)| candle_parallel::nn::Adapters::new((*c).clone(), src.clone()))
+            .transpose()
+            .map_err(|x| e(&x))?;
+        let mode = ParamMode::Trainable;
+        let m = load_through_registry(files, &mesh, &ctx, cfg.pipeline.as_ref(), mode, adapters)
+            .map_err(|x| e(&x))?;
+        let trainer = Trainer::new(m.model, &mesh, &ctx, cfg.clone()).map_err(|x| e(&x))?;
+        let mut task = NextTokenTask {
+            trainer,
+            data,
+            eval: Some((data, 4)),
+            count_key: "tokens",
+            processed_tokens: None,
         };
-        let spec = models::family::LoadSpec {
-            ctx: &ctx,
-            dtype: Some(DType::F32),
-            mode: ParamMode::Trainable,
-            layers: &layers,
-            ends: r == 0 || r + 1 == pp,
-            adapters: None,
-        };
-        let model = load(files, &spec).map_err(|x| e(&x))?.model;
-        let mut t = Trainer::new(model, &mesh, &ctx, cfg.clone()).map_err(|x| e(&x))?;
-        let (mut losses, mut norms) = (Vec::new(), Vec::new());
-        while t.step < steps {
-            let s = t.step(data).map_err(|x| e(&x))?;
-            losses.push(s.loss);
-            norms.push(s.grad_norm);
-        }
-        let (eval, _) = t.eval_loss(data, 4).map_err(|x| e(&x))?;
-        Ok((losses, norms, eval, whole_weights(&t, &mesh)?))
+        let history = train::driver::run(
+            &mut task,
+            &world,
+            &opts,
+            Default::default(),
+            &AtomicBool::new(false),
+        )
+        .map_err(|x| e(&x))?;
+        let losses = history.steps.iter().map(|s| s.loss).collect::<Vec<_>>();
+        let norms = history
+            .steps
+            .iter()
+            .map(|s| s.grad_norm)
+            .collect::<Vec<_>>();
+        let eval = history.evals.last().map_or(f64::NAN, |p| p.loss);
+        Ok((losses, norms, eval, whole_weights(&task.trainer, &mesh)?))
     })
     .unwrap_or_else(|e| panic!("{e}"));
     let mut weights = HashMap::new();
@@ -537,6 +639,101 @@ pub fn train_through_registry(
         eval_loss: out[0].2,
         weights,
     }
+}
+
+/// `cpl eval`'s scoring ([`train::evaluation::score`]) of the model of `files`, loaded
+/// through the registry (frozen, f32) under `layout` (pipelined under `layout.mesh.pp > 1`):
+/// the mean loss of `seqs` and, without a pipeline, their global logits. Every rank's loss is
+/// asserted bit-identical.
+pub fn eval_through_registry(
+    files: &ModelFiles,
+    layout: &Layout,
+    seqs: &[Vec<u32>],
+) -> (f64, Vec<Tensor>) {
+    let family = models::family::detect(&files.config).unwrap_or_else(|e| panic!("{e}"));
+    let desc = (family.describe)(&files.config).unwrap_or_else(|e| panic!("{e}"));
+    let pipeline = registry_pipeline(layout, desc.layers);
+    let out = LocalWorld::run(layout.ranks, |world| -> Result<_, String> {
+        let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
+        let (mesh, ctx) = layout.context(world)?;
+        let m = load_through_registry(
+            files,
+            &mesh,
+            &ctx,
+            pipeline.as_ref(),
+            ParamMode::Frozen,
+            None,
+        )
+        .map_err(|x| e(&x))?;
+        let act = train::evaluation::activation_dtype(&m.params);
+        let want_logits = pipeline.is_none();
+        let (report, logits) = train::evaluation::score(
+            &mesh,
+            &ctx,
+            m.model.as_ref(),
+            act,
+            seqs,
+            &train::evaluation::ScoreOptions {
+                pipeline: pipeline.as_ref(),
+                logits: want_logits,
+                buckets: None,
+            },
+        )
+        .map_err(|x| e(&x))?;
+        Ok((report.loss, logits))
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    for (i, (l, _)) in out.iter().enumerate() {
+        let who = format!("{}: rank {i} vs rank 0: eval loss", layout.name);
+        testkit::assert_identical_scalars(&[*l], &[out[0].0], &who);
+    }
+    let (loss, logits) = out.into_iter().next().expect("one rank at least");
+    (loss, logits)
+}
+
+/// `cpl generate`'s greedy decoding ([`train::generation::generate`]) of `max_new` tokens
+/// after `prompt` by the model of `files`, loaded through the registry (frozen, f32) under
+/// `layout` (its pipeline stages under `layout.mesh.pp > 1`); every rank's tokens asserted
+/// identical. Errors (a layout generation refuses) name the layout.
+pub fn generate_through_registry(
+    files: &ModelFiles,
+    layout: &Layout,
+    prompt: &[u32],
+    max_new: usize,
+) -> Result<Vec<u32>, String> {
+    use train::generation::{argmax, generate, Stages};
+    let family = models::family::detect(&files.config).map_err(|e| e.to_string())?;
+    let desc = (family.describe)(&files.config).map_err(|e| e.to_string())?;
+    let pipeline = registry_pipeline(layout, desc.layers);
+    let out = LocalWorld::run(layout.ranks, |world| -> Result<_, String> {
+        let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
+        let (mesh, ctx) = layout.context(world)?;
+        let m = load_through_registry(
+            files,
+            &mesh,
+            &ctx,
+            pipeline.as_ref(),
+            ParamMode::Frozen,
+            None,
+        )
+        .map_err(|x| e(&x))?;
+        let layers = match &pipeline {
+            Some(pc) => pc.ranges()[mesh.coord(Dim::Pp)].clone(),
+            None => 0..desc.layers,
+        };
+        let act = train::evaluation::activation_dtype(&m.params);
+        let stages = Stages::new(&mesh, layers, desc.hidden, desc.vocab, act);
+        generate(m.model.as_ref(), &stages, prompt, max_new, None, argmax).map_err(|x| e(&x))
+    })
+    .map_err(|e| e.to_string())?;
+    for (i, t) in out.iter().enumerate() {
+        assert_eq!(
+            t, &out[0],
+            "{}: rank {i} vs rank 0: generated tokens",
+            layout.name
+        );
+    }
+    Ok(out.into_iter().next().unwrap_or_default())
 }
 
 /// The small AdamW run the family tests train: 32-token sequences, one per micro-batch,

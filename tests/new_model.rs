@@ -1,9 +1,9 @@
 //! A new model written in one file from `candle_parallel::nn` alone: a 2-layer pre-norm
-//! transformer with LayerNorm, full (bidirectional) GQA attention without RoPE, a GELU MLP with
-//! biases, a vocab-parallel embedding and LM head. The model names no rank, no communicator and
-//! no collective; the layout is the context's and the memory plan is applied to its units from
-//! outside. Trained with the next-token loss (full attention sees the token it predicts, so the
-//! loss falls fast: the test is about the parallel arithmetic, not the objective).
+//! transformer with LayerNorm, causal GQA attention without positional encoding (NoPE), a GELU
+//! MLP with biases, a vocab-parallel embedding and LM head, and a KV cache for generation. The
+//! model names no rank, no communicator and no collective; the layout is the context's, the
+//! memory plan is applied to its units from outside, and LoRA adapters come with its parameter
+//! builder.
 //!
 //! Under tp2, zigzag ring4, ulysses2 x ring2 (USP) and ZeRO-3 (with and without selective
 //! checkpointing) it trains with the losses and final weights of one rank (1e-5 relative, f32),
@@ -11,31 +11,36 @@
 //!
 //! The same model is then a family of the registry (`models::family`), registered from outside
 //! the models crate with its `config.json` architecture, description and loader: detected,
-//! loaded for each rank's layout and pipeline stage, and trained through the engine under tp2,
-//! ring2 and pp2 with the losses, gradient norms and weights of one rank.
+//! loaded for each rank's layout and pipeline stage, and run through every task of the engine
+//! (the driver's training and LoRA fine-tuning, evaluation, generation) under tp2, ring2 and
+//! pp2 with the results of one rank.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use candle_parallel::attention::{AttnMask, Strategy};
+use candle_parallel::attention::{AttnMask as AttnMaskKind, Strategy};
 use candle_parallel::comm::LocalWorld;
 use candle_parallel::nn::{
-    Activation, AttentionConfig, Batch, Block, CrossEntropyOptions, EmbeddingConfig, LayerNorm,
-    LmHead, Mlp, MlpConfig, NormConfig, ParallelAttention, ParallelCtx, ParamBuilder, ParamMode,
-    Pass, TensorMap, Track, Unit, UnitOps, VocabParallelEmbedding,
+    Activation, Adapters, AttentionConfig, Batch, Block, CrossEntropyOptions, EmbeddingConfig,
+    LayerKv, LayerNorm, LmHead, LoraConfig, LoraTargets, Mlp, MlpConfig, NormConfig,
+    ParallelAttention, ParallelCtx, ParamBuilder, ParamMode, Pass, TensorMap, Track, Unit, UnitOps,
+    VocabParallelEmbedding,
 };
 use candle_parallel::optim::ZeroStage;
 use candle_parallel::plan::{MemoryPlan, Parallelize};
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{
-    assert_identical, rel_err, train_through_registry, whole_weights, Layout,
+    assert_identical, drive_through_registry, eval_through_registry, generate_through_registry,
+    load_through_registry, rel_err, whole_weights, Layout,
 };
+use models::causal_lm::KvCache;
 use models::family::{Description, Family, Kind, LoadSpec, LoadedCausalLm};
 use models::hub::ModelFiles;
 use models::CausalLm;
 use testkit::{assert_close_scalar, assert_finite, max_abs};
 use train::data::{PackedDataset, Packing, TokenStream};
+use train::finetune::{Example, Overlong, SftDataset, SftOptions};
 use train::trainer::{TrainConfig, TrainModel, Trainer};
 
 // ------------------------------------------------------------------------------------------
@@ -85,6 +90,22 @@ impl EncoderLayer {
     }
 }
 
+impl EncoderLayer {
+    /// Generation: the new tokens `x` at positions `pos`, extending this layer's `cache`.
+    fn forward_cached(
+        &self,
+        x: &Tensor,
+        pos: &[u32],
+        cache: &mut LayerKv,
+    ) -> candle_parallel::Result<Tensor> {
+        let a = self
+            .attn
+            .forward_cached(&self.norm1.forward(x)?, pos, cache)?;
+        let x = (x + a)?;
+        Ok((&x + self.mlp.forward(&self.norm2.forward(&x)?)?)?)
+    }
+}
+
 impl Block for EncoderLayer {
     fn forward(&self, x: &Tensor, pass: &Pass) -> candle_parallel::Result<Tensor> {
         let x = (x + self.attn.forward(&self.norm1.forward(x)?, pass)?)?;
@@ -125,6 +146,8 @@ struct Encoder {
     /// `None` for layers another pipeline stage holds.
     layers: Vec<Option<Unit<EncoderLayer>>>,
     ctx: ParallelCtx,
+    /// The LoRA adapters its linear layers were built with (from the parameter builder).
+    adapters: Option<Arc<Adapters>>,
 }
 
 impl Encoder {
@@ -170,6 +193,7 @@ impl Encoder {
             ends,
             layers,
             ctx: ctx.clone(),
+            adapters: vb.adapters().cloned(),
         })
     }
 
@@ -179,6 +203,13 @@ impl Encoder {
             .as_ref()
             .ok_or_else(|| models::Error::Invalid("no ends on this stage".into()))?;
         Ok(ends.get(Track::Grad)?)
+    }
+
+    fn layer(&self, i: usize) -> models::Result<&Unit<EncoderLayer>> {
+        self.layers
+            .get(i)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| models::Error::Invalid(format!("layer {i} is on another stage")))
     }
 }
 
@@ -225,14 +256,10 @@ impl CausalLm for Encoder {
         x: &Tensor,
         batch: &Batch,
     ) -> models::Result<Tensor> {
-        // Bidirectional: every token sees the whole sequence, whatever the data's mask.
-        let pass = Pass::new(&self.ctx, &batch.positions, &AttnMask::Full);
+        let pass = batch.pass(&self.ctx)?;
         let mut x = x.clone();
         for i in layers {
-            let layer = self.layers[i]
-                .as_ref()
-                .ok_or_else(|| models::Error::Invalid(format!("layer {i} is on another stage")))?;
-            x = layer.forward(&x, &pass)?;
+            x = self.layer(i)?.forward(&x, &pass)?;
         }
         Ok(x)
     }
@@ -259,6 +286,44 @@ impl CausalLm for Encoder {
             .map(|p| p.name.clone())
             .collect()
     }
+
+    fn embed_cached(&self, ids: &Tensor) -> models::Result<Tensor> {
+        Ok(self.ends()?.embed.forward(ids)?)
+    }
+
+    fn layers_cached(
+        &self,
+        x: &Tensor,
+        layers: std::ops::Range<usize>,
+        cache: &mut KvCache,
+    ) -> models::Result<Tensor> {
+        if self.ctx.sequence_group().size() > 1 {
+            return Err(models::Error::Invalid(
+                "generation runs without sequence parallelism".into(),
+            ));
+        }
+        let start = cache.len();
+        let pos: Vec<u32> = (start..start + x.dim(1)?).map(|p| p as u32).collect();
+        let mut x = x.clone();
+        for i in layers {
+            let c = cache.layer(i, self.layers.len())?;
+            x = self
+                .layer(i)?
+                .get(Track::NoGrad)?
+                .forward_cached(&x, &pos, c)?;
+        }
+        Ok(x)
+    }
+
+    fn head_cached(&self, x: &Tensor) -> models::Result<Tensor> {
+        let ends = self.ends()?;
+        let last = x.narrow(1, x.dim(1)? - 1, 1)?.squeeze(1)?;
+        Ok(ends.head.logits(&ends.norm.forward(&last)?)?)
+    }
+
+    fn adapters(&self) -> Option<&Arc<Adapters>> {
+        self.adapters.as_ref()
+    }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -275,26 +340,48 @@ const CFG: EncoderConfig = EncoderConfig {
     eps: 1e-5,
 };
 
-/// Deterministic weights (splitmix64), the same on every rank: normal-ish matrices of scale
-/// 0.2, norm weights around 1, biases around 0.
+/// Deterministic values (splitmix64 from `state`): a tensor of `shape` uniform in
+/// `center ± scale`.
+fn splitmix_tensor(state: &mut u64, shape: &[usize], center: f32, scale: f32) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = *state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            let u = ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32;
+            center + scale * (2.0 * u - 1.0)
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// The linear layers of layer `l`: name, output and input width.
+fn linears(l: usize) -> Vec<(String, usize, usize)> {
+    let (h, i) = (CFG.hidden_size, CFG.intermediate_size);
+    let kv = CFG.num_kv_heads * h / CFG.num_heads;
+    [
+        ("attn.q_proj", h, h),
+        ("attn.k_proj", kv, h),
+        ("attn.v_proj", kv, h),
+        ("attn.o_proj", h, h),
+        ("mlp.fc1", i, h),
+        ("mlp.fc2", h, i),
+    ]
+    .into_iter()
+    .map(|(n, o, i)| (format!("layers.{l}.{n}"), o, i))
+    .collect()
+}
+
+/// Deterministic weights (splitmix64), the same on every rank: matrices in ±0.3, norm weights
+/// around 1, biases around 0.
 fn weights() -> HashMap<String, Tensor> {
     let mut state = 0x5eed_u64;
     let mut tensor = |shape: &[usize], center: f32, scale: f32| {
-        let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n)
-            .map(|_| {
-                state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                let mut z = state;
-                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                let u = ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32;
-                center + scale * (2.0 * u - 1.0)
-            })
-            .collect();
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+        splitmix_tensor(&mut state, shape, center, scale)
     };
-    let (v, h, i) = (CFG.vocab_size, CFG.hidden_size, CFG.intermediate_size);
-    let kv = CFG.num_kv_heads * h / CFG.num_heads;
+    let (v, h) = (CFG.vocab_size, CFG.hidden_size);
     let mut w = HashMap::new();
     for (name, shape) in [("embed.weight", vec![v, h]), ("head.weight", vec![v, h])] {
         w.insert(name.to_string(), tensor(&shape, 0.0, 0.3));
@@ -303,17 +390,10 @@ fn weights() -> HashMap<String, Tensor> {
     w.insert("norm.bias".into(), tensor(&[h], 0.0, 0.1));
     for l in 0..CFG.num_layers {
         let p = |n: &str| format!("layers.{l}.{n}");
-        for (n, out, inp) in [
-            ("attn.q_proj", h, h),
-            ("attn.k_proj", kv, h),
-            ("attn.v_proj", kv, h),
-            ("attn.o_proj", h, h),
-            ("mlp.fc1", i, h),
-            ("mlp.fc2", h, i),
-        ] {
-            w.insert(p(&format!("{n}.weight")), tensor(&[out, inp], 0.0, 0.3));
-            if n.starts_with("mlp") {
-                w.insert(p(&format!("{n}.bias")), tensor(&[out], 0.0, 0.1));
+        for (n, out, inp) in linears(l) {
+            w.insert(format!("{n}.weight"), tensor(&[out, inp], 0.0, 0.3));
+            if n.contains("mlp") {
+                w.insert(format!("{n}.bias"), tensor(&[out], 0.0, 0.1));
             }
         }
         for n in ["norm1", "norm2"] {
@@ -507,7 +587,7 @@ fn describe_toy(path: &std::path::Path) -> models::Result<Description> {
         vocab,
         attention_width: (l * h) as u64,
         windowed: Vec::new(),
-        causal: false,
+        causal: true,
         planner_shape: None,
         summary: String::new(),
     })
@@ -521,6 +601,7 @@ fn load_toy(files: &ModelFiles, spec: &LoadSpec<'_>) -> models::Result<LoadedCau
         spec.ctx.device(),
         spec.mode,
     );
+    let vb = vb.with_adapters(spec.adapters.clone());
     let model = Encoder::new_stage(&CFG, vb, spec.ctx, spec.layers, spec.ends)?;
     Ok(LoadedCausalLm {
         model: Box::new(model),
@@ -548,12 +629,27 @@ fn toy_checkpoint() -> std::path::PathBuf {
     dir
 }
 
-/// Trains the registry's model of `dir` under `layout` (see [`train_through_registry`]).
-fn registry_run(dir: &std::path::Path, layout: &Layout, steps: u64) -> (Run, Vec<f64>) {
+/// The driver's next-token task on the registry's model of `dir` under `layout`, with `lora`
+/// (fine-tuning) or without (training), its run directory `out` (see
+/// [`drive_through_registry`]): the run, and the gradient norms of every step followed by the
+/// held-out loss.
+fn registry_run(
+    dir: &std::path::Path,
+    layout: &Layout,
+    steps: u64,
+    lora: Option<&LoraConfig>,
+    out: &std::path::Path,
+) -> (Run, Vec<f64>) {
     let files = models::hub::from_dir("toy", dir).unwrap();
     let dp = layout.mesh.degree(candle_parallel::mesh::Dim::Dp);
     let cfg = config(steps, MemoryPlan::default(), 2 / dp);
-    let got = train_through_registry(&files, layout, &cfg, &data());
+    let got = match lora {
+        None => drive_through_registry(&files, layout, &cfg, &data(), None, out),
+        Some(l) => {
+            let lora = (l, Some(toy_adapters()));
+            drive_through_registry(&files, layout, &cfg, &sft_data(), Some(lora), out)
+        }
+    };
     let mut norms = got.grad_norms;
     norms.push(got.eval_loss);
     let run = Run {
@@ -564,13 +660,81 @@ fn registry_run(dir: &std::path::Path, layout: &Layout, steps: u64) -> (Run, Vec
     (run, norms)
 }
 
+/// Chat-like examples for fine-tuning: a prompt (not trained) then a reply (trained), packed
+/// into 32-token windows with document masks.
+fn sft_data() -> SftDataset {
+    let docs = testkit::random_docs(0xF1_7E, 12, 5..24, CFG.vocab_size as u32);
+    let examples: Vec<Example> = docs
+        .into_iter()
+        .enumerate()
+        .map(|(i, ids)| {
+            let prompt = 1 + (i * 3) % (ids.len() - 2);
+            let trained = (0..ids.len()).map(|j| j >= prompt).collect();
+            Example { ids, trained }
+        })
+        .collect();
+    let opts = SftOptions {
+        seq_len: 32,
+        packing: true,
+        overlong: Overlong::Truncate,
+        pad_id: 0,
+    };
+    SftDataset::new(&examples, &opts, CFG.vocab_size).unwrap().0
+}
+
+/// Random non-zero rank-4 adapters of every linear layer (both matrices in ±0.3): with PEFT's
+/// zero-initialised B, Adam's first update of B would be the sign of gradients, some of them
+/// rounding noise, and differ between layouts.
+fn toy_adapters() -> Arc<dyn candle_parallel::nn::TensorSource> {
+    let (mut state, r, mut t) = (0xada_u64, 4, HashMap::new());
+    for l in 0..CFG.num_layers {
+        for (n, out, inp) in linears(l) {
+            let a = splitmix_tensor(&mut state, &[r, inp], 0.0, 0.3);
+            let b = splitmix_tensor(&mut state, &[out, r], 0.0, 0.3);
+            t.insert(format!("{n}.lora_A.weight"), a);
+            t.insert(format!("{n}.lora_B.weight"), b);
+        }
+    }
+    Arc::new(TensorMap::new(t, "toy adapters"))
+}
+
+/// `got` equals `want` (losses, gradient norms then the held-out loss, final weights) within
+/// 1e-5 relative.
+fn assert_same_run(what: &str, got: &(Run, Vec<f64>), want: &(Run, Vec<f64>)) {
+    let ((got, norms), (want, want_norms)) = (got, want);
+    assert_eq!(got.losses.len(), want.losses.len(), "{what}: steps");
+    for (i, (a, b)) in got.losses.iter().zip(&want.losses).enumerate() {
+        assert_close_scalar(*a, *b, 1e-5, &format!("{what}: step {i}: loss"));
+    }
+    assert_eq!(norms.len(), want_norms.len(), "{what}: norms");
+    for (i, (g, w)) in norms.iter().zip(want_norms).enumerate() {
+        let m = format!("{what}: step {i}: gradient norm / eval loss");
+        assert_close_scalar(*g, *w, 1e-5, &m);
+    }
+    assert_eq!(got.weights.len(), want.weights.len(), "{what}: weights");
+    for (n, w) in &want.weights {
+        let e = rel_err(&got.weights[n], w);
+        assert!(e <= 1e-5, "{what}: final weight {n}: rel err {e:e}");
+    }
+}
+
 /// A family registered from outside the models crate is detected from its `config.json`
 /// (`architectures`), described (FLOPs), loaded by its own loader for each rank's layout and
-/// pipeline stage, and trains and evaluates through the engine under tp2, ring2 and pp2 with
-/// the losses, gradient norms, held-out loss and final weights of one rank (1e-5). An unknown architecture lists the
-/// supported families, the registered one among them.
+/// pipeline stage, and runs every task of the engine under tp2, ring2 and pp2 like one rank
+/// (1e-5 relative):
+/// - training through the run driver (`cpl train`'s task): losses, gradient norms, held-out
+///   loss and final weights; the checkpoint it saves reloads through the registry;
+/// - evaluation (`cpl eval`'s scoring) of the trained checkpoint: the loss and, without a
+///   pipeline, the global logits;
+/// - greedy generation with the KV cache (`cpl generate`'s): the same tokens, each the argmax
+///   of a full forward over the text before it; refused under ring2 with a clear error;
+/// - LoRA fine-tuning through the driver on SFT windows (`cpl finetune`'s task) from random
+///   non-zero adapters: losses, norms and final adapters; the saved adapter reloads and every adapter tensor gets a non-zero
+///   gradient.
+///
+/// An unknown architecture lists the supported families, the registered one among them.
 #[test]
-fn a_family_registered_from_outside_trains_through_the_registry() {
+fn a_family_registered_from_outside_runs_every_task_of_the_engine() {
     models::family::register(&TOY).unwrap();
     assert!(models::family::register(&TOY).is_err(), "registered twice");
     let dir = toy_checkpoint();
@@ -580,38 +744,152 @@ fn a_family_registered_from_outside_trains_through_the_registry() {
     let flops = desc.flops_per_token(32, models::family::Work::Training);
     assert!(flops > 6.0 * desc.matmul_params as f64, "{flops}");
     let steps = 3;
-    let (want, want_norms) = registry_run(&dir, &Layout::single(), steps);
-    assert!(want.losses.iter().all(|l| l.is_finite()));
+    let layouts = [
+        Layout::new("tp2", 2, 1, 1, Strategy::Ring),
+        Layout::new("ring2", 1, 1, 2, Strategy::Ring),
+        Layout {
+            name: "pp2",
+            ..Layout::single().with_pp(2)
+        },
+    ];
+    let out = |job: &str, layout: &Layout| dir.join(format!("{job}-{}", layout.name));
+    let step_dir = |job: &str, layout: &Layout| out(job, layout).join(format!("step-{steps}"));
+
+    // Training through the driver.
+    let single = Layout::single();
+    let want = registry_run(&dir, &single, steps, None, &out("train", &single));
+    assert!(want.0.losses.iter().all(|l| l.is_finite()));
     assert_eq!(
-        want.weights.len(),
+        want.0.weights.len(),
         weights().len(),
         "every parameter trained"
     );
-    for layout in [
-        Layout::new("tp2", 2, 1, 1, Strategy::Ring),
-        Layout::new("ring2", 1, 1, 2, Strategy::Ring),
-        Layout::single().with_pp(2),
-    ] {
-        let (got, norms) = registry_run(&dir, &layout, steps);
-        for (i, (a, b)) in got.losses.iter().zip(&want.losses).enumerate() {
-            assert_close_scalar(*a, *b, 1e-5, &format!("{}: step {i}: loss", layout.name));
-        }
-        // Gradient norms of every step, then the held-out loss after training.
-        assert_eq!(norms.len(), steps as usize + 1);
-        for (i, (g, w)) in norms.iter().zip(&want_norms).enumerate() {
-            let what = format!("{}: step {i}: gradient norm / eval loss", layout.name);
-            assert_close_scalar(*g, *w, 1e-5, &what);
-        }
-        assert_eq!(got.weights.len(), want.weights.len(), "{}", layout.name);
-        for (n, w) in &want.weights {
-            let e = rel_err(&got.weights[n], w);
-            assert!(
-                e <= 1e-5,
-                "{}: final weight {n}: rel err {e:e}",
-                layout.name
-            );
+    for layout in &layouts {
+        let got = registry_run(&dir, layout, steps, None, &out("train", layout));
+        assert_same_run(&format!("train {}", layout.name), &got, &want);
+    }
+
+    // Evaluation of the trained checkpoint, and of the one saved under tp2.
+    let trained = models::hub::from_dir("trained", &step_dir("train", &single)).unwrap();
+    assert_eq!(
+        models::family::detect(&trained.config).unwrap().name,
+        "toy-encoder"
+    );
+    let seqs = testkit::random_docs(0xE7A1, 3, 32..33, CFG.vocab_size as u32);
+    let (want_loss, want_logits) = eval_through_registry(&trained, &single, &seqs);
+    assert!(want_loss.is_finite());
+    for layout in &layouts {
+        let (loss, logits) = eval_through_registry(&trained, layout, &seqs);
+        assert_close_scalar(
+            loss,
+            want_loss,
+            1e-5,
+            &format!("eval {}: loss", layout.name),
+        );
+        if layout.mesh.pp == 1 {
+            assert_eq!(logits.len(), seqs.len(), "eval {}: logits", layout.name);
+            for (i, (a, b)) in logits.iter().zip(&want_logits).enumerate() {
+                let e = rel_err(a, b);
+                assert!(
+                    e <= 1e-5,
+                    "eval {}: sequence {i}: logits rel err {e:e}",
+                    layout.name
+                );
+            }
         }
     }
+    let tp2 = &layouts[0];
+    let saved_tp2 = models::hub::from_dir("tp2", &step_dir("train", tp2)).unwrap();
+    let (loss, _) = eval_through_registry(&saved_tp2, &single, &seqs);
+    assert_close_scalar(loss, want_loss, 1e-5, "the checkpoint saved under tp2");
+
+    // Greedy generation with the KV cache.
+    let prompt = &seqs[0][..5];
+    let new = 8;
+    let want_tokens = generate_through_registry(&trained, &single, prompt, new).unwrap();
+    assert_eq!(want_tokens.len(), prompt.len() + new);
+    assert_eq!(&want_tokens[..prompt.len()], prompt);
+    // Each new token is the argmax of a full (uncached) forward over the text before it.
+    let text = vec![want_tokens[..want_tokens.len() - 1].to_vec()];
+    let (_, full) = eval_through_registry(&trained, &single, &text);
+    let full = full[0].to_vec2::<f32>().unwrap();
+    for k in prompt.len()..want_tokens.len() {
+        let argmax = train::generation::argmax(&full[k - 1]);
+        assert_eq!(
+            want_tokens[k], argmax,
+            "token {k}: the cached step's argmax"
+        );
+    }
+    for layout in &layouts {
+        let got = generate_through_registry(&trained, layout, prompt, new);
+        if layout.sp.ring > 1 {
+            let err = got.unwrap_err();
+            assert!(
+                err.contains("sequence parallelism"),
+                "{}: {err}",
+                layout.name
+            );
+        } else {
+            assert_eq!(got.unwrap(), want_tokens, "generate {}", layout.name);
+        }
+    }
+
+    // LoRA fine-tuning through the driver.
+    let lora = LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        targets: LoraTargets::AllLinear,
+        use_rslora: false,
+        seed: 5,
+    };
+    let want = registry_run(&dir, &single, steps, Some(&lora), &out("lora", &single));
+    // Two matrices per linear layer: q, k, v, o, fc1, fc2 of each layer.
+    assert_eq!(
+        want.0.weights.len(),
+        2 * 6 * CFG.num_layers,
+        "adapters only"
+    );
+    for layout in &layouts {
+        let got = registry_run(&dir, layout, steps, Some(&lora), &out("lora", layout));
+        assert_same_run(&format!("lora {}", layout.name), &got, &want);
+    }
+    // The saved adapter reloads onto the base; its every tensor then gets a gradient.
+    let adapter = models::peft::load(&step_dir("lora", &single)).unwrap();
+    let files = models::hub::from_dir("toy", &dir).unwrap();
+    let grads = LocalWorld::run(1, |world| -> Result<_, String> {
+        let (mesh, ctx) = single.context(world)?;
+        let ad = Adapters::new(
+            lora.clone(),
+            Some(adapter.source.clone() as Arc<dyn candle_parallel::nn::TensorSource>),
+        )
+        .map_err(|e| e.to_string())?;
+        let m = load_through_registry(&files, &mesh, &ctx, None, ParamMode::Trainable, Some(ad))?;
+        let (batch, labels) = Batch::from_sequences(&ctx, &seqs[..1], AttnMaskKind::Causal)
+            .map_err(|e| e.to_string())?;
+        let (loss, _) = m
+            .model
+            .loss_sum(&batch, &labels, &CrossEntropyOptions::default())
+            .map_err(|e| e.to_string())?;
+        let g = m.model.backward(&loss).map_err(|e| e.to_string())?;
+        Ok(m.params
+            .sorted()
+            .iter()
+            .filter_map(|p| Some((p.name.clone(), g.get(p.var.as_ref()?)?.clone())))
+            .collect::<Vec<_>>())
+    })
+    .unwrap()
+    .remove(0);
+    assert_eq!(
+        grads.len(),
+        want.0.weights.len(),
+        "a gradient for every adapter tensor"
+    );
+    for (n, g) in &grads {
+        assert!(want.0.weights.contains_key(n), "{n}: trained but not saved");
+        let m = max_abs(g);
+        assert!(m > 0.0 && m.is_finite(), "{n}: gradient max |g| {m}");
+    }
+
     // An architecture no family claims: the error lists the supported ones.
     let other = dir.join("other");
     std::fs::create_dir_all(&other).unwrap();

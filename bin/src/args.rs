@@ -92,6 +92,11 @@ pub struct TrainArgs {
     /// Save a checkpoint every K steps (0: only at the end).
     #[arg(long, default_value_t = 0)]
     pub save_every: u64,
+    /// Skip up to N steps whose loss or gradient norm is not finite (their update is not
+    /// applied; each is logged and written to metrics.jsonl). Without it the first such step
+    /// stops the run, saving nothing over the last checkpoint.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub skip_nonfinite_steps: u64,
     /// Checkpoints to keep.
     #[arg(long, default_value_t = 2)]
     pub keep: usize,
@@ -306,6 +311,7 @@ impl TrainArgs {
             peak_gflops: matmul_gflops(),
             banner,
             local_ranks: self.layout.backend == Backend::Local,
+            skip_nonfinite_steps: self.skip_nonfinite_steps,
         }
     }
 }
@@ -480,22 +486,6 @@ pub enum SamplerArg {
     Flow,
 }
 
-/// The result of an evaluation (`cpl eval --json` prints it, for every model).
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct EvalReport {
-    pub loss: f64,
-    pub perplexity: f64,
-    pub tokens: u64,
-    pub sequences: usize,
-    /// Wall time of the forward passes (slowest rank; loading excluded).
-    pub seconds: f64,
-    /// Tokens scored per second over `seconds`.
-    pub tokens_per_sec: f64,
-    /// `--by-position`: the model evaluated and the loss of each position bucket.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub by_position: Option<ByPosition>,
-}
-
 /// Passkey retrieval of one model (`cpl eval --passkey`).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct PasskeyReport {
@@ -515,22 +505,6 @@ pub struct PasskeyCell {
     pub accuracy: f64,
     /// Mean log-likelihood (nats) of the answer tokens, over the cell's prompts.
     pub answer_loglik: f64,
-}
-
-/// The loss by token position of one evaluation (`cpl eval --by-position`).
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct ByPosition {
-    pub model: String,
-    pub buckets: Vec<PositionBucket>,
-}
-
-/// Tokens at positions `from..to` (the number of tokens before each): their mean loss.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct PositionBucket {
-    pub from: usize,
-    pub to: usize,
-    pub loss: f64,
-    pub tokens: u64,
 }
 
 /// `--rope-*`: a new rotary embedding for a run (context extension), written into the config the

@@ -9,13 +9,13 @@ use candle_parallel::comm::ReduceOp;
 use candle_parallel::mesh::Dim;
 use candle_parallel::nn::{Batch, CrossEntropyOptions, ParamMode, IGNORE_INDEX};
 use models::tokenizer::Tokenizer;
-use models::CausalLm;
-use models::StageMicroBatch;
-use train::trainer::{pipeline_eval, PipelineConfig};
 
-use crate::args::{ByPosition, EvalArgs, EvalReport, PasskeyCell, PasskeyReport, PositionBucket};
+use crate::args::{EvalArgs, PasskeyCell, PasskeyReport};
 use crate::launch::{launch_pipelined, load_causal_lm, Rank};
 use crate::layout::LayoutArgs;
+use train::evaluation::{
+    activation_dtype, position_buckets, score, ByPosition, EvalReport, ScoreOptions,
+};
 
 /// The largest length `<= len` that the layout can shard (0 if none).
 fn fit_to_layout(len: usize, layout: &LayoutArgs) -> Result<usize> {
@@ -129,168 +129,19 @@ pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
         )?;
         let act = activation_dtype(&loaded.params);
         score(
-            rank,
+            &rank.mesh,
+            &rank.ctx,
             loaded.model.as_ref(),
             act,
             &seqs,
-            pipeline.as_ref(),
-            want_logits,
-            buckets.as_deref(),
+            &ScoreOptions {
+                pipeline: pipeline.as_ref(),
+                logits: want_logits,
+                buckets: buckets.as_deref(),
+            },
         )
+        .map_err(Into::into)
     })
-}
-
-/// The position buckets of sequences of at most `len` tokens: `[1, 16), [16, 32), ...`
-/// doubling, the last ending at `len` (a token's position is the number of tokens before it;
-/// position 0 has no label).
-pub fn position_buckets(len: usize) -> Vec<(usize, usize)> {
-    let (mut from, mut to, mut v) = (1, 16, Vec::new());
-    while from < len {
-        v.push((from, to.min(len)));
-        from = to;
-        to *= 2;
-    }
-    v
-}
-
-/// Dtype of a model's activations: that of its parameters (f32 when it has none).
-pub fn activation_dtype(params: &candle_parallel::nn::ParamList) -> DType {
-    params
-        .sorted()
-        .first()
-        .map(|p| p.tensor.dtype())
-        .unwrap_or(DType::F32)
-}
-
-/// The mean loss of `model` (this rank's stage, activations in `act`) on `seqs`, timed from a barrier to the slowest
-/// rank's end; with `want_logits`, rank 0 also returns every sequence's global logits; with
-/// `buckets` (no pipeline), also the loss of each position bucket (see [`position_buckets`]).
-/// Collective over the world of `rank`.
-pub fn score(
-    rank: &Rank,
-    model: &dyn CausalLm,
-    act: DType,
-    seqs: &[Vec<u32>],
-    pipeline: Option<&PipelineConfig>,
-    want_logits: bool,
-    buckets: Option<&[(usize, usize)]>,
-) -> Result<(EvalReport, Vec<Tensor>)> {
-    let nb = buckets.map_or(0, <[_]>::len);
-    let (mut bucket_sums, mut bucket_counts) = (vec![0f64; nb], vec![0f64; nb]);
-    let (dp, dp_rank) = (rank.mesh.size(Dim::Dp), rank.mesh.coord(Dim::Dp));
-    let opts = CrossEntropyOptions::default();
-    rank.world().barrier()?;
-    let start = std::time::Instant::now();
-    let (mut sum, mut count) = (0f64, 0u64);
-    let mut logits = Vec::new();
-    if let Some(pc) = pipeline {
-        // This data-parallel rank's sequences, forward through the stages.
-        let micro = seqs
-            .iter()
-            .skip(dp_rank)
-            .step_by(dp)
-            .map(|seq| {
-                let (batch, labels) =
-                    Batch::from_sequences(&rank.ctx, std::slice::from_ref(seq), AttnMask::Causal)?;
-                Ok(StageMicroBatch { batch, labels })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        (sum, count) = pipeline_eval(model, &rank.mesh.comm(Dim::Pp), pc, &micro, opts, act)?;
-    }
-    for (i, seq) in seqs.iter().enumerate().filter(|_| pipeline.is_none()) {
-        if i % dp != dp_rank && !want_logits {
-            continue;
-        }
-        let (batch, labels) =
-            Batch::from_sequences(&rank.ctx, std::slice::from_ref(seq), AttnMask::Causal)?;
-        if i % dp == dp_rank {
-            let (s, c) = model.loss_sum(&batch, &labels, &opts)?;
-            sum += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            count += c as u64;
-            if let Some(b) = buckets {
-                // This rank's labels of each bucket, by the global position of the token each
-                // predicts (one after the input token's).
-                let local = labels.flatten_all()?.to_vec1::<i64>()?;
-                let sets = b
-                    .iter()
-                    .map(|&(from, to)| {
-                        let masked: Vec<i64> = local
-                            .iter()
-                            .zip(&batch.positions)
-                            .map(|(&l, &p)| {
-                                let pos = p as usize + 1;
-                                if (from..to).contains(&pos) {
-                                    l
-                                } else {
-                                    IGNORE_INDEX
-                                }
-                            })
-                            .collect();
-                        Ok(Tensor::new(masked, labels.device())?.reshape(labels.shape())?)
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                for (k, (s, c)) in model
-                    .loss_sums_per_labels(&batch, &sets, &opts)?
-                    .into_iter()
-                    .enumerate()
-                {
-                    bucket_sums[k] += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-                    bucket_counts[k] += c as f64;
-                }
-            }
-        }
-        if want_logits {
-            let l = model.logits(&batch)?;
-            let global = rank.ctx.gather_tokens(&l)?;
-            if rank.is_main() {
-                logits.push(global.squeeze(0)?);
-            }
-        }
-    }
-    let elapsed = start.elapsed().as_secs_f64();
-    let seconds = rank
-        .world()
-        .all_reduce(&Tensor::new(&[elapsed], &Device::Cpu)?, ReduceOp::Max)?
-        .to_vec1::<f64>()?[0];
-    let group = rank.mesh.group(&[Dim::Ulysses, Dim::Ring, Dim::Dp])?;
-    let mut local = vec![sum, count as f64];
-    local.extend(&bucket_sums);
-    local.extend(&bucket_counts);
-    let totals = group.all_reduce(&Tensor::new(local, &Device::Cpu)?, ReduceOp::Sum)?;
-    let totals = totals.to_vec1::<f64>()?;
-    let by_position = buckets.map(|b| ByPosition {
-        model: String::new(),
-        buckets: b
-            .iter()
-            .enumerate()
-            .map(|(k, &(from, to))| {
-                let (s, c) = (totals[2 + k], totals[2 + nb + k]);
-                PositionBucket {
-                    from,
-                    to,
-                    loss: if c > 0.0 { s / c } else { f64::NAN },
-                    tokens: c as u64,
-                }
-            })
-            .collect(),
-    });
-    let (sum, count) = (totals[0], totals[1] as u64);
-    if count == 0 {
-        bail!("no tokens to evaluate");
-    }
-    let loss = sum / count as f64;
-    Ok((
-        EvalReport {
-            loss,
-            perplexity: loss.exp(),
-            tokens: count,
-            sequences: seqs.len(),
-            seconds,
-            tokens_per_sec: count as f64 / seconds.max(1e-12),
-            by_position,
-        },
-        logits,
-    ))
 }
 
 pub fn run(args: &EvalArgs) -> Result<()> {

@@ -2,17 +2,16 @@
 //! stages).
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Tensor};
-use candle_parallel::comm::Comm;
+use candle_core::DType;
 use candle_parallel::mesh::Dim;
 use candle_parallel::nn::ParamMode;
 use candle_parallel::pipeline::split_layers;
-use models::causal_lm::{CausalLm, KvCache};
 use models::tokenizer::{SpecialTokens, Tokenizer};
+use train::evaluation::activation_dtype;
+use train::generation::{generate, sample, Rng, Stages};
 
 use crate::args::GenerateArgs;
 use crate::launch::{launch_pipelined, load_causal_lm};
-use crate::sampling::{sample, Rng};
 
 pub fn run(args: &GenerateArgs) -> Result<()> {
     let model = crate::model_arg::resolve(&args.model)?;
@@ -64,29 +63,22 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             &args.layout,
             adapter.as_ref(),
         )?;
-        let stages = Stages {
-            pp: rank.mesh.comm(Dim::Pp),
-            layers: ranges[rank.mesh.coord(Dim::Pp)].clone(),
-            hidden: desc.hidden,
-            vocab: desc.vocab,
-            dtype: crate::eval::activation_dtype(&m.params),
-        };
-        let mut cache = KvCache::default();
+        let stages = Stages::new(
+            &rank.mesh,
+            ranges[rank.mesh.coord(Dim::Pp)].clone(),
+            desc.hidden,
+            desc.vocab,
+            activation_dtype(&m.params),
+        );
         let mut rng = Rng(args.seed);
-        let mut out = prompt.clone();
-        let dev = rank.ctx.device();
-        let mut next = Tensor::from_vec(prompt.clone(), (1, prompt.len()), dev)?;
-        for _ in 0..args.max_new_tokens {
-            // Every rank samples the same token: the last stage's logits are broadcast.
-            let logits = stages.forward(m.model.as_ref(), &next, &mut cache)?;
-            let logits = logits.squeeze(0)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-            let t = sample(&logits, args.temperature, args.top_p, &mut rng);
-            out.push(t);
-            if Some(t) == tok.eos_token_id {
-                break;
-            }
-            next = Tensor::from_vec(vec![t], (1, 1), dev)?;
-        }
+        let out = generate(
+            m.model.as_ref(),
+            &stages,
+            &prompt,
+            args.max_new_tokens,
+            tok.eos_token_id,
+            |logits| sample(logits, args.temperature, args.top_p, &mut rng),
+        )?;
         Ok(tok.decode(&out, SpecialTokens::Drop)?)
     })
     .context("generating")?;
@@ -94,45 +86,4 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         println!("{text}");
     }
     Ok(())
-}
-
-/// A rank's pipeline stage for generation: its decoder layers, and the pipeline group through
-/// which hidden states go forward and the last stage's logits come back.
-struct Stages {
-    pp: Comm,
-    layers: std::ops::Range<usize>,
-    hidden: usize,
-    vocab: usize,
-    /// Dtype of the hidden states between stages (the parameters').
-    dtype: DType,
-}
-
-impl Stages {
-    /// The logits `(1, vocab)` f32 of the last of the new tokens `ids` `(1, n)`, on every rank
-    /// of the pipeline; extends this stage's layers in `cache`. Collective over the world.
-    fn forward(&self, model: &dyn CausalLm, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        let (p, r) = (self.pp.size(), self.pp.rank());
-        let n = ids.dim(1)?;
-        let x = if r == 0 {
-            model.embed_cached(ids)?
-        } else {
-            let shape = candle_core::Shape::from((1, n, self.hidden));
-            self.pp.recv(r - 1, &shape, self.dtype)?
-        };
-        let x = model.layers_cached(&x, self.layers.clone(), cache)?;
-        cache.advance(n);
-        if r + 1 < p {
-            self.pp.send(&x, r + 1)?;
-        }
-        let logits = if r + 1 == p {
-            model.head_cached(&x)?
-        } else {
-            Tensor::zeros((1, self.vocab), DType::F32, x.device())?
-        };
-        Ok(if p > 1 {
-            self.pp.broadcast(&logits, p - 1)?
-        } else {
-            logits
-        })
-    }
 }

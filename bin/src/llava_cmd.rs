@@ -18,13 +18,13 @@ use train::multimodal::{ImageTextDataset, ImageTokens, LlavaTrainer};
 use train::trainer::Trainer;
 
 use crate::args::EvalArgs;
-use crate::args::EvalReport;
 use crate::args::GenerateArgs;
 use crate::args::{interrupt_flag, TrainArgs};
 use crate::launch::{launch, launch_pipelined, stage_layers, Rank};
 use candle_parallel::pipeline::{run_stage_step, PipelineSchedule, StageStep};
 use train::driver::tasks::LlavaTask;
 use train::driver::{self, Resume};
+use train::evaluation::EvalReport;
 
 fn files(dir: &Path) -> Result<models::hub::ModelFiles> {
     Ok(models::hub::from_dir(&dir.display().to_string(), dir)?)
@@ -343,12 +343,12 @@ pub fn generate(args: &GenerateArgs, dir: &Path) -> Result<()> {
         let m = llava::load(&f, &rank.ctx, dtype, ParamMode::Frozen, Freeze::default())?;
         let mut ids = expand_image_tokens(&ids, cfg.image_token(), m.model.tokens_per_image());
         let start = ids.len();
-        let mut rng = crate::sampling::Rng(args.seed);
+        let mut rng = train::generation::Rng(args.seed);
         for _ in 0..args.max_new_tokens {
             let logits = m.model.logits(std::slice::from_ref(&ids), pv.as_ref())?;
             let logits = rank.ctx.gather_tokens(&logits)?;
             let last = logits.squeeze(0)?.get(ids.len() - 1)?.to_vec1::<f32>()?;
-            let next = crate::sampling::sample(&last, args.temperature, args.top_p, &mut rng);
+            let next = train::generation::sample(&last, args.temperature, args.top_p, &mut rng);
             ids.push(next);
             if Some(next) == tok.eos_token_id {
                 break;

@@ -21,7 +21,6 @@ mod layout;
 mod llava_cmd;
 mod model_arg;
 mod plan_auto;
-mod sampling;
 mod train_cmd;
 
 use anyhow::{bail, Context, Result};

@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{assert_clear_errors, cpl, stderr, tmpdir, words};
+use common::{assert_clear_errors, cpl, cpl_env, stderr, tmpdir, words};
 
 fn fixture() -> PathBuf {
     common::fixtures("llama/mha")
@@ -1427,4 +1427,110 @@ fn a_kill_during_a_save_keeps_the_previous_checkpoint_for_resume() {
     );
     assert!(!partial.exists(), "the partial save is cleaned up");
     assert_identical_losses(&losses(&cut), &want, "killed during a save, resumed");
+}
+
+/// A non-finite step (a NaN gradient planted at step 3 on one tensor-parallel rank through the
+/// test hook `CPL_TEST_NAN_GRAD_STEP`) stops the run with an error naming the step and the
+/// last good checkpoint, which is untouched, and nothing is saved after it; `--resume` goes on
+/// from there. With `--skip-nonfinite-steps 1` the step is skipped (logged and written to
+/// metrics.jsonl, its update not applied) and the run ends with finite losses and its final
+/// checkpoint.
+#[test]
+fn a_non_finite_step_stops_the_run_without_saving_or_is_skipped() {
+    let dir = tmpdir("nonfinite");
+    let tokens = docs_file(&dir);
+    let flags = [
+        "--save-every",
+        "2",
+        "--keep",
+        "5",
+        "--ring",
+        "1",
+        "--tp",
+        "2",
+    ];
+    let nan = [("CPL_TEST_NAN_GRAD_STEP", "3")];
+
+    let out = dir.join("stop");
+    let o = cpl_env(&set_flags(base_args(&tokens, &out, 6), &flags), &nan);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "a NaN step must fail the run: {err}");
+    assert!(
+        err.contains("step 3: the gradient norm is NaN; the update was not applied"),
+        "{err}"
+    );
+    assert!(
+        err.contains("step-2, is from a good step and untouched"),
+        "{err}"
+    );
+    assert!(err.contains("--skip-nonfinite-steps"), "{err}");
+    let saved = |o: &Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(o)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains("step-"))
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(
+        saved(&out),
+        ["step-2"],
+        "nothing saved after the last good step"
+    );
+    let steps: Vec<u64> = losses(&out).iter().map(|l| l.0).collect();
+    assert_eq!(steps, [0, 1, 2], "metrics of the good steps only");
+    // The last good checkpoint resumes, and the run (no NaN this time) ends like one never hit.
+    let full = dir.join("full");
+    let o = cpl(&set_flags(base_args(&tokens, &full, 6), &flags));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = cpl(&set_flags(
+        base_args(&tokens, &out, 6),
+        &[&flags[..], &["--resume"]].concat(),
+    ));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(losses(&out), losses(&full), "resumed from step-2");
+
+    let out = dir.join("skip");
+    let args = set_flags(
+        base_args(&tokens, &out, 6),
+        &[&flags[..], &["--skip-nonfinite-steps", "1"]].concat(),
+    );
+    let o = cpl_env(&args, &nan);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("step 3: the gradient norm is NaN: skipped (1 of --skip-nonfinite-steps 1)"),
+        "{err}"
+    );
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 6);
+    assert_eq!(lines[3]["step"], 3);
+    assert_eq!(lines[3]["skipped"], "the gradient norm is NaN");
+    for (i, l) in lines.iter().enumerate().filter(|(i, _)| *i != 3) {
+        let loss = l["loss"].as_f64().unwrap_or(f64::NAN);
+        assert!(loss.is_finite(), "step {i}: loss {loss}");
+    }
+    // Steps before the skip are the uninterrupted run's; the skipped update makes the later
+    // ones differ from it.
+    let full_losses = losses(&full);
+    for i in 0..3 {
+        assert_eq!(
+            lines[i]["loss"].as_f64(),
+            Some(full_losses[i].1),
+            "step {i}"
+        );
+    }
+    assert_ne!(
+        lines[4]["loss"].as_f64(),
+        Some(full_losses[4].1),
+        "step 4 after a skipped update"
+    );
+    assert!(out.join("step-6/trainer_state.json").is_file());
+    std::fs::remove_dir_all(&dir).unwrap();
 }

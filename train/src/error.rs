@@ -31,6 +31,12 @@ pub enum Error {
     #[error("{0}")]
     Invalid(String),
 
+    /// Optimizer step `step` had a non-finite loss or gradient norm (`what`): its update was
+    /// not applied (the step is consumed). The run driver stops, or skips the step when
+    /// allowed.
+    #[error("step {step}: {what}; the update was not applied")]
+    NonFinite { step: u64, what: String },
+
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

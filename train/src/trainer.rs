@@ -467,6 +467,24 @@ pub struct Trainer<M = Llama> {
     pub step: u64,
 }
 
+/// Test hook (never set in normal use): with `CPL_TEST_NAN_GRAD_STEP=<step>`, the first
+/// accumulated gradient of optimizer step `<step>` becomes NaN on the ranks where `here` (tp
+/// and dp rank 0), so a test can watch a run meet a non-finite step (`bin/tests/train_cli.rs`).
+fn poison_for_tests(
+    mut acc: Vec<(String, Tensor)>,
+    step: u64,
+    here: bool,
+) -> Result<Vec<(String, Tensor)>> {
+    let hit = std::env::var("CPL_TEST_NAN_GRAD_STEP")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        == Some(step);
+    if let (true, true, Some((_, g))) = (hit, here, acc.first_mut()) {
+        *g = (g.ones_like()? * f64::NAN)?;
+    }
+    Ok(acc)
+}
+
 fn no_gradient(name: &str) -> Error {
     Error::Invalid(format!("parameter `{name}` received no gradient"))
 }
@@ -751,10 +769,11 @@ impl<M: TrainModel> Trainer<M> {
         Ok((sum, self.collect(&store)?))
     }
 
-    /// Ends optimizer step `self.step`: applies the accumulated gradients `acc`
-    /// ([`Trainer::apply`]), sums this rank's `loss_sum` over the ranks holding different data
-    /// (ulysses × ring × dp) and advances. The loss reported is that sum over `global_count`.
-    /// Collective over the world.
+    /// Ends optimizer step `self.step`: sums this rank's `loss_sum` over the ranks holding
+    /// different data (ulysses × ring × dp), applies the accumulated gradients `acc`
+    /// ([`Trainer::apply`]) and advances. The loss reported is that sum over `global_count`.
+    /// A non-finite loss or gradient norm applies nothing, advances, and is
+    /// [`Error::NonFinite`] on every rank. Collective over the world.
     pub fn apply_step(
         &mut self,
         acc: Vec<(String, Tensor)>,
@@ -763,11 +782,36 @@ impl<M: TrainModel> Trainer<M> {
         pp_bubble: Option<f64>,
     ) -> Result<StepStats> {
         let step = self.step;
-        let (grad_norm, lr) = self.apply(acc, step)?;
         let total = self
             .loss_group
             .all_reduce(&Tensor::new(&[loss_sum], &Device::Cpu)?, ReduceOp::Sum)?
             .to_vec1::<f64>()?[0];
+        let loss = total / global_count as f64;
+        // Every rank decides alike: the loss is the same over a stage's ranks, the gradient
+        // norm over the world; the stages compare losses.
+        let mut bad = f64::from(u8::from(!loss.is_finite()));
+        if self.pp.size() > 1 {
+            bad = self
+                .pp
+                .all_reduce(&Tensor::new(&[bad], &Device::Cpu)?, ReduceOp::Max)?
+                .to_vec1::<f64>()?[0];
+        }
+        let applied = if bad > 0.0 {
+            Err(Error::NonFinite {
+                step,
+                what: format!("the loss is {loss}"),
+            })
+        } else {
+            self.apply(acc, step)
+        };
+        let (grad_norm, lr) = match applied {
+            Err(e @ Error::NonFinite { .. }) => {
+                candle_parallel::attention::take_attention_scores();
+                self.step += 1;
+                return Err(e);
+            }
+            other => other?,
+        };
         // Counted on this rank's thread since the last step (flash-ring counts per caller).
         let scores = candle_parallel::attention::take_attention_scores() as f64;
         let scores = self
@@ -777,7 +821,7 @@ impl<M: TrainModel> Trainer<M> {
         self.step += 1;
         Ok(StepStats {
             step,
-            loss: total / global_count as f64,
+            loss,
             lr,
             grad_norm,
             tokens: global_count,
@@ -993,7 +1037,8 @@ impl<M: TrainModel> Trainer<M> {
     /// Sums the accumulated gradients over the ranks that share each parameter, clips them by
     /// the global norm, and applies AdamW with the learning rate of `step`; under ZeRO stages 1
     /// and 2 then gathers the updated parameters. Returns the norm before clipping and the
-    /// learning rate. Collective over the world.
+    /// learning rate. A non-finite norm applies nothing and is [`Error::NonFinite`].
+    /// Collective over the world.
     pub fn apply(&mut self, acc: Vec<(String, Tensor)>, step: u64) -> Result<(f64, f64)> {
         if acc.len() != self.params.len() {
             return Err(Error::Invalid(format!(
@@ -1003,6 +1048,7 @@ impl<M: TrainModel> Trainer<M> {
             )));
         }
         let mut grads = Vec::with_capacity(acc.len());
+        let acc = poison_for_tests(acc, step, self.tp.rank() == 0 && self.dp_rank == 0)?;
         for (p, (n, g)) in self.params.iter().zip(acc) {
             if p.name != n {
                 return Err(Error::Invalid(format!(
@@ -1042,6 +1088,13 @@ impl<M: TrainModel> Trainer<M> {
             None => global_grad_norm_staged(&grads, &group_of, stages)?,
         };
         let lr = self.cfg.schedule.lr(step);
+        if !grad_norm.is_finite() {
+            // The same norm on every rank: none applies the update.
+            return Err(Error::NonFinite {
+                step,
+                what: format!("the gradient norm is {grad_norm}"),
+            });
+        }
         self.optimizer.step(&grads, lr)?;
         self.gather_updated()?;
         Ok((grad_norm, lr))

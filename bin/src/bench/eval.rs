@@ -9,9 +9,8 @@ use candle_parallel::nn::ParamMode;
 use serde_json::json;
 
 use super::{at_least_one, random_tokens, LmBenchArgs, Throughput, Work};
-use crate::args::EvalReport;
-use crate::eval::score;
 use crate::launch::launch;
+use train::evaluation::{activation_dtype, score, EvalReport};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct EvalBenchArgs {
@@ -42,9 +41,19 @@ pub fn run(args: &EvalBenchArgs) -> Result<()> {
             .map(|i| random_tokens(a.seq_len, vocab, a.seed + i))
             .collect();
         let loaded = model.load(rank, dtype, ParamMode::Frozen, &a.layout)?;
-        let act = crate::eval::activation_dtype(&loaded.params);
+        let act = activation_dtype(&loaded.params);
         let reports = (0..=args.repeats)
-            .map(|_| Ok(score(rank, loaded.model.as_ref(), act, &seqs, None, false, None)?.0))
+            .map(|_| {
+                Ok(score(
+                    &rank.mesh,
+                    &rank.ctx,
+                    loaded.model.as_ref(),
+                    act,
+                    &seqs,
+                    &Default::default(),
+                )?
+                .0)
+            })
             .collect::<Result<Vec<EvalReport>>>()?;
         Ok((act, reports))
     })?;

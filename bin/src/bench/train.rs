@@ -113,7 +113,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     };
     let measured = launch(&a.layout, |rank| {
         let loaded = model.load(rank, dtype, ParamMode::Trainable, &a.layout)?;
-        let dtype = crate::eval::activation_dtype(&loaded.params);
+        let dtype = train::evaluation::activation_dtype(&loaded.params);
         let mut trainer = Trainer::new(loaded.model, &rank.mesh, &rank.ctx, cfg.clone())?;
         let world = rank.world();
         let (mut seconds, mut losses, mut tokens) = (Vec::new(), Vec::new(), 0);

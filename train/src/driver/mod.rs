@@ -104,6 +104,9 @@ pub struct RunOptions {
     pub banner: String,
     /// Whether the ranks are local threads (one process: one peak-memory figure).
     pub local_ranks: bool,
+    /// Steps with a non-finite loss or gradient norm that are skipped (no update, logged)
+    /// before the run stops on the next one (`--skip-nonfinite-steps`; 0: stop on the first).
+    pub skip_nonfinite_steps: u64,
 }
 
 impl RunOptions {
@@ -182,9 +185,38 @@ pub fn run<T: Task>(
     }
     let mut progress = main.then(|| Progress::new(opts.steps, opts.log_every));
     let start = Instant::now();
+    let mut skipped = 0;
     while task.trainer().step < opts.steps {
         let t0 = Instant::now();
-        let out = task.step()?;
+        let out = match task.step() {
+            Ok(out) => out,
+            Err(Error::NonFinite { step, what }) if skipped < opts.skip_nonfinite_steps => {
+                skipped += 1;
+                let note = format!(
+                    "step {step}: {what}: skipped ({skipped} of --skip-nonfinite-steps {})",
+                    opts.skip_nonfinite_steps
+                );
+                if let Some(f) = metrics.as_mut() {
+                    f.write(&serde_json::json!({"step": step, "skipped": what}))?;
+                }
+                match progress.as_mut() {
+                    Some(p) => p.message(&note),
+                    None if main => eprintln!("{note}"),
+                    None => {}
+                }
+                save_or_stop(
+                    task.trainer(),
+                    opts,
+                    world,
+                    interrupted,
+                    &history,
+                    progress.as_mut(),
+                )?;
+                continue;
+            }
+            Err(e @ Error::NonFinite { .. }) => return Err(stopped_nonfinite(e, opts)),
+            Err(e) => return Err(e),
+        };
         let dt = t0.elapsed().as_secs_f64();
         let s = out.stats;
         history.steps.push(s);
@@ -246,6 +278,22 @@ pub fn run<T: Task>(
     drop(progress);
     report_peak_memory(world, opts, &task.trainer().cfg.memory)?;
     Ok(history)
+}
+
+/// The error that ends a run at a non-finite step: what happened, and that no checkpoint was
+/// written after the last good step.
+fn stopped_nonfinite(e: Error, opts: &RunOptions) -> Error {
+    let last = match checkpoint::list_checkpoints(&opts.out).pop() {
+        Some((_, dir)) => format!(
+            "the last checkpoint, {}, is from a good step and untouched (continue with --resume)",
+            dir.display()
+        ),
+        None => format!("no checkpoint was written to {}", opts.out.display()),
+    };
+    Error::Invalid(format!(
+        "{e}. The run stopped: {last}. Lower --lr or check the data; --skip-nonfinite-steps N \
+         skips up to N such steps"
+    ))
 }
 
 /// After a run, on the process that holds world rank 0: prints the loss's first and last
