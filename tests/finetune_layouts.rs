@@ -126,16 +126,7 @@ fn random_matrix(rows: usize, cols: usize, seed: u64, dev: &Device) -> Tensor {
 /// 28-token prompt and a 4-token reply: in a window of its own (32 tokens) its trained tokens
 /// fall in one chunk of the sequence layouts.
 fn examples() -> Vec<Example> {
-    let docs = testkit::random_docs(0xF1_7E, 14, 5..24, 256);
-    let mut out: Vec<Example> = docs
-        .into_iter()
-        .enumerate()
-        .map(|(i, ids)| {
-            let prompt = 1 + (i * 3) % (ids.len() - 2);
-            let trained = (0..ids.len()).map(|j| j >= prompt).collect();
-            Example { ids, trained }
-        })
-        .collect();
+    let mut out = cpl_integration_tests::prompt_reply_examples(0xF1_7E, 14, 256);
     let long = testkit::random_docs(0xB16, 1, 32..33, 256).remove(0);
     out.push(Example {
         trained: (0..32).map(|j| j >= 28).collect(),

@@ -641,6 +641,45 @@ pub fn drive_through_registry<W: train::data::Windows + Sync + 'static>(
     }
 }
 
+/// A frozen model's rank of `layout`: its mesh and context, the model of `files` loaded
+/// through the registry (f32; this rank's pipeline stage), the family's description and the
+/// pipeline.
+pub struct FrozenRank<'a> {
+    pub mesh: DeviceMesh,
+    pub ctx: ParallelCtx,
+    pub model: models::family::LoadedCausalLm,
+    pub desc: &'a models::family::Description,
+    pub pipeline: Option<&'a train::trainer::PipelineConfig>,
+}
+
+/// Runs `f` on every rank of `layout` with the frozen model of `files` (see [`FrozenRank`]);
+/// errors name the layout.
+pub fn with_frozen_model<T: Send>(
+    files: &ModelFiles,
+    layout: &Layout,
+    f: impl Fn(&FrozenRank<'_>) -> Result<T, String> + Sync,
+) -> Result<Vec<T>, String> {
+    let family = models::family::detect(&files.config).map_err(|e| e.to_string())?;
+    let desc = (family.describe)(&files.config).map_err(|e| e.to_string())?;
+    let pipeline = registry_pipeline(layout, desc.layers);
+    LocalWorld::run(layout.ranks, |world| -> Result<_, String> {
+        let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
+        let (mesh, ctx) = layout.context(world)?;
+        let frozen = ParamMode::Frozen;
+        let model = load_through_registry(files, &mesh, &ctx, pipeline.as_ref(), frozen, None)
+            .map_err(|x| e(&x))?;
+        let rank = FrozenRank {
+            mesh,
+            ctx,
+            model,
+            desc: &desc,
+            pipeline: pipeline.as_ref(),
+        };
+        f(&rank).map_err(|x| e(&x))
+    })
+    .map_err(|e| e.to_string())
+}
+
 /// `cpl eval`'s scoring ([`train::evaluation::score`]) of the model of `files`, loaded
 /// through the registry (frozen, f32) under `layout` (pipelined under `layout.mesh.pp > 1`):
 /// the mean loss of `seqs` and, without a pipeline, their global logits. Every rank's loss is
@@ -650,36 +689,16 @@ pub fn eval_through_registry(
     layout: &Layout,
     seqs: &[Vec<u32>],
 ) -> (f64, Vec<Tensor>) {
-    let family = models::family::detect(&files.config).unwrap_or_else(|e| panic!("{e}"));
-    let desc = (family.describe)(&files.config).unwrap_or_else(|e| panic!("{e}"));
-    let pipeline = registry_pipeline(layout, desc.layers);
-    let out = LocalWorld::run(layout.ranks, |world| -> Result<_, String> {
-        let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
-        let (mesh, ctx) = layout.context(world)?;
-        let m = load_through_registry(
-            files,
-            &mesh,
-            &ctx,
-            pipeline.as_ref(),
-            ParamMode::Frozen,
-            None,
-        )
-        .map_err(|x| e(&x))?;
-        let act = train::evaluation::activation_dtype(&m.params);
-        let want_logits = pipeline.is_none();
-        let (report, logits) = train::evaluation::score(
-            &mesh,
-            &ctx,
-            m.model.as_ref(),
-            act,
-            seqs,
-            &train::evaluation::ScoreOptions {
-                pipeline: pipeline.as_ref(),
-                logits: want_logits,
-                buckets: None,
-            },
-        )
-        .map_err(|x| e(&x))?;
+    let out = with_frozen_model(files, layout, |r| {
+        let act = train::evaluation::activation_dtype(&r.model.params);
+        let opts = train::evaluation::ScoreOptions {
+            pipeline: r.pipeline,
+            logits: r.pipeline.is_none(),
+            buckets: None,
+        };
+        let model = r.model.model.as_ref();
+        let (report, logits) = train::evaluation::score(&r.mesh, &r.ctx, model, act, seqs, &opts)
+            .map_err(|x| x.to_string())?;
         Ok((report.loss, logits))
     })
     .unwrap_or_else(|e| panic!("{e}"));
@@ -687,8 +706,7 @@ pub fn eval_through_registry(
         let who = format!("{}: rank {i} vs rank 0: eval loss", layout.name);
         testkit::assert_identical_scalars(&[*l], &[out[0].0], &who);
     }
-    let (loss, logits) = out.into_iter().next().expect("one rank at least");
-    (loss, logits)
+    out.into_iter().next().expect("one rank at least")
 }
 
 /// `cpl generate`'s greedy decoding ([`train::generation::generate`]) of `max_new` tokens
@@ -702,38 +720,42 @@ pub fn generate_through_registry(
     max_new: usize,
 ) -> Result<Vec<u32>, String> {
     use train::generation::{argmax, generate, Stages};
-    let family = models::family::detect(&files.config).map_err(|e| e.to_string())?;
-    let desc = (family.describe)(&files.config).map_err(|e| e.to_string())?;
-    let pipeline = registry_pipeline(layout, desc.layers);
-    let out = LocalWorld::run(layout.ranks, |world| -> Result<_, String> {
-        let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
-        let (mesh, ctx) = layout.context(world)?;
-        let m = load_through_registry(
-            files,
-            &mesh,
-            &ctx,
-            pipeline.as_ref(),
-            ParamMode::Frozen,
-            None,
-        )
-        .map_err(|x| e(&x))?;
-        let layers = match &pipeline {
-            Some(pc) => pc.ranges()[mesh.coord(Dim::Pp)].clone(),
-            None => 0..desc.layers,
+    let out = with_frozen_model(files, layout, |r| {
+        let layers = match r.pipeline {
+            Some(pc) => pc.ranges()[r.mesh.coord(Dim::Pp)].clone(),
+            None => 0..r.desc.layers,
         };
-        let act = train::evaluation::activation_dtype(&m.params);
-        let stages = Stages::new(&mesh, layers, desc.hidden, desc.vocab, act);
-        generate(m.model.as_ref(), &stages, prompt, max_new, None, argmax).map_err(|x| e(&x))
-    })
-    .map_err(|e| e.to_string())?;
+        let act = train::evaluation::activation_dtype(&r.model.params);
+        let stages = Stages::new(&r.mesh, layers, r.desc.hidden, r.desc.vocab, act);
+        generate(
+            r.model.model.as_ref(),
+            &stages,
+            prompt,
+            max_new,
+            None,
+            argmax,
+        )
+        .map_err(|x| x.to_string())
+    })?;
     for (i, t) in out.iter().enumerate() {
-        assert_eq!(
-            t, &out[0],
-            "{}: rank {i} vs rank 0: generated tokens",
-            layout.name
-        );
+        let who = format!("{}: rank {i} vs rank 0: generated tokens", layout.name);
+        assert_eq!(t, &out[0], "{who}");
     }
     Ok(out.into_iter().next().unwrap_or_default())
+}
+
+/// `n` chat-like examples of 5 to 23 tokens from `seed` (ids below `vocab`): a prompt (not
+/// trained) then a reply (trained), the prompts of varied lengths.
+pub fn prompt_reply_examples(seed: u64, n: usize, vocab: u32) -> Vec<train::finetune::Example> {
+    testkit::random_docs(seed, n, 5..24, vocab)
+        .into_iter()
+        .enumerate()
+        .map(|(i, ids)| {
+            let prompt = 1 + (i * 3) % (ids.len() - 2);
+            let trained = (0..ids.len()).map(|j| j >= prompt).collect();
+            train::finetune::Example { ids, trained }
+        })
+        .collect()
 }
 
 /// The small AdamW run the family tests train: 32-token sequences, one per micro-batch,

@@ -32,7 +32,7 @@ use candle_parallel::plan::{MemoryPlan, Parallelize};
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{
     assert_identical, drive_through_registry, eval_through_registry, generate_through_registry,
-    load_through_registry, rel_err, whole_weights, Layout,
+    load_through_registry, prompt_reply_examples, rel_err, whole_weights, Layout,
 };
 use models::causal_lm::KvCache;
 use models::family::{Description, Family, Kind, LoadSpec, LoadedCausalLm};
@@ -40,7 +40,7 @@ use models::hub::ModelFiles;
 use models::CausalLm;
 use testkit::{assert_close_scalar, assert_finite, max_abs};
 use train::data::{PackedDataset, Packing, TokenStream};
-use train::finetune::{Example, Overlong, SftDataset, SftOptions};
+use train::finetune::{Overlong, SftDataset, SftOptions};
 use train::trainer::{TrainConfig, TrainModel, Trainer};
 
 // ------------------------------------------------------------------------------------------
@@ -663,16 +663,7 @@ fn registry_run(
 /// Chat-like examples for fine-tuning: a prompt (not trained) then a reply (trained), packed
 /// into 32-token windows with document masks.
 fn sft_data() -> SftDataset {
-    let docs = testkit::random_docs(0xF1_7E, 12, 5..24, CFG.vocab_size as u32);
-    let examples: Vec<Example> = docs
-        .into_iter()
-        .enumerate()
-        .map(|(i, ids)| {
-            let prompt = 1 + (i * 3) % (ids.len() - 2);
-            let trained = (0..ids.len()).map(|j| j >= prompt).collect();
-            Example { ids, trained }
-        })
-        .collect();
+    let examples = prompt_reply_examples(0xF1_7E, 12, CFG.vocab_size as u32);
     let opts = SftOptions {
         seq_len: 32,
         packing: true,

@@ -188,8 +188,8 @@ pub fn run<T: Task>(
     let mut skipped = 0;
     while task.trainer().step < opts.steps {
         let t0 = Instant::now();
-        let out = match task.step() {
-            Ok(out) => out,
+        let outcome = match task.step() {
+            Ok(out) => Some(out),
             Err(Error::NonFinite { step, what }) if skipped < opts.skip_nonfinite_steps => {
                 skipped += 1;
                 let note = format!(
@@ -204,52 +204,47 @@ pub fn run<T: Task>(
                     None if main => eprintln!("{note}"),
                     None => {}
                 }
-                save_or_stop(
-                    task.trainer(),
-                    opts,
-                    world,
-                    interrupted,
-                    &history,
-                    progress.as_mut(),
-                )?;
-                continue;
+                None
             }
             Err(e @ Error::NonFinite { .. }) => return Err(stopped_nonfinite(e, opts)),
             Err(e) => return Err(e),
         };
-        let dt = t0.elapsed().as_secs_f64();
-        let s = out.stats;
-        history.steps.push(s);
-        if let Some(f) = metrics.as_mut() {
-            let mut line = serde_json::json!({
-                "step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
-                "seconds": dt, "peak_rss_mib": peak_rss_mib(),
-                "attention_scores": s.attention_scores,
-            });
-            if let Some(o) = line.as_object_mut() {
-                for (k, v) in &out.rates {
-                    o.insert((*k).into(), serde_json::json!(v / dt));
-                }
-                o.extend(out.metrics.clone());
-                if let Some(b) = s.pp_bubble {
-                    o.insert("pp_bubble".into(), serde_json::json!(b));
-                }
-            }
-            f.write(&line)?;
-        }
         let step = task.trainer().step;
-        if let Some(p) = progress.as_mut() {
-            let done = (step - first).max(1);
-            let tps = out.tokens / dt;
-            p.step(&StepLine {
-                step,
-                loss: s.loss,
-                lr: s.lr,
-                grad_norm: s.grad_norm,
-                tokens_per_sec: tps,
-                mfu: tps * opts.flops_per_token / (opts.peak_gflops * 1e9),
-                eta_secs: start.elapsed().as_secs_f64() / done as f64 * (opts.steps - step) as f64,
-            });
+        if let Some(out) = outcome {
+            let dt = t0.elapsed().as_secs_f64();
+            let s = out.stats;
+            history.steps.push(s);
+            if let Some(f) = metrics.as_mut() {
+                let mut line = serde_json::json!({
+                    "step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
+                    "seconds": dt, "peak_rss_mib": peak_rss_mib(),
+                    "attention_scores": s.attention_scores,
+                });
+                if let Some(o) = line.as_object_mut() {
+                    for (k, v) in &out.rates {
+                        o.insert((*k).into(), serde_json::json!(v / dt));
+                    }
+                    o.extend(out.metrics.clone());
+                    if let Some(b) = s.pp_bubble {
+                        o.insert("pp_bubble".into(), serde_json::json!(b));
+                    }
+                }
+                f.write(&line)?;
+            }
+            if let Some(p) = progress.as_mut() {
+                let done = (step - first).max(1);
+                let tps = out.tokens / dt;
+                p.step(&StepLine {
+                    step,
+                    loss: s.loss,
+                    lr: s.lr,
+                    grad_norm: s.grad_norm,
+                    tokens_per_sec: tps,
+                    mfu: tps * opts.flops_per_token / (opts.peak_gflops * 1e9),
+                    eta_secs: start.elapsed().as_secs_f64() / done as f64
+                        * (opts.steps - step) as f64,
+                });
+            }
         }
         let eval_due = opts.eval_every > 0 && step.is_multiple_of(opts.eval_every);
         if eval_due || step == opts.steps {
