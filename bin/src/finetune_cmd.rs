@@ -19,11 +19,9 @@ use candle_parallel::attention::ShardPlan;
 use candle_parallel::nn::{Adapters, LoraConfig, LoraTargets, ParamMode, TensorSource};
 
 use models::tokenizer::Tokenizer;
-use train::chat::{ChatTemplate, TokenizedExample, TrainOn};
-use train::finetune::{
-    DpoConfig, DpoTrainer, Example, Overlong, PackStats, PairDataset, Reference, SftDataset,
-    SftOptions,
-};
+use train::chat::{ChatTemplate, TrainOn};
+use train::finetune::{DpoConfig, DpoTrainer, Overlong, Reference, SftOptions};
+use train::finetune_data::{ChatTokenizing, FinetuneData};
 use train::trainer::Trainer;
 
 use crate::args::{default_asset, interrupt_flag, TrainArgs};
@@ -392,81 +390,6 @@ fn merge(a: &MergeArgs) -> Result<()> {
 }
 
 /// The tokenized data of a run.
-enum Data {
-    Sft(SftDataset),
-    Dpo(PairDataset),
-}
-
-impl Data {
-    fn len(&self) -> usize {
-        use train::data::Windows;
-        match self {
-            Data::Sft(d) => d.num_windows(),
-            Data::Dpo(d) => d.len(),
-        }
-    }
-}
-
-fn example(t: TokenizedExample) -> Example {
-    Example {
-        ids: t.ids,
-        trained: t.trained,
-    }
-}
-
-/// Reads and tokenizes `paths` for `stage`.
-#[allow(clippy::too_many_arguments)]
-fn read_data(
-    paths: &[PathBuf],
-    flag: &str,
-    stage: Stage,
-    tpl: &ChatTemplate,
-    tok: &Tokenizer,
-    train_on: TrainOn,
-    max: Option<usize>,
-    opts: &SftOptions,
-    vocab: usize,
-) -> Result<(Data, PackStats)> {
-    let take = |n: usize| max.unwrap_or(n).min(n);
-    match stage {
-        Stage::Sft => {
-            let mut convs = Vec::new();
-            for p in paths {
-                convs.extend(train::chat::read_conversations(p, flag)?);
-            }
-            convs.truncate(take(convs.len()));
-            let examples = convs
-                .iter()
-                .map(|c| {
-                    Ok(example(train::chat::tokenize_conversation(
-                        tpl, tok, c, train_on,
-                    )?))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let (d, s) = SftDataset::new(&examples, opts, vocab)
-                .with_context(|| format!("{flag} with --seq-len {}", opts.seq_len))?;
-            Ok((Data::Sft(d), s))
-        }
-        Stage::Dpo => {
-            let mut pairs = Vec::new();
-            for p in paths {
-                pairs.extend(train::chat::read_preference_pairs(p, flag)?);
-            }
-            pairs.truncate(take(pairs.len()));
-            let pairs = pairs
-                .iter()
-                .map(|p| {
-                    let (c, r) = train::chat::tokenize_pair(tpl, tok, p)?;
-                    Ok((example(c), example(r)))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let (d, s) = PairDataset::new(&pairs, opts, vocab)
-                .with_context(|| format!("{flag} with --seq-len {}", opts.seq_len))?;
-            Ok((Data::Dpo(d), s))
-        }
-    }
-}
-
 /// The LoRA settings of the flags, or of `--adapter` (whose tensors it returns too).
 fn lora_settings(a: &FinetuneArgs) -> Result<(LoraConfig, Option<Arc<dyn TensorSource>>)> {
     if a.lora_dropout != 0.0 {
@@ -593,38 +516,29 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         prompt: a.train_on_prompt,
         mask_history: a.mask_history,
     };
-    let vocab = model_desc.vocab;
-    let (data, stats) = read_data(
-        &data_paths,
-        "--data",
-        a.stage,
-        &tpl,
-        &tok,
+    let how = ChatTokenizing {
+        template: &tpl,
+        tokenizer: &tok,
         train_on,
-        a.max_examples,
-        &opts,
-        vocab,
-    )?;
-    if !t.eval_data.is_empty() && a.stage == Stage::Dpo {
+        max_examples: a.max_examples,
+        opts: &opts,
+        vocab: model_desc.vocab,
+    };
+    let dpo = a.stage == Stage::Dpo;
+    let (data, stats) = FinetuneData::read(&data_paths, "--data", dpo, &how)?;
+    if !t.eval_data.is_empty() && dpo {
         bail!("--eval-data: held-out evaluation is for --stage sft (DPO reports rewards and accuracy per step)");
     }
-    let eval_data = if t.eval_data.is_empty() {
-        None
-    } else {
-        match read_data(
-            &t.eval_data,
-            "--eval-data",
-            Stage::Sft,
-            &tpl,
-            &tok,
-            train_on,
-            None,
-            &opts,
-            vocab,
-        )? {
-            (Data::Sft(d), _) => Some(d),
-            _ => None,
-        }
+    let how = ChatTokenizing {
+        max_examples: None,
+        ..how
+    };
+    let eval_data = match t.eval_data.is_empty() {
+        true => None,
+        false => match FinetuneData::read(&t.eval_data, "--eval-data", false, &how)?.0 {
+            FinetuneData::Sft(d) => Some(d),
+            FinetuneData::Dpo(_) => None,
+        },
     };
     eprintln!(
         "data: {} examples -> {} {} ({} truncated, {} dropped; {} trained tokens, {} padding tokens); template {}",
@@ -698,7 +612,8 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         _ => None,
     };
     std::fs::create_dir_all(&t.out).with_context(|| format!("--out {}", t.out.display()))?;
-    let extra = checkpoint_files(&files, lora.as_ref().map(|l| &l.0), &model_id)?;
+    let extra =
+        train::finetune_data::checkpoint_files(&files, lora.as_ref().map(|l| &l.0), &model_id)?;
     let dtype = t.dtype.map(DType::from).unwrap_or(DType::F32);
     let interrupted = interrupt_flag()?;
     // Model FLOPs per token for the MFU estimate (LoRA's base weights get no gradients).
@@ -758,7 +673,7 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         }
         let world = rank.world();
         let history = match (a.stage, &data) {
-            (Stage::Sft, Data::Sft(windows)) => {
+            (Stage::Sft, FinetuneData::Sft(windows)) => {
                 let mut task = NextTokenTask {
                     trainer,
                     data: windows,
@@ -768,7 +683,7 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
                 };
                 driver::run(&mut task, &world, &opts, history0.clone(), &interrupted)?
             }
-            (Stage::Dpo, Data::Dpo(pairs)) => {
+            (Stage::Dpo, FinetuneData::Dpo(pairs)) => {
                 let reference = match (&adapters, &ref_files) {
                     (Some(ad), _) => Reference::BaseOfAdapters(ad.clone()),
                     (None, Some(rf)) => {
@@ -802,45 +717,4 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         driver::finish(&history, &opts, &title)?;
     }
     Ok(())
-}
-
-/// Files written into every checkpoint: under LoRA PEFT's `adapter_config.json`
-/// (`target_modules` as given: `"all-linear"` or the layer names, which PEFT expands or
-/// suffix-matches) and the tokenizer files; for full fine-tuning the model's config,
-/// generation config and tokenizer files.
-fn checkpoint_files(
-    files: &models::hub::ModelFiles,
-    lora: Option<&LoraConfig>,
-    model_id: &str,
-) -> Result<Vec<(String, Vec<u8>)>> {
-    let mut out = Vec::new();
-    let mut copy: Vec<&Path> = [
-        files.tokenizer.as_deref(),
-        files.tokenizer_config.as_deref(),
-        files.chat_template.as_deref(),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
-    match lora {
-        Some(cfg) => {
-            let json = models::peft::AdapterConfig::from_lora(cfg, model_id).to_json()?;
-            out.push((models::peft::CONFIG_NAME.to_string(), json));
-        }
-        None => {
-            copy.push(&files.config);
-            copy.extend(files.generation_config.as_deref());
-        }
-    }
-    for p in copy {
-        let name = p
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        out.push((
-            name,
-            std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
-        ));
-    }
-    Ok(out)
 }

@@ -16,6 +16,7 @@ pub mod driver;
 pub mod error;
 pub mod evaluation;
 pub mod finetune;
+pub mod finetune_data;
 pub mod generation;
 pub mod images;
 pub mod memory;
