@@ -583,6 +583,7 @@ pub fn drive_through_registry<W: train::data::Windows + Sync + 'static>(
         banner: format!("{} under {}", family.name, layout.name),
         local_ranks: true,
         skip_nonfinite_steps: 0,
+        tensorboard: None,
     };
     let out = LocalWorld::run(layout.ranks, |world| -> Result<_, String> {
         let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);

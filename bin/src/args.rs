@@ -97,6 +97,12 @@ pub struct TrainArgs {
     /// stops the run, saving nothing over the last checkpoint.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub skip_nonfinite_steps: u64,
+    /// Write TensorBoard event files (loss, lr, gradient norm, tokens/s, MFU, peak memory, eval
+    /// loss and every other number of metrics.jsonl; the command line as text) to DIR, or to
+    /// OUT/tb without a value.
+    #[arg(long, value_name = "DIR", num_args = 0..=1)]
+    #[allow(clippy::option_option)]
+    pub tensorboard: Option<Option<PathBuf>>,
     /// Checkpoints to keep.
     #[arg(long, default_value_t = 2)]
     pub keep: usize,
@@ -312,6 +318,10 @@ impl TrainArgs {
             banner,
             local_ranks: self.layout.backend == Backend::Local,
             skip_nonfinite_steps: self.skip_nonfinite_steps,
+            tensorboard: self
+                .tensorboard
+                .as_ref()
+                .map(|d| d.clone().unwrap_or_else(|| self.out.join("tb"))),
         }
     }
 }

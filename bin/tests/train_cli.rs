@@ -1534,3 +1534,125 @@ fn a_non_finite_step_stops_the_run_without_saving_or_is_skipped() {
     assert!(out.join("step-6/trainer_state.json").is_file());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--tensorboard` (no value: OUT/tb) writes an event file that holds the numbers of
+/// metrics.jsonl and eval.jsonl (as f32, TensorBoard's scalar type) at their steps, and the
+/// command line as text; a resumed run adds a file that starts with a restart marker at the
+/// resume step, so TensorBoard drops the first run's later events.
+#[test]
+fn tensorboard_events_hold_the_metrics() {
+    use train::driver::tensorboard::{read_events, What};
+    let dir = tmpdir("tensorboard");
+    let tokens = docs_file(&dir);
+    let out = dir.join("run");
+    let held_out = tokens.to_str().unwrap();
+    let flags = [
+        "--tensorboard",
+        "--eval-every",
+        "2",
+        "--eval-tokens",
+        held_out,
+        "--save-every",
+        "2",
+    ];
+    let o = cpl(&set_flags(base_args(&tokens, &out, 4), &flags));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let files = |d: &Path| -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        v.sort();
+        v
+    };
+    let tb = files(&out.join("tb"));
+    assert_eq!(tb.len(), 1, "{tb:?}");
+    assert!(tb[0]
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .starts_with("events.out.tfevents."));
+    let events = read_events(&tb[0]).unwrap();
+    let scalar = |events: &[train::driver::tensorboard::Event], tag: &str| -> Vec<(i64, f32)> {
+        events
+            .iter()
+            .filter_map(|e| match &e.what {
+                Some(What::Summary(s)) if s.value[0].tag == tag => {
+                    Some((e.step, s.value[0].simple_value?))
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    let lines = |name: &str| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(out.join(name))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let metrics = lines("metrics.jsonl");
+    assert_eq!(metrics.len(), 4);
+    for key in [
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_sec",
+        "peak_rss_mib",
+        "mfu",
+    ] {
+        let want: Vec<(i64, f32)> = metrics
+            .iter()
+            .map(|m| (m["step"].as_i64().unwrap(), m[key].as_f64().unwrap() as f32))
+            .collect();
+        assert_eq!(
+            scalar(&events, &format!("train/{key}")),
+            want,
+            "train/{key}"
+        );
+    }
+    let evals = lines("eval.jsonl");
+    assert_eq!(evals.len(), 2);
+    let want: Vec<(i64, f32)> = evals
+        .iter()
+        .map(|m| {
+            (
+                m["step"].as_i64().unwrap(),
+                m["loss"].as_f64().unwrap() as f32,
+            )
+        })
+        .collect();
+    assert_eq!(scalar(&events, "eval/loss"), want);
+    let text = events.iter().find_map(|e| match &e.what {
+        Some(What::Summary(s)) if s.value[0].tag == "run/command" => {
+            Some(String::from_utf8_lossy(&s.value[0].tensor.as_ref()?.string_val[0]).into_owned())
+        }
+        _ => None,
+    });
+    assert!(
+        text.is_some_and(|t| t.contains("--tensorboard")),
+        "the command line as text"
+    );
+
+    // Resume from step-2 (remove step-4) for 2 more steps: a second file, restarting at 2.
+    std::fs::remove_dir_all(out.join("step-4")).unwrap();
+    let o = cpl(&set_flags(
+        base_args(&tokens, &out, 4),
+        &[&flags[..], &["--resume"]].concat(),
+    ));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let tb = files(&out.join("tb"));
+    assert_eq!(tb.len(), 2, "{tb:?}");
+    let second = tb.iter().map(|p| read_events(p).unwrap()).find(|e| {
+        e.iter()
+            .any(|x| matches!(x.what, Some(What::SessionLog(_))))
+    });
+    let second = second.expect("the resumed run's file starts with a restart");
+    let restart = second
+        .iter()
+        .find(|x| matches!(x.what, Some(What::SessionLog(_))));
+    assert_eq!(restart.map(|r| r.step), Some(2));
+    let steps: Vec<i64> = scalar(&second, "train/loss").iter().map(|s| s.0).collect();
+    assert_eq!(steps, [2, 3]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -14,6 +14,7 @@
 pub mod plot;
 pub mod progress;
 pub mod tasks;
+pub mod tensorboard;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -107,6 +108,10 @@ pub struct RunOptions {
     /// Steps with a non-finite loss or gradient norm that are skipped (no update, logged)
     /// before the run stops on the next one (`--skip-nonfinite-steps`; 0: stop on the first).
     pub skip_nonfinite_steps: u64,
+    /// Directory of TensorBoard event files (`--tensorboard`): every number of
+    /// `metrics.jsonl` (`train/<key>`) and `eval.jsonl` (`eval/<key>`), the banner and the
+    /// command line.
+    pub tensorboard: Option<PathBuf>,
 }
 
 impl RunOptions {
@@ -183,6 +188,10 @@ pub fn run<T: Task>(
     if main {
         eprintln!("{}", opts.banner);
     }
+    let mut board = match (&opts.tensorboard, main) {
+        (Some(dir), true) => Some(open_board(dir, first, &opts.banner)?),
+        _ => None,
+    };
     let mut progress = main.then(|| Progress::new(opts.steps, opts.log_every));
     let start = Instant::now();
     let mut skipped = 0;
@@ -199,6 +208,9 @@ pub fn run<T: Task>(
                 if let Some(f) = metrics.as_mut() {
                     f.write(&serde_json::json!({"step": step, "skipped": what}))?;
                 }
+                if let Some(b) = board.as_mut() {
+                    b.text("train/skipped", step, &what)?;
+                }
                 match progress.as_mut() {
                     Some(p) => p.message(&note),
                     None if main => eprintln!("{note}"),
@@ -214,6 +226,8 @@ pub fn run<T: Task>(
             let dt = t0.elapsed().as_secs_f64();
             let s = out.stats;
             history.steps.push(s);
+            let tps = out.tokens / dt;
+            let mfu = tps * opts.flops_per_token / (opts.peak_gflops * 1e9);
             if let Some(f) = metrics.as_mut() {
                 let mut line = serde_json::json!({
                     "step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
@@ -228,19 +242,24 @@ pub fn run<T: Task>(
                     if let Some(b) = s.pp_bubble {
                         o.insert("pp_bubble".into(), serde_json::json!(b));
                     }
+                    if mfu.is_finite() {
+                        o.insert("mfu".into(), serde_json::json!(mfu));
+                    }
                 }
                 f.write(&line)?;
+                if let Some(b) = board.as_mut() {
+                    write_scalars(b, "train", s.step, &line)?;
+                }
             }
             if let Some(p) = progress.as_mut() {
                 let done = (step - first).max(1);
-                let tps = out.tokens / dt;
                 p.step(&StepLine {
                     step,
                     loss: s.loss,
                     lr: s.lr,
                     grad_norm: s.grad_norm,
                     tokens_per_sec: tps,
-                    mfu: tps * opts.flops_per_token / (opts.peak_gflops * 1e9),
+                    mfu,
                     eta_secs: start.elapsed().as_secs_f64() / done as f64
                         * (opts.steps - step) as f64,
                 });
@@ -252,7 +271,11 @@ pub fn run<T: Task>(
                 let point = EvalPoint { step, loss, tokens };
                 history.evals.push(point);
                 if let Some(f) = evals.as_mut() {
-                    f.write(&serde_json::to_value(point).map_err(invalid)?)?;
+                    let line = serde_json::to_value(point).map_err(invalid)?;
+                    f.write(&line)?;
+                    if let Some(b) = board.as_mut() {
+                        write_scalars(b, "eval", step, &line)?;
+                    }
                 }
                 if let Some(p) = progress.as_mut() {
                     p.message(&format!(
@@ -260,6 +283,9 @@ pub fn run<T: Task>(
                     ));
                 }
             }
+        }
+        if let Some(b) = board.as_mut() {
+            b.flush()?;
         }
         save_or_stop(
             task.trainer(),
@@ -273,6 +299,35 @@ pub fn run<T: Task>(
     drop(progress);
     report_peak_memory(world, opts, &task.trainer().cfg.memory)?;
     Ok(history)
+}
+
+/// The event file of a run starting at step `first` (a restart marker when resuming), with the
+/// banner and the command line as text.
+fn open_board(dir: &Path, first: u64, banner: &str) -> Result<tensorboard::EventWriter> {
+    let mut b = tensorboard::EventWriter::create(dir)?;
+    if first > 0 {
+        b.restart(first)?;
+    }
+    let command: Vec<String> = std::env::args().collect();
+    b.text("run/banner", first, banner)?;
+    b.text("run/command", first, &format!("`{}`", command.join(" ")))?;
+    eprintln!("TensorBoard events in {}", b.path().display());
+    Ok(b)
+}
+
+/// Every number of a metrics line but its step, as scalars `<prefix>/<key>` at `step`.
+fn write_scalars(
+    b: &mut tensorboard::EventWriter,
+    prefix: &str,
+    step: u64,
+    line: &serde_json::Value,
+) -> Result<()> {
+    for (k, v) in line.as_object().into_iter().flatten() {
+        if let (Some(x), false) = (v.as_f64(), k == "step") {
+            b.scalar(&format!("{prefix}/{k}"), step, x)?;
+        }
+    }
+    Ok(())
 }
 
 /// The error that ends a run at a non-finite step: what happened, and that no checkpoint was
