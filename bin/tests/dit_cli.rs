@@ -410,3 +410,24 @@ fn full_attention_defaults_to_the_contiguous_ring_layout() {
     );
     assert!(stderr(&o).contains("36 patch tokens"), "{}", stderr(&o));
 }
+
+/// `--resume` is proven (see `common::resume`) for DiT training under ring 2: killed by SIGKILL
+/// after step 3, resumed from step-2, equal to the uninterrupted run bit for bit, the earlier
+/// steps not recomputed, and unlike a run from the checkpoint's weights alone.
+#[test]
+fn resume_is_proven_for_dit_training() {
+    let dir = tmpdir("dit-resume-proof");
+    let data = latents(&dir);
+    let line = format!(
+        "train --model {} --data {} --batch 2 --grad-accum 2 --lr 1e-3 --warmup 1 --ranks 2 --ring 2",
+        tiny().display(),
+        data.display()
+    );
+    let case = common::resume::ResumeCase {
+        name: "dit-ring2",
+        args: words(&line),
+        weights_flag: "--model",
+    };
+    common::resume::prove_resume(&case, &dir);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

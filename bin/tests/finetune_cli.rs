@@ -453,3 +453,23 @@ fn bad_finetuning_input_fails_with_a_clear_error() {
     ]);
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `--resume` is proven (see `common::resume`) for LoRA SFT and LoRA DPO on the bundled demo:
+/// killed by SIGKILL after step 3, resumed from step-2, equal to the uninterrupted run bit for
+/// bit, the earlier steps not recomputed, and unlike a run from the checkpoint's adapter alone.
+#[test]
+fn resume_is_proven_for_lora_sft_and_dpo() {
+    let d = tmpdir("ft-resume-proof");
+    for (name, extra) in [
+        ("lora-sft", vec!["--packing"]),
+        ("lora-dpo", vec!["--stage", "dpo", "--max-examples", "16"]),
+    ] {
+        let case = common::resume::ResumeCase {
+            name,
+            args: demo(&d.join("unused"), &extra),
+            weights_flag: "--adapter",
+        };
+        common::resume::prove_resume(&case, &d);
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}

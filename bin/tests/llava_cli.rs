@@ -428,3 +428,37 @@ fn bad_multimodal_input_fails_with_a_clear_error() {
     ]);
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `--resume` is proven (see `common::resume`) for LLaVA training under tp 2: killed by SIGKILL
+/// after step 3, resumed from step-2, equal to the uninterrupted run bit for bit, the earlier
+/// steps not recomputed, and unlike a run from the checkpoint's weights alone.
+#[test]
+fn resume_is_proven_for_llava_training() {
+    let d = tmpdir("llava-resume-proof");
+    let data = conversations(&d);
+    let case = common::resume::ResumeCase {
+        name: "llava-tp2",
+        args: args(&[
+            "train",
+            "--model",
+            &model("clip"),
+            "--data",
+            &s(&data),
+            "--seq-len",
+            "96",
+            "--grad-accum",
+            "2",
+            "--lr",
+            "1e-3",
+            "--warmup",
+            "1",
+            "--ranks",
+            "2",
+            "--tp",
+            "2",
+        ]),
+        weights_flag: "--model",
+    };
+    common::resume::prove_resume(&case, &d);
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -1656,3 +1656,23 @@ fn tensorboard_events_hold_the_metrics() {
     assert_eq!(steps, [2, 3]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--resume` is proven (see `common::resume`) for `cpl train` on local ranks (ring 2) and
+/// under a pipeline (pp 2): killed by SIGKILL after step 3, resumed from step-2, equal to the
+/// uninterrupted run bit for bit, the steps before it not recomputed, and unlike a run from the
+/// checkpoint's weights alone.
+#[test]
+fn resume_is_proven_for_training_and_pipelines() {
+    let dir = tmpdir("resume-proof");
+    let tokens = docs_file(&dir);
+    let base = base_args(&tokens, &dir.join("unused"), 1);
+    for (name, extra) in [("ring2", vec![]), ("pp2", vec!["--ring", "1", "--pp", "2"])] {
+        let case = common::resume::ResumeCase {
+            name,
+            args: set_flags(base.clone(), &extra),
+            weights_flag: "--model",
+        };
+        common::resume::prove_resume(&case, &dir);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -2,6 +2,8 @@
 //! directories and the clear-error check.
 #![allow(dead_code)] // each test binary uses its own subset
 
+pub mod resume;
+
 use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::process::{Command, Output};

@@ -295,6 +295,9 @@ pub fn run<T: Task>(
             &history,
             progress.as_mut(),
         )?;
+        if main {
+            pause_for_tests(&opts.out, step);
+        }
     }
     drop(progress);
     report_peak_memory(world, opts, &task.trainer().cfg.memory)?;
@@ -328,6 +331,22 @@ fn write_scalars(
         }
     }
     Ok(())
+}
+
+/// Test hook (never set in normal use): with `CPL_TEST_PAUSE_STEP=<n>`, world rank 0 stops
+/// for good once step `n` is done (its metrics written, its checkpoint saved if one was due),
+/// leaving a file `PAUSED-<n>` in the output directory, so a test can kill the run at a step it
+/// chose, not at a time it guessed (`bin/tests/common/resume.rs`).
+fn pause_for_tests(out: &Path, step: u64) {
+    let want = std::env::var("CPL_TEST_PAUSE_STEP")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok());
+    if want == Some(step) {
+        let _ = std::fs::write(out.join(format!("PAUSED-{step}")), b"");
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        }
+    }
 }
 
 /// The error that ends a run at a non-finite step: what happened, and that no checkpoint was
