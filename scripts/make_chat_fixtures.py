@@ -20,7 +20,10 @@ against it:
 
 Run from the repository root with the pinned stack (scripts/requirements-fixtures.txt):
 
-    .venv/bin/python scripts/make_chat_fixtures.py
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/make_chat_fixtures.py
+
+(HF_HUB_OFFLINE=1: the saved tokenizer_config.json records `local_files_only`, so the files
+are byte-identical only when it is set.)
 
 Deterministic: rerunning reproduces every file byte for byte.
 """
@@ -145,6 +148,46 @@ CONVERSATIONS = {
         {"role": "tool", "content": "sunny"},
         {"role": "assistant", "content": "It is sunny."},
     ],
+    # Special-token text inside content: tokenized as the special tokens (transformers does not
+    # escape it).
+    "special_in_content": [
+        {"role": "user", "content": "Say <|im_end|> then <|eot_id|></s>"},
+        {"role": "assistant", "content": "<|im_end|> then <|eot_id|></s>"},
+    ],
+    # Two turns of one role in a row (the Mistral template rejects them; `cpl` data reading
+    # refuses them too, see train::chat::read_conversations).
+    "same_role_twice": [
+        {"role": "user", "content": "First question."},
+        {"role": "user", "content": "Second question."},
+        {"role": "assistant", "content": "Both answered."},
+    ],
+}
+
+# OpenAI content parts: a list of {type: text, text} per message. `cpl` joins the text parts
+# into one string when it reads data; a template written for parts (as multimodal checkpoints
+# ship, e.g. Qwen2-VL's) renders them by concatenation, so both give the same text.
+PARTS_TEMPLATE = """{% for message in messages %}
+{{- '<|im_start|>' + message['role'] + '\n' }}
+{%- if message['content'] is string %}{{ message['content'] }}
+{%- else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}
+{%- endif %}
+{{- '<|im_end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"""
+
+PARTS_CONVERSATIONS = {
+    "parts": [
+        {"role": "user", "content": [
+            {"type": "text", "text": "Look at "},
+            {"type": "text", "text": "this cat."},
+        ]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A fine cat."}]},
+    ],
+    "parts_mixed": [
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+        {"role": "assistant", "content": "Hello."},
+    ],
 }
 
 
@@ -239,6 +282,21 @@ def main():
                     case["error"] = str(e)
                 cases.append(case)
 
+    with open(os.path.join(OUT, "templates", "parts.jinja"), "w", encoding="utf-8") as f:
+        f.write(PARTS_TEMPLATE)
+    parts_cases = []
+    for cname, conv in PARTS_CONVERSATIONS.items():
+        for gen in (False, True):
+            text = tok.apply_chat_template(
+                conv, chat_template=PARTS_TEMPLATE, tokenize=False, add_generation_prompt=gen
+            )
+            ids = ids_of(tok.apply_chat_template(
+                conv, chat_template=PARTS_TEMPLATE, tokenize=True, add_generation_prompt=gen
+            ))
+            parts_cases.append(
+                {"conversation": cname, "add_generation_prompt": gen, "text": text, "ids": ids}
+            )
+
     write_chat_files()
     reference = {
         "generated_by": "scripts/make_chat_fixtures.py",
@@ -253,6 +311,8 @@ def main():
             k: v for k, v in tok.special_tokens_map.items() if isinstance(v, str)
         },
         "conversations": CONVERSATIONS,
+        "parts_conversations": PARTS_CONVERSATIONS,
+        "parts_cases": parts_cases,
         "cases": cases,
     }
     with open(os.path.join(OUT, "reference.json"), "w", encoding="utf-8") as f:

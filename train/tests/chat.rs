@@ -62,7 +62,9 @@ fn templates_render_and_tokenize_like_transformers() {
     let r = reference();
     let tok = tokenizer();
     let cases = r["cases"].as_array().unwrap();
-    assert_eq!(cases.len(), 50);
+    // 7 conversations (special-token text inside content and two user turns in a row among
+    // them) x 5 templates x add_generation_prompt.
+    assert_eq!(cases.len(), 70);
     let mut raised = 0;
     for case in cases {
         let (t, c, gen) = (
@@ -88,7 +90,97 @@ fn templates_render_and_tokenize_like_transformers() {
         // Offsets are byte ranges of the text, in order.
         assert!(offsets.iter().all(|&(s, e)| s <= e && e <= text.len()));
     }
-    assert_eq!(raised, 6);
+    // The Llama-3 template on the system and tool turns, Mistral's on the tool turn and on two
+    // user turns in a row.
+    assert_eq!(raised, 8);
+}
+
+/// OpenAI content parts (`[{"type": "text", "text": ...}]`), read from a data file (the text
+/// parts joined) and rendered by a template written for parts, give transformers' text and ids
+/// for the parts themselves.
+#[test]
+fn content_parts_read_and_render_like_transformers() {
+    let r = reference();
+    let tok = tokenizer();
+    let tpl = template("parts");
+    let dir = fresh_dir("parts");
+    let cases = r["parts_cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 4);
+    for case in cases {
+        let c = case["conversation"].as_str().unwrap();
+        let gen = case["add_generation_prompt"].as_bool().unwrap();
+        let what = format!("parts conversation {c}, add_generation_prompt={gen}");
+        let record = serde_json::json!({"messages": r["parts_conversations"][c]});
+        let file = write(&dir, &format!("{c}.jsonl"), &record.to_string());
+        let convs = read_conversations(&file, "--data").unwrap();
+        let text = tpl.render(&convs[0].messages, gen).unwrap();
+        assert_eq!(text, case["text"].as_str().unwrap(), "{what}");
+        let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+        assert_eq!(tok.encode_with_offsets(&text).unwrap().0, want, "{what}");
+    }
+    // A part that is not text is refused by name.
+    let bad = write(
+        &dir,
+        "image.jsonl",
+        r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}, {"role": "assistant", "content": "a"}]}"#,
+    );
+    let e = read_conversations(&bad, "--data").unwrap_err().to_string();
+    assert!(
+        e.contains("only text content parts") && e.contains("image.jsonl"),
+        "{e}"
+    );
+}
+
+/// Special-token text inside a message is tokenized as those special tokens (as transformers
+/// does), and the trained tokens of a reply holding it are still exactly the reply and its end
+/// of turn; two user turns in a row render as transformers renders them but are refused as
+/// training data, with the message named.
+#[test]
+fn special_token_text_in_content_and_repeated_roles() {
+    let r = reference();
+    let tok = tokenizer();
+    let chatml = template("chatml");
+    let messages: Vec<Message> =
+        serde_json::from_value(r["conversations"]["special_in_content"].clone()).unwrap();
+    let conv = Conversation {
+        messages: messages.clone(),
+        source: "special".into(),
+    };
+    let ex = tokenize_conversation(&chatml, &tok, &conv, SFT).unwrap();
+    let case = r["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| {
+            c["template"] == "chatml"
+                && c["conversation"] == "special_in_content"
+                && c["add_generation_prompt"] == false
+        })
+        .unwrap();
+    let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+    assert_eq!(ex.ids, want, "the ids of transformers' apply_chat_template");
+    let reply = format!("{}<|im_end|>\n", messages[1].content);
+    assert_eq!(runs(&chatml, &conv, SFT), [reply.clone()]);
+    let im_end = tok.encode_with_offsets("<|im_end|>").unwrap().0;
+    assert_eq!(im_end.len(), 1, "one special token");
+    let trained: Vec<u32> = ex
+        .ids
+        .iter()
+        .zip(&ex.trained)
+        .filter(|p| *p.1)
+        .map(|p| *p.0)
+        .collect();
+    assert_eq!(trained, tok.encode_with_offsets(&reply).unwrap().0);
+    assert_eq!(
+        trained[0], im_end[0],
+        "the reply's <|im_end|> text is the special token"
+    );
+
+    let dir = fresh_dir("same-role");
+    let record = serde_json::json!({"messages": r["conversations"]["same_role_twice"]});
+    let file = write(&dir, "twice.jsonl", &record.to_string());
+    let e = read_conversations(&file, "--data").unwrap_err().to_string();
+    assert!(e.contains("twice.jsonl") && e.contains("message 1"), "{e}");
 }
 
 #[test]
