@@ -16,7 +16,10 @@ use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
 use candle_parallel::pipeline::ScheduleKind;
 use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
-use cpl_integration_tests::{assert_identical, rel_err, whole_weights, Layout};
+use cpl_integration_tests::{
+    assert_bf16_follows, assert_bf16_follows_scalar, assert_identical, rel_err, whole_weights,
+    Layout,
+};
 use models::dit;
 use models::dit::loss::Objective;
 use testkit::assert_close_scalar;
@@ -112,6 +115,18 @@ fn train_with(
     steps: u64,
     schedule: ScheduleKind,
 ) -> Run {
+    train_in(layout, memory, objective, steps, schedule, None)
+}
+
+/// [`train_with`] with the parameters in `dtype` (default: the checkpoint's, f32).
+fn train_in(
+    layout: &Layout,
+    memory: MemoryPlan,
+    objective: Objective,
+    steps: u64,
+    schedule: ScheduleKind,
+    dtype: Option<candle_core::DType>,
+) -> Run {
     let data = dataset();
     let files = dit::files(&fixture_dir()).unwrap();
     let dp = layout.mesh.degree(Dim::Dp);
@@ -137,7 +152,7 @@ fn train_with(
             None => std::iter::once(0..2).collect(),
         };
         let ends = r == 0 || r == p - 1;
-        let model = dit::load_stage(&files, &ctx, None, ParamMode::Trainable, &ranges, ends)
+        let model = dit::load_stage(&files, &ctx, dtype, ParamMode::Trainable, &ranges, ends)
             .map_err(|x| e(&x))?
             .model;
         let trainer = Trainer::new(model, &mesh, &ctx, cfg.clone()).map_err(|x| e(&x))?;
@@ -243,6 +258,36 @@ fn training_steps_equal_one_rank() {
             let run = train(&layout, memory, objective, steps);
             compare(&run, &single, &format!("{objective}: {}", layout.name));
         }
+    }
+}
+
+/// bf16 DiT training: a ring2 x tp2 run (3 steps, DDPM objective) follows the one-rank bf16
+/// run: every step's loss (within 1e-2, or 1.5x the one-rank bf16 loss's own distance to f32
+/// where larger: the noise-prediction MSE is summed in f32 from bf16 activations) and gradient
+/// norm, and every final weight, no further from one bf16 rank than 1.5x that run's own
+/// distance to f32 (floored at 5e-2; see `assert_bf16_follows`).
+#[test]
+fn bf16_training_follows_its_one_rank_run() {
+    let bf16 = Some(candle_core::DType::BF16);
+    let (plain, one) = (MemoryPlan::default(), ScheduleKind::OneFOneB);
+    let steps = 3;
+    let f32_run = train(&Layout::single(), plain, Objective::Ddpm, steps);
+    let want = train_in(&Layout::single(), plain, Objective::Ddpm, steps, one, bf16);
+    let layout = Layout::new("tp2 x ring2", 2, 1, 2, Strategy::Ring);
+    let got = train_in(&layout, plain, Objective::Ddpm, steps, one, bf16);
+    let case = format!("DiT bf16 {}", layout.name);
+    assert_eq!(got.losses.len(), steps as usize, "{case}");
+    for i in 0..steps as usize {
+        let (g, w, f) = (got.losses[i], want.losses[i], f32_run.losses[i]);
+        assert_bf16_follows_scalar(g, w, f, 1e-2 / 1.5, &format!("{case}: step {i}: loss"));
+        let (g, w, f) = (got.grad_norms[i], want.grad_norms[i], f32_run.grad_norms[i]);
+        let what = format!("{case}: step {i}: gradient norm");
+        assert_bf16_follows_scalar(g, w, f, 5e-2, &what);
+    }
+    assert_eq!(got.weights.len(), want.weights.len(), "{case}");
+    for (n, w) in &want.weights {
+        let what = format!("{case}: final {n}");
+        assert_bf16_follows(&got.weights[n], w, &f32_run.weights[n], 5e-2, &what);
     }
 }
 

@@ -22,7 +22,10 @@ use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
 use candle_parallel::pipeline::ScheduleKind;
 use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
-use cpl_integration_tests::{assert_identical, fixture_files, rel_err, whole_weights, Layout};
+use cpl_integration_tests::{
+    assert_bf16_follows, assert_bf16_follows_scalar, assert_identical, fixture_files, rel_err,
+    whole_weights, Layout,
+};
 use models::llama;
 use testkit::assert_identical_scalars;
 use train::finetune::{
@@ -170,7 +173,7 @@ fn pair_data() -> PairDataset {
     PairDataset::new(&pairs, &opts, 256).unwrap().0
 }
 
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy, PartialEq, Debug)]
 enum Job {
     LoraSft,
     FullSft,
@@ -186,6 +189,11 @@ struct Run {
 }
 
 fn run(layout: &Layout, memory: MemoryPlan, job: Job) -> Run {
+    run_in(layout, memory, job, DType::F32)
+}
+
+/// [`run`] with the model's parameters (and activations) in `dtype`.
+fn run_in(layout: &Layout, memory: MemoryPlan, job: Job, dtype: DType) -> Run {
     let dp = layout.mesh.degree(Dim::Dp);
     let pp = layout.mesh.pp;
     let mut cfg = config(1, 2 / dp, memory);
@@ -213,7 +221,7 @@ fn run(layout: &Layout, memory: MemoryPlan, job: Job) -> Run {
         let m = llama::load_stage_adapted(
             &files,
             &ctx,
-            Some(DType::F32),
+            Some(dtype),
             ParamMode::Trainable,
             &layers,
             r == 0 || r + 1 == pp,
@@ -385,6 +393,42 @@ fn full_sft_under_every_layout_equals_one_rank() {
 #[test]
 fn lora_dpo_under_every_layout_equals_one_rank() {
     check_job(Job::LoraDpo);
+}
+
+/// bf16 LoRA SFT and LoRA DPO: a tp2 x ring2 run follows the one-rank bf16 run. The two bf16
+/// runs round their reductions in different orders, so they differ by about as much as bf16
+/// differs from f32 (the argument of the zoo's bf16 test, `tests/zoo.rs`): asserted are every
+/// step's loss within 1e-2 (the loss is summed in f32 from bf16 logits) or, for DPO, whose
+/// loss comes from differences of log-likelihoods that cancel, 1.5x the one-rank bf16 loss's
+/// own distance to f32 where that is larger; every step's gradient norm and every final adapter no further from the one-rank bf16 run than 1.5x that run's own
+/// distance to f32 (floored at 5e-2); a lost term (a shard, a ring step, a mask block, the
+/// reference's forward) moves them by far more.
+#[test]
+fn lora_sft_and_dpo_in_bf16_follow_their_one_rank_run() {
+    let plain = MemoryPlan::default();
+    let layout = Layout::new("tp2 x ring2", 2, 1, 2, Strategy::Ring);
+    for job in [Job::LoraSft, Job::LoraDpo] {
+        let f32_run = run(&Layout::single(), plain, job);
+        let want = run_in(&Layout::single(), plain, job, DType::BF16);
+        let got = run_in(&layout, plain, job, DType::BF16);
+        let case = format!("{job:?} bf16 {}", layout.name);
+        assert_eq!(got.losses.len(), STEPS as usize, "{case}");
+        for i in 0..STEPS as usize {
+            // DPO's loss is a function of differences of summed log-likelihoods, which cancel:
+            // its bf16 error is its own distance to f32 where that exceeds the logits' 1e-2.
+            let (g, w, f) = (got.losses[i], want.losses[i], f32_run.losses[i]);
+            let what = format!("{case}: step {i}: loss");
+            assert_bf16_follows_scalar(g, w, f, 1e-2 / 1.5, &what);
+            let (g, w, f) = (got.norms[i], want.norms[i], f32_run.norms[i]);
+            let what = format!("{case}: step {i}: gradient norm");
+            assert_bf16_follows_scalar(g, w, f, 5e-2, &what);
+        }
+        assert_eq!(got.weights.len(), want.weights.len(), "{case}: adapters");
+        for (n, w) in &want.weights {
+            let what = format!("{case}: final {n}");
+            assert_bf16_follows(&got.weights[n], w, &f32_run.weights[n], 5e-2, &what);
+        }
+    }
 }
 
 /// Packing examples into one window with document masks trains on the same tokens with the same

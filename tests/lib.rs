@@ -759,6 +759,27 @@ pub fn prompt_reply_examples(seed: u64, n: usize, vocab: u32) -> Vec<train::fine
         .collect()
 }
 
+/// bf16 follows one bf16 rank: `got` (a parallel bf16 run's value) is no further from `want`
+/// (the one-rank bf16 run's) than 1.5x `want`'s own distance to `f32` (the one-rank f32 run's),
+/// floored at `floor`. Two bf16 runs round their reductions in different orders, so they differ
+/// by about as much as bf16 differs from f32; a lost term (a shard, a ring step, a mask block)
+/// moves a value by far more. Relative errors as [`rel_err`] (NaN fails).
+pub fn assert_bf16_follows(got: &Tensor, want: &Tensor, f32: &Tensor, floor: f64, what: &str) {
+    testkit::assert_finite(got, what);
+    let own = rel_err(want, f32);
+    let e = rel_err(got, want);
+    assert!(
+        e <= 1.5 * own.max(floor),
+        "{what}: {e:.3e} from one bf16 rank, which is {own:.3e} from f32 (bound 1.5 x max(own, {floor:e}))"
+    );
+}
+
+/// [`assert_bf16_follows`] for scalars (a loss, a gradient norm).
+pub fn assert_bf16_follows_scalar(got: f64, want: f64, f32: f64, floor: f64, what: &str) {
+    let t = |x: f64| Tensor::new(&[x], &Device::Cpu).expect("a scalar tensor");
+    assert_bf16_follows(&t(got), &t(want), &t(f32), floor, what);
+}
+
 /// The small AdamW run the family tests train: 32-token sequences, one per micro-batch,
 /// `grad_accum` micro-batches per step, lr 5e-3 with one warmup step and a cosine decay to 5e-4,
 /// weight decay 0.1, clipping at 1.0, loss chunks of 16 tokens, seed `seed`.

@@ -19,7 +19,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_parallel::attention::Strategy;
 use candle_parallel::comm::LocalWorld;
 use candle_parallel::nn::{CrossEntropyOptions, ParamMode};
-use cpl_integration_tests::{rel_err, Layout};
+use cpl_integration_tests::{assert_bf16_follows, rel_err, Layout};
 use models::llava::{self, Freeze, KeyLayout};
 
 fn dir(rel: &str) -> PathBuf {
@@ -387,6 +387,16 @@ struct Grads {
 }
 
 fn layout_grads(name: &str, layout: &Layout, memory: candle_parallel::plan::MemoryPlan) -> Grads {
+    layout_grads_in(name, layout, memory, DType::F32)
+}
+
+/// [`layout_grads`] with the parameters (and activations) in `dtype`.
+fn layout_grads_in(
+    name: &str,
+    layout: &Layout,
+    memory: candle_parallel::plan::MemoryPlan,
+    dtype: DType,
+) -> Grads {
     let f = files(name);
     let r = reference(name);
     let pv = r["pixel_values"].clone();
@@ -396,7 +406,7 @@ fn layout_grads(name: &str, layout: &Layout, memory: candle_parallel::plan::Memo
         let mut m = llava::load(
             &f,
             &ctx,
-            Some(DType::F32),
+            Some(dtype),
             ParamMode::Trainable,
             Freeze::default(),
         )
@@ -504,6 +514,36 @@ fn layouts_give_the_loss_and_gradients_of_one_rank() {
         ] {
             let got = layout_grads(name, &layout, memory);
             assert_same_grads(&got, &want, &format!("{name} {}", layout.name));
+        }
+    }
+}
+
+/// bf16 LLaVA: the loss and every gradient of the layout batch under tp2 x ring2 follow the
+/// one-rank bf16 run: the loss within 1e-2 (summed in f32 from bf16 logits), every gradient no
+/// further from one bf16 rank than 1.5x that run's own distance to f32, floored at 5e-2 (see
+/// `assert_bf16_follows`); the k biases' gradients, zero up to rounding, are skipped.
+#[test]
+fn bf16_gradients_follow_their_one_rank_run() {
+    use candle_parallel::plan::MemoryPlan;
+    let plain = MemoryPlan::default();
+    for name in ["clip", "siglip"] {
+        let f32_run = layout_grads(name, &Layout::single(), plain);
+        let want = layout_grads_in(name, &Layout::single(), plain, DType::BF16);
+        let layout = Layout::new("tp2 x ring2", 2, 1, 2, Strategy::Ring);
+        let got = layout_grads_in(name, &layout, plain, DType::BF16);
+        let case = format!("{name} bf16 {}", layout.name);
+        testkit::assert_close_scalar(got.loss, want.loss, 1e-2, &format!("{case}: loss"));
+        assert_eq!(got.grads.len(), want.grads.len(), "{case}");
+        for (n, g) in &want.grads {
+            assert!(
+                testkit::max_abs(&got.grads[n]) > 0.0,
+                "{case}: {n}: zero gradient"
+            );
+            if n.ends_with("k_proj.bias") {
+                continue;
+            }
+            let what = format!("{case}: gradient of {n}");
+            assert_bf16_follows(&got.grads[n], g, &f32_run.grads[n], 5e-2, &what);
         }
     }
 }

@@ -11,7 +11,7 @@
 //!   in bits (model noise detached), see [`GaussianDiffusion::ddpm_terms`];
 //! - rectified flow: `mse(v̂, noise − x0)` at `x_s = (1 − s)·x0 + s·noise`, timestep `1000 s`.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use candle_parallel::nn::ParallelCtx;
 use serde::{Deserialize, Serialize};
 
@@ -154,7 +154,10 @@ pub fn loss_from_output(
     let x0 = local_tokens(ctx, &batch.x0, p)?;
     let noise = local_tokens(ctx, &batch.noise, p)?;
     let sum_all = |t: &Tensor| -> Result<f64> { Ok(t.sum_all()?.to_scalar::<f32>()? as f64) };
-    let (pred, var) = split_output(out, cfg.out_channels(), cfg.in_channels)?;
+    // The loss in f32 whatever the model's dtype (as diffusers computes it from a bf16 model's
+    // output); the gradient flows back through the cast in the model's dtype.
+    let out = out.to_dtype(DType::F32)?;
+    let (pred, var) = split_output(&out, cfg.out_channels(), cfg.in_channels)?;
     let (total, mse, vb) = match (&batch.level, var) {
         (NoiseLevel::Ddpm(t), Some(var)) => {
             let x_t = local_tokens(ctx, x_in, p)?;
