@@ -584,6 +584,7 @@ pub fn drive_through_registry<W: train::data::Windows + Sync + 'static>(
         local_ranks: true,
         skip_nonfinite_steps: 0,
         tensorboard: None,
+        detect_anomaly: false,
     };
     let out = LocalWorld::run(layout.ranks, |world| -> Result<_, String> {
         let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);

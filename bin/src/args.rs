@@ -97,6 +97,11 @@ pub struct TrainArgs {
     /// stops the run, saving nothing over the last checkpoint.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub skip_nonfinite_steps: u64,
+    /// Check every layer's output (forward) and every gradient (backward) for NaN and infinity,
+    /// and stop at the first with its step, rank, micro-batch and module (e.g.
+    /// model.layers.7). Costs a reduction per layer output.
+    #[arg(long)]
+    pub detect_anomaly: bool,
     /// Write TensorBoard event files (loss, lr, gradient norm, tokens/s, MFU, peak memory, eval
     /// loss and every other number of metrics.jsonl; the command line as text) to DIR, or to
     /// OUT/tb without a value.
@@ -318,6 +323,7 @@ impl TrainArgs {
             banner,
             local_ranks: self.layout.backend == Backend::Local,
             skip_nonfinite_steps: self.skip_nonfinite_steps,
+            detect_anomaly: self.detect_anomaly,
             tensorboard: self
                 .tensorboard
                 .as_ref()

@@ -1676,3 +1676,66 @@ fn resume_is_proven_for_training_and_pipelines() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--detect-anomaly` names where a NaN first appears: a layer's output planted NaN at step 2
+/// (test hook `CPL_TEST_POISON_FORWARD=model.layers.1@2`) is reported with its step, rank,
+/// micro-batch and module in forward; a gradient planted NaN at step 3 (`CPL_TEST_NAN_GRAD_STEP`)
+/// with its parameter. Either run stops with the last good checkpoint untouched and nothing
+/// saved after it.
+#[test]
+fn detect_anomaly_names_the_step_rank_and_module() {
+    let dir = tmpdir("anomaly");
+    let tokens = docs_file(&dir);
+    let flags = [
+        "--save-every",
+        "2",
+        "--ring",
+        "1",
+        "--tp",
+        "2",
+        "--grad-accum",
+        "2",
+        "--detect-anomaly",
+    ];
+    let cases = [
+        (
+            "forward",
+            ("CPL_TEST_POISON_FORWARD", "model.layers.1@2"),
+            "step 2, rank ",
+            "micro-batch 0: non-finite values (NaN or inf) in the forward output of model.layers.1",
+        ),
+        (
+            "backward",
+            ("CPL_TEST_NAN_GRAD_STEP", "3"),
+            "step 3, rank 0, all micro-batches: ",
+            "non-finite values (NaN or inf) in the gradient of lm_head.weight",
+        ),
+    ];
+    for (name, env, at, what) in cases {
+        let out = dir.join(name);
+        let o = cpl_env(&set_flags(base_args(&tokens, &out, 6), &flags), &[env]);
+        let err = stderr(&o);
+        assert!(!o.status.success(), "{name}: {err}");
+        assert!(err.contains(at) && err.contains(what), "{name}: {err}");
+        assert!(out.join("step-2/trainer_state.json").is_file(), "{name}");
+        assert!(
+            !out.join("step-4").exists(),
+            "{name}: saved after the anomaly"
+        );
+        let steps: Vec<u64> = losses(&out).iter().map(|l| l.0).collect();
+        let done = if name == "forward" { 2 } else { 3 };
+        assert_eq!(
+            steps,
+            (0..done).collect::<Vec<_>>(),
+            "{name}: metrics of the good steps"
+        );
+    }
+    // Without the flag the forward hook is off and the run is the plain one.
+    let out = dir.join("off");
+    let o = cpl_env(
+        &set_flags(base_args(&tokens, &out, 3), &flags[..8]),
+        &[("CPL_TEST_POISON_FORWARD", "model.layers.1@2")],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

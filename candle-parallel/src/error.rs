@@ -59,6 +59,11 @@ pub enum Error {
     #[error("NCCL: {0}")]
     Nccl(String),
 
+    /// Anomaly detection found NaN or infinity (see [`crate::nn::anomaly`]): `what` of `module`
+    /// (a unit's checkpoint prefix, or a parameter's name for a gradient).
+    #[error("non-finite values (NaN or inf) in the {what} of {module}")]
+    NonFinite { module: String, what: &'static str },
+
     /// An error from a candle tensor operation.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

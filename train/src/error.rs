@@ -37,6 +37,16 @@ pub enum Error {
     #[error("step {step}: {what}; the update was not applied")]
     NonFinite { step: u64, what: String },
 
+    /// Anomaly detection (`--detect-anomaly`) found NaN or infinity: where (`msg` names the
+    /// module and the pass, or the parameter of a gradient).
+    #[error("step {step}, rank {rank}, {micro}: {msg}")]
+    Anomaly {
+        step: u64,
+        rank: usize,
+        micro: String,
+        msg: String,
+    },
+
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

@@ -464,6 +464,8 @@ pub struct Trainer<M = Llama> {
     /// Schedules by micro-batch count, made when first needed.
     schedules: HashMap<usize, PipelineSchedule>,
     /// Optimizer steps taken (the next step's index).
+    /// This rank in the world (for anomaly reports).
+    world_rank: usize,
     pub step: u64,
 }
 
@@ -483,6 +485,37 @@ fn poison_for_tests(
         *g = (g.ones_like()? * f64::NAN)?;
     }
     Ok(acc)
+}
+
+/// With anomaly detection on ([`candle_parallel::nn::anomaly`]), the first non-finite gradient
+/// of `grads` as an error naming its parameter.
+fn check_gradients(grads: &[(String, Tensor)]) -> Result<()> {
+    if candle_parallel::nn::anomaly::detect_anomaly() {
+        for (name, g) in grads {
+            candle_parallel::nn::anomaly::check_finite(g, name, "gradient")?;
+        }
+    }
+    Ok(())
+}
+
+/// `e` with the step, the world `rank` and the micro-batch (`None`: the accumulated gradients,
+/// or pipeline stages) when it is an anomaly report ([`candle_parallel::Error::NonFinite`],
+/// however deep it was wrapped); other errors unchanged.
+fn locate(e: Error, step: u64, rank: usize, micro: Option<usize>) -> Error {
+    let msg = e.to_string();
+    if !msg.contains("non-finite values (NaN or inf) in the") {
+        return e;
+    }
+    let micro = micro.map_or_else(
+        || "all micro-batches".into(),
+        |m| format!("micro-batch {m}"),
+    );
+    Error::Anomaly {
+        step,
+        rank,
+        micro,
+        msg,
+    }
 }
 
 fn no_gradient(name: &str) -> Error {
@@ -637,6 +670,7 @@ impl<M: TrainModel> Trainer<M> {
             dp_rank: mesh.coord(Dim::Dp),
             pp: mesh.comm(Dim::Pp),
             schedules: HashMap::new(),
+            world_rank: mesh.rank(),
             cfg,
             step: 0,
         })
@@ -868,6 +902,9 @@ impl<M: TrainModel> Trainer<M> {
         }
         let micro = obj.micro_batches(&self.step_ctx(), &self.model, data, step)?;
         let num_parts = obj.part_names().len();
+        candle_parallel::nn::anomaly::set_step(step);
+        let rank = self.world_rank;
+        let at = move |e: Error, micro: Option<usize>| locate(e, step, rank, micro);
         let (loss_sum, mut parts, acc, bubble) = if self.cfg.pipeline.is_some() {
             let (schedule, ranges, vars) = self.pipeline_setup(micro.len())?;
             let step = StageStep {
@@ -878,16 +915,19 @@ impl<M: TrainModel> Trainer<M> {
                 dtype: self.activation_dtype(),
             };
             let staged = obj.staged(&self.model)?;
-            let mut out = run_stage_step(&staged, &step, &micro, vars, num_parts)?;
+            let mut out = run_stage_step(&staged, &step, &micro, vars, num_parts)
+                .map_err(|e| at(e.into(), None))?;
             let acc = self.collect_with(|p| out.grads.remove(&p.name))?;
             let bubble = self.pipeline_bubble(out.times)?;
             (out.loss_sum, out.parts, acc, Some(bubble))
         } else {
             let mut acc: Vec<(String, Tensor)> = Vec::new();
             let (mut loss_sum, mut parts) = (0f64, vec![0f64; num_parts]);
-            for m in &micro {
-                let StageLoss { sum, parts: p } = obj.loss(&self.model, m)?;
+            for (i, m) in micro.iter().enumerate() {
+                let StageLoss { sum, parts: p } =
+                    obj.loss(&self.model, m).map_err(|e| at(e, Some(i)))?;
                 let (s, grads) = self.backward_collect(&sum, count)?;
+                check_gradients(&grads).map_err(|e| at(e, Some(i)))?;
                 loss_sum += s;
                 for (a, x) in parts.iter_mut().zip(p) {
                     *a += x;
@@ -1049,6 +1089,7 @@ impl<M: TrainModel> Trainer<M> {
         }
         let mut grads = Vec::with_capacity(acc.len());
         let acc = poison_for_tests(acc, step, self.tp.rank() == 0 && self.dp_rank == 0)?;
+        check_gradients(&acc).map_err(|e| locate(e, step, self.world_rank, None))?;
         for (p, (n, g)) in self.params.iter().zip(acc) {
             if p.name != n {
                 return Err(Error::Invalid(format!(

@@ -23,6 +23,7 @@
 //! holds a contiguous part of those tokens outside the tensor-parallel regions, and the modules
 //! gather and scatter them where they enter and leave those regions.
 
+pub mod anomaly;
 pub mod attention;
 pub mod batch;
 pub mod embedding;

@@ -224,8 +224,14 @@ impl<T: Clone + Send + Sync + 'static> Unit<T> {
 }
 
 impl<T: Block> Unit<T> {
-    /// Runs the block on `x` under the unit's checkpointing mode. Collective as the block is.
+    /// Runs the block on `x` under the unit's checkpointing mode; with anomaly detection on,
+    /// checks its output ([`super::anomaly`]). Collective as the block is.
     pub fn forward(&self, x: &Tensor, pass: &Pass) -> Result<Tensor> {
+        let y = self.forward_unchecked(x, pass)?;
+        super::anomaly::forward_output(y, &self.name())
+    }
+
+    fn forward_unchecked(&self, x: &Tensor, pass: &Pass) -> Result<Tensor> {
         if self.checkpointing == Checkpointing::None {
             return self.get(Track::Grad)?.forward(x, pass);
         }

@@ -112,6 +112,10 @@ pub struct RunOptions {
     /// `metrics.jsonl` (`train/<key>`) and `eval.jsonl` (`eval/<key>`), the banner and the
     /// command line.
     pub tensorboard: Option<PathBuf>,
+    /// Check every layer's output in forward and every gradient for NaN and infinity and stop
+    /// at the first, naming the step, rank, micro-batch and module (`--detect-anomaly`; see
+    /// `candle_parallel::nn::anomaly`).
+    pub detect_anomaly: bool,
 }
 
 impl RunOptions {
@@ -178,6 +182,7 @@ pub fn run<T: Task>(
 ) -> Result<History> {
     let main = world.rank() == 0;
     let first = task.trainer().step;
+    candle_parallel::nn::anomaly::set_detect_anomaly(opts.detect_anomaly);
     // Lines of steps after the resume point (from a run that died later) are dropped.
     let mut metrics = main
         .then(|| JsonLines::continue_at(&opts.metrics_path(), first))
@@ -218,7 +223,9 @@ pub fn run<T: Task>(
                 }
                 None
             }
-            Err(e @ Error::NonFinite { .. }) => return Err(stopped_nonfinite(e, opts)),
+            Err(e @ (Error::NonFinite { .. } | Error::Anomaly { .. })) => {
+                return Err(stopped_nonfinite(e, opts))
+            }
             Err(e) => return Err(e),
         };
         let step = task.trainer().step;
@@ -359,10 +366,13 @@ fn stopped_nonfinite(e: Error, opts: &RunOptions) -> Error {
         ),
         None => format!("no checkpoint was written to {}", opts.out.display()),
     };
-    Error::Invalid(format!(
-        "{e}. The run stopped: {last}. Lower --lr or check the data; --skip-nonfinite-steps N \
-         skips up to N such steps"
-    ))
+    let advice = match e {
+        Error::NonFinite { .. } => {
+            "Lower --lr or check the data; --skip-nonfinite-steps N skips up to N such steps"
+        }
+        _ => "The module named is where the first NaN or infinity appeared",
+    };
+    Error::Invalid(format!("{e}. The run stopped: {last}. {advice}"))
 }
 
 /// After a run, on the process that holds world rank 0: prints the loss's first and last
