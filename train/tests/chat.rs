@@ -160,7 +160,7 @@ fn special_token_text_in_content_and_repeated_roles() {
     let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
     assert_eq!(ex.ids, want, "the ids of transformers' apply_chat_template");
     let reply = format!("{}<|im_end|>\n", messages[1].content);
-    assert_eq!(runs(&chatml, &conv, SFT), [reply.clone()]);
+    assert_eq!(runs(&chatml, &conv, SFT), std::slice::from_ref(&reply));
     let im_end = tok.encode_with_offsets("<|im_end|>").unwrap().0;
     assert_eq!(im_end.len(), 1, "one special token");
     let trained: Vec<u32> = ex
