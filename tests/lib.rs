@@ -580,6 +580,7 @@ pub fn drive_through_registry<W: train::data::Windows + Sync + 'static>(
         max_shard_bytes: usize::MAX,
         flops_per_token: f64::NAN,
         peak_gflops: f64::NAN,
+        peak_source: String::new(),
         banner: format!("{} under {}", family.name, layout.name),
         local_ranks: true,
         skip_nonfinite_steps: 0,

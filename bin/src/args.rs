@@ -102,6 +102,11 @@ pub struct TrainArgs {
     /// model.layers.7). Costs a reduction per layer output.
     #[arg(long)]
     pub detect_anomaly: bool,
+    /// The peak (TFLOP/s) that MFU is reported against, e.g. 989 for an H100's dense bf16
+    /// (default: this machine's matmul rate in the run's dtype, measured at start; the log
+    /// says which).
+    #[arg(long, value_name = "TFLOPS")]
+    pub peak_tflops: Option<f64>,
     /// Write TensorBoard event files (loss, lr, gradient norm, tokens/s, MFU, peak memory, eval
     /// loss and every other number of metrics.jsonl; the command line as text) to DIR, or to
     /// OUT/tb without a value.
@@ -288,17 +293,33 @@ impl TrainArgs {
 
 /// f32 matmul rate of this machine (GFLOP/s), for the MFU estimate: a quick measurement
 /// (512^3, best of 5); NaN when it fails.
-pub fn matmul_gflops() -> f64 {
-    train::driver::progress::matmul_gflops(&candle_core::Device::Cpu, DType::F32, 512, 5)
-        .unwrap_or(f64::NAN)
-}
-
 /// Installs the Ctrl-C handler once per process: the driver saves a checkpoint and stops.
 pub fn interrupt_flag() -> Result<std::sync::Arc<std::sync::atomic::AtomicBool>> {
     Ok(train::driver::interrupt_flag()?)
 }
 
 impl TrainArgs {
+    /// The peak that MFU is measured against in GFLOP/s, and what it is: `--peak-tflops`, or
+    /// this machine's matmul rate in the run's dtype on the run's device, measured now.
+    pub fn mfu_peak(&self) -> Result<(f64, String)> {
+        if let Some(t) = self.peak_tflops {
+            if !(t > 0.0 && t.is_finite()) {
+                bail!("--peak-tflops {t} must be a positive number");
+            }
+            return Ok((t * 1e3, format!("--peak-tflops {t}")));
+        }
+        let dtype = self.dtype.map(DType::from).unwrap_or(DType::F32);
+        let device = self.layout.device.open(0)?;
+        let n = if device.is_cpu() { 512 } else { 4096 };
+        let g = train::driver::progress::matmul_gflops(&device, dtype, n, 5)?;
+        let what = format!(
+            "this machine's {} matmul rate on {} ({n}x{n} product, measured at start)",
+            format!("{dtype:?}").to_lowercase(),
+            self.layout.device
+        );
+        Ok((g, what))
+    }
+
     /// The run driver's options of these flags for a run of `steps` steps, `extra_files`
     /// copied into every checkpoint, at `flops_per_token` (NaN: no MFU), printing `banner`
     /// first.
@@ -308,8 +329,9 @@ impl TrainArgs {
         extra_files: Vec<(String, Vec<u8>)>,
         flops_per_token: f64,
         banner: String,
-    ) -> RunOptions {
-        RunOptions {
+    ) -> Result<RunOptions> {
+        let (peak_gflops, peak_source) = self.mfu_peak()?;
+        Ok(RunOptions {
             out: self.out.clone(),
             steps,
             save_every: self.save_every,
@@ -319,7 +341,8 @@ impl TrainArgs {
             extra_files,
             max_shard_bytes: self.max_shard_size,
             flops_per_token,
-            peak_gflops: matmul_gflops(),
+            peak_gflops,
+            peak_source,
             banner,
             local_ranks: self.layout.backend == Backend::Local,
             skip_nonfinite_steps: self.skip_nonfinite_steps,
@@ -328,7 +351,7 @@ impl TrainArgs {
                 .tensorboard
                 .as_ref()
                 .map(|d| d.clone().unwrap_or_else(|| self.out.join("tb"))),
-        }
+        })
     }
 }
 

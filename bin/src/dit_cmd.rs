@@ -112,7 +112,7 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         dcfg.objective,
         args.layout.ranks
     );
-    let opts = args.run_options(cfg.steps, extra, flops_per_token, banner);
+    let opts = args.run_options(cfg.steps, extra, flops_per_token, banner)?;
     let history0 = Resume::history(resume.as_ref());
     let history = launch_pipelined(&args.layout, |rank| {
         let (mine, ends) = stage_layers(rank, &ranges);

@@ -650,7 +650,7 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         t.layout.ranks,
         sp.strategy.name()
     );
-    let opts = t.run_options(cfg.steps, extra, flops_per_token, banner);
+    let opts = t.run_options(cfg.steps, extra, flops_per_token, banner)?;
     let history0 = Resume::history(resume.as_ref());
     let result = launch_pipelined(&t.layout, |rank: &Rank| {
         let adapters = match &lora {

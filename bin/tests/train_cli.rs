@@ -320,6 +320,8 @@ fn bad_training_input_fails_with_a_clear_error() {
         (with(&["--steps", "0"]), "--steps"),
         (with(&["--resume"]), "--resume"),
         (with(&["--lr", "0"]), "--lr"),
+        (with(&["--peak-tflops", "0"]), "--peak-tflops 0 must be a positive number"),
+        (with(&["--skip-nonfinite-steps", "x"]), "--skip-nonfinite-steps"),
         (with(&["--dtype", "int8"]), "--dtype"),
         (with(&["--seq-len", "4096"]), "--seq-len 4096"),
         (with_data(&dir.join("missing.txt"), ""), "missing.txt"),

@@ -101,6 +101,8 @@ pub struct RunOptions {
     /// rate in GFLOP/s; NaN when unknown.
     pub flops_per_token: f64,
     pub peak_gflops: f64,
+    /// What `peak_gflops` is (printed at the start: MFU is only as meaningful as its peak).
+    pub peak_source: String,
     /// The first line the run prints (what trains, on what).
     pub banner: String,
     /// Whether the ranks are local threads (one process: one peak-memory figure).
@@ -192,6 +194,12 @@ pub fn run<T: Task>(
         .transpose()?;
     if main {
         eprintln!("{}", opts.banner);
+        if opts.flops_per_token.is_finite() && opts.peak_gflops.is_finite() {
+            eprintln!(
+                "MFU against {:.1} GFLOP/s: {}",
+                opts.peak_gflops, opts.peak_source
+            );
+        }
     }
     let mut board = match (&opts.tensorboard, main) {
         (Some(dir), true) => Some(open_board(dir, first, &opts.banner)?),
