@@ -320,8 +320,14 @@ fn bad_training_input_fails_with_a_clear_error() {
         (with(&["--steps", "0"]), "--steps"),
         (with(&["--resume"]), "--resume"),
         (with(&["--lr", "0"]), "--lr"),
-        (with(&["--peak-tflops", "0"]), "--peak-tflops 0 must be a positive number"),
-        (with(&["--skip-nonfinite-steps", "x"]), "--skip-nonfinite-steps"),
+        (
+            with(&["--peak-tflops", "0"]),
+            "--peak-tflops 0 must be a positive number",
+        ),
+        (
+            with(&["--skip-nonfinite-steps", "x"]),
+            "--skip-nonfinite-steps",
+        ),
         (with(&["--dtype", "int8"]), "--dtype"),
         (with(&["--seq-len", "4096"]), "--seq-len 4096"),
         (with_data(&dir.join("missing.txt"), ""), "missing.txt"),
@@ -1739,5 +1745,37 @@ fn detect_anomaly_names_the_step_rank_and_module() {
         &[("CPL_TEST_POISON_FORWARD", "model.layers.1@2")],
     );
     assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The straggler report: with rank 1 planted slow (test hook `CPL_TEST_SLOW_RANK=1:80`, 80 ms
+/// of sleep at the start of each step), every step's metrics name rank 1 as the slowest, its
+/// compute stands out from the mean, and the other rank's wait shows as communication time.
+#[test]
+fn metrics_name_a_planted_slow_rank() {
+    let dir = tmpdir("straggler");
+    let tokens = docs_file(&dir);
+    let out = dir.join("run");
+    let o = cpl_env(
+        &base_args(&tokens, &out, 3),
+        &[("CPL_TEST_SLOW_RANK", "1:80")],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    for l in &lines {
+        let f = |k: &str| l[k].as_f64().unwrap_or_else(|| panic!("{k} in {l}"));
+        assert_eq!(l["slowest_rank"], 1, "{l}");
+        // Rank 1 computes >= 80 ms, rank 0 a few: max/mean near 2, far above an even 1.
+        assert!(f("compute_max_over_mean") > 1.3, "{l}");
+        assert!(f("compute_max_s") >= 0.08, "{l}");
+        // Rank 0 waits for rank 1 in the step's first collective.
+        assert!(f("comm_max_s") >= 0.05, "{l}");
+        assert!(f("comm_mean_s") <= f("comm_max_s") && f("compute_mean_s") <= f("compute_max_s"));
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -275,6 +275,23 @@ pub struct StepStats {
     /// masked and out-of-window tiles are skipped, so a window or a document mask lowers it).
     #[serde(default)]
     pub attention_scores: u64,
+    /// Where the ranks' time went in this step (the straggler report).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<RankTimes>,
+}
+
+/// The step's time on every rank of the world, split into compute (everything but
+/// communication) and communication (inside communication calls, waiting for peers included:
+/// `candle_parallel::comm::CommTimer`): maxima, means, and the rank with the most compute.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RankTimes {
+    pub compute_max: f64,
+    pub compute_mean: f64,
+    pub comm_max: f64,
+    pub comm_mean: f64,
+    /// The world rank with the longest compute time: the straggler when `compute_max` stands
+    /// out from `compute_mean`.
+    pub slowest_rank: usize,
 }
 
 /// Where a trainable parameter's value lives under the memory plan: the ZeRO stage as a
@@ -464,6 +481,8 @@ pub struct Trainer<M = Llama> {
     /// Schedules by micro-batch count, made when first needed.
     schedules: HashMap<usize, PipelineSchedule>,
     /// Optimizer steps taken (the next step's index).
+    /// Every rank (the straggler report).
+    world: Comm,
     /// This rank in the world (for anomaly reports).
     world_rank: usize,
     pub step: u64,
@@ -485,6 +504,21 @@ fn poison_for_tests(
         *g = (g.ones_like()? * f64::NAN)?;
     }
     Ok(acc)
+}
+
+/// Test hook (never set in normal use): with `CPL_TEST_SLOW_RANK=<rank>:<ms>`, world rank
+/// `<rank>` sleeps `<ms>` milliseconds at the start of every step, so a test can watch the
+/// straggler report name it (`bin/tests/train_cli.rs`).
+fn slow_down_for_tests(rank: usize) {
+    let Ok(v) = std::env::var("CPL_TEST_SLOW_RANK") else {
+        return;
+    };
+    let parsed = v
+        .split_once(':')
+        .and_then(|(r, ms)| Some((r.parse::<usize>().ok()?, ms.parse::<u64>().ok()?)));
+    if let Some((_, ms)) = parsed.filter(|p| p.0 == rank) {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
 }
 
 /// With anomaly detection on ([`candle_parallel::nn::anomaly`]), the first non-finite gradient
@@ -671,6 +705,7 @@ impl<M: TrainModel> Trainer<M> {
             pp: mesh.comm(Dim::Pp),
             schedules: HashMap::new(),
             world_rank: mesh.rank(),
+            world: mesh.world(),
             cfg,
             step: 0,
         })
@@ -861,6 +896,32 @@ impl<M: TrainModel> Trainer<M> {
             tokens: global_count,
             pp_bubble,
             attention_scores: scores as u64,
+            ranks: None,
+        })
+    }
+
+    /// Every rank's compute and communication time since `started` (see [`RankTimes`]).
+    /// Collective over the world.
+    fn rank_times(&self, started: std::time::Instant) -> Result<RankTimes> {
+        let comm = candle_parallel::comm::take_comm_seconds();
+        let compute = (started.elapsed().as_secs_f64() - comm).max(0.0);
+        let all = self
+            .world
+            .all_gather(&Tensor::new(&[compute, comm], &Device::Cpu)?, 0)?
+            .to_vec1::<f64>()?;
+        let n = (all.len() / 2).max(1) as f64;
+        let (computes, comms): (Vec<f64>, Vec<f64>) = all.chunks(2).map(|c| (c[0], c[1])).unzip();
+        let slowest_rank =
+            computes
+                .iter()
+                .enumerate()
+                .fold(0, |best, (i, &c)| if c > computes[best] { i } else { best });
+        Ok(RankTimes {
+            compute_max: computes.iter().copied().fold(0.0, f64::max),
+            compute_mean: computes.iter().sum::<f64>() / n,
+            comm_max: comms.iter().copied().fold(0.0, f64::max),
+            comm_mean: comms.iter().sum::<f64>() / n,
+            slowest_rank,
         })
     }
 
@@ -892,8 +953,12 @@ impl<M: TrainModel> Trainer<M> {
     /// world.
     pub fn run_step<O: Objective<M>>(&mut self, obj: &O, data: &O::Data) -> Result<StepReport> {
         let step = self.step;
-        // The step's attention work is counted from here (evaluations in between excluded).
+        // The step's attention work and communication time are counted from here (evaluations
+        // in between excluded).
         candle_parallel::attention::take_attention_scores();
+        candle_parallel::comm::take_comm_seconds();
+        let started = std::time::Instant::now();
+        slow_down_for_tests(self.world.rank());
         let count = obj.global_count(&self.step_ctx(), data, step)?;
         if count == 0 {
             return Err(Error::Invalid(format!(
@@ -946,7 +1011,8 @@ impl<M: TrainModel> Trainer<M> {
                 .map(|v| v / count as f64)
                 .collect();
         }
-        let stats = self.apply_step(acc, keep(loss_sum), count, bubble)?;
+        let mut stats = self.apply_step(acc, keep(loss_sum), count, bubble)?;
+        stats.ranks = Some(self.rank_times(started)?);
         Ok(StepReport { stats, parts })
     }
 

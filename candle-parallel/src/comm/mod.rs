@@ -38,7 +38,7 @@ use std::sync::Arc;
 use candle_core::{DType, Shape, Tensor};
 
 pub use local::{solo, LocalWorld, DEFAULT_TIMEOUT};
-pub use traffic::{OpKind, OpStats, Traffic, TrafficSnapshot};
+pub use traffic::{take_comm_seconds, CommTimer, OpKind, OpStats, Traffic, TrafficSnapshot};
 
 use crate::error::{Error, Result};
 
@@ -204,6 +204,7 @@ impl Pending {
 
     /// Blocks until every receive of the exchange has arrived; returns them in order.
     pub fn wait(self) -> Result<Vec<Tensor>> {
+        let _comm = traffic::CommTimer::start();
         self.0.wait()
     }
 }

@@ -771,6 +771,7 @@ impl Communicator for MpiComm {
     }
 
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let _comm = super::traffic::CommTimer::start();
         let kind = OpKind::AllReduce;
         let name = kind.name();
         let meta = Some((x.shape(), x.dtype()));
@@ -848,6 +849,7 @@ impl Communicator for MpiComm {
     }
 
     fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
+        let _comm = super::traffic::CommTimer::start();
         let kind = OpKind::AllGather;
         let name = kind.name();
         let meta = Some((x.shape(), x.dtype()));
@@ -889,6 +891,7 @@ impl Communicator for MpiComm {
     }
 
     fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
+        let _comm = super::traffic::CommTimer::start();
         let kind = OpKind::ReduceScatter;
         let name = kind.name();
         let meta = Some((x.shape(), x.dtype()));
@@ -914,6 +917,7 @@ impl Communicator for MpiComm {
     }
 
     fn all_to_all(&self, x: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
+        let _comm = super::traffic::CommTimer::start();
         let kind = OpKind::AllToAll;
         let name = kind.name();
         let meta = Some((x.shape(), x.dtype()));
@@ -938,6 +942,7 @@ impl Communicator for MpiComm {
     }
 
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
+        let _comm = super::traffic::CommTimer::start();
         let kind = OpKind::Broadcast;
         let name = kind.name();
         let meta = Some((x.shape(), x.dtype()));
@@ -975,6 +980,7 @@ impl Communicator for MpiComm {
     }
 
     fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
+        let _comm = super::traffic::CommTimer::start();
         let kind = OpKind::Send;
         check_rank(kind.name(), "destination", dst, self.inner.size)?;
         self.post_send(kind.name(), x, dst)?;
@@ -983,6 +989,7 @@ impl Communicator for MpiComm {
     }
 
     fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor> {
+        let _comm = super::traffic::CommTimer::start();
         let kind = OpKind::Recv;
         check_rank(kind.name(), "source", src, self.inner.size)?;
         let t = self.inner.recv_one(src, shape, dtype, kind.name())?;
@@ -991,6 +998,7 @@ impl Communicator for MpiComm {
     }
 
     fn exchange(&self, sends: Vec<(usize, Tensor)>, recvs: Vec<RecvSpec>) -> Result<Pending> {
+        let _comm = super::traffic::CommTimer::start();
         check_exchange(&sends, &recvs, self.inner.size)?;
         for (dst, t) in &sends {
             self.post_send(OpKind::Exchange.name(), t, *dst)?;
@@ -1004,6 +1012,7 @@ impl Communicator for MpiComm {
     }
 
     fn barrier(&self) -> Result<()> {
+        let _comm = super::traffic::CommTimer::start();
         let kind = OpKind::Barrier;
         // The metadata all-gather completes on no rank before every rank has joined it.
         self.collective(kind, [0, 0], true, None, |_| Ok(()))?;

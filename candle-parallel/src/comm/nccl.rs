@@ -338,6 +338,7 @@ impl Communicator for NcclComm {
     }
 
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let _comm = super::traffic::CommTimer::start();
         let kind = OpKind::AllReduce;
         let home = x.device().clone();
         let x = self.on_device(kind.name(), x)?;
@@ -349,6 +350,7 @@ impl Communicator for NcclComm {
     }
 
     fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
+        let _comm = super::traffic::CommTimer::start();
         let kind = OpKind::AllGather;
         let home = x.device().clone();
         let x = self.on_device(kind.name(), x)?;
@@ -359,6 +361,7 @@ impl Communicator for NcclComm {
     }
 
     fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
+        let _comm = super::traffic::CommTimer::start();
         let kind = OpKind::ReduceScatter;
         let home = x.device().clone();
         let x = self.on_device(kind.name(), x)?;
@@ -369,6 +372,7 @@ impl Communicator for NcclComm {
     }
 
     fn all_to_all(&self, x: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
+        let _comm = super::traffic::CommTimer::start();
         let kind = OpKind::AllToAll;
         let home = x.device().clone();
         let x = self.on_device(kind.name(), x)?;
@@ -379,6 +383,7 @@ impl Communicator for NcclComm {
     }
 
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
+        let _comm = super::traffic::CommTimer::start();
         let kind = OpKind::Broadcast;
         let home = x.device().clone();
         let x = self.on_device(kind.name(), x)?;
@@ -393,6 +398,7 @@ impl Communicator for NcclComm {
     }
 
     fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
+        let _comm = super::traffic::CommTimer::start();
         check_rank(OpKind::Send.name(), "destination", dst, self.size)?;
         if dst == self.rank {
             return Err(Error::invalid("send", "a send to this rank itself"));
@@ -403,6 +409,7 @@ impl Communicator for NcclComm {
     }
 
     fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor> {
+        let _comm = super::traffic::CommTimer::start();
         check_rank(OpKind::Recv.name(), "source", src, self.size)?;
         if src == self.rank {
             return Err(Error::invalid("recv", "a receive from this rank itself"));
@@ -416,6 +423,7 @@ impl Communicator for NcclComm {
     }
 
     fn exchange(&self, sends: Vec<(usize, Tensor)>, recvs: Vec<RecvSpec>) -> Result<Pending> {
+        let _comm = super::traffic::CommTimer::start();
         check_exchange(&sends, &recvs, self.size)?;
         // NCCL's group runs asynchronously on the stream: the received tensors are ready for
         // every later kernel on it, so the handle is complete at once.
@@ -425,6 +433,7 @@ impl Communicator for NcclComm {
     }
 
     fn barrier(&self) -> Result<()> {
+        let _comm = super::traffic::CommTimer::start();
         let one = Tensor::ones(1, DType::F32, &self.device())?;
         let _ = self.all_reduce(&one, ReduceOp::Sum)?;
         BackendDevice::synchronize(&self.dev)?;

@@ -13,8 +13,10 @@
 //! - `send`/`recv`/`exchange`: the bytes of the tensors sent and received.
 //! - `barrier`, `split`: calls only.
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 /// The kind of communication operation, the key of the accounting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -125,4 +127,43 @@ impl Traffic {
     pub fn reset(&self) {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
+}
+
+thread_local! {
+    /// Seconds this thread (a rank) spent inside communication calls since the last take.
+    static COMM_SECONDS: Cell<f64> = const { Cell::new(0.0) };
+    /// How deep this thread is in communication calls (an op built from others counts once).
+    static DEPTH: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Times a communication call: the wall time from [`CommTimer::start`] to its drop is added to
+/// this thread's communication time, unless it runs inside another timed call. Every backend's
+/// operations and [`super::Pending::wait`] start one, so the time a rank spends in (or blocked
+/// on) communication is known whatever the backend: the straggler report's `comm` time.
+pub struct CommTimer(Instant);
+
+impl CommTimer {
+    pub fn start() -> Self {
+        DEPTH.with(|d| d.set(d.get() + 1));
+        Self(Instant::now())
+    }
+}
+
+impl Drop for CommTimer {
+    fn drop(&mut self) {
+        let depth = DEPTH.with(|d| {
+            let v = d.get().saturating_sub(1);
+            d.set(v);
+            v
+        });
+        if depth == 0 {
+            let dt = self.0.elapsed().as_secs_f64();
+            COMM_SECONDS.with(|c| c.set(c.get() + dt));
+        }
+    }
+}
+
+/// This thread's communication time since the last call, and resets it.
+pub fn take_comm_seconds() -> f64 {
+    COMM_SECONDS.with(|c| c.replace(0.0))
 }

@@ -260,6 +260,17 @@ pub fn run<T: Task>(
                     if mfu.is_finite() {
                         o.insert("mfu".into(), serde_json::json!(mfu));
                     }
+                    if let Some(r) = s.ranks {
+                        let ratio = r.compute_max / r.compute_mean.max(1e-12);
+                        o.extend(serde_json::Map::from_iter([
+                            ("compute_max_s".into(), serde_json::json!(r.compute_max)),
+                            ("compute_mean_s".into(), serde_json::json!(r.compute_mean)),
+                            ("comm_max_s".into(), serde_json::json!(r.comm_max)),
+                            ("comm_mean_s".into(), serde_json::json!(r.comm_mean)),
+                            ("slowest_rank".into(), serde_json::json!(r.slowest_rank)),
+                            ("compute_max_over_mean".into(), serde_json::json!(ratio)),
+                        ]));
+                    }
                 }
                 f.write(&line)?;
                 if let Some(b) = board.as_mut() {
