@@ -107,6 +107,15 @@ pub struct TrainArgs {
     /// says which).
     #[arg(long, value_name = "TFLOPS")]
     pub peak_tflops: Option<f64>,
+    /// Write a Chrome/Perfetto trace of the run (one track per rank: steps, layers' forward,
+    /// backward, each communication call with its bytes, optimizer, data, eval, checkpoints) to
+    /// FILE; under mpirun each process writes FILE with `.rank<r>` before its extension. Read
+    /// it in chrome://tracing or ui.perfetto.dev, or with `cpl trace summarize`.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// With --trace: record steps a to b-1 only (`a..b`).
+    #[arg(long, value_name = "A..B", requires = "trace")]
+    pub trace_steps: Option<String>,
     /// Write TensorBoard event files (loss, lr, gradient norm, tokens/s, MFU, peak memory, eval
     /// loss and every other number of metrics.jsonl; the command line as text) to DIR, or to
     /// OUT/tb without a value.
@@ -299,6 +308,46 @@ pub fn interrupt_flag() -> Result<std::sync::Arc<std::sync::atomic::AtomicBool>>
 }
 
 impl TrainArgs {
+    /// Starts the trace of `--trace` (kept open by the returned guard until the run ends).
+    pub fn start_trace(&self) -> Result<Option<train::driver::trace::TraceGuard>> {
+        let Some(path) = &self.trace else {
+            return Ok(None);
+        };
+        let steps = match &self.trace_steps {
+            None => None,
+            Some(r) => {
+                let parsed = r.split_once("..").and_then(|(a, b)| {
+                    Some((a.trim().parse::<u64>().ok()?, b.trim().parse::<u64>().ok()?))
+                });
+                match parsed {
+                    Some((a, b)) if a < b => Some(a..b),
+                    _ => bail!("--trace-steps {r}: expected A..B with A < B, e.g. 2..4"),
+                }
+            }
+        };
+        // One file per process under MPI (the rank from the launcher's environment).
+        let rank = ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"]
+            .iter()
+            .find_map(|k| std::env::var(k).ok());
+        let path = match (rank, self.layout.backend == Backend::Mpi) {
+            (Some(r), true) => {
+                let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned());
+                let ext = path
+                    .extension()
+                    .map(|e| format!(".{}", e.to_string_lossy()));
+                path.with_file_name(format!(
+                    "{}.rank{r}{}",
+                    stem.unwrap_or_default(),
+                    ext.unwrap_or_default()
+                ))
+            }
+            _ => path.clone(),
+        };
+        let guard = train::driver::trace::start(&path, steps)
+            .map_err(|e| anyhow::anyhow!("--trace {}: {e}", path.display()))?;
+        Ok(Some(guard))
+    }
+
     /// The peak that MFU is measured against in GFLOP/s, and what it is: `--peak-tflops`, or
     /// this machine's matmul rate in the run's dtype on the run's device, measured now.
     pub fn mfu_peak(&self) -> Result<(f64, String)> {

@@ -113,6 +113,7 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         args.layout.ranks
     );
     let opts = args.run_options(cfg.steps, extra, flops_per_token, banner)?;
+    let _trace = args.start_trace()?;
     let history0 = Resume::history(resume.as_ref());
     let history = launch_pipelined(&args.layout, |rank| {
         let (mine, ends) = stage_layers(rank, &ranges);

@@ -651,6 +651,7 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         sp.strategy.name()
     );
     let opts = t.run_options(cfg.steps, extra, flops_per_token, banner)?;
+    let _trace = t.start_trace()?;
     let history0 = Resume::history(resume.as_ref());
     let result = launch_pipelined(&t.layout, |rank: &Rank| {
         let adapters = match &lora {

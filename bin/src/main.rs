@@ -21,6 +21,7 @@ mod layout;
 mod llava_cmd;
 mod model_arg;
 mod plan_auto;
+mod trace_cmd;
 mod train_cmd;
 
 use anyhow::{bail, Context, Result};
@@ -73,6 +74,10 @@ enum Command {
     /// --auto`.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Read `--trace` files: `cpl trace summarize FILE...` prints per-rank totals and the
+    /// slowest rank.
+    #[command(subcommand)]
+    Trace(trace_cmd::TraceCommand),
 }
 
 /// A closed pipe (`cpl inspect ... | head`) ends the program quietly, as for other command-line
@@ -174,6 +179,7 @@ fn main() {
         Some(Command::Generate(args)) => generate::run(&args),
         Some(Command::Inspect(args)) => inspect::run(&args),
         Some(Command::Bench(cmd)) => bench::run(&cmd),
+        Some(Command::Trace(cmd)) => trace_cmd::run(&cmd),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -133,6 +133,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         sp.strategy.name()
     );
     let opts = args.run_options(cfg.steps, extra, flops_per_token, banner)?;
+    let _trace = args.start_trace()?;
     let final_history = launch_pipelined(&args.layout, |rank| {
         // The loaded parameter list is dropped here, so that under ZeRO-3 the whole tensors
         // are freed once the trainer has sharded them.

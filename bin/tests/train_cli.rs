@@ -4,6 +4,7 @@
 //! or `cpl data prepare` input give the plain run's losses, and bad flags or data (also for
 //! `cpl data prepare`) fail with a clear error (exit 1, no panic).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -1777,5 +1778,98 @@ fn metrics_name_a_planted_slow_rank() {
         assert!(f("comm_max_s") >= 0.05, "{l}");
         assert!(f("comm_mean_s") <= f("comm_max_s") && f("compute_mean_s") <= f("compute_max_s"));
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--trace FILE --trace-steps 1..3`: a Chrome trace (a JSON array) with one track per rank,
+/// spans that nest (every begin ends, in order, on its track), steps 1 and 2 only, a `forward`
+/// span for every decoder layer, and in each step the `comm` spans' bytes adding up to the
+/// communicator's traffic counters for that step (`comm_bytes_sent` in metrics.jsonl, rank 0);
+/// `cpl trace summarize` reads it back.
+#[test]
+fn trace_has_a_track_per_rank_and_the_steps_traffic() {
+    let dir = tmpdir("trace");
+    let tokens = docs_file(&dir);
+    let out = dir.join("run");
+    let trace = dir.join("trace.json");
+    let t = trace.to_str().unwrap();
+    let args = set_flags(
+        base_args(&tokens, &out, 4),
+        &["--trace", t, "--trace-steps", "1..3"],
+    );
+    let o = cpl(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let events: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let num = |v: &serde_json::Value| v.as_u64().or_else(|| v.as_str()?.parse().ok());
+    // Per track: the open spans, the step being traced and its comm bytes.
+    let mut open: HashMap<u64, Vec<String>> = HashMap::new();
+    let mut rank_of: HashMap<u64, u64> = HashMap::new();
+    let mut step_bytes: HashMap<(u64, u64), u64> = HashMap::new();
+    let mut current: HashMap<u64, u64> = HashMap::new();
+    let mut units = std::collections::BTreeSet::new();
+    for e in events.iter().filter(|e| e["ph"] == "B" || e["ph"] == "E") {
+        let tid = e["tid"].as_u64().unwrap();
+        let name = e["name"].as_str().unwrap().to_string();
+        if e["ph"] == "B" {
+            if name == "step" {
+                rank_of.insert(tid, num(&e["args"]["rank"]).unwrap());
+                current.insert(tid, num(&e["args"]["step"]).unwrap());
+            }
+            if name == "forward" {
+                units.insert(e["args"]["unit"].as_str().unwrap().to_string());
+            }
+            open.entry(tid).or_default().push(name);
+        } else {
+            assert_eq!(
+                open.get_mut(&tid).and_then(Vec::pop),
+                Some(name.clone()),
+                "nesting"
+            );
+            if name == "comm" && open[&tid].contains(&"step".to_string()) {
+                *step_bytes.entry((tid, current[&tid])).or_default() +=
+                    num(&e["args"]["bytes_sent"]).unwrap_or(0);
+            }
+        }
+    }
+    assert!(open.values().all(Vec::is_empty), "every span ends");
+    let mut ranks: Vec<u64> = rank_of.values().copied().collect();
+    ranks.sort();
+    assert_eq!(ranks, [0, 1], "a track per rank");
+    assert!(
+        step_bytes.keys().all(|k| k.1 == 1 || k.1 == 2),
+        "steps 1..3 only"
+    );
+    assert_eq!(
+        units,
+        ["model.layers.0", "model.layers.1"]
+            .map(String::from)
+            .into()
+    );
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let tid0 = *rank_of.iter().find(|(_, r)| **r == 0).unwrap().0;
+    for line in metrics.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let step = v["step"].as_u64().unwrap();
+        if step == 1 || step == 2 {
+            let want = v["comm_bytes_sent"].as_u64().unwrap();
+            assert!(want > 0);
+            assert_eq!(
+                step_bytes[&(tid0, step)],
+                want,
+                "step {step}: trace vs traffic"
+            );
+        }
+    }
+    let o = cpl(&["trace", "summarize", t]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = common::stdout(&o);
+    assert!(text.contains("slowest rank"), "{text}");
+    let rows: Vec<String> = text
+        .lines()
+        .filter(|l| l.split_whitespace().count() == 9)
+        .filter_map(|l| l.split_whitespace().next().map(String::from))
+        .collect();
+    assert_eq!(rows, ["0", "1"], "a row per rank: {text}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

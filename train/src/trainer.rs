@@ -278,6 +278,10 @@ pub struct StepStats {
     /// Where the ranks' time went in this step (the straggler report).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ranks: Option<RankTimes>,
+    /// Payload bytes this rank sent in the step's communication calls (the communicator's
+    /// traffic counters; the step's `comm` spans of `--trace` add up to it).
+    #[serde(default)]
+    pub comm_bytes_sent: u64,
 }
 
 /// The step's time on every rank of the world, split into compute (everything but
@@ -897,6 +901,7 @@ impl<M: TrainModel> Trainer<M> {
             pp_bubble,
             attention_scores: scores as u64,
             ranks: None,
+            comm_bytes_sent: 0,
         })
     }
 
@@ -958,6 +963,8 @@ impl<M: TrainModel> Trainer<M> {
         candle_parallel::attention::take_attention_scores();
         candle_parallel::comm::take_comm_seconds();
         let started = std::time::Instant::now();
+        let _span = tracing::info_span!("step", step, rank = self.world_rank).entered();
+        let sent_before = self.world.traffic().snapshot().bytes_sent();
         slow_down_for_tests(self.world.rank());
         let count = obj.global_count(&self.step_ctx(), data, step)?;
         if count == 0 {
@@ -965,7 +972,8 @@ impl<M: TrainModel> Trainer<M> {
                 "step {step}: nothing to train on in the batch"
             )));
         }
-        let micro = obj.micro_batches(&self.step_ctx(), &self.model, data, step)?;
+        let micro = tracing::info_span!("data")
+            .in_scope(|| obj.micro_batches(&self.step_ctx(), &self.model, data, step))?;
         let num_parts = obj.part_names().len();
         candle_parallel::nn::anomaly::set_step(step);
         let rank = self.world_rank;
@@ -980,7 +988,8 @@ impl<M: TrainModel> Trainer<M> {
                 dtype: self.activation_dtype(),
             };
             let staged = obj.staged(&self.model)?;
-            let mut out = run_stage_step(&staged, &step, &micro, vars, num_parts)
+            let mut out = tracing::info_span!("pipeline")
+                .in_scope(|| run_stage_step(&staged, &step, &micro, vars, num_parts))
                 .map_err(|e| at(e.into(), None))?;
             let acc = self.collect_with(|p| out.grads.remove(&p.name))?;
             let bubble = self.pipeline_bubble(out.times)?;
@@ -989,9 +998,11 @@ impl<M: TrainModel> Trainer<M> {
             let mut acc: Vec<(String, Tensor)> = Vec::new();
             let (mut loss_sum, mut parts) = (0f64, vec![0f64; num_parts]);
             for (i, m) in micro.iter().enumerate() {
+                let _span = tracing::info_span!("micro_batch", i).entered();
                 let StageLoss { sum, parts: p } =
                     obj.loss(&self.model, m).map_err(|e| at(e, Some(i)))?;
-                let (s, grads) = self.backward_collect(&sum, count)?;
+                let (s, grads) = tracing::info_span!("backward")
+                    .in_scope(|| self.backward_collect(&sum, count))?;
                 check_gradients(&grads).map_err(|e| at(e, Some(i)))?;
                 loss_sum += s;
                 for (a, x) in parts.iter_mut().zip(p) {
@@ -1011,8 +1022,10 @@ impl<M: TrainModel> Trainer<M> {
                 .map(|v| v / count as f64)
                 .collect();
         }
-        let mut stats = self.apply_step(acc, keep(loss_sum), count, bubble)?;
+        let mut stats = tracing::info_span!("optimizer")
+            .in_scope(|| self.apply_step(acc, keep(loss_sum), count, bubble))?;
         stats.ranks = Some(self.rank_times(started)?);
+        stats.comm_bytes_sent = self.world.traffic().snapshot().bytes_sent() - sent_before;
         Ok(StepReport { stats, parts })
     }
 

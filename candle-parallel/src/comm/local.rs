@@ -611,7 +611,7 @@ impl Communicator for LocalComm {
     }
 
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("all_reduce");
         let kind = OpKind::AllReduce;
         let seq = self.next_seq();
         let p = self.size_();
@@ -677,7 +677,7 @@ impl Communicator for LocalComm {
     }
 
     fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("all_gather");
         let kind = OpKind::AllGather;
         check_dim(kind.name(), x, dim)?;
         let seq = self.next_seq();
@@ -720,7 +720,7 @@ impl Communicator for LocalComm {
     }
 
     fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("reduce_scatter");
         let kind = OpKind::ReduceScatter;
         check_dim(kind.name(), x, dim)?;
         let c = check_divisible(kind.name(), x, dim, self.size_())?;
@@ -736,7 +736,7 @@ impl Communicator for LocalComm {
     }
 
     fn all_to_all(&self, x: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("all_to_all");
         let kind = OpKind::AllToAll;
         check_dim(kind.name(), x, split_dim)?;
         check_dim(kind.name(), x, concat_dim)?;
@@ -766,7 +766,7 @@ impl Communicator for LocalComm {
     }
 
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("broadcast");
         let kind = OpKind::Broadcast;
         check_rank(kind.name(), "root", root, self.size_())?;
         let seq = self.next_seq();
@@ -786,7 +786,7 @@ impl Communicator for LocalComm {
     }
 
     fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("send");
         let kind = OpKind::Send;
         check_rank(kind.name(), "destination", dst, self.size_())?;
         self.ep.post(
@@ -805,7 +805,7 @@ impl Communicator for LocalComm {
     }
 
     fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("recv");
         let kind = OpKind::Recv;
         check_rank(kind.name(), "source", src, self.size_())?;
         let t = recv_p2p(&self.ep, src, shape, dtype, kind.name())?;
@@ -814,7 +814,7 @@ impl Communicator for LocalComm {
     }
 
     fn exchange(&self, sends: Vec<(usize, Tensor)>, recvs: Vec<RecvSpec>) -> Result<Pending> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("exchange");
         check_exchange(&sends, &recvs, self.size_())?;
         self.traffic.record_exchange(&sends, &recvs, self.ep.rank);
         for (dst, t) in sends {
@@ -837,7 +837,7 @@ impl Communicator for LocalComm {
     }
 
     fn barrier(&self) -> Result<()> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("barrier");
         let kind = OpKind::Barrier;
         let seq = self.next_seq();
         self.post_all(seq, kind, &[], |_| None)?;

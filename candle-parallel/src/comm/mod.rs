@@ -204,7 +204,7 @@ impl Pending {
 
     /// Blocks until every receive of the exchange has arrived; returns them in order.
     pub fn wait(self) -> Result<Vec<Tensor>> {
-        let _comm = traffic::CommTimer::start();
+        let _comm = traffic::CommTimer::start("wait");
         self.0.wait()
     }
 }

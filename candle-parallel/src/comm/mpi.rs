@@ -771,7 +771,7 @@ impl Communicator for MpiComm {
     }
 
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("all_reduce");
         let kind = OpKind::AllReduce;
         let name = kind.name();
         let meta = Some((x.shape(), x.dtype()));
@@ -849,7 +849,7 @@ impl Communicator for MpiComm {
     }
 
     fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("all_gather");
         let kind = OpKind::AllGather;
         let name = kind.name();
         let meta = Some((x.shape(), x.dtype()));
@@ -891,7 +891,7 @@ impl Communicator for MpiComm {
     }
 
     fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("reduce_scatter");
         let kind = OpKind::ReduceScatter;
         let name = kind.name();
         let meta = Some((x.shape(), x.dtype()));
@@ -917,7 +917,7 @@ impl Communicator for MpiComm {
     }
 
     fn all_to_all(&self, x: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("all_to_all");
         let kind = OpKind::AllToAll;
         let name = kind.name();
         let meta = Some((x.shape(), x.dtype()));
@@ -942,7 +942,7 @@ impl Communicator for MpiComm {
     }
 
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("broadcast");
         let kind = OpKind::Broadcast;
         let name = kind.name();
         let meta = Some((x.shape(), x.dtype()));
@@ -980,7 +980,7 @@ impl Communicator for MpiComm {
     }
 
     fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("send");
         let kind = OpKind::Send;
         check_rank(kind.name(), "destination", dst, self.inner.size)?;
         self.post_send(kind.name(), x, dst)?;
@@ -989,7 +989,7 @@ impl Communicator for MpiComm {
     }
 
     fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("recv");
         let kind = OpKind::Recv;
         check_rank(kind.name(), "source", src, self.inner.size)?;
         let t = self.inner.recv_one(src, shape, dtype, kind.name())?;
@@ -998,7 +998,7 @@ impl Communicator for MpiComm {
     }
 
     fn exchange(&self, sends: Vec<(usize, Tensor)>, recvs: Vec<RecvSpec>) -> Result<Pending> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("exchange");
         check_exchange(&sends, &recvs, self.inner.size)?;
         for (dst, t) in &sends {
             self.post_send(OpKind::Exchange.name(), t, *dst)?;
@@ -1012,7 +1012,7 @@ impl Communicator for MpiComm {
     }
 
     fn barrier(&self) -> Result<()> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("barrier");
         let kind = OpKind::Barrier;
         // The metadata all-gather completes on no rank before every rank has joined it.
         self.collective(kind, [0, 0], true, None, |_| Ok(()))?;

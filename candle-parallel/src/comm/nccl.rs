@@ -338,7 +338,7 @@ impl Communicator for NcclComm {
     }
 
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("all_reduce");
         let kind = OpKind::AllReduce;
         let home = x.device().clone();
         let x = self.on_device(kind.name(), x)?;
@@ -350,7 +350,7 @@ impl Communicator for NcclComm {
     }
 
     fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("all_gather");
         let kind = OpKind::AllGather;
         let home = x.device().clone();
         let x = self.on_device(kind.name(), x)?;
@@ -361,7 +361,7 @@ impl Communicator for NcclComm {
     }
 
     fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("reduce_scatter");
         let kind = OpKind::ReduceScatter;
         let home = x.device().clone();
         let x = self.on_device(kind.name(), x)?;
@@ -372,7 +372,7 @@ impl Communicator for NcclComm {
     }
 
     fn all_to_all(&self, x: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("all_to_all");
         let kind = OpKind::AllToAll;
         let home = x.device().clone();
         let x = self.on_device(kind.name(), x)?;
@@ -383,7 +383,7 @@ impl Communicator for NcclComm {
     }
 
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("broadcast");
         let kind = OpKind::Broadcast;
         let home = x.device().clone();
         let x = self.on_device(kind.name(), x)?;
@@ -398,7 +398,7 @@ impl Communicator for NcclComm {
     }
 
     fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("send");
         check_rank(OpKind::Send.name(), "destination", dst, self.size)?;
         if dst == self.rank {
             return Err(Error::invalid("send", "a send to this rank itself"));
@@ -409,7 +409,7 @@ impl Communicator for NcclComm {
     }
 
     fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("recv");
         check_rank(OpKind::Recv.name(), "source", src, self.size)?;
         if src == self.rank {
             return Err(Error::invalid("recv", "a receive from this rank itself"));
@@ -423,7 +423,7 @@ impl Communicator for NcclComm {
     }
 
     fn exchange(&self, sends: Vec<(usize, Tensor)>, recvs: Vec<RecvSpec>) -> Result<Pending> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("exchange");
         check_exchange(&sends, &recvs, self.size)?;
         // NCCL's group runs asynchronously on the stream: the received tensors are ready for
         // every later kernel on it, so the handle is complete at once.
@@ -433,7 +433,7 @@ impl Communicator for NcclComm {
     }
 
     fn barrier(&self) -> Result<()> {
-        let _comm = super::traffic::CommTimer::start();
+        let _comm = super::traffic::CommTimer::start("barrier");
         let one = Tensor::ones(1, DType::F32, &self.device())?;
         let _ = self.all_reduce(&one, ReduceOp::Sum)?;
         BackendDevice::synchronize(&self.dev)?;

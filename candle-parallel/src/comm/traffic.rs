@@ -109,8 +109,10 @@ impl Traffic {
         Self::default()
     }
 
-    /// Records one call of `kind` moving the given payload bytes.
+    /// Records one call of `kind` moving the given payload bytes (also on the open `comm` span
+    /// of a trace, adding to what it holds).
     pub fn record(&self, kind: OpKind, bytes_sent: u64, bytes_recv: u64) {
+        record_on_span(bytes_sent, bytes_recv);
         let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let s = map.entry(kind).or_default();
         s.calls += 1;
@@ -139,13 +141,34 @@ thread_local! {
 /// Times a communication call: the wall time from [`CommTimer::start`] to its drop is added to
 /// this thread's communication time, unless it runs inside another timed call. Every backend's
 /// operations and [`super::Pending::wait`] start one, so the time a rank spends in (or blocked
-/// on) communication is known whatever the backend: the straggler report's `comm` time.
-pub struct CommTimer(Instant);
+/// on) communication is known whatever the backend: the straggler report's `comm` time. The
+/// outermost call is also a `comm` tracing span (field `op`; `bytes_sent` and `bytes_recv` as
+/// [`Traffic::record`] counts them), which `--trace` writes to the rank's timeline.
+pub struct CommTimer {
+    start: Instant,
+    _span: Option<tracing::span::EnteredSpan>,
+}
 
 impl CommTimer {
-    pub fn start() -> Self {
-        DEPTH.with(|d| d.set(d.get() + 1));
-        Self(Instant::now())
+    /// Starts timing operation `op` (its name, e.g. `all_reduce`).
+    pub fn start(op: &'static str) -> Self {
+        let depth = DEPTH.with(|d| {
+            d.set(d.get() + 1);
+            d.get()
+        });
+        let span = (depth == 1).then(|| {
+            tracing::info_span!(
+                "comm",
+                op = %op,
+                bytes_sent = tracing::field::Empty,
+                bytes_recv = tracing::field::Empty
+            )
+            .entered()
+        });
+        Self {
+            start: Instant::now(),
+            _span: span,
+        }
     }
 }
 
@@ -157,8 +180,9 @@ impl Drop for CommTimer {
             v
         });
         if depth == 0 {
-            let dt = self.0.elapsed().as_secs_f64();
+            let dt = self.start.elapsed().as_secs_f64();
             COMM_SECONDS.with(|c| c.set(c.get() + dt));
+            SPAN_BYTES.with(|b| b.set((0, 0)));
         }
     }
 }
@@ -166,4 +190,25 @@ impl Drop for CommTimer {
 /// This thread's communication time since the last call, and resets it.
 pub fn take_comm_seconds() -> f64 {
     COMM_SECONDS.with(|c| c.replace(0.0))
+}
+
+thread_local! {
+    /// Bytes recorded so far under this thread's open `comm` span.
+    static SPAN_BYTES: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+}
+
+/// Adds the bytes of one recorded call to the current `comm` span (several records of one
+/// outermost call add up: an all-reduce made of a reduce-scatter and an all-gather).
+fn record_on_span(sent: u64, recv: u64) {
+    let span = tracing::Span::current();
+    if span.is_disabled() {
+        return;
+    }
+    let (s, r) = SPAN_BYTES.with(|b| {
+        let (s, r) = b.get();
+        b.set((s + sent, r + recv));
+        (s + sent, r + recv)
+    });
+    span.record("bytes_sent", s);
+    span.record("bytes_recv", r);
 }

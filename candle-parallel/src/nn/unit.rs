@@ -224,10 +224,15 @@ impl<T: Clone + Send + Sync + 'static> Unit<T> {
 }
 
 impl<T: Block> Unit<T> {
-    /// Runs the block on `x` under the unit's checkpointing mode; with anomaly detection on,
-    /// checks its output ([`super::anomaly`]). Collective as the block is.
+    /// Runs the block on `x` under the unit's checkpointing mode (a `forward` tracing span
+    /// named by the unit); with anomaly detection on, checks its output
+    /// ([`super::anomaly`]). Collective as the block is.
     pub fn forward(&self, x: &Tensor, pass: &Pass) -> Result<Tensor> {
+        let _span = tracing::info_span!("forward", unit = %self.path.join(".")).entered();
         let y = self.forward_unchecked(x, pass)?;
+        if !super::anomaly::detect_anomaly() {
+            return Ok(y);
+        }
         super::anomaly::forward_output(y, &self.name())
     }
 

@@ -15,6 +15,7 @@ pub mod plot;
 pub mod progress;
 pub mod tasks;
 pub mod tensorboard;
+pub mod trace;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -210,6 +211,7 @@ pub fn run<T: Task>(
     let mut skipped = 0;
     while task.trainer().step < opts.steps {
         let t0 = Instant::now();
+        trace::at_step(task.trainer().step);
         let outcome = match task.step() {
             Ok(out) => Some(out),
             Err(Error::NonFinite { step, what }) if skipped < opts.skip_nonfinite_steps => {
@@ -248,6 +250,7 @@ pub fn run<T: Task>(
                     "step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
                     "seconds": dt, "peak_rss_mib": peak_rss_mib(),
                     "attention_scores": s.attention_scores,
+                    "comm_bytes_sent": s.comm_bytes_sent,
                 });
                 if let Some(o) = line.as_object_mut() {
                     for (k, v) in &out.rates {
@@ -293,7 +296,7 @@ pub fn run<T: Task>(
         }
         let eval_due = opts.eval_every > 0 && step.is_multiple_of(opts.eval_every);
         if eval_due || step == opts.steps {
-            if let Some((loss, tokens)) = task.eval()? {
+            if let Some((loss, tokens)) = tracing::info_span!("eval").in_scope(|| task.eval())? {
                 let point = EvalPoint { step, loss, tokens };
                 history.evals.push(point);
                 if let Some(f) = evals.as_mut() {
@@ -313,14 +316,16 @@ pub fn run<T: Task>(
         if let Some(b) = board.as_mut() {
             b.flush()?;
         }
-        save_or_stop(
-            task.trainer(),
-            opts,
-            world,
-            interrupted,
-            &history,
-            progress.as_mut(),
-        )?;
+        tracing::info_span!("checkpoint").in_scope(|| {
+            save_or_stop(
+                task.trainer(),
+                opts,
+                world,
+                interrupted,
+                &history,
+                progress.as_mut(),
+            )
+        })?;
         if main {
             pause_for_tests(&opts.out, step);
         }
