@@ -381,21 +381,28 @@ def build_fixture(name, input_ids, labels):
 # Checked by hand with scripts/check_zoo_roundtrip.sh (kept here so that regenerating the README keeps it).
 HAND_CHECKS = """## Checked by hand: checkpoints and adapters reload in transformers and PEFT
 
-`scripts/check_zoo_roundtrip.sh` (needs `.venv` with `scripts/requirements-finetune.txt`; run on
+`scripts/check_zoo_roundtrip.sh` (needs `.venv` with `scripts/requirements-finetune.txt`, or `PY=`; run on
 2026-11-26 with torch 2.15.0, transformers 5.23.0, peft 0.21.2): for each family, `cpl train` 3 steps
 under `--tp 2` saves a checkpoint that `AutoModelForCausalLM.from_pretrained` loads with no missing or
-unexpected tensor and whose logits equal `cpl eval`'s on it, and a LoRA adapter of `cpl finetune`
-(all linear layers) loads with `PeftModel.from_pretrained` and gives our logits (`check_peft_adapter.py`):
+unexpected tensor and whose logits equal `cpl eval`'s on it; a LoRA adapter of `cpl finetune` (all linear
+layers, `--tp 2`) loads with `PeftModel.from_pretrained`, every stored tensor landing in one of PEFT's
+LoRA parameters with its shape, and gives our logits; and `cpl finetune merge` folds it into a model
+transformers loads with the PEFT model's logits (`check_peft_adapter.py --merged`). Phi-3's checkpoints
+and adapters are in its fused layout: `qkv_proj.lora_A` (8, 32) and `qkv_proj.lora_B` (64, 8),
+`gate_up_proj.lora_B` (128, 8), as PEFT creates them on `Phi3ForCausalLM`. All rel = max-abs / max|ref|:
 
-| family | trained checkpoint in transformers (rel) | LoRA adapter in PEFT (rel) |
-|---|---|---|
-| qwen2 | 1.61e-06 | OK (rtol 1e-5) |
-| qwen3 | 7.09e-07 | 8.8e-07 |
-| mistral | 1.02e-06 | 1.0e-06 |
-| gemma2 | 8.94e-07 | OK (rtol 1e-5) |
-| gemma3 | 5.32e-07 | 6.6e-07 |
+| family | trained checkpoint in transformers | LoRA adapter in PEFT vs ours | merged vs PEFT |
+|---|---|---|---|
+| qwen2 | 1.61e-06 | 1.03e-06 | 1.21e-06 |
+| qwen3 | 7.09e-07 | 1.11e-06 | 1.62e-06 |
+| mistral | 1.02e-06 | 1.02e-06 | 8.72e-07 |
+| gemma2 | 8.94e-07 | 8.28e-07 | 1.13e-06 |
+| gemma3 | 5.32e-07 | 8.15e-07 | 5.79e-07 |
+| phi3 | 8.80e-07 | 1.70e-06 | 1.20e-06 |
+| phi3_longrope | 1.04e-06 | 1.39e-06 | 1.57e-06 |
 
-(The untrained model is 70-120% away from the trained logits, so the comparison sees the training.)
+(The untrained model is 70-120% away from the trained logits, and the base model 100-130% from the
+adapted one, so the comparisons see the training.)
 """
 
 
