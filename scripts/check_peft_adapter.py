@@ -14,7 +14,9 @@ Setup: scripts/requirements-finetune.txt.
 
 Loads BASE_DIR with `AutoModelForCausalLM.from_pretrained(attn_implementation="eager")` (float32, eval,
 use_cache=False), applies ADAPTER_DIR with `PeftModel.from_pretrained`, and requires that every tensor of
-adapter_model.safetensors was loaded into a LoRA parameter (no unknown or missing keys) and that
+adapter_model.safetensors was loaded into a LoRA parameter of the same shape (no unknown or missing keys; a
+fused module such as Phi-3's `qkv_proj` or `gate_up_proj` has one LoRA, `lora_B` with the rows of all its
+parts) and that
     max |logits - ref_logits| / max |ref_logits| <= rtol   (default 1e-4).
 With --merged, MERGED_DIR is loaded as a plain AutoModelForCausalLM (no missing / unexpected tensors, no
 leftover lora keys) and its logits must match the PEFT model's within the same tolerance.

@@ -6,7 +6,7 @@ Run from the repository root:
     python3 -m venv .venv && .venv/bin/pip install -r scripts/requirements-fixtures.txt && .venv/bin/python scripts/make_zoo_fixtures.py
 
 One random checkpoint per family variant (Qwen2 with and without its sliding window, Qwen3, Mistral,
-Gemma 2, Gemma 3 text), saved with ``save_pretrained`` in f32, plus ``reference.safetensors`` in the format of
+Gemma 2, Gemma 3 text, Phi-3 plain and with LongRoPE, partial rotation and a window), saved with ``save_pretrained`` in f32, plus ``reference.safetensors`` in the format of
 ``scripts/make_llama_fixtures.py``: ``input_ids`` (2, 32) int64, ``labels`` (2, 32) int64 (a few -100),
 ``logits`` (2, 32, 256) f32, ``loss`` (scalar) f32 and ``grad.<name>`` f32 for every stored tensor.
 
@@ -55,6 +55,8 @@ BATCH, SEQ = 2, 32
 INPUT_SEED = 4321
 IGNORED_LABELS = [(0, 5), (0, 6), (1, 11), (1, 31)]
 WINDOW = 8
+# Phi-3's pre-scaling context of the longrope fixture: shorter than SEQ.
+PHI3_ORIGINAL = 16
 
 BASE = dict(
     vocab_size=VOCAB,
@@ -134,6 +136,26 @@ FIXTURES = {
         "ship): sliding_window_pattern 3, rope_theta 1e6 with rope_scaling linear 2 for global "
         "layers, rope_local_base_freq 10000, no layer_types or rope_parameters",
     ),
+    "phi3": (
+        "phi3", 207,
+        dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=None,
+             tie_word_embeddings=False,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "Phi3ForCausalLM: q/k/v fused in `qkv_proj` and gate/up in `gate_up_proj`, GQA 4/2, "
+        "no window (`sliding_window: null`), untied",
+    ),
+    "phi3_longrope": (
+        "phi3", 208,
+        dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=WINDOW,
+             tie_word_embeddings=True, original_max_position_embeddings=PHI3_ORIGINAL,
+             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                              "short_factor": [1.0, 1.25], "long_factor": [3.0, 7.5]}),
+        "Phi-3-128k / Phi-4-mini-style config.json as on the Hub (v4 keys): `rope_scaling` "
+        "`{type: longrope, short_factor, long_factor}`, top-level `rope_theta`, `partial_rotary_factor` 0.5 "
+        f"(4 of 8 dims rotate) and `original_max_position_embeddings` {PHI3_ORIGINAL}, so the 32 tokens "
+        f"take the long factors (attention factor sqrt(1 + ln 16 / ln 16)); every layer windowed to {WINDOW} "
+        "tokens; tied embeddings",
+    ),
 }
 
 
@@ -201,6 +223,28 @@ def write_gemma3_v4_config(fixture_dir: Path):
     (fixture_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+def write_phi3_hub_config(fixture_dir: Path):
+    """The Hub spelling of a Phi-3 longrope config (Phi-3-mini-128k, Phi-4-mini): `rope_scaling` with `type`,
+    `rope_theta`, `partial_rotary_factor` and `original_max_position_embeddings` at the top level. (The
+    legacy type name `su` is not used: transformers 5.23 then does not copy the top-level
+    `original_max_position_embeddings` into the parameters and refuses the config.)"""
+    cfg = json.loads((fixture_dir / "config.json").read_text())
+    rp = cfg.pop("rope_parameters")
+    cfg.pop("dtype", None)
+    cfg["rope_theta"] = rp["rope_theta"]
+    cfg["partial_rotary_factor"] = rp["partial_rotary_factor"]
+    cfg["rope_scaling"] = {"type": "longrope", "short_factor": rp["short_factor"], "long_factor": rp["long_factor"]}
+    cfg["original_max_position_embeddings"] = PHI3_ORIGINAL
+    cfg["torch_dtype"] = "float32"
+    (fixture_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def logits_with(d: Path, config, input_ids):
+    config._attn_implementation = "eager"
+    m = AutoModelForCausalLM.from_pretrained(str(d), config=config, dtype=torch.float64).eval()
+    return m(input_ids=input_ids, use_cache=False).logits.detach()
+
+
 def checkpoint_keys(fixture_dir: Path) -> list:
     with safetensors.safe_open(str(fixture_dir / "model.safetensors"), "pt") as f:
         return sorted(f.keys())
@@ -253,10 +297,7 @@ def window_matters(model_type, overrides, d, input_ids, ref_logits):
     # Gemma needs a window value for its sliding layers: one longer than the sequence.
     no_window = 4 * SEQ if model_type.startswith("gemma") else None
     cfg = make_config(model_type, dict(plain, sliding_window=no_window))
-    cfg._attn_implementation = "eager"
-    m = AutoModelForCausalLM.from_pretrained(str(d), config=cfg, dtype=torch.float64).eval()
-    logits = m(input_ids=input_ids, use_cache=False).logits.detach()
-    return rel_err(logits, ref_logits)
+    return rel_err(logits_with(d, cfg, input_ids), ref_logits)
 
 
 def build_fixture(name, input_ids, labels):
@@ -268,6 +309,8 @@ def build_fixture(name, input_ids, labels):
         write_v4_config(d, overrides)
     if name == "gemma3_v4":
         write_gemma3_v4_config(d)
+    if name == "phi3_longrope":
+        write_phi3_hub_config(d)
     keys = checkpoint_keys(d)
     m64 = load(d, torch.float64)
     ref = run(m64, input_ids, labels, keys)
@@ -304,6 +347,23 @@ def build_fixture(name, input_ids, labels):
         # The Hub spelling means exactly the v5 settings of `gemma3` (same weights).
         v5 = load_file(str(OUT / "gemma3" / "reference.safetensors"))
         assert torch.equal(v5["logits"], logits.float()), rel_err(logits, v5["logits"])
+    if model_type == "phi3":
+        # The checkpoint keeps Phi-3's fused projections.
+        assert any(k.endswith("self_attn.qkv_proj.weight") for k in keys), keys
+        assert any(k.endswith("mlp.gate_up_proj.weight") for k in keys), keys
+    if name == "phi3":
+        assert m64.config.sliding_window is None, m64.config.sliding_window
+    if name == "phi3_longrope":
+        rp = m64.config.rope_parameters
+        assert rp["rope_type"] == "longrope" and rp["partial_rotary_factor"] == 0.5, rp
+        assert rp["original_max_position_embeddings"] == PHI3_ORIGINAL, rp
+        extra["no_window_rel_diff"] = window_matters(model_type, overrides, d, input_ids, logits)
+        assert extra["no_window_rel_diff"] > 1e-3, extra
+        # The long factors apply: the short ones in their place give other logits.
+        short = AutoConfig.from_pretrained(str(d))
+        short.rope_parameters = dict(short.rope_parameters, long_factor=list(rp["short_factor"]))
+        extra["short_factors_rel_diff"] = rel_err(logits_with(d, short, input_ids), logits)
+        assert extra["short_factors_rel_diff"] > 1e-3, extra
     if name == "qwen2_v4":
         assert m64.config.sliding_window is None, m64.config.sliding_window
         assert set(extra["layer_types"]) == {"full_attention"}, extra
@@ -321,21 +381,28 @@ def build_fixture(name, input_ids, labels):
 # Checked by hand with scripts/check_zoo_roundtrip.sh (kept here so that regenerating the README keeps it).
 HAND_CHECKS = """## Checked by hand: checkpoints and adapters reload in transformers and PEFT
 
-`scripts/check_zoo_roundtrip.sh` (needs `.venv` with `scripts/requirements-finetune.txt`; run on
+`scripts/check_zoo_roundtrip.sh` (needs `.venv` with `scripts/requirements-finetune.txt`, or `PY=`; run on
 2026-11-26 with torch 2.15.0, transformers 5.23.0, peft 0.21.2): for each family, `cpl train` 3 steps
 under `--tp 2` saves a checkpoint that `AutoModelForCausalLM.from_pretrained` loads with no missing or
-unexpected tensor and whose logits equal `cpl eval`'s on it, and a LoRA adapter of `cpl finetune`
-(all linear layers) loads with `PeftModel.from_pretrained` and gives our logits (`check_peft_adapter.py`):
+unexpected tensor and whose logits equal `cpl eval`'s on it; a LoRA adapter of `cpl finetune` (all linear
+layers, `--tp 2`) loads with `PeftModel.from_pretrained`, every stored tensor landing in one of PEFT's
+LoRA parameters with its shape, and gives our logits; and `cpl finetune merge` folds it into a model
+transformers loads with the PEFT model's logits (`check_peft_adapter.py --merged`). Phi-3's checkpoints
+and adapters are in its fused layout: `qkv_proj.lora_A` (8, 32) and `qkv_proj.lora_B` (64, 8),
+`gate_up_proj.lora_B` (128, 8), as PEFT creates them on `Phi3ForCausalLM`. All rel = max-abs / max|ref|:
 
-| family | trained checkpoint in transformers (rel) | LoRA adapter in PEFT (rel) |
-|---|---|---|
-| qwen2 | 1.61e-06 | OK (rtol 1e-5) |
-| qwen3 | 7.09e-07 | 8.8e-07 |
-| mistral | 1.02e-06 | 1.0e-06 |
-| gemma2 | 8.94e-07 | OK (rtol 1e-5) |
-| gemma3 | 5.32e-07 | 6.6e-07 |
+| family | trained checkpoint in transformers | LoRA adapter in PEFT vs ours | merged vs PEFT |
+|---|---|---|---|
+| qwen2 | 1.61e-06 | 1.03e-06 | 1.21e-06 |
+| qwen3 | 7.09e-07 | 1.11e-06 | 1.62e-06 |
+| mistral | 1.02e-06 | 1.02e-06 | 8.72e-07 |
+| gemma2 | 8.94e-07 | 8.28e-07 | 1.13e-06 |
+| gemma3 | 5.32e-07 | 8.15e-07 | 5.79e-07 |
+| phi3 | 8.80e-07 | 1.70e-06 | 1.20e-06 |
+| phi3_longrope | 1.04e-06 | 1.39e-06 | 1.57e-06 |
 
-(The untrained model is 70-120% away from the trained logits, so the comparison sees the training.)
+(The untrained model is 70-120% away from the trained logits, and the base model 100-130% from the
+adapted one, so the comparisons see the training.)
 """
 
 

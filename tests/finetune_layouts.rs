@@ -23,8 +23,8 @@ use candle_parallel::pipeline::ScheduleKind;
 use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{
-    assert_bf16_follows, assert_bf16_follows_scalar, assert_identical, fixture_files, rel_err,
-    whole_weights, Layout,
+    assert_bf16_follows, assert_bf16_follows_scalar, assert_identical, fixture_files,
+    random_matrix, rel_err, whole_weights, Layout,
 };
 use models::llama;
 use testkit::assert_identical_scalars;
@@ -112,17 +112,6 @@ fn random_adapters() -> Arc<Adapters> {
         Some(Arc::new(TensorMap::new(t, "test adapters"))),
     )
     .unwrap()
-}
-
-/// A `(rows, cols)` matrix of values in [-0.3, 0.3) from `seed`.
-fn random_matrix(rows: usize, cols: usize, seed: u64, dev: &Device) -> Tensor {
-    let n = rows * cols;
-    let ints = testkit::random_docs(seed, 1, n..n + 1, 1 << 20).remove(0);
-    let v: Vec<f32> = ints
-        .iter()
-        .map(|&x| (x as f32 / (1 << 20) as f32 - 0.5) * 0.6)
-        .collect();
-    Tensor::from_vec(v, (rows, cols), dev).unwrap()
 }
 
 /// Chat-like examples: a prompt (not trained) then a reply (trained). The last one has a

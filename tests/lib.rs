@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
@@ -12,7 +13,8 @@ use candle_parallel::attention::{AttnMask, SpConfig, Strategy};
 use candle_parallel::comm::{Comm, LocalWorld, ReduceOp};
 use candle_parallel::mesh::{DeviceMesh, Dim, MeshConfig};
 use candle_parallel::nn::{
-    Batch, CrossEntropyOptions, ParallelCtx, Param, ParamMode, TensorSource, TpActivations,
+    Adapters, Batch, CrossEntropyOptions, ParallelCtx, Param, ParamMode, TensorSource,
+    TpActivations,
 };
 use candle_parallel::optim::{collect_gradients, reduce_gradients, ZeroGroups, ZeroStage};
 use candle_parallel::plan::{MemoryPlan, PlannedParams};
@@ -42,6 +44,16 @@ pub fn load_fixture_lm(
     ctx: &ParallelCtx,
     dtype: Option<DType>,
 ) -> models::Result<models::family::LoadedCausalLm> {
+    load_fixture_lm_with(name, ctx, dtype, None)
+}
+
+/// [`load_fixture_lm`] with LoRA `adapters` (the base frozen, the adapters trainable).
+pub fn load_fixture_lm_with(
+    name: &str,
+    ctx: &ParallelCtx,
+    dtype: Option<DType>,
+    adapters: Option<Arc<Adapters>>,
+) -> models::Result<models::family::LoadedCausalLm> {
     let files = fixture_files(name);
     let family = models::family::detect(&files.config)?;
     let load = family.load_causal_lm.ok_or_else(|| {
@@ -57,7 +69,7 @@ pub fn load_fixture_lm(
             mode: ParamMode::Trainable,
             layers: std::slice::from_ref(&all),
             ends: true,
-            adapters: None,
+            adapters,
         },
     )
 }
@@ -109,6 +121,17 @@ pub fn reference(name: &str) -> Reference {
 }
 
 pub use testkit::{assert_close, assert_identical, max_abs, rel_err};
+
+/// A `(rows, cols)` matrix of values in [-0.3, 0.3) from `seed` (random LoRA adapters).
+pub fn random_matrix(rows: usize, cols: usize, seed: u64, dev: &Device) -> Tensor {
+    let n = rows * cols;
+    let ints = testkit::random_docs(seed, 1, n..n + 1, 1 << 20).remove(0);
+    let v: Vec<f32> = ints
+        .iter()
+        .map(|&x| (x as f32 / (1 << 20) as f32 - 0.5) * 0.6)
+        .collect();
+    Tensor::from_vec(v, (rows, cols), dev).unwrap()
+}
 
 /// A parallel layout for [`run_layout`].
 #[derive(Debug, Clone)]
@@ -201,8 +224,33 @@ pub struct StepResult {
     pub loss: f32,
     /// Logits `(batch, seq, vocab)` in global token order.
     pub logits: Tensor,
-    /// Full gradient of every parameter, by name.
+    /// Full gradient of every trainable parameter, under the checkpoint's names (Phi-3's q,
+    /// k and v gradients fused as `qkv_proj`'s, like transformers').
     pub grads: HashMap<String, Tensor>,
+}
+
+/// `got` equals `want` (the one-rank run) within `tol` relative: loss, logits and every
+/// gradient (the same names), every gradient non-zero (and not NaN). Panics name `case`.
+pub fn assert_same_step(case: &str, got: &StepResult, want: &StepResult, tol: f64) {
+    testkit::assert_close_scalar(
+        got.loss as f64,
+        want.loss as f64,
+        tol,
+        &format!("{case}: loss"),
+    );
+    let e = rel_err(&got.logits, &want.logits);
+    assert!(e <= tol, "{case}: logits rel err {e}");
+    assert_eq!(got.grads.len(), want.grads.len(), "{case}");
+    for (n, g) in &want.grads {
+        let ours = got
+            .grads
+            .get(n)
+            .unwrap_or_else(|| panic!("{case}: no gradient for {n}"));
+        let max = max_abs(ours);
+        assert!(max > 0.0, "{case}: the gradient of {n} is zero (or NaN)");
+        let e = rel_err(ours, g);
+        assert!(e <= tol, "{case}: gradient of {n}: rel err {e}");
+    }
 }
 
 /// Gathers a tensor-parallel slice of a parameter's gradient to the full tensor.
@@ -281,6 +329,16 @@ pub fn run_layout(name: &str, layout: &Layout) -> StepResult {
 /// gathers everything to global form. Returns rank 0's result (every other rank's is checked to
 /// be bit-identical). Errors (as a panic naming the layout) when a parameter receives no gradient.
 pub fn run_layout_with(name: &str, layout: &Layout, plan: StepPlan) -> StepResult {
+    run_layout_lora(name, layout, plan, None)
+}
+
+/// [`run_layout_with`] of the fixture with LoRA `adapters`: the gradients are the adapters'.
+pub fn run_layout_lora(
+    name: &str,
+    layout: &Layout,
+    plan: StepPlan,
+    adapters: Option<Arc<Adapters>>,
+) -> StepResult {
     let r = reference(name);
     let labels = r.labels.to_vec2::<i64>().unwrap();
     let seqs = r.input_ids.clone();
@@ -288,7 +346,9 @@ pub fn run_layout_with(name: &str, layout: &Layout, plan: StepPlan) -> StepResul
         let e = |e: &dyn std::fmt::Display| format!("{}: {e}", layout.name);
         let (mesh, ctx) = layout.context(world)?;
         let dtype = Some(plan.dtype.unwrap_or(DType::F32));
-        let mut model = load_fixture_lm(name, &ctx, dtype).map_err(|x| e(&x))?.model;
+        let mut model = load_fixture_lm_with(name, &ctx, dtype, adapters.clone())
+            .map_err(|x| e(&x))?
+            .model;
         let memory = plan.memory();
         let zero = memory.zero_groups(&mesh).map_err(|x| e(&x))?;
         let planned = memory.apply(&mut model, zero.as_ref()).map_err(|x| e(&x))?;
@@ -323,6 +383,11 @@ pub fn run_layout_with(name: &str, layout: &Layout, plan: StepPlan) -> StepResul
             .unwrap();
         let grads = model.backward(&local_loss).map_err(|x| e(&x))?;
         let grads = global_gradients(layout, &mesh, &ctx, &planned, zero.as_ref(), &grads)?;
+        let grads = model
+            .to_checkpoint(grads.into_iter().collect())
+            .map_err(|x| e(&x))?
+            .into_iter()
+            .collect();
         let logits = model.logits(&batch).map_err(|x| e(&x))?;
         let logits = ctx.gather_tokens(&logits.detach()).map_err(|x| e(&x))?;
         Ok(StepResult {

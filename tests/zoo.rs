@@ -1,5 +1,5 @@
-//! The model zoo (Qwen2/2.5, Qwen3, Mistral, Gemma 2, Gemma 3) against transformers and under
-//! every layout.
+//! The model zoo (Qwen2/2.5, Qwen3, Mistral, Gemma 2, Gemma 3, Phi-3) against transformers and
+//! under every layout.
 //!
 //! - Each fixture of `scripts/make_zoo_fixtures.py` on one rank: logits, loss and every
 //!   parameter's gradient equal transformers' float64 reference within 1e-5 relative (max-abs /
@@ -8,20 +8,24 @@
 //!   changes the logits by 70-110%.
 //! - Each family under tp2, zigzag and contiguous ring4, USP 2x2, double ring, all-gather CP and ZeRO-3 with
 //!   selective checkpointing: loss, logits and every parameter's whole gradient equal one rank
-//!   (1e-5 relative), every gradient non-zero.
+//!   (1e-5 relative), every gradient non-zero; likewise LoRA on Phi-3's fused modules.
 //! - Each family trains 3 AdamW steps through the registry under pp2 (and Qwen2 under pp2 x
 //!   ring2): losses, gradient norms, held-out loss and final weights equal one rank (1e-5).
 
 use candle_parallel::attention::Strategy;
 use candle_parallel::recompute::Checkpointing;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_parallel::nn::{Adapters, LoraConfig, LoraTargets, TensorMap};
 use cpl_integration_tests::{
-    check_reference, fixture_dir, fixture_files, max_abs, rel_err, run_layout, run_layout_with,
-    train_through_registry, Layout, StepPlan,
+    assert_same_step, check_reference, fixture_dir, fixture_files, max_abs, random_matrix, rel_err,
+    run_layout, run_layout_lora, run_layout_with, train_through_registry, Layout, StepPlan,
 };
 use train::data::{PackedDataset, Packing, TokenStream};
 
 const TOL: f64 = 1e-5;
-const FAMILIES: [&str; 7] = [
+const FAMILIES: [&str; 9] = [
     "zoo/qwen2",
     "zoo/qwen2_v4",
     "zoo/qwen3",
@@ -29,6 +33,19 @@ const FAMILIES: [&str; 7] = [
     "zoo/gemma2",
     "zoo/gemma3",
     "zoo/gemma3_v4",
+    "zoo/phi3",
+    "zoo/phi3_longrope",
+];
+/// One fixture per family and feature, run under every layout, with the KV cache, saved and
+/// reloaded, in bf16.
+const LAYOUT_FAMILIES: [&str; 7] = [
+    "zoo/qwen2",
+    "zoo/qwen3",
+    "zoo/mistral",
+    "zoo/gemma2",
+    "zoo/gemma3",
+    "zoo/phi3",
+    "zoo/phi3_longrope",
 ];
 
 #[test]
@@ -66,6 +83,16 @@ fn gemma3_hub_config_matches_transformers() {
     check_reference("zoo/gemma3_v4");
 }
 
+#[test]
+fn phi3_with_fused_projections_matches_transformers() {
+    check_reference("zoo/phi3");
+}
+
+#[test]
+fn phi3_with_longrope_partial_rotation_and_window_matches_transformers() {
+    check_reference("zoo/phi3_longrope");
+}
+
 /// Every fixture directory has a test above, and the registry names its family.
 #[test]
 fn every_zoo_fixture_is_tested_and_detected() {
@@ -89,6 +116,8 @@ fn every_zoo_fixture_is_tested_and_detected() {
         ("zoo/gemma2", "gemma2"),
         ("zoo/gemma3", "gemma3"),
         ("zoo/gemma3_v4", "gemma3"),
+        ("zoo/phi3", "phi3"),
+        ("zoo/phi3_longrope", "phi3"),
     ] {
         let f = models::family::detect(&fixture_files(name).config).unwrap();
         assert_eq!(f.name, family, "{name}");
@@ -129,33 +158,92 @@ fn layouts() -> Vec<(Layout, StepPlan)> {
 
 #[test]
 fn every_family_under_every_layout_matches_one_rank() {
-    for name in [
-        "zoo/qwen2",
-        "zoo/qwen3",
-        "zoo/mistral",
-        "zoo/gemma2",
-        "zoo/gemma3",
-    ] {
+    for name in LAYOUT_FAMILIES {
         let want = run_layout(name, &Layout::single());
         for (layout, plan) in layouts() {
             let got = run_layout_with(name, &layout, plan);
-            let case = format!("{name} / {}", layout.name);
-            testkit::assert_close_scalar(
-                got.loss as f64,
-                want.loss as f64,
-                TOL,
-                &format!("{case}: loss"),
-            );
-            let e = rel_err(&got.logits, &want.logits);
-            assert!(e <= TOL, "{case}: logits rel err {e}");
-            assert_eq!(got.grads.len(), want.grads.len(), "{case}");
-            for (n, g) in &want.grads {
-                let ours = &got.grads[n];
-                assert!(max_abs(ours) > 0.0, "{case}: the gradient of {n} is zero");
-                let e = rel_err(ours, g);
-                assert!(e <= TOL, "{case}: gradient of {n}: rel err {e}");
-            }
+            assert_same_step(&format!("{name} / {}", layout.name), &got, &want, TOL);
         }
+    }
+}
+
+/// Random non-zero LoRA adapters (rank 4) on every linear layer of the `phi3` fixture, in
+/// PEFT's layout for its fused modules: `qkv_proj` `A` (4, 32) and `B` (64, 4) (q 32 + k 16 +
+/// v 16 rows), `gate_up_proj` `B` (128, 4), `o_proj`, `down_proj`.
+fn phi3_adapters() -> Arc<Adapters> {
+    let dev = candle_core::Device::Cpu;
+    let mut t = HashMap::new();
+    let mut seed = 300u64;
+    for l in 0..2 {
+        for (name, out, inp) in [
+            ("self_attn.qkv_proj", 64, 32),
+            ("self_attn.o_proj", 32, 32),
+            ("mlp.gate_up_proj", 128, 32),
+            ("mlp.down_proj", 32, 64),
+        ] {
+            let p = format!("model.layers.{l}.{name}");
+            seed += 2;
+            t.insert(
+                format!("{p}.lora_A.weight"),
+                random_matrix(4, inp, seed, &dev),
+            );
+            t.insert(
+                format!("{p}.lora_B.weight"),
+                random_matrix(out, 4, seed + 1, &dev),
+            );
+        }
+    }
+    let cfg = LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        targets: LoraTargets::AllLinear,
+        use_rslora: false,
+        seed: 0,
+    };
+    Adapters::new(cfg, Some(Arc::new(TensorMap::new(t, "phi3 adapters")))).unwrap()
+}
+
+/// LoRA on Phi-3's fused modules (one `A` per fused module shared by its parts; `B` split by
+/// the parts' rows, and over tp by heads like the weight) under every layout equals one rank:
+/// loss, logits and every adapter gradient (`A`'s summed over the parts and, under TP-sp, over
+/// tp) within 1e-5, all non-zero, under PEFT's fused names and shapes. The adapters move the
+/// logits far from the base model's.
+#[test]
+fn phi3_fused_lora_under_every_layout_matches_one_rank() {
+    let name = "zoo/phi3";
+    let adapters = phi3_adapters();
+    let single = Layout::single();
+    let want = run_layout_lora(name, &single, StepPlan::default(), Some(adapters.clone()));
+    let mut got_names: Vec<(String, Vec<usize>)> = want
+        .grads
+        .iter()
+        .map(|(n, g)| (n.clone(), g.dims().to_vec()))
+        .collect();
+    got_names.sort();
+    let source = adapters.source().unwrap();
+    let mut names: Vec<(String, Vec<usize>)> = source
+        .names()
+        .unwrap()
+        .into_iter()
+        .map(|n| {
+            let shape = source.shape(&n).unwrap();
+            (n, shape)
+        })
+        .collect();
+    names.sort();
+    assert_eq!(
+        got_names, names,
+        "adapter gradients by PEFT's names and shapes"
+    );
+    let base = run_layout(name, &single).logits;
+    assert!(
+        rel_err(&want.logits, &base) > 0.1,
+        "the adapters change the logits"
+    );
+    let tp_sp = Layout::new("tp2 + TP-sp", 2, 1, 1, Strategy::Ring).with_tp_sp();
+    for (layout, plan) in layouts().into_iter().chain([(tp_sp, StepPlan::default())]) {
+        let got = run_layout_lora(name, &layout, plan, Some(adapters.clone()));
+        assert_same_step(&format!("{name} LoRA / {}", layout.name), &got, &want, TOL);
     }
 }
 
@@ -189,6 +277,8 @@ fn every_family_trains_under_a_pipeline_like_one_rank() {
         ("zoo/mistral", vec![Layout::single().with_pp(2)]),
         ("zoo/gemma2", vec![Layout::single().with_pp(2)]),
         ("zoo/gemma3", vec![Layout::single().with_pp(2)]),
+        ("zoo/phi3", vec![Layout::single().with_pp(2)]),
+        ("zoo/phi3_longrope", vec![Layout::single().with_pp(2)]),
         (
             "zoo/qwen2",
             vec![Layout::new("pp2 x ring2", 1, 1, 2, Strategy::Ring).with_pp(2)],
@@ -223,7 +313,11 @@ fn every_family_trains_under_a_pipeline_like_one_rank() {
 
 /// Generation with the KV cache, one token at a time over the fixture's 32 tokens (longer than
 /// the windows): each token's logits equal transformers' reference logits of the full sequence
-/// (1e-5 relative), on one rank and under tp2, so the window holds in the cache too.
+/// (1e-5 relative), on one rank and under tp2, so the window holds in the cache too. Phi-3's
+/// LongRoPE fixture starts from a prompt of 17 tokens, longer than its
+/// `original_max_position_embeddings` (16), so that every key is rotated with the long factors
+/// as in the reference (transformers' `generate` too rotates shorter prompts with the short
+/// ones and keeps them in the cache).
 #[test]
 fn kv_cache_follows_transformers_through_the_windows() {
     use candle_core::{Device, Tensor};
@@ -231,13 +325,8 @@ fn kv_cache_follows_transformers_through_the_windows() {
     use cpl_integration_tests::{load_fixture_lm, reference};
     use models::causal_lm::KvCache;
 
-    for name in [
-        "zoo/qwen2",
-        "zoo/qwen3",
-        "zoo/mistral",
-        "zoo/gemma2",
-        "zoo/gemma3",
-    ] {
+    for name in LAYOUT_FAMILIES {
+        let prompt = if name == "zoo/phi3_longrope" { 17 } else { 3 };
         let r = reference(name);
         let ids = r.input_ids[0].clone();
         let want = r.logits.narrow(0, 0, 1).unwrap().squeeze(0).unwrap();
@@ -251,9 +340,9 @@ fn kv_cache_follows_transformers_through_the_windows() {
                     .map_err(|e| e.to_string())?
                     .model;
                 let mut cache = KvCache::default();
-                // A prompt of 3 tokens, then one token per step.
+                // A prompt, then one token per step.
                 let mut at = 0;
-                for n in std::iter::once(3).chain(std::iter::repeat_n(1, ids.len() - 3)) {
+                for n in std::iter::once(prompt).chain(std::iter::repeat_n(1, ids.len() - prompt)) {
                     let next =
                         Tensor::from_vec(ids[at..at + n].to_vec(), (1, n), &Device::Cpu).unwrap();
                     let x = m.embed_cached(&next).map_err(|e| e.to_string())?;
@@ -279,22 +368,18 @@ fn kv_cache_follows_transformers_through_the_windows() {
     }
 }
 
-/// Saving: each family loaded under tp2 and saved (gathered, sharded with an index, its config
-/// copied) reloads through the registry on one rank with bit-identical logits.
+/// Saving: each family loaded under tp2 and saved (gathered, in the checkpoint's layout: Phi-3's
+/// projections fused back; sharded with an index, its config copied) reloads through the
+/// registry on one rank with bit-identical logits, and the saved tensors are the fixture's
+/// checkpoint's, bit for bit.
 #[test]
 fn every_family_saved_under_tp2_reloads_identically() {
     use candle_parallel::comm::LocalWorld;
     use cpl_integration_tests::{load_fixture_lm, reference};
-    use models::checkpoint::{save_hf, SaveOptions};
+    use models::checkpoint::{gather_tp, write_hf_dir, SaveOptions};
 
     let out = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-    for name in [
-        "zoo/qwen2",
-        "zoo/qwen3",
-        "zoo/mistral",
-        "zoo/gemma2",
-        "zoo/gemma3",
-    ] {
+    for name in LAYOUT_FAMILIES {
         let want = run_layout(name, &Layout::single()).logits;
         let dir = out.join(format!("saved-{}-tp2", name.replace('/', "-")));
         let opts = SaveOptions {
@@ -310,12 +395,23 @@ fn every_family_saved_under_tp2_reloads_identically() {
         LocalWorld::run(2, |world| -> Result<(), String> {
             let (_mesh, ctx) = layout.context(world)?;
             let m = load_fixture_lm(name, &ctx, None).map_err(|e| e.to_string())?;
-            save_hf(&m.params.sorted(), ctx.tp().comm(), Some(&dir), &opts)
-                .map_err(|e| e.to_string())
+            let tp = ctx.tp().comm();
+            let keep = tp.rank() == 0;
+            let full =
+                gather_tp(&m.params.sorted(), tp, keep, opts.dtype).map_err(|e| e.to_string())?;
+            if keep {
+                let full = m.model.to_checkpoint(full).map_err(|e| e.to_string())?;
+                write_hf_dir(&full, &dir, &opts).map_err(|e| e.to_string())?;
+            }
+            Ok(())
         })
         .unwrap();
         assert!(dir.join("model.safetensors.index.json").is_file(), "{name}");
         let saved = models::hub::from_dir("saved", &dir).unwrap();
+        assert!(
+            stored_tensors(&saved) == stored_tensors(&fixture_files(name)),
+            "{name}: the saved tensors differ from the checkpoint's"
+        );
         let family = models::family::detect(&saved.config).unwrap();
         let load = family.load_causal_lm.unwrap();
         let ids = reference(name).input_ids;
@@ -349,6 +445,21 @@ fn every_family_saved_under_tp2_reloads_identically() {
     }
 }
 
+/// Every tensor of a checkpoint, by name, as f32 values.
+fn stored_tensors(files: &models::hub::ModelFiles) -> Vec<(String, Vec<f32>)> {
+    let r = models::checkpoint::CheckpointReader::open(&files.weights).unwrap();
+    let mut names = r.names();
+    names.sort();
+    names
+        .into_iter()
+        .map(|n| {
+            let whole = candle_parallel::nn::Shard::replicated();
+            let t = r.read(&n, whole, &candle_core::Device::Cpu).unwrap();
+            (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        })
+        .collect()
+}
+
 /// bf16 end to end for each family: a tp2 x ring2 bf16 run follows the one-rank bf16 run.
 /// bf16 keeps 8 bits and a parallel run rounds its reductions in another order, so the two bf16
 /// runs differ by about as much as bf16 differs from f32. Asserted: the loss within 1e-2 and the
@@ -363,13 +474,7 @@ fn every_family_in_bf16_follows_its_one_rank_run() {
         dtype: Some(candle_core::DType::BF16),
         ..StepPlan::default()
     };
-    for name in [
-        "zoo/qwen2",
-        "zoo/qwen3",
-        "zoo/mistral",
-        "zoo/gemma2",
-        "zoo/gemma3",
-    ] {
+    for name in LAYOUT_FAMILIES {
         let f32_run = run_layout(name, &Layout::single());
         let want = run_layout_with(name, &Layout::single(), bf16);
         let layout = Layout::new("tp2 x ring2", 2, 1, 2, Strategy::Ring);

@@ -28,7 +28,7 @@ pub struct TrainArgs {
     /// on the command line win.
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Model directory or Hugging Face Hub id to continue training: LlamaForCausalLM, Qwen2ForCausalLM (Qwen2, Qwen2.5), Qwen3ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, LLaVA, diffusers DiT; the family is detected from config.json.
+    /// Model directory or Hugging Face Hub id to continue training: LlamaForCausalLM, Qwen2ForCausalLM (Qwen2, Qwen2.5), Qwen3ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, LLaVA, diffusers DiT; the family is detected from config.json.
     #[arg(long)]
     pub model: Option<String>,
     /// Training text: .txt, .jsonl or .parquet (Hugging Face datasets) files, or directories of
@@ -512,7 +512,7 @@ impl From<DtypeArg> for DType {
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct GenerateArgs {
-    /// Model directory or Hugging Face Hub id: LlamaForCausalLM, Qwen2ForCausalLM (Qwen2, Qwen2.5), Qwen3ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, LLaVA, diffusers DiT; the family is detected from config.json.
+    /// Model directory or Hugging Face Hub id: LlamaForCausalLM, Qwen2ForCausalLM (Qwen2, Qwen2.5), Qwen3ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, LLaVA, diffusers DiT; the family is detected from config.json.
     #[arg(long)]
     pub model: String,
     /// A LoRA adapter (PEFT directory, e.g. a `cpl finetune` checkpoint) applied to --model.

@@ -93,7 +93,8 @@ pub struct FinetuneArgs {
     /// LoRA dropout. Only 0 is supported (the default of PEFT and LLaMA-Factory).
     #[arg(long, default_value_t = 0.0, help_heading = "Fine-tuning")]
     pub lora_dropout: f64,
-    /// Layers that get adapters: all-linear, or names (q_proj,v_proj).
+    /// Layers that get adapters: all-linear, or module names (q_proj,v_proj; Phi-3 has qkv_proj,
+    /// o_proj, gate_up_proj, down_proj).
     #[arg(long, default_value = "all-linear", help_heading = "Fine-tuning")]
     pub lora_targets: String,
     /// rsLoRA scaling alpha / sqrt(r).

@@ -7,7 +7,7 @@ use models::checkpoint::CheckpointReader;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct InspectArgs {
-    /// Model directory or Hugging Face Hub id: LlamaForCausalLM, Qwen2ForCausalLM (Qwen2, Qwen2.5), Qwen3ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, LLaVA, diffusers DiT; the family is detected from config.json.
+    /// Model directory or Hugging Face Hub id: LlamaForCausalLM, Qwen2ForCausalLM (Qwen2, Qwen2.5), Qwen3ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, LLaVA, diffusers DiT; the family is detected from config.json.
     #[arg(long)]
     pub model: String,
 }

@@ -1,9 +1,10 @@
-//! Every command on every zoo family (Qwen2 with sliding windows, Qwen3, Mistral, Gemma 2 and 3) through the
-//! command line, one layout per command: `inspect` names the architecture and its features,
+//! Every command on every zoo family (Qwen2 with sliding windows, Qwen3, Mistral, Phi-3) through
+//! the command line, one layout per command: `inspect` names the architecture and its features,
 //! `eval` gives transformers' loss (1e-5) on one rank and under a ring, `generate` is the same
 //! greedy text under tp2 as on one rank (prompt and reply longer than the window), `train`
-//! under pp2 writes a checkpoint that `eval` reloads, and `finetune` (LoRA SFT) under pp2 writes
-//! a PEFT adapter.
+//! under pp2 writes a checkpoint (Phi-3's in its fused layout) that `eval` reloads, and
+//! `finetune` (LoRA SFT) under pp2 writes a PEFT adapter with PEFT's names and shapes (on
+//! Phi-3's fused `qkv_proj` and `gate_up_proj`), which `eval --adapter` reads back under tp2.
 
 mod common;
 
@@ -92,6 +93,7 @@ fn every_command_runs_every_zoo_family() {
             "MistralForCausalLM",
             "sliding window 8 on 2 of 2 layers",
         ),
+        ("phi3", "Phi3ForCausalLM", "fused qkv / gate-up projections"),
     ] {
         let model = zoo_model(name, &dir);
         let m = model.to_str().unwrap();
@@ -188,8 +190,84 @@ fn every_command_runs_every_zoo_family() {
             serde_json::from_slice(&std::fs::read(ft.join("step-2/adapter_config.json")).unwrap())
                 .unwrap();
         assert_eq!(adapter["peft_type"], "LORA", "{name}: {adapter}");
+        let step = ft.join("step-2");
+        assert_peft_layout(&step, &model, 8);
+        let tuned = |layout: &[&str]| -> String {
+            let mut a = vec![
+                "eval",
+                "--model",
+                m,
+                "--adapter",
+                step.to_str().unwrap(),
+                "--tokens",
+                tokens.to_str().unwrap(),
+                "--json",
+            ];
+            a.extend_from_slice(layout);
+            run_ok(&a)
+        };
+        let v: serde_json::Value = serde_json::from_str(tuned(&[]).trim()).unwrap();
+        let w: serde_json::Value =
+            serde_json::from_str(tuned(&["--ranks", "2", "--tp", "2"]).trim()).unwrap();
+        let (a, b) = (v["loss"].as_f64().unwrap(), w["loss"].as_f64().unwrap());
+        assert!(
+            (a - b).abs() / a <= 1e-5 && a != one,
+            "{name}: adapter eval {a} (tp2 {b}, base {one})"
+        );
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The adapter in `dir` has exactly PEFT's tensors for rank `r` on every linear layer of
+/// `model` (PEFT's modules: Phi-3's fused `qkv_proj` and `gate_up_proj`, the others' q, k, v,
+/// gate and up): `base_model.model.model.layers.N.<module>.lora_A.weight` (r, in) and
+/// `.lora_B.weight` (out, r).
+fn assert_peft_layout(dir: &Path, model: &Path, r: usize) {
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(model.join("config.json")).unwrap()).unwrap();
+    let get = |k: &str| cfg[k].as_u64().unwrap() as usize;
+    let (h, i, heads) = (
+        get("hidden_size"),
+        get("intermediate_size"),
+        get("num_attention_heads"),
+    );
+    let d = cfg["head_dim"].as_u64().map_or(h / heads, |d| d as usize);
+    let (q, kv) = (heads * d, get("num_key_value_heads") * d);
+    let modules: Vec<(&str, usize, usize)> = if cfg["model_type"] == "phi3" {
+        vec![
+            ("self_attn.qkv_proj", q + 2 * kv, h),
+            ("self_attn.o_proj", h, q),
+            ("mlp.gate_up_proj", 2 * i, h),
+            ("mlp.down_proj", h, i),
+        ]
+    } else {
+        vec![
+            ("self_attn.q_proj", q, h),
+            ("self_attn.k_proj", kv, h),
+            ("self_attn.v_proj", kv, h),
+            ("self_attn.o_proj", h, q),
+            ("mlp.gate_proj", i, h),
+            ("mlp.up_proj", i, h),
+            ("mlp.down_proj", h, i),
+        ]
+    };
+    let mut want: Vec<(String, Vec<usize>)> = Vec::new();
+    for l in 0..get("num_hidden_layers") {
+        for &(m, out, inp) in &modules {
+            let p = format!("base_model.model.model.layers.{l}.{m}");
+            want.push((format!("{p}.lora_A.weight"), vec![r, inp]));
+            want.push((format!("{p}.lora_B.weight"), vec![out, r]));
+        }
+    }
+    want.sort();
+    let t = candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)
+        .unwrap();
+    let mut got: Vec<(String, Vec<usize>)> = t
+        .iter()
+        .map(|(n, v)| (n.clone(), v.dims().to_vec()))
+        .collect();
+    got.sort();
+    assert_eq!(got, want, "{}", dir.display());
 }
 
 /// `metrics.jsonl` counts each step's attention work (`attention_scores`, the busiest rank's

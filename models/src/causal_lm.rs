@@ -157,6 +157,14 @@ pub trait CausalLm: Parallelize + Send + Sync {
     fn adapters(&self) -> Option<&Arc<Adapters>> {
         None
     }
+
+    /// Whole tensors named as the model's parameters (values, gradients; with any prefix such
+    /// as PEFT's) under the names and layout of the family's checkpoint: Phi-3's q, k and v
+    /// fused into `qkv_proj`, its gate and up into `gate_up_proj`. Most families store their
+    /// parameters as they are.
+    fn to_checkpoint(&self, tensors: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
+        Ok(tensors)
+    }
 }
 
 /// The keys and values of every layer for incremental generation, and the position of the
@@ -321,6 +329,10 @@ impl CausalLm for Box<dyn CausalLm> {
 
     fn adapters(&self) -> Option<&Arc<Adapters>> {
         (**self).adapters()
+    }
+
+    fn to_checkpoint(&self, tensors: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
+        (**self).to_checkpoint(tensors)
     }
 
     fn embed_cached(&self, ids: &Tensor) -> Result<Tensor> {

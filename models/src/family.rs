@@ -283,6 +283,7 @@ fn families_in(extra: &[&'static Family]) -> Vec<&'static Family> {
         &crate::zoo::MISTRAL,
         &crate::zoo::GEMMA2,
         &crate::zoo::GEMMA3,
+        &crate::zoo::PHI3,
         &DIT,
         &LLAVA,
     ]);

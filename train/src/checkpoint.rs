@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use candle_core::Device;
 use candle_parallel::comm::Comm;
 use candle_parallel::pipeline::gather_to_first;
-use models::checkpoint::{gather_tp, save_hf, write_hf_dir, CheckpointReader, SaveOptions};
+use models::checkpoint::{gather_tp, write_hf_dir, CheckpointReader, SaveOptions};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -209,10 +209,13 @@ pub fn save_sharded<M: TrainModel>(
                 extra_files: files,
                 ..opts
             };
-            write_hf_dir(&full, &dir, &opts)?;
+            write_hf_dir(&trainer.model.checkpoint_tensors(full)?, &dir, &opts)?;
         }
     } else {
-        save_hf(&params, &tp, write.then_some(dir.as_path()), &opts)?;
+        let full = gather_tp(&params, &tp, write, dtype)?;
+        if write {
+            write_hf_dir(&trainer.model.checkpoint_tensors(full)?, &dir, &opts)?;
+        }
     }
     if write {
         let all = list_checkpoints(out);

@@ -68,6 +68,15 @@ pub trait TrainModel: Parallelize + Send {
         name.to_string()
     }
 
+    /// The whole saved tensors (by [`TrainModel::saved_name`]) in the layout of the family's
+    /// checkpoint (Phi-3's fused projections, see [`CausalLm::to_checkpoint`]).
+    fn checkpoint_tensors(
+        &self,
+        tensors: Vec<(String, Tensor)>,
+    ) -> models::Result<Vec<(String, Tensor)>> {
+        Ok(tensors)
+    }
+
     /// Whether checkpoints hold the frozen parameters too (a frozen vision tower: yes; the
     /// base model under LoRA: no, only the adapters).
     fn saves_frozen(&self) -> bool {
@@ -118,6 +127,13 @@ macro_rules! causal_lm_train_model {
 
             fn saves_frozen(&self) -> bool {
                 CausalLm::adapters(self).is_none()
+            }
+
+            fn checkpoint_tensors(
+                &self,
+                tensors: Vec<(String, Tensor)>,
+            ) -> models::Result<Vec<(String, Tensor)>> {
+                CausalLm::to_checkpoint(self, tensors)
             }
         }
     };

@@ -47,6 +47,10 @@ pub struct AttentionConfig {
     pub k: String,
     pub v: String,
     pub o: String,
+    /// The checkpoint's fused projection q, k and v are parts of (Phi-3's `qkv_proj`): the
+    /// parts load under their own names from a view of the checkpoint that splits it, and a
+    /// LoRA adapter is the fused module's (see [`ColumnParallelLinear::new_part`]).
+    pub fused_qkv: Option<String>,
 }
 
 impl AttentionConfig {
@@ -68,6 +72,7 @@ impl AttentionConfig {
             k: "k_proj".into(),
             v: "v_proj".into(),
             o: "o_proj".into(),
+            fused_qkv: None,
         }
     }
 
@@ -111,6 +116,13 @@ impl AttentionConfig {
 
     pub fn with_rope(mut self, rope: RotaryEmbedding) -> Self {
         self.rope = Some(rope);
+        self
+    }
+
+    /// q, k and v as parts of the fused projection `fused` (Phi-3's `qkv_proj`); `None`:
+    /// three projections.
+    pub fn with_fused_qkv(mut self, fused: Option<&str>) -> Self {
+        self.fused_qkv = fused.map(String::from);
         self
     }
 
@@ -207,11 +219,19 @@ impl ParallelAttention {
             )),
             None => None,
         };
-        let lin = |out: usize| LinearConfig::new(h, out).with_bias(cfg.bias);
+        let proj = |out: usize, name: &str| -> Result<ColumnParallelLinear> {
+            let lin = LinearConfig::new(h, out).with_bias(cfg.bias);
+            let part = vb.pp(name);
+            let fused = cfg
+                .fused_qkv
+                .as_ref()
+                .map_or_else(|| part.clone(), |f| vb.pp(f));
+            ColumnParallelLinear::new_part(&lin, part, &fused, ctx)
+        };
         Ok(Self {
-            q_proj: ColumnParallelLinear::new(&lin(hq * d), vb.pp(&cfg.q), ctx)?,
-            k_proj: ColumnParallelLinear::new(&lin(hkv * d), vb.pp(&cfg.k), ctx)?,
-            v_proj: ColumnParallelLinear::new(&lin(hkv * d), vb.pp(&cfg.v), ctx)?,
+            q_proj: proj(hq * d, &cfg.q)?,
+            k_proj: proj(hkv * d, &cfg.k)?,
+            v_proj: proj(hkv * d, &cfg.v)?,
             o_proj: RowParallelLinear::new(
                 &LinearConfig::new(hq * d, h).with_bias(cfg.o_bias),
                 vb.pp(&cfg.o),

@@ -149,6 +149,24 @@ impl ColumnParallelLinear {
     /// Loads this rank's rows of `vb`'s `weight` (and `bias`); the output stays sharded.
     /// Errors when the tensor-parallel degree does not divide `out_features`.
     pub fn new(cfg: &LinearConfig, vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
+        let lora_at = vb.clone();
+        Self::new_part(cfg, vb, &lora_at, ctx)
+    }
+
+    /// [`ColumnParallelLinear::new`] for one part of a checkpoint's fused projection (q of
+    /// Phi-3's `qkv_proj`, gate of its `gate_up_proj`), loaded under the part's own name `vb`
+    /// (the checkpoint's view splits the fused tensor by rows, so each rank gets its heads of
+    /// this part): a LoRA adapter is the fused module's, as PEFT puts it there. LoRA targets
+    /// match the fused module `fused` (`qkv_proj`), whose `lora_A` `(r, in)` every part shares
+    /// (one parameter: its gradient sums over the parts), and each part holds its rows of the
+    /// fused `lora_B` under its own name (`q_proj.lora_B`), split over tp like its weight: the
+    /// sum over the parts of `s · B_part A x` is the fused module's LoRA, exactly.
+    pub fn new_part(
+        cfg: &LinearConfig,
+        vb: ParamBuilder,
+        fused: &ParamBuilder,
+        ctx: &ParallelCtx,
+    ) -> Result<Self> {
         let tp = ctx.tp();
         let (_, rows) = tp.share(&format!("{}.weight rows", vb.prefix()), cfg.out_features)?;
         let shard = Shard::new(0, tp.rank(), tp.size());
@@ -158,10 +176,10 @@ impl ColumnParallelLinear {
         } else {
             None
         };
-        let lora = match vb.adapters_here() {
+        let lora = match fused.adapters_here() {
             Some(ad) => {
                 let r = ad.cfg.rank;
-                let a = vb.pp("lora_A").get_adapter(
+                let a = fused.pp("lora_A").get_adapter(
                     (r, cfg.in_features),
                     "weight",
                     Shard::replicated(),

@@ -21,6 +21,12 @@
 //!   partial `x_r A_rᵀ` is reduced over the group like the layer's output (all-reduce, or
 //!   reduce-scatter of tokens under TP-sp), then multiplied by `B` on every rank.
 //!
+//! - a checkpoint's fused projection (Phi-3's `qkv_proj`, `gate_up_proj`), which the model
+//!   runs as its parts (q, k, v; gate, up): one LoRA on the fused module, as PEFT has it, whose
+//!   `A` the parts share and whose `B` rows they split
+//!   ([`ColumnParallelLinear::new_part`](super::ColumnParallelLinear::new_part)); each part's
+//!   `B` is split over tp like its weight, so every rank holds its heads' rows.
+//!
 //! [`Adapters::set_enabled`] turns every adapter of a model off at once (the reference model of
 //! DPO is the base model); every rank must set the same value.
 
@@ -128,7 +134,8 @@ impl LoraConfig {
 pub struct Adapters {
     pub cfg: LoraConfig,
     source: Option<Arc<dyn TensorSource>>,
-    enabled: AtomicBool,
+    /// Shared with the adapters [`Adapters::with_source`] derives.
+    enabled: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Adapters {
@@ -149,8 +156,19 @@ impl Adapters {
         Ok(Arc::new(Self {
             cfg,
             source,
-            enabled: AtomicBool::new(true),
+            enabled: Arc::new(AtomicBool::new(true)),
         }))
+    }
+
+    /// These adapters reading their stored weights from `source` instead (a view of the same
+    /// tensors under the model's names: Phi-3's fused `lora_B` split into its parts), with the
+    /// same configuration and the same on/off switch.
+    pub fn with_source(&self, source: Option<Arc<dyn TensorSource>>) -> Arc<Self> {
+        Arc::new(Self {
+            cfg: self.cfg.clone(),
+            source,
+            enabled: self.enabled.clone(),
+        })
     }
 
     pub fn enabled(&self) -> bool {

@@ -46,6 +46,9 @@ pub struct MlpConfig {
     pub up: String,
     pub gate: String,
     pub down: String,
+    /// The checkpoint's fused projection gate and up are parts of (Phi-3's `gate_up_proj`,
+    /// gate rows first), see [`ColumnParallelLinear::new_part`]; `None`: two projections.
+    pub fused_gate_up: Option<String>,
 }
 
 impl MlpConfig {
@@ -59,6 +62,7 @@ impl MlpConfig {
             up: "up_proj".into(),
             gate: "gate_proj".into(),
             down: "down_proj".into(),
+            fused_gate_up: None,
         }
     }
 
@@ -73,6 +77,7 @@ impl MlpConfig {
             up: "fc1".into(),
             gate: String::new(),
             down: "fc2".into(),
+            fused_gate_up: None,
         }
     }
 
@@ -85,6 +90,12 @@ impl MlpConfig {
     /// [`Activation::GeGluTanh`]).
     pub fn with_activation(mut self, activation: Activation) -> Self {
         self.activation = activation;
+        self
+    }
+
+    /// Gate and up as parts of the fused projection `fused` (Phi-3's `gate_up_proj`).
+    pub fn with_fused_gate_up(mut self, fused: Option<&str>) -> Self {
+        self.fused_gate_up = fused.map(String::from);
         self
     }
 
@@ -110,15 +121,21 @@ impl Mlp {
     pub fn new(cfg: &MlpConfig, vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         let up_cfg = LinearConfig::new(h, i).with_bias(cfg.bias);
+        let proj = |name: &str| -> Result<ColumnParallelLinear> {
+            let part = vb.pp(name);
+            let fused = cfg
+                .fused_gate_up
+                .as_ref()
+                .map_or_else(|| part.clone(), |f| vb.pp(f));
+            ColumnParallelLinear::new_part(&up_cfg, part, &fused, ctx)
+        };
         let gate = match cfg.activation {
-            Activation::SwiGlu | Activation::GeGluTanh => {
-                Some(ColumnParallelLinear::new(&up_cfg, vb.pp(&cfg.gate), ctx)?)
-            }
+            Activation::SwiGlu | Activation::GeGluTanh => Some(proj(&cfg.gate)?),
             Activation::Gelu | Activation::GeluTanh | Activation::QuickGelu => None,
         };
         Ok(Self {
             gate,
-            up: ColumnParallelLinear::new(&up_cfg, vb.pp(&cfg.up), ctx)?,
+            up: proj(&cfg.up)?,
             down: RowParallelLinear::new(
                 &LinearConfig::new(i, h).with_bias(cfg.bias),
                 vb.pp(&cfg.down),

@@ -4,6 +4,7 @@
 //! ([`ToDecoderSpec`]) and registers itself ([`crate::family`]); nothing else about it is
 //! written twice.
 
+pub mod fused;
 pub mod model;
 pub mod spec;
 
@@ -86,18 +87,11 @@ pub fn load(
 ) -> Result<LoadedDecoder> {
     let dtype = load.dtype.or(stored).unwrap_or(DType::F32);
     let reader = Arc::new(CheckpointReader::open(&files.weights)?);
-    let (vb, params) = ParamBuilder::new(reader, dtype, load.ctx.device(), load.mode);
-    let model = Decoder::new_stage(
-        spec,
-        vb.with_adapters(load.adapters.clone()),
-        load.ctx,
-        load.layers,
-        load.ends,
-    )?;
-    if let Some(ad) = &load.adapters {
-        check_adapters_used(ad, &params, load.layers)?;
+    let loaded = build_as(spec, reader, dtype, load)?;
+    if let Some(ad) = loaded.model.adapters() {
+        check_adapters_used(spec, ad, &loaded.params, load.layers)?;
     }
-    Ok(LoadedDecoder { model, params })
+    Ok(loaded)
 }
 
 /// The whole model `spec` from weights that are not files (e.g. random weights in a
@@ -107,16 +101,43 @@ pub fn build(
     source: Arc<dyn TensorSource>,
     load: &LoadSpec<'_>,
 ) -> Result<LoadedDecoder> {
-    let dtype = load.dtype.unwrap_or(DType::F32);
+    build_as(spec, source, load.dtype.unwrap_or(DType::F32), load)
+}
+
+/// The model `spec` in `dtype` from `source` and `load.adapters`, both under the checkpoint's
+/// names ([`checkpoint_source`] maps them to the model's).
+fn build_as(
+    spec: &DecoderSpec,
+    source: Arc<dyn TensorSource>,
+    dtype: DType,
+    load: &LoadSpec<'_>,
+) -> Result<LoadedDecoder> {
+    let adapters = load
+        .adapters
+        .as_ref()
+        .map(|a| a.with_source(a.source().map(|s| checkpoint_source(spec, s.clone()))));
+    let source = checkpoint_source(spec, source);
     let (vb, params) = ParamBuilder::new(source, dtype, load.ctx.device(), load.mode);
     let model = Decoder::new_stage(
         spec,
-        vb.with_adapters(load.adapters.clone()),
+        vb.with_adapters(adapters),
         load.ctx,
         load.layers,
         load.ends,
     )?;
     Ok(LoadedDecoder { model, params })
+}
+
+/// `source` (a checkpoint or an adapter, under its names) under the names of the model of
+/// `spec`: the parts of fused projections as views ([`fused::FusedSource`]), else itself.
+pub fn checkpoint_source(
+    spec: &DecoderSpec,
+    source: Arc<dyn TensorSource>,
+) -> Arc<dyn TensorSource> {
+    match spec.fused_layout() {
+        Some(layout) => Arc::new(fused::FusedSource::new(source, layout)),
+        None => source,
+    }
 }
 
 impl From<LoadedDecoder> for LoadedCausalLm {
@@ -133,6 +154,7 @@ impl From<LoadedDecoder> for LoadedCausalLm {
 /// does not adapt (e.g. PEFT's `lm_head`), or targets that match nothing, are errors rather
 /// than silently ignored.
 fn check_adapters_used(
+    spec: &DecoderSpec,
     adapters: &Adapters,
     params: &ParamList,
     layers: &[Range<usize>],
@@ -144,9 +166,9 @@ fn check_adapters_used(
         .any(|n| candle_parallel::nn::lora::is_adapter_param(n))
     {
         return Err(crate::Error::Invalid(format!(
-            "the LoRA targets {:?} match no linear layer of the model (its layers are q_proj, \
-             k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)",
-            adapters.cfg.targets
+            "the LoRA targets {:?} match no linear layer of the model (its layers are {})",
+            adapters.cfg.targets,
+            spec.linear_names().join(", ")
         )));
     }
     let Some(names) = adapters.source().and_then(|s| s.names()) else {

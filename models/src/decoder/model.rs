@@ -523,6 +523,13 @@ impl crate::causal_lm::CausalLm for Decoder {
     fn adapters(&self) -> Option<&Arc<Adapters>> {
         self.adapters.as_ref()
     }
+
+    fn to_checkpoint(&self, tensors: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
+        match self.spec.fused_layout() {
+            Some(layout) => layout.fuse_tensors(tensors),
+            None => Ok(tensors),
+        }
+    }
 }
 
 impl Parallelize for Decoder {

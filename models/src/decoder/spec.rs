@@ -8,6 +8,7 @@ use std::path::Path;
 use candle_parallel::nn::{Activation, AttentionConfig, EmbeddingConfig, MlpConfig, NormConfig};
 use candle_parallel::ops::RotaryEmbedding;
 
+use super::fused::{FusedLayout, FUSED_GATE_UP, FUSED_QKV};
 use crate::error::{Error, Result};
 use crate::family::Description;
 
@@ -32,7 +33,9 @@ pub struct LayerSpec {
 /// transformers' LLaMA names (`model.embed_tokens`, `model.layers.{i}.self_attn.q_proj`,
 /// `mlp.gate_proj`, `input_layernorm`, `post_attention_layernorm`, `model.norm`, `lm_head`),
 /// plus `self_attn.q_norm` / `k_norm` with q/k norms and `pre_feedforward_layernorm` /
-/// `post_feedforward_layernorm` with sandwich norms.
+/// `post_feedforward_layernorm` with sandwich norms. With [`DecoderSpec::fused_projections`]
+/// the checkpoint fuses q/k/v and gate/up (Phi-3), which the model loads and saves through
+/// [`super::fused`].
 #[derive(Debug, Clone)]
 pub struct DecoderSpec {
     /// The family's short name, for errors.
@@ -69,6 +72,10 @@ pub struct DecoderSpec {
     /// Final-logit soft-cap (Gemma 2's `final_logit_softcapping`), in the loss and the logits.
     pub final_softcap: Option<f32>,
     pub tie_word_embeddings: bool,
+    /// The checkpoint stores q, k and v fused as `self_attn.qkv_proj` and gate and up as
+    /// `mlp.gate_up_proj` (Phi-3): see [`super::fused`]. The model's parameters keep the
+    /// parts' names; [`DecoderSpec::fused_layout`] maps them.
+    pub fused_projections: bool,
     /// One per decoder layer.
     pub layers: Vec<LayerSpec>,
 }
@@ -93,7 +100,8 @@ impl DecoderSpec {
         .with_window(layer.window)
         .with_scale(self.attn_scale)
         .with_softcap(self.attn_softcap)
-        .with_rope(layer.rope.clone()))
+        .with_rope(layer.rope.clone())
+        .with_fused_qkv(self.fused_projections.then_some(FUSED_QKV)))
     }
 
     fn layer(&self, i: usize) -> Result<&LayerSpec> {
@@ -110,6 +118,36 @@ impl DecoderSpec {
         MlpConfig::swiglu(self.hidden_size, self.intermediate_size)
             .with_activation(self.activation)
             .with_bias(self.mlp_bias)
+            .with_fused_gate_up(self.fused_projections.then_some(FUSED_GATE_UP))
+    }
+
+    /// How the checkpoint fuses projections the model runs apart (Phi-3), if it does.
+    pub fn fused_layout(&self) -> Option<FusedLayout> {
+        self.fused_projections.then(|| {
+            FusedLayout::phi3(
+                self.num_heads * self.head_dim,
+                self.num_kv_heads * self.head_dim,
+                self.intermediate_size,
+            )
+        })
+    }
+
+    /// The names of the linear layers of a decoder layer that LoRA can target, in checkpoint
+    /// names.
+    pub fn linear_names(&self) -> &'static [&'static str] {
+        if self.fused_projections {
+            &[FUSED_QKV, "o_proj", FUSED_GATE_UP, "down_proj"]
+        } else {
+            &[
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ]
+        }
     }
 
     /// A norm of `features` features in this model's style.
@@ -140,8 +178,18 @@ impl DecoderSpec {
         }
     }
 
-    /// The name and shape of every parameter, as in a Hugging Face checkpoint.
+    /// The name and shape of every parameter, as in a Hugging Face checkpoint (fused
+    /// projections fused).
     pub fn parameter_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let parts = self.part_shapes();
+        match self.fused_layout() {
+            Some(layout) => layout.fuse_shapes(parts),
+            None => parts,
+        }
+    }
+
+    /// The name and shape of every parameter of the model (q, k, v, gate and up apart).
+    fn part_shapes(&self) -> Vec<(String, Vec<usize>)> {
         let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
         let (q, kv) = (
             self.num_heads * self.head_dim,
@@ -262,6 +310,7 @@ impl DecoderSpec {
         add(self.mlp_bias, "MLP biases");
         add(self.qk_norm, "q/k norms");
         add(self.activation == Activation::GeGluTanh, "GeGLU (tanh)");
+        add(self.fused_projections, "fused qkv / gate-up projections");
         add(self.norm == NormStyle::UnitOffset, "(1 + w) RMSNorm");
         add(self.sandwich_norms, "pre/post norms");
         add(self.embed_scale.is_some(), "scaled embeddings");

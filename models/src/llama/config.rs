@@ -280,6 +280,7 @@ impl LlamaConfig {
             attn_softcap: None,
             final_softcap: None,
             tie_word_embeddings: self.tie_word_embeddings,
+            fused_projections: false,
             layers: vec![LayerSpec { window: None, rope }; self.num_hidden_layers],
         })
     }
