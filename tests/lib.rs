@@ -281,6 +281,17 @@ pub fn run_layout(name: &str, layout: &Layout) -> StepResult {
 /// gathers everything to global form. Returns rank 0's result (every other rank's is checked to
 /// be bit-identical). Errors (as a panic naming the layout) when a parameter receives no gradient.
 pub fn run_layout_with(name: &str, layout: &Layout, plan: StepPlan) -> StepResult {
+    run_layout_masked(name, layout, plan, &AttnMask::Causal)
+}
+
+/// [`run_layout_with`] under attention `mask` (a document mask of the fixture's sequence
+/// length: the batch is cut, and the logits gathered, with the plan of that mask).
+pub fn run_layout_masked(
+    name: &str,
+    layout: &Layout,
+    plan: StepPlan,
+    mask: &AttnMask,
+) -> StepResult {
     let r = reference(name);
     let labels = r.labels.to_vec2::<i64>().unwrap();
     let seqs = r.input_ids.clone();
@@ -292,7 +303,7 @@ pub fn run_layout_with(name: &str, layout: &Layout, plan: StepPlan) -> StepResul
         let memory = plan.memory();
         let zero = memory.zero_groups(&mesh).map_err(|x| e(&x))?;
         let planned = memory.apply(&mut model, zero.as_ref()).map_err(|x| e(&x))?;
-        let (batch, _) = Batch::from_sequences(&ctx, &seqs, AttnMask::Causal).map_err(|x| e(&x))?;
+        let (batch, _) = Batch::from_sequences(&ctx, &seqs, mask.clone()).map_err(|x| e(&x))?;
         // transformers' loss: logits[:, i] against labels[:, i + 1].
         let shifted: Vec<i64> = labels
             .iter()
@@ -300,7 +311,7 @@ pub fn run_layout_with(name: &str, layout: &Layout, plan: StepPlan) -> StepResul
             .collect();
         let (b, s) = (seqs.len(), seqs[0].len());
         let shifted = Tensor::from_vec(shifted, (b, s), &Device::Cpu).unwrap();
-        let local_labels = ctx.shard_tokens(&shifted).map_err(|x| e(&x))?;
+        let local_labels = ctx.shard_tokens_for(&shifted, mask).map_err(|x| e(&x))?;
         let (sum, count) = model
             .loss_sum(&batch, &local_labels, &CrossEntropyOptions::default())
             .map_err(|x| e(&x))?;
@@ -324,7 +335,9 @@ pub fn run_layout_with(name: &str, layout: &Layout, plan: StepPlan) -> StepResul
         let grads = model.backward(&local_loss).map_err(|x| e(&x))?;
         let grads = global_gradients(layout, &mesh, &ctx, &planned, zero.as_ref(), &grads)?;
         let logits = model.logits(&batch).map_err(|x| e(&x))?;
-        let logits = ctx.gather_tokens(&logits.detach()).map_err(|x| e(&x))?;
+        let logits = ctx
+            .gather_tokens_for(&logits.detach(), mask)
+            .map_err(|x| e(&x))?;
         Ok(StepResult {
             loss,
             logits,
@@ -344,6 +357,30 @@ pub fn run_layout_with(name: &str, layout: &Layout, plan: StepPlan) -> StepResul
         }
     }
     first
+}
+
+/// Asserts that `got` equals `want` within `tol` relative (`case` names the run): the loss, the
+/// logits and every parameter's gradient, each of which must be non-zero.
+pub fn assert_same_step(case: &str, got: &StepResult, want: &StepResult, tol: f64) {
+    testkit::assert_close_scalar(
+        got.loss as f64,
+        want.loss as f64,
+        tol,
+        &format!("{case}: loss"),
+    );
+    let e = rel_err(&got.logits, &want.logits);
+    assert!(e <= tol, "{case}: logits rel err {e}");
+    assert_eq!(got.grads.len(), want.grads.len(), "{case}");
+    for (n, g) in &want.grads {
+        let ours = got
+            .grads
+            .get(n)
+            .unwrap_or_else(|| panic!("{case}: no gradient for {n}"));
+        let max = max_abs(ours);
+        assert!(max > 0.0, "{case}: the gradient of {n} is zero (or NaN)");
+        let e = rel_err(ours, g);
+        assert!(e <= tol, "{case}: gradient of {n}: rel err {e}");
+    }
 }
 
 /// Every parameter's whole gradient (f32) from this rank's backward `grads` of a model loaded

@@ -9,7 +9,8 @@ use candle_parallel::attention::{SeqLayout, Strategy};
 use candle_parallel::mesh::Placement;
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{
-    every_strategy, max_abs, rel_err, run_layout, run_layout_with, Layout, StepPlan, StepResult,
+    assert_same_step, every_strategy, max_abs, run_layout, run_layout_with, Layout, StepPlan,
+    StepResult,
 };
 
 const TOL: f64 = 1e-5;
@@ -24,25 +25,7 @@ fn compare_with(name: &str, layout: &Layout, plan: StepPlan, want: &StepResult) 
         "{name} / {} (checkpointing {}, zero3 {})",
         layout.name, plan.checkpointing, plan.zero3
     );
-    testkit::assert_close_scalar(
-        got.loss as f64,
-        want.loss as f64,
-        TOL,
-        &format!("{case}: loss"),
-    );
-    let e = rel_err(&got.logits, &want.logits);
-    assert!(e <= TOL, "{case}: logits rel err {e}");
-    assert_eq!(got.grads.len(), want.grads.len(), "{case}");
-    for (n, g) in &want.grads {
-        let ours = got
-            .grads
-            .get(n)
-            .unwrap_or_else(|| panic!("{case}: no gradient for {n}"));
-        let max = max_abs(ours);
-        assert!(max > 0.0, "{case}: the gradient of {n} is zero (or NaN)");
-        let e = rel_err(ours, g);
-        assert!(e <= TOL, "{case}: gradient of {n}: rel err {e}");
-    }
+    assert_same_step(&case, &got, want, TOL);
 }
 
 fn layouts() -> Vec<Layout> {
