@@ -202,6 +202,9 @@ pub fn run<T: Task>(
                 if let Some(b) = s.pp_bubble {
                     o.insert("pp_bubble".into(), serde_json::json!(b));
                 }
+                if let Some(b) = s.attention_work_max_over_mean {
+                    o.insert("attention_work_max_over_mean".into(), serde_json::json!(b));
+                }
             }
             f.write(&line)?;
         }
