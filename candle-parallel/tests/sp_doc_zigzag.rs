@@ -60,13 +60,14 @@ fn the_plan_follows_the_documents() {
     assert!(cfg.plan_for(32, &docs).is_err());
 }
 
-/// Causal work balance (busiest ring rank over the mean) of one fixed packing, a window of
-/// 16,384 tokens cutting the end of one document and the start of the next, then short ones:
-/// today's zigzag leaves the ranks holding the long document's end idle, doc-zigzag is within
-/// the 1.05 for ring 2 (USP 2x2) and ring 4 (ring, double ring).
+/// Causal work balance (busiest ring rank over the mean) of one fixed packing: window 10 of
+/// the bundled corpus at 16,384 tokens (`cpl data prepare` of `assets/default/corpus`, the
+/// windows `--doc-mask` packs), the last 11,386 tokens of one play and the first 4,998 of the
+/// next. Today's zigzag gives 1.47 (ring 2, USP 2x2) and 1.74 (ring 4, double ring); doc-zigzag
+/// is within the 1.05 (here 1.000).
 #[test]
 fn work_balance_of_a_fixed_packing() {
-    let lens = [12000usize, 3000, 700, 400, 200, 84];
+    let lens = [11386usize, 4998];
     let ids: Vec<u32> = lens
         .iter()
         .enumerate()
@@ -81,7 +82,7 @@ fn work_balance_of_a_fixed_packing() {
             max_over_mean(&ring_work(&plan, Some(&ids)).unwrap())
         };
         let (before, after) = (balance(SeqLayout::Zigzag), balance(SeqLayout::DocZigzag));
-        assert!(before > 1.3, "ring {ring}: zigzag {before}");
+        assert!(before > 1.4, "ring {ring}: zigzag {before}");
         assert!(after <= 1.05, "ring {ring}: doc-zigzag {after}");
     }
 }
