@@ -329,7 +329,7 @@ pub fn run_layout(name: &str, layout: &Layout) -> StepResult {
 /// gathers everything to global form. Returns rank 0's result (every other rank's is checked to
 /// be bit-identical). Errors (as a panic naming the layout) when a parameter receives no gradient.
 pub fn run_layout_with(name: &str, layout: &Layout, plan: StepPlan) -> StepResult {
-    run_layout_lora(name, layout, plan, None)
+    run_layout_masked(name, layout, plan, &AttnMask::Causal)
 }
 
 /// [`run_layout_with`] of the fixture with LoRA `adapters`: the gradients are the adapters'.
@@ -337,6 +337,28 @@ pub fn run_layout_lora(
     name: &str,
     layout: &Layout,
     plan: StepPlan,
+    adapters: Option<Arc<Adapters>>,
+) -> StepResult {
+    run_layout_full(name, layout, plan, &AttnMask::Causal, adapters)
+}
+
+/// [`run_layout_with`] under attention `mask` (a document mask of the fixture's sequence
+/// length: the batch is cut, and the logits gathered, with the plan of that mask).
+pub fn run_layout_masked(
+    name: &str,
+    layout: &Layout,
+    plan: StepPlan,
+    mask: &AttnMask,
+) -> StepResult {
+    run_layout_full(name, layout, plan, mask, None)
+}
+
+/// [`run_layout_with`] under attention `mask` with LoRA `adapters`.
+pub fn run_layout_full(
+    name: &str,
+    layout: &Layout,
+    plan: StepPlan,
+    mask: &AttnMask,
     adapters: Option<Arc<Adapters>>,
 ) -> StepResult {
     let r = reference(name);
@@ -352,7 +374,7 @@ pub fn run_layout_lora(
         let memory = plan.memory();
         let zero = memory.zero_groups(&mesh).map_err(|x| e(&x))?;
         let planned = memory.apply(&mut model, zero.as_ref()).map_err(|x| e(&x))?;
-        let (batch, _) = Batch::from_sequences(&ctx, &seqs, AttnMask::Causal).map_err(|x| e(&x))?;
+        let (batch, _) = Batch::from_sequences(&ctx, &seqs, mask.clone()).map_err(|x| e(&x))?;
         // transformers' loss: logits[:, i] against labels[:, i + 1].
         let shifted: Vec<i64> = labels
             .iter()
@@ -360,7 +382,7 @@ pub fn run_layout_lora(
             .collect();
         let (b, s) = (seqs.len(), seqs[0].len());
         let shifted = Tensor::from_vec(shifted, (b, s), &Device::Cpu).unwrap();
-        let local_labels = ctx.shard_tokens(&shifted).map_err(|x| e(&x))?;
+        let local_labels = ctx.shard_tokens_for(&shifted, mask).map_err(|x| e(&x))?;
         let (sum, count) = model
             .loss_sum(&batch, &local_labels, &CrossEntropyOptions::default())
             .map_err(|x| e(&x))?;
@@ -389,7 +411,9 @@ pub fn run_layout_lora(
             .into_iter()
             .collect();
         let logits = model.logits(&batch).map_err(|x| e(&x))?;
-        let logits = ctx.gather_tokens(&logits.detach()).map_err(|x| e(&x))?;
+        let logits = ctx
+            .gather_tokens_for(&logits.detach(), mask)
+            .map_err(|x| e(&x))?;
         Ok(StepResult {
             loss,
             logits,

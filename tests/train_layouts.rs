@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
-use candle_parallel::attention::{AttnMask, Strategy};
+use candle_parallel::attention::{AttnMask, SeqLayout, SpConfig, Strategy};
 use candle_parallel::comm::{LocalWorld, ReduceOp};
 use candle_parallel::mesh::Dim;
 use candle_parallel::nn::{Batch, CrossEntropyOptions, ParamMode, Track};
@@ -430,7 +430,8 @@ fn grad_accumulation_equals_a_larger_batch() {
 }
 
 /// Document-masked training (packed documents, Llama 3's mask) equals one rank under every
-/// sequence-parallel strategy, alone and with selective checkpointing or ZeRO-3.
+/// sequence-parallel strategy, alone and with selective checkpointing or ZeRO-3, in the
+/// window's zigzag and zigzagged per document (doc-zigzag).
 #[test]
 fn document_masked_training_matches_single_rank() {
     use Strategy::{AllGather, DoubleRing, Ring, StarTrail, Ulysses, Usp};
@@ -442,6 +443,7 @@ fn document_masked_training_matches_single_rank() {
         Checkpointing::Full,
     );
     let l = Layout::new;
+    let doc = |s: SpConfig| s.with_layout(SeqLayout::DocZigzag);
     #[rustfmt::skip]
     let table = [
         (l("zigzag ring4", 1, 1, 4, Ring), 0, keep),
@@ -457,6 +459,14 @@ fn document_masked_training_matches_single_rank() {
         (l("zero3, startrail C2 on 8", 1, 1, 8, StarTrail).with_sp(|s| s.with_team(2)), 3, keep),
         (l("full ckpt + zero3, all-gather CP 4", 1, 1, 4, AllGather), 3, full),
         (l("selective ckpt + zero3, ulysses4", 1, 4, 1, Ulysses), 3, sel),
+        (l("doc-zigzag ring4", 1, 1, 4, Ring).with_sp(doc), 0, keep),
+        (l("doc-zigzag usp 2x2", 1, 2, 2, Usp).with_sp(doc), 0, keep),
+        (l("doc-zigzag double ring w2 on 4", 1, 1, 4, DoubleRing)
+            .with_sp(|s| doc(s).with_inner_ring(2)), 0, keep),
+        (l("doc-zigzag startrail C2 on 8", 1, 1, 8, StarTrail)
+            .with_sp(|s| doc(s).with_team(2)), 0, keep),
+        (l("doc-zigzag all-gather CP 4", 1, 1, 4, AllGather).with_sp(doc), 0, keep),
+        (l("doc-zigzag, selective ckpt + zero3, usp 2x2", 1, 2, 2, Usp).with_sp(doc), 3, sel),
     ];
     for (layout, zero, ckpt) in table {
         let plan = Plan {

@@ -33,8 +33,10 @@ pub struct LayoutArgs {
     /// Placement of the (ulysses, ring) grid (LoongTrain).
     #[arg(long, value_enum, default_value_t = Placement::HeadFirst)]
     pub placement: Placement,
-    /// How the sequence is split over the ring ranks. Default: the model's: zigzag for causal
-    /// attention (it balances the causal triangle), contiguous for full attention (DiT).
+    /// How the sequence is split over the ring ranks. Default: doc-zigzag for a causal model
+    /// trained with --doc-mask (zigzag per packed document: it balances every document's causal
+    /// triangle), else the model's: zigzag for causal attention (it balances the causal
+    /// triangle), contiguous for full attention (DiT).
     #[arg(long, value_enum)]
     pub ring_layout: Option<SeqLayout>,
     /// Sequence-parallel attention. Default: usp when both --ulysses and --ring exceed 1,
@@ -254,6 +256,16 @@ impl LayoutArgs {
     pub fn dp_degree(&self) -> Result<usize> {
         let mesh = self.mesh_config()?;
         Ok(MeshLayout::new(&mesh, self.ranks)?.group_size(&[Dim::Dp]))
+    }
+
+    /// These flags for a causal model trained with document masks (`doc_mask`): without an
+    /// explicit `--ring-layout`, doc-zigzag (each packed document zigzagged over the ring
+    /// ranks). Precedence: `--ring-layout`, then this, then [`LayoutArgs::for_attention`].
+    pub fn for_documents(mut self, doc_mask: bool) -> Self {
+        if doc_mask && self.ring_layout.is_none() {
+            self.ring_layout = Some(SeqLayout::DocZigzag);
+        }
+        self
     }
 
     /// The layout flags that differ from their defaults, as typed (`--ranks 4 --tp 2 --ring 2`).

@@ -45,6 +45,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
              models (LLaVA); to train a text model on chat data use cpl finetune"
         );
     }
+    let args = &TrainArgs {
+        layout: args.layout.clone().for_documents(args.doc_mask),
+        ..args.clone()
+    };
     let mut cfg = args.train_config()?;
     // Flag checks that need the layout, before the data is read and tokenized.
     let sp = args.layout.sp_config()?;

@@ -229,3 +229,66 @@ fn passkey_grid_is_the_same_under_every_layout() {
         ),
     ]);
 }
+
+/// `--doc-mask` trains with `--ring-layout doc-zigzag` unless `--ring-layout` names another:
+/// the same loss as the window's zigzag (1e-5: f32, another summation order), and
+/// `metrics.jsonl`'s `attention_work_max_over_mean` shows the balance it buys on a window whose
+/// first document fills most of it (ring 4).
+#[test]
+fn doc_mask_defaults_to_the_per_document_zigzag() {
+    let dir = tmpdir("doc-zigzag");
+    let model = common::fixtures("llama/mha");
+    // Documents much longer than the kernels' 128-row tiles, or the tiles hide the balance.
+    let mut docs = testkit::random_docs(3, 1, 3600..3601, 256);
+    docs.extend(testkit::random_docs(4, 80, 4..12, 256));
+    let tokens = dir.join("docs.json");
+    std::fs::write(&tokens, serde_json::to_string(&docs).unwrap()).unwrap();
+    let metrics = |tag: &str, extra: &[&str]| -> serde_json::Value {
+        let out = dir.join(tag);
+        let mut args = vec![
+            "train",
+            "--model",
+            model.to_str().unwrap(),
+            "--tokens",
+            tokens.to_str().unwrap(),
+            "--doc-mask",
+            "--seq-len",
+            "4096",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--grad-accum",
+            "1",
+            "--ranks",
+            "4",
+            "--ring",
+            "4",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let o = cpl(&args);
+        assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+        let line = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        serde_json::from_str(line.lines().next().unwrap()).unwrap()
+    };
+    let doc = metrics("default", &[]);
+    let zigzag = metrics("zigzag", &["--ring-layout", "zigzag"]);
+    let explicit = metrics("explicit", &["--ring-layout", "doc-zigzag"]);
+    let loss = |v: &serde_json::Value| v["loss"].as_f64().unwrap();
+    let balance = |v: &serde_json::Value| v["attention_work_max_over_mean"].as_f64().unwrap();
+    testkit::assert_close_scalar(loss(&doc), loss(&zigzag), 1e-5, "loss vs zigzag");
+    assert_eq!(
+        balance(&doc),
+        balance(&explicit),
+        "the default is doc-zigzag"
+    );
+    assert!(
+        balance(&doc) < balance(&zigzag) && balance(&doc) <= 1.1,
+        "doc-zigzag {} vs zigzag {}",
+        balance(&doc),
+        balance(&zigzag)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

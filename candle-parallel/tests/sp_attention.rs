@@ -186,10 +186,10 @@ fn run_ranks(c: &Case, x: &Global) -> Result<Vec<RankOut>, String> {
             let mesh = DeviceMesh::new(&c.cfg.mesh_config(), comm.clone()).map_err(e2s)?;
             let sp = SpAttention::new(&c.cfg, &mesh).map_err(e2s)?;
             let var = |t: &Tensor| -> Result<Var, String> {
-                Var::from_tensor(&sp.shard(t, 1).map_err(e2s)?).map_err(e2s)
+                Var::from_tensor(&sp.shard_for(t, 1, &mask).map_err(e2s)?).map_err(e2s)
             };
             let (q, k, v) = (var(&x.q)?, var(&x.k)?, var(&x.v)?);
-            let g = sp.shard(&x.g, 1).map_err(e2s)?;
+            let g = sp.shard_for(&x.g, 1, &mask).map_err(e2s)?;
             comm.traffic().reset();
             let (out, lse) = if c.with_lse {
                 sp.attention_with_lse(&q, &k, &v, &AttnCall::new(mask.clone(), c.scale()))
@@ -303,7 +303,7 @@ fn check(c: &Case, seed: u64) -> Result<(), String> {
     let x = inputs(c, seed);
     let refs = reference(c, &x);
     let ranks = run_ranks(c, &x)?;
-    let plan = c.cfg.plan(c.s).map_err(e2s)?;
+    let plan = c.cfg.plan_for(c.s, &c.attn_mask()).map_err(e2s)?;
     let mut ordered: Vec<Option<&RankOut>> = vec![None; ranks.len()];
     for ro in &ranks {
         ordered[plan.shard_index(ro.coords.0, ro.coords.1)] = Some(ro);

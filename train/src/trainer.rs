@@ -291,6 +291,11 @@ pub struct StepStats {
     /// masked and out-of-window tiles are skipped, so a window or a document mask lowers it).
     #[serde(default)]
     pub attention_scores: u64,
+    /// Balance of that work: the busiest rank's scores over the mean of its sequence-parallel
+    /// (ulysses × ring) group, the worst group over the data-parallel replicas. `None` when
+    /// nothing was counted (kernels that do not count: the composite path, GPUs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_work_max_over_mean: Option<f64>,
     /// Where the ranks' time went in this step (the straggler report).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ranks: Option<RankTimes>,
@@ -903,6 +908,7 @@ impl<M: TrainModel> Trainer<M> {
         };
         // Counted on this rank's thread since the last step (flash-ring counts per caller).
         let scores = candle_parallel::attention::take_attention_scores() as f64;
+        let balance = self.work_balance(scores)?;
         let scores = self
             .loss_group
             .all_reduce(&Tensor::new(&[scores], &Device::Cpu)?, ReduceOp::Max)?
@@ -916,6 +922,7 @@ impl<M: TrainModel> Trainer<M> {
             tokens: global_count,
             pp_bubble,
             attention_scores: scores as u64,
+            attention_work_max_over_mean: balance,
             ranks: None,
             comm_bytes_sent: 0,
         })
@@ -944,6 +951,25 @@ impl<M: TrainModel> Trainer<M> {
             comm_mean: comms.iter().sum::<f64>() / n,
             slowest_rank,
         })
+    }
+
+    /// [`StepStats::attention_work_max_over_mean`] from this rank's `scores`. Collective over
+    /// the world (the sequence-parallel group, then the data group).
+    fn work_balance(&self, scores: f64) -> Result<Option<f64>> {
+        let seq = self.ctx.sequence_group();
+        let t = Tensor::new(&[scores], &Device::Cpu)?;
+        let max = seq.all_reduce(&t, ReduceOp::Max)?.to_vec1::<f64>()?[0];
+        let sum = seq.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f64>()?[0];
+        let ratio = if sum > 0.0 {
+            max * seq.size() as f64 / sum
+        } else {
+            0.0
+        };
+        let worst = self
+            .loss_group
+            .all_reduce(&Tensor::new(&[ratio], &Device::Cpu)?, ReduceOp::Max)?
+            .to_vec1::<f64>()?[0];
+        Ok((worst > 0.0).then_some(worst))
     }
 
     /// Sums `values` over the ranks holding different data (ulysses × ring × dp). Collective

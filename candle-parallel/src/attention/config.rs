@@ -96,17 +96,30 @@ pub enum SeqLayout {
     /// Token `i` goes to rank `i mod P` (in increasing order). `S % P == 0`.
     #[cfg_attr(feature = "clap", value(alias = "stripe"))]
     Striped,
+    /// Zigzag per packed document (Megatron's THD packing): each document of a document mask
+    /// is cut into `2P` chunks, rank `r` holding chunks `r` and `2P-1-r` of every one; short
+    /// documents and remainders are placed by the rule of [`super::doc_layout`]. The plan then
+    /// depends on the batch's documents ([`super::ShardPlan::for_mask`]); without a document
+    /// mask it is [`SeqLayout::Zigzag`]. `S % 2P == 0`.
+    #[cfg_attr(feature = "clap", value(alias = "per-document"))]
+    DocZigzag,
 }
 
 impl SeqLayout {
-    pub const ALL: [SeqLayout; 3] = [SeqLayout::Contiguous, SeqLayout::Zigzag, SeqLayout::Striped];
+    pub const ALL: [SeqLayout; 4] = [
+        SeqLayout::Contiguous,
+        SeqLayout::Zigzag,
+        SeqLayout::Striped,
+        SeqLayout::DocZigzag,
+    ];
 
-    /// `contiguous`, `zigzag` or `striped`.
+    /// `contiguous`, `zigzag`, `striped` or `doc-zigzag`.
     pub const fn name(self) -> &'static str {
         match self {
             SeqLayout::Contiguous => "contiguous",
             SeqLayout::Zigzag => "zigzag",
             SeqLayout::Striped => "striped",
+            SeqLayout::DocZigzag => "doc-zigzag",
         }
     }
 
@@ -114,7 +127,7 @@ impl SeqLayout {
     /// a multiple of it.
     pub const fn pieces(self, parts: usize) -> usize {
         match self {
-            SeqLayout::Zigzag => 2 * parts,
+            SeqLayout::Zigzag | SeqLayout::DocZigzag => 2 * parts,
             SeqLayout::Contiguous | SeqLayout::Striped => parts,
         }
     }
@@ -129,14 +142,17 @@ impl fmt::Display for SeqLayout {
 impl FromStr for SeqLayout {
     type Err = Error;
 
-    /// Case-insensitive; also `contig`, `load-balanced` (zigzag), `stripe`.
+    /// Case-insensitive; also `contig`, `load-balanced` (zigzag), `stripe`, `per-document`
+    /// (doc-zigzag), `_` for `-`.
     fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
+        match s.trim().to_ascii_lowercase().replace('_', "-").as_str() {
             "contiguous" | "contig" => Ok(SeqLayout::Contiguous),
             "zigzag" | "load-balanced" => Ok(SeqLayout::Zigzag),
             "striped" | "stripe" => Ok(SeqLayout::Striped),
+            "doc-zigzag" | "per-document" => Ok(SeqLayout::DocZigzag),
             _ => Err(Error::Layout(format!(
-                "unknown sequence layout {s:?}; expected contiguous, zigzag or striped"
+                "unknown sequence layout {s:?}; expected contiguous, zigzag, striped or \
+                 doc-zigzag"
             ))),
         }
     }
@@ -260,9 +276,16 @@ impl SpConfig {
         }
     }
 
-    /// The sharding of a global sequence of `seq_len` tokens (pure; see [`super::ShardPlan`]).
+    /// The sharding of a global sequence of `seq_len` tokens without a document mask (pure;
+    /// see [`super::ShardPlan`]).
     pub fn plan(&self, seq_len: usize) -> Result<super::ShardPlan> {
         super::ShardPlan::new(seq_len, self.layout, self.ring, self.ulysses)
+    }
+
+    /// The sharding of a global sequence of `seq_len` tokens under `mask` (its documents choose
+    /// the [`SeqLayout::DocZigzag`] plan; pure).
+    pub fn plan_for(&self, seq_len: usize, mask: &super::AttnMask) -> Result<super::ShardPlan> {
+        super::ShardPlan::for_mask(seq_len, self.layout, self.ring, self.ulysses, mask)
     }
 }
 

@@ -3,7 +3,8 @@
 //! Two levels (USP's Algorithm 2, generalised to any ring layout):
 //! 1. the ring layout gives each ring rank `r` a list of `S / ring` global positions
 //!    ([`ShardPlan::ring_positions`]): contiguous `[r·S/P, (r+1)·S/P)`, zigzag chunks `r` and
-//!    `2P-1-r` of `2P`, or striped `r, r+P, r+2P, ...`;
+//!    `2P-1-r` of `2P`, striped `r, r+P, r+2P, ...`, or zigzag per document of the window's
+//!    document mask ([`ShardPlan::for_mask`], rule in [`super::doc_layout`]);
 //! 2. that list is cut into `ulysses` contiguous pieces; ulysses rank `u` holds piece `u`
 //!    ([`ShardPlan::local_positions`]).
 //!
@@ -14,10 +15,14 @@
 //!
 //! Nothing here communicates except [`ShardPlan::gather`].
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
 use flash_ring::Positions;
 
 use super::config::SeqLayout;
+use super::doc_layout::doc_zigzag_order;
+use super::mask::AttnMask;
 use crate::collectives;
 use crate::comm::Comm;
 use crate::error::{Error, Result};
@@ -29,6 +34,8 @@ pub struct ShardPlan {
     layout: SeqLayout,
     ring: usize,
     ulysses: usize,
+    /// [`SeqLayout::DocZigzag`] with documents: every ring rank's positions, concatenated.
+    doc_order: Option<Arc<[u32]>>,
 }
 
 impl ShardPlan {
@@ -80,7 +87,28 @@ impl ShardPlan {
             layout,
             ring,
             ulysses,
+            doc_order: None,
         })
+    }
+
+    /// [`ShardPlan::new`] for a window under `mask`: with [`SeqLayout::DocZigzag`] and a
+    /// document mask, each document is zigzagged over the ring ranks
+    /// ([`super::doc_layout`]); any other layout or mask gives [`ShardPlan::new`]'s plan (a
+    /// window without documents is one document: doc-zigzag is zigzag). Errors as `new`, and
+    /// when the document ids do not cover `seq_len` tokens.
+    pub fn for_mask(
+        seq_len: usize,
+        layout: SeqLayout,
+        ring: usize,
+        ulysses: usize,
+        mask: &AttnMask,
+    ) -> Result<Self> {
+        let mut plan = Self::new(seq_len, layout, ring, ulysses)?;
+        if let (SeqLayout::DocZigzag, Some(ids)) = (plan.layout, mask.doc_ids()) {
+            mask.check("shard plan", seq_len)?;
+            plan.doc_order = Some(doc_zigzag_order(ids, ring)?.into());
+        }
+        Ok(plan)
     }
 
     pub fn seq_len(&self) -> usize {
@@ -112,12 +140,16 @@ impl ShardPlan {
     /// The global positions covered by ring rank `r` (`r < ring`), in its order.
     pub fn ring_positions(&self, r: usize) -> Vec<u32> {
         let (s, p) = (self.seq_len, self.ring);
+        if let Some(order) = &self.doc_order {
+            let n = s / p;
+            return order[r * n..(r + 1) * n].to_vec();
+        }
         match self.layout {
             SeqLayout::Contiguous => {
                 let n = s / p;
                 (r * n..(r + 1) * n).map(|i| i as u32).collect()
             }
-            SeqLayout::Zigzag => {
+            SeqLayout::Zigzag | SeqLayout::DocZigzag => {
                 let c = s / (2 * p);
                 let second = 2 * p - 1 - r;
                 (r * c..(r + 1) * c)
@@ -147,6 +179,9 @@ impl ShardPlan {
     /// Every rank's positions concatenated in [`ShardPlan::shard_index`] order (a permutation
     /// of `0..S`).
     pub fn concat_order(&self) -> Vec<u32> {
+        if let Some(order) = &self.doc_order {
+            return order.to_vec();
+        }
         (0..self.ring)
             .flat_map(|r| self.ring_positions(r))
             .collect()

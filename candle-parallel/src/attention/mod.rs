@@ -20,8 +20,11 @@
 //! The grid: the sequence-parallel group is `ulysses × ring` ranks, from the mesh's
 //! [`Dim::Ulysses`](crate::mesh::Dim::Ulysses) and [`Dim::Ring`](crate::mesh::Dim::Ring)
 //! communicators. The global sequence is first split over the ring ranks by the
-//! [`SeqLayout`] (contiguous, zigzag or striped), then each ring rank's part is split in
-//! contiguous pieces over its ulysses group (USP's Algorithm 2). See [`layout`].
+//! [`SeqLayout`] (contiguous, zigzag, striped, or zigzag per document of the call's document
+//! mask), then each ring rank's part is split in contiguous pieces over its ulysses group
+//! (USP's Algorithm 2). See [`layout`] and [`doc_layout`]. The plan of a call is
+//! [`SpGroup::plan_for`] its mask: cut global tensors with the `_for` methods of
+//! [`SpAttention`] and pass the same mask to every call.
 //!
 //! Masks ([`AttnMask`]): full, causal, and document masks from per-token document ids of the
 //! global sequence (packed sequences), causal or bidirectional within documents; GQA with any
@@ -58,6 +61,7 @@
 pub mod allgather_cp;
 pub mod block;
 pub mod config;
+pub mod doc_layout;
 pub mod double_ring;
 pub mod layout;
 pub mod mask;
@@ -274,9 +278,16 @@ pub trait SequenceParallelAttention: Send + Sync {
     /// The sequence-parallel group the strategy runs on.
     fn group(&self) -> &SpGroup;
 
-    /// The sharding this strategy expects for a global sequence of `seq_len` tokens.
+    /// The sharding this strategy expects for a global sequence of `seq_len` tokens without a
+    /// document mask.
     fn plan(&self, seq_len: usize) -> Result<ShardPlan> {
         self.group().plan(seq_len)
+    }
+
+    /// The sharding this strategy expects for a global sequence of `seq_len` tokens under
+    /// `mask` (what its calls with that mask use).
+    fn plan_for(&self, seq_len: usize, mask: &AttnMask) -> Result<ShardPlan> {
+        self.group().plan_for(seq_len, mask)
     }
 
     /// This rank's `(ring_rank, ulysses_rank)` in [`SequenceParallelAttention::plan`].
@@ -357,9 +368,22 @@ impl SpGroup {
         (self.ring.rank(), self.ulysses.rank())
     }
 
-    /// The sharding of a global sequence of `seq_len` tokens over this group (pure).
+    /// The sharding of a global sequence of `seq_len` tokens over this group without a
+    /// document mask (pure).
     pub fn plan(&self, seq_len: usize) -> Result<ShardPlan> {
         ShardPlan::new(seq_len, self.layout, self.ring.size(), self.ulysses.size())
+    }
+
+    /// The sharding of a global sequence of `seq_len` tokens under `mask` over this group
+    /// (pure; see [`ShardPlan::for_mask`]).
+    pub fn plan_for(&self, seq_len: usize, mask: &AttnMask) -> Result<ShardPlan> {
+        ShardPlan::for_mask(
+            seq_len,
+            self.layout,
+            self.ring.size(),
+            self.ulysses.size(),
+            mask,
+        )
     }
 
     /// Checks q, k, v and the mask before any communication; returns the dims and the plan of
@@ -372,8 +396,8 @@ impl SpGroup {
     ) -> Result<(QkvDims, ShardPlan)> {
         let dims = QkvDims::check(op, &x.q, &x.k, &x.v)?;
         let seq_len = dims.n * self.degree();
-        let plan = self.plan(seq_len)?;
         mask.check(op, seq_len)?;
+        let plan = self.plan_for(seq_len, mask)?;
         Ok((dims, plan))
     }
 }
@@ -572,25 +596,44 @@ impl SpAttention {
         &self.group
     }
 
-    /// The global positions (for RoPE) of this rank's tokens, in local order.
+    /// The global positions (for RoPE) of this rank's tokens, in local order, without a
+    /// document mask ([`SpAttention::local_positions_for`] with [`AttnMask::Causal`]).
     pub fn local_positions(&self, seq_len: usize) -> Result<Vec<u32>> {
+        self.local_positions_for(seq_len, &AttnMask::Causal)
+    }
+
+    /// The global positions (for RoPE) of this rank's tokens under `mask`, in local order.
+    pub fn local_positions_for(&self, seq_len: usize, mask: &AttnMask) -> Result<Vec<u32>> {
         let (r, u) = self.shard_coords();
-        Ok(self.plan(seq_len)?.local_positions(r, u))
+        Ok(self.plan_for(seq_len, mask)?.local_positions(r, u))
     }
 
     /// This rank's shard of a global tensor (tokens, position ids, document ids, labels, q/k/v)
-    /// whose `dim` is the sequence. Local; differentiable (index_select).
+    /// whose `dim` is the sequence, without a document mask. Local; differentiable
+    /// (index_select).
     pub fn shard(&self, global: &Tensor, dim: usize) -> Result<Tensor> {
+        self.shard_for(global, dim, &AttnMask::Causal)
+    }
+
+    /// [`SpAttention::shard`] for the calls with `mask` (its documents choose the
+    /// [`SeqLayout::DocZigzag`] plan).
+    pub fn shard_for(&self, global: &Tensor, dim: usize, mask: &AttnMask) -> Result<Tensor> {
         let (r, u) = self.shard_coords();
-        self.plan(global.dim(dim)?)?.shard(global, dim, r, u)
+        self.plan_for(global.dim(dim)?, mask)?
+            .shard(global, dim, r, u)
     }
 
     /// The global tensor from every rank's shard (`dim` the sequence), on every rank, in global
-    /// order. Collective over the group; differentiable with replicated-loss semantics
-    /// ([`crate::collectives::gather`]).
+    /// order, without a document mask. Collective over the group; differentiable with
+    /// replicated-loss semantics ([`crate::collectives::gather`]).
     pub fn gather(&self, local: &Tensor, dim: usize) -> Result<Tensor> {
+        self.gather_for(local, dim, &AttnMask::Causal)
+    }
+
+    /// [`SpAttention::gather`] of shards cut for the calls with `mask`.
+    pub fn gather_for(&self, local: &Tensor, dim: usize, mask: &AttnMask) -> Result<Tensor> {
         let seq_len = local.dim(dim)? * self.group.degree();
-        self.plan(seq_len)?
+        self.plan_for(seq_len, mask)?
             .gather(local, dim, &self.group.ulysses, &self.group.ring)
     }
 }

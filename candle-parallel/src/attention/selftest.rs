@@ -192,14 +192,16 @@ pub fn check_case(world: &Comm, case: &SelfTestCase) -> Result<SelfTestReport> {
     let refs = [r_out, r_lse, rg(&qv)?, rg(&kv)?, rg(&vv)?];
 
     // The strategy on this rank's shard.
-    let ql = Var::from_tensor(&sp.shard(&q, 1)?)?;
-    let kl = Var::from_tensor(&sp.shard(&k, 1)?)?;
-    let vl = Var::from_tensor(&sp.shard(&v, 1)?)?;
+    let ql = Var::from_tensor(&sp.shard_for(&q, 1, &c.mask)?)?;
+    let kl = Var::from_tensor(&sp.shard_for(&k, 1, &c.mask)?)?;
+    let vl = Var::from_tensor(&sp.shard_for(&v, 1, &c.mask)?)?;
     let before = world.traffic().snapshot().bytes_sent();
     let call = AttnCall::new(c.mask.clone(), scale);
     let (out, lse) = sp.attention_with_lse(&ql, &kl, &vl, &call)?;
     let mid = world.traffic().snapshot().bytes_sent();
-    let grads = (&out * &sp.shard(&g, 1)?)?.sum_all()?.backward()?;
+    let grads = (&out * &sp.shard_for(&g, 1, &c.mask)?)?
+        .sum_all()?
+        .backward()?;
     let after = world.traffic().snapshot().bytes_sent();
     let lg = |t: &Var, name: &str| {
         grads
@@ -207,7 +209,7 @@ pub fn check_case(world: &Comm, case: &SelfTestCase) -> Result<SelfTestReport> {
             .cloned()
             .ok_or_else(|| fail(format!("rank {}: no gradient for {name}", world.rank())))
     };
-    let g_local = sp.shard(&g, 1)?;
+    let g_local = sp.shard_for(&g, 1, &c.mask)?;
     let saved = Saved::new(&ql, &kl, &vl, &out, &lse);
     let explicit = sp.backward(&saved, &g_local, &call)?;
     let got = [out, lse, lg(&ql, "q")?, lg(&kl, "k")?, lg(&vl, "v")?];
@@ -216,7 +218,7 @@ pub fn check_case(world: &Comm, case: &SelfTestCase) -> Result<SelfTestReport> {
     let mut errors = [0f32; 5];
     for i in 0..5 {
         let dim = if i == 1 { 2 } else { 1 };
-        let want = sp.shard(&refs[i], dim)?;
+        let want = sp.shard_for(&refs[i], dim, &c.mask)?;
         errors[i] = rel_err(&got[i], &want, &refs[i])?;
         if errors[i] > c.tol || errors[i].is_nan() {
             return Err(fail(format!(
@@ -231,7 +233,7 @@ pub fn check_case(world: &Comm, case: &SelfTestCase) -> Result<SelfTestReport> {
     }
     let mut explicit_bwd_errors = [0f32; 3];
     for (i, e) in [explicit.0, explicit.1, explicit.2].iter().enumerate() {
-        let want = sp.shard(&refs[i + 2], 1)?;
+        let want = sp.shard_for(&refs[i + 2], 1, &c.mask)?;
         explicit_bwd_errors[i] = rel_err(e, &want, &refs[i + 2])?;
         if explicit_bwd_errors[i] > c.tol || explicit_bwd_errors[i].is_nan() {
             return Err(fail(format!(

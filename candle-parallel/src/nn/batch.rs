@@ -40,7 +40,7 @@ impl Batch {
     }
 
     /// This rank's shard of equal-length global sequences `ids` and their `labels` (the target
-    /// of each token, [`IGNORE_INDEX`] ignored), cut by the layout of `ctx`; returns the batch
+    /// of each token, [`IGNORE_INDEX`] ignored), cut by the layout of `ctx` for `mask`; returns the batch
     /// and the local labels `(batch, n)` i64.
     pub fn from_tokens(
         ctx: &ParallelCtx,
@@ -66,12 +66,13 @@ impl Batch {
         let flat_labels: Vec<i64> = labels.iter().flatten().copied().collect();
         let ids = Tensor::from_vec(flat_ids, (ids.len(), len), dev)?;
         let labels = Tensor::from_vec(flat_labels, (labels.len(), len), dev)?;
+        let labels = ctx.shard_tokens_for(&labels, &mask)?;
         let batch = Batch {
-            input_ids: ctx.shard_tokens(&ids)?,
-            positions: ctx.attention_positions(len)?,
+            input_ids: ctx.shard_tokens_for(&ids, &mask)?,
+            positions: ctx.attention_positions_for(len, &mask)?,
             mask,
         };
-        Ok((batch, ctx.shard_tokens(&labels)?))
+        Ok((batch, labels))
     }
 
     /// The pass of this batch with `ctx`'s attention (see [`Pass`]). Errors when the positions

@@ -320,6 +320,13 @@ impl ParallelCtx {
         self.attention.shard(global, 1)
     }
 
+    /// [`ParallelCtx::shard_tokens`] for a batch whose attention mask is `mask` (under
+    /// [`SeqLayout::DocZigzag`](crate::attention::SeqLayout::DocZigzag) its documents choose
+    /// the plan; every tensor of the batch must be cut with the same mask).
+    pub fn shard_tokens_for(&self, global: &Tensor, mask: &AttnMask) -> Result<Tensor> {
+        self.attention.shard_for(global, 1, mask)
+    }
+
     /// The tokens of a global `(batch, seq, ..)` tensor that this rank's layers work on: its
     /// sequence-parallel shard ([`ParallelCtx::shard_tokens`]) and under TP-sp its
     /// tensor-parallel part of that (backward all-gathers over tp). For inputs a model embeds
@@ -353,10 +360,20 @@ impl ParallelCtx {
         self.attention.gather(local, 1)
     }
 
+    /// [`ParallelCtx::gather_tokens`] of shards cut by [`ParallelCtx::shard_tokens_for`] `mask`.
+    pub fn gather_tokens_for(&self, local: &Tensor, mask: &AttnMask) -> Result<Tensor> {
+        self.attention.gather_for(local, 1, mask)
+    }
+
     /// The global positions (RoPE) of this rank's sequence-parallel tokens, i.e. of the tokens
     /// attention sees (under TP-sp: the whole tensor-parallel group's tokens, gathered).
     pub fn attention_positions(&self, seq_len: usize) -> Result<Vec<u32>> {
         self.attention.local_positions(seq_len)
+    }
+
+    /// [`ParallelCtx::attention_positions`] of a batch whose attention mask is `mask`.
+    pub fn attention_positions_for(&self, seq_len: usize, mask: &AttnMask) -> Result<Vec<u32>> {
+        self.attention.local_positions_for(seq_len, mask)
     }
 
     /// Number of tokens of a global sequence of `seq_len` that this rank's sequence shard holds.

@@ -26,6 +26,11 @@ pub enum MaskSel {
     Causal,
     Docs,
     DocsFull,
+    /// Causal documents all shorter than 8 tokens (`2·R` for 4 ring ranks): lengths 1 to 7
+    /// in turn, the last one cut to fit.
+    ShortDocs,
+    /// One document over the whole window (a window cut from a document longer than it).
+    OneDoc,
 }
 
 impl MaskSel {
@@ -45,6 +50,18 @@ impl MaskSel {
             MaskSel::Causal => AttnMask::Causal,
             MaskSel::Docs => AttnMask::from_cu_seqlens(&cu, MaskKind::Causal).unwrap(),
             MaskSel::DocsFull => AttnMask::from_cu_seqlens(&cu, MaskKind::Full).unwrap(),
+            MaskSel::ShortDocs => {
+                let mut cu = vec![0];
+                for l in (1..=7).cycle() {
+                    let end = (cu[cu.len() - 1] + l).min(s);
+                    cu.push(end);
+                    if end == s {
+                        break;
+                    }
+                }
+                AttnMask::from_cu_seqlens(&cu, MaskKind::Causal).unwrap()
+            }
+            MaskSel::OneDoc => AttnMask::documents(vec![0u32; s]),
         }
     }
 }
@@ -167,7 +184,7 @@ pub fn run(case: &Case, x: &Inputs) -> Vec<RankOut> {
     LocalWorld::run(case.world(), |world| -> candle_parallel::Result<RankOut> {
         let mesh = DeviceMesh::new(&case.cfg.mesh_config(), world.clone())?;
         let sp = SpAttention::new(&case.cfg, &mesh)?;
-        let shard = |t: &Tensor| sp.shard(t, 1);
+        let shard = |t: &Tensor| sp.shard_for(t, 1, &mask);
         let q = Var::from_tensor(&shard(&x.q)?)?;
         let k = Var::from_tensor(&shard(&x.k)?)?;
         let v = Var::from_tensor(&shard(&x.v)?)?;
@@ -236,7 +253,7 @@ pub fn unshard(
     dim: usize,
     pick: impl Fn(&RankOut) -> &Tensor,
 ) -> Tensor {
-    let plan = case.cfg.plan(case.s).unwrap();
+    let plan = case.cfg.plan_for(case.s, &case.mask.mask(case.s)).unwrap();
     let mut parts: Vec<Option<Tensor>> = vec![None; ranks.len()];
     for r in ranks {
         let i = plan.shard_index(r.coords.0, r.coords.1);

@@ -263,6 +263,9 @@ pub fn run<T: Task>(
                     if mfu.is_finite() {
                         o.insert("mfu".into(), serde_json::json!(mfu));
                     }
+                    if let Some(b) = s.attention_work_max_over_mean {
+                        o.insert("attention_work_max_over_mean".into(), serde_json::json!(b));
+                    }
                     if let Some(r) = s.ranks {
                         let ratio = r.compute_max / r.compute_mean.max(1e-12);
                         o.extend(serde_json::Map::from_iter([
