@@ -47,7 +47,7 @@ pub fn run(cmd: &TraceCommand) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:>4}  {:>9}  {:>9}  {:>9}  {:>9}  {:>6}  {:>12}  {:>9}  {:>10}",
+        "{:>4}  {:>9}  {:>9}  {:>9}  {:>9}  {:>6}  {:>12}  {:>9}  {:>10}  {:>8}",
         "rank",
         "step s",
         "forward s",
@@ -56,12 +56,16 @@ pub fn run(cmd: &TraceCommand) -> Result<()> {
         "comm %",
         "comm bytes",
         "optimizer",
-        "checkpoint"
+        "checkpoint",
+        "hidden %"
     );
     for t in &tracks {
         let step = secs(t, "step");
+        let hidden = t
+            .hidden_share()
+            .map_or("-".to_string(), |h| format!("{:.1}%", 100.0 * h));
         println!(
-            "{:>4}  {:>9.3}  {:>9.3}  {:>9.3}  {:>9.3}  {:>5.1}%  {:>12}  {:>9.3}  {:>10.3}",
+            "{:>4}  {:>9.3}  {:>9.3}  {:>9.3}  {:>9.3}  {:>5.1}%  {:>12}  {:>9.3}  {:>10.3}  {:>8}",
             t.rank.unwrap_or(0),
             step,
             secs(t, "forward"),
@@ -71,6 +75,7 @@ pub fn run(cmd: &TraceCommand) -> Result<()> {
             t.bytes_sent,
             secs(t, "optimizer"),
             secs(t, "checkpoint"),
+            hidden,
         );
     }
     if let Some(r) = slowest {

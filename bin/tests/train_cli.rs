@@ -1867,9 +1867,15 @@ fn trace_has_a_track_per_rank_and_the_steps_traffic() {
     assert!(text.contains("slowest rank"), "{text}");
     let rows: Vec<String> = text
         .lines()
-        .filter(|l| l.split_whitespace().count() == 9)
+        .filter(|l| l.split_whitespace().count() == 10)
         .filter_map(|l| l.split_whitespace().next().map(String::from))
         .collect();
     assert_eq!(rows, ["0", "1"], "a row per rank: {text}");
+    // The ring's transfers: a share hidden behind compute, between 0 and 100%.
+    for l in text.lines().filter(|l| l.split_whitespace().count() == 10) {
+        let hidden = l.split_whitespace().last().unwrap().trim_end_matches('%');
+        let h: f64 = hidden.parse().unwrap_or_else(|_| panic!("{l}"));
+        assert!((0.0..=100.0).contains(&h), "{l}");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -81,10 +81,28 @@ pub struct TrackSummary {
     pub bytes_sent: u64,
     /// Its three longest spans: (name, detail, seconds).
     pub slowest: Vec<(String, String, f64)>,
+    /// Asynchronous transfers (a ring's `exchange`, ended by the next `wait`): their seconds
+    /// from posting to arrival, and the seconds this rank was blocked in the `wait`s. The
+    /// share of the transfers hidden behind compute is `1 - blocked / in_flight`.
+    pub transfers_in_flight: f64,
+    pub transfers_blocked: f64,
+}
+
+impl TrackSummary {
+    /// The share of asynchronous transfer time hidden behind compute (none without transfers).
+    pub fn hidden_share(&self) -> Option<f64> {
+        (self.transfers_in_flight > 0.0)
+            .then(|| 1.0 - self.transfers_blocked / self.transfers_in_flight)
+    }
 }
 
 /// A span begun and not yet ended on a track: its name, start (µs) and args.
 type OpenSpan = (String, f64, serde_json::Value);
+
+/// A `comm` span's operation (`op`), as the trace wrote it.
+fn op_of(args: &serde_json::Value) -> &str {
+    args["op"].as_str().unwrap_or("")
+}
 
 /// Reads trace files written by `--trace` (one per process) into one summary per track;
 /// checks that every span that begins ends, in order, on its track.
@@ -96,6 +114,8 @@ pub fn summarize(files: &[PathBuf]) -> Result<Vec<TrackSummary>> {
         let events: Vec<serde_json::Value> = serde_json::from_str(&text)
             .map_err(|e| bad(format!("not a Chrome trace (a JSON array of events): {e}")))?;
         let mut tracks: BTreeMap<u64, (TrackSummary, Vec<OpenSpan>)> = BTreeMap::new();
+        // Per track: the start (µs) of each posted exchange not yet waited for.
+        let mut posted: BTreeMap<u64, Vec<f64>> = BTreeMap::new();
         for e in &events {
             let ph = e["ph"].as_str().unwrap_or("");
             if ph != "B" && ph != "E" {
@@ -130,6 +150,18 @@ pub fn summarize(files: &[PathBuf]) -> Result<Vec<TrackSummary>> {
                 )));
             }
             let secs = (ts - t0) / 1e6;
+            if name == "comm" {
+                match op_of(&args) {
+                    "exchange" => posted.entry(tid).or_default().push(t0),
+                    "wait" => {
+                        if let Some(start) = posted.entry(tid).or_default().pop() {
+                            track.transfers_in_flight += (ts - start) / 1e6;
+                            track.transfers_blocked += secs;
+                        }
+                    }
+                    _ => {}
+                }
+            }
             *track.seconds.entry(name.clone()).or_default() += secs;
             let args = if e["args"].is_object() {
                 &e["args"]
@@ -168,4 +200,56 @@ pub fn summarize(files: &[PathBuf]) -> Result<Vec<TrackSummary>> {
 /// A number of a trace's args, which `tracing-chrome` writes as JSON numbers or as strings.
 fn number(v: &serde_json::Value) -> Option<u64> {
     v.as_u64().or_else(|| v.as_str()?.parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A hand-made trace: spans nest per track, the step's rank is read, comm bytes add up, and
+    /// an exchange posted at 0 µs whose wait blocks from 8 to 10 ms was 80% hidden.
+    #[test]
+    fn summarize_reads_tracks_bytes_and_the_hidden_share() {
+        let ev = |ph: &str, name: &str, ts: f64, args: serde_json::Value| serde_json::json!({"ph": ph, "name": name, "ts": ts, "tid": 3, "pid": 1, "args": args});
+        let events = serde_json::json!([
+            ev(
+                "B",
+                "step",
+                0.0,
+                serde_json::json!({"step": "0", "rank": "1"})
+            ),
+            ev("B", "comm", 0.0, serde_json::json!({"op": "exchange"})),
+            ev(
+                "E",
+                "comm",
+                100.0,
+                serde_json::json!({"op": "exchange", "bytes_sent": "64"})
+            ),
+            ev(
+                "B",
+                "forward",
+                100.0,
+                serde_json::json!({"unit": "model.layers.0"})
+            ),
+            ev("E", "forward", 8_000.0, serde_json::json!({})),
+            ev("B", "comm", 8_000.0, serde_json::json!({"op": "wait"})),
+            ev("E", "comm", 10_000.0, serde_json::json!({"op": "wait"})),
+            ev("E", "step", 10_000.0, serde_json::json!({})),
+        ]);
+        let dir = std::env::temp_dir().join(format!("cpl-trace-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("t.json");
+        std::fs::write(&f, events.to_string()).unwrap();
+        let t = summarize(std::slice::from_ref(&f)).unwrap().remove(0);
+        assert_eq!((t.rank, t.bytes_sent), (Some(1), 64));
+        assert!((t.seconds["step"] - 0.01).abs() < 1e-12);
+        assert!((t.hidden_share().unwrap() - 0.8).abs() < 1e-9, "{t:?}");
+        assert_eq!(t.slowest[0].0, "forward");
+        // A span that never ends is an error naming it.
+        let cut = serde_json::Value::Array(events.as_array().unwrap()[..7].to_vec());
+        std::fs::write(&f, cut.to_string()).unwrap();
+        let e = summarize(std::slice::from_ref(&f)).unwrap_err().to_string();
+        assert!(e.contains("step never ends"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
