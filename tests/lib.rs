@@ -694,6 +694,7 @@ pub fn drive_through_registry<W: train::data::Windows + Sync + 'static>(
             eval: Some((data, 4)),
             count_key: "tokens",
             processed_tokens: None,
+            by_position: None,
         };
         let history = train::driver::run(
             &mut task,

@@ -146,6 +146,11 @@ pub struct TrainArgs {
     /// Evaluate every K steps (0: only after the last step).
     #[arg(long, default_value_t = 0, help_heading = "Evaluation")]
     pub eval_every: u64,
+    /// Each evaluation also gives the loss by position bucket ([1, 16), [16, 32), ... doubling;
+    /// causal over each held-out window) in eval.jsonl and TensorBoard, as `cpl eval
+    /// --by-position` does on a checkpoint. Not with --pp.
+    #[arg(long, help_heading = "Evaluation")]
+    pub eval_by_position: bool,
     /// Windows of --seq-len tokens evaluated each time (the first ones of the eval data).
     #[arg(long, default_value_t = 16, help_heading = "Evaluation")]
     pub eval_windows: usize,

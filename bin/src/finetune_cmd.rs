@@ -437,6 +437,9 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
              train --rope-*, then fine-tune its checkpoint"
         );
     }
+    if t.eval_by_position {
+        bail!("--eval-by-position: cpl finetune evaluates chat data by example; use cpl train");
+    }
     if t.from_scratch || t.freeze_vision_tower || t.freeze_language_model {
         bail!(
             "--from-scratch / --freeze-vision-tower / --freeze-language-model: cpl finetune \
@@ -682,6 +685,7 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
                     eval: eval_data.as_ref().map(|d| (d, t.eval_windows)),
                     count_key: "trained_tokens",
                     processed_tokens: Some(processed_tokens),
+                    by_position: None,
                 };
                 driver::run(&mut task, &world, &opts, history0.clone(), &interrupted)?
             }

@@ -136,6 +136,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         args.layout.ranks,
         sp.strategy.name()
     );
+    if args.eval_by_position && (eval_data.is_none() || cfg.pipeline.is_some()) {
+        bail!(
+            "--eval-by-position needs held-out data (--eval-data or --eval-tokens) and no --pp \
+             (every sequence-parallel layout is fine)"
+        );
+    }
     let opts = args.run_options(cfg.steps, extra, flops_per_token, banner)?;
     let _trace = args.start_trace()?;
     let final_history = launch_pipelined(&args.layout, |rank| {
@@ -161,6 +167,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             eval: eval_data.as_ref().map(|d| (d, args.eval_windows)),
             count_key: "tokens",
             processed_tokens: None,
+            by_position: args.eval_by_position.then_some(&rank.mesh),
         };
         let world = rank.world();
         Ok(driver::run(

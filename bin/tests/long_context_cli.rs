@@ -292,3 +292,108 @@ fn doc_mask_defaults_to_the_per_document_zigzag() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `cpl train --eval-by-position` under ring 2: each evaluation's line in eval.jsonl carries the
+/// loss by position bucket, the same as `cpl eval --by-position` gives on the checkpoint saved
+/// at that step (1e-5), and TensorBoard gets one scalar per bucket.
+#[test]
+fn training_evaluates_the_loss_by_position() {
+    let dir = tmpdir("train-by-position");
+    let model = common::fixtures("llama/mha");
+    let seqs: Vec<Vec<u32>> = (0..3)
+        .map(|b| (0..64).map(|i| ((i * 29 + b * 7) % 256) as u32).collect())
+        .collect();
+    let tokens = dir.join("ids.json");
+    std::fs::write(&tokens, serde_json::to_string(&seqs).unwrap()).unwrap();
+    let out = dir.join("run");
+    let t = tokens.to_str().unwrap();
+    let args = [
+        "train",
+        "--model",
+        model.to_str().unwrap(),
+        "--tokens",
+        t,
+        "--eval-tokens",
+        t,
+        "--eval-windows",
+        "3",
+        "--eval-every",
+        "2",
+        "--eval-by-position",
+        "--seq-len",
+        "64",
+        "--steps",
+        "2",
+        "--save-every",
+        "2",
+        "--ranks",
+        "2",
+        "--ring",
+        "2",
+        "--tensorboard",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    let o = cpl(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let line: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(out.join("eval.jsonl"))
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(line["step"], 2);
+    let got = line["by_position"]
+        .as_array()
+        .expect("by_position in eval.jsonl");
+    // The held-out windows: 64 tokens each from the stream of the three sequences (a window's
+    // labels reach one token past it, so two windows fit): the first two sequences.
+    let windows = dir.join("windows.json");
+    std::fs::write(&windows, serde_json::to_string(&seqs[..2]).unwrap()).unwrap();
+    let want = eval_json(&out.join("step-2"), &windows, &[]);
+    let want = want["by_position"]["buckets"].as_array().unwrap();
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(want) {
+        assert_eq!(
+            (&g["from"], &g["to"], &g["tokens"]),
+            (&w["from"], &w["to"], &w["tokens"])
+        );
+        let (a, b) = (g["loss"].as_f64().unwrap(), w["loss"].as_f64().unwrap());
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "{g} vs {w}");
+    }
+    let tb = std::fs::read_dir(out.join("tb"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let events = train::driver::tensorboard::read_events(&tb).unwrap();
+    let tags: Vec<String> = events
+        .iter()
+        .filter_map(|e| match &e.what {
+            Some(train::driver::tensorboard::What::Summary(s)) => Some(s.value[0].tag.clone()),
+            _ => None,
+        })
+        .filter(|t| t.starts_with("eval/loss_by_position/"))
+        .collect();
+    assert_eq!(tags.len(), want.len(), "{tags:?}");
+    // Refused with --pp, and without held-out data.
+    assert_clear_errors(&[(
+        vec![
+            "train",
+            "--model",
+            model.to_str().unwrap(),
+            "--tokens",
+            t,
+            "--eval-by-position",
+            "--seq-len",
+            "64",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        "--eval-by-position needs held-out data",
+    )]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

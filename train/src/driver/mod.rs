@@ -77,6 +77,12 @@ pub trait Task {
     fn eval(&mut self) -> Result<Option<(f64, u64)>> {
         Ok(None)
     }
+
+    /// The held-out loss by position bucket at the current step, `None` when the task does not
+    /// give it. Collective over the world.
+    fn eval_by_position(&mut self) -> Result<Option<Vec<crate::evaluation::PositionBucket>>> {
+        Ok(None)
+    }
 }
 
 /// How a run is driven (the command line's flags).
@@ -302,11 +308,23 @@ pub fn run<T: Task>(
             if let Some((loss, tokens)) = tracing::info_span!("eval").in_scope(|| task.eval())? {
                 let point = EvalPoint { step, loss, tokens };
                 history.evals.push(point);
+                let by_position =
+                    tracing::info_span!("eval").in_scope(|| task.eval_by_position())?;
                 if let Some(f) = evals.as_mut() {
-                    let line = serde_json::to_value(point).map_err(invalid)?;
+                    let mut line = serde_json::to_value(point).map_err(invalid)?;
+                    if let (Some(b), Some(o)) = (&by_position, line.as_object_mut()) {
+                        o.insert(
+                            "by_position".into(),
+                            serde_json::to_value(b).map_err(invalid)?,
+                        );
+                    }
                     f.write(&line)?;
                     if let Some(b) = board.as_mut() {
                         write_scalars(b, "eval", step, &line)?;
+                        for p in by_position.iter().flatten() {
+                            let tag = format!("eval/loss_by_position/{:06}-{:06}", p.from, p.to);
+                            b.scalar(&tag, step, p.loss)?;
+                        }
                     }
                 }
                 if let Some(p) = progress.as_mut() {

@@ -4,6 +4,7 @@ use crate::data::Windows;
 use crate::diffusion::DiffusionTrainer;
 use crate::driver::{StepOutcome, Task};
 use crate::error::Result;
+use crate::evaluation::{position_buckets, score, PositionBucket, ScoreOptions};
 use crate::finetune::{DpoTrainer, PairDataset};
 use crate::images::ImageDataset;
 use crate::multimodal::{ImageTextDataset, LlavaTrainer};
@@ -21,6 +22,10 @@ pub struct NextTokenTask<'a, M, W: 'static> {
     pub count_key: &'static str,
     /// Tokens a step processes, for the throughput (none: its labelled tokens).
     pub processed_tokens: Option<f64>,
+    /// With the rank's mesh: every evaluation also gives the loss by position bucket
+    /// (`--eval-by-position`: causal over each held-out window, position = index in it; no
+    /// pipeline).
+    pub by_position: Option<&'a candle_parallel::mesh::DeviceMesh>,
 }
 
 impl<M: TrainModel + CausalLm, W: Windows + 'static> Task for NextTokenTask<'_, M, W> {
@@ -40,6 +45,23 @@ impl<M: TrainModel + CausalLm, W: Windows + 'static> Task for NextTokenTask<'_, 
         self.eval
             .map(|(data, windows)| self.trainer.eval_loss(data, windows))
             .transpose()
+    }
+
+    fn eval_by_position(&mut self) -> Result<Option<Vec<PositionBucket>>> {
+        let (Some(mesh), Some((data, windows))) = (self.by_position, self.eval) else {
+            return Ok(None);
+        };
+        let n = data.num_windows().min(windows.max(1));
+        let seqs: Vec<Vec<u32>> = (0..n).map(|i| data.window(i).ids).collect();
+        let len = seqs.iter().map(Vec::len).max().unwrap_or(0);
+        let buckets = position_buckets(len);
+        let t = &self.trainer;
+        let opts = ScoreOptions {
+            buckets: Some(&buckets),
+            ..ScoreOptions::default()
+        };
+        let (report, _) = score(mesh, t.ctx(), &t.model, t.activation_dtype(), &seqs, &opts)?;
+        Ok(report.by_position.map(|b| b.buckets))
     }
 }
 
