@@ -1879,3 +1879,46 @@ fn trace_has_a_track_per_rank_and_the_steps_traffic() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// MFU by hand for a dense LM: with `--peak-tflops 1`, metrics.jsonl's `mfu x 1e12 /
+/// tokens_per_sec` is the model FLOPs per token. For the `mha` fixture (2 layers, hidden 32, 4
+/// heads, intermediate 64, vocab 256, untied head) at 32 tokens, PaLM's convention (6N for the
+/// parameters N other than the embedding lookup, norms included, plus attention's 12 L H S per
+/// token, halved for causal masks) gives 3 x (2 x 28,832 + 4 x 64 x 32 x 1/2) = 185,280: N = 2 x
+/// (4 x 32 x 32 + 3 x 64 x 32 + 2 x 32) + 32 + 256 x 32, attention width 2 x 32. Full activation
+/// checkpointing recomputes the forward, which is not useful work: the same FLOPs per token.
+#[test]
+fn mfu_counts_the_model_flops_by_hand() {
+    let dir = tmpdir("mfu");
+    let tokens = docs_file(&dir);
+    for (name, extra) in [
+        ("plain", vec!["--peak-tflops", "1"]),
+        (
+            "checkpointing",
+            vec!["--peak-tflops", "1", "--checkpointing", "full"],
+        ),
+    ] {
+        let out = dir.join(name);
+        let o = cpl(&set_flags(base_args(&tokens, &out, 2), &extra));
+        let err = stderr(&o);
+        assert!(o.status.success(), "{err}");
+        assert!(
+            err.contains("MFU against 1000.0 GFLOP/s: --peak-tflops 1"),
+            "{err}"
+        );
+        let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        for line in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            let (mfu, tps) = (
+                v["mfu"].as_f64().unwrap(),
+                v["tokens_per_sec"].as_f64().unwrap(),
+            );
+            let flops = mfu * 1e12 / tps;
+            assert!(
+                (flops - 185_280.0).abs() <= 1e-9 * 185_280.0,
+                "{name}: {flops} in {line}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
