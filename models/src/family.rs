@@ -219,13 +219,34 @@ pub static LLAVA: Family = Family {
 
 impl crate::dit::DitConfig {
     /// Size and FLOPs terms of this DiT ([`Description`]): attention over the patch tokens
-    /// is full (not causal).
+    /// is full (not causal). The parameters applied to every patch token (patch embedding,
+    /// attention and MLP projections, the output projection) count per token; those applied
+    /// once per image to its conditioning (each block's timestep MLP and adaLN projection, the
+    /// final modulation) count divided by the tokens of a `sample_size` image; the class
+    /// tables are lookups.
     pub fn description(&self) -> Description {
         let params = self.num_parameters() as u64;
+        let side = self.sample_size / self.patch_size.max(1);
+        let tokens_per_image = (side * side).max(1) as u64;
+        let (mut per_token, mut per_image) = (0u64, 0u64);
+        for (name, shape) in self.parameter_shapes() {
+            let n = shape.iter().product::<usize>() as u64;
+            if name.contains("class_embedder") {
+                continue;
+            }
+            let conditioning = name.contains("timestep_embedder")
+                || name.contains("norm1.linear")
+                || name.starts_with("proj_out_1");
+            if conditioning {
+                per_image += n;
+            } else {
+                per_token += n;
+            }
+        }
+        let amortized = (per_image + tokens_per_image / 2) / tokens_per_image;
         Description {
             params,
-            // The class and timestep embeddings' lookups are a negligible part of a DiT.
-            matmul_params: params,
+            matmul_params: per_token + amortized,
             layers: self.num_layers,
             hidden: self.hidden_size(),
             vocab: 0,
@@ -409,6 +430,26 @@ mod tests {
             d.flops_per_token(8, Work::Forward),
             w + 2.0 * 4.0 * 16.0 * 8.0 * 0.5
         );
+    }
+
+    /// DiT by hand (`tests/fixtures/dit/tiny`: hidden 32, 2 blocks, patch 2, 4 in / 8 out
+    /// channels, 8x8 latents: 16 tokens): per token the patch embedding 544, per block
+    /// attention 4 x (32 x 32 + 32) and MLP 2 x 32 x 128 + 128 + 32, the output 32 x 32 + 32;
+    /// per image the blocks' timestep MLPs (32 x 256 + 32, 32 x 32 + 32) and adaLN (192 x 32
+    /// + 192), and the final modulation 64 x 32 + 64, over 16 tokens.
+    #[test]
+    fn dit_flops_per_token_by_hand() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/dit/tiny/config.json");
+        let d = describe_dit(&path).unwrap();
+        let per_token = 544 + 2 * (4 * (32 * 32 + 32) + (2 * 32 * 128 + 128 + 32)) + 32 * 32 + 32;
+        let per_image = 2 * ((32 * 256 + 32) + (32 * 32 + 32) + (192 * 32 + 192)) + 64 * 32 + 64;
+        assert_eq!(per_token, 26_752);
+        assert_eq!(d.matmul_params, per_token + (per_image + 8) / 16);
+        let attn = 4.0 * 64.0 * 16.0; // full attention over 16 tokens, width 2 x 32
+        let want = 3.0 * (2.0 * d.matmul_params as f64 + attn);
+        assert_eq!(d.flops_per_token(16, Work::Training), want);
+        assert_eq!(want, 185_304.0);
     }
 
     /// Detection by architecture, by model_type when none is named, and not by model_type when
