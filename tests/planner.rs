@@ -193,8 +193,11 @@ fn predicted_memory_is_within_15_percent_of_the_measured_peak() {
         // The prediction is the sum of every rank's peak (the ranks peaking together, the
         // worst case). Local ranks are threads whose peaks coincide or not depending on
         // scheduling: one CI run measured 103 MiB for "ring4 zero3 full" where other runs
-        // measure 129-135 MiB. Multi-rank cases therefore take the largest of 3 runs.
-        let runs = if c.ranks() > 1 { 3 } else { 1 };
+        // measure 129-135 MiB, and "ring4" measures 228.6 to 232.4 MiB from run to run (the
+        // largest of 3 runs fell below the band once, at 04c2f04's code as well). Multi-rank
+        // cases therefore take the largest of 5 runs: the ranks peaking together is what the
+        // prediction describes.
+        let runs = if c.ranks() > 1 { 5 } else { 1 };
         let got = (0..runs).map(|_| measure(c, &dir)).max().unwrap_or(0) as f64;
         let want = predicted(c);
         let ratio = got / want;
