@@ -858,6 +858,9 @@ pub fn prompt_reply_examples(seed: u64, n: usize, vocab: u32) -> Vec<train::fine
 /// moves a value by far more. Relative errors as [`rel_err`] (NaN fails).
 pub fn assert_bf16_follows(got: &Tensor, want: &Tensor, f32: &Tensor, floor: f64, what: &str) {
     testkit::assert_finite(got, what);
+    // A NaN in the references would make the bound the floor (`f64::max` drops NaN).
+    testkit::assert_finite(want, &format!("{what} (one bf16 rank)"));
+    testkit::assert_finite(f32, &format!("{what} (one f32 rank)"));
     let own = rel_err(want, f32);
     let e = rel_err(got, want);
     assert!(

@@ -1,8 +1,11 @@
 //! The training engine: data packing ([`data`]), what a run optimises ([`objective`]), the one
 //! training step of any model and objective under any parallel layout ([`trainer`]), the run
 //! driver around the steps ([`driver`]: progress, metrics, evaluation, checkpoints, Ctrl-C, the
-//! loss chart), and training checkpoints with exact resume ([`checkpoint`]); [`memory`] counts
-//! heap bytes for memory tests and benchmarks.
+//! loss chart, TensorBoard, traces, the stop on a non-finite step), and training checkpoints with
+//! exact resume ([`checkpoint`]); held-out scoring ([`evaluation`]), KV-cache generation through
+//! pipeline stages ([`generation`]) and fine-tuning data ([`finetune_data`]) are what `cpl eval`,
+//! `cpl generate` and `cpl finetune` call; [`memory`] counts heap bytes for memory tests and
+//! benchmarks.
 //!
 //! A step is a list of micro-batches; each micro-batch runs forward and backward on its own
 //! and its gradients are accumulated in f32, so pipeline schedules drive the same micro-batches

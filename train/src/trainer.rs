@@ -506,10 +506,8 @@ pub struct Trainer<M = Llama> {
     /// Schedules by micro-batch count, made when first needed.
     schedules: HashMap<usize, PipelineSchedule>,
     /// Optimizer steps taken (the next step's index).
-    /// Every rank (the straggler report).
+    /// Every rank (the straggler report; this rank's number in anomaly reports and traces).
     world: Comm,
-    /// This rank in the world (for anomaly reports).
-    world_rank: usize,
     pub step: u64,
 }
 
@@ -729,7 +727,6 @@ impl<M: TrainModel> Trainer<M> {
             dp_rank: mesh.coord(Dim::Dp),
             pp: mesh.comm(Dim::Pp),
             schedules: HashMap::new(),
-            world_rank: mesh.rank(),
             world: mesh.world(),
             cfg,
             step: 0,
@@ -1005,7 +1002,7 @@ impl<M: TrainModel> Trainer<M> {
         candle_parallel::attention::take_attention_scores();
         candle_parallel::comm::take_comm_seconds();
         let started = std::time::Instant::now();
-        let _span = tracing::info_span!("step", step, rank = self.world_rank).entered();
+        let _span = tracing::info_span!("step", step, rank = self.world.rank()).entered();
         let sent_before = self.world.traffic().snapshot().bytes_sent();
         slow_down_for_tests(self.world.rank());
         let count = obj.global_count(&self.step_ctx(), data, step)?;
@@ -1018,7 +1015,7 @@ impl<M: TrainModel> Trainer<M> {
             .in_scope(|| obj.micro_batches(&self.step_ctx(), &self.model, data, step))?;
         let num_parts = obj.part_names().len();
         candle_parallel::nn::anomaly::set_step(step);
-        let rank = self.world_rank;
+        let rank = self.world.rank();
         let at = move |e: Error, micro: Option<usize>| locate(e, step, rank, micro);
         let (loss_sum, mut parts, acc, bubble) = if self.cfg.pipeline.is_some() {
             let (schedule, ranges, vars) = self.pipeline_setup(micro.len())?;
@@ -1210,7 +1207,7 @@ impl<M: TrainModel> Trainer<M> {
         }
         let mut grads = Vec::with_capacity(acc.len());
         let acc = poison_for_tests(acc, step, self.tp.rank() == 0 && self.dp_rank == 0)?;
-        check_gradients(&acc).map_err(|e| locate(e, step, self.world_rank, None))?;
+        check_gradients(&acc).map_err(|e| locate(e, step, self.world.rank(), None))?;
         for (p, (n, g)) in self.params.iter().zip(acc) {
             if p.name != n {
                 return Err(Error::Invalid(format!(
