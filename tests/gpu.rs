@@ -184,14 +184,18 @@ fn kernel_specs(d: usize) -> Vec<(&'static str, AttnSpec, usize, usize)> {
     v
 }
 
-/// flash-ring's CUDA kernels (`flash_ring::cuda`, NVRTC) against the CPU kernels: forward (out,
-/// lse) and backward (dq, dk, dv) for every mask kind, GQA 8:2, head dims 64, 80, 128 and 256,
-/// f32 (1e-5 relative max-norm: f32 arithmetic on both sides, only the summation order differs),
-/// bf16 and f16 (2e-2 and 1e-2: the outputs are rounded to the input dtype); and bit-identical
-/// when run twice (no atomics).
+/// flash-ring's CUDA kernels (`flash_ring::cuda`, NVRTC), both sets, against the CPU kernels:
+/// forward (out, lse) and backward (dq, dk, dv) for every mask kind, GQA 8:2, head dims 64, 80,
+/// 128 and 256 (the tensor-core set serves 64, 80 and 128 in bf16/f16), f32 (1e-5 relative
+/// max-norm: f32 arithmetic on both sides, only the summation order differs), bf16 and f16 (2e-2
+/// and 1e-2: the outputs are rounded to the input dtype, and the tensor-core set rounds P, dO
+/// and dS to it before their products, as FlashAttention-2 does); and bit-identical when run
+/// twice (no atomics).
 #[test]
 fn cuda_kernels_match_the_cpu_kernels() {
+    use flash_ring::cuda::KernelSet;
     let dev = cuda();
+    let mut tensor_core_cases = 0;
     for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 1e-2)] {
         for d in [64, 80, 128, 256] {
             for (name, spec, sq, sk) in kernel_specs(d) {
@@ -203,44 +207,61 @@ fn cuda_kernels_match_the_cpu_kernels() {
                 let g = flash_ring::flash_bwd_f32(&q, &k, &v, &o, &l, &dout, &spec).expect("cpu");
                 let on = |t: &Tensor| t.to_device(&dev).expect("to cuda");
                 let (qc, kc, vc, dc) = (on(&q), on(&k), on(&v), on(&dout));
-                let (oc, lc) = flash_ring::cuda::forward(&qc, &kc, &vc, &spec).expect("cuda fwd");
-                let gc = flash_ring::cuda::backward(&qc, &kc, &vc, &oc, &lc, &dc, &spec, true)
-                    .expect("cuda bwd");
-                for (what, a, b) in [
-                    ("out", &oc, &o),
-                    ("lse", &lc, &l),
-                    ("dq", &gc.0, &g.0),
-                    ("dk", &gc.1, &g.1),
-                    ("dv", &gc.2, &g.2),
-                ] {
-                    assert!(a.device().is_cuda(), "{what} stays on CUDA");
-                    let e = rel(a, b);
-                    assert!(
-                        e <= tol,
-                        "kernel {name} d={d} {dtype:?}: {what} rel err {e:.3e} > {tol}"
-                    );
-                }
-                if dtype == DType::F32 && d == 128 {
-                    let (oc2, _) = flash_ring::cuda::forward(&qc, &kc, &vc, &spec).expect("fwd");
-                    let gc2 = flash_ring::cuda::backward(&qc, &kc, &vc, &oc, &lc, &dc, &spec, true)
-                        .expect("bwd");
+                for set in [KernelSet::Simt, KernelSet::TensorCore] {
+                    if !set.serves(dtype, d) {
+                        continue;
+                    }
+                    tensor_core_cases += usize::from(set == KernelSet::TensorCore);
+                    let (oc, lc) = flash_ring::cuda::forward_with(set, &qc, &kc, &vc, &spec)
+                        .expect("cuda fwd");
+                    let bwd = || {
+                        flash_ring::cuda::backward_with(
+                            set, &qc, &kc, &vc, &oc, &lc, &dc, &spec, true,
+                        )
+                        .expect("cuda bwd")
+                    };
+                    let gc = bwd();
                     for (what, a, b) in [
-                        ("out", &oc2, &oc),
-                        ("dq", &gc2.0, &gc.0),
-                        ("dk", &gc2.1, &gc.1),
+                        ("out", &oc, &o),
+                        ("lse", &lc, &l),
+                        ("dq", &gc.0, &g.0),
+                        ("dk", &gc.1, &g.1),
+                        ("dv", &gc.2, &g.2),
                     ] {
-                        let diff = (a - b)
+                        assert!(a.device().is_cuda(), "{what} stays on CUDA");
+                        let e = rel(a, b);
+                        assert!(
+                            e <= tol,
+                            "{set:?} kernel {name} d={d} {dtype:?}: {what} rel err {e:.3e} > {tol}"
+                        );
+                    }
+                    if d == 128 && (dtype == DType::F32 || set == KernelSet::TensorCore) {
+                        let (oc2, _) =
+                            flash_ring::cuda::forward_with(set, &qc, &kc, &vc, &spec).expect("fwd");
+                        let gc2 = bwd();
+                        for (what, a, b) in [
+                            ("out", &oc2, &oc),
+                            ("dq", &gc2.0, &gc.0),
+                            ("dk", &gc2.1, &gc.1),
+                        ] {
+                            let diff = (a.to_dtype(DType::F32).expect("f32")
+                                - b.to_dtype(DType::F32).expect("f32"))
                             .and_then(|t| t.abs())
                             .and_then(|t| t.flatten_all())
                             .and_then(|t| t.max(0))
                             .and_then(|t| t.to_scalar::<f32>())
                             .expect("diff");
-                        assert_eq!(diff, 0.0, "kernel {name}: {what} differs between two runs");
+                            assert_eq!(
+                                diff, 0.0,
+                                "{set:?} kernel {name}: {what} differs between two runs"
+                            );
+                        }
                     }
                 }
             }
         }
     }
+    assert!(tensor_core_cases > 0, "the tensor-core set was exercised");
 }
 
 /// The differentiable entry point on CUDA tensors takes the kernels: gradients through
@@ -293,35 +314,77 @@ fn cuda_kernels_serve_flash_attention_autograd() {
 /// points, and the launch geometry keeps at most 32 dims per thread.
 #[test]
 fn nvrtc_compiles_every_kernel_variant() {
+    use flash_ring::cuda::KernelSet;
     for arch in ["compute_80", "compute_90"] {
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
-            for d in [1, 32, 64, 80, 96, 128, 160, 256] {
-                let ptx = flash_ring::cuda::compile(dtype, d, arch)
-                    .unwrap_or_else(|e| panic!("{arch} {dtype:?} d={d}: {e}"));
-                for entry in flash_ring::cuda::ENTRY_POINTS {
+        for set in [KernelSet::Simt, KernelSet::TensorCore] {
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                for d in [1, 16, 32, 64, 80, 96, 128, 160, 256] {
+                    let served = set.serves(dtype, d);
+                    let expect_served = match set {
+                        KernelSet::Simt => true,
+                        KernelSet::TensorCore => {
+                            dtype != DType::F32 && d.is_multiple_of(16) && d <= 128
+                        }
+                    };
+                    assert_eq!(served, expect_served, "{set:?} {dtype:?} d={d}");
+                    if !served {
+                        assert!(flash_ring::cuda::compile(set, dtype, d, arch).is_err());
+                        continue;
+                    }
+                    let ptx = flash_ring::cuda::compile(set, dtype, d, arch)
+                        .unwrap_or_else(|e| panic!("{set:?} {arch} {dtype:?} d={d}: {e}"));
+                    for entry in flash_ring::cuda::ENTRY_POINTS {
+                        assert!(
+                            ptx.contains(&format!(".entry {entry}(")),
+                            "{set:?} {arch} {dtype:?} d={d}: no entry {entry}"
+                        );
+                    }
                     assert!(
-                        ptx.contains(&format!(".entry {entry}(")),
-                        "{arch} {dtype:?} d={d}: no entry {entry}"
+                        ptx.contains(&format!(".target sm_{}", &arch[8..])),
+                        "{arch}: target"
                     );
+                    if set == KernelSet::TensorCore {
+                        assert!(ptx.contains("mma.sync.aligned.m16n8k16"), "{dtype:?} d={d}");
+                        assert!(ptx.contains("ldmatrix.sync.aligned"), "{dtype:?} d={d}");
+                    }
+                    let (g, rows, tile) =
+                        flash_ring::cuda::launch_geometry(set, dtype, d).expect("geometry");
+                    match set {
+                        KernelSet::Simt => {
+                            assert!(
+                                g.is_power_of_two()
+                                    && d.div_ceil(g) <= 32
+                                    && (g == 1 || d.div_ceil(g / 2) > 32)
+                            );
+                            assert_eq!(rows * g, 128);
+                            assert_eq!(tile, if d <= 128 { 32 } else { 16 });
+                        }
+                        KernelSet::TensorCore => assert_eq!((g, rows, tile), (4, 64, 64)),
+                    }
                 }
-                assert!(
-                    ptx.contains(&format!(".target sm_{}", &arch[8..])),
-                    "{arch}: target"
-                );
-                let (g, rows, tile) =
-                    flash_ring::cuda::launch_geometry(dtype, d).expect("geometry");
-                assert!(
-                    g.is_power_of_two()
-                        && d.div_ceil(g) <= 32
-                        && (g == 1 || d.div_ceil(g / 2) > 32)
-                );
-                assert_eq!(rows * g, 128);
-                assert_eq!(tile, if d <= 128 { 32 } else { 16 });
             }
         }
     }
-    assert!(flash_ring::cuda::compile(DType::F32, 257, "compute_80").is_err());
-    assert!(flash_ring::cuda::compile(DType::F64, 64, "compute_80").is_err());
+    // The default: tensor cores for bf16/f16 where they serve, CUDA cores otherwise.
+    assert_eq!(
+        KernelSet::default_for(DType::BF16, 128),
+        Some(KernelSet::TensorCore)
+    );
+    assert_eq!(
+        KernelSet::default_for(DType::F16, 80),
+        Some(KernelSet::TensorCore)
+    );
+    assert_eq!(
+        KernelSet::default_for(DType::BF16, 72),
+        Some(KernelSet::Simt)
+    );
+    assert_eq!(
+        KernelSet::default_for(DType::F32, 128),
+        Some(KernelSet::Simt)
+    );
+    assert_eq!(KernelSet::default_for(DType::BF16, 512), None);
+    assert!(flash_ring::cuda::compile(KernelSet::Simt, DType::F32, 257, "compute_80").is_err());
+    assert!(flash_ring::cuda::compile(KernelSet::Simt, DType::F64, 64, "compute_80").is_err());
     assert!(!flash_ring::cuda::supports(DType::F32, 0));
 }
 

@@ -9,6 +9,7 @@
 //
 // Compile-time parameters (-D): HEAD_DIM (D), ELEM_KIND (0 f32, 1 bf16, 2 f16), G (threads per
 // row, a power of two <= 32 with D <= 32 G), BT (rows of the other side per shared-memory tile).
+// common.cuh (the element type, the mask rule, tile spans) is prepended.
 //
 // Layout of the work: a block of NT = 128 threads owns ROWS = NT / G rows (query rows in the
 // forward and dq kernels, key rows in the dk/dv kernel); the G threads of a row each hold the
@@ -19,76 +20,8 @@
 // whole. Arithmetic is f32 on CUDA cores (no tensor cores): this is the correct, untuned kernel.
 // No atomics anywhere: dq and dk/dv are separate kernels, so results are deterministic.
 
-#define NT 128
 #define ROWS (NT / G)
 #define DL ((HEAD_DIM + G - 1) / G)
-#define NEG_INF (__uint_as_float(0xff800000u))
-
-#if ELEM_KIND == 0
-typedef float elem_t;
-__device__ __forceinline__ float load_elem(const elem_t* p) { return *p; }
-#elif ELEM_KIND == 1
-typedef unsigned short elem_t;
-__device__ __forceinline__ float load_elem(const elem_t* p) {
-    return __uint_as_float(((unsigned int)(*p)) << 16);
-}
-#else
-typedef unsigned short elem_t;
-__device__ __forceinline__ float load_elem(const elem_t* p) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
-    return f;
-}
-#endif
-
-struct MaskArgs {
-    const int* q_pos;
-    const int* k_pos;
-    const int* q_doc;  // null when there are no documents
-    const int* k_doc;
-    int causal;
-    int window;  // < 0: none
-};
-
-__device__ __forceinline__ bool allowed(const MaskArgs& m, int pq, int pk, int dq, int dk) {
-    if (m.causal && pk > pq) return false;
-    if (m.window >= 0 && abs(pq - pk) >= m.window) return false;
-    if (m.q_doc != 0 && dq != dk) return false;
-    return true;
-}
-
-// Ranges of positions and documents of a set of rows.
-struct Span {
-    int pmin, pmax, dmin, dmax;
-};
-
-// True when no (q, k) pair of the two spans can be allowed.
-__device__ __forceinline__ bool disjoint(const MaskArgs& m, const Span& q, const Span& k) {
-    if (m.causal && k.pmin > q.pmax) return true;
-    if (m.window >= 0) {
-        if (q.pmin - k.pmax >= m.window) return true;
-        if (!m.causal && k.pmin - q.pmax >= m.window) return true;
-    }
-    if (m.q_doc != 0 && (q.dmax < k.dmin || k.dmax < q.dmin)) return true;
-    return false;
-}
-
-// The span of rows [r0, r0 + n) of pos/doc, computed by thread 0 and shared with the block.
-// Every thread of the block must call it.
-__device__ void block_span(const int* pos, const int* doc, int r0, int n, Span* out) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        Span s;
-        s.pmin = 0x7fffffff; s.pmax = -0x7fffffff; s.dmin = 0x7fffffff; s.dmax = -0x7fffffff;
-        for (int r = 0; r < n; ++r) {
-            int p = pos[r0 + r];
-            s.pmin = min(s.pmin, p); s.pmax = max(s.pmax, p);
-            if (doc != 0) { int d = doc[r0 + r]; s.dmin = min(s.dmin, d); s.dmax = max(s.dmax, d); }
-        }
-        *out = s;
-    }
-    __syncthreads();
-}
 
 __device__ __forceinline__ float group_sum(float x) {
 #pragma unroll
@@ -106,7 +39,7 @@ extern "C" __global__ void __launch_bounds__(NT) flash_fwd(
     __shared__ float vs[BT][HEAD_DIM];
     __shared__ int kp[BT];
     __shared__ int kd[BT];
-    __shared__ Span qspan, kspan;
+    __shared__ Span qspan, kspan, scratch[NT / 32];
     MaskArgs m = {q_pos, k_pos, q_doc, k_doc, causal, window};
     const int b = blockIdx.z, h = blockIdx.y, hk = h / (hq / hkv);
     const int lane = threadIdx.x % G;
@@ -123,11 +56,11 @@ extern "C" __global__ void __launch_bounds__(NT) flash_fwd(
     }
     const int pq = valid ? q_pos[i] : 0;
     const int dq = (valid && q_doc != 0) ? q_doc[i] : 0;
-    block_span(q_pos, q_doc, i0, min(ROWS, sq - i0), &qspan);
+    block_span(q_pos, q_doc, i0, min(ROWS, sq - i0), &qspan, scratch);
     float mx = NEG_INF, l = 0.f;
     for (int j0 = 0; j0 < sk; j0 += BT) {
         const int n = min(BT, sk - j0);
-        block_span(k_pos, k_doc, j0, n, &kspan);
+        block_span(k_pos, k_doc, j0, n, &kspan, scratch);
         if (disjoint(m, qspan, kspan)) continue;  // uniform over the block
         for (int r = threadIdx.x; r < BT; r += NT) {
             kp[r] = r < n ? k_pos[j0 + r] : 0;
@@ -200,7 +133,7 @@ extern "C" __global__ void __launch_bounds__(NT) flash_bwd_dq(
     __shared__ float vs[BT][HEAD_DIM];
     __shared__ int kp[BT];
     __shared__ int kd[BT];
-    __shared__ Span qspan, kspan;
+    __shared__ Span qspan, kspan, scratch[NT / 32];
     MaskArgs m = {q_pos, k_pos, q_doc, k_doc, causal, window};
     const int b = blockIdx.z, h = blockIdx.y, hk = h / (hq / hkv);
     const int lane = threadIdx.x % G;
@@ -222,10 +155,10 @@ extern "C" __global__ void __launch_bounds__(NT) flash_bwd_dq(
     const long roff = ((long)b * hq + h) * sq + (valid ? i : 0);
     const float li = valid ? lse[roff] : NEG_INF;
     const float di = valid ? delta[roff] : 0.f;
-    block_span(q_pos, q_doc, i0, min(ROWS, sq - i0), &qspan);
+    block_span(q_pos, q_doc, i0, min(ROWS, sq - i0), &qspan, scratch);
     for (int j0 = 0; j0 < sk; j0 += BT) {
         const int n = min(BT, sk - j0);
-        block_span(k_pos, k_doc, j0, n, &kspan);
+        block_span(k_pos, k_doc, j0, n, &kspan, scratch);
         if (disjoint(m, qspan, kspan)) continue;
         for (int r = threadIdx.x; r < BT; r += NT) {
             kp[r] = r < n ? k_pos[j0 + r] : 0;
@@ -284,7 +217,7 @@ extern "C" __global__ void __launch_bounds__(NT) flash_bwd_dkdv(
     __shared__ int qd[BT];
     __shared__ float ls[BT];
     __shared__ float dl[BT];
-    __shared__ Span qspan, kspan;
+    __shared__ Span qspan, kspan, scratch[NT / 32];
     MaskArgs m = {q_pos, k_pos, q_doc, k_doc, causal, window};
     const int b = blockIdx.z, hk = blockIdx.y, group = hq / hkv;
     const int lane = threadIdx.x % G;
@@ -304,11 +237,11 @@ extern "C" __global__ void __launch_bounds__(NT) flash_bwd_dkdv(
     }
     const int pk = valid ? k_pos[j] : 0;
     const int dkd = (valid && k_doc != 0) ? k_doc[j] : 0;
-    block_span(k_pos, k_doc, j0, min(ROWS, sk - j0), &kspan);
+    block_span(k_pos, k_doc, j0, min(ROWS, sk - j0), &kspan, scratch);
     for (int h = hk * group; h < (hk + 1) * group; ++h) {
         for (int i0 = 0; i0 < sq; i0 += BT) {
             const int n = min(BT, sq - i0);
-            block_span(q_pos, q_doc, i0, n, &qspan);
+            block_span(q_pos, q_doc, i0, n, &qspan, scratch);
             if (disjoint(m, qspan, kspan)) continue;
             for (int r = threadIdx.x; r < BT; r += NT) {
                 bool in = r < n;

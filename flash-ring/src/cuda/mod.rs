@@ -1,19 +1,23 @@
 //! flash-ring's own CUDA kernels: forward with LSE, and backward (dq; dk and dv), compiled at
-//! run time by NVRTC from [`SOURCE`] and launched on candle's CUDA stream. Same contract and
-//! mask rule as the CPU kernels (positions, causal, documents, window, soft-cap, GQA, rows with
-//! no allowed key), so every sequence-parallel strategy runs on them unchanged.
+//! run time by NVRTC and launched on candle's CUDA stream. Same contract and mask rule as the CPU
+//! kernels (positions, causal, documents, window, soft-cap, GQA, rows with no allowed key), so
+//! every sequence-parallel strategy runs on them unchanged.
 //!
 //! Why NVRTC and not a patched candle-flash-attn (docs/gpu.md, "Attention on CUDA"): it needs no
-//! CUTLASS and no hours-long build (a kernel set compiles in well under a second, once per
-//! process, dtype and head dim), it can be compiled and checked for registers and spills on a
-//! machine without a GPU, and the mask is flash-ring's exact rule evaluated per pair in the
-//! kernel: no decomposition into flash-attn calls and no host-side mask.
+//! CUTLASS and no hours-long build (a kernel set compiles in about a second, once per process,
+//! dtype and head dim), it can be compiled and checked for registers and spills on a machine
+//! without a GPU, and the mask is flash-ring's exact rule evaluated per pair in the kernel: no
+//! decomposition into flash-attn calls and no host-side mask.
 //!
-//! This is the first, untuned kernel: f32 arithmetic on CUDA cores (no tensor cores), one row
-//! per group of G threads, the other side streamed through shared memory (see the comment at
-//! the top of `flash.cu`). The composite path ([`crate::composite`]) stays the oracle and the
-//! fallback: `FLASH_RING_CUDA=composite` selects it for every call, and it serves head dims above
-//! [`MAX_HEAD_DIM`], dtypes other than f32/bf16/f16 and empty shapes.
+//! Two kernel sets ([`KernelSet`]), one file each, sharing `common.cuh` (mask rule, tile spans):
+//! - `flash_mma.cu`, the default for bf16/f16 at head dims 16, 32, ..., 128: FlashAttention-2's
+//!   layout on tensor cores (`mma.sync` m16n8k16, f32 accumulation, `ldmatrix`), 64 rows a block;
+//! - `flash.cu`, everything else up to head dim [`MAX_HEAD_DIM`] (f32 above all, which must stay
+//!   exact to 1e-5): f32 arithmetic on CUDA cores, one row per group of threads.
+//!
+//! `FLASH_RING_CUDA=simt` forces the CUDA-core set; `FLASH_RING_CUDA=composite` selects the
+//! composite path ([`crate::composite`]), which stays the oracle and the fallback and serves head
+//! dims above [`MAX_HEAD_DIM`], dtypes other than f32/bf16/f16 and empty shapes.
 //!
 //! Results are deterministic (no atomics): dq and dk/dv are separate kernels that each recompute
 //! the scores.
@@ -33,30 +37,90 @@ use crate::composite;
 use crate::error::{Error, Result};
 use crate::spec::{AttnSpec, MaskKind};
 
-/// The CUDA C source of the kernels (`flash.cu`), before the per-variant defines.
+/// What both kernel sets share (the element type, the mask rule, tile spans), prepended to each.
+pub const COMMON: &str = include_str!("common.cuh");
+
+/// The CUDA-core kernels (`flash.cu`): f32 arithmetic, any dtype and head dim up to
+/// [`MAX_HEAD_DIM`].
 pub const SOURCE: &str = include_str!("flash.cu");
 
-/// The kernels' entry points, in the PTX of every variant.
+/// The tensor-core kernels (`flash_mma.cu`): bf16 and f16, head dims that are multiples of 16 up
+/// to [`MAX_MMA_HEAD_DIM`].
+pub const MMA_SOURCE: &str = include_str!("flash_mma.cu");
+
+/// The kernels' entry points, in the PTX of every variant of either set.
 pub const ENTRY_POINTS: [&str; 3] = ["flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv"];
 
 /// The largest head dim the kernels are compiled for; larger ones run the composite path.
 pub const MAX_HEAD_DIM: usize = 256;
 
-/// The virtual architecture the PTX targets at run time: sm_80 and every later GPU JIT it.
+/// The largest head dim of the tensor-core kernels (their accumulators live in registers).
+pub const MAX_MMA_HEAD_DIM: usize = 128;
+
+/// The virtual architecture the PTX targets at run time: sm_80 and every later GPU JIT it (the
+/// tensor-core kernels' `mma.sync` bf16 shape needs sm_80).
 pub const RUNTIME_ARCH: &str = "compute_80";
 
-/// Threads per block (`NT` in `flash.cu`).
+/// Threads per block (`NT` in `common.cuh`), both sets.
 const THREADS: u32 = 128;
 
-/// One compiled variant: element type and head dim.
+/// Rows a block of the tensor-core kernels owns (`BM` in `flash_mma.cu`).
+const MMA_ROWS: u32 = 64;
+
+/// The two kernel sets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelSet {
+    /// `flash.cu`: f32 arithmetic on CUDA cores; f32, bf16 and f16; head dims 1 to 256.
+    Simt,
+    /// `flash_mma.cu`: `mma.sync` m16n8k16 on tensor cores with f32 accumulation; bf16 and f16;
+    /// head dims 16, 32, ..., 128.
+    TensorCore,
+}
+
+impl KernelSet {
+    /// Whether this set serves the dtype and head dim.
+    pub fn serves(self, dtype: DType, head_dim: usize) -> bool {
+        match self {
+            KernelSet::Simt => {
+                matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+                    && (1..=MAX_HEAD_DIM).contains(&head_dim)
+            }
+            KernelSet::TensorCore => {
+                matches!(dtype, DType::BF16 | DType::F16)
+                    && head_dim.is_multiple_of(16)
+                    && (16..=MAX_MMA_HEAD_DIM).contains(&head_dim)
+            }
+        }
+    }
+
+    /// The set a call of this dtype and head dim takes by default: the tensor cores where they
+    /// serve, unless `FLASH_RING_CUDA=simt`; `None` where neither set serves (the composite path
+    /// does).
+    pub fn default_for(dtype: DType, head_dim: usize) -> Option<KernelSet> {
+        static SIMT: OnceLock<bool> = OnceLock::new();
+        let simt = *SIMT.get_or_init(|| {
+            std::env::var("FLASH_RING_CUDA").is_ok_and(|v| v.eq_ignore_ascii_case("simt"))
+        });
+        if !simt && KernelSet::TensorCore.serves(dtype, head_dim) {
+            Some(KernelSet::TensorCore)
+        } else if KernelSet::Simt.serves(dtype, head_dim) {
+            Some(KernelSet::Simt)
+        } else {
+            None
+        }
+    }
+}
+
+/// One compiled variant: kernel set, element type and head dim.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Variant {
+    set: KernelSet,
     dtype: DType,
     head_dim: usize,
 }
 
 impl Variant {
-    fn new(dtype: DType, head_dim: usize) -> Result<Self> {
+    fn new(set: KernelSet, dtype: DType, head_dim: usize) -> Result<Self> {
         if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
             return Err(Error::DType {
                 tensor: "q",
@@ -64,16 +128,32 @@ impl Variant {
                 expected: "f32, bf16 or f16 (flash-ring's CUDA kernels)",
             });
         }
-        if head_dim == 0 || head_dim > MAX_HEAD_DIM {
+        if !set.serves(dtype, head_dim) {
             return Err(Error::Config(format!(
-                "flash-ring's CUDA kernels take head dims 1..={MAX_HEAD_DIM}, got {head_dim}"
+                "flash-ring's {set:?} CUDA kernels do not serve {dtype:?} at head dim {head_dim} \
+                 (CUDA cores: f32/bf16/f16, head dims 1..={MAX_HEAD_DIM}; tensor cores: bf16/f16, \
+                 multiples of 16 up to {MAX_MMA_HEAD_DIM})"
             )));
         }
-        Ok(Variant { dtype, head_dim })
+        Ok(Variant {
+            set,
+            dtype,
+            head_dim,
+        })
     }
 
-    /// Threads per row: the least power of two that leaves each thread at most 32 dims.
+    /// The default set's variant (see [`KernelSet::default_for`]).
+    fn default_for(dtype: DType, head_dim: usize) -> Result<Self> {
+        let set = KernelSet::default_for(dtype, head_dim).unwrap_or(KernelSet::Simt);
+        Variant::new(set, dtype, head_dim)
+    }
+
+    /// CUDA-core set: threads per row, the least power of two that leaves each thread at most
+    /// 32 dims. Tensor-core set: 4 (a row of an mma fragment is spread over 4 lanes).
     fn group(&self) -> usize {
+        if self.set == KernelSet::TensorCore {
+            return 4;
+        }
         let mut g = 1;
         while self.head_dim.div_ceil(g) > 32 {
             g *= 2;
@@ -83,15 +163,19 @@ impl Variant {
 
     /// Rows per block.
     fn rows(&self) -> u32 {
-        THREADS / self.group() as u32
+        match self.set {
+            KernelSet::Simt => THREADS / self.group() as u32,
+            KernelSet::TensorCore => MMA_ROWS,
+        }
     }
 
-    /// Rows of the other side per shared-memory tile (two f32 tiles stay under 48 KiB).
+    /// Rows of the other side per shared-memory tile (forward; the tensor-core backward streams
+    /// 32 key rows for dq and 16 query rows for dk/dv).
     fn tile(&self) -> usize {
-        if self.head_dim <= 128 {
-            32
-        } else {
-            16
+        match self.set {
+            KernelSet::TensorCore => 64,
+            KernelSet::Simt if self.head_dim <= 128 => 32,
+            KernelSet::Simt => 16,
         }
     }
 
@@ -104,35 +188,54 @@ impl Variant {
     }
 
     fn module_name(&self) -> String {
-        format!("flash_ring_{:?}_d{}", self.dtype, self.head_dim).to_lowercase()
+        let set = match self.set {
+            KernelSet::Simt => "simt",
+            KernelSet::TensorCore => "mma",
+        };
+        format!("flash_ring_{set}_{:?}_d{}", self.dtype, self.head_dim).to_lowercase()
     }
 
     fn source(&self) -> String {
-        format!(
-            "#define HEAD_DIM {}\n#define ELEM_KIND {}\n#define G {}\n#define BT {}\n{SOURCE}",
-            self.head_dim,
-            self.elem_kind(),
-            self.group(),
-            self.tile()
-        )
+        match self.set {
+            KernelSet::Simt => format!(
+                "#define HEAD_DIM {}\n#define ELEM_KIND {}\n#define G {}\n#define BT {}\n{COMMON}\n{SOURCE}",
+                self.head_dim,
+                self.elem_kind(),
+                self.group(),
+                self.tile()
+            ),
+            KernelSet::TensorCore => format!(
+                "#define HEAD_DIM {}\n#define ELEM_KIND {}\n{COMMON}\n{MMA_SOURCE}",
+                self.head_dim,
+                self.elem_kind()
+            ),
+        }
     }
 }
 
 /// Whether the kernels serve attention of this dtype and head dim (the composite path serves the
 /// rest).
 pub fn supports(dtype: DType, head_dim: usize) -> bool {
-    Variant::new(dtype, head_dim).is_ok()
+    KernelSet::default_for(dtype, head_dim).is_some()
 }
 
-/// The CUDA C source of one variant (dtype, head dim), with its defines.
-pub fn variant_source(dtype: DType, head_dim: usize) -> Result<String> {
-    Ok(Variant::new(dtype, head_dim)?.source())
+/// The CUDA C source of one variant (kernel set, dtype, head dim), with its defines.
+pub fn variant_source(set: KernelSet, dtype: DType, head_dim: usize) -> Result<String> {
+    Ok(Variant::new(set, dtype, head_dim)?.source())
 }
 
 /// Compiles one variant with NVRTC for `arch` (e.g. `compute_80`, `compute_90`) and returns its
 /// PTX. Needs only the NVRTC library, no GPU.
-pub fn compile(dtype: DType, head_dim: usize, arch: &'static str) -> Result<String> {
-    let v = Variant::new(dtype, head_dim)?;
+pub fn compile(
+    set: KernelSet,
+    dtype: DType,
+    head_dim: usize,
+    arch: &'static str,
+) -> Result<String> {
+    compile_variant(Variant::new(set, dtype, head_dim)?, arch)
+}
+
+fn compile_variant(v: Variant, arch: &'static str) -> Result<String> {
     let opts = CompileOptions {
         arch: Some(arch),
         name: Some(format!("{}.cu", v.module_name())),
@@ -150,7 +253,7 @@ fn runtime_ptx(v: Variant) -> Result<Arc<String>> {
     if let Some(p) = cache.lock().unwrap_or_else(|p| p.into_inner()).get(&v) {
         return Ok(p.clone());
     }
-    let ptx = Arc::new(compile(v.dtype, v.head_dim, RUNTIME_ARCH)?);
+    let ptx = Arc::new(compile_variant(v, RUNTIME_ARCH)?);
     cache
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -283,12 +386,53 @@ fn grid(rows: usize, per_block: u32, heads: usize, batch: usize) -> Result<Launc
     })
 }
 
-/// Forward on CUDA tensors: `(out, lse)` as [`crate::flash_fwd`]. Errors for an unsupported
-/// dtype or head dim (see [`supports`]).
+/// Forward on CUDA tensors: `(out, lse)` as [`crate::flash_fwd`], on the default kernel set
+/// ([`KernelSet::default_for`]). Errors for an unsupported dtype or head dim (see [`supports`]).
 pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttnSpec) -> Result<(Tensor, Tensor)> {
+    forward_on(None, q, k, v, spec)
+}
+
+/// [`forward`] on a chosen kernel set (errors where it does not serve the call).
+pub fn forward_with(
+    set: KernelSet,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &AttnSpec,
+) -> Result<(Tensor, Tensor)> {
+    forward_on(Some(set), q, k, v, spec)
+}
+
+/// The variant a call takes: the chosen set, or the default one.
+fn variant_for(set: Option<KernelSet>, dtype: DType, head_dim: usize) -> Result<Variant> {
+    match set {
+        Some(set) => Variant::new(set, dtype, head_dim),
+        None => Variant::default_for(dtype, head_dim),
+    }
+}
+
+/// `t` contiguous with its first element aligned to 16 bytes (the tensor-core kernels load rows
+/// in 16-byte chunks): a view at an unaligned offset is copied.
+fn aligned(t: &Tensor) -> Result<Tensor> {
+    let t = t.contiguous()?;
+    let elems_per_16b = 16 / t.dtype().size_in_bytes();
+    if t.layout().start_offset().is_multiple_of(elems_per_16b) {
+        Ok(t)
+    } else {
+        Ok(t.copy()?)
+    }
+}
+
+fn forward_on(
+    set: Option<KernelSet>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &AttnSpec,
+) -> Result<(Tensor, Tensor)> {
     let s = composite::dims(q, k, v, spec)?;
     same_dtype(q, k, v)?;
-    let var = Variant::new(q.dtype(), s.d)?;
+    let var = variant_for(set, q.dtype(), s.d)?;
     if s.b * s.sq * s.hq * s.sk == 0 {
         return composite::forward(q, k, v, spec, &crate::CompositeConfig::default());
     }
@@ -296,7 +440,7 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttnSpec) -> Result<(T
     let ptx = runtime_ptx(var)?;
     let func = dev.get_or_load_custom_func("flash_fwd", &var.module_name(), &ptx)?;
     let m = mask_arrays(&dev, spec)?;
-    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
     let mut out = dev.alloc_zeros::<f32>(s.b * s.sq * s.hq * s.d)?;
     let mut lse = dev.alloc_zeros::<f32>(s.b * s.hq * s.sq)?;
     let cfg = grid(s.sq, var.rows(), s.hq, s.b)?;
@@ -341,7 +485,8 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttnSpec) -> Result<(T
 }
 
 /// Backward on CUDA tensors, as [`crate::flash_bwd`] (`f32_grads`: f32 gradients whatever the
-/// input dtype). `out` and `lse` are the final (merged) forward results.
+/// input dtype), on the default kernel set. `out` and `lse` are the final (merged) forward
+/// results.
 #[allow(clippy::too_many_arguments)]
 pub fn backward(
     q: &Tensor,
@@ -353,9 +498,40 @@ pub fn backward(
     spec: &AttnSpec,
     f32_grads: bool,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    backward_on(None, q, k, v, out, lse, dout, spec, f32_grads)
+}
+
+/// [`backward`] on a chosen kernel set (errors where it does not serve the call).
+#[allow(clippy::too_many_arguments)]
+pub fn backward_with(
+    set: KernelSet,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    spec: &AttnSpec,
+    f32_grads: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    backward_on(Some(set), q, k, v, out, lse, dout, spec, f32_grads)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward_on(
+    set: Option<KernelSet>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    spec: &AttnSpec,
+    f32_grads: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let s = composite::backward_dims(q, k, v, out, lse, dout, spec)?;
     same_dtype(q, k, v)?;
-    let var = Variant::new(q.dtype(), s.d)?;
+    let var = variant_for(set, q.dtype(), s.d)?;
     if s.b * s.sq * s.hq * s.sk == 0 {
         return composite::backward(
             q,
@@ -374,8 +550,8 @@ pub fn backward(
     let f_dq = dev.get_or_load_custom_func("flash_bwd_dq", &var.module_name(), &ptx)?;
     let f_dkdv = dev.get_or_load_custom_func("flash_bwd_dkdv", &var.module_name(), &ptx)?;
     let m = mask_arrays(&dev, spec)?;
-    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let dout = dout.to_dtype(DType::F32)?.contiguous()?;
+    let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
+    let dout = aligned(&dout.to_dtype(DType::F32)?)?;
     // delta_i = rowsum(dout_i * out_i), (b, hq, sq).
     let delta = (&dout * out.to_dtype(DType::F32)?)?
         .sum(D::Minus1)?
@@ -457,8 +633,12 @@ pub fn backward(
 }
 
 /// Host-side facts of a variant, for tests and reports: threads per row, rows per block and
-/// tile rows.
-pub fn launch_geometry(dtype: DType, head_dim: usize) -> Result<(usize, usize, usize)> {
-    let v = Variant::new(dtype, head_dim)?;
+/// forward tile rows.
+pub fn launch_geometry(
+    set: KernelSet,
+    dtype: DType,
+    head_dim: usize,
+) -> Result<(usize, usize, usize)> {
+    let v = Variant::new(set, dtype, head_dim)?;
     Ok((v.group(), v.rows() as usize, v.tile()))
 }
