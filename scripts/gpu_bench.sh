@@ -5,6 +5,9 @@
 #   attention.json (.log)   cpl bench attention with flash-ring's CUDA kernels, ratios to PyTorch
 #   composite.json          the same with FLASH_RING_CUDA=composite (the candle-ops path), S = 8K
 #   train32k.log            cpl bench train on one GPU, 32K tokens a step, bf16: tokens/s and MFU
+# The device tool returns at most 8 files of $OUT, and gpu_check.sh and this script write 13: at
+# the end every file of DIR goes into DIR/results.tar.gz (the only file left there), and the
+# summaries (summary.txt, gpu_bench.txt, the MFU lines of train32k.log) are printed.
 # Usage: scripts/gpu_bench.sh --out DIR [--seqs 8192,32768]
 # Each command has its own time limit; a failure is reported in DIR/gpu_bench.txt and the rest run.
 set -uo pipefail
@@ -65,3 +68,10 @@ step train32k 120 "$W/cpl" bench train --device cuda --seq-len 32768 --steps 3 -
     --layers 4 --hidden 1024 --heads 8 --kv-heads 8 --intermediate 2816 --vocab 32000 \
     >"$OUT/train32k.log" 2>&1
 cat "$REPORT"
+[ -f "$OUT/summary.txt" ] && cat "$OUT/summary.txt"
+grep -E "^\||^step seconds|^peak" "$OUT/train32k.log" 2>/dev/null
+# One file for the device tool (at most 8 come back).
+if tar -C "$OUT" -czf "$W/results.tar.gz" . 2>/dev/null; then
+    find "$OUT" -mindepth 1 -delete
+    mv "$W/results.tar.gz" "$OUT/results.tar.gz"
+fi
