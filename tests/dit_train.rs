@@ -91,6 +91,7 @@ fn config(steps: u64, memory: MemoryPlan, batch: usize, grad_accum: usize) -> Tr
         loss_chunk_tokens: 1024,
         memory,
         pipeline: None,
+        seq_len_schedule: None,
     }
 }
 

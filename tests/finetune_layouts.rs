@@ -64,6 +64,7 @@ fn config(batch: usize, grad_accum: usize, memory: MemoryPlan) -> TrainConfig {
         loss_chunk_tokens: 16,
         memory,
         pipeline: None,
+        seq_len_schedule: None,
     }
 }
 

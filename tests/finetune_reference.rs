@@ -368,6 +368,7 @@ fn dpo_equals_trl() {
             loss_chunk_tokens: 1024,
             memory: Default::default(),
             pipeline: None,
+            seq_len_schedule: None,
         };
         let t = train::trainer::Trainer::new(
             Box::new(m.model) as Box<dyn models::CausalLm>,
@@ -485,6 +486,7 @@ fn saved_adapter_loads_back() {
             loss_chunk_tokens: 1024,
             memory: Default::default(),
             pipeline: None,
+            seq_len_schedule: None,
         };
         let mut t =
             train::trainer::Trainer::new(m.model, &mesh, &ctx, cfg).map_err(|e| e.to_string())?;

@@ -911,5 +911,6 @@ pub fn small_train_config(
         loss_chunk_tokens: 16,
         memory,
         pipeline: None,
+        seq_len_schedule: None,
     }
 }

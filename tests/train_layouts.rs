@@ -55,6 +55,7 @@ fn config(steps: u64, batch: usize, grad_accum: usize, doc_mask: bool) -> TrainC
         loss_chunk_tokens: 16,
         memory: MemoryPlan::default(),
         pipeline: None,
+        seq_len_schedule: None,
     }
 }
 

@@ -11,6 +11,7 @@ use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
 use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
 use train::driver::RunOptions;
+use train::schedule::SeqLenSchedule;
 use train::trainer::TrainConfig;
 
 use crate::layout::{Backend, LayoutArgs, PipelineArgs};
@@ -45,9 +46,21 @@ pub struct TrainArgs {
     /// Tokens per training sequence.
     #[arg(long, default_value_t = 512)]
     pub seq_len: usize,
-    /// Optimizer steps.
-    #[arg(long, default_value_t = 200)]
-    pub steps: u64,
+    /// A length curriculum instead of one --seq-len (text models): `LEN:STEPS` phases in
+    /// order, e.g. 1024:100,4096:200 (Llama 3, EasyContext), each STEPS optimizer steps on
+    /// sequences of LEN tokens; the run has the sum of the steps unless --steps says otherwise
+    /// (fewer stop inside the schedule, more continue at its last length). The
+    /// tokens of a step stay the first phase's (--batch x --grad-accum sequences of the first
+    /// length per data-parallel rank): a phase k times longer trains k times fewer sequences
+    /// (fewer per micro-batch first, then fewer micro-batches), so every length must divide
+    /// those tokens. Every length is checked against the layout and the model's
+    /// max_position_embeddings before the first step; evaluations use windows of the current
+    /// length; checkpoints record the schedule and resume anywhere in it.
+    #[arg(long, value_name = "LEN:STEPS,...", conflicts_with = "seq_len")]
+    pub seq_len_schedule: Option<String>,
+    /// Optimizer steps [default: 200, or the sum of --seq-len-schedule's steps].
+    #[arg(long)]
+    pub steps: Option<u64>,
     /// Sequences per micro-batch on each data-parallel rank.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
@@ -244,7 +257,16 @@ impl TrainArgs {
         if self.seq_len < 2 {
             bail!("--seq-len {} must be at least 2", self.seq_len);
         }
-        if self.steps == 0 {
+        let schedule = self
+            .seq_len_schedule
+            .as_deref()
+            .map(str::parse::<SeqLenSchedule>)
+            .transpose()?;
+        let (seq_len, steps) = match &schedule {
+            Some(s) => (s.first_len(), self.steps.unwrap_or(s.total_steps())),
+            None => (self.seq_len, self.steps.unwrap_or(200)),
+        };
+        if steps == 0 {
             bail!("--steps must be at least 1");
         }
         if self.batch == 0 || self.grad_accum == 0 {
@@ -272,8 +294,8 @@ impl TrainArgs {
         }
         let checkpointing = self.checkpointing;
         Ok(TrainConfig {
-            seq_len: self.seq_len,
-            steps: self.steps,
+            seq_len,
+            steps,
             batch: self.batch,
             grad_accum: self.grad_accum,
             doc_mask: self.doc_mask,
@@ -290,7 +312,7 @@ impl TrainArgs {
                 peak_lr: self.lr,
                 min_lr: self.min_lr,
                 warmup_steps: self.warmup,
-                total_steps: self.steps,
+                total_steps: steps,
                 decay: self.decay,
             },
             max_grad_norm: (self.max_grad_norm > 0.0).then_some(self.max_grad_norm),
@@ -301,6 +323,7 @@ impl TrainArgs {
                 checkpointing,
             },
             pipeline: None,
+            seq_len_schedule: schedule,
         })
     }
 }

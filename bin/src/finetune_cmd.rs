@@ -440,6 +440,12 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
     if t.eval_by_position {
         bail!("--eval-by-position: cpl finetune evaluates chat data by example; use cpl train");
     }
+    if t.seq_len_schedule.is_some() {
+        bail!(
+            "--seq-len-schedule: cpl finetune trains on examples of their own lengths; a length \
+             curriculum is cpl train's"
+        );
+    }
     if t.from_scratch || t.freeze_vision_tower || t.freeze_language_model {
         bail!(
             "--from-scratch / --freeze-vision-tower / --freeze-language-model: cpl finetune \

@@ -13,7 +13,7 @@ use candle_parallel::nn::ParamMode;
 use models::tokenizer::Tokenizer;
 use models::Kind;
 use train::data::{PackedDataset, Packing, TokenStream};
-use train::driver::tasks::NextTokenTask;
+use train::driver::tasks::{CurriculumPhase, LengthCurriculum, NextTokenTask};
 use train::driver::{self, Resume};
 use train::trainer::{TrainConfig, Trainer};
 
@@ -27,6 +27,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             bail!(
                 "--rope-*: only text models (causal LMs) take a RoPE change; --model {model} is a \
                  {} model",
+                m.family.name
+            );
+        }
+        if m.family.kind != Kind::CausalLm && args.seq_len_schedule.is_some() {
+            bail!(
+                "--seq-len-schedule: only text models (causal LMs) train on a length curriculum; \
+                 --model {model} is a {} model",
                 m.family.name
             );
         }
@@ -66,7 +73,21 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             );
         }
     }
-    args.layout.check_seq_len(cfg.seq_len)?;
+    // Every length of the run splits under the layout, checked before anything runs.
+    match &cfg.seq_len_schedule {
+        Some(s) => {
+            for (i, p) in s.phases().iter().enumerate() {
+                args.layout.check_seq_len(p.seq_len).with_context(|| {
+                    format!(
+                        "--seq-len-schedule {s}: phase {} (length {})",
+                        i + 1,
+                        p.seq_len
+                    )
+                })?;
+            }
+        }
+        None => args.layout.check_seq_len(cfg.seq_len)?,
+    }
     let model_id = match &args.model {
         Some(m) => m.clone(),
         None => default_asset("model").display().to_string(),
@@ -96,6 +117,29 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let ranges = args
         .pipeline
         .configure(&mut cfg, args.layout.pp, desc.layers, &files.config)?;
+    // A length curriculum's phases: their shapes (the tokens of a step kept), within the
+    // model's positions (after --rope-* and --max-position-embeddings).
+    let shapes = match &cfg.seq_len_schedule {
+        Some(s) => {
+            s.check_max_position(max_position_embeddings(&files.config)?)?;
+            let shapes = s.shapes(cfg.batch, cfg.grad_accum)?;
+            // Under a pipeline, every phase's micro-batches make a schedule.
+            for (i, shape) in shapes.iter().enumerate() {
+                args.pipeline
+                    .schedule(args.layout.pp, shape.grad_accum)
+                    .with_context(|| {
+                        format!(
+                            "--seq-len-schedule {s}: phase {} ({} micro-batches of {} sequences)",
+                            i + 1,
+                            shape.grad_accum,
+                            shape.batch
+                        )
+                    })?;
+            }
+            Some(shapes)
+        }
+        None => None,
+    };
     let dtype = args.dtype.map(DType::from).unwrap_or(DType::F32);
     // Data: tokenized once, identical on every rank.
     let tokenizer = || Tokenizer::from_model(&files);
@@ -118,6 +162,23 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         desc.vocab,
         &cfg,
     )?;
+    // Each phase's windows and held-out windows (the same token streams).
+    let phase_data = match &shapes {
+        Some(shapes) => {
+            let at = |d: &PackedDataset, len: usize| {
+                d.with_seq_len(len)
+                    .with_context(|| format!("--seq-len-schedule: the phase of length {len}"))
+            };
+            let mut out = Vec::new();
+            for s in shapes {
+                let eval = eval_data.as_ref().map(|e| at(e, s.seq_len)).transpose()?;
+                let flops = desc.flops_per_token(s.seq_len, models::family::Work::Training);
+                out.push((*s, at(&data, s.seq_len)?, eval, flops));
+            }
+            Some(out)
+        }
+        None => None,
+    };
     std::fs::create_dir_all(&args.out).with_context(|| format!("--out {}", args.out.display()))?;
     let interrupted = interrupt_flag()?;
     let flops_per_token = desc.flops_per_token(cfg.seq_len, models::family::Work::Training);
@@ -125,13 +186,19 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         Some(r) => models::hub::from_dir(&r.dir.display().to_string(), &r.dir)?,
         None => files.clone(),
     };
+    let sequences = args.layout.dp_degree()? * cfg.batch * cfg.grad_accum;
+    let shape = match &cfg.seq_len_schedule {
+        Some(s) => format!(
+            "seq-len schedule {s} ({} tokens/step)",
+            cfg.seq_len * sequences
+        ),
+        None => format!("seq {} x {sequences} sequences/step", cfg.seq_len),
+    };
     let banner = format!(
-        "cpl train: {} ({:.2} M params) on {} tokens, seq {} x {} sequences/step, {} steps, {} rank(s), {}",
+        "cpl train: {} ({:.2} M params) on {} tokens, {shape}, {} steps, {} rank(s), {}",
         model_id,
         desc.params as f64 / 1e6,
         data.num_tokens(),
-        cfg.seq_len,
-        args.layout.dp_degree()? * cfg.batch * cfg.grad_accum,
         cfg.steps,
         args.layout.ranks,
         sp.strategy.name()
@@ -170,11 +237,31 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             by_position: args.eval_by_position.then_some(&rank.mesh),
         };
         let world = rank.world();
+        let history = Resume::history(resume.as_ref());
+        let Some(phases) = &phase_data else {
+            return Ok(driver::run(
+                &mut task,
+                &world,
+                &opts,
+                history,
+                &interrupted,
+            )?);
+        };
+        let phases = phases
+            .iter()
+            .map(|(shape, data, eval, flops)| CurriculumPhase {
+                shape: *shape,
+                data,
+                eval: eval.as_ref(),
+                flops_per_token: *flops,
+            })
+            .collect();
+        let mut task = LengthCurriculum::new(task, phases)?;
         Ok(driver::run(
             &mut task,
             &world,
             &opts,
-            Resume::history(resume.as_ref()),
+            history,
             &interrupted,
         )?)
     })?;
@@ -187,6 +274,17 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         driver::finish(&history, &opts, &title)?;
     }
     Ok(())
+}
+
+/// The `max_position_embeddings` of the model config at `path` (`None` when it has none).
+fn max_position_embeddings(path: &std::path::Path) -> Result<Option<usize>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
+    Ok(v.get("max_position_embeddings")
+        .and_then(serde_json::Value::as_u64)
+        .map(|m| m as usize))
 }
 
 /// The packed dataset of `tokens` (a token file and its flag) or of the files of `data` (and

@@ -397,3 +397,291 @@ fn training_evaluates_the_loss_by_position() {
     )]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The arguments of a small `cpl train` of the LLaMA fixture (max_position_embeddings 256) on
+/// `tokens` under ring 2, no warmup, then `extra`.
+fn schedule_args(tokens: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
+    let model = common::fixtures("llama/mha");
+    let mut args: Vec<String> = [
+        "train",
+        "--model",
+        model.to_str().unwrap(),
+        "--tokens",
+        tokens.to_str().unwrap(),
+        "--warmup",
+        "0",
+        "--lr",
+        "1e-2",
+        "--ranks",
+        "2",
+        "--ring",
+        "2",
+        "--out",
+        out.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// Random documents of the fixture's vocabulary in `dir` (about 2,000 tokens).
+fn schedule_tokens(dir: &Path) -> std::path::PathBuf {
+    let docs = testkit::random_docs(35, 40, 20..80, 256);
+    let p = dir.join("docs.json");
+    std::fs::write(&p, serde_json::to_string(&docs).unwrap()).unwrap();
+    p
+}
+
+/// Every metrics line of `out`.
+fn metric_lines(out: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// (step, loss, gradient norm, lr) of every metrics line, as written.
+fn step_values(out: &Path) -> Vec<(u64, f64, f64, f64)> {
+    metric_lines(out)
+        .iter()
+        .map(|v| {
+            let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} in {v}"));
+            (
+                v["step"].as_u64().unwrap(),
+                f("loss"),
+                f("grad_norm"),
+                f("lr"),
+            )
+        })
+        .collect()
+}
+
+/// `--seq-len-schedule 16:2,32:3` (4 sequences of 16 tokens a step, then 2 of 32) equals its
+/// phases run separately, bit for bit: `--seq-len 16 --batch 2 --grad-accum 2` for 2 steps, then
+/// `--seq-len 32 --batch 1 --grad-accum 2 --resume` from that run's checkpoint (the same 64
+/// tokens per step, so the same point of the data); the log says the tokens per step are kept,
+/// each metrics line has its `seq_len`, and the checkpoints record the schedule and the phase.
+/// Resuming at another length without keeping the tokens per step is refused. (A constant
+/// learning rate: the separate first run has 2 steps, so a decay would differ.)
+#[test]
+fn seq_len_schedule_equals_its_phases_run_separately() {
+    let dir = tmpdir("seq-len-schedule");
+    let tokens = schedule_tokens(&dir);
+    let sched = dir.join("schedule");
+    let o = cpl(&schedule_args(
+        &tokens,
+        &sched,
+        &[
+            "--seq-len-schedule",
+            "16:2,32:3",
+            "--decay",
+            "constant",
+            "--batch",
+            "2",
+            "--grad-accum",
+            "2",
+            "--save-every",
+            "2",
+            "--keep",
+            "9",
+        ],
+    ));
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("seq-len schedule 16:2,32:3: starting at step 0 in phase 1 of 2")
+            && err.contains("64 tokens per step in every phase"),
+        "{err}"
+    );
+    assert!(
+        err.contains("seq-len 16 -> 32 at step 2, batch 4 -> 2 sequences")
+            && err.contains("64 tokens per step kept"),
+        "{err}"
+    );
+    let lens: Vec<u64> = metric_lines(&sched)
+        .iter()
+        .map(|v| v["seq_len"].as_u64().unwrap())
+        .collect();
+    assert_eq!(lens, [16, 16, 32, 32, 32]);
+    let tokens_per_step: Vec<u64> = metric_lines(&sched)
+        .iter()
+        .map(|v| v["tokens"].as_u64().unwrap())
+        .collect();
+    assert_eq!(tokens_per_step, [64; 5], "labelled tokens of every step");
+    for (step, len, batch) in [(2, 16, 2), (4, 32, 1), (5, 32, 1)] {
+        let state: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(sched.join(format!("step-{step}/trainer_state.json")))
+                .unwrap(),
+        )
+        .unwrap();
+        let c = &state["config"];
+        assert_eq!(c["seq_len_schedule"], "16:2,32:3", "step {step}");
+        assert_eq!(
+            (
+                c["seq_len"].as_u64(),
+                c["batch"].as_u64(),
+                c["grad_accum"].as_u64()
+            ),
+            (Some(len), Some(batch), Some(2)),
+            "step {step}"
+        );
+    }
+
+    // The phases as separate runs, the second resumed from the first's checkpoint.
+    let sep = dir.join("separate");
+    let phase = |extra: &[&str]| {
+        let o = cpl(&schedule_args(
+            &tokens,
+            &sep,
+            &[extra, &["--decay", "constant"]].concat(),
+        ));
+        assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
+    };
+    phase(&[
+        "--seq-len",
+        "16",
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--grad-accum",
+        "2",
+    ]);
+    let o = cpl(&schedule_args(
+        &tokens,
+        &sep,
+        &[
+            "--seq-len",
+            "32",
+            "--steps",
+            "5",
+            "--batch",
+            "2",
+            "--grad-accum",
+            "2",
+            "--decay",
+            "constant",
+            "--resume",
+        ],
+    ));
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("the data order would differ"),
+        "{}",
+        stderr(&o)
+    );
+    phase(&[
+        "--seq-len",
+        "32",
+        "--steps",
+        "5",
+        "--batch",
+        "1",
+        "--grad-accum",
+        "2",
+        "--resume",
+    ]);
+    let want = step_values(&sched);
+    assert_eq!(want.len(), 5);
+    assert_eq!(
+        step_values(&sep),
+        want,
+        "the schedule = its phases run separately, bit for bit"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--resume` is proven (see `common::resume`: killed after step 3, resumed from step-2, equal
+/// to the uninterrupted run bit for bit) in the middle of a length schedule's second phase
+/// (16:1,32:4: step-2 was saved at length 32) and across its boundary (16:2,32:3: step-2 was
+/// saved at length 16, the resumed run's first step is the first at 32).
+#[test]
+fn seq_len_schedule_resumes_exactly() {
+    let dir = tmpdir("seq-len-schedule-resume");
+    let tokens = schedule_tokens(&dir);
+    for (name, schedule, lens) in [
+        ("mid-phase", "16:1,32:4", [16, 32, 32, 32, 32]),
+        ("boundary", "16:2,32:3", [16, 16, 32, 32, 32]),
+    ] {
+        let case = common::resume::ResumeCase {
+            name,
+            args: schedule_args(
+                &tokens,
+                &dir.join("unused"),
+                &["--seq-len-schedule", schedule],
+            ),
+            weights_flag: "--model",
+        };
+        common::resume::prove_resume(&case, &dir);
+        let resumed: Vec<u64> = metric_lines(&dir.join(format!("{name}-cut")))
+            .iter()
+            .map(|v| v["seq_len"].as_u64().unwrap())
+            .collect();
+        assert_eq!(resumed, lens, "{name}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A malformed schedule, a length above max_position_embeddings, one that the tokens of a step
+/// do not divide, one the layout cannot split, `--seq-len` with it, and `cpl finetune` with it
+/// are clear errors naming `--seq-len-schedule`, before any step runs.
+#[test]
+fn seq_len_schedule_errors_name_the_flag() {
+    let dir = tmpdir("seq-len-schedule-errors");
+    let tokens = schedule_tokens(&dir);
+    let out = dir.join("run");
+    let args = |extra: &[&str]| schedule_args(&tokens, &out, extra);
+    let s = "--seq-len-schedule";
+    assert_clear_errors(&[
+        (
+            args(&[s, "1024"]),
+            "--seq-len-schedule 1024: `1024` is not LEN:STEPS",
+        ),
+        (
+            args(&[s, "a:b"]),
+            "--seq-len-schedule a:b: `a:b` is not LEN:STEPS",
+        ),
+        (
+            args(&[s, "0:10"]),
+            "--seq-len-schedule 0:10: length 0 in `0:10` must be at least 2",
+        ),
+        (
+            args(&[s, "16:0"]),
+            "--seq-len-schedule 16:0: `16:0` has no steps",
+        ),
+        (
+            args(&[s, "16:2,16:2"]),
+            "phases 1 and 2 both have length 16",
+        ),
+        (
+            args(&[s, "16:1,512:1"]),
+            "--seq-len-schedule 16:1,512:1: length 512 is above the model's \
+             max_position_embeddings 256",
+        ),
+        // Within a raised max_position_embeddings, 64 tokens a step make no sequences of 512.
+        (
+            args(&[s, "16:1,512:1", "--max-position-embeddings", "512"]),
+            "--seq-len-schedule 16:1,512:1: a step of the first phase trains 64 tokens",
+        ),
+        // Ring 2's zigzag cuts 4 chunks: 18 tokens do not split (144 tokens a step would
+        // make 8 sequences of 18).
+        (
+            args(&[s, "16:1,18:1", "--batch", "3", "--grad-accum", "3"]),
+            "--seq-len-schedule 16:1,18:1: phase 2 (length 18): --seq-len 18 cannot be split by \
+             --ring 2",
+        ),
+        (args(&[s, "16:1", "--seq-len", "16"]), "--seq-len-schedule"),
+        (
+            vec!["finetune".to_string(), s.to_string(), "16:1".to_string()],
+            "--seq-len-schedule: cpl finetune trains on examples",
+        ),
+    ]);
+    assert!(
+        !out.join("metrics.jsonl").exists(),
+        "no step ran in any of them"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -240,6 +240,42 @@ pub fn read_state(dir: &Path) -> Result<TrainerState> {
     })
 }
 
+/// Errors when `trainer` would not continue the data where the checkpoint in `dir` stopped: the
+/// samples of step `s` are `s x` the sequences per step (see [`crate::data::Sampler`]), so a
+/// run resumed at the same sequence length must keep the sequences per step, and one resumed
+/// at another length (a length curriculum's next phase, or a run continued by hand at a new
+/// `--seq-len`) the tokens per step, which puts it at the same token of the stream. Under a
+/// length curriculum, the phases before the checkpoint's step must be those it was trained
+/// under.
+fn check_data_position<M: TrainModel>(
+    trainer: &Trainer<M>,
+    dir: &Path,
+    state: &TrainerState,
+) -> Result<()> {
+    let (saved, now) = (&state.config, &trainer.cfg);
+    if let (Some(s), Some(n)) = (&saved.seq_len_schedule, &now.seq_len_schedule) {
+        n.check_resumes(s, state.step)?;
+    }
+    let (gb, len) = (trainer.global_batch(), now.seq_len);
+    let same = if saved.seq_len == len {
+        state.global_batch == gb
+    } else {
+        state.global_batch * saved.seq_len == gb * len
+    };
+    if same {
+        return Ok(());
+    }
+    Err(Error::Checkpoint {
+        path: dir.to_path_buf(),
+        msg: format!(
+            "was saved with {} sequences of {} tokens per step (dp x batch x grad-accum); this \
+             run has {gb} of {len}: the data order would differ (at another --seq-len, keep the \
+             tokens per step: scale --batch or --grad-accum inversely)",
+            state.global_batch, saved.seq_len
+        ),
+    })
+}
+
 /// Restores the optimizer state and step of `trainer` (whose model was loaded from the same
 /// checkpoint) from `dir`, reading only this rank's slices.
 pub fn restore<M: TrainModel>(
@@ -247,17 +283,7 @@ pub fn restore<M: TrainModel>(
     dir: &Path,
     state: &TrainerState,
 ) -> Result<()> {
-    if state.global_batch != trainer.global_batch() {
-        return Err(Error::Checkpoint {
-            path: dir.to_path_buf(),
-            msg: format!(
-                "was saved with {} sequences per step (dp x batch x grad-accum); this run has {}: \
-                 the data order would differ",
-                state.global_batch,
-                trainer.global_batch()
-            ),
-        });
-    }
+    check_data_position(trainer, dir, state)?;
     let reader = CheckpointReader::open(&[dir.join("optimizer.safetensors")])?;
     let mut tensors = HashMap::new();
     let pipelined = trainer.pp().size() > 1;

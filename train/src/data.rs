@@ -364,7 +364,7 @@ impl Packing {
 /// by one), packed as [`Packing`] says.
 #[derive(Debug, Clone)]
 pub struct PackedDataset {
-    stream: TokenStream,
+    stream: std::sync::Arc<TokenStream>,
     seq_len: usize,
     doc_mask: bool,
 }
@@ -372,6 +372,21 @@ pub struct PackedDataset {
 impl PackedDataset {
     /// Errors when the stream is shorter than one window.
     pub fn new(stream: TokenStream, seq_len: usize, packing: Packing) -> Result<Self> {
+        Self::windows_of(std::sync::Arc::new(stream), seq_len, packing)
+    }
+
+    /// The same stream and packing in windows of `seq_len` (the stream is shared, not
+    /// copied): a length curriculum's phases. Errors as [`PackedDataset::new`].
+    pub fn with_seq_len(&self, seq_len: usize) -> Result<Self> {
+        let packing = Packing::with_doc_mask(self.doc_mask);
+        Self::windows_of(self.stream.clone(), seq_len, packing)
+    }
+
+    fn windows_of(
+        stream: std::sync::Arc<TokenStream>,
+        seq_len: usize,
+        packing: Packing,
+    ) -> Result<Self> {
         if seq_len == 0 {
             return Err(Error::Invalid(
                 "the sequence length must be at least 1".into(),

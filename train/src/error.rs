@@ -54,6 +54,10 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// A length curriculum that cannot be used (names `--seq-len-schedule`).
+    #[error(transparent)]
+    Schedule(#[from] crate::schedule::ScheduleError),
+
     #[error(transparent)]
     Model(#[from] models::Error),
 

@@ -5,7 +5,7 @@
 //! exact resume ([`checkpoint`]); held-out scoring ([`evaluation`]), KV-cache generation through
 //! pipeline stages ([`generation`]) and fine-tuning data ([`finetune_data`]) are what `cpl eval`,
 //! `cpl generate` and `cpl finetune` call; [`memory`] counts heap bytes for memory tests and
-//! benchmarks.
+//! benchmarks; [`schedule`] is a run's length curriculum.
 //!
 //! A step is a list of micro-batches; each micro-batch runs forward and backward on its own
 //! and its gradients are accumulated in f32, so pipeline schedules drive the same micro-batches
@@ -26,6 +26,7 @@ pub mod memory;
 pub mod multimodal;
 pub mod objective;
 pub mod passkey;
+pub mod schedule;
 pub mod trainer;
 
 pub use error::{Error, Result};

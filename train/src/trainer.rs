@@ -46,6 +46,7 @@ use serde::{Deserialize, Serialize};
 use crate::data::{Batching, MicroBatch, Windows};
 use crate::error::{Error, Result};
 use crate::objective::{NextToken, Objective, StepCtx};
+use crate::schedule::{SeqLenSchedule, StepShape};
 
 /// A model the trainer can optimise: units a memory plan can walk, and which parameters
 /// several pipeline stages hold.
@@ -230,6 +231,11 @@ pub struct TrainConfig {
     /// Pipeline schedule and stages (`None`: no pipeline).
     #[serde(default)]
     pub pipeline: Option<PipelineConfig>,
+    /// The length curriculum (`None`: every step at `seq_len`). Under one, `seq_len`, `batch`
+    /// and `grad_accum` are those of the current phase ([`Trainer::set_shape`]), so a
+    /// checkpoint's config says where in the schedule it was saved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq_len_schedule: Option<SeqLenSchedule>,
 }
 
 impl TrainConfig {
@@ -266,6 +272,7 @@ impl TrainConfig {
             loss_chunk_tokens,
             memory,
             pipeline: None,
+            seq_len_schedule: None,
         }
     }
 }
@@ -750,6 +757,23 @@ impl<M: TrainModel> Trainer<M> {
     /// How the step's global batch is dealt.
     pub fn batching(&self) -> &Batching {
         &self.batching
+    }
+
+    /// Trains the next steps on sequences of `shape.seq_len` tokens, `shape.batch` per
+    /// micro-batch and `shape.grad_accum` micro-batches per step and data-parallel rank (a
+    /// length curriculum's phase); the config records it, so checkpoints do.
+    pub fn set_shape(&mut self, shape: StepShape) -> Result<()> {
+        if shape.batch == 0 || shape.grad_accum == 0 {
+            return Err(Error::Invalid(
+                "the batch size and gradient accumulation must be at least 1".into(),
+            ));
+        }
+        self.cfg.seq_len = shape.seq_len;
+        self.cfg.batch = shape.batch;
+        self.cfg.grad_accum = shape.grad_accum;
+        self.batching.batch = shape.batch;
+        self.batching.grad_accum = shape.grad_accum;
+        Ok(())
     }
 
     /// This rank's coordinate on the data-parallel dimension.

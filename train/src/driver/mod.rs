@@ -62,12 +62,28 @@ impl StepOutcome {
     }
 }
 
+/// What changes in a run before a step (a length curriculum's next phase): the line the run
+/// logs (and writes to TensorBoard as `run/change`), and the model FLOPs per token of the steps
+/// from here (for the MFU).
+#[derive(Debug, Clone)]
+pub struct Change {
+    pub message: String,
+    pub flops_per_token: f64,
+}
+
 /// What a run trains: one optimizer step and one held-out evaluation, on every rank.
 pub trait Task {
     type Model: TrainModel;
 
     /// The task's trainer (its step count, checkpoints).
     fn trainer(&self) -> &Trainer<Self::Model>;
+
+    /// Gets the task ready for its trainer's next step, before it runs: what changed for the
+    /// steps from here, `None` when nothing did (the default). Called by every rank at the same
+    /// step, and first before a run's (or a resumed run's) first step.
+    fn before_step(&mut self) -> Result<Option<Change>> {
+        Ok(None)
+    }
 
     /// Runs the next optimizer step. Collective over the world.
     fn step(&mut self) -> Result<StepOutcome>;
@@ -215,7 +231,17 @@ pub fn run<T: Task>(
     let mut progress = main.then(|| Progress::new(opts.steps, opts.log_every));
     let start = Instant::now();
     let mut skipped = 0;
+    let mut flops_per_token = opts.flops_per_token;
     while task.trainer().step < opts.steps {
+        if let Some(change) = task.before_step()? {
+            flops_per_token = change.flops_per_token;
+            if let Some(b) = board.as_mut() {
+                b.text("run/change", task.trainer().step, &change.message)?;
+            }
+            if let Some(p) = progress.as_mut() {
+                p.message(&change.message);
+            }
+        }
         let t0 = Instant::now();
         trace::at_step(task.trainer().step);
         let outcome = match task.step() {
@@ -250,7 +276,7 @@ pub fn run<T: Task>(
             let s = out.stats;
             history.steps.push(s);
             let tps = out.tokens / dt;
-            let mfu = tps * opts.flops_per_token / (opts.peak_gflops * 1e9);
+            let mfu = tps * flops_per_token / (opts.peak_gflops * 1e9);
             if let Some(f) = metrics.as_mut() {
                 let mut line = serde_json::json!({
                     "step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,

@@ -2,12 +2,13 @@
 
 use crate::data::Windows;
 use crate::diffusion::DiffusionTrainer;
-use crate::driver::{StepOutcome, Task};
-use crate::error::Result;
+use crate::driver::{Change, StepOutcome, Task};
+use crate::error::{Error, Result};
 use crate::evaluation::{position_buckets, score, PositionBucket, ScoreOptions};
 use crate::finetune::{DpoTrainer, PairDataset};
 use crate::images::ImageDataset;
 use crate::multimodal::{ImageTextDataset, LlavaTrainer};
+use crate::schedule::StepShape;
 use crate::trainer::{TrainModel, Trainer};
 use models::causal_lm::CausalLm;
 
@@ -62,6 +63,152 @@ impl<M: TrainModel + CausalLm, W: Windows + 'static> Task for NextTokenTask<'_, 
         };
         let (report, _) = score(mesh, t.ctx(), &t.model, t.activation_dtype(), &seqs, &opts)?;
         Ok(report.by_position.map(|b| b.buckets))
+    }
+}
+
+/// One phase of a [`LengthCurriculum`]: its shape, its windows (and held-out windows) at its
+/// length, and the model FLOPs per token at that length.
+pub struct CurriculumPhase<'a, W> {
+    pub shape: StepShape,
+    pub data: &'a W,
+    pub eval: Option<&'a W>,
+    pub flops_per_token: f64,
+}
+
+/// [`NextTokenTask`] under the length curriculum of its trainer's config
+/// ([`crate::schedule`]): before each step the phase of the trainer's step gives the trainer its
+/// shape ([`Trainer::set_shape`]) and the task that phase's windows and held-out windows (an
+/// evaluation scores windows of the current length), and the run logs the change; every
+/// metrics line carries the step's `seq_len`. Which phase a step is in depends on the step
+/// alone, so a run resumed anywhere in the schedule takes the steps the uninterrupted run took.
+pub struct LengthCurriculum<'a, M, W: 'static> {
+    task: NextTokenTask<'a, M, W>,
+    phases: Vec<CurriculumPhase<'a, W>>,
+    current: Option<usize>,
+}
+
+impl<'a, M: TrainModel, W: 'static> LengthCurriculum<'a, M, W> {
+    /// `task` under its trainer's schedule, with one entry of `phases` per phase of it.
+    pub fn new(task: NextTokenTask<'a, M, W>, phases: Vec<CurriculumPhase<'a, W>>) -> Result<Self> {
+        let n = match &task.trainer.cfg.seq_len_schedule {
+            Some(s) => s.phases().len(),
+            None => {
+                return Err(Error::Invalid(
+                    "a length curriculum needs a schedule".into(),
+                ))
+            }
+        };
+        if phases.len() != n {
+            return Err(Error::Invalid(format!(
+                "a length curriculum of {n} phases was given {} phases' data",
+                phases.len()
+            )));
+        }
+        Ok(Self {
+            task,
+            phases,
+            current: None,
+        })
+    }
+
+    /// What the log says when the run enters phase `p` at `step` (from phase `from`, or at the
+    /// start of the run or of a resumed run).
+    fn message(&self, from: Option<usize>, p: usize, step: u64) -> String {
+        let dp = self.task.trainer.batching().dp;
+        let shape = self.phases[p].shape;
+        let tokens = dp * shape.tokens();
+        let cfg = &self.task.trainer.cfg;
+        let (schedule, total) = cfg
+            .seq_len_schedule
+            .as_ref()
+            .map(|s| (s.to_string(), s.total_steps()))
+            .unwrap_or_default();
+        let n = self.phases.len();
+        let steps = match cfg.steps.cmp(&total) {
+            std::cmp::Ordering::Equal => String::new(),
+            std::cmp::Ordering::Less => format!(
+                "; --steps {} stops the run inside the schedule's {total} steps",
+                cfg.steps
+            ),
+            std::cmp::Ordering::Greater => format!(
+                "; --steps {}: the last length goes on after the schedule's {total} steps",
+                cfg.steps
+            ),
+        };
+        match from {
+            Some(f) => {
+                let was = self.phases[f].shape;
+                format!(
+                    "seq-len {} -> {} at step {step}, batch {} -> {} sequences (micro-batches of \
+                     {} -> {}, grad-accum {} -> {} per data-parallel rank), {tokens} tokens per \
+                     step kept",
+                    was.seq_len,
+                    shape.seq_len,
+                    dp * was.sequences(),
+                    dp * shape.sequences(),
+                    was.batch,
+                    shape.batch,
+                    was.grad_accum,
+                    shape.grad_accum
+                )
+            }
+            None => format!(
+                "seq-len schedule {schedule}: {} at step {step} in phase {} of {n}, seq-len {} x \
+                 {} sequences (micro-batches of {}, grad-accum {} per data-parallel rank); \
+                 {tokens} tokens per step in every phase (the batch shrinks as the length \
+                 grows){steps}",
+                if step == 0 { "starting" } else { "resuming" },
+                p + 1,
+                shape.seq_len,
+                dp * shape.sequences(),
+                shape.batch,
+                shape.grad_accum
+            ),
+        }
+    }
+}
+
+impl<M: TrainModel + CausalLm, W: Windows + 'static> Task for LengthCurriculum<'_, M, W> {
+    type Model = M;
+
+    fn trainer(&self) -> &Trainer<M> {
+        &self.task.trainer
+    }
+
+    fn before_step(&mut self) -> Result<Option<Change>> {
+        let step = self.task.trainer.step;
+        let p = match &self.task.trainer.cfg.seq_len_schedule {
+            Some(s) => s.phase_at(step),
+            None => return Ok(None),
+        };
+        if self.current == Some(p) {
+            return Ok(None);
+        }
+        let message = self.message(self.current, p, step);
+        let phase = &self.phases[p];
+        self.task.trainer.set_shape(phase.shape)?;
+        self.task.data = phase.data;
+        if let (Some((_, windows)), Some(e)) = (self.task.eval, phase.eval) {
+            self.task.eval = Some((e, windows));
+        }
+        self.current = Some(p);
+        Ok(Some(Change {
+            message,
+            flops_per_token: phase.flops_per_token,
+        }))
+    }
+
+    fn step(&mut self) -> Result<StepOutcome> {
+        let seq_len = self.task.trainer.cfg.seq_len;
+        Ok(self.task.step()?.with("seq_len", seq_len))
+    }
+
+    fn eval(&mut self) -> Result<Option<(f64, u64)>> {
+        self.task.eval()
+    }
+
+    fn eval_by_position(&mut self) -> Result<Option<Vec<PositionBucket>>> {
+        self.task.eval_by_position()
     }
 }
 
