@@ -377,6 +377,17 @@ fn nvrtc_compiles_every_kernel_variant() {
             }
         }
     }
+    // The host's tile spans: per 16 rows, (pmin, pmax, dmin, dmax); a partial last chunk.
+    let pos: Vec<i32> = (0..40).map(|i| if i < 20 { 100 - i } else { i }).collect();
+    let doc: Vec<i32> = (0..40).map(|i| i / 10).collect();
+    assert_eq!(
+        flash_ring::cuda::chunk_spans(&pos, Some(&doc)),
+        vec![85, 100, 0, 1, 20, 84, 1, 3, 32, 39, 3, 3]
+    );
+    assert_eq!(
+        flash_ring::cuda::chunk_spans(&pos[..16], None),
+        vec![85, 100, 0, 0]
+    );
     // The default: tensor cores for bf16/f16 where they serve, CUDA cores otherwise.
     assert_eq!(
         KernelSet::default_for(DType::BF16, 128),

@@ -68,35 +68,17 @@ __device__ __forceinline__ bool covers(const MaskArgs& m, const Span& q, const S
     return true;
 }
 
-// The span of rows [r0, r0 + n) of pos/doc, reduced by the whole block (each thread loads at
-// most a few rows, then warp shuffles) and shared through *out. Every thread of the block must
-// call it; `scratch` is NT / 32 spans of shared memory.
-__device__ void block_span(const int* pos, const int* doc, int r0, int n, Span* out,
-                           Span* scratch) {
+// The span of rows [r0, r0 + n) (r0 a multiple of 16) from the host's spans of 16-row chunks:
+// spans[c] = (pmin, pmax, dmin, dmax) of rows 16 c .. 16 c + 15 (documents 0 without them).
+// Every thread reads the same few entries, so no barrier is needed.
+__device__ __forceinline__ Span tile_span(const int4* spans, int r0, int n) {
+    const int4 a = spans[r0 / 16];
     Span s;
-    s.pmin = 0x7fffffff; s.pmax = -0x7fffffff; s.dmin = 0x7fffffff; s.dmax = -0x7fffffff;
-    for (int r = threadIdx.x; r < n; r += NT) {
-        int p = pos[r0 + r];
-        s.pmin = min(s.pmin, p); s.pmax = max(s.pmax, p);
-        if (doc != 0) { int d = doc[r0 + r]; s.dmin = min(s.dmin, d); s.dmax = max(s.dmax, d); }
+    s.pmin = a.x; s.pmax = a.y; s.dmin = a.z; s.dmax = a.w;
+    for (int c = r0 / 16 + 1; c <= (r0 + n - 1) / 16; ++c) {
+        const int4 b = spans[c];
+        s.pmin = min(s.pmin, b.x); s.pmax = max(s.pmax, b.y);
+        s.dmin = min(s.dmin, b.z); s.dmax = max(s.dmax, b.w);
     }
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) {
-        s.pmin = min(s.pmin, __shfl_xor_sync(0xffffffffu, s.pmin, off));
-        s.pmax = max(s.pmax, __shfl_xor_sync(0xffffffffu, s.pmax, off));
-        s.dmin = min(s.dmin, __shfl_xor_sync(0xffffffffu, s.dmin, off));
-        s.dmax = max(s.dmax, __shfl_xor_sync(0xffffffffu, s.dmax, off));
-    }
-    __syncthreads();  // the previous call's readers of *out are done
-    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = s;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        Span t = scratch[0];
-        for (int w = 1; w < NT / 32; ++w) {
-            t.pmin = min(t.pmin, scratch[w].pmin); t.pmax = max(t.pmax, scratch[w].pmax);
-            t.dmin = min(t.dmin, scratch[w].dmin); t.dmax = max(t.dmax, scratch[w].dmax);
-        }
-        *out = t;
-    }
-    __syncthreads();
+    return s;
 }

@@ -34,12 +34,12 @@ extern "C" __global__ void __launch_bounds__(NT) flash_fwd(
     const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
     float* __restrict__ out, float* __restrict__ lse,
     const int* q_pos, const int* k_pos, const int* q_doc, const int* k_doc,
+    const int4* q_span, const int4* k_span,
     int sq, int sk, int hq, int hkv, float scale, float softcap, int causal, int window) {
     __shared__ float ks[BT][HEAD_DIM];
     __shared__ float vs[BT][HEAD_DIM];
     __shared__ int kp[BT];
     __shared__ int kd[BT];
-    __shared__ Span qspan, kspan, scratch[NT / 32];
     MaskArgs m = {q_pos, k_pos, q_doc, k_doc, causal, window};
     const int b = blockIdx.z, h = blockIdx.y, hk = h / (hq / hkv);
     const int lane = threadIdx.x % G;
@@ -56,11 +56,11 @@ extern "C" __global__ void __launch_bounds__(NT) flash_fwd(
     }
     const int pq = valid ? q_pos[i] : 0;
     const int dq = (valid && q_doc != 0) ? q_doc[i] : 0;
-    block_span(q_pos, q_doc, i0, min(ROWS, sq - i0), &qspan, scratch);
+    const Span qspan = tile_span(q_span, i0, min(ROWS, sq - i0));
     float mx = NEG_INF, l = 0.f;
     for (int j0 = 0; j0 < sk; j0 += BT) {
         const int n = min(BT, sk - j0);
-        block_span(k_pos, k_doc, j0, n, &kspan, scratch);
+        const Span kspan = tile_span(k_span, j0, n);
         if (disjoint(m, qspan, kspan)) continue;  // uniform over the block
         for (int r = threadIdx.x; r < BT; r += NT) {
             kp[r] = r < n ? k_pos[j0 + r] : 0;
@@ -128,12 +128,12 @@ extern "C" __global__ void __launch_bounds__(NT) flash_bwd_dq(
     const float* __restrict__ dout, const float* __restrict__ lse,
     const float* __restrict__ delta, float* __restrict__ dq_out,
     const int* q_pos, const int* k_pos, const int* q_doc, const int* k_doc,
+    const int4* q_span, const int4* k_span,
     int sq, int sk, int hq, int hkv, float scale, float softcap, int causal, int window) {
     __shared__ float ks[BT][HEAD_DIM];
     __shared__ float vs[BT][HEAD_DIM];
     __shared__ int kp[BT];
     __shared__ int kd[BT];
-    __shared__ Span qspan, kspan, scratch[NT / 32];
     MaskArgs m = {q_pos, k_pos, q_doc, k_doc, causal, window};
     const int b = blockIdx.z, h = blockIdx.y, hk = h / (hq / hkv);
     const int lane = threadIdx.x % G;
@@ -155,10 +155,10 @@ extern "C" __global__ void __launch_bounds__(NT) flash_bwd_dq(
     const long roff = ((long)b * hq + h) * sq + (valid ? i : 0);
     const float li = valid ? lse[roff] : NEG_INF;
     const float di = valid ? delta[roff] : 0.f;
-    block_span(q_pos, q_doc, i0, min(ROWS, sq - i0), &qspan, scratch);
+    const Span qspan = tile_span(q_span, i0, min(ROWS, sq - i0));
     for (int j0 = 0; j0 < sk; j0 += BT) {
         const int n = min(BT, sk - j0);
-        block_span(k_pos, k_doc, j0, n, &kspan, scratch);
+        const Span kspan = tile_span(k_span, j0, n);
         if (disjoint(m, qspan, kspan)) continue;
         for (int r = threadIdx.x; r < BT; r += NT) {
             kp[r] = r < n ? k_pos[j0 + r] : 0;
@@ -210,6 +210,7 @@ extern "C" __global__ void __launch_bounds__(NT) flash_bwd_dkdv(
     const float* __restrict__ dout, const float* __restrict__ lse,
     const float* __restrict__ delta, float* __restrict__ dk_out, float* __restrict__ dv_out,
     const int* q_pos, const int* k_pos, const int* q_doc, const int* k_doc,
+    const int4* q_span, const int4* k_span,
     int sq, int sk, int hq, int hkv, float scale, float softcap, int causal, int window) {
     __shared__ float qs[BT][HEAD_DIM];
     __shared__ float dos[BT][HEAD_DIM];
@@ -217,7 +218,6 @@ extern "C" __global__ void __launch_bounds__(NT) flash_bwd_dkdv(
     __shared__ int qd[BT];
     __shared__ float ls[BT];
     __shared__ float dl[BT];
-    __shared__ Span qspan, kspan, scratch[NT / 32];
     MaskArgs m = {q_pos, k_pos, q_doc, k_doc, causal, window};
     const int b = blockIdx.z, hk = blockIdx.y, group = hq / hkv;
     const int lane = threadIdx.x % G;
@@ -237,11 +237,11 @@ extern "C" __global__ void __launch_bounds__(NT) flash_bwd_dkdv(
     }
     const int pk = valid ? k_pos[j] : 0;
     const int dkd = (valid && k_doc != 0) ? k_doc[j] : 0;
-    block_span(k_pos, k_doc, j0, min(ROWS, sk - j0), &kspan, scratch);
+    const Span kspan = tile_span(k_span, j0, min(ROWS, sk - j0));
     for (int h = hk * group; h < (hk + 1) * group; ++h) {
         for (int i0 = 0; i0 < sq; i0 += BT) {
             const int n = min(BT, sq - i0);
-            block_span(q_pos, q_doc, i0, n, &qspan, scratch);
+            const Span qspan = tile_span(q_span, i0, n);
             if (disjoint(m, qspan, kspan)) continue;
             for (int r = threadIdx.x; r < BT; r += NT) {
                 bool in = r < n;

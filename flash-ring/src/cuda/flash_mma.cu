@@ -19,7 +19,8 @@
 // product, as FlashAttention-2 does. The softmax runs in f32 on the accumulator fragments: a
 // thread holds two rows (lane / 4 and lane / 4 + 8) and, per 8 columns, columns 2 (lane % 4)
 // and 2 (lane % 4) + 1; row reductions are two shuffles over the 4 threads of a row. Tiles whose
-// every pair is masked are skipped; tiles whose every pair is allowed skip the per-pair mask.
+// every pair is masked are skipped; tiles whose every pair is allowed skip the per-pair mask
+// (both decided from the host's spans of positions and documents, no barrier).
 // No atomics: dq and dk/dv are separate kernels, so results are deterministic.
 
 #define BM 64                  // rows a block owns
@@ -54,6 +55,14 @@ __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, un
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
+}
+
+// 2^x by the hardware's approximation (relative error about 2^-22; 2^-inf = 0), as
+// FlashAttention-2 does with fast math: the probabilities are rounded to bf16/f16 anyway.
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -174,12 +183,12 @@ extern "C" __global__ void __launch_bounds__(NT) flash_fwd(
     const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
     float* __restrict__ out, float* __restrict__ lse,
     const int* q_pos, const int* k_pos, const int* q_doc, const int* k_doc,
+    const int4* q_span, const int4* k_span,
     int sq, int sk, int hq, int hkv, float scale, float softcap, int causal, int window) {
     __shared__ __align__(16) elem_t ks[BN_FWD * DS];
     __shared__ __align__(16) elem_t vs[BN_FWD * DS];
     __shared__ int kp[BN_FWD];
     __shared__ int kd[BN_FWD];
-    __shared__ Span qspan, kspan, scratch[NT / 32];
     MaskArgs m = {q_pos, k_pos, q_doc, k_doc, causal, window};
     const int b = blockIdx.z, h = blockIdx.y, hk = h / (hq / hkv);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -203,12 +212,12 @@ extern "C" __global__ void __launch_bounds__(NT) flash_fwd(
     for (int j = 0; j < DBLK; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     float mx[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
     const int nq = min(BM, sq - i0);
-    block_span(q_pos, q_doc, i0, nq, &qspan, scratch);
+    const Span qspan = tile_span(q_span, i0, nq);
     const elem_t* kb = k + ((long)b * sk * hkv + hk) * HEAD_DIM;
     const elem_t* vb = v + ((long)b * sk * hkv + hk) * HEAD_DIM;
     for (int j0 = 0; j0 < sk; j0 += BN_FWD) {
         const int n = min(BN_FWD, sk - j0);
-        block_span(k_pos, k_doc, j0, n, &kspan, scratch);
+        const Span kspan = tile_span(k_span, j0, n);
         if (disjoint(m, qspan, kspan)) continue;  // uniform over the block
         const bool full = n == BN_FWD && nq == BM && covers(m, qspan, kspan);
         for (int r = threadIdx.x; r < BN_FWD; r += NT) {
@@ -247,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(NT) flash_fwd(
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
             const float mnew = fmaxf(mx[t], row_max4(tmax[t]));
-            const float alpha = mnew == NEG_INF ? 1.f : exp2f((mx[t] - mnew) * LOG2E);
+            const float alpha = mnew == NEG_INF ? 1.f : exp2_approx((mx[t] - mnew) * LOG2E);
             mu[t] = mnew == NEG_INF ? 0.f : mnew;
             mx[t] = mnew;
             l[t] *= alpha;
@@ -262,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(NT) flash_fwd(
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int t = e >> 1;
-                const float p = exp2f((s[nb][e] - mu[t]) * LOG2E);
+                const float p = exp2_approx((s[nb][e] - mu[t]) * LOG2E);
                 l[t] += p;
                 s[nb][e] = p;
             }
@@ -308,12 +317,12 @@ extern "C" __global__ void __launch_bounds__(NT) flash_bwd_dq(
     const float* __restrict__ dout, const float* __restrict__ lse,
     const float* __restrict__ delta, float* __restrict__ dq_out,
     const int* q_pos, const int* k_pos, const int* q_doc, const int* k_doc,
+    const int4* q_span, const int4* k_span,
     int sq, int sk, int hq, int hkv, float scale, float softcap, int causal, int window) {
     __shared__ __align__(16) elem_t ks[BN_DQ * DS];
     __shared__ __align__(16) elem_t vs[BN_DQ * DS];
     __shared__ int kp[BN_DQ];
     __shared__ int kd[BN_DQ];
-    __shared__ Span qspan, kspan, scratch[NT / 32];
     MaskArgs m = {q_pos, k_pos, q_doc, k_doc, causal, window};
     const int b = blockIdx.z, h = blockIdx.y, hk = h / (hq / hkv);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -340,12 +349,12 @@ extern "C" __global__ void __launch_bounds__(NT) flash_bwd_dq(
 #pragma unroll
     for (int j = 0; j < DBLK; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     const int nq = min(BM, sq - i0);
-    block_span(q_pos, q_doc, i0, nq, &qspan, scratch);
+    const Span qspan = tile_span(q_span, i0, nq);
     const elem_t* kb = k + ((long)b * sk * hkv + hk) * HEAD_DIM;
     const elem_t* vb = v + ((long)b * sk * hkv + hk) * HEAD_DIM;
     for (int j0 = 0; j0 < sk; j0 += BN_DQ) {
         const int n = min(BN_DQ, sk - j0);
-        block_span(k_pos, k_doc, j0, n, &kspan, scratch);
+        const Span kspan = tile_span(k_span, j0, n);
         if (disjoint(m, qspan, kspan)) continue;
         const bool full = n == BN_DQ && nq == BM && covers(m, qspan, kspan);
         for (int r = threadIdx.x; r < BN_DQ; r += NT) {
@@ -378,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(NT) flash_bwd_dq(
                 const float x = logit(s[nb][e], scale, softcap, &dcap);
                 const bool ok = li[t] != NEG_INF &&
                     (full || (rv[t] && col < n && allowed(m, pq[t], kp[col], dq[t], kd[col])));
-                const float p = ok ? exp2f((x - li[t]) * LOG2E) : 0.f;
+                const float p = ok ? exp2_approx((x - li[t]) * LOG2E) : 0.f;
                 s[nb][e] = p * (dp[nb][e] - di[t]) * dcap * scale;
             }
         }
@@ -420,6 +429,7 @@ extern "C" __global__ void __launch_bounds__(NT) flash_bwd_dkdv(
     const float* __restrict__ dout, const float* __restrict__ lse,
     const float* __restrict__ delta, float* __restrict__ dk_out, float* __restrict__ dv_out,
     const int* q_pos, const int* k_pos, const int* q_doc, const int* k_doc,
+    const int4* q_span, const int4* k_span,
     int sq, int sk, int hq, int hkv, float scale, float softcap, int causal, int window) {
     __shared__ __align__(16) elem_t qs[BQ_DKDV * DS];
     __shared__ __align__(16) elem_t dos[BQ_DKDV * DS];
@@ -427,7 +437,6 @@ extern "C" __global__ void __launch_bounds__(NT) flash_bwd_dkdv(
     __shared__ int qd[BQ_DKDV];
     __shared__ float ls[BQ_DKDV];
     __shared__ float dl[BQ_DKDV];
-    __shared__ Span qspan, kspan, scratch[NT / 32];
     MaskArgs m = {q_pos, k_pos, q_doc, k_doc, causal, window};
     const int b = blockIdx.z, hk = blockIdx.y, group = hq / hkv;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -454,13 +463,13 @@ extern "C" __global__ void __launch_bounds__(NT) flash_bwd_dkdv(
         dva[j][0] = dva[j][1] = dva[j][2] = dva[j][3] = 0.f;
     }
     const int nk = min(BM, sk - j0);
-    block_span(k_pos, k_doc, j0, nk, &kspan, scratch);
+    const Span kspan = tile_span(k_span, j0, nk);
     for (int h = hk * group; h < (hk + 1) * group; ++h) {
         const elem_t* qb = q + ((long)b * sq * hq + h) * HEAD_DIM;
         const float* ob = dout + ((long)b * sq * hq + h) * HEAD_DIM;
         for (int i0 = 0; i0 < sq; i0 += BQ_DKDV) {
             const int n = min(BQ_DKDV, sq - i0);
-            block_span(q_pos, q_doc, i0, n, &qspan, scratch);
+            const Span qspan = tile_span(q_span, i0, n);
             if (disjoint(m, qspan, kspan)) continue;
             const bool full = n == BQ_DKDV && nk == BM && covers(m, qspan, kspan);
             for (int r = threadIdx.x; r < BQ_DKDV; r += NT) {
@@ -497,7 +506,7 @@ extern "C" __global__ void __launch_bounds__(NT) flash_bwd_dkdv(
                     const float x = logit(st[nb][e], scale, softcap, &dcap);
                     const bool ok = ls[col] != NEG_INF &&
                         (full || (rv[t] && col < n && allowed(m, qp[col], pk[t], qd[col], dk[t])));
-                    const float p = ok ? exp2f((x - ls[col]) * LOG2E) : 0.f;
+                    const float p = ok ? exp2_approx((x - ls[col]) * LOG2E) : 0.f;
                     st[nb][e] = p;
                     dpt[nb][e] = p * (dpt[nb][e] - dl[col]) * dcap * scale;
                 }

@@ -301,6 +301,9 @@ struct MaskArrays {
     q_pos: CudaSlice<i32>,
     k_pos: CudaSlice<i32>,
     docs: Option<(CudaSlice<i32>, CudaSlice<i32>)>,
+    /// [`chunk_spans`] of the query and key rows (`int4` in the kernels).
+    q_span: CudaSlice<i32>,
+    k_span: CudaSlice<i32>,
     causal: i32,
     window: i32,
     scale: f32,
@@ -322,13 +325,19 @@ fn mask_arrays(dev: &CudaDevice, spec: &AttnSpec) -> Result<MaskArrays> {
     };
     let qp = to_i32("spec.q_pos", &spec.q_pos)?;
     let kp = to_i32("spec.k_pos", &spec.k_pos)?;
-    let docs = match &spec.doc_ids {
-        None => None,
+    let (docs, q_span, k_span) = match &spec.doc_ids {
+        None => (None, chunk_spans(&qp, None), chunk_spans(&kp, None)),
         Some(ids) => {
             // validate() has checked every position against the table.
             let gather =
                 |p: &[i32]| -> Vec<i32> { p.iter().map(|&x| ids[x as usize] as i32).collect() };
-            Some((dev.clone_htod(&gather(&qp))?, dev.clone_htod(&gather(&kp))?))
+            let (qd, kd) = (gather(&qp), gather(&kp));
+            let spans = (chunk_spans(&qp, Some(&qd)), chunk_spans(&kp, Some(&kd)));
+            (
+                Some((dev.clone_htod(&qd)?, dev.clone_htod(&kd)?)),
+                spans.0,
+                spans.1,
+            )
         }
     };
     let window = match spec.window {
@@ -339,11 +348,35 @@ fn mask_arrays(dev: &CudaDevice, spec: &AttnSpec) -> Result<MaskArrays> {
         q_pos: dev.clone_htod(&qp)?,
         k_pos: dev.clone_htod(&kp)?,
         docs,
+        q_span: dev.clone_htod(&q_span)?,
+        k_span: dev.clone_htod(&k_span)?,
         causal: i32::from(spec.mask == MaskKind::Causal),
         window,
         scale: spec.scale,
         softcap: spec.softcap.unwrap_or(0.0),
     })
+}
+
+/// Rows per entry of [`chunk_spans`]; every tile of both kernel sets starts at a multiple of it.
+pub const SPAN_ROWS: usize = 16;
+
+/// The kernels' tile spans: for each chunk of [`SPAN_ROWS`] rows, `(pmin, pmax, dmin, dmax)` of
+/// its positions and documents (documents 0 without them), flattened. Tile-level mask tests
+/// (`disjoint`, `covers` in `common.cuh`) combine the chunks of a tile.
+pub fn chunk_spans(pos: &[i32], doc: Option<&[i32]>) -> Vec<i32> {
+    let mut out = Vec::with_capacity(pos.len().div_ceil(SPAN_ROWS) * 4);
+    for (c, chunk) in pos.chunks(SPAN_ROWS).enumerate() {
+        let docs = doc.map(|d| &d[c * SPAN_ROWS..c * SPAN_ROWS + chunk.len()]);
+        let min_max = |x: &[i32]| {
+            let lo = x.iter().copied().min().unwrap_or(0);
+            let hi = x.iter().copied().max().unwrap_or(0);
+            (lo, hi)
+        };
+        let (pmin, pmax) = min_max(chunk);
+        let (dmin, dmax) = docs.map(min_max).unwrap_or((0, 0));
+        out.extend([pmin, pmax, dmin, dmax]);
+    }
+    out
 }
 
 /// A contiguous view of a CUDA tensor's elements of type `T`.
@@ -462,12 +495,14 @@ fn forward_on(
                     Some((qd, kd)) => b.arg(qd).arg(kd),
                     None => b.arg(&null).arg(&null),
                 };
+                b.arg(&m.q_span).arg(&m.k_span);
                 b.arg(&sq_).arg(&sk_).arg(&hq_).arg(&hkv_);
                 b.arg(&m.scale)
                     .arg(&m.softcap)
                     .arg(&m.causal)
                     .arg(&m.window);
-                // SAFETY: the arguments match flash_fwd's signature in flash.cu; the views hold
+                // SAFETY: the arguments match flash_fwd's signature (both sets); the spans hold
+                // 4 ints per 16 rows of each side; the views hold
                 // the contiguous elements the kernel indexes (shapes checked above), out and lse
                 // are sized b*sq*hq*d and b*hq*sq.
                 unsafe { b.launch(cfg) }.map_err(candle_core::Error::wrap)?;
@@ -593,6 +628,7 @@ fn backward_on(
                     Some((qd, kd)) => b.arg(qd).arg(kd),
                     None => b.arg(&null).arg(&null),
                 };
+                b.arg(&m.q_span).arg(&m.k_span);
                 b.arg(&sq_).arg(&sk_).arg(&hq_).arg(&hkv_);
                 b.arg(&m.scale)
                     .arg(&m.softcap)
@@ -609,6 +645,7 @@ fn backward_on(
                     Some((qd, kd)) => b.arg(qd).arg(kd),
                     None => b.arg(&null).arg(&null),
                 };
+                b.arg(&m.q_span).arg(&m.k_span);
                 b.arg(&sq_).arg(&sk_).arg(&hq_).arg(&hkv_);
                 b.arg(&m.scale)
                     .arg(&m.softcap)
