@@ -448,8 +448,19 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
     let interrupted = interrupt_flag()?;
     let dtype = args.dtype.map(DType::from);
     let global = args.layout.dp_degree()? * cfg.batch * cfg.grad_accum;
+    // Text tokens (frozen-weight work when the language model is frozen) plus each sequence's
+    // images through the tower and the projector, spread over its tokens.
+    let text_work = if freeze.language_model {
+        models::family::Work::FrozenTraining
+    } else {
+        models::family::Work::Training
+    };
+    let images_per_sequence = data.examples.iter().map(|e| e.images.len()).sum::<usize>() as f64
+        / data.examples.len().max(1) as f64;
     let flops_per_token = (models::family::LLAVA.describe)(&f.config)?
-        .flops_per_token(cfg.seq_len, models::family::Work::Training);
+        .flops_per_token(cfg.seq_len, text_work)
+        + images_per_sequence * lcfg.vision_flops_per_image(true, !freeze.vision_tower)?
+            / cfg.seq_len as f64;
     let banner = format!(
         "cpl train: LLaVA {} on {} conversations, seq {} x {global} sequences/step, {} steps, {} rank(s)",
         dir.display(),

@@ -155,6 +155,29 @@ fn metrics(out: &Path) -> Vec<f64> {
         .collect()
 }
 
+/// MFU by hand for LLaVA (the `clip` fixture, 96 tokens a sequence, on average one image a
+/// sequence): with `--peak-tflops 1`, `mfu x 1e12 / tokens_per_sec` in metrics.jsonl is the
+/// model FLOPs per token, `want`. Text (PaLM's convention, as for a dense LM): N = 2 x (2 x 32 x
+/// 64 + 2 x 32 x 16 + 3 x 32 x 64 + 2 x 32) + 32 + 260 x 32 = 31,008 multiplying parameters,
+/// attention width 2 x 8 x 8 = 128: forward 2N + 4 x 128 x 96 / 2 = 86,592 a token; training
+/// three times that, 259,776; with the language model frozen 4N + 3 x 24,576 = 197,760. The
+/// image (CLIP, 16 patches of 8 x 8 x 3 and a class token, hidden 32, MLP 64, the layers up to
+/// feature layer -2: one): patch embedding 2 x 32 x 192 x 16 = 196,608, the layer
+/// 2 x (4 x 32² + 2 x 32 x 64) x 17 + 4 x 32 x 17² = 315,520, the projector
+/// 2 x (32 x 32 + 32 x 32) x 16 = 65,536; trained, three times all (1,732,992, that is 18,052 a token); with the tower frozen
+/// its forward once and the projector three times (708,736).
+fn assert_mfu_flops(out: &Path, want: f64) {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let flops = v["mfu"].as_f64().unwrap() * 1e12 / v["tokens_per_sec"].as_f64().unwrap();
+        assert!(
+            (flops - want).abs() <= 1e-9 * want,
+            "{flops} vs {want} in {line}"
+        );
+    }
+}
+
 #[test]
 fn training_on_conversations_matches_one_rank_and_saves_a_llava() {
     let d = tmpdir("llava-train");
@@ -186,7 +209,8 @@ fn training_on_conversations_matches_one_rank_and_saves_a_llava() {
         a
     };
     let one = d.join("one");
-    run_ok(&base(&one, &[]));
+    run_ok(&base(&one, &["--peak-tflops", "1"]));
+    assert_mfu_flops(&one, 277_828.0);
     let want = metrics(&one);
     assert_eq!(want.len(), 3);
     assert!(want[2] < want[0], "{want:?}");
@@ -223,8 +247,14 @@ fn training_on_conversations_matches_one_rank_and_saves_a_llava() {
     let frozen = d.join("frozen");
     run_ok(&base(
         &frozen,
-        &["--freeze-vision-tower", "--freeze-language-model"],
+        &[
+            "--freeze-vision-tower",
+            "--freeze-language-model",
+            "--peak-tflops",
+            "1",
+        ],
     ));
+    assert_mfu_flops(&frozen, 197_760.0 + 708_736.0 / 96.0);
     let before = candle_core::safetensors::load(
         fixtures("llava/clip/model.safetensors"),
         &candle_core::Device::Cpu,

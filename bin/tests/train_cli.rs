@@ -1781,11 +1781,12 @@ fn metrics_name_a_planted_slow_rank() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `--trace FILE --trace-steps 1..3`: a Chrome trace (a JSON array) with one track per rank,
-/// spans that nest (every begin ends, in order, on its track), steps 1 and 2 only, a `forward`
-/// span for every decoder layer, and in each step the `comm` spans' bytes adding up to the
-/// communicator's traffic counters for that step (`comm_bytes_sent` in metrics.jsonl, rank 0);
-/// `cpl trace summarize` reads it back.
+/// `--trace FILE --trace-steps 1..3` (ring 2, full activation checkpointing): a Chrome trace (a
+/// JSON array) with one track per rank, spans that nest (every begin ends, in order, on its
+/// track), steps 1 and 2 only, a `forward` and a `backward` span for every decoder layer (the
+/// backward one holding that layer's `recompute`), the ring's steps in both passes, and in each
+/// step the `comm` spans' bytes adding up to the communicator's traffic counters for that step
+/// (`comm_bytes_sent` in metrics.jsonl, rank 0); `cpl trace summarize` reads it back.
 #[test]
 fn trace_has_a_track_per_rank_and_the_steps_traffic() {
     let dir = tmpdir("trace");
@@ -1795,7 +1796,14 @@ fn trace_has_a_track_per_rank_and_the_steps_traffic() {
     let t = trace.to_str().unwrap();
     let args = set_flags(
         base_args(&tokens, &out, 4),
-        &["--trace", t, "--trace-steps", "1..3"],
+        &[
+            "--trace",
+            t,
+            "--trace-steps",
+            "1..3",
+            "--checkpointing",
+            "full",
+        ],
     );
     let o = cpl(&args);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -1808,6 +1816,10 @@ fn trace_has_a_track_per_rank_and_the_steps_traffic() {
     let mut step_bytes: HashMap<(u64, u64), u64> = HashMap::new();
     let mut current: HashMap<u64, u64> = HashMap::new();
     let mut units = std::collections::BTreeSet::new();
+    let mut backward_units = std::collections::BTreeSet::new();
+    // (pass, ring step) seen; recompute spans seen inside a unit's backward span.
+    let mut ring_steps = std::collections::BTreeSet::new();
+    let (mut recomputes_in_unit_backward, mut unit_forwards) = (0, 0);
     for e in events.iter().filter(|e| e["ph"] == "B" || e["ph"] == "E") {
         let tid = e["tid"].as_u64().unwrap();
         let name = e["name"].as_str().unwrap().to_string();
@@ -1818,8 +1830,24 @@ fn trace_has_a_track_per_rank_and_the_steps_traffic() {
             }
             if name == "forward" {
                 units.insert(e["args"]["unit"].as_str().unwrap().to_string());
+                unit_forwards += 1;
             }
-            open.entry(tid).or_default().push(name);
+            if name == "backward" {
+                if let Some(u) = e["args"]["unit"].as_str() {
+                    backward_units.insert(u.to_string());
+                }
+            }
+            if name == "ring_step" {
+                ring_steps.insert((
+                    e["args"]["pass"].as_str().unwrap().to_string(),
+                    num(&e["args"]["step"]).unwrap(),
+                ));
+            }
+            let stack = open.entry(tid).or_default();
+            if name == "recompute" && stack.last().map(String::as_str) == Some("backward") {
+                recomputes_in_unit_backward += 1;
+            }
+            stack.push(name);
         } else {
             assert_eq!(
                 open.get_mut(&tid).and_then(Vec::pop),
@@ -1845,6 +1873,22 @@ fn trace_has_a_track_per_rank_and_the_steps_traffic() {
         ["model.layers.0", "model.layers.1"]
             .map(String::from)
             .into()
+    );
+    assert_eq!(backward_units, units, "a backward span per layer");
+    // Every layer's every forward (ranks x steps x micro-batches x layers) recomputed once,
+    // inside that layer's backward span.
+    assert!(unit_forwards >= 8);
+    assert_eq!(recomputes_in_unit_backward, unit_forwards);
+    assert_eq!(
+        ring_steps,
+        [
+            ("backward", 0),
+            ("backward", 1),
+            ("forward", 0),
+            ("forward", 1)
+        ]
+        .map(|(p, s)| (p.to_string(), s))
+        .into()
     );
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     let tid0 = *rank_of.iter().find(|(_, r)| **r == 0).unwrap().0;
@@ -1877,6 +1921,96 @@ fn trace_has_a_track_per_rank_and_the_steps_traffic() {
         let h: f64 = hidden.parse().unwrap_or_else(|_| panic!("{l}"));
         assert!((0.0..=100.0).contains(&h), "{l}");
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--trace` of a pipeline (pp 2, 2 micro-batches): each rank's track holds its schedule's
+/// actions as `pipeline_action` spans (the last stage receives activations and sends gradients,
+/// the first the reverse), with a `forward` span per layer of the stage's own layers only, and
+/// every receive holding the `comm` span of its wait (the stage's idle time).
+#[test]
+fn trace_of_a_pipeline_shows_each_stages_actions() {
+    let dir = tmpdir("trace-pp");
+    let tokens = docs_file(&dir);
+    let out = dir.join("run");
+    let trace = dir.join("trace.json");
+    let args = set_flags(
+        base_args(&tokens, &out, 2),
+        &[
+            "--ring",
+            "1",
+            "--pp",
+            "2",
+            "--grad-accum",
+            "2",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--trace-steps",
+            "1..2",
+        ],
+    );
+    let o = cpl(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let events: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let num = |v: &serde_json::Value| v.as_u64().or_else(|| v.as_str()?.parse().ok());
+    let mut rank_of: HashMap<u64, u64> = HashMap::new();
+    let mut open: HashMap<u64, Vec<String>> = HashMap::new();
+    // Per track: (action kind, micro-batch) and forward units seen; receives with a comm inside.
+    let mut actions: HashMap<u64, std::collections::BTreeSet<(String, u64)>> = HashMap::new();
+    let mut units: HashMap<u64, std::collections::BTreeSet<String>> = HashMap::new();
+    let mut recv_waits: HashMap<u64, usize> = HashMap::new();
+    for e in events.iter().filter(|e| e["ph"] == "B" || e["ph"] == "E") {
+        let tid = e["tid"].as_u64().unwrap();
+        let name = e["name"].as_str().unwrap().to_string();
+        if e["ph"] == "E" {
+            assert_eq!(open.get_mut(&tid).and_then(Vec::pop), Some(name), "nesting");
+            continue;
+        }
+        match name.as_str() {
+            "step" => {
+                rank_of.insert(tid, num(&e["args"]["rank"]).unwrap());
+            }
+            "pipeline_action" => {
+                let kind = e["args"]["kind"].as_str().unwrap().to_string();
+                let mb = num(&e["args"]["micro_batch"]).unwrap();
+                actions.entry(tid).or_default().insert((kind, mb));
+            }
+            "forward" => {
+                if let Some(u) = e["args"]["unit"].as_str() {
+                    units.entry(tid).or_default().insert(u.to_string());
+                }
+            }
+            "comm" => {
+                let stack = open.entry(tid).or_default();
+                let in_recv = stack.last().map(String::as_str) == Some("pipeline_action");
+                *recv_waits.entry(tid).or_default() += usize::from(in_recv);
+            }
+            _ => {}
+        }
+        open.entry(tid).or_default().push(name);
+    }
+    assert!(open.values().all(Vec::is_empty), "every span ends");
+    let track = |rank: u64| *rank_of.iter().find(|(_, r)| **r == rank).unwrap().0;
+    let kinds = |list: &[&str]| -> std::collections::BTreeSet<(String, u64)> {
+        list.iter()
+            .flat_map(|k| (0..2).map(move |mb| (k.to_string(), mb)))
+            .collect()
+    };
+    assert_eq!(
+        actions[&track(0)],
+        kinds(&["Forward", "SendActivation", "RecvGradient", "Backward"])
+    );
+    assert_eq!(
+        actions[&track(1)],
+        kinds(&["RecvActivation", "Forward", "Backward", "SendGradient"])
+    );
+    assert_eq!(units[&track(0)], ["model.layers.0".to_string()].into());
+    assert_eq!(units[&track(1)], ["model.layers.1".to_string()].into());
+    assert!(
+        recv_waits[&track(0)] > 0 && recv_waits[&track(1)] > 0,
+        "{recv_waits:?}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

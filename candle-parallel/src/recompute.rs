@@ -192,6 +192,7 @@ pub fn checkpoint(
     let sink = sink.clone();
     let kept = Mutex::new(Some(kept));
     let backward = move |g: &Tensor| -> Result<Tensor> {
+        let _span = tracing::info_span!("recompute", mode = %mode).entered();
         let xv = Var::from_tensor(&saved_x)?;
         let y2 = match mode {
             Checkpointing::Selective => {

@@ -173,6 +173,7 @@ pub fn ring_forward(
     let mut partial = Partial::new();
     let (mut kc, mut vc) = (k.clone(), v.clone());
     for (s, kb) in blocks.kv.iter().enumerate() {
+        let _span = tracing::info_span!("ring_step", step = s, pass = %"forward").entered();
         let pending = if s + 1 < p {
             Some(ring.shift(&[&kc, &vc])?)
         } else {
@@ -206,6 +207,7 @@ pub fn ring_backward(
     let mut dkv_in_flight: Option<Pending> = None;
     let mut dkv_home = None;
     for (s, kb) in blocks.kv.iter().enumerate() {
+        let _span = tracing::info_span!("ring_step", step = s, pass = %"backward").entered();
         let kv_pending = if s + 1 < p {
             Some(ring.shift(&[&kc, &vc])?)
         } else {

@@ -25,6 +25,7 @@
 
 pub mod anomaly;
 pub mod attention;
+mod backward_span;
 pub mod batch;
 pub mod embedding;
 pub mod linear;

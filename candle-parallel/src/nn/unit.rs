@@ -225,11 +225,20 @@ impl<T: Clone + Send + Sync + 'static> Unit<T> {
 
 impl<T: Block> Unit<T> {
     /// Runs the block on `x` under the unit's checkpointing mode (a `forward` tracing span
-    /// named by the unit); with anomaly detection on, checks its output
+    /// named by the unit, and while tracing records, a `backward` one in the backward pass:
+    /// [`super::backward_span`]); with anomaly detection on, checks its output
     /// ([`super::anomaly`]). Collective as the block is.
     pub fn forward(&self, x: &Tensor, pass: &Pass) -> Result<Tensor> {
-        let _span = tracing::info_span!("forward", unit = %self.path.join(".")).entered();
-        let y = self.forward_unchecked(x, pass)?;
+        let span = tracing::info_span!("forward", unit = %self.path.join("."));
+        let traced = !span.is_disabled() && x.track_op();
+        let _span = span.entered();
+        let y = if traced {
+            super::backward_span::around(self.path.join("."), x, |x| {
+                self.forward_unchecked(x, pass)
+            })?
+        } else {
+            self.forward_unchecked(x, pass)?
+        };
         if !super::anomaly::detect_anomaly() {
             return Ok(y);
         }

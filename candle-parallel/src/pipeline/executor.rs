@@ -172,6 +172,13 @@ pub fn run_schedule<M: StageModel>(
         Ok(())
     };
     for a in &schedule.ranks[rank] {
+        let _span = tracing::info_span!(
+            "pipeline_action",
+            kind = ?a.kind,
+            micro_batch = a.micro_batch,
+            chunk = a.chunk
+        )
+        .entered();
         let key = (a.micro_batch, a.chunk);
         let vs = schedule.virtual_stage(rank, a.chunk);
         let missing = |what: &str| invalid(format!("rank {rank} at {a}: no {what}"));

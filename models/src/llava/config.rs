@@ -160,6 +160,34 @@ impl LlavaConfig {
         })
     }
 
+    /// Model FLOPs of one image through the vision tower and the projector, for MFU
+    /// (`2 N T` for the matrices over the image's tokens, `4 d T²` for each layer's full
+    /// attention, as [`crate::family::Description::flops_per_token`] counts a text token). The
+    /// tower runs the patch embedding and the layers up to the deepest feature layer; the
+    /// projector maps the [`Self::tokens_per_image`] features. Training: the projector always
+    /// trains (three times its forward); a trained tower three times its forward, a frozen one
+    /// its forward only (no gradient is needed below the projector then).
+    pub fn vision_flops_per_image(&self, training: bool, tower_trains: bool) -> Result<f64> {
+        let v = &self.vision_config;
+        let clip = v.kind("vision_config")? == crate::vision::TowerKind::Clip;
+        let (d, inter) = (v.hidden_size as f64, v.intermediate_size as f64);
+        let patches = v.num_patches() as f64;
+        let tokens = patches + f64::from(u8::from(clip));
+        let indices = self.vision_feature_layer.indices(v.num_hidden_layers)?;
+        let layers = indices.iter().copied().max().unwrap_or(0) as f64;
+        let patch_embed = 2.0 * d * (v.num_channels * v.patch_size * v.patch_size) as f64 * patches;
+        let per_layer = 2.0 * (4.0 * d * d + 2.0 * d * inter) * tokens + 4.0 * d * tokens * tokens;
+        let tower = patch_embed + layers * per_layer;
+        let features = d * indices.len() as f64;
+        let h = self.text().hidden_size as f64;
+        let projector = 2.0 * (features * h + h * h) * self.tokens_per_image()? as f64;
+        Ok(match (training, tower_trains) {
+            (false, _) => tower + projector,
+            (true, true) => 3.0 * (tower + projector),
+            (true, false) => tower + 3.0 * projector,
+        })
+    }
+
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let mut v: serde_json::Value = serde_json::from_str(&text)
