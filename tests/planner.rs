@@ -172,7 +172,7 @@ fn measure(c: &Case, setup: &Setup, dir: &std::path::Path) -> isize {
 
 fn predicted(c: &Case, setup: &Setup) -> f64 {
     let work = Workload {
-        model: setup.shape.clone(),
+        model: setup.shape,
         seq_len: setup.seq,
         sequences: c.mesh.degree(candle_parallel::mesh::Dim::Dp),
         elem_bytes: 4,
