@@ -5,13 +5,15 @@
 # 512, vocab 32000; made by scripts/bench_zoo.py when missing) at 4096 tokens on 4 local ranks
 # (ring 4). Prints the median step time of steps 1..STEPS-1 of each mode and its ratio to the
 # plain run; the modes alternate REPEATS times so drift hits them alike.
-# Usage: scripts/bench_observability.sh   (STEPS=5 REPEATS=2 SEQ=4096 RANKS=4 override)
+# Usage: scripts/bench_observability.sh   (STEPS=5 REPEATS=2 SEQ=4096 RANKS=4 override; MODES
+# picks some of: plain spans-off trace anomaly tensorboard)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${STEPS:-5}
 REPEATS=${REPEATS:-2}
 SEQ=${SEQ:-4096}
 RANKS=${RANKS:-4}
+MODES=${MODES:-plain spans-off trace anomaly tensorboard}
 PY=${PYTHON:-.venv/bin/python}
 cargo build --release -p cpl
 CPL=${CARGO_TARGET_DIR:-target}/release/cpl
@@ -37,7 +39,7 @@ json.dump([[random.randrange(32000) for _ in range($SEQ)] for _ in range($STEPS 
 run() { # name, extra flags... (CPL_BIN overrides the binary)
     local name=$1
     shift
-    rm -rf "$W/$name"
+    rm -rf "${W:?}/${name:?}"
     "${CPL_BIN:-$CPL}" train --model "$MODEL" --tokens "$W/ids.json" --seq-len "$SEQ" --steps "$STEPS" \
         --ranks "$RANKS" --ring "$RANKS" --out "$W/$name" "$@" > "$W/$name.log" 2>&1
     python3 -c "
@@ -47,16 +49,21 @@ print(statistics.median(s))" >> "$W/$name.times"
 }
 rm -f "$W"/*.times
 for _ in $(seq "$REPEATS"); do
-    run plain
-    CPL_BIN=$CPL_OFF run spans-off
-    run trace --trace "$W/trace.json"
-    run anomaly --detect-anomaly
-    run tensorboard --tensorboard
+    for m in $MODES; do
+        case $m in
+        plain) run plain ;;
+        spans-off) CPL_BIN=$CPL_OFF run spans-off ;;
+        trace) run trace --trace "$W/trace.json" ;;
+        anomaly) run anomaly --detect-anomaly ;;
+        tensorboard) run tensorboard --tensorboard ;;
+        *) echo "unknown mode $m" >&2; exit 2 ;;
+        esac
+    done
 done
 echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "| mode | median step s | vs plain |"
 echo "|---|---|---|"
-for m in plain spans-off trace anomaly tensorboard; do
+for m in $MODES; do
     python3 -c "
 import statistics
 plain = statistics.median(float(x) for x in open('$W/plain.times'))
