@@ -695,6 +695,7 @@ pub fn drive_through_registry<W: train::data::Windows + Sync + 'static>(
             count_key: "tokens",
             processed_tokens: None,
             by_position: None,
+            passkey: None,
         };
         let history = train::driver::run(
             &mut task,

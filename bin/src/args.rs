@@ -164,6 +164,15 @@ pub struct TrainArgs {
     /// --by-position` does on a checkpoint. Not with --pp.
     #[arg(long, help_heading = "Evaluation")]
     pub eval_by_position: bool,
+    /// Each evaluation (--eval-every, and after the last step) also scores passkey retrieval on
+    /// the grid of --passkey-lengths x --passkey-depths (--passkey-trials keys per cell,
+    /// --passkey-seed), as `cpl eval --passkey` does on a checkpoint: the accuracy and answer
+    /// log-likelihood of each cell in eval.jsonl (`passkey`) and TensorBoard (eval/passkey/...).
+    /// Needs no held-out data; under any sequence-parallel layout, not with --pp.
+    #[arg(long, help_heading = "Evaluation")]
+    pub eval_passkey: bool,
+    #[command(flatten)]
+    pub passkey_grid: PasskeyGridArgs,
     /// Windows of --seq-len tokens evaluated each time (the first ones of the eval data).
     #[arg(long, default_value_t = 16, help_heading = "Evaluation")]
     pub eval_windows: usize,
@@ -481,18 +490,8 @@ pub struct EvalArgs {
     /// token the argmax), under any sequence-parallel layout (not --pp). Needs no --data.
     #[arg(long, conflicts_with_all = ["by_position", "logits_out"], help_heading = "Long context")]
     pub passkey: bool,
-    /// Passkey prompt lengths in tokens.
-    #[arg(long, value_delimiter = ',', default_values_t = [256usize, 512, 1024, 2048], help_heading = "Long context")]
-    pub passkey_lengths: Vec<usize>,
-    /// Passkey depths in [0, 1] (0: the key right after the start).
-    #[arg(long, value_delimiter = ',', default_values_t = [0.0f64, 0.25, 0.5, 0.75, 1.0], help_heading = "Long context")]
-    pub passkey_depths: Vec<f64>,
-    /// Keys per (length, depth) cell.
-    #[arg(long, default_value_t = 4, help_heading = "Long context")]
-    pub passkey_trials: usize,
-    /// Seed of the keys.
-    #[arg(long, default_value_t = 0, help_heading = "Long context")]
-    pub passkey_seed: u64,
+    #[command(flatten)]
+    pub passkey_grid: PasskeyGridArgs,
     /// Draw the passkey accuracy as a length x depth heatmap PNG.
     #[arg(long, requires = "passkey", help_heading = "Long context")]
     pub passkey_plot: Option<PathBuf>,
@@ -602,25 +601,22 @@ pub enum SamplerArg {
     Flow,
 }
 
-/// Passkey retrieval of one model (`cpl eval --passkey`).
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct PasskeyReport {
-    pub model: String,
-    /// Retrieved prompts over all prompts.
-    pub accuracy: f64,
-    pub cells: Vec<PasskeyCell>,
-}
-
-/// One (length, depth) cell of the passkey grid.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct PasskeyCell {
-    pub length: usize,
-    pub depth: f64,
-    pub retrieved: usize,
-    pub trials: usize,
-    pub accuracy: f64,
-    /// Mean log-likelihood (nats) of the answer tokens, over the cell's prompts.
-    pub answer_loglik: f64,
+/// The passkey grid of `cpl eval --passkey` and `cpl train --eval-passkey`
+/// ([`train::passkey`]).
+#[derive(clap::Args, Debug, Clone)]
+pub struct PasskeyGridArgs {
+    /// Passkey prompt lengths in tokens.
+    #[arg(long, value_delimiter = ',', default_values_t = [256usize, 512, 1024, 2048], help_heading = "Long context")]
+    pub passkey_lengths: Vec<usize>,
+    /// Passkey depths in [0, 1] (0: the key right after the start).
+    #[arg(long, value_delimiter = ',', default_values_t = [0.0f64, 0.25, 0.5, 0.75, 1.0], help_heading = "Long context")]
+    pub passkey_depths: Vec<f64>,
+    /// Keys per (length, depth) cell.
+    #[arg(long, default_value_t = 4, help_heading = "Long context")]
+    pub passkey_trials: usize,
+    /// Seed of the keys.
+    #[arg(long, default_value_t = 0, help_heading = "Long context")]
+    pub passkey_seed: u64,
 }
 
 /// `--rope-*`: a new rotary embedding for a run (context extension), written into the config the

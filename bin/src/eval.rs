@@ -3,14 +3,12 @@
 use std::collections::HashMap;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
-use candle_parallel::attention::{AttnMask, ShardPlan};
-use candle_parallel::comm::ReduceOp;
-use candle_parallel::mesh::Dim;
-use candle_parallel::nn::{Batch, CrossEntropyOptions, ParamMode, IGNORE_INDEX};
+use candle_core::{DType, Tensor};
+use candle_parallel::attention::ShardPlan;
+use candle_parallel::nn::ParamMode;
 use models::tokenizer::Tokenizer;
 
-use crate::args::{EvalArgs, PasskeyCell, PasskeyReport};
+use crate::args::{EvalArgs, PasskeyGridArgs};
 use crate::launch::{launch_pipelined, load_causal_lm, Rank};
 use crate::layout::LayoutArgs;
 use train::evaluation::{
@@ -244,44 +242,80 @@ fn plot_by_position(
         .with_context(|| format!("--by-position-plot {}", path.display()))
 }
 
-/// `cpl eval --passkey`: the grid of [`train::passkey`] scored on every rank's tokens (see
-/// there), rank 0 printing the report.
-fn passkey_run(args: &EvalArgs) -> Result<()> {
-    let files = models::hub::resolve(&args.model)?;
-    let family = models::family::detect(&files.config)?;
-    let desc = (family.describe)(&files.config)?;
-    if args.layout.pp > 1 {
-        bail!("--passkey is not available with --pp (every sequence-parallel layout is)");
+/// The prompts of the passkey `grid` in the tokenizer of `files`, for a model of `vocab` tokens
+/// under `layout`; `flag` is the flag that asked for them (`--passkey`, `--eval-passkey`). Every
+/// value of the grid's flags is checked here, each error naming its flag.
+pub fn passkey_prompts(
+    grid: &PasskeyGridArgs,
+    files: &models::hub::ModelFiles,
+    vocab: usize,
+    layout: &LayoutArgs,
+    flag: &str,
+) -> Result<Vec<train::passkey::PasskeyPrompt>> {
+    if layout.pp > 1 {
+        bail!("{flag} is not available with --pp (every sequence-parallel layout is)");
     }
-    if args.passkey_trials == 0 {
+    if grid.passkey_trials == 0 {
         bail!("--passkey-trials must be at least 1");
     }
-    for &l in &args.passkey_lengths {
-        args.layout
-            .check_seq_len(l)
-            .with_context(|| format!("--passkey-lengths {l}"))?;
+    if grid.passkey_lengths.is_empty() || grid.passkey_depths.is_empty() {
+        bail!("--passkey-lengths and --passkey-depths need at least one value each");
     }
-    let tok = Tokenizer::from_model(&files).context("--passkey needs the model's tokenizer")?;
+    if let Some(d) = grid
+        .passkey_depths
+        .iter()
+        .find(|d| !(0.0..=1.0).contains(*d))
+    {
+        bail!("--passkey-depths: passkey depth {d} is not in [0, 1]");
+    }
+    let tok = Tokenizer::from_model(files)
+        .with_context(|| format!("{flag} needs the model's tokenizer"))?;
     let encode = |s: &str| -> train::Result<Vec<u32>> {
         tok.encode(s, models::tokenizer::SpecialTokens::Drop)
             .map_err(|e| train::error::Error::Invalid(e.to_string()))
     };
+    for &l in &grid.passkey_lengths {
+        layout
+            .check_seq_len(l)
+            .and_then(|()| {
+                train::passkey::build_prompt(&encode, tok.bos_token_id, l, 0.0, 10_000)
+                    .map(drop)
+                    .map_err(Into::into)
+            })
+            .with_context(|| format!("--passkey-lengths {l}"))?;
+    }
     let prompts = train::passkey::grid(
         &encode,
         tok.bos_token_id,
-        &args.passkey_lengths,
-        &args.passkey_depths,
-        args.passkey_trials,
-        args.passkey_seed,
+        &grid.passkey_lengths,
+        &grid.passkey_depths,
+        grid.passkey_trials,
+        grid.passkey_seed,
     )
-    .context("--passkey")?;
+    .context(flag.to_string())?;
     if let Some(t) = prompts
         .iter()
         .flat_map(|p| &p.tokens)
-        .find(|&&t| t as usize >= desc.vocab)
+        .find(|&&t| t as usize >= vocab)
     {
-        bail!("--passkey: the tokenizer gives token {t}, outside the model's vocabulary");
+        bail!("{flag}: the tokenizer gives token {t}, outside the model's vocabulary");
     }
+    Ok(prompts)
+}
+
+/// `cpl eval --passkey`: the grid of [`train::passkey`] scored on every rank
+/// ([`train::passkey::evaluate`]), rank 0 printing the report.
+fn passkey_run(args: &EvalArgs) -> Result<()> {
+    let files = models::hub::resolve(&args.model)?;
+    let family = models::family::detect(&files.config)?;
+    let desc = (family.describe)(&files.config)?;
+    let prompts = passkey_prompts(
+        &args.passkey_grid,
+        &files,
+        desc.vocab,
+        &args.layout,
+        "--passkey",
+    )?;
     let dtype = args.dtype.map(DType::from);
     let out = launch_pipelined(&args.layout, |rank: &Rank| {
         let ranges: Vec<_> = std::iter::once(0..desc.layers).collect();
@@ -294,89 +328,17 @@ fn passkey_run(args: &EvalArgs) -> Result<()> {
             &args.layout,
             None,
         )?;
-        let model = loaded.model.as_ref();
-        let opts = CrossEntropyOptions::default();
-        let mut local = Vec::with_capacity(prompts.len() * 3);
-        for p in &prompts {
-            let (batch, labels) = Batch::from_sequences(
-                &rank.ctx,
-                std::slice::from_ref(&p.tokens),
-                AttnMask::Causal,
-            )?;
-            // Only the answer's labels: those predicting a token at answer_start or later.
-            let all = labels.flatten_all()?.to_vec1::<i64>()?;
-            let kept: Vec<i64> = all
-                .iter()
-                .zip(&batch.positions)
-                .map(|(&l, &pos)| {
-                    if pos as usize + 1 >= p.answer_start {
-                        l
-                    } else {
-                        IGNORE_INDEX
-                    }
-                })
-                .collect();
-            let answer = Tensor::new(kept.as_slice(), labels.device())?.reshape(labels.shape())?;
-            let (nll, _) = model.loss_sum(&batch, &answer, &opts)?;
-            let predicted = model
-                .logits(&batch)?
-                .argmax(candle_core::D::Minus1)?
-                .flatten_all()?
-                .to_vec1::<u32>()?;
-            let (mut wrong, mut count) = (0f64, 0f64);
-            for (&l, &g) in kept.iter().zip(&predicted) {
-                if l != IGNORE_INDEX {
-                    count += 1.0;
-                    wrong += f64::from(u8::from(g as i64 != l));
-                }
-            }
-            local.extend([nll.to_dtype(DType::F64)?.to_scalar::<f64>()?, count, wrong]);
-        }
-        // Each sequence-parallel rank scored its own answer tokens.
-        let sp = rank.mesh.group(&[Dim::Ulysses, Dim::Ring])?;
-        let t = sp
-            .all_reduce(&Tensor::new(local, &Device::Cpu)?, ReduceOp::Sum)?
-            .to_vec1::<f64>()?;
-        Ok(t)
+        Ok(train::passkey::evaluate(
+            &rank.mesh,
+            &rank.ctx,
+            loaded.model.as_ref(),
+            &prompts,
+        )?)
     })?;
-    let Some(t) = out else {
+    let Some(mut report) = out else {
         return Ok(());
     };
-    let retrieved: Vec<bool> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            let (count, wrong) = (t[3 * i + 1], t[3 * i + 2]);
-            count as usize == p.tokens.len() - p.answer_start && wrong == 0.0
-        })
-        .collect();
-    let loglik: Vec<f64> = (0..prompts.len())
-        .map(|i| -t[3 * i] / t[3 * i + 1].max(1.0))
-        .collect();
-    let cells = train::passkey::cells(&prompts, &retrieved)
-        .into_iter()
-        .map(|(length, depth, r, n)| {
-            let ll: Vec<f64> = prompts
-                .iter()
-                .zip(&loglik)
-                .filter(|(p, _)| p.length == length && p.depth == depth)
-                .map(|(_, &l)| l)
-                .collect();
-            PasskeyCell {
-                length,
-                depth,
-                retrieved: r,
-                trials: n,
-                accuracy: r as f64 / n as f64,
-                answer_loglik: ll.iter().sum::<f64>() / ll.len().max(1) as f64,
-            }
-        })
-        .collect::<Vec<_>>();
-    let report = PasskeyReport {
-        model: args.model.clone(),
-        accuracy: retrieved.iter().filter(|&&r| r).count() as f64 / retrieved.len() as f64,
-        cells,
-    };
+    report.model = args.model.clone();
     if let Some(path) = &args.passkey_plot {
         let cells: Vec<(usize, f64, f64)> = report
             .cells

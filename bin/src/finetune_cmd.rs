@@ -437,8 +437,11 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
              train --rope-*, then fine-tune its checkpoint"
         );
     }
-    if t.eval_by_position {
-        bail!("--eval-by-position: cpl finetune evaluates chat data by example; use cpl train");
+    if t.eval_by_position || t.eval_passkey {
+        bail!(
+            "--eval-by-position / --eval-passkey: cpl finetune evaluates chat data by example; \
+             use cpl train"
+        );
     }
     if t.seq_len_schedule.is_some() {
         bail!(
@@ -692,6 +695,7 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
                     count_key: "trained_tokens",
                     processed_tokens: Some(processed_tokens),
                     by_position: None,
+                    passkey: None,
                 };
                 driver::run(&mut task, &world, &opts, history0.clone(), &interrupted)?
             }

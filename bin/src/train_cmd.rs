@@ -37,6 +37,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                 m.family.name
             );
         }
+        if m.family.kind != Kind::CausalLm && (args.eval_passkey || args.eval_by_position) {
+            bail!(
+                "--eval-passkey / --eval-by-position: only text models (causal LMs) are evaluated \
+                 by position or passkey; --model {model} is a {} model",
+                m.family.name
+            );
+        }
         match m.family.kind {
             Kind::Diffusion => return crate::dit_cmd::train(args, &m.dir),
             Kind::VisionLanguage => return crate::llava_cmd::train(args, &m.dir),
@@ -209,6 +216,18 @@ pub fn run(args: &TrainArgs) -> Result<()> {
              (every sequence-parallel layout is fine)"
         );
     }
+    let passkey = args
+        .eval_passkey
+        .then(|| {
+            crate::eval::passkey_prompts(
+                &args.passkey_grid,
+                &files,
+                desc.vocab,
+                &args.layout,
+                "--eval-passkey",
+            )
+        })
+        .transpose()?;
     let opts = args.run_options(cfg.steps, extra, flops_per_token, banner)?;
     let _trace = args.start_trace()?;
     let final_history = launch_pipelined(&args.layout, |rank| {
@@ -235,6 +254,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             count_key: "tokens",
             processed_tokens: None,
             by_position: args.eval_by_position.then_some(&rank.mesh),
+            passkey: passkey.as_deref().map(|p| (&rank.mesh, p)),
         };
         let world = rank.world();
         let history = Resume::history(resume.as_ref());

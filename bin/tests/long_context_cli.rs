@@ -685,3 +685,253 @@ fn seq_len_schedule_errors_name_the_flag() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The passkey grid both the training run and the evaluations below score: within the 128
+/// tokens the copying model trains at.
+const COPY_GRID: [&str; 6] = [
+    "--passkey-lengths",
+    "64,128",
+    "--passkey-depths",
+    "0,0.5,1",
+    "--passkey-trials",
+    "4",
+];
+
+/// A fresh 2-layer LLaMA (hidden 64, 4 heads) with the bundled model's tokenizer (whose digits
+/// are single tokens), and a training stream of passkey prompts in `train::passkey`'s template:
+/// windows of 128 tokens, each one prompt of 128 or two of 64, at depths 0, 0.05, ... 1, with
+/// keys drawn from another seed than [`COPY_GRID`]'s (and none of its keys).
+fn copying_setup(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let init = dir.join("init");
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": true,
+        "bos_token_id": 1, "eos_token_id": 2,
+    });
+    models::llama::write_random_checkpoint(&init, &config, 7).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(common::default_model().join(f), init.join(f)).unwrap();
+    }
+    let files = models::hub::from_dir("init", &init).unwrap();
+    let tok = models::tokenizer::Tokenizer::from_model(&files).unwrap();
+    let encode = |s: &str| -> train::Result<Vec<u32>> {
+        Ok(tok
+            .encode(s, models::tokenizer::SpecialTokens::Drop)
+            .unwrap())
+    };
+    let depths: Vec<f64> = (0..=20).map(|d| f64::from(d) / 20.0).collect();
+    let eval_keys: std::collections::HashSet<u32> = train::passkey::grid(
+        &encode,
+        tok.bos_token_id,
+        &[64, 128],
+        &[0.0, 0.5, 1.0],
+        4,
+        0,
+    )
+    .unwrap()
+    .iter()
+    .map(|p| p.key)
+    .collect();
+    let draw = |len: usize, trials: usize, seed: u64| -> Vec<Vec<u32>> {
+        train::passkey::grid(&encode, tok.bos_token_id, &[len], &depths, trials, seed)
+            .unwrap()
+            .into_iter()
+            .filter(|p| !eval_keys.contains(&p.key))
+            .map(|p| p.tokens)
+            .collect()
+    };
+    let (short, long) = (draw(64, 60, 1), draw(128, 30, 2));
+    // Interleaved so that every window of 128 tokens is one long prompt or two short ones.
+    let mut seqs = Vec::new();
+    for (pair, l) in short.chunks_exact(2).zip(&long) {
+        seqs.extend(pair.iter().cloned());
+        seqs.push(l.clone());
+    }
+    let tokens = dir.join("passkeys.json");
+    std::fs::write(&tokens, serde_json::to_string(&seqs).unwrap()).unwrap();
+    (init, tokens)
+}
+
+/// The same retrievals and answer log-likelihoods (1e-5, absolute below 1) in two passkey
+/// reports.
+#[track_caller]
+fn assert_same_passkey(got: &serde_json::Value, want: &serde_json::Value, what: &str) {
+    let (g, w) = (
+        got["cells"].as_array().unwrap(),
+        want["cells"].as_array().unwrap(),
+    );
+    assert_eq!(g.len(), w.len(), "{what}");
+    for (g, w) in g.iter().zip(w) {
+        assert_eq!(
+            (&g["length"], &g["depth"], &g["retrieved"], &g["trials"]),
+            (&w["length"], &w["depth"], &w["retrieved"], &w["trials"]),
+            "{what}"
+        );
+        let (a, b) = (
+            g["answer_loglik"].as_f64().unwrap(),
+            w["answer_loglik"].as_f64().unwrap(),
+        );
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+            "{what}: {a} vs {b}"
+        );
+    }
+    assert_eq!(got["accuracy"], want["accuracy"], "{what}");
+}
+
+/// `cpl train --eval-passkey` under ring 2 x data-parallel 2: each evaluation's line in
+/// eval.jsonl carries the passkey grid (`passkey`: accuracy and answer log-likelihood per cell),
+/// the same retrievals and log-likelihoods (1e-5) as `cpl eval --passkey` of the checkpoint saved
+/// at that step gives on one rank and under ring 2; TensorBoard gets `eval/passkey/accuracy` and
+/// one scalar per cell; bad values are errors naming the flag.
+#[test]
+fn training_evaluates_passkey_retrieval() {
+    let dir = tmpdir("train-passkey");
+    let (init, tokens) = copying_setup(&dir);
+    let t = tokens.to_str().unwrap();
+    let out = dir.join("run");
+    let train_args = |extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = [
+            "train",
+            "--model",
+            init.to_str().unwrap(),
+            "--tokens",
+            t,
+            "--doc-mask",
+            "--seq-len",
+            "128",
+            "--batch",
+            "1",
+            "--grad-accum",
+            "1",
+            "--lr",
+            "3e-3",
+            "--warmup",
+            "0",
+            "--eval-passkey",
+        ]
+        .map(String::from)
+        .to_vec();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let mut args = train_args(&[
+        "--steps",
+        "2",
+        "--eval-every",
+        "1",
+        "--save-every",
+        "1",
+        "--ranks",
+        "4",
+        "--ring",
+        "2",
+        "--tensorboard",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    args.extend(COPY_GRID.map(String::from));
+    let o = cpl(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(out.join("eval.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    for (step, line) in [1, 2].into_iter().zip(&lines) {
+        assert_eq!(line["step"], serde_json::json!(step));
+        let got = &line["passkey"];
+        let cells = got["cells"]
+            .as_array()
+            .expect("passkey cells in eval.jsonl");
+        assert_eq!(cells.len(), 6);
+        for c in cells {
+            assert_eq!(c["trials"].as_u64(), Some(4), "{c}");
+            assert!(
+                (0.0..=1.0).contains(&c["accuracy"].as_f64().unwrap()),
+                "{c}"
+            );
+            assert!(c["answer_loglik"].as_f64().unwrap() < 0.0, "{c}");
+        }
+        let ckpt = out.join(format!("step-{step}"));
+        let eval = |extra: &[&str]| -> serde_json::Value {
+            let mut a = vec![
+                "eval",
+                "--model",
+                ckpt.to_str().unwrap(),
+                "--passkey",
+                "--json",
+            ];
+            a.extend_from_slice(&COPY_GRID);
+            a.extend_from_slice(extra);
+            let o = cpl(&a);
+            assert!(o.status.success(), "{a:?}: {}", stderr(&o));
+            serde_json::from_str::<serde_json::Value>(stdout(&o).trim()).unwrap()["passkey"].clone()
+        };
+        assert_same_passkey(got, &eval(&[]), &format!("step {step}, one rank"));
+        assert_same_passkey(
+            got,
+            &eval(&["--ranks", "2", "--ring", "2"]),
+            &format!("step {step}, ring 2"),
+        );
+    }
+    assert_ne!(
+        lines[0]["passkey"]["cells"][0]["answer_loglik"],
+        lines[1]["passkey"]["cells"][0]["answer_loglik"],
+        "each evaluation scores the model of its step"
+    );
+    let tb = std::fs::read_dir(out.join("tb"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let tags: Vec<(String, u64, f64)> = train::driver::tensorboard::read_events(&tb)
+        .unwrap()
+        .iter()
+        .filter_map(|e| match &e.what {
+            Some(train::driver::tensorboard::What::Summary(s)) => {
+                let v = &s.value[0];
+                let x = f64::from(v.simple_value.unwrap_or(f32::NAN));
+                Some((v.tag.clone(), e.step as u64, x))
+            }
+            _ => None,
+        })
+        .filter(|(t, _, _)| t.starts_with("eval/passkey/"))
+        .collect();
+    assert_eq!(tags.len(), 2 * 7, "{tags:?}");
+    let acc = lines[1]["passkey"]["cells"][2]["accuracy"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        tags.contains(&("eval/passkey/000064-1.00".into(), 2, acc)),
+        "{tags:?}"
+    );
+    // Bad values, each naming its flag (no training runs).
+    let bad = |extra: &[&str]| {
+        let mut a = train_args(&["--out", out.to_str().unwrap()]);
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    assert_clear_errors(&[
+        (
+            bad(&["--passkey-trials", "0"]),
+            "--passkey-trials must be at least 1",
+        ),
+        (
+            bad(&["--passkey-lengths", "66", "--ranks", "2", "--ring", "2"]),
+            "--passkey-lengths 66",
+        ),
+        (bad(&["--passkey-lengths", "16"]), "--passkey-lengths 16"),
+        (bad(&["--passkey-depths", "1.5"]), "--passkey-depths"),
+        (
+            bad(&["--ranks", "2", "--pp", "2"]),
+            "--eval-passkey is not available with --pp",
+        ),
+    ]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

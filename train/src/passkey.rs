@@ -12,8 +12,18 @@
 //! token, which is exactly when greedy generation from the prompt would emit the answer's tokens.
 //! The answer tokens' mean log-likelihood is reported beside it. Keys are drawn from a fixed
 //! seed, so a grid is the same for every model with the same tokenizer.
+//!
+//! [`evaluate`] scores a grid on every rank under any layout but a pipeline: `cpl eval
+//! --passkey` calls it on a loaded checkpoint, `cpl train --eval-passkey` on the model being
+//! trained at each evaluation.
 
+use candle_core::{DType, Device, Tensor, D};
+use candle_parallel::attention::AttnMask;
+use candle_parallel::comm::ReduceOp;
+use candle_parallel::mesh::{DeviceMesh, Dim};
+use candle_parallel::nn::{Batch, ParallelCtx, IGNORE_INDEX};
 use models::diffusion::DrawStream;
+use models::CausalLm;
 
 use crate::error::{Error, Result};
 
@@ -136,6 +146,138 @@ pub fn cells(prompts: &[PasskeyPrompt], retrieved: &[bool]) -> Vec<(usize, f64, 
     out
 }
 
+/// A scored grid: `cpl eval --passkey --json` prints it as `passkey`, `cpl train
+/// --eval-passkey` writes it into each evaluation's line of `eval.jsonl`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PasskeyReport {
+    /// The model scored (empty during training: the run's model at the line's step).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub model: String,
+    /// Retrieved prompts over all prompts.
+    pub accuracy: f64,
+    pub cells: Vec<PasskeyCell>,
+}
+
+/// One (length, depth) cell of a scored grid.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PasskeyCell {
+    pub length: usize,
+    pub depth: f64,
+    pub retrieved: usize,
+    pub trials: usize,
+    pub accuracy: f64,
+    /// Mean log-likelihood (nats) of the answer tokens, over the cell's prompts.
+    pub answer_loglik: f64,
+}
+
+impl PasskeyReport {
+    /// The report of `prompts` given, for each, whether it was retrieved and its answer tokens'
+    /// mean log-likelihood.
+    pub fn new(prompts: &[PasskeyPrompt], retrieved: &[bool], loglik: &[f64]) -> Self {
+        let cells = cells(prompts, retrieved)
+            .into_iter()
+            .map(|(length, depth, r, n)| {
+                let ll: Vec<f64> = prompts
+                    .iter()
+                    .zip(loglik)
+                    .filter(|(p, _)| p.length == length && p.depth == depth)
+                    .map(|(_, &l)| l)
+                    .collect();
+                PasskeyCell {
+                    length,
+                    depth,
+                    retrieved: r,
+                    trials: n,
+                    accuracy: r as f64 / n as f64,
+                    answer_loglik: ll.iter().sum::<f64>() / ll.len().max(1) as f64,
+                }
+            })
+            .collect();
+        let hits = retrieved.iter().filter(|&&r| r).count();
+        Self {
+            model: String::new(),
+            accuracy: hits as f64 / retrieved.len().max(1) as f64,
+            cells,
+        }
+    }
+}
+
+/// Scores `prompts` with `model` (this rank's part of it, built for `ctx`; any layout but a
+/// pipeline): one forward pass of each prompt and its answer, the answer retrieved when every
+/// answer token is the argmax of its position's logits ([`score_answer`]). Data-parallel ranks
+/// share the prompts out; each sequence-parallel rank scores the answer tokens it holds.
+/// Collective over the world of `mesh`, `prompts` the same on every rank; every rank returns
+/// the report.
+pub fn evaluate(
+    mesh: &DeviceMesh,
+    ctx: &ParallelCtx,
+    model: &dyn CausalLm,
+    prompts: &[PasskeyPrompt],
+) -> Result<PasskeyReport> {
+    let Some(first) = prompts.first() else {
+        return Err(Error::Invalid("no passkey prompts to score".into()));
+    };
+    let (dp, dp_rank) = (mesh.size(Dim::Dp), mesh.coord(Dim::Dp));
+    // Per prompt: the answer tokens' summed log-likelihood, their count and the wrong argmaxes.
+    let mut local = vec![0f64; 3 * prompts.len()];
+    for round in 0..prompts.len().div_ceil(dp) {
+        let i = round * dp + dp_rank;
+        // A rank past the last prompt runs the first one again and drops it, so that every rank
+        // runs as many forward passes (ZeRO-3 gathers parameters in each).
+        let (p, keep) = prompts.get(i).map_or((first, false), |p| (p, true));
+        let (batch, labels) =
+            Batch::from_sequences(ctx, std::slice::from_ref(&p.tokens), AttnMask::Causal)?;
+        let labels = labels.flatten_all()?.to_vec1::<i64>()?;
+        // This rank's answer tokens: the labels of positions answer_start - 1 and later.
+        let rows: Vec<(u32, i64)> = labels
+            .iter()
+            .zip(&batch.positions)
+            .enumerate()
+            .filter(|(_, (&l, &pos))| l != IGNORE_INDEX && pos as usize + 1 >= p.answer_start)
+            .map(|(j, (&l, _))| (j as u32, l))
+            .collect();
+        let logits = model.logits(&batch)?;
+        if !keep || rows.is_empty() {
+            continue;
+        }
+        let idx: Vec<u32> = rows.iter().map(|r| r.0).collect();
+        let at = logits
+            .index_select(&Tensor::new(idx.as_slice(), logits.device())?, 1)?
+            .squeeze(0)?
+            .to_dtype(DType::F64)?;
+        let max = at.max_keepdim(D::Minus1)?;
+        let lse = (at
+            .broadcast_sub(&max)?
+            .exp()?
+            .sum_keepdim(D::Minus1)?
+            .log()?
+            + &max)?;
+        let predicted = at.argmax(D::Minus1)?.to_vec1::<u32>()?;
+        let logp = at.broadcast_sub(&lse)?.to_vec2::<f64>()?;
+        for (k, &(_, l)) in rows.iter().enumerate() {
+            local[3 * i] += logp[k][l as usize];
+            local[3 * i + 1] += 1.0;
+            local[3 * i + 2] += f64::from(u8::from(i64::from(predicted[k]) != l));
+        }
+    }
+    let group = mesh.group(&[Dim::Ulysses, Dim::Ring, Dim::Dp])?;
+    let t = group
+        .all_reduce(&Tensor::new(local, &Device::Cpu)?, ReduceOp::Sum)?
+        .to_vec1::<f64>()?;
+    let retrieved: Vec<bool> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let (count, wrong) = (t[3 * i + 1], t[3 * i + 2]);
+            count as usize == p.tokens.len() - p.answer_start && wrong == 0.0
+        })
+        .collect();
+    let loglik: Vec<f64> = (0..prompts.len())
+        .map(|i| t[3 * i] / t[3 * i + 1].max(1.0))
+        .collect();
+    Ok(PasskeyReport::new(prompts, &retrieved, &loglik))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,6 +330,16 @@ mod tests {
                 (300, 1.0, 2, 3)
             ]
         );
+        let loglik: Vec<f64> = (0..12).map(|i| -f64::from(i)).collect();
+        let r = PasskeyReport::new(&a, &retrieved, &loglik);
+        assert_eq!(r.accuracy, 8.0 / 12.0);
+        assert_eq!(r.cells.len(), 4);
+        assert_eq!(
+            (r.cells[1].length, r.cells[1].depth, r.cells[1].retrieved),
+            (200, 1.0, 2)
+        );
+        assert_eq!(r.cells[1].accuracy, 2.0 / 3.0);
+        assert_eq!(r.cells[1].answer_loglik, -4.0, "the mean of -3, -4, -5");
     }
 
     #[test]

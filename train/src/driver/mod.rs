@@ -99,6 +99,12 @@ pub trait Task {
     fn eval_by_position(&mut self) -> Result<Option<Vec<crate::evaluation::PositionBucket>>> {
         Ok(None)
     }
+
+    /// The passkey retrieval of the model at the current step (`--eval-passkey`), `None` when
+    /// the task does not give it. Collective over the world.
+    fn eval_passkey(&mut self) -> Result<Option<crate::passkey::PasskeyReport>> {
+        Ok(None)
+    }
 }
 
 /// How a run is driven (the command line's flags).
@@ -331,32 +337,60 @@ pub fn run<T: Task>(
         }
         let eval_due = opts.eval_every > 0 && step.is_multiple_of(opts.eval_every);
         if eval_due || step == opts.steps {
-            if let Some((loss, tokens)) = tracing::info_span!("eval").in_scope(|| task.eval())? {
+            let eval = tracing::info_span!("eval").in_scope(|| task.eval())?;
+            let by_position = match eval {
+                Some(_) => tracing::info_span!("eval").in_scope(|| task.eval_by_position())?,
+                None => None,
+            };
+            let passkey = tracing::info_span!("eval").in_scope(|| task.eval_passkey())?;
+            let mut line = serde_json::json!({ "step": step });
+            if let (Some((loss, tokens)), Some(o)) = (eval, line.as_object_mut()) {
                 let point = EvalPoint { step, loss, tokens };
                 history.evals.push(point);
-                let by_position =
-                    tracing::info_span!("eval").in_scope(|| task.eval_by_position())?;
+                if let serde_json::Value::Object(p) =
+                    serde_json::to_value(point).map_err(invalid)?
+                {
+                    o.extend(p);
+                }
+            }
+            if let (Some(b), Some(o)) = (&by_position, line.as_object_mut()) {
+                o.insert(
+                    "by_position".into(),
+                    serde_json::to_value(b).map_err(invalid)?,
+                );
+            }
+            if let (Some(p), Some(o)) = (&passkey, line.as_object_mut()) {
+                o.insert("passkey".into(), serde_json::to_value(p).map_err(invalid)?);
+            }
+            if eval.is_some() || passkey.is_some() {
                 if let Some(f) = evals.as_mut() {
-                    let mut line = serde_json::to_value(point).map_err(invalid)?;
-                    if let (Some(b), Some(o)) = (&by_position, line.as_object_mut()) {
-                        o.insert(
-                            "by_position".into(),
-                            serde_json::to_value(b).map_err(invalid)?,
-                        );
-                    }
                     f.write(&line)?;
-                    if let Some(b) = board.as_mut() {
-                        write_scalars(b, "eval", step, &line)?;
-                        for p in by_position.iter().flatten() {
-                            let tag = format!("eval/loss_by_position/{:06}-{:06}", p.from, p.to);
-                            b.scalar(&tag, step, p.loss)?;
-                        }
+                }
+                if let Some(b) = board.as_mut() {
+                    write_scalars(b, "eval", step, &line)?;
+                    for p in by_position.iter().flatten() {
+                        let tag = format!("eval/loss_by_position/{:06}-{:06}", p.from, p.to);
+                        b.scalar(&tag, step, p.loss)?;
+                    }
+                    if let Some(p) = &passkey {
+                        write_passkey(b, step, p)?;
                     }
                 }
-                if let Some(p) = progress.as_mut() {
-                    p.message(&format!(
-                        "step {step}: eval loss {loss:.4} ({tokens} tokens)"
+            }
+            if let Some(p) = progress.as_mut() {
+                let mut parts = Vec::new();
+                if let Some((loss, tokens)) = eval {
+                    parts.push(format!("eval loss {loss:.4} ({tokens} tokens)"));
+                }
+                if let Some(k) = &passkey {
+                    parts.push(format!(
+                        "passkey accuracy {:.3} ({} cells)",
+                        k.accuracy,
+                        k.cells.len()
                     ));
+                }
+                if !parts.is_empty() {
+                    p.message(&format!("step {step}: {}", parts.join(", ")));
                 }
             }
         }
@@ -407,6 +441,26 @@ fn write_scalars(
         if let (Some(x), false) = (v.as_f64(), k == "step") {
             b.scalar(&format!("{prefix}/{k}"), step, x)?;
         }
+    }
+    Ok(())
+}
+
+/// A passkey evaluation as scalars at `step`: `eval/passkey/accuracy` and, per cell,
+/// `eval/passkey/<length>-<depth>` (its accuracy) and `eval/passkey_answer_loglik/<length>-<depth>`.
+fn write_passkey(
+    b: &mut tensorboard::EventWriter,
+    step: u64,
+    p: &crate::passkey::PasskeyReport,
+) -> Result<()> {
+    b.scalar("eval/passkey/accuracy", step, p.accuracy)?;
+    for c in &p.cells {
+        let cell = format!("{:06}-{:.2}", c.length, c.depth);
+        b.scalar(&format!("eval/passkey/{cell}"), step, c.accuracy)?;
+        b.scalar(
+            &format!("eval/passkey_answer_loglik/{cell}"),
+            step,
+            c.answer_loglik,
+        )?;
     }
     Ok(())
 }

@@ -8,6 +8,7 @@ use crate::evaluation::{position_buckets, score, PositionBucket, ScoreOptions};
 use crate::finetune::{DpoTrainer, PairDataset};
 use crate::images::ImageDataset;
 use crate::multimodal::{ImageTextDataset, LlavaTrainer};
+use crate::passkey::{PasskeyPrompt, PasskeyReport};
 use crate::schedule::StepShape;
 use crate::trainer::{TrainModel, Trainer};
 use models::causal_lm::CausalLm;
@@ -27,6 +28,10 @@ pub struct NextTokenTask<'a, M, W: 'static> {
     /// (`--eval-by-position`: causal over each held-out window, position = index in it; no
     /// pipeline).
     pub by_position: Option<&'a candle_parallel::mesh::DeviceMesh>,
+    /// With the rank's mesh: every evaluation also scores these passkey prompts
+    /// (`--eval-passkey`, [`crate::passkey::evaluate`]; no pipeline), with or without held-out
+    /// windows.
+    pub passkey: Option<(&'a candle_parallel::mesh::DeviceMesh, &'a [PasskeyPrompt])>,
 }
 
 impl<M: TrainModel + CausalLm, W: Windows + 'static> Task for NextTokenTask<'_, M, W> {
@@ -63,6 +68,14 @@ impl<M: TrainModel + CausalLm, W: Windows + 'static> Task for NextTokenTask<'_, 
         };
         let (report, _) = score(mesh, t.ctx(), &t.model, t.activation_dtype(), &seqs, &opts)?;
         Ok(report.by_position.map(|b| b.buckets))
+    }
+
+    fn eval_passkey(&mut self) -> Result<Option<PasskeyReport>> {
+        let Some((mesh, prompts)) = self.passkey else {
+            return Ok(None);
+        };
+        let t = &self.trainer;
+        crate::passkey::evaluate(mesh, t.ctx(), &t.model, prompts).map(Some)
     }
 }
 
@@ -209,6 +222,10 @@ impl<M: TrainModel + CausalLm, W: Windows + 'static> Task for LengthCurriculum<'
 
     fn eval_by_position(&mut self) -> Result<Option<Vec<PositionBucket>>> {
         self.task.eval_by_position()
+    }
+
+    fn eval_passkey(&mut self) -> Result<Option<PasskeyReport>> {
+        self.task.eval_passkey()
     }
 }
 
