@@ -57,15 +57,16 @@ fi
 fail=0
 for ex in "${EXAMPLES[@]}"; do
     [ -x "$PATCHED/$ex" ] || { echo "$PATCHED/$ex not built" >&2; exit 1; }
-    out_patched=$("$PATCHED/$ex")
-    out_outside=$("$PROJ/target/debug/examples/$ex")
-    python3 - "$ex" <<PY || fail=1
+    "$PATCHED/$ex" >"$PROJ/$ex.patched.txt"
+    "$PROJ/target/debug/examples/$ex" >"$PROJ/$ex.outside.txt"
+    python3 - "$ex" "$PROJ/$ex.patched.txt" "$PROJ/$ex.outside.txt" <<'PY' || fail=1
 import re, sys
-def losses(text):
+def losses(path):
     # The loss table: "step  loss  loss" rows of numbers.
-    rows = [l.split() for l in text.splitlines()]
-    return [[float(x) for x in r[1:]] for r in rows if len(r) >= 3 and all(re.fullmatch(r"-?[0-9.e+-]+", x) for x in r)]
-a, b = losses("""$out_patched"""), losses("""$out_outside""")
+    rows = [l.split() for l in open(path).read().splitlines()]
+    num = re.compile(r"-?[0-9.e+-]+")
+    return [[float(x) for x in r[1:]] for r in rows if len(r) >= 3 and all(num.fullmatch(x) for x in r)]
+a, b = losses(sys.argv[2]), losses(sys.argv[3])
 assert a, "no loss rows in the patched output"
 assert len(a) == len(b), f"{len(a)} rows patched, {len(b)} outside"
 worst = 0.0

@@ -459,7 +459,7 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         / data.examples.len().max(1) as f64;
     let flops_per_token = (models::family::LLAVA.describe)(&f.config)?
         .flops_per_token(cfg.seq_len, text_work)
-        + images_per_sequence * lcfg.vision_flops_per_image(true, !freeze.vision_tower)?
+        + images_per_sequence * lcfg.vision_training_flops_per_image(!freeze.vision_tower)?
             / cfg.seq_len as f64;
     let banner = format!(
         "cpl train: LLaVA {} on {} conversations, seq {} x {global} sequences/step, {} steps, {} rank(s)",

@@ -142,12 +142,6 @@ impl Variant {
         })
     }
 
-    /// The default set's variant (see [`KernelSet::default_for`]).
-    fn default_for(dtype: DType, head_dim: usize) -> Result<Self> {
-        let set = KernelSet::default_for(dtype, head_dim).unwrap_or(KernelSet::Simt);
-        Variant::new(set, dtype, head_dim)
-    }
-
     /// CUDA-core set: threads per row, the least power of two that leaves each thread at most
     /// 32 dims. Tensor-core set: 4 (a row of an mma fragment is spread over 4 lanes).
     fn group(&self) -> usize {
@@ -419,31 +413,6 @@ fn grid(rows: usize, per_block: u32, heads: usize, batch: usize) -> Result<Launc
     })
 }
 
-/// Forward on CUDA tensors: `(out, lse)` as [`crate::flash_fwd`], on the default kernel set
-/// ([`KernelSet::default_for`]). Errors for an unsupported dtype or head dim (see [`supports`]).
-pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttnSpec) -> Result<(Tensor, Tensor)> {
-    forward_on(None, q, k, v, spec)
-}
-
-/// [`forward`] on a chosen kernel set (errors where it does not serve the call).
-pub fn forward_with(
-    set: KernelSet,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    spec: &AttnSpec,
-) -> Result<(Tensor, Tensor)> {
-    forward_on(Some(set), q, k, v, spec)
-}
-
-/// The variant a call takes: the chosen set, or the default one.
-fn variant_for(set: Option<KernelSet>, dtype: DType, head_dim: usize) -> Result<Variant> {
-    match set {
-        Some(set) => Variant::new(set, dtype, head_dim),
-        None => Variant::default_for(dtype, head_dim),
-    }
-}
-
 /// `t` contiguous with its first element aligned to 16 bytes (the tensor-core kernels load rows
 /// in 16-byte chunks): a view at an unaligned offset is copied.
 fn aligned(t: &Tensor) -> Result<Tensor> {
@@ -456,8 +425,22 @@ fn aligned(t: &Tensor) -> Result<Tensor> {
     }
 }
 
-fn forward_on(
-    set: Option<KernelSet>,
+/// Forward on CUDA tensors: `(out, lse)` as [`crate::flash_fwd`], on the default kernel set
+/// ([`KernelSet::default_for`]). Errors for an unsupported dtype or head dim (see [`supports`]).
+pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttnSpec) -> Result<(Tensor, Tensor)> {
+    forward_with(default_set(q), q, k, v, spec)
+}
+
+/// The default kernel set for `q`'s dtype and head dim; the CUDA-core set where neither serves
+/// (it then errors naming the dtype or head dim, after the shapes are checked).
+fn default_set(q: &Tensor) -> KernelSet {
+    let head_dim = q.dims().last().copied().unwrap_or(0);
+    KernelSet::default_for(q.dtype(), head_dim).unwrap_or(KernelSet::Simt)
+}
+
+/// [`forward`] on a chosen kernel set (errors where it does not serve the call).
+pub fn forward_with(
+    set: KernelSet,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -465,7 +448,8 @@ fn forward_on(
 ) -> Result<(Tensor, Tensor)> {
     let s = composite::dims(q, k, v, spec)?;
     same_dtype(q, k, v)?;
-    let var = variant_for(set, q.dtype(), s.d)?;
+    let var = Variant::new(set, q.dtype(), s.d)?;
+
     if s.b * s.sq * s.hq * s.sk == 0 {
         return composite::forward(q, k, v, spec, &crate::CompositeConfig::default());
     }
@@ -533,7 +517,7 @@ pub fn backward(
     spec: &AttnSpec,
     f32_grads: bool,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    backward_on(None, q, k, v, out, lse, dout, spec, f32_grads)
+    backward_with(default_set(q), q, k, v, out, lse, dout, spec, f32_grads)
 }
 
 /// [`backward`] on a chosen kernel set (errors where it does not serve the call).
@@ -549,24 +533,9 @@ pub fn backward_with(
     spec: &AttnSpec,
     f32_grads: bool,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    backward_on(Some(set), q, k, v, out, lse, dout, spec, f32_grads)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn backward_on(
-    set: Option<KernelSet>,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
-    lse: &Tensor,
-    dout: &Tensor,
-    spec: &AttnSpec,
-    f32_grads: bool,
-) -> Result<(Tensor, Tensor, Tensor)> {
     let s = composite::backward_dims(q, k, v, out, lse, dout, spec)?;
     same_dtype(q, k, v)?;
-    let var = variant_for(set, q.dtype(), s.d)?;
+    let var = Variant::new(set, q.dtype(), s.d)?;
     if s.b * s.sq * s.hq * s.sk == 0 {
         return composite::backward(
             q,

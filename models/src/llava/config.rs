@@ -164,10 +164,10 @@ impl LlavaConfig {
     /// (`2 N T` for the matrices over the image's tokens, `4 d T²` for each layer's full
     /// attention, as [`crate::family::Description::flops_per_token`] counts a text token). The
     /// tower runs the patch embedding and the layers up to the deepest feature layer; the
-    /// projector maps the [`Self::tokens_per_image`] features. Training: the projector always
-    /// trains (three times its forward); a trained tower three times its forward, a frozen one
-    /// its forward only (no gradient is needed below the projector then).
-    pub fn vision_flops_per_image(&self, training: bool, tower_trains: bool) -> Result<f64> {
+    /// projector maps the [`Self::tokens_per_image`] features. A training step: the projector
+    /// always trains (three times its forward); a trained tower three times its forward, a
+    /// frozen one its forward only (no gradient is needed below the projector then).
+    pub fn vision_training_flops_per_image(&self, tower_trains: bool) -> Result<f64> {
         let v = &self.vision_config;
         let clip = v.kind("vision_config")? == crate::vision::TowerKind::Clip;
         let (d, inter) = (v.hidden_size as f64, v.intermediate_size as f64);
@@ -181,10 +181,10 @@ impl LlavaConfig {
         let features = d * indices.len() as f64;
         let h = self.text().hidden_size as f64;
         let projector = 2.0 * (features * h + h * h) * self.tokens_per_image()? as f64;
-        Ok(match (training, tower_trains) {
-            (false, _) => tower + projector,
-            (true, true) => 3.0 * (tower + projector),
-            (true, false) => tower + 3.0 * projector,
+        Ok(if tower_trains {
+            3.0 * (tower + projector)
+        } else {
+            tower + 3.0 * projector
         })
     }
 
