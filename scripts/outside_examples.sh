@@ -39,6 +39,10 @@ candle-parallel = { path = "$ROOT/candle-parallel" }
 
 [profile.dev]
 opt-level = 1
+# No debug info or incremental state: they only cost disk here (the examples' numbers are the
+# same either way).
+debug = false
+incremental = false
 
 [profile.dev.package."*"]
 opt-level = 3

@@ -10,7 +10,7 @@
 //! ([`Family::load_causal_lm`]) as a [`CausalLm`].
 //!
 //! The built-in families are [`LLAMA`], those of [`crate::zoo`] (Qwen2, Qwen3, Mistral, Gemma 2
-//! and 3),
+//! and 3, Phi-3, and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE),
 //! [`DIT`] and [`LLAVA`]; [`register`] adds one from
 //! outside the crate (a program with its own model file).
 
@@ -305,6 +305,9 @@ fn families_in(extra: &[&'static Family]) -> Vec<&'static Family> {
         &crate::zoo::GEMMA2,
         &crate::zoo::GEMMA3,
         &crate::zoo::PHI3,
+        &crate::zoo::MIXTRAL,
+        &crate::zoo::QWEN2_MOE,
+        &crate::zoo::QWEN3_MOE,
         &DIT,
         &LLAVA,
     ]);

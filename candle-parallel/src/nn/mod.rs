@@ -32,6 +32,7 @@ pub mod linear;
 pub mod lora;
 pub mod loss;
 pub mod mlp;
+pub mod moe;
 pub mod norm;
 pub mod param;
 pub mod unit;
@@ -56,6 +57,7 @@ pub use linear::{
 pub use lora::{Adapters, LoraConfig, LoraTargets, LoraWeights};
 pub use loss::{soft_cap, vocab_parallel_cross_entropy, CrossEntropyOptions, LmHead, IGNORE_INDEX};
 pub use mlp::{Activation, Mlp, MlpConfig};
+pub use moe::{MoeConfig, RouterAux, SparseMoe};
 pub use norm::{LayerNorm, NormConfig, RmsNorm};
 pub use param::{Param, ParamBuilder, ParamList, ParamMode, Shard, TensorMap, TensorSource};
 pub use unit::{Block, ShardedParam, Track, Unit, UnitOps};

@@ -16,7 +16,7 @@ use candle_core::DType;
 use candle_parallel::nn::{Adapters, ParamBuilder, ParamList, TensorSource};
 
 pub use model::{Decoder, DecoderLayer, Ends};
-pub use spec::{DecoderSpec, LayerSpec, NormStyle};
+pub use spec::{DecoderSpec, LayerSpec, MoeSpec, NormStyle};
 
 use crate::checkpoint::CheckpointReader;
 use crate::error::Result;

@@ -16,7 +16,8 @@ use std::sync::Arc;
 
 use candle_parallel::nn::{
     Adapters, Batch, Block, CrossEntropyOptions, LayerKv, LmHead, Mlp, ParallelAttention,
-    ParallelCtx, ParamBuilder, Pass, RmsNorm, Track, Unit, UnitOps, VocabParallelEmbedding,
+    ParallelCtx, ParamBuilder, Pass, RmsNorm, RouterAux, SparseMoe, Track, Unit, UnitOps,
+    VocabParallelEmbedding,
 };
 use candle_parallel::plan::Parallelize;
 
@@ -24,6 +25,26 @@ use super::spec::DecoderSpec;
 use super::ToDecoderSpec;
 use crate::causal_lm::KvCache;
 use crate::error::{Error, Result};
+
+/// A decoder layer's feed-forward block: a dense MLP, or a mixture of experts
+/// ([`DecoderSpec::moe`]).
+// One per layer, built once: the size difference of the variants costs nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone)]
+pub enum FeedForward {
+    Dense(Mlp),
+    Sparse(SparseMoe),
+}
+
+impl FeedForward {
+    /// `x` `(batch, tokens', hidden)` → the same shape. Collective over tp.
+    pub fn forward(&self, x: &Tensor) -> candle_parallel::Result<Tensor> {
+        match self {
+            Self::Dense(m) => m.forward(x),
+            Self::Sparse(m) => m.forward(x),
+        }
+    }
+}
 
 /// One decoder layer: attention and MLP, each pre-normed with a residual add; with sandwich
 /// norms ([`DecoderSpec::sandwich_norms`]) their outputs are normed too before the add.
@@ -35,12 +56,19 @@ pub struct DecoderLayer {
     post_attention_layernorm: RmsNorm,
     /// Sandwich norms: before the MLP and on its output.
     feedforward_norms: Option<(RmsNorm, RmsNorm)>,
-    mlp: Mlp,
+    mlp: FeedForward,
 }
 
 impl DecoderLayer {
-    /// Layer `i` of `spec`, `vb` at `model.layers.{i}`.
-    pub fn new(spec: &DecoderSpec, i: usize, vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
+    /// Layer `i` of `spec`, `vb` at `model.layers.{i}`; a sparse block records its router's
+    /// statistics in `aux` ([`Decoder::router_aux`]).
+    pub fn new(
+        spec: &DecoderSpec,
+        i: usize,
+        vb: ParamBuilder,
+        ctx: &ParallelCtx,
+        aux: Option<Arc<RouterAux>>,
+    ) -> Result<Self> {
         let norm = spec.norm_config(spec.hidden_size);
         let feedforward_norms = if spec.sandwich_norms {
             Some((
@@ -55,7 +83,15 @@ impl DecoderLayer {
             self_attn: ParallelAttention::new(&spec.attention_config(i)?, vb.pp("self_attn"), ctx)?,
             post_attention_layernorm: RmsNorm::new(&norm, vb.pp("post_attention_layernorm"), ctx)?,
             feedforward_norms,
-            mlp: Mlp::new(&spec.mlp_config(), vb.pp("mlp"), ctx)?,
+            mlp: match spec.sparse_block(i) {
+                Some(m) => FeedForward::Sparse(SparseMoe::new(
+                    &m.block,
+                    vb.pp(m.folder),
+                    ctx,
+                    aux.map(|a| (a, i)),
+                )?),
+                None => FeedForward::Dense(Mlp::new(&spec.mlp_config(), vb.pp("mlp"), ctx)?),
+            },
         })
     }
 
@@ -134,6 +170,9 @@ pub struct Decoder {
     spec: Arc<DecoderSpec>,
     /// The LoRA adapters the model was built with (see [`ParamBuilder::with_adapters`]).
     adapters: Option<Arc<Adapters>>,
+    /// Mixture of experts: the routers' statistics of the current micro-batch, and the
+    /// coefficient of the load-balancing loss when the loss includes it.
+    router_aux: Option<(Arc<RouterAux>, Option<f64>)>,
 }
 
 impl Decoder {
@@ -169,6 +208,20 @@ impl Decoder {
                 spec.num_layers()
             )));
         }
+        let router_aux = spec
+            .moe
+            .as_ref()
+            .map(|m| (RouterAux::new(m.block.num_experts), m.aux_loss_coef));
+        let whole = ends && (0..spec.num_layers()).all(|i| layers.iter().any(|r| r.contains(&i)));
+        if let Some((_, Some(coef))) = &router_aux {
+            if *coef != 0.0 && !whole {
+                return Err(Error::Invalid(format!(
+                    "the router's load-balancing loss (router_aux_loss_coef {coef} with \
+                     output_router_logits) is not supported under pipeline parallelism yet: \
+                     set output_router_logits to false, or --router-aux-loss-coef 0"
+                )));
+            }
+        }
         let ends = if ends {
             let (c, x) = (spec.clone(), ctx.clone());
             Some(
@@ -186,9 +239,11 @@ impl Decoder {
                     return Ok(None);
                 }
                 let (c, x) = (spec.clone(), ctx.clone());
+                let aux = router_aux.as_ref().map(|(a, _)| a.clone());
                 let vb = vb.pp("model").pp("layers").pp(i);
                 Unit::new(&vb, move |vb| {
-                    DecoderLayer::new(&c, i, vb, &x).map_err(candle_parallel::Error::from)
+                    DecoderLayer::new(&c, i, vb, &x, aux.clone())
+                        .map_err(candle_parallel::Error::from)
                 })
                 .map(Some)
                 .map_err(unit_err)
@@ -200,7 +255,29 @@ impl Decoder {
             ctx: ctx.clone(),
             spec,
             adapters: vb.adapters().cloned(),
+            router_aux,
         })
+    }
+
+    /// The routers' statistics (mixture-of-experts models).
+    pub fn router_aux(&self) -> Option<&Arc<RouterAux>> {
+        self.router_aux.as_ref().map(|(a, _)| a)
+    }
+
+    /// Sets the load-balancing loss's coefficient (`None` or 0: the loss is the LM loss alone).
+    /// Errors on a dense model.
+    pub fn set_router_aux_loss_coef(&mut self, coef: Option<f64>) -> Result<()> {
+        match &mut self.router_aux {
+            Some((_, c)) => {
+                *c = coef;
+                Ok(())
+            }
+            None => Err(Error::Invalid(format!(
+                "a router auxiliary-loss coefficient for a dense model ({}): only \
+                 mixture-of-experts models have routers",
+                self.spec.family
+            ))),
+        }
     }
 
     /// What the model is.
@@ -318,8 +395,24 @@ impl Decoder {
         opts: &CrossEntropyOptions,
     ) -> Result<(Tensor, usize)> {
         let ends = self.ends(Track::Grad)?;
+        if let Some((aux, _)) = &self.router_aux {
+            aux.begin();
+        }
         let h = self.hidden_with(&ends, batch)?;
-        self.head_loss(&ends, &h, labels, opts)
+        let (sum, count) = self.head_loss(&ends, &h, labels, opts)?;
+        match &self.router_aux {
+            Some((aux, Some(coef))) if *coef != 0.0 => {
+                let tp = self.ctx.tp();
+                let mut groups = vec![self.ctx.sequence_group()];
+                if tp.sequence_parallel() {
+                    groups.push(tp.comm());
+                }
+                let (sum, _) =
+                    aux.add_to_loss(&sum, count, *coef, &groups, self.ctx.sequence_group())?;
+                Ok((sum, count))
+            }
+            _ => Ok((sum, count)),
+        }
     }
 
     /// Per-sequence sums of this rank's token cross-entropies, `(batch,)` f32 (the negative

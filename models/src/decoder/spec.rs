@@ -5,7 +5,9 @@
 
 use std::path::Path;
 
-use candle_parallel::nn::{Activation, AttentionConfig, EmbeddingConfig, MlpConfig, NormConfig};
+use candle_parallel::nn::{
+    Activation, AttentionConfig, EmbeddingConfig, MlpConfig, MoeConfig, NormConfig,
+};
 use candle_parallel::ops::RotaryEmbedding;
 
 use super::fused::{FusedLayout, FUSED_GATE_UP, FUSED_QKV};
@@ -19,6 +21,22 @@ pub enum NormStyle {
     Weight,
     /// `(1 + weight) * x / rms(x)`, in f32 (Gemma).
     UnitOffset,
+}
+
+/// The sparse feed-forward blocks of a mixture-of-experts model (Mixtral, Qwen2-MoE,
+/// Qwen3-MoE).
+#[derive(Debug, Clone)]
+pub struct MoeSpec {
+    /// Each sparse block (router, experts, shared expert).
+    pub block: MoeConfig,
+    /// The sparse block's folder in a layer: `mlp` (Qwen) or `block_sparse_moe` (Mixtral).
+    pub folder: &'static str,
+    /// Per layer: sparse, or a dense MLP of `intermediate_size` at `mlp` (Qwen's
+    /// `decoder_sparse_step` and `mlp_only_layers`).
+    pub sparse: Vec<bool>,
+    /// The load-balancing loss's coefficient when the loss includes it (transformers adds it
+    /// when `output_router_logits` is true: `router_aux_loss_coef`); `None`: not added.
+    pub aux_loss_coef: Option<f64>,
 }
 
 /// One decoder layer's attention: its window and its rotary embedding.
@@ -76,6 +94,8 @@ pub struct DecoderSpec {
     /// `mlp.gate_up_proj` (Phi-3): see [`super::fused`]. The model's parameters keep the
     /// parts' names; [`DecoderSpec::fused_layout`] maps them.
     pub fused_projections: bool,
+    /// Sparse feed-forward blocks (mixture of experts) instead of dense MLPs, where set.
+    pub moe: Option<MoeSpec>,
     /// One per decoder layer.
     pub layers: Vec<LayerSpec>,
 }
@@ -135,7 +155,10 @@ impl DecoderSpec {
     /// The names of the linear layers of a decoder layer that LoRA can target, in checkpoint
     /// names.
     pub fn linear_names(&self) -> &'static [&'static str] {
-        if self.fused_projections {
+        if self.moe.is_some() {
+            // The experts take no adapters yet (candle_parallel::nn::moe).
+            &["q_proj", "k_proj", "v_proj", "o_proj"]
+        } else if self.fused_projections {
             &[FUSED_QKV, "o_proj", FUSED_GATE_UP, "down_proj"]
         } else {
             &[
@@ -162,6 +185,13 @@ impl DecoderSpec {
             vocab_size: self.vocab_size,
             hidden_size: self.hidden_size,
         }
+    }
+
+    /// The sparse block of layer `i`, or `None` for a dense MLP.
+    pub fn sparse_block(&self, i: usize) -> Option<&MoeSpec> {
+        self.moe
+            .as_ref()
+            .filter(|m| m.sparse.get(i).copied().unwrap_or(false))
     }
 
     /// The norms of a decoder layer, in checkpoint names.
@@ -211,15 +241,25 @@ impl DecoderSpec {
                 out.push((p("self_attn.q_norm.weight"), vec![self.head_dim]));
                 out.push((p("self_attn.k_norm.weight"), vec![self.head_dim]));
             }
-            for (name, shape, bias) in [
+            let mut linears = vec![
                 ("self_attn.q_proj", vec![q, h], self.qkv_bias),
                 ("self_attn.k_proj", vec![kv, h], self.qkv_bias),
                 ("self_attn.v_proj", vec![kv, h], self.qkv_bias),
                 ("self_attn.o_proj", vec![h, q], self.o_bias),
-                ("mlp.gate_proj", vec![i, h], self.mlp_bias),
-                ("mlp.up_proj", vec![i, h], self.mlp_bias),
-                ("mlp.down_proj", vec![h, i], self.mlp_bias),
-            ] {
+            ];
+            match self.sparse_block(l) {
+                Some(m) => {
+                    for (name, shape) in m.block.parameter_shapes() {
+                        out.push((p(&format!("{}.{name}", m.folder)), shape));
+                    }
+                }
+                None => linears.extend([
+                    ("mlp.gate_proj", vec![i, h], self.mlp_bias),
+                    ("mlp.up_proj", vec![i, h], self.mlp_bias),
+                    ("mlp.down_proj", vec![h, i], self.mlp_bias),
+                ]),
+            }
+            for (name, shape, bias) in linears {
                 if bias {
                     out.push((p(&format!("{name}.bias")), vec![shape[0]]));
                 }
@@ -234,6 +274,18 @@ impl DecoderSpec {
         self.parameter_shapes()
             .iter()
             .map(|(_, s)| s.iter().product::<usize>())
+            .sum()
+    }
+
+    /// Parameters of the sparse blocks a token does not use (the experts it is not routed
+    /// to): total minus active parameters.
+    pub fn inactive_parameters(&self) -> usize {
+        (0..self.num_layers())
+            .filter_map(|l| self.sparse_block(l))
+            .map(|m| {
+                let b = &m.block;
+                (b.num_experts - b.top_k) * 3 * b.hidden_size * b.expert_intermediate_size
+            })
             .sum()
     }
 
@@ -260,9 +312,10 @@ impl DecoderSpec {
             self.vocab_size * self.hidden_size
         };
         let params = self.num_parameters() as u64;
+        let inactive = self.inactive_parameters() as u64;
         Description {
             params,
-            matmul_params: params.saturating_sub(lookup as u64),
+            matmul_params: params.saturating_sub(lookup as u64 + inactive),
             layers: self.num_layers(),
             hidden: self.hidden_size,
             vocab: self.vocab_size,
@@ -279,7 +332,8 @@ impl DecoderSpec {
                 .map(|w| ((self.num_heads * self.head_dim) as u64, w))
                 .collect(),
             causal: true,
-            planner_shape: Some(self.planner_shape()),
+            // The planner's cost model knows dense MLPs only.
+            planner_shape: self.moe.is_none().then(|| self.planner_shape()),
             summary: self.summary(),
         }
     }
@@ -316,6 +370,27 @@ impl DecoderSpec {
         add(self.embed_scale.is_some(), "scaled embeddings");
         add(self.attn_softcap.is_some(), "attention logit soft-cap");
         add(self.final_softcap.is_some(), "final logit soft-cap");
+        if let Some(m) = &self.moe {
+            let b = &m.block;
+            let sparse = m.sparse.iter().filter(|&&s| s).count();
+            s.push_str(&format!(
+                ", {} experts of {} (top {}{}) on {sparse} of {} layers{}, {} of {} parameters \
+                 active",
+                b.num_experts,
+                b.expert_intermediate_size,
+                b.top_k,
+                if b.norm_topk_prob {
+                    ", renormalised"
+                } else {
+                    ""
+                },
+                self.num_layers(),
+                b.shared_expert
+                    .map_or(String::new(), |i| format!(", shared expert of {i}")),
+                self.num_parameters() - self.inactive_parameters(),
+                self.num_parameters(),
+            ));
+        }
         let windows: Vec<usize> = self.layers.iter().filter_map(|l| l.window).collect();
         if let Some(w) = windows.first() {
             s.push_str(&format!(

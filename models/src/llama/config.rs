@@ -281,6 +281,7 @@ impl LlamaConfig {
             final_softcap: None,
             tie_word_embeddings: self.tie_word_embeddings,
             fused_projections: false,
+            moe: None,
             layers: vec![LayerSpec { window: None, rope }; self.num_hidden_layers],
         })
     }

@@ -1,0 +1,554 @@
+//! The mixture-of-experts feed-forward block (Mixtral, Qwen2-MoE, Qwen3-MoE): a softmax top-k
+//! router, SwiGLU experts, an optional shared expert with a sigmoid gate, and the router's
+//! load-balancing loss ([`RouterAux`]).
+//!
+//! Routing is dropless: every token reaches its `k` experts. The tokens are sorted by expert
+//! and each expert multiplies all of its rows in one product (a loop over experts, never over
+//! tokens); the weighted outputs are added back in expert order, as transformers'
+//! `index_add_` does. Top-k ties break towards the lower expert index, as `torch.topk` does on
+//! the CPU.
+//!
+//! Parallel layout: the router is a replicated weight applied to this rank's tokens outside
+//! the tensor-parallel region, like a norm. Each expert's MLP is split over tp as Megatron
+//! splits a dense MLP (gate and up by rows, down by columns); the experts' partial outputs are
+//! weighted and summed first, then reduced once (all-reduce, or reduce-scatter under TP-sp).
+//! Under sequence parallelism each rank routes its own tokens; the load-balancing statistics
+//! are summed over the ranks that hold the micro-batch's tokens.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Tensor};
+
+use super::{
+    ColumnParallelLinear, LinearConfig, Mlp, MlpConfig, ParallelCtx, ParamBuilder,
+    RowParallelLinear, TpGroup,
+};
+use crate::collectives::{record, reduce_from_parallel_region, reduce_scatter};
+use crate::comm::{Comm, ReduceOp};
+use crate::error::{Error, Result};
+use crate::nn::linear::linear;
+use crate::ops::swiglu;
+
+/// The shape and checkpoint names of a [`SparseMoe`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub hidden_size: usize,
+    /// Each expert's hidden units (Mixtral's `intermediate_size`, Qwen's
+    /// `moe_intermediate_size`).
+    pub expert_intermediate_size: usize,
+    pub num_experts: usize,
+    /// Experts per token (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// Renormalise the `k` chosen probabilities to sum to one (Mixtral always does; Qwen's
+    /// `norm_topk_prob`).
+    pub norm_topk_prob: bool,
+    /// The router's name (`gate`).
+    pub router: String,
+    /// The experts' folder (`experts`): expert `e` is at `{experts}.{e}`.
+    pub experts: String,
+    /// The names of an expert's gate, up and down projections (`gate_proj`, `up_proj`,
+    /// `down_proj`; Mixtral: `w1`, `w3`, `w2`).
+    pub expert_names: [String; 3],
+    /// Qwen2-MoE's shared expert: its hidden units; it is at `shared_expert` (a SwiGLU MLP) and
+    /// its gate at `shared_expert_gate` (`(1, hidden)`).
+    pub shared_expert: Option<usize>,
+}
+
+impl MoeConfig {
+    /// `num_experts` SwiGLU experts of `expert_intermediate_size` units, `top_k` per token,
+    /// Qwen's names (`gate`, `experts.{e}.gate_proj`, ...), no renormalisation, no shared
+    /// expert. Errors when `top_k` is not in `1..=num_experts`.
+    pub fn new(
+        hidden_size: usize,
+        expert_intermediate_size: usize,
+        num_experts: usize,
+        top_k: usize,
+    ) -> Result<Self> {
+        if num_experts == 0 || top_k == 0 || top_k > num_experts {
+            return Err(Error::invalid(
+                "mixture of experts",
+                format!(
+                    "{top_k} experts per token (num_experts_per_tok) of {num_experts} \
+                     experts: must be between 1 and the number of experts"
+                ),
+            ));
+        }
+        Ok(Self {
+            hidden_size,
+            expert_intermediate_size,
+            num_experts,
+            top_k,
+            norm_topk_prob: false,
+            router: "gate".into(),
+            experts: "experts".into(),
+            expert_names: ["gate_proj".into(), "up_proj".into(), "down_proj".into()],
+            shared_expert: None,
+        })
+    }
+
+    pub fn with_norm_topk_prob(mut self, on: bool) -> Self {
+        self.norm_topk_prob = on;
+        self
+    }
+
+    /// Other names for an expert's gate, up and down projections (Mixtral: `w1`, `w3`, `w2`).
+    pub fn with_expert_names(mut self, gate: &str, up: &str, down: &str) -> Self {
+        self.expert_names = [gate.into(), up.into(), down.into()];
+        self
+    }
+
+    pub fn with_shared_expert(mut self, intermediate_size: Option<usize>) -> Self {
+        self.shared_expert = intermediate_size;
+        self
+    }
+
+    /// The parameters of one block, relative to its folder: name and shape as in the
+    /// checkpoint.
+    pub fn parameter_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let (h, i) = (self.hidden_size, self.expert_intermediate_size);
+        let mut out = vec![(format!("{}.weight", self.router), vec![self.num_experts, h])];
+        for e in 0..self.num_experts {
+            let [g, u, d] = &self.expert_names;
+            let p = |n: &str| format!("{}.{e}.{n}.weight", self.experts);
+            out.push((p(g), vec![i, h]));
+            out.push((p(u), vec![i, h]));
+            out.push((p(d), vec![h, i]));
+        }
+        if let Some(s) = self.shared_expert {
+            for (n, shape) in [
+                ("gate_proj", vec![s, h]),
+                ("up_proj", vec![s, h]),
+                ("down_proj", vec![h, s]),
+            ] {
+                out.push((format!("shared_expert.{n}.weight"), shape));
+            }
+            out.push(("shared_expert_gate.weight".into(), vec![1, h]));
+        }
+        out
+    }
+
+    /// Parameters a token multiplies in one block: the router, `k` experts and the shared
+    /// expert (for the FLOPs of a sparse model).
+    pub fn active_matmul_params(&self) -> usize {
+        let h = self.hidden_size;
+        let expert = 3 * h * self.expert_intermediate_size;
+        let shared = self.shared_expert.map_or(0, |s| 3 * h * s + h);
+        self.num_experts * h + self.top_k * expert + shared
+    }
+}
+
+/// One expert's SwiGLU weights: this rank's rows of gate and up `(i/P, hidden)` and columns of
+/// down `(hidden, i/P)`.
+#[derive(Debug, Clone)]
+struct Expert {
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+}
+
+impl Expert {
+    fn new(cfg: &MoeConfig, vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.expert_intermediate_size);
+        let [g, u, d] = &cfg.expert_names;
+        let column = |name: &str| -> Result<Tensor> {
+            let l = ColumnParallelLinear::new(&LinearConfig::new(h, i), vb.pp(name), ctx)?;
+            no_adapter(l.lora().is_some(), &vb, name)?;
+            Ok(l.weight().clone())
+        };
+        let down = RowParallelLinear::new(&LinearConfig::new(i, h), vb.pp(d), ctx)?;
+        no_adapter(down.lora().is_some(), &vb, d)?;
+        Ok(Self {
+            gate: column(g)?,
+            up: column(u)?,
+            down: down.weight().clone(),
+        })
+    }
+
+    /// `x` `(n, hidden)` → `(n, hidden)`, a partial sum over tp.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = swiglu(&linear(x, &self.gate, None)?, &linear(x, &self.up, None)?)?;
+        linear(&h, &self.down, None)
+    }
+}
+
+fn no_adapter(adapted: bool, vb: &ParamBuilder, name: &str) -> Result<()> {
+    if adapted {
+        return Err(Error::invalid(
+            "mixture of experts",
+            format!(
+                "LoRA on the experts' projections ({}.{name}) is not supported yet: target the \
+                 attention projections",
+                vb.prefix()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The sparse feed-forward block; see the [module docs](self).
+#[derive(Debug, Clone)]
+pub struct SparseMoe {
+    /// `(num_experts, hidden)`, replicated.
+    router: Tensor,
+    experts: Vec<Expert>,
+    /// The shared expert and its gate's weight `(1, hidden)` (replicated).
+    shared: Option<(Mlp, Tensor)>,
+    cfg: MoeConfig,
+    tp: TpGroup,
+    /// Where the router's statistics go, and this block's index there.
+    aux: Option<(Arc<RouterAux>, usize)>,
+}
+
+impl SparseMoe {
+    /// Loads the block under `vb` (`mlp`, or Mixtral's `block_sparse_moe`). With `aux`, the
+    /// router records its statistics as block `layer` of `aux`, and its logits receive the
+    /// load-balancing loss's gradient ([`RouterAux`]). Errors when tp does not divide the
+    /// experts' hidden units, or LoRA targets an expert.
+    pub fn new(
+        cfg: &MoeConfig,
+        vb: ParamBuilder,
+        ctx: &ParallelCtx,
+        aux: Option<(Arc<RouterAux>, usize)>,
+    ) -> Result<Self> {
+        let router = vb
+            .pp(&cfg.router)
+            .get((cfg.num_experts, cfg.hidden_size), "weight")?;
+        let experts = (0..cfg.num_experts)
+            .map(|e| Expert::new(cfg, vb.pp(&cfg.experts).pp(e), ctx))
+            .collect::<Result<Vec<_>>>()?;
+        let shared = match cfg.shared_expert {
+            Some(i) => Some((
+                Mlp::new(
+                    &MlpConfig::swiglu(cfg.hidden_size, i),
+                    vb.pp("shared_expert"),
+                    ctx,
+                )?,
+                vb.pp("shared_expert_gate")
+                    .get((1, cfg.hidden_size), "weight")?,
+            )),
+            None => None,
+        };
+        if let Some((aux, _)) = &aux {
+            if aux.num_experts != cfg.num_experts {
+                return Err(Error::invalid(
+                    "mixture of experts",
+                    format!(
+                        "router statistics for {} experts given to a block of {}",
+                        aux.num_experts, cfg.num_experts
+                    ),
+                ));
+            }
+        }
+        Ok(Self {
+            router,
+            experts,
+            shared,
+            cfg: cfg.clone(),
+            tp: ctx.tp().clone(),
+            aux,
+        })
+    }
+
+    /// `x` `(batch, tokens', hidden)` → the same shape. Collective over tp.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, s, h) = x.dims3()?;
+        let (e_count, k) = (self.cfg.num_experts, self.cfg.top_k);
+        let xs = x.reshape((b * s, h))?;
+        // The router, in f32 as transformers' `softmax(.., dtype=float)`.
+        let mut logits = linear(&xs, &self.router, None)?.to_dtype(DType::F32)?;
+        if let Some((aux, _)) = &self.aux {
+            logits = aux.attach(&logits)?;
+        }
+        let max = logits.max_keepdim(1)?.detach();
+        let ex = logits.broadcast_sub(&max)?.exp()?;
+        let probs = ex.broadcast_div(&ex.sum_keepdim(1)?)?;
+        let host = probs.to_vec2::<f32>()?;
+        let chosen: Vec<u32> = host.iter().flat_map(|row| top_k(row, k)).collect();
+        if let Some((aux, layer)) = &self.aux {
+            aux.record(*layer, &host, &chosen);
+        }
+        let idx = Tensor::from_vec(chosen, (b * s, k), x.device())?;
+        let mut weights = probs.gather(&idx, 1)?;
+        if self.cfg.norm_topk_prob {
+            weights = weights.broadcast_div(&weights.sum_keepdim(1)?)?;
+        }
+        let weights = weights.to_dtype(x.dtype())?.reshape((b, s, k))?;
+        // Into the tensor-parallel region: every rank of the group computes its share of each
+        // expert for all of the group's tokens.
+        let entered = self.tp.enter(x)?;
+        let weights = self.tp.enter(&weights)?;
+        let chosen = self.group_choices(&idx.reshape((b, s, k))?)?;
+        let (bg, sg) = (entered.dim(0)?, entered.dim(1)?);
+        let n = bg * sg;
+        let xs = entered.reshape((n, h))?;
+        let weights = weights.flatten_all()?;
+        let mut rows: Vec<(Vec<u32>, Vec<u32>)> = vec![(Vec::new(), Vec::new()); e_count];
+        for (slot, &e) in chosen.iter().enumerate() {
+            let (tokens, slots) = &mut rows[e as usize];
+            tokens.push((slot / k) as u32);
+            slots.push(slot as u32);
+        }
+        let mut out = xs.zeros_like()?;
+        for (expert, (mut tokens, mut slots)) in self.experts.iter().zip(rows) {
+            // An expert without tokens runs on token 0 with weight 0: every rank's graph has the
+            // same nodes in the same order whatever its routing (the backward collectives of
+            // ZeRO-3 and recomputation follow that order), and its weights get exact zeros.
+            let mut mask = vec![1f32; tokens.len()];
+            if tokens.is_empty() {
+                (tokens, slots, mask) = (vec![0], vec![0], vec![0.0]);
+            }
+            let m = tokens.len();
+            let tokens = Tensor::from_vec(tokens, m, x.device())?;
+            let slots = Tensor::from_vec(slots, m, x.device())?;
+            let mask = Tensor::from_vec(mask, (m, 1), x.device())?.to_dtype(x.dtype())?;
+            let y = expert.forward(&xs.index_select(&tokens, 0)?)?;
+            let w = weights.index_select(&slots, 0)?.unsqueeze(1)?.mul(&mask)?;
+            out = out.index_add(&tokens, &y.broadcast_mul(&w)?, 0)?;
+        }
+        let out = out.reshape((bg, sg, h))?;
+        let out = if self.tp.size() == 1 {
+            out
+        } else if self.tp.sequence_parallel() {
+            reduce_scatter(&out, self.tp.comm(), 1)?
+        } else {
+            reduce_from_parallel_region(&out, self.tp.comm())?
+        };
+        match &self.shared {
+            None => Ok(out),
+            Some((mlp, gate)) => {
+                let g = linear(x, gate, None)?;
+                let g = (g.neg()?.exp()? + 1.0)?.recip()?;
+                Ok((out + mlp.forward(x)?.broadcast_mul(&g)?)?)
+            }
+        }
+    }
+
+    /// The chosen experts `(batch, tokens', k)` of every token of the tensor-parallel group,
+    /// flattened like the entered activations (gathered under TP-sp). Collective over tp under
+    /// TP-sp.
+    fn group_choices(&self, idx: &Tensor) -> Result<Vec<u32>> {
+        let idx = if self.tp.sequence_parallel() {
+            let f = idx.to_dtype(DType::F32)?;
+            self.tp.comm().all_gather(&f, 1)?.to_dtype(DType::U32)?
+        } else {
+            idx.clone()
+        };
+        Ok(idx.flatten_all()?.to_vec1::<u32>()?)
+    }
+}
+
+/// The indices of the `k` largest of `row`, largest first; ties go to the lower index.
+fn top_k(row: &[f32], k: usize) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..row.len() as u32).collect();
+    order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+    order.truncate(k);
+    order
+}
+
+/// One block's router statistics over this rank's tokens of a micro-batch.
+#[derive(Debug, Clone, Default)]
+struct BlockStats {
+    /// Per expert: tokens routed to it (over the `k` slots).
+    counts: Vec<f64>,
+    /// Per expert: the sum of its router probability over the tokens.
+    probs: Vec<f64>,
+    tokens: f64,
+}
+
+/// The load-balancing statistics of the whole micro-batch, summed over its ranks.
+#[derive(Debug, Clone)]
+struct Totals {
+    /// Per expert: Σ over blocks and tokens of the routed count.
+    counts: Vec<f64>,
+    /// Routed tokens: Σ over blocks of the micro-batch's tokens.
+    tokens: f64,
+    /// `coef · n` (the micro-batch's labelled tokens): the weight of the auxiliary loss in the
+    /// summed loss.
+    weight: f64,
+}
+
+#[derive(Debug, Default)]
+struct AuxState {
+    blocks: BTreeMap<usize, BlockStats>,
+    totals: Option<Totals>,
+    /// The gradient of the loss the auxiliary term was added to, per unit of the summed loss.
+    seed: Option<f64>,
+}
+
+/// The router's load-balancing loss of one micro-batch, as transformers'
+/// `load_balancing_loss_func` computes it over all sparse blocks:
+/// `aux = E · Σ_e (c_e / T) · (p_e / T)`, with `c_e` the tokens routed to expert `e` (over the
+/// `k` slots), `p_e` the sum of its router probability, and `T` the routed tokens, each summed
+/// over every sparse block and every token of the micro-batch (on every rank that holds some of
+/// them). [`RouterAux::add_to_loss`] adds `coef · aux · n` to a rank's summed LM loss over its
+/// `n` labelled tokens, so that a loss divided by the batch's labelled tokens carries
+/// `coef · aux` once per micro-batch, weighted like the micro-batch's LM loss.
+///
+/// The gradient does not flow through a tensor out of the blocks (which a recomputed block
+/// could not return): each block's router logits pass through a node
+/// ([`RouterAux::attach`]) whose backward adds `∂(coef · aux · n) / ∂logits` from the totals,
+/// scaled by the gradient the summed loss received (recorded by [`RouterAux::add_to_loss`]'s
+/// node, which runs first in the backward pass). It is therefore exact under activation
+/// checkpointing and ZeRO-3. Contract: one micro-batch at a time ([`RouterAux::begin`] before
+/// its forward, its backward before the next `begin`), and every rank's summed loss is scaled
+/// by the same factor before backward (the step's global token count). Not under pipeline
+/// parallelism (the loss and the routers are on different stages).
+#[derive(Debug)]
+pub struct RouterAux {
+    num_experts: usize,
+    state: Mutex<AuxState>,
+}
+
+impl RouterAux {
+    pub fn new(num_experts: usize) -> Arc<Self> {
+        Arc::new(Self {
+            num_experts,
+            state: Mutex::new(AuxState::default()),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, AuxState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts a micro-batch: forgets the previous one's statistics. Local.
+    pub fn begin(&self) {
+        *self.lock() = AuxState::default();
+    }
+
+    /// Records block `layer`'s routing of this rank's tokens (a recomputation records the same
+    /// again). `probs` `(tokens, E)`, `chosen` `(tokens · k)`.
+    fn record(&self, layer: usize, probs: &[Vec<f32>], chosen: &[u32]) {
+        let e = self.num_experts;
+        let mut stats = BlockStats {
+            counts: vec![0.0; e],
+            probs: vec![0.0; e],
+            tokens: probs.len() as f64,
+        };
+        for &c in chosen {
+            stats.counts[c as usize] += 1.0;
+        }
+        for row in probs {
+            for (s, &p) in stats.probs.iter_mut().zip(row) {
+                *s += p as f64;
+            }
+        }
+        self.lock().blocks.insert(layer, stats);
+    }
+
+    /// The router logits `(tokens, E)` f32 of a block, with a backward that adds the
+    /// auxiliary loss's gradient once [`RouterAux::add_to_loss`] has run. Local.
+    fn attach(self: &Arc<Self>, logits: &Tensor) -> Result<Tensor> {
+        if !logits.track_op() {
+            return Ok(logits.clone());
+        }
+        let me = self.clone();
+        let z = logits.detach();
+        Ok(record(
+            logits,
+            "cpl-router-aux-gradient",
+            |z| Ok(z.clone()),
+            move |g| {
+                let (totals, seed) = {
+                    let s = me.lock();
+                    (s.totals.clone(), s.seed)
+                };
+                let (Some(t), Some(seed)) = (totals, seed) else {
+                    return Ok(g.clone());
+                };
+                if t.tokens == 0.0 || t.weight == 0.0 {
+                    return Ok(g.clone());
+                }
+                // ∂/∂z_t of w · E Σ_e c_e p_te / T²: p_t ⊙ (c − p_t·c) · w E / T².
+                let scale = seed * t.weight * me.num_experts as f64 / (t.tokens * t.tokens);
+                let c = Tensor::from_vec(
+                    t.counts.iter().map(|&c| c as f32).collect::<Vec<_>>(),
+                    (1, t.counts.len()),
+                    z.device(),
+                )?;
+                let max = z.max_keepdim(1)?;
+                let ex = z.broadcast_sub(&max)?.exp()?;
+                let p = ex.broadcast_div(&ex.sum_keepdim(1)?)?;
+                let pc = p.broadcast_mul(&c)?.sum_keepdim(1)?;
+                let add = (p * c.broadcast_sub(&pc)?)?;
+                Ok((g + (add * scale)?.to_dtype(g.dtype())?)?)
+            },
+        )?)
+    }
+
+    /// After the micro-batch's forward: sums the statistics of this rank's blocks over
+    /// `token_groups` (the ranks holding other tokens of the micro-batch: the sequence group,
+    /// and tp under TP-sp) and this rank's `count` labelled tokens over `count_group`, and
+    /// returns `sum + coef · aux · count` (`sum` this rank's summed LM loss) and `aux`. The
+    /// result's backward records the gradient the loss receives, which the routers' nodes
+    /// scale by. Collective over the groups (every rank calls it, in the same order).
+    pub fn add_to_loss(
+        self: &Arc<Self>,
+        sum: &Tensor,
+        count: usize,
+        coef: f64,
+        token_groups: &[&Comm],
+        count_group: &Comm,
+    ) -> Result<(Tensor, f64)> {
+        let e = self.num_experts;
+        let mut v = vec![0f32; 2 * e + 1];
+        for b in self.lock().blocks.values() {
+            for i in 0..e {
+                v[i] += b.counts[i] as f32;
+                v[e + i] += b.probs[i] as f32;
+            }
+            v[2 * e] += b.tokens as f32;
+        }
+        let mut t = Tensor::from_vec(v, 2 * e + 1, sum.device())?;
+        for g in token_groups {
+            if g.size() > 1 {
+                t = g.all_reduce(&t, ReduceOp::Sum)?;
+            }
+        }
+        let v = t.to_vec1::<f32>()?;
+        let n = Tensor::new(&[count as f32], sum.device())?;
+        let n = if count_group.size() > 1 {
+            count_group.all_reduce(&n, ReduceOp::Sum)?
+        } else {
+            n
+        };
+        let n = n.to_vec1::<f32>()?[0] as f64;
+        let counts: Vec<f64> = v[..e].iter().map(|&c| c as f64).collect();
+        let tokens = v[2 * e] as f64;
+        let aux = if tokens == 0.0 {
+            0.0
+        } else {
+            let dot: f64 = counts
+                .iter()
+                .zip(&v[e..2 * e])
+                .map(|(c, &p)| c * p as f64)
+                .sum();
+            e as f64 * dot / (tokens * tokens)
+        };
+        {
+            let mut s = self.lock();
+            s.totals = Some(Totals {
+                counts,
+                tokens,
+                weight: coef * n,
+            });
+            s.seed = None;
+        }
+        let add = coef * aux * count as f64;
+        let dtype = sum.dtype();
+        let plus = move |s: &Tensor| -> Result<Tensor> {
+            Ok((s.to_dtype(DType::F64)? + add)?.to_dtype(dtype)?)
+        };
+        if !sum.track_op() {
+            return Ok((plus(sum)?, aux));
+        }
+        let me = self.clone();
+        let out = record(sum, "cpl-router-aux-loss", plus, move |g| {
+            let seed = g.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+            me.lock().seed = seed.first().copied();
+            Ok(g.clone())
+        })?;
+        Ok((out, aux))
+    }
+}
