@@ -384,7 +384,7 @@ pub fn run_layout_full(
         let shifted = Tensor::from_vec(shifted, (b, s), &Device::Cpu).unwrap();
         let local_labels = ctx.shard_tokens_for(&shifted, mask).map_err(|x| e(&x))?;
         let (sum, count) = model
-            .loss_sum(&batch, &local_labels, &CrossEntropyOptions::default())
+            .training_loss_sum(&batch, &local_labels, &CrossEntropyOptions::default())
             .map_err(|x| e(&x))?;
         let seq_group = mesh.group(&[Dim::Ulysses, Dim::Ring]).map_err(|x| e(&x))?;
         let total = seq_group
@@ -596,6 +596,24 @@ pub fn load_through_registry(
         adapters,
     };
     load(files, &spec).map_err(|e| e.to_string())
+}
+
+/// Two runs of [`train_through_registry`] agree within `tol` relative: every step's loss and
+/// gradient norm, the held-out loss, and every final weight. Panics name `case`.
+pub fn assert_same_registry_run(case: &str, got: &RegistryRun, want: &RegistryRun, tol: f64) {
+    assert_eq!(got.losses.len(), want.losses.len(), "{case}: steps");
+    for (i, (a, b)) in got.losses.iter().zip(&want.losses).enumerate() {
+        testkit::assert_close_scalar(*a, *b, tol, &format!("{case}: step {i} loss"));
+    }
+    for (i, (a, b)) in got.grad_norms.iter().zip(&want.grad_norms).enumerate() {
+        testkit::assert_close_scalar(*a, *b, tol, &format!("{case}: step {i} grad norm"));
+    }
+    testkit::assert_close_scalar(got.eval_loss, want.eval_loss, tol, &format!("{case}: eval"));
+    assert_eq!(got.weights.len(), want.weights.len(), "{case}");
+    for (n, w) in &want.weights {
+        let e = rel_err(&got.weights[n], w);
+        assert!(e <= tol, "{case}: final weight {n}: rel err {e:e}");
+    }
 }
 
 /// Trains the model of `files`, loaded through the family registry, for `cfg.steps` steps of
@@ -914,4 +932,147 @@ pub fn small_train_config(
         pipeline: None,
         seq_len_schedule: None,
     }
+}
+/// Generation with the KV cache of fixture `name`, a prompt of `prompt` tokens then one token
+/// at a time over the fixture's sequence: each token's logits equal transformers' reference
+/// logits of the full sequence (`tol` relative), on one rank and under tp2.
+pub fn check_kv_cache(name: &str, prompt: usize, tol: f64) {
+    use candle_core::{Device, Tensor};
+    use candle_parallel::comm::LocalWorld;
+    use models::causal_lm::KvCache;
+
+    {
+        let r = reference(name);
+        let ids = r.input_ids[0].clone();
+        let want = r.logits.narrow(0, 0, 1).unwrap().squeeze(0).unwrap();
+        for layout in [
+            Layout::single(),
+            Layout::new("tp2", 2, 1, 1, Strategy::Ring),
+        ] {
+            LocalWorld::run(layout.ranks, |world| -> Result<(), String> {
+                let (_mesh, ctx) = layout.context(world)?;
+                let m = load_fixture_lm(name, &ctx, None)
+                    .map_err(|e| e.to_string())?
+                    .model;
+                let mut cache = KvCache::default();
+                // A prompt, then one token per step.
+                let mut at = 0;
+                for n in std::iter::once(prompt).chain(std::iter::repeat_n(1, ids.len() - prompt)) {
+                    let next =
+                        Tensor::from_vec(ids[at..at + n].to_vec(), (1, n), &Device::Cpu).unwrap();
+                    let x = m.embed_cached(&next).map_err(|e| e.to_string())?;
+                    let x = m
+                        .layers_cached(&x, 0..m.num_layers(), &mut cache)
+                        .map_err(|e| e.to_string())?;
+                    cache.advance(n);
+                    let logits = m.head_cached(&x).map_err(|e| e.to_string())?;
+                    at += n;
+                    let row = want.narrow(0, at - 1, 1).unwrap();
+                    let e = rel_err(&logits, &row);
+                    assert!(
+                        e <= tol,
+                        "{name} / {}: token {}: rel err {e}",
+                        layout.name,
+                        at - 1
+                    );
+                }
+                Ok(())
+            })
+            .unwrap();
+        }
+    }
+}
+
+/// Fixture `name` loaded under tp2 and saved (gathered, in the checkpoint's layout: fused
+/// projections fused back, experts per expert; sharded with an index, its config copied) reloads
+/// through the registry on one rank with bit-identical logits, and the saved tensors are the
+/// fixture's checkpoint's, bit for bit.
+pub fn check_saved_under_tp2_reloads(name: &str) {
+    use candle_parallel::comm::LocalWorld;
+    use models::checkpoint::{gather_tp, write_hf_dir, SaveOptions};
+
+    let out = std::env::temp_dir();
+    {
+        let want = run_layout(name, &Layout::single()).logits;
+        let dir = out.join(format!(
+            "cpl-saved-{}-{}-tp2",
+            std::process::id(),
+            name.replace('/', "-")
+        ));
+        let opts = SaveOptions {
+            dtype: candle_core::DType::F32,
+            max_shard_bytes: 60_000,
+            extra_files: vec![(
+                "config.json".into(),
+                std::fs::read(fixture_dir(name).join("config.json")).unwrap(),
+            )],
+            ..Default::default()
+        };
+        let layout = Layout::new("tp2", 2, 1, 1, Strategy::Ring);
+        LocalWorld::run(2, |world| -> Result<(), String> {
+            let (_mesh, ctx) = layout.context(world)?;
+            let m = load_fixture_lm(name, &ctx, None).map_err(|e| e.to_string())?;
+            let tp = ctx.tp().comm();
+            let keep = tp.rank() == 0;
+            let full =
+                gather_tp(&m.params.sorted(), tp, keep, opts.dtype).map_err(|e| e.to_string())?;
+            if keep {
+                let full = m.model.to_checkpoint(full).map_err(|e| e.to_string())?;
+                write_hf_dir(&full, &dir, &opts).map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        })
+        .unwrap();
+        assert!(dir.join("model.safetensors.index.json").is_file(), "{name}");
+        let saved = models::hub::from_dir("saved", &dir).unwrap();
+        assert!(
+            stored_tensors(&saved) == stored_tensors(&fixture_files(name)),
+            "{name}: the saved tensors differ from the checkpoint's"
+        );
+        let family = models::family::detect(&saved.config).unwrap();
+        let load = family.load_causal_lm.unwrap();
+        let ids = reference(name).input_ids;
+        let got = LocalWorld::run(1, |world| -> Result<candle_core::Tensor, String> {
+            let (_mesh, ctx) = Layout::single().context(world)?;
+            let all = 0..load_fixture_lm(name, &ctx, None)
+                .map_err(|e| e.to_string())?
+                .model
+                .num_layers();
+            let spec = models::family::LoadSpec {
+                ctx: &ctx,
+                dtype: None,
+                mode: candle_parallel::nn::ParamMode::Frozen,
+                layers: std::slice::from_ref(&all),
+                ends: true,
+                adapters: None,
+            };
+            let m = load(&saved, &spec).map_err(|e| e.to_string())?;
+            let (batch, _) = candle_parallel::nn::Batch::from_sequences(
+                &ctx,
+                &ids,
+                candle_parallel::attention::AttnMask::Causal,
+            )
+            .map_err(|e| e.to_string())?;
+            m.model.logits(&batch).map_err(|e| e.to_string())
+        })
+        .unwrap()
+        .swap_remove(0);
+        testkit::assert_identical(&got, &want, &format!("{name}: reloaded logits"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+/// Every tensor of a checkpoint, by name, as f32 values.
+pub fn stored_tensors(files: &models::hub::ModelFiles) -> Vec<(String, Vec<f32>)> {
+    let r = models::checkpoint::CheckpointReader::open(&files.weights).unwrap();
+    let mut names = r.names();
+    names.sort();
+    names
+        .into_iter()
+        .map(|n| {
+            let whole = candle_parallel::nn::Shard::replicated();
+            let t = r.read(&n, whole, &candle_core::Device::Cpu).unwrap();
+            (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        })
+        .collect()
 }

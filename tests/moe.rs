@@ -16,8 +16,13 @@
 use candle_parallel::attention::Strategy;
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{
-    assert_same_step, check_reference, fixture_files, run_layout, run_layout_with, Layout, StepPlan,
+    assert_same_registry_run, assert_same_step, check_kv_cache, check_reference,
+    check_saved_under_tp2_reloads, fixture_files, run_layout, run_layout_with,
+    train_through_registry, Layout, StepPlan,
 };
+
+use models::decoder::DecoderConfig;
+use train::data::{PackedDataset, Packing, TokenStream};
 
 const TOL: f64 = 1e-5;
 const FAMILIES: [&str; 3] = ["moe/mixtral", "moe/qwen2_moe", "moe/qwen3_moe"];
@@ -92,4 +97,202 @@ fn every_moe_family_under_every_layout_matches_one_rank() {
             assert_same_step(&format!("{name} / {}", layout.name), &got, &want, TOL);
         }
     }
+}
+
+/// Generation with the KV cache: a prompt of 3 tokens, then one token at a time, each token's
+/// logits equal transformers' (1e-5), on one rank and under tp2 (the router runs on one token).
+#[test]
+fn moe_kv_cache_follows_transformers() {
+    for name in FAMILIES {
+        check_kv_cache(name, 3, TOL);
+    }
+}
+
+/// Saved under tp2, each family's checkpoint is the Hub's per-expert layout, bit for bit, and
+/// reloads with the same logits.
+#[test]
+fn every_moe_family_saved_under_tp2_reloads_identically() {
+    for name in FAMILIES {
+        check_saved_under_tp2_reloads(name);
+    }
+}
+
+fn config(steps: u64, grad_accum: usize) -> train::trainer::TrainConfig {
+    cpl_integration_tests::small_train_config(steps, Default::default(), grad_accum, 5)
+}
+
+fn data() -> PackedDataset {
+    let docs: Vec<Vec<u32>> = (0..16)
+        .map(|d| {
+            (0..40)
+                .map(|i| ((d * 41 + i * 13 + i * i) % 256) as u32)
+                .collect()
+        })
+        .collect();
+    PackedDataset::new(
+        TokenStream::from_sequences(&docs, 256).unwrap(),
+        32,
+        Packing::Continuous,
+    )
+    .unwrap()
+}
+
+/// 3 AdamW steps through the registry and the trainer (4 micro-batches per step, each with its
+/// own balancing loss weighted by its labelled tokens, as the LM loss is): tp2 x ring2, TP-sp
+/// tp2 x ring2 with ZeRO-3 and full checkpointing, and dp2 with 2 micro-batches each (the same
+/// micro-batches) equal one rank: losses, gradient norms, held-out loss, final weights (1e-5).
+#[test]
+fn every_moe_family_trains_like_one_rank() {
+    let data = data();
+    let zero3_full = candle_parallel::plan::MemoryPlan {
+        zero: candle_parallel::optim::ZeroStage::Parameters,
+        checkpointing: Checkpointing::Full,
+        ..Default::default()
+    };
+    for name in FAMILIES {
+        let files = fixture_files(name);
+        let want = train_through_registry(&files, &Layout::single(), &config(3, 4), &data);
+        assert!(want.losses.iter().all(|l| l.is_finite()), "{name}");
+        let mut sharded = config(3, 4);
+        sharded.memory = zero3_full;
+        for (layout, cfg) in [
+            (
+                Layout::new("tp2 x ring2", 2, 1, 2, Strategy::Ring),
+                config(3, 4),
+            ),
+            (
+                Layout::new(
+                    "TP-sp tp2 x ring2, ZeRO-3, full checkpointing",
+                    2,
+                    1,
+                    2,
+                    Strategy::Ring,
+                )
+                .with_tp_sp(),
+                sharded,
+            ),
+            (Layout::single().with_dp(2), config(3, 2)),
+        ] {
+            let got = train_through_registry(&files, &layout, &cfg, &data);
+            assert_same_registry_run(&format!("{name} / {}", layout.name), &got, &want, TOL);
+        }
+    }
+}
+
+/// A copy of fixture `name` whose config says `coef` for the balancing loss (what
+/// `cpl train --router-aux-loss-coef` writes), in a fresh directory.
+fn with_aux_coef(name: &str, coef: f64) -> (models::hub::ModelFiles, std::path::PathBuf) {
+    let src = fixture_files(name);
+    let dir = std::env::temp_dir().join(format!(
+        "cpl-moe-{}-{}-{coef}",
+        std::process::id(),
+        name.replace('/', "-")
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = std::fs::read_to_string(&src.config).unwrap();
+    let changed = models::zoo::moe::set_router_aux_loss_coef(&text, coef, &src.config).unwrap();
+    std::fs::write(dir.join("config.json"), changed).unwrap();
+    std::fs::copy(&src.weights[0], dir.join("model.safetensors")).unwrap();
+    (models::hub::from_dir("moe", &dir).unwrap(), dir)
+}
+
+/// Under a pipeline the balancing loss is refused (its statistics span the stages), naming the
+/// fields and the flag; without it, pp2 trains like one rank. The coefficient changes training
+/// (a run without it differs), so the tests above see it.
+#[test]
+fn moe_under_a_pipeline_without_the_balancing_loss_matches_one_rank() {
+    let data = data();
+    let cfg = config(2, 4);
+    for name in FAMILIES {
+        let (files, dir) = with_aux_coef(name, 0.0);
+        let want = train_through_registry(&files, &Layout::single(), &cfg, &data);
+        let got = train_through_registry(&files, &Layout::single().with_pp(2), &cfg, &data);
+        assert_same_registry_run(&format!("{name} / pp2"), &got, &want, TOL);
+        let with_aux = train_through_registry(&fixture_files(name), &Layout::single(), &cfg, &data);
+        assert!(
+            (with_aux.grad_norms[0] - want.grad_norms[0]).abs() > 1e-3 * want.grad_norms[0],
+            "{name}: the balancing loss changes nothing"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+    let err = std::panic::catch_unwind(|| {
+        train_through_registry(
+            &fixture_files("moe/mixtral"),
+            &Layout::single().with_pp(2),
+            &cfg,
+            &data,
+        )
+    });
+    let msg = match err {
+        Err(e) => e
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default(),
+        Ok(_) => panic!("the balancing loss under a pipeline was accepted"),
+    };
+    assert!(
+        msg.contains("pipeline") && msg.contains("--router-aux-loss-coef"),
+        "{msg}"
+    );
+}
+
+/// Bad configs are errors naming the field: top-k above the experts, router noise, a dense
+/// layer that does not exist, a negative coefficient; the coefficient on a dense model names
+/// the flag.
+#[test]
+fn bad_moe_configs_name_the_field() {
+    let path = fixture_files("moe/qwen3_moe").config;
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let family = models::family::detect(&path).unwrap();
+    for (field, value, want) in [
+        (
+            "num_experts_per_tok",
+            serde_json::json!(9),
+            "num_experts_per_tok",
+        ),
+        ("mlp_only_layers", serde_json::json!([5]), "mlp_only_layers"),
+        (
+            "router_aux_loss_coef",
+            serde_json::json!(-1.0),
+            "router_aux_loss_coef",
+        ),
+        (
+            "decoder_sparse_step",
+            serde_json::json!(0),
+            "decoder_sparse_step",
+        ),
+    ] {
+        let old = cfg[field].clone();
+        cfg[field] = value;
+        let dir = std::env::temp_dir().join(format!("cpl-moe-bad-{}-{field}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("config.json");
+        std::fs::write(&p, cfg.to_string()).unwrap();
+        let e = (family.describe)(&p).unwrap_err().to_string();
+        assert!(
+            e.contains(want) && e.contains("config.json"),
+            "{field}: {e}"
+        );
+        cfg[field] = old;
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+    let mixtral = fixture_files("moe/mixtral").config;
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&mixtral).unwrap()).unwrap();
+    m["router_jitter_noise"] = serde_json::json!(0.1);
+    let e = models::zoo::MixtralConfig::from_json(&m.to_string(), &mixtral)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("router_jitter_noise"), "{e}");
+    let dense = fixture_files("zoo/qwen3").config;
+    let e = models::zoo::moe::set_router_aux_loss_coef(
+        &std::fs::read_to_string(&dense).unwrap(),
+        0.1,
+        &dense,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("--router-aux-loss-coef"), "{e}");
 }

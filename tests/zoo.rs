@@ -19,7 +19,8 @@ use std::sync::Arc;
 
 use candle_parallel::nn::{Adapters, LoraConfig, LoraTargets, TensorMap};
 use cpl_integration_tests::{
-    assert_same_step, check_reference, fixture_dir, fixture_files, max_abs, random_matrix, rel_err,
+    assert_same_registry_run, assert_same_step, check_kv_cache, check_reference,
+    check_saved_under_tp2_reloads, fixture_dir, fixture_files, max_abs, random_matrix, rel_err,
     run_layout, run_layout_lora, run_layout_with, train_through_registry, Layout, StepPlan,
 };
 use train::data::{PackedDataset, Packing, TokenStream};
@@ -289,24 +290,7 @@ fn every_family_trains_under_a_pipeline_like_one_rank() {
         assert!(want.losses.iter().all(|l| l.is_finite()), "{name}");
         for layout in layouts {
             let got = train_through_registry(&files, &layout, &cfg, &data);
-            let case = format!("{name} / {}", layout.name);
-            for (i, (a, b)) in got.losses.iter().zip(&want.losses).enumerate() {
-                testkit::assert_close_scalar(*a, *b, TOL, &format!("{case}: step {i} loss"));
-            }
-            for (i, (a, b)) in got.grad_norms.iter().zip(&want.grad_norms).enumerate() {
-                testkit::assert_close_scalar(*a, *b, TOL, &format!("{case}: step {i} grad norm"));
-            }
-            testkit::assert_close_scalar(
-                got.eval_loss,
-                want.eval_loss,
-                TOL,
-                &format!("{case}: eval"),
-            );
-            assert_eq!(got.weights.len(), want.weights.len(), "{case}");
-            for (n, w) in &want.weights {
-                let e = rel_err(&got.weights[n], w);
-                assert!(e <= TOL, "{case}: final weight {n}: rel err {e:e}");
-            }
+            assert_same_registry_run(&format!("{name} / {}", layout.name), &got, &want, TOL);
         }
     }
 }
@@ -320,51 +304,9 @@ fn every_family_trains_under_a_pipeline_like_one_rank() {
 /// ones and keeps them in the cache).
 #[test]
 fn kv_cache_follows_transformers_through_the_windows() {
-    use candle_core::{Device, Tensor};
-    use candle_parallel::comm::LocalWorld;
-    use cpl_integration_tests::{load_fixture_lm, reference};
-    use models::causal_lm::KvCache;
-
     for name in LAYOUT_FAMILIES {
         let prompt = if name == "zoo/phi3_longrope" { 17 } else { 3 };
-        let r = reference(name);
-        let ids = r.input_ids[0].clone();
-        let want = r.logits.narrow(0, 0, 1).unwrap().squeeze(0).unwrap();
-        for layout in [
-            Layout::single(),
-            Layout::new("tp2", 2, 1, 1, Strategy::Ring),
-        ] {
-            LocalWorld::run(layout.ranks, |world| -> Result<(), String> {
-                let (_mesh, ctx) = layout.context(world)?;
-                let m = load_fixture_lm(name, &ctx, None)
-                    .map_err(|e| e.to_string())?
-                    .model;
-                let mut cache = KvCache::default();
-                // A prompt, then one token per step.
-                let mut at = 0;
-                for n in std::iter::once(prompt).chain(std::iter::repeat_n(1, ids.len() - prompt)) {
-                    let next =
-                        Tensor::from_vec(ids[at..at + n].to_vec(), (1, n), &Device::Cpu).unwrap();
-                    let x = m.embed_cached(&next).map_err(|e| e.to_string())?;
-                    let x = m
-                        .layers_cached(&x, 0..m.num_layers(), &mut cache)
-                        .map_err(|e| e.to_string())?;
-                    cache.advance(n);
-                    let logits = m.head_cached(&x).map_err(|e| e.to_string())?;
-                    at += n;
-                    let row = want.narrow(0, at - 1, 1).unwrap();
-                    let e = rel_err(&logits, &row);
-                    assert!(
-                        e <= TOL,
-                        "{name} / {}: token {}: rel err {e}",
-                        layout.name,
-                        at - 1
-                    );
-                }
-                Ok(())
-            })
-            .unwrap();
-        }
+        check_kv_cache(name, prompt, TOL);
     }
 }
 
@@ -374,90 +316,9 @@ fn kv_cache_follows_transformers_through_the_windows() {
 /// checkpoint's, bit for bit.
 #[test]
 fn every_family_saved_under_tp2_reloads_identically() {
-    use candle_parallel::comm::LocalWorld;
-    use cpl_integration_tests::{load_fixture_lm, reference};
-    use models::checkpoint::{gather_tp, write_hf_dir, SaveOptions};
-
-    let out = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
     for name in LAYOUT_FAMILIES {
-        let want = run_layout(name, &Layout::single()).logits;
-        let dir = out.join(format!("saved-{}-tp2", name.replace('/', "-")));
-        let opts = SaveOptions {
-            dtype: candle_core::DType::F32,
-            max_shard_bytes: 60_000,
-            extra_files: vec![(
-                "config.json".into(),
-                std::fs::read(fixture_dir(name).join("config.json")).unwrap(),
-            )],
-            ..Default::default()
-        };
-        let layout = Layout::new("tp2", 2, 1, 1, Strategy::Ring);
-        LocalWorld::run(2, |world| -> Result<(), String> {
-            let (_mesh, ctx) = layout.context(world)?;
-            let m = load_fixture_lm(name, &ctx, None).map_err(|e| e.to_string())?;
-            let tp = ctx.tp().comm();
-            let keep = tp.rank() == 0;
-            let full =
-                gather_tp(&m.params.sorted(), tp, keep, opts.dtype).map_err(|e| e.to_string())?;
-            if keep {
-                let full = m.model.to_checkpoint(full).map_err(|e| e.to_string())?;
-                write_hf_dir(&full, &dir, &opts).map_err(|e| e.to_string())?;
-            }
-            Ok(())
-        })
-        .unwrap();
-        assert!(dir.join("model.safetensors.index.json").is_file(), "{name}");
-        let saved = models::hub::from_dir("saved", &dir).unwrap();
-        assert!(
-            stored_tensors(&saved) == stored_tensors(&fixture_files(name)),
-            "{name}: the saved tensors differ from the checkpoint's"
-        );
-        let family = models::family::detect(&saved.config).unwrap();
-        let load = family.load_causal_lm.unwrap();
-        let ids = reference(name).input_ids;
-        let got = LocalWorld::run(1, |world| -> Result<candle_core::Tensor, String> {
-            let (_mesh, ctx) = Layout::single().context(world)?;
-            let all = 0..load_fixture_lm(name, &ctx, None)
-                .map_err(|e| e.to_string())?
-                .model
-                .num_layers();
-            let spec = models::family::LoadSpec {
-                ctx: &ctx,
-                dtype: None,
-                mode: candle_parallel::nn::ParamMode::Frozen,
-                layers: std::slice::from_ref(&all),
-                ends: true,
-                adapters: None,
-            };
-            let m = load(&saved, &spec).map_err(|e| e.to_string())?;
-            let (batch, _) = candle_parallel::nn::Batch::from_sequences(
-                &ctx,
-                &ids,
-                candle_parallel::attention::AttnMask::Causal,
-            )
-            .map_err(|e| e.to_string())?;
-            m.model.logits(&batch).map_err(|e| e.to_string())
-        })
-        .unwrap()
-        .swap_remove(0);
-        testkit::assert_identical(&got, &want, &format!("{name}: reloaded logits"));
-        std::fs::remove_dir_all(&dir).unwrap();
+        check_saved_under_tp2_reloads(name);
     }
-}
-
-/// Every tensor of a checkpoint, by name, as f32 values.
-fn stored_tensors(files: &models::hub::ModelFiles) -> Vec<(String, Vec<f32>)> {
-    let r = models::checkpoint::CheckpointReader::open(&files.weights).unwrap();
-    let mut names = r.names();
-    names.sort();
-    names
-        .into_iter()
-        .map(|n| {
-            let whole = candle_parallel::nn::Shard::replicated();
-            let t = r.read(&n, whole, &candle_core::Device::Cpu).unwrap();
-            (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
-        })
-        .collect()
 }
 
 /// bf16 end to end for each family: a tp2 x ring2 bf16 run follows the one-rank bf16 run.

@@ -73,6 +73,11 @@ pub struct TrainArgs {
     /// Context extension: a new RoPE for the run (text models).
     #[command(flatten)]
     pub rope: RopeArgs,
+    /// Mixture of experts: the routers' load-balancing loss coefficient (0: none); written into
+    /// the run's config.json as `router_aux_loss_coef` with `output_router_logits` [default:
+    /// the config's, added only when its `output_router_logits` is true].
+    #[arg(long, value_name = "COEF")]
+    pub router_aux_loss_coef: Option<f64>,
     #[arg(long, default_value_t = 2e-3)]
     pub lr: f64,
     #[arg(long, default_value_t = 2e-4)]

@@ -52,43 +52,77 @@ pub fn checkpoint_files(
     Ok(out)
 }
 
-/// Applies `--rope-*` (see [`crate::args::RopeArgs`]) to the run's model: writes the changed
-/// `config.json` to `out/rope-config.json` (atomically), points `files.config` at it, and
-/// returns its bytes, which replace `config.json` in `extra` (the files every checkpoint
-/// carries). A run resumed from `resume_dir` must have been saved with the same config: else an
-/// error, so that a resumed run never silently changes its RoPE. Nothing happens without flags.
-pub fn apply_rope(
-    files: &mut models::hub::ModelFiles,
+/// A change of the run's `config.json` asked for by flags: the flags (for errors) and the
+/// function from the checkpoint's text to the run's.
+pub type ConfigChange<'a> = (
+    &'static str,
+    Box<dyn Fn(&str, &Path) -> models::Result<String> + 'a>,
+);
+
+/// The config changes of `cpl train`'s flags: `--rope-*` ([`crate::args::RopeArgs`]) and
+/// `--router-aux-loss-coef`.
+pub fn train_config_changes(
     rope: &crate::args::RopeArgs,
+    router_aux_loss_coef: Option<f64>,
+) -> Result<Vec<ConfigChange<'static>>> {
+    let mut changes: Vec<ConfigChange<'static>> = Vec::new();
+    if let Some(o) = rope.to_override()? {
+        changes.push(("--rope-*", Box::new(move |t, p| o.apply(t, p))));
+    }
+    if let Some(c) = router_aux_loss_coef {
+        changes.push((
+            "--router-aux-loss-coef",
+            Box::new(move |t, p| models::zoo::moe::set_router_aux_loss_coef(t, c, p)),
+        ));
+    }
+    Ok(changes)
+}
+
+/// Applies `changes` to the run's model: writes the changed `config.json` to
+/// `out/run-config.json` (atomically), points `files.config` at it, and returns its bytes,
+/// which replace `config.json` in `extra` (the files every checkpoint carries), so that every
+/// checkpoint the run saves carries the change. A run resumed from `resume_dir` must have been
+/// saved with the same config: else an error naming the flags, so that a resumed run never
+/// silently changes its model. Nothing happens without changes.
+pub fn apply_config_changes(
+    files: &mut models::hub::ModelFiles,
+    changes: &[ConfigChange<'_>],
     out: &Path,
     extra: &mut [(String, Vec<u8>)],
     resume_dir: Option<&Path>,
 ) -> Result<()> {
-    let Some(o) = rope.to_override()? else {
+    if changes.is_empty() {
         return Ok(());
-    };
-    let text = std::fs::read_to_string(&files.config)
+    }
+    let flags = changes
+        .iter()
+        .map(|(f, _)| *f)
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut changed = std::fs::read_to_string(&files.config)
         .with_context(|| format!("reading {}", files.config.display()))?;
-    let changed = o.apply(&text, &files.config)?;
+    for (_, change) in changes {
+        changed = change(&changed, &files.config)?;
+    }
     if let Some(dir) = resume_dir {
         let saved = dir.join("config.json");
         let was = std::fs::read_to_string(&saved)
             .with_context(|| format!("reading {}", saved.display()))?;
         if was != changed {
             anyhow::bail!(
-                "--rope-*: the checkpoint being resumed ({}) was saved with another RoPE config; \
+                "{flags}: the checkpoint being resumed ({}) was saved with another config; \
                  resume with the flags of the run that saved it",
                 saved.display()
             );
         }
     }
     std::fs::create_dir_all(out).with_context(|| format!("--out {}", out.display()))?;
-    let path = out.join("rope-config.json");
+    let path = out.join("run-config.json");
     models::checkpoint::write_atomic(&path, changed.as_bytes())
         .with_context(|| format!("writing {}", path.display()))?;
     // The changed config must still load through its family.
-    let family = models::family::detect(&path).context("--rope-*")?;
-    (family.describe)(&path).context("--rope-*: the changed config.json")?;
+    let family = models::family::detect(&path).with_context(|| flags.clone())?;
+    (family.describe)(&path).with_context(|| format!("{flags}: the changed config.json"))?;
     files.config = path;
     for (name, bytes) in extra.iter_mut() {
         if name == "config.json" {

@@ -30,6 +30,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                 m.family.name
             );
         }
+        if m.family.kind != Kind::CausalLm && args.router_aux_loss_coef.is_some() {
+            bail!(
+                "--router-aux-loss-coef: only mixture-of-experts text models have routers; \
+                 --model {model} is a {} model",
+                m.family.name
+            );
+        }
         if m.family.kind != Kind::CausalLm && args.seq_len_schedule.is_some() {
             bail!(
                 "--seq-len-schedule: only text models (causal LMs) train on a length curriculum; \
@@ -105,9 +112,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let mut extra =
         crate::model_arg::checkpoint_files(models::family::detect(&files.config)?, &files)?;
     let resume = Resume::find(args.resume, &args.out)?;
-    crate::model_arg::apply_rope(
+    let changes = crate::model_arg::train_config_changes(&args.rope, args.router_aux_loss_coef)?;
+    crate::model_arg::apply_config_changes(
         &mut files,
-        &args.rope,
+        &changes,
         &args.out,
         &mut extra,
         resume.as_ref().map(|r| r.dir.as_path()),

@@ -1281,7 +1281,7 @@ fn rope_flags_change_the_run_and_its_checkpoints() {
     let saved = std::fs::read_to_string(ext.join("step-2/config.json")).unwrap();
     assert_eq!(
         saved,
-        std::fs::read_to_string(ext.join("rope-config.json")).unwrap(),
+        std::fs::read_to_string(ext.join("run-config.json")).unwrap(),
         "the checkpoint carries the run's config"
     );
     let input: serde_json::Value =
@@ -1315,7 +1315,7 @@ fn rope_flags_change_the_run_and_its_checkpoints() {
     other.push("--resume".into());
     let o = cpl(&other);
     assert_eq!(o.status.code(), Some(1), "{}", common::stderr(&o));
-    assert!(common::stderr(&o).contains("was saved with another RoPE config"));
+    assert!(common::stderr(&o).contains("--rope-*: the checkpoint being resumed"));
     let mut same = set_flags(base_args(&tokens, &ext, 3), &rope);
     same.push("--resume".into());
     let o = cpl(&same);
@@ -2055,4 +2055,54 @@ fn mfu_counts_the_model_flops_by_hand() {
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--router-aux-loss-coef` on a mixture of experts changes the run's loss and is written into
+/// its checkpoints' config (`output_router_logits` with it); on a dense model, on `cpl finetune`
+/// and with a negative value it is a clear error naming the flag.
+#[test]
+fn router_aux_loss_coef_changes_the_run_and_its_checkpoints() {
+    let dir = common::tmpdir("router-aux");
+    let tokens = docs_file(&dir);
+    let moe = common::fixtures("moe").join("qwen3_moe");
+    let run = |out: &Path, extra: &[&str]| {
+        let mut a = set_flags(base_args(&tokens, out, 2), &["--seq-len", "16"]);
+        let p = a.iter().position(|x| x == "--model").unwrap();
+        a[p + 1] = moe.to_str().unwrap().to_string();
+        set_flags(a, extra)
+    };
+    let (off, on) = (dir.join("off"), dir.join("on"));
+    let o = cpl(&run(&off, &["--router-aux-loss-coef", "0"]));
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let o = cpl(&run(&on, &["--router-aux-loss-coef", "0.5"]));
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let (a, b) = (losses(&off), losses(&on));
+    assert!(
+        b[0].1 > a[0].1 + 0.1,
+        "the balancing loss (about 0.5 x 2) is in the loss: {} vs {}",
+        b[0].1,
+        a[0].1
+    );
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(on.join("step-2/config.json")).unwrap())
+            .unwrap();
+    assert_eq!(saved["router_aux_loss_coef"].as_f64(), Some(0.5), "{saved}");
+    assert_eq!(
+        saved["output_router_logits"].as_bool(),
+        Some(true),
+        "{saved}"
+    );
+    common::assert_clear_errors(&[
+        (
+            set_flags(
+                base_args(&tokens, &dir.join("dense"), 1),
+                &["--router-aux-loss-coef", "0.1"],
+            ),
+            "--router-aux-loss-coef: the model has no experts",
+        ),
+        (
+            run(&dir.join("neg"), &["--router-aux-loss-coef=-1"]),
+            "--router-aux-loss-coef must be a finite number >= 0",
+        ),
+    ]);
 }

@@ -77,6 +77,18 @@ pub trait CausalLm: Parallelize + Send + Sync {
         self.norm_head_loss(&x, labels, opts)
     }
 
+    /// What the training objective minimises: [`CausalLm::loss_sum`] plus the model's own
+    /// regularisers (a mixture of experts' load-balancing loss, weighted by the count, see
+    /// [`candle_parallel::nn::RouterAux`]). Collective like [`CausalLm::loss_sum`].
+    fn training_loss_sum(
+        &self,
+        batch: &Batch,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<(Tensor, usize)> {
+        self.loss_sum(batch, labels, opts)
+    }
+
     /// Per-sequence sums of this rank's token cross-entropies, `(batch,)` f32 (the negative
     /// log-likelihood of each sequence's labelled tokens on this rank; sum over the sequence
     /// group for the whole sequence), for preference losses (DPO). `labels` as in
@@ -300,6 +312,15 @@ impl CausalLm for Box<dyn CausalLm> {
         opts: &CrossEntropyOptions,
     ) -> Result<(Tensor, usize)> {
         (**self).loss_sum(batch, labels, opts)
+    }
+
+    fn training_loss_sum(
+        &self,
+        batch: &Batch,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<(Tensor, usize)> {
+        (**self).training_loss_sum(batch, labels, opts)
     }
 
     fn norm_head_logits(&self, x: &Tensor) -> Result<Tensor> {

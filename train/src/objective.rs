@@ -139,7 +139,7 @@ impl<M: CausalLm> Objective<M> for NextToken {
     }
 
     fn loss(&self, model: &M, m: &StageMicroBatch) -> Result<StageLoss> {
-        let (sum, _) = model.loss_sum(&m.batch, &m.labels, &self.opts)?;
+        let (sum, _) = model.training_loss_sum(&m.batch, &m.labels, &self.opts)?;
         Ok(StageLoss::new(sum))
     }
 

@@ -259,6 +259,14 @@ impl Decoder {
         })
     }
 
+    /// A forward pass starts: the routers' statistics of the previous one are forgotten, so
+    /// that no stale load-balancing gradient reaches a later backward.
+    fn begin_pass(&self) {
+        if let Some((aux, _)) = &self.router_aux {
+            aux.begin();
+        }
+    }
+
     /// The routers' statistics (mixture-of-experts models).
     pub fn router_aux(&self) -> Option<&Arc<RouterAux>> {
         self.router_aux.as_ref().map(|(a, _)| a)
@@ -323,6 +331,7 @@ impl Decoder {
     /// (under TP-sp its tensor-parallel part of the tokens). Collective over tp.
     pub fn embed(&self, ends: &Ends, batch: &Batch) -> Result<Tensor> {
         batch.pass(&self.ctx)?;
+        self.begin_pass();
         self.scale_embeddings(ends.embed_tokens.forward(&batch.input_ids)?)
     }
 
@@ -359,6 +368,7 @@ impl Decoder {
     /// TP-sp split): for models that change the embedded sequence before sharding it
     /// (image features in a vision-language model). Collective over tp.
     pub fn embed_global(&self, ends: &Ends, ids: &Tensor) -> Result<Tensor> {
+        self.begin_pass();
         self.scale_embeddings(ends.embed_tokens.lookup(ids)?)
     }
 
@@ -395,11 +405,21 @@ impl Decoder {
         opts: &CrossEntropyOptions,
     ) -> Result<(Tensor, usize)> {
         let ends = self.ends(Track::Grad)?;
-        if let Some((aux, _)) = &self.router_aux {
-            aux.begin();
-        }
         let h = self.hidden_with(&ends, batch)?;
-        let (sum, count) = self.head_loss(&ends, &h, labels, opts)?;
+        self.head_loss(&ends, &h, labels, opts)
+    }
+
+    /// [`Decoder::loss_sum`] plus, for a mixture of experts whose loss includes it, the routers'
+    /// load-balancing loss ([`RouterAux::add_to_loss`]: `coef · aux · count` on each rank, the
+    /// statistics summed over the ranks holding the micro-batch's tokens). Collective over the
+    /// model-parallel ranks.
+    pub fn training_loss_sum(
+        &self,
+        batch: &Batch,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<(Tensor, usize)> {
+        let (sum, count) = self.loss_sum(batch, labels, opts)?;
         match &self.router_aux {
             Some((aux, Some(coef))) if *coef != 0.0 => {
                 let tp = self.ctx.tp();
@@ -577,6 +597,15 @@ impl crate::causal_lm::CausalLm for Decoder {
         opts: &CrossEntropyOptions,
     ) -> Result<(Tensor, usize)> {
         Decoder::loss_sum(self, batch, labels, opts)
+    }
+
+    fn training_loss_sum(
+        &self,
+        batch: &Batch,
+        labels: &Tensor,
+        opts: &CrossEntropyOptions,
+    ) -> Result<(Tensor, usize)> {
+        Decoder::training_loss_sum(self, batch, labels, opts)
     }
 
     /// The ends are gathered once (under ZeRO-3) for the embedding and the head.

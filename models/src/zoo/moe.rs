@@ -61,3 +61,35 @@ pub fn make_sparse(
     });
     Ok(())
 }
+
+/// `config.json` text with the load-balancing loss's coefficient set for a run
+/// (`cpl train --router-aux-loss-coef`): `router_aux_loss_coef` = `coef` and
+/// `output_router_logits` = `coef > 0` (transformers adds the loss only then), every other
+/// field kept. Errors (naming `path`) for a config without experts or a coefficient that is
+/// negative or not finite.
+pub fn set_router_aux_loss_coef(text: &str, coef: f64, path: &Path) -> Result<String> {
+    let mut cfg: serde_json::Map<String, serde_json::Value> = serde_json::from_str(text)
+        .map_err(|e| Error::config(path, format!("not a JSON object: {e}")))?;
+    let experts = ["num_local_experts", "num_experts"]
+        .iter()
+        .any(|k| cfg.get(*k).and_then(|v| v.as_u64()).unwrap_or(0) > 0);
+    if !experts {
+        return Err(Error::config(
+            path,
+            "--router-aux-loss-coef: the model has no experts (no `num_local_experts` or \
+             `num_experts`): only mixture-of-experts models have routers",
+        ));
+    }
+    if !coef.is_finite() || coef < 0.0 {
+        return Err(Error::config(
+            path,
+            format!("--router-aux-loss-coef must be a finite number >= 0, got {coef}"),
+        ));
+    }
+    cfg.insert("router_aux_loss_coef".into(), coef.into());
+    cfg.insert("output_router_logits".into(), (coef > 0.0).into());
+    let mut out = serde_json::to_string_pretty(&cfg)
+        .map_err(|e| Error::config(path, format!("writing the changed config: {e}")))?;
+    out.push('\n');
+    Ok(out)
+}
