@@ -89,6 +89,18 @@ pub trait CausalLm: Parallelize + Send + Sync {
         self.loss_sum(batch, labels, opts)
     }
 
+    /// Whether the model has routers (a mixture of experts): its training loss then reports
+    /// [`CausalLm::router_stats`].
+    fn has_routers(&self) -> bool {
+        false
+    }
+
+    /// The routing of the last micro-batch [`CausalLm::training_loss_sum`] ran (mixtures of
+    /// experts).
+    fn router_stats(&self) -> Option<candle_parallel::nn::RouterStats> {
+        None
+    }
+
     /// Per-sequence sums of this rank's token cross-entropies, `(batch,)` f32 (the negative
     /// log-likelihood of each sequence's labelled tokens on this rank; sum over the sequence
     /// group for the whole sequence), for preference losses (DPO). `labels` as in
@@ -321,6 +333,14 @@ impl CausalLm for Box<dyn CausalLm> {
         opts: &CrossEntropyOptions,
     ) -> Result<(Tensor, usize)> {
         (**self).training_loss_sum(batch, labels, opts)
+    }
+
+    fn has_routers(&self) -> bool {
+        (**self).has_routers()
+    }
+
+    fn router_stats(&self) -> Option<candle_parallel::nn::RouterStats> {
+        (**self).router_stats()
     }
 
     fn norm_head_logits(&self, x: &Tensor) -> Result<Tensor> {

@@ -85,11 +85,21 @@ pub trait Objective<M> {
 }
 
 /// The next-token loss of a causal language model on packed windows ([`Windows`]), averaged
-/// over the global batch's labelled tokens.
+/// over the global batch's labelled tokens; with a mixture of experts its training loss (the
+/// routers' balancing loss included, [`CausalLm::training_loss_sum`]) with the parts
+/// [`ROUTER_PARTS`].
 #[derive(Debug, Clone, Copy)]
 pub struct NextToken {
     pub opts: CrossEntropyOptions,
+    /// Report [`ROUTER_PARTS`] (a model with routers).
+    pub router_parts: bool,
 }
+
+/// The parts of a mixture of experts' next-token loss, each averaged over the micro-batches
+/// weighted by their labelled tokens: the routers' load-balancing loss (without its
+/// coefficient; whether or not the loss includes it) and the busiest expert's tokens over the
+/// mean in the most unbalanced sparse layer.
+pub const ROUTER_PARTS: &[&str] = &["router_aux_loss", "expert_load_max_over_mean"];
 
 impl NextToken {
     /// The loss with `--loss-chunk` tokens per chunk of the vocab-parallel loss.
@@ -99,12 +109,29 @@ impl NextToken {
                 chunk_tokens: cfg.loss_chunk_tokens,
                 ..Default::default()
             },
+            router_parts: false,
+        }
+    }
+
+    /// [`NextToken::new`] for `model`: with routers, the loss reports [`ROUTER_PARTS`].
+    pub fn for_model<M: CausalLm>(cfg: &TrainConfig, model: &M) -> Self {
+        Self {
+            router_parts: model.has_routers(),
+            ..Self::new(cfg)
         }
     }
 }
 
 impl<M: CausalLm> Objective<M> for NextToken {
     type Data = dyn Windows;
+
+    fn part_names(&self) -> &'static [&'static str] {
+        if self.router_parts {
+            ROUTER_PARTS
+        } else {
+            &[]
+        }
+    }
     type Micro = StageMicroBatch;
     type Staged<'a>
         = LmStages<'a, M>
@@ -139,8 +166,16 @@ impl<M: CausalLm> Objective<M> for NextToken {
     }
 
     fn loss(&self, model: &M, m: &StageMicroBatch) -> Result<StageLoss> {
-        let (sum, _) = model.training_loss_sum(&m.batch, &m.labels, &self.opts)?;
-        Ok(StageLoss::new(sum))
+        let (sum, count) = model.training_loss_sum(&m.batch, &m.labels, &self.opts)?;
+        let mut loss = StageLoss::new(sum);
+        if self.router_parts {
+            let r = model.router_stats().ok_or_else(|| {
+                Error::Invalid("a model with routers reported no routing statistics".into())
+            })?;
+            let n = count as f64;
+            loss.parts = vec![r.aux * n, r.load_max_over_mean * n];
+        }
+        Ok(loss)
     }
 
     fn staged<'a>(&'a self, model: &'a M) -> Result<LmStages<'a, M>> {

@@ -1144,7 +1144,8 @@ impl<M: TrainModel + CausalLm> Trainer<M> {
     ) -> Result<(f64, Vec<(String, Tensor)>)> {
         let (batch, labels) =
             Batch::from_tokens(&self.ctx, &micro.ids, &micro.labels, micro.mask.clone())?;
-        let l = NextToken::new(&self.cfg).loss(&self.model, &StageMicroBatch { batch, labels })?;
+        let l = NextToken::for_model(&self.cfg, &self.model)
+            .loss(&self.model, &StageMicroBatch { batch, labels })?;
         self.backward_collect(&l.sum, global_tokens)
     }
 }
@@ -1318,7 +1319,8 @@ impl<M: TrainModel + CausalLm> Trainer<M> {
             count += local.iter().filter(|&&l| l != IGNORE_INDEX).count() as f64;
             micro.push(StageMicroBatch { batch, labels });
         }
-        let (sum, _) = self.forward_losses(&NextToken::new(&self.cfg), &micro)?;
+        let (sum, _) =
+            self.forward_losses(&NextToken::for_model(&self.cfg, &self.model), &micro)?;
         let t = self
             .loss_group
             .all_reduce(&Tensor::new(&[sum, count], &Device::Cpu)?, ReduceOp::Sum)?
@@ -1330,8 +1332,20 @@ impl<M: TrainModel + CausalLm> Trainer<M> {
     /// Runs optimizer step `self.step` with the next-token loss on `data` and advances.
     /// Collective over the world.
     pub fn step(&mut self, data: &(impl Windows + 'static)) -> Result<StepStats> {
-        let obj = NextToken::new(&self.cfg);
-        Ok(self.run_step(&obj, data as &dyn Windows)?.stats)
+        Ok(self.step_with_parts(data)?.0)
+    }
+
+    /// [`Trainer::step`] with the loss's named parts (a mixture of experts' routing,
+    /// [`crate::objective::ROUTER_PARTS`]; none for other models). Collective over the world.
+    pub fn step_with_parts(
+        &mut self,
+        data: &(impl Windows + 'static),
+    ) -> Result<(StepStats, Vec<(&'static str, f64)>)> {
+        let obj = NextToken::for_model(&self.cfg, &self.model);
+        let report = self.run_step(&obj, data as &dyn Windows)?;
+        let names = <NextToken as Objective<M>>::part_names(&obj);
+        let parts = names.iter().copied().zip(report.parts).collect();
+        Ok((report.stats, parts))
     }
 }
 

@@ -57,7 +57,7 @@ pub use linear::{
 pub use lora::{Adapters, LoraConfig, LoraTargets, LoraWeights};
 pub use loss::{soft_cap, vocab_parallel_cross_entropy, CrossEntropyOptions, LmHead, IGNORE_INDEX};
 pub use mlp::{Activation, Mlp, MlpConfig};
-pub use moe::{MoeConfig, RouterAux, SparseMoe};
+pub use moe::{MoeConfig, RouterAux, RouterStats, SparseMoe};
 pub use norm::{LayerNorm, NormConfig, RmsNorm};
 pub use param::{Param, ParamBuilder, ParamList, ParamMode, Shard, TensorMap, TensorSource};
 pub use unit::{Block, ShardedParam, Track, Unit, UnitOps};

@@ -374,6 +374,19 @@ struct AuxState {
     totals: Option<Totals>,
     /// The gradient of the loss the auxiliary term was added to, per unit of the summed loss.
     seed: Option<f64>,
+    last: Option<RouterStats>,
+}
+
+/// A micro-batch's routing, summed over its ranks.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouterStats {
+    /// The load-balancing loss (without its coefficient).
+    pub aux: f64,
+    /// The busiest expert's tokens over the mean, in the most unbalanced sparse block (1:
+    /// perfectly balanced).
+    pub load_max_over_mean: f64,
+    /// The micro-batch's labelled tokens.
+    pub labelled_tokens: f64,
 }
 
 /// The router's load-balancing loss of one micro-batch, as transformers'
@@ -412,9 +425,15 @@ impl RouterAux {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Starts a micro-batch: forgets the previous one's statistics. Local.
+    /// Starts a micro-batch: forgets the previous one's statistics (but
+    /// [`RouterAux::last_stats`]). Local.
     pub fn begin(&self) {
-        *self.lock() = AuxState::default();
+        let mut s = self.lock();
+        let last = s.last;
+        *s = AuxState {
+            last,
+            ..AuxState::default()
+        };
     }
 
     /// Records block `layer`'s routing of this rank's tokens (a recomputation records the same
@@ -480,68 +499,109 @@ impl RouterAux {
     /// After the micro-batch's forward: sums the statistics of this rank's blocks over
     /// `token_groups` (the ranks holding other tokens of the micro-batch: the sequence group,
     /// and tp under TP-sp) and this rank's `count` labelled tokens over `count_group`, and
-    /// returns `sum + coef · aux · count` (`sum` this rank's summed LM loss) and `aux`. The
-    /// result's backward records the gradient the loss receives, which the routers' nodes
-    /// scale by. Collective over the groups (every rank calls it, in the same order).
-    pub fn add_to_loss(
-        self: &Arc<Self>,
-        sum: &Tensor,
+    /// returns the micro-batch's [`RouterStats`] (also kept for [`RouterAux::last_stats`] and
+    /// for the gradient of [`RouterAux::add_to_loss`]). Collective over the groups (every rank
+    /// calls it, in the same order, with the same blocks).
+    pub fn finish(
+        &self,
         count: usize,
-        coef: f64,
         token_groups: &[&Comm],
         count_group: &Comm,
-    ) -> Result<(Tensor, f64)> {
+        device: &candle_core::Device,
+    ) -> Result<RouterStats> {
         let e = self.num_experts;
-        let mut v = vec![0f32; 2 * e + 1];
-        for b in self.lock().blocks.values() {
+        let blocks: Vec<BlockStats> = self.lock().blocks.values().cloned().collect();
+        let nb = blocks.len();
+        // Per block: its experts' counts; then the probability sums and the routed tokens.
+        let mut v = vec![0f32; nb * e + e + 1];
+        for (b, stats) in blocks.iter().enumerate() {
             for i in 0..e {
-                v[i] += b.counts[i] as f32;
-                v[e + i] += b.probs[i] as f32;
+                v[b * e + i] = stats.counts[i] as f32;
+                v[nb * e + i] += stats.probs[i] as f32;
             }
-            v[2 * e] += b.tokens as f32;
+            v[nb * e + e] += stats.tokens as f32;
         }
-        let mut t = Tensor::from_vec(v, 2 * e + 1, sum.device())?;
+        let mut t = Tensor::from_vec(v, nb * e + e + 1, device)?;
         for g in token_groups {
             if g.size() > 1 {
                 t = g.all_reduce(&t, ReduceOp::Sum)?;
             }
         }
         let v = t.to_vec1::<f32>()?;
-        let n = Tensor::new(&[count as f32], sum.device())?;
+        let n = Tensor::new(&[count as f32], device)?;
         let n = if count_group.size() > 1 {
             count_group.all_reduce(&n, ReduceOp::Sum)?
         } else {
             n
         };
-        let n = n.to_vec1::<f32>()?[0] as f64;
-        let counts: Vec<f64> = v[..e].iter().map(|&c| c as f64).collect();
-        let tokens = v[2 * e] as f64;
+        let labelled = n.to_vec1::<f32>()?[0] as f64;
+        let mut counts = vec![0f64; e];
+        let mut load = 0f64;
+        for b in 0..nb {
+            let row = &v[b * e..(b + 1) * e];
+            for (c, &x) in counts.iter_mut().zip(row) {
+                *c += x as f64;
+            }
+            let mean = row.iter().map(|&x| x as f64).sum::<f64>() / e as f64;
+            let max = row.iter().fold(0f64, |m, &x| m.max(x as f64));
+            if mean > 0.0 {
+                load = load.max(max / mean);
+            }
+        }
+        let tokens = v[nb * e + e] as f64;
         let aux = if tokens == 0.0 {
             0.0
         } else {
             let dot: f64 = counts
                 .iter()
-                .zip(&v[e..2 * e])
+                .zip(&v[nb * e..nb * e + e])
                 .map(|(c, &p)| c * p as f64)
                 .sum();
             e as f64 * dot / (tokens * tokens)
         };
-        {
+        let stats = RouterStats {
+            aux,
+            load_max_over_mean: load,
+            labelled_tokens: labelled,
+        };
+        let mut s = self.lock();
+        s.totals = Some(Totals {
+            counts,
+            tokens,
+            weight: 0.0,
+        });
+        s.seed = None;
+        s.last = Some(stats);
+        Ok(stats)
+    }
+
+    /// The statistics of the last micro-batch [`RouterAux::finish`] summed.
+    pub fn last_stats(&self) -> Option<RouterStats> {
+        self.lock().last
+    }
+
+    /// After [`RouterAux::finish`]: `sum + coef · aux · count` (`sum` this rank's summed LM
+    /// loss over its `count` labelled tokens). The result's backward records the gradient the
+    /// loss receives, which the routers' nodes scale by. Local.
+    pub fn add_to_loss(self: &Arc<Self>, sum: &Tensor, count: usize, coef: f64) -> Result<Tensor> {
+        let aux = {
             let mut s = self.lock();
-            s.totals = Some(Totals {
-                counts,
-                tokens,
-                weight: coef * n,
-            });
-            s.seed = None;
-        }
+            let (Some(last), Some(totals)) = (s.last, s.totals.as_mut()) else {
+                return Err(Error::invalid(
+                    "router load-balancing loss",
+                    "add_to_loss before finish",
+                ));
+            };
+            totals.weight = coef * last.labelled_tokens;
+            last.aux
+        };
         let add = coef * aux * count as f64;
         let dtype = sum.dtype();
         let plus = move |s: &Tensor| -> Result<Tensor> {
             Ok((s.to_dtype(DType::F64)? + add)?.to_dtype(dtype)?)
         };
         if !sum.track_op() {
-            return Ok((plus(sum)?, aux));
+            return plus(sum);
         }
         let me = self.clone();
         let out = record(sum, "cpl-router-aux-loss", plus, move |g| {
@@ -549,6 +609,6 @@ impl RouterAux {
             me.lock().seed = seed.first().copied();
             Ok(g.clone())
         })?;
-        Ok((out, aux))
+        Ok(out)
     }
 }

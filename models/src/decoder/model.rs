@@ -16,8 +16,8 @@ use std::sync::Arc;
 
 use candle_parallel::nn::{
     Adapters, Batch, Block, CrossEntropyOptions, LayerKv, LmHead, Mlp, ParallelAttention,
-    ParallelCtx, ParamBuilder, Pass, RmsNorm, RouterAux, SparseMoe, Track, Unit, UnitOps,
-    VocabParallelEmbedding,
+    ParallelCtx, ParamBuilder, Pass, RmsNorm, RouterAux, RouterStats, SparseMoe, Track, Unit,
+    UnitOps, VocabParallelEmbedding,
 };
 use candle_parallel::plan::Parallelize;
 
@@ -420,17 +420,17 @@ impl Decoder {
         opts: &CrossEntropyOptions,
     ) -> Result<(Tensor, usize)> {
         let (sum, count) = self.loss_sum(batch, labels, opts)?;
-        match &self.router_aux {
-            Some((aux, Some(coef))) if *coef != 0.0 => {
-                let tp = self.ctx.tp();
-                let mut groups = vec![self.ctx.sequence_group()];
-                if tp.sequence_parallel() {
-                    groups.push(tp.comm());
-                }
-                let (sum, _) =
-                    aux.add_to_loss(&sum, count, *coef, &groups, self.ctx.sequence_group())?;
-                Ok((sum, count))
-            }
+        let Some((aux, coef)) = &self.router_aux else {
+            return Ok((sum, count));
+        };
+        let tp = self.ctx.tp();
+        let mut groups = vec![self.ctx.sequence_group()];
+        if tp.sequence_parallel() {
+            groups.push(tp.comm());
+        }
+        aux.finish(count, &groups, self.ctx.sequence_group(), sum.device())?;
+        match coef {
+            Some(c) if *c != 0.0 => Ok((aux.add_to_loss(&sum, count, *c)?, count)),
             _ => Ok((sum, count)),
         }
     }
@@ -606,6 +606,14 @@ impl crate::causal_lm::CausalLm for Decoder {
         opts: &CrossEntropyOptions,
     ) -> Result<(Tensor, usize)> {
         Decoder::training_loss_sum(self, batch, labels, opts)
+    }
+
+    fn has_routers(&self) -> bool {
+        self.router_aux.is_some()
+    }
+
+    fn router_stats(&self) -> Option<RouterStats> {
+        self.router_aux().and_then(|a| a.last_stats())
     }
 
     /// The ends are gathered once (under ZeRO-3) for the embedding and the head.

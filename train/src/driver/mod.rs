@@ -332,6 +332,18 @@ pub fn run<T: Task>(
                     mfu,
                     eta_secs: start.elapsed().as_secs_f64() / done as f64
                         * (opts.steps - step) as f64,
+                    extra: [
+                        ("aux", "router_aux_loss"),
+                        ("load", "expert_load_max_over_mean"),
+                    ]
+                    .into_iter()
+                    .filter_map(|(label, key)| {
+                        out.metrics
+                            .get(key)
+                            .and_then(|v| v.as_f64())
+                            .map(|v| (label, v))
+                    })
+                    .collect(),
                 });
             }
         }

@@ -23,6 +23,9 @@ pub struct StepLine {
     pub tokens_per_sec: f64,
     pub mfu: f64,
     pub eta_secs: f64,
+    /// Further numbers shown after the loss, `(label, value)` (a mixture of experts' balancing
+    /// loss and expert load).
+    pub extra: Vec<(&'static str, f64)>,
 }
 
 impl Progress {
@@ -43,8 +46,13 @@ impl Progress {
     }
 
     pub fn step(&mut self, s: &StepLine) {
+        let extra: String = s
+            .extra
+            .iter()
+            .map(|(k, v)| format!("  {k} {v:.3}"))
+            .collect();
         let stats = format!(
-            "loss {:.4}  lr {:.2e}  |g| {:.3}  {:.0} tok/s  MFU {:.1}%  ETA {}",
+            "loss {:.4}{extra}  lr {:.2e}  |g| {:.3}  {:.0} tok/s  MFU {:.1}%  ETA {}",
             s.loss,
             s.lr,
             s.grad_norm,

@@ -42,9 +42,13 @@ impl<M: TrainModel + CausalLm, W: Windows + 'static> Task for NextTokenTask<'_, 
     }
 
     fn step(&mut self) -> Result<StepOutcome> {
-        let s = self.trainer.step(self.data)?;
+        let (s, parts) = self.trainer.step_with_parts(self.data)?;
         let tokens = self.processed_tokens.unwrap_or(s.tokens as f64);
-        Ok(StepOutcome::new(s, tokens).with(self.count_key, s.tokens))
+        let mut out = StepOutcome::new(s, tokens).with(self.count_key, s.tokens);
+        for (name, value) in parts {
+            out = out.with(name, value);
+        }
+        Ok(out)
     }
 
     fn eval(&mut self) -> Result<Option<(f64, u64)>> {
