@@ -325,6 +325,37 @@ pub fn backend_checks(comm: &Comm, opts: Options, t: &mut Tally) {
         same(&back, &x, "round trip")
     });
 
+    // all_to_all_v: uneven counts, some chunks empty (rank `r` sends `(3r + 5j + 1) % 4` rows to
+    // rank `j`), each row naming its source, destination and index: exact in f32 and bf16.
+    for dtype in [DType::F32, DType::BF16] {
+        let name = format!("all_to_all_v uneven counts with empty chunks {dtype:?}");
+        t.check(comm, &name, || {
+            let count = |r: usize, j: usize| (3 * r + 5 * j + 1) % 4;
+            let rows = |src: usize, dst: usize| -> Vec<f32> {
+                (0..count(src, dst))
+                    .flat_map(|i| [src as f32, dst as f32, i as f32])
+                    .collect()
+            };
+            let mine: Vec<f32> = (0..p).flat_map(|j| rows(me, j)).collect();
+            let n = mine.len() / 3;
+            let x = Tensor::from_vec(mine, (n, 3), &CPU)
+                .and_then(|x| x.to_dtype(dtype))
+                .map_err(e2s)?;
+            let sends: Vec<usize> = (0..p).map(|j| count(me, j)).collect();
+            let (got, from) = comm.all_to_all_v(&x, &sends).map_err(e2s)?;
+            let want: Vec<f32> = (0..p).flat_map(|j| rows(j, me)).collect();
+            let m = want.len() / 3;
+            let want = Tensor::from_vec(want, (m, 3), &CPU)
+                .and_then(|x| x.to_dtype(dtype))
+                .map_err(e2s)?;
+            ensure(
+                from == (0..p).map(|j| count(j, me)).collect::<Vec<_>>(),
+                || format!("received counts {from:?}"),
+            )?;
+            same(&got, &want, &name)
+        });
+    }
+
     // broadcast from the first and the last rank; other ranks pass zeros.
     for (dtype, transposed, root) in [
         (DType::F32, false, 0),

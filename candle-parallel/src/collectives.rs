@@ -11,6 +11,7 @@
 //! | [`copy_to_parallel_region`]     | identity                  | all-reduce (sum)          | sum over ranks |
 //! | [`reduce_from_parallel_region`] | all-reduce (sum)          | identity                  | replicated     |
 //! | [`all_to_all`]                  | all-to-all                | inverse all-to-all        | sum over ranks |
+//! | [`all_to_all_v`]                | rows to ranks by counts   | the rows sent back        | sum over ranks |
 //! | [`scatter`]                     | keep this rank's chunk    | all-gather                | sum over ranks |
 //! | [`gather`]                      | all-gather along `dim`    | keep this rank's chunk    | replicated     |
 //!
@@ -147,6 +148,30 @@ pub fn reduce_from_parallel_region(x: &Tensor, comm: &Comm) -> Result<Tensor> {
         |x| comm.all_reduce(x, ReduceOp::Sum),
         |g| Ok(g.clone()),
     )
+}
+
+/// Sends `send_counts[j]` consecutive rows (dim 0) of `x` to rank `j` and returns the rows
+/// received, in rank order, with the count from each rank
+/// ([`Communicator::all_to_all_v`](crate::comm::Communicator::all_to_all_v)).
+///
+/// Shapes: `x` `(n, ..)` with `Σ send_counts = n`; the result `(Σ received, ..)`, the same
+/// trailing shape. Called by every rank of `comm`. Backward: the gradient's rows go back to the
+/// ranks they came from (the same exchange with the received counts), so rank `r`'s input
+/// gradient is that of `Σ_r loss_r`. Expert parallelism's dispatch and combine.
+pub fn all_to_all_v(
+    x: &Tensor,
+    comm: &Comm,
+    send_counts: &[usize],
+) -> Result<(Tensor, Vec<usize>)> {
+    let (y, received) = comm.all_to_all_v(&x.detach(), send_counts)?;
+    let (bwd, back) = (comm.clone(), received.clone());
+    let y = record(
+        x,
+        "cpl-all-to-all-v",
+        move |_| Ok(y),
+        move |g| Ok(bwd.all_to_all_v(g, &back)?.0),
+    )?;
+    Ok((y, received))
 }
 
 /// Splits `x` into `P` equal chunks along `split_dim`, sends chunk `j` to rank `j` and

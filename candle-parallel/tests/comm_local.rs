@@ -1572,3 +1572,41 @@ fn invalid_arguments_are_errors_and_leave_the_world_usable() {
 fn empty_world_is_an_error() {
     assert!(LocalWorld::new(0).launch(|_| Ok::<_, String>(())).is_err());
 }
+
+/// `all_to_all_v` on 1 to 8 ranks with uneven counts, some chunks empty (rank `r` sends
+/// `(3r + 5j + 1) % 4` rows to rank `j`, and none at all on some ranks): each rank receives,
+/// bit for bit, the rows addressed to it in source-rank order (each row names its source,
+/// destination and index), with the count from each rank; f32 and bf16. A wrong count is an
+/// error naming the call.
+#[test]
+fn all_to_all_v_delivers_uneven_chunks_in_rank_order() {
+    for p in 1..=8 {
+        for dtype in [DType::F32, DType::BF16] {
+            let count = |r: usize, j: usize| (3 * r + 5 * j + 1) % 4;
+            let rows = |src: usize, dst: usize| -> Vec<f32> {
+                (0..count(src, dst))
+                    .flat_map(|i| [src as f32, dst as f32, i as f32])
+                    .collect()
+            };
+            run(p, |comm| -> R<()> {
+                let me = comm.rank();
+                let mine: Vec<f32> = (0..p).flat_map(|j| rows(me, j)).collect();
+                let x = Tensor::from_vec(mine.clone(), (mine.len() / 3, 3), &Device::Cpu)?
+                    .to_dtype(dtype)?;
+                let sends: Vec<usize> = (0..p).map(|j| count(me, j)).collect();
+                let (got, from) = comm.all_to_all_v(&x, &sends)?;
+                let want: Vec<f32> = (0..p).flat_map(|j| rows(j, me)).collect();
+                let want = Tensor::from_vec(want.clone(), (want.len() / 3, 3), &Device::Cpu)?
+                    .to_dtype(dtype)?;
+                assert_exact(&got, &want, &format!("p={p} {dtype:?} rank {me}"));
+                assert_eq!(from, (0..p).map(|j| count(j, me)).collect::<Vec<_>>());
+                let bad = comm
+                    .all_to_all_v(&x, &vec![0; p + 1])
+                    .unwrap_err()
+                    .to_string();
+                assert!(bad.contains("all_to_all_v"), "{bad}");
+                Ok(())
+            });
+        }
+    }
+}

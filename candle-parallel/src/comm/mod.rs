@@ -98,6 +98,66 @@ pub trait Communicator: Send + Sync {
     /// Returns once every rank has entered the barrier.
     fn barrier(&self) -> Result<()>;
 
+    /// Sends consecutive chunks of the rows (dim 0) of `x`, `send_counts[j]` rows to rank `j`
+    /// (any count may be 0; they sum to `x.dim(0)`), and returns the rows received from every
+    /// rank, concatenated in rank order, with the number that came from each. Every rank
+    /// passes the same trailing shape and dtype. Collective: an all-gather of the counts, then
+    /// one [`Communicator::exchange`] of the non-empty chunks (so every backend has it). The
+    /// exchange of expert parallelism's tokens, whose counts follow the routing.
+    fn all_to_all_v(&self, x: &Tensor, send_counts: &[usize]) -> Result<(Tensor, Vec<usize>)> {
+        let (p, me) = (self.size(), self.rank());
+        let rows = x.dims().first().copied().unwrap_or(0);
+        if send_counts.len() != p || send_counts.iter().sum::<usize>() != rows {
+            return Err(Error::invalid(
+                "all_to_all_v",
+                format!(
+                    "{} send counts summing to {} for {p} ranks and {rows} rows",
+                    send_counts.len(),
+                    send_counts.iter().sum::<usize>()
+                ),
+            ));
+        }
+        let counts: Vec<f64> = send_counts.iter().map(|&c| c as f64).collect();
+        let all = self
+            .all_gather(&Tensor::from_vec(counts, (1, p), x.device())?, 0)?
+            .to_vec2::<f64>()?;
+        let recv_counts: Vec<usize> = all.iter().map(|row| row[me] as usize).collect();
+        let starts: Vec<usize> = send_counts
+            .iter()
+            .scan(0, |s, &c| {
+                let at = *s;
+                *s += c;
+                Some(at)
+            })
+            .collect();
+        let sends = (0..p)
+            .filter(|&j| j != me && send_counts[j] > 0)
+            .map(|j| Ok((j, x.narrow(0, starts[j], send_counts[j])?)))
+            .collect::<Result<Vec<_>>>()?;
+        let trailing = &x.dims()[1.min(x.rank())..];
+        let from: Vec<usize> = (0..p).filter(|&j| j != me && recv_counts[j] > 0).collect();
+        let recvs = from
+            .iter()
+            .map(|&j| {
+                let mut shape = vec![recv_counts[j]];
+                shape.extend_from_slice(trailing);
+                RecvSpec::new(j, shape, x.dtype())
+            })
+            .collect();
+        let mut got = self.exchange(sends, recvs)?.wait()?.into_iter();
+        let mut parts = Vec::new();
+        for (j, &n) in recv_counts.iter().enumerate() {
+            if j == me {
+                parts.push(x.narrow(0, starts[me], send_counts[me])?);
+            } else if n > 0 {
+                parts.push(got.next().ok_or_else(|| {
+                    Error::invalid("all_to_all_v", format!("no rows arrived from rank {j}"))
+                })?);
+            }
+        }
+        Ok((Tensor::cat(&parts, 0)?, recv_counts))
+    }
+
     /// Collective: ranks passing the same `color` form a new communicator, ordered by `key`
     /// then by rank in this communicator.
     fn split(&self, color: usize, key: usize) -> Result<Comm>;

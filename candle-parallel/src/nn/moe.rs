@@ -24,7 +24,7 @@ use super::{
     ColumnParallelLinear, LinearConfig, Mlp, MlpConfig, ParallelCtx, ParamBuilder,
     RowParallelLinear, TpGroup,
 };
-use crate::collectives::{record, reduce_from_parallel_region, reduce_scatter};
+use crate::collectives::{all_to_all_v, record, reduce_from_parallel_region, reduce_scatter};
 use crate::comm::{Comm, ReduceOp};
 use crate::error::{Error, Result};
 use crate::nn::linear::linear;
@@ -198,6 +198,10 @@ pub struct SparseMoe {
     tp: TpGroup,
     /// Where the router's statistics go, and this block's index there.
     aux: Option<(Arc<RouterAux>, usize)>,
+    /// Expert parallelism: the group over which the experts are divided (this rank holds
+    /// `experts`, from `first_expert` on).
+    ep: Option<Comm>,
+    first_expert: usize,
 }
 
 impl SparseMoe {
@@ -211,10 +215,50 @@ impl SparseMoe {
         ctx: &ParallelCtx,
         aux: Option<(Arc<RouterAux>, usize)>,
     ) -> Result<Self> {
+        Self::new_with_ep(cfg, vb, ctx, aux, None)
+    }
+
+    /// [`SparseMoe::new`] with expert parallelism over `ep` (when it has more than one rank):
+    /// rank `r` of `ep` loads and runs experts `r · E/P .. (r + 1) · E/P` only, the ranks of `ep`
+    /// hold different tokens (data or sequence parallel ranks), and each token's hidden state
+    /// travels to the ranks of its experts and back by [`all_to_all_v`]. The parameters of
+    /// the experts are this rank's alone: their gradients sum the contributions of every rank's
+    /// tokens and must not be summed over `ep` again. Errors when `P` does not divide the
+    /// experts, or with tensor parallelism (not yet supported together).
+    pub fn new_with_ep(
+        cfg: &MoeConfig,
+        vb: ParamBuilder,
+        ctx: &ParallelCtx,
+        aux: Option<(Arc<RouterAux>, usize)>,
+        ep: Option<Comm>,
+    ) -> Result<Self> {
+        let ep = ep.filter(|c| c.size() > 1);
+        let (first_expert, local) = match &ep {
+            None => (0, cfg.num_experts),
+            Some(c) => {
+                if !cfg.num_experts.is_multiple_of(c.size()) {
+                    return Err(Error::Layout(format!(
+                        "expert parallelism over {} ranks does not divide the {} experts \
+                         (num_experts)",
+                        c.size(),
+                        cfg.num_experts
+                    )));
+                }
+                if ctx.tp().size() > 1 {
+                    return Err(Error::Layout(
+                        "expert parallelism together with tensor parallelism is not supported \
+                         yet"
+                        .into(),
+                    ));
+                }
+                let per = cfg.num_experts / c.size();
+                (c.rank() * per, per)
+            }
+        };
         let router = vb
             .pp(&cfg.router)
             .get((cfg.num_experts, cfg.hidden_size), "weight")?;
-        let experts = (0..cfg.num_experts)
+        let experts = (first_expert..first_expert + local)
             .map(|e| Expert::new(cfg, vb.pp(&cfg.experts).pp(e), ctx))
             .collect::<Result<Vec<_>>>()?;
         let shared = match cfg.shared_expert {
@@ -247,13 +291,15 @@ impl SparseMoe {
             cfg: cfg.clone(),
             tp: ctx.tp().clone(),
             aux,
+            ep,
+            first_expert,
         })
     }
 
     /// `x` `(batch, tokens', hidden)` → the same shape. Collective over tp.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, s, h) = x.dims3()?;
-        let (e_count, k) = (self.cfg.num_experts, self.cfg.top_k);
+        let k = self.cfg.top_k;
         let xs = x.reshape((b * s, h))?;
         // The router, in f32 as transformers' `softmax(.., dtype=float)`.
         let mut logits = linear(&xs, &self.router, None)?.to_dtype(DType::F32)?;
@@ -274,45 +320,15 @@ impl SparseMoe {
             weights = weights.broadcast_div(&weights.sum_keepdim(1)?)?;
         }
         let weights = weights.to_dtype(x.dtype())?.reshape((b, s, k))?;
-        // Into the tensor-parallel region: every rank of the group computes its share of each
-        // expert for all of the group's tokens.
-        let entered = self.tp.enter(x)?;
-        let weights = self.tp.enter(&weights)?;
-        let chosen = self.group_choices(&idx.reshape((b, s, k))?)?;
-        let (bg, sg) = (entered.dim(0)?, entered.dim(1)?);
-        let n = bg * sg;
-        let xs = entered.reshape((n, h))?;
-        let weights = weights.flatten_all()?;
-        let mut rows: Vec<(Vec<u32>, Vec<u32>)> = vec![(Vec::new(), Vec::new()); e_count];
-        for (slot, &e) in chosen.iter().enumerate() {
-            let (tokens, slots) = &mut rows[e as usize];
-            tokens.push((slot / k) as u32);
-            slots.push(slot as u32);
-        }
-        let mut out = xs.zeros_like()?;
-        for (expert, (mut tokens, mut slots)) in self.experts.iter().zip(rows) {
-            // An expert without tokens runs on token 0 with weight 0: every rank's graph has the
-            // same nodes in the same order whatever its routing (the backward collectives of
-            // ZeRO-3 and recomputation follow that order), and its weights get exact zeros.
-            let mut mask = vec![1f32; tokens.len()];
-            if tokens.is_empty() {
-                (tokens, slots, mask) = (vec![0], vec![0], vec![0.0]);
+        let idx = idx.reshape((b, s, k))?;
+        let out = match &self.ep {
+            Some(ep) => {
+                let chosen = idx.flatten_all()?.to_vec1::<u32>()?;
+                let weights = weights.flatten_all()?;
+                self.dispatch(&xs, &weights, &chosen, ep)?
+                    .reshape((b, s, h))?
             }
-            let m = tokens.len();
-            let tokens = Tensor::from_vec(tokens, m, x.device())?;
-            let slots = Tensor::from_vec(slots, m, x.device())?;
-            let mask = Tensor::from_vec(mask, (m, 1), x.device())?.to_dtype(x.dtype())?;
-            let y = expert.forward(&xs.index_select(&tokens, 0)?)?;
-            let w = weights.index_select(&slots, 0)?.unsqueeze(1)?.mul(&mask)?;
-            out = out.index_add(&tokens, &y.broadcast_mul(&w)?, 0)?;
-        }
-        let out = out.reshape((bg, sg, h))?;
-        let out = if self.tp.size() == 1 {
-            out
-        } else if self.tp.sequence_parallel() {
-            reduce_scatter(&out, self.tp.comm(), 1)?
-        } else {
-            reduce_from_parallel_region(&out, self.tp.comm())?
+            None => self.tensor_parallel(x, &weights, &idx)?,
         };
         match &self.shared {
             None => Ok(out),
@@ -322,6 +338,119 @@ impl SparseMoe {
                 Ok((out + mlp.forward(x)?.broadcast_mul(&g)?)?)
             }
         }
+    }
+
+    /// The experts on `x` `(batch, tokens', hidden)` with their routing `weights` and chosen
+    /// experts `idx` `(batch, tokens', k)`, every expert here, each split over tp. Collective
+    /// over tp.
+    fn tensor_parallel(&self, x: &Tensor, weights: &Tensor, idx: &Tensor) -> Result<Tensor> {
+        let (h, k) = (self.cfg.hidden_size, self.cfg.top_k);
+        // Into the tensor-parallel region: every rank of the group computes its share of each
+        // expert for all of the group's tokens.
+        let entered = self.tp.enter(x)?;
+        let weights = self.tp.enter(weights)?.flatten_all()?;
+        let chosen = self.group_choices(idx)?;
+        let (bg, sg) = (entered.dim(0)?, entered.dim(1)?);
+        let xs = entered.reshape((bg * sg, h))?;
+        let mut rows: Vec<(Vec<u32>, Vec<u32>)> =
+            vec![(Vec::new(), Vec::new()); self.experts.len()];
+        for (slot, &e) in chosen.iter().enumerate() {
+            let (tokens, slots) = &mut rows[e as usize];
+            tokens.push((slot / k) as u32);
+            slots.push(slot as u32);
+        }
+        let out = self.run_experts(&xs, rows, Some(&weights), 0)?;
+        let out = out.reshape((bg, sg, h))?;
+        Ok(if self.tp.size() == 1 {
+            out
+        } else if self.tp.sequence_parallel() {
+            reduce_scatter(&out, self.tp.comm(), 1)?
+        } else {
+            reduce_from_parallel_region(&out, self.tp.comm())?
+        })
+    }
+
+    /// This rank's experts on the rows of `xs` `(n, hidden)`: `rows[i]` lists the rows expert
+    /// `first_expert + i` takes and the routing weights' slots (in `weights`, flat) that scale
+    /// them; without weights the rows are returned unscaled. Returns `(n, hidden)`, each row
+    /// the sum over its experts. An expert without rows runs on row `dummy` with weight 0:
+    /// every rank's graph has the same nodes in the same order whatever its routing (the
+    /// backward collectives of ZeRO-3 and recomputation follow that order), and its weights get
+    /// exact zeros.
+    fn run_experts(
+        &self,
+        xs: &Tensor,
+        rows: Vec<(Vec<u32>, Vec<u32>)>,
+        weights: Option<&Tensor>,
+        dummy: u32,
+    ) -> Result<Tensor> {
+        let dev = xs.device();
+        let mut out = xs.zeros_like()?;
+        for (expert, (mut tokens, mut slots)) in self.experts.iter().zip(rows) {
+            let mut mask = vec![1f32; tokens.len()];
+            if tokens.is_empty() {
+                (tokens, slots, mask) = (vec![dummy], vec![0], vec![0.0]);
+            }
+            let m = tokens.len();
+            let tokens = Tensor::from_vec(tokens, m, dev)?;
+            let mask = Tensor::from_vec(mask, (m, 1), dev)?.to_dtype(xs.dtype())?;
+            let w = match weights {
+                Some(w) => {
+                    let slots = Tensor::from_vec(slots, m, dev)?;
+                    w.index_select(&slots, 0)?.unsqueeze(1)?.mul(&mask)?
+                }
+                None => mask,
+            };
+            let y = expert.forward(&xs.index_select(&tokens, 0)?)?;
+            out = out.index_add(&tokens, &y.broadcast_mul(&w)?, 0)?;
+        }
+        Ok(out)
+    }
+
+    /// Expert parallelism on this rank's tokens `xs` `(n, hidden)` with their routing `weights`
+    /// `(n · k,)` and chosen experts: the rows go to the ranks of their experts (sorted by
+    /// expert), run there, come back, and are weighted and summed per token. Collective over
+    /// `ep`.
+    fn dispatch(&self, xs: &Tensor, weights: &Tensor, chosen: &[u32], ep: &Comm) -> Result<Tensor> {
+        let (k, h) = (self.cfg.top_k, self.cfg.hidden_size);
+        let per = self.experts.len();
+        let dev = xs.device();
+        let mut order: Vec<u32> = (0..chosen.len() as u32).collect();
+        order.sort_by_key(|&slot| (chosen[slot as usize], slot));
+        let mut send_counts = vec![0usize; ep.size()];
+        for &slot in &order {
+            send_counts[chosen[slot as usize] as usize / per] += 1;
+        }
+        let m = order.len();
+        let tokens = Tensor::from_vec(order.iter().map(|&s| s / k as u32).collect(), m, dev)?;
+        let ids: Vec<f32> = order.iter().map(|&s| chosen[s as usize] as f32).collect();
+        let (x_recv, recv_counts) = all_to_all_v(&xs.index_select(&tokens, 0)?, ep, &send_counts)?;
+        let (ids, _) = ep.all_to_all_v(&Tensor::from_vec(ids, (m, 1), dev)?, &send_counts)?;
+        let ids = ids.flatten_all()?.to_vec1::<f32>()?;
+        // One zero row past the received ones: the input of experts that received none.
+        let n = x_recv.dim(0)?;
+        let x_ext = Tensor::cat(&[&x_recv, &Tensor::zeros((1, h), xs.dtype(), dev)?], 0)?;
+        let mut rows: Vec<(Vec<u32>, Vec<u32>)> = vec![(Vec::new(), Vec::new()); per];
+        for (row, &e) in ids.iter().enumerate() {
+            let local = e as usize - self.first_expert;
+            rows.get_mut(local)
+                .ok_or_else(|| {
+                    Error::invalid("expert parallelism", format!("expert {e} is not here"))
+                })?
+                .0
+                .push(row as u32);
+        }
+        let y_ext = self.run_experts(&x_ext, rows, None, n as u32)?;
+        // The dummy row's output, times 0, keeps the experts in the graph when no row came.
+        let dangling = y_ext.narrow(0, n, 1)?.sum_all()?;
+        let dangling = (&dangling * dangling.zeros_like()?)?;
+        let (y_back, _) = all_to_all_v(&y_ext.narrow(0, 0, n)?, ep, &recv_counts)?;
+        let order = Tensor::from_vec(order, m, dev)?;
+        let w = weights.index_select(&order, 0)?.unsqueeze(1)?;
+        let out = xs
+            .zeros_like()?
+            .index_add(&tokens, &y_back.broadcast_mul(&w)?, 0)?;
+        Ok(out.broadcast_add(&dangling)?)
     }
 
     /// The chosen experts `(batch, tokens', k)` of every token of the tensor-parallel group,
