@@ -1,5 +1,6 @@
 //! `cpl data prepare`: tokenize a corpus once and cache it as a `--tokens` file; `cpl data
-//! render`: show how chat data is rendered by a chat template and which tokens are trained.
+//! render`: show how chat data is rendered by a chat template and which tokens are trained;
+//! `cpl data passkey`: passkey-retrieval prompts as a `--tokens` file.
 
 use std::path::PathBuf;
 
@@ -23,6 +24,26 @@ pub enum DataCommand {
     /// ⟦ ⟧, then the ids and a 0/1 line of trained tokens; `--json` prints one object per
     /// line: {"source", "text", "ids", "trained"}.
     Render(RenderArgs),
+    /// Write passkey-retrieval prompts as a `--tokens` file, to train a model to retrieve
+    /// (`cpl train --tokens OUT --doc-mask`).
+    ///
+    /// The prompts of `cpl eval --passkey`'s grid (the same template, filler and question, the
+    /// answer at the end), one document each, no EOS: a prompt as long as `--seq-len` fills a
+    /// window exactly. Choose another `--passkey-seed` than the evaluation's so that its keys
+    /// are new to the model.
+    Passkey(PasskeyDataArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct PasskeyDataArgs {
+    /// Model directory or Hugging Face Hub id whose tokenizer to use.
+    #[arg(long)]
+    pub model: String,
+    #[command(flatten)]
+    pub grid: crate::args::PasskeyGridArgs,
+    /// Output file (JSON), written atomically.
+    #[arg(long)]
+    pub out: PathBuf,
 }
 
 #[derive(clap::Args, Debug)]
@@ -71,7 +92,27 @@ pub fn run(cmd: &DataCommand) -> Result<()> {
     match cmd {
         DataCommand::Prepare(a) => prepare(a),
         DataCommand::Render(a) => render(a),
+        DataCommand::Passkey(a) => passkey(a),
     }
+}
+
+fn passkey(a: &PasskeyDataArgs) -> Result<()> {
+    let files = models::hub::resolve(&a.model)?;
+    let family = models::family::detect(&files.config)?;
+    let desc = (family.describe)(&files.config)?;
+    let prompts =
+        crate::eval::passkey_prompts(&a.grid, &files, desc.vocab, None, "cpl data passkey")?;
+    let seqs: Vec<&[u32]> = prompts.iter().map(|p| p.tokens.as_slice()).collect();
+    let json = serde_json::to_vec(&seqs)?;
+    models::checkpoint::write_atomic(&a.out, &json)
+        .with_context(|| format!("--out {}: cannot write", a.out.display()))?;
+    let tokens: usize = seqs.iter().map(|s| s.len()).sum();
+    eprintln!(
+        "{} passkey prompts, {tokens} tokens -> {}",
+        seqs.len(),
+        a.out.display()
+    );
+    Ok(())
 }
 
 fn prepare(a: &PrepareArgs) -> Result<()> {

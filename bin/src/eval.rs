@@ -249,10 +249,10 @@ pub fn passkey_prompts(
     grid: &PasskeyGridArgs,
     files: &models::hub::ModelFiles,
     vocab: usize,
-    layout: &LayoutArgs,
+    layout: Option<&LayoutArgs>,
     flag: &str,
 ) -> Result<Vec<train::passkey::PasskeyPrompt>> {
-    if layout.pp > 1 {
+    if layout.is_some_and(|l| l.pp > 1) {
         bail!("{flag} is not available with --pp (every sequence-parallel layout is)");
     }
     if grid.passkey_trials == 0 {
@@ -276,7 +276,7 @@ pub fn passkey_prompts(
     };
     for &l in &grid.passkey_lengths {
         layout
-            .check_seq_len(l)
+            .map_or(Ok(()), |layout| layout.check_seq_len(l))
             .and_then(|()| {
                 train::passkey::build_prompt(&encode, tok.bos_token_id, l, 0.0, 10_000)
                     .map(drop)
@@ -313,7 +313,7 @@ fn passkey_run(args: &EvalArgs) -> Result<()> {
         &args.passkey_grid,
         &files,
         desc.vocab,
-        &args.layout,
+        Some(&args.layout),
         "--passkey",
     )?;
     let dtype = args.dtype.map(DType::from);

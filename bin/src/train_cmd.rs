@@ -231,7 +231,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                 &args.passkey_grid,
                 &files,
                 desc.vocab,
-                &args.layout,
+                Some(&args.layout),
                 "--eval-passkey",
             )
         })

@@ -139,7 +139,12 @@ fn loss_by_position_is_exact_under_every_layout() {
 }
 
 fn passkey_json(extra: &[&str]) -> serde_json::Value {
-    let model = common::default_model();
+    passkey_json_of(&common::default_model(), extra)
+}
+
+/// `cpl eval --passkey --json` of `model` on the grid 64,128 x the default depths x 2 keys (unless
+/// `extra` says otherwise), f32.
+fn passkey_json_of(model: &Path, extra: &[&str]) -> serde_json::Value {
     let mut args = vec![
         "eval",
         "--model",
@@ -147,16 +152,47 @@ fn passkey_json(extra: &[&str]) -> serde_json::Value {
         "--passkey",
         "--passkey-lengths",
         "64,128",
-        "--passkey-trials",
-        "2",
         "--dtype",
         "f32",
         "--json",
     ];
+    if !extra.contains(&"--passkey-trials") {
+        args.extend(["--passkey-trials", "2"]);
+    }
     args.extend_from_slice(extra);
     let o = cpl(&args);
     assert!(o.status.success(), "{args:?}: {}", stderr(&o));
     serde_json::from_str(stdout(&o).trim()).expect("one JSON object")
+}
+
+/// A model that can copy (`tests/fixtures/passkey/copy`, the bundled model fine-tuned on other
+/// keys by `scripts/make_passkey_fixture.sh`) retrieves every key of the grid 64,128 x 0,0.5,1 x
+/// 4 keys (within its trained length 128; keys of seed 0, its training's were of seed 11), on
+/// one rank and under ring 2 and Ulysses 2, with the answers' log-likelihood near 0; the bundled
+/// model it was trained from retrieves none of them, so the score sees the training. (On the
+/// grid of 5 depths x 2 keys it misses one key of 20, at 128 tokens and depth 1: the fixture's
+/// README.)
+#[test]
+fn a_model_that_can_copy_retrieves_every_passkey_under_every_layout() {
+    let copy = common::fixtures("passkey").join("copy");
+    let grid = ["--passkey-depths", "0,0.5,1", "--passkey-trials", "4"];
+    let base = passkey_json(&grid);
+    assert_eq!(base["passkey"]["accuracy"].as_f64(), Some(0.0), "{base}");
+    for layout in [
+        &[][..],
+        &["--ranks", "2", "--ring", "2"],
+        &["--ranks", "2", "--ulysses", "2"],
+    ] {
+        let got = passkey_json_of(&copy, &[&grid[..], layout].concat());
+        let acc = got["passkey"]["accuracy"].as_f64().unwrap();
+        assert_eq!(acc, 1.0, "{layout:?}: {got}");
+        let cells = got["passkey"]["cells"].as_array().unwrap();
+        assert_eq!(cells.len(), 6, "{got}");
+        for c in cells {
+            let ll = c["answer_loglik"].as_f64().unwrap();
+            assert!(ll > -0.1, "{layout:?}: {c}");
+        }
+    }
 }
 
 /// `cpl eval --passkey`: the grid (2 lengths x 5 depths x 2 keys) on the bundled model, the same
@@ -934,4 +970,38 @@ fn training_evaluates_passkey_retrieval() {
         ),
     ]);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `cpl data passkey` writes the grid's prompts as a `--tokens` file: one document per prompt
+/// (2 lengths x 2 depths x 3 keys), each exactly its length (no EOS), not all alike; a depth
+/// outside [0, 1] is an error naming the flag.
+#[test]
+fn data_passkey_writes_the_prompts_as_a_tokens_file() {
+    let dir = tmpdir("data-passkey");
+    let out = dir.join("passkey.json");
+    let model = common::default_model();
+    let args = |depths: &str| {
+        vec![
+            "data".to_string(),
+            "passkey".into(),
+            "--model".into(),
+            model.to_str().unwrap().into(),
+            "--passkey-lengths".into(),
+            "64,96".into(),
+            "--passkey-depths".into(),
+            depths.into(),
+            "--passkey-trials".into(),
+            "3".into(),
+            "--out".into(),
+            out.to_str().unwrap().into(),
+        ]
+    };
+    let o = cpl(&args("0,1"));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let docs: Vec<Vec<u32>> = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!(docs.len(), 12);
+    let lens: Vec<usize> = docs.iter().map(Vec::len).collect();
+    assert_eq!(lens, [[64; 6], [96; 6]].concat());
+    assert!(docs.windows(2).any(|w| w[0] != w[1]));
+    assert_clear_errors(&[(args("0,2"), "--passkey-depths")]);
 }

@@ -114,8 +114,10 @@ pub fn default_cases(world_size: usize) -> Vec<SelfTestCase> {
     if p.is_multiple_of(4) {
         cfgs.push(SpConfig::new(Strategy::StarTrail, 1, p).with_team(2));
     }
+    // A layout that cannot cut the small case's 64 tokens (zigzag on 3 ring ranks needs a
+    // multiple of 6) is left out, as a strategy that does not fit the world is.
     cfgs.into_iter()
-        .filter(|c| c.validate().is_ok())
+        .filter(|c| c.validate().is_ok() && c.plan(64).is_ok())
         .map(SelfTestCase::small)
         .collect()
 }

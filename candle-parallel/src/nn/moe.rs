@@ -523,7 +523,8 @@ pub struct RouterStats {
 /// `aux = E · Σ_e (c_e / T) · (p_e / T)`, with `c_e` the tokens routed to expert `e` (over the
 /// `k` slots), `p_e` the sum of its router probability, and `T` the routed tokens, each summed
 /// over every sparse block and every token of the micro-batch (on every rank that holds some of
-/// them). [`RouterAux::add_to_loss`] adds `coef · aux · n` to a rank's summed LM loss over its
+/// them). After a micro-batch's forward, [`RouterAux::finish`] sums the statistics over those
+/// ranks, and [`RouterAux::add_to_loss`] adds `coef · aux · n` to a rank's summed LM loss over its
 /// `n` labelled tokens, so that a loss divided by the batch's labelled tokens carries
 /// `coef · aux` once per micro-batch, weighted like the micro-batch's LM loss.
 ///
@@ -533,7 +534,8 @@ pub struct RouterStats {
 /// scaled by the gradient the summed loss received (recorded by [`RouterAux::add_to_loss`]'s
 /// node, which runs first in the backward pass). It is therefore exact under activation
 /// checkpointing and ZeRO-3. Contract: one micro-batch at a time ([`RouterAux::begin`] before
-/// its forward, its backward before the next `begin`), and every rank's summed loss is scaled
+/// its forward, then `finish` and `add_to_loss`, its backward before the next `begin`), and
+/// every rank's summed loss is scaled
 /// by the same factor before backward (the step's global token count). Not under pipeline
 /// parallelism (the loss and the routers are on different stages).
 #[derive(Debug)]
