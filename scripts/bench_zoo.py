@@ -3,7 +3,8 @@
 
 Run through scripts/bench_zoo.sh (which builds cpl first), from the repository root:
 
-    scripts/bench_zoo.sh [--families llama,qwen2,qwen3,mistral,gemma2,gemma3] [--dtypes f32,bf16]
+    scripts/bench_zoo.sh [--families llama,qwen2,qwen3,mistral,gemma2,gemma3,mixtral,qwen3_moe]
+                         [--dtypes f32,bf16]
                          [--seq-len 4096] [--repeats 3] [--json FILE]
 
 For each family it builds once, with transformers (``AutoConfig.for_model`` + ``save_pretrained``, random
@@ -24,7 +25,8 @@ Then for each dtype, in this process and one after the other on the same checkpo
   lr 1e-4) on the same S tokens (S - 1 labelled), best of --repeats after a warm-up; next to ``cpl bench train
   --seq-len S-1 --steps R+1`` (S - 1 inputs with a label each; best step after the first).
 transformers runs ``sdpa`` attention where the family supports it, else its default (Gemma 2: ``eager``,
-as sdpa has no soft-cap); the table says which. It prints the CPU (lscpu: vendor, model name, the flags
+as sdpa has no soft-cap), and for the mixtures of experts (Mixtral, Qwen3-MoE: 8 experts of 1536 units,
+top-2) its default experts implementation; the table says which. It prints the CPU (lscpu: vendor, model name, the flags
 avx2, avx512f, avx512_bf16, amx), the load average before and after, and a table per family and dtype.
 """
 import argparse
@@ -64,6 +66,12 @@ def family_overrides(family, window):
         # Gemma 3 (text): the same scaling; q/k norms, per-layer-type RoPE, no soft-caps.
         "gemma3": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=window,
                        tie_word_embeddings=True),
+        # Mixtral-shaped (issue 34): 8 experts of 1536 units, top-2, no window.
+        "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
+                        tie_word_embeddings=False),
+        # Qwen3-MoE: 8 experts of 1536 units (moe_intermediate_size), top-2 renormalised.
+        "qwen3_moe": dict(head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=1536,
+                          norm_topk_prob=True, tie_word_embeddings=False),
     }[family]
 
 
@@ -143,6 +151,9 @@ def main():
             for work in a.works.split(","):
                 model = load(model_dir, DTYPES[dt])
                 attn = model.config._attn_implementation
+                experts = getattr(model.config, "_experts_implementation", None)
+                if experts:
+                    attn = f"{attn}, experts {experts}"
                 t0 = time.time()
                 if work == "eval":
                     seconds, _ = time_eval(model, ids, R)
