@@ -894,6 +894,22 @@ pub fn assert_bf16_follows_scalar(got: f64, want: f64, f32: f64, floor: f64, wha
     assert_bf16_follows(&t(got), &t(want), &t(f32), floor, what);
 }
 
+/// Packed 32-token windows of `docs` synthetic documents of 40 tokens over a vocabulary of 256
+/// (token `i` of document `d` is `(d · a + i · b + i²) mod 256`), continuous packing: the data
+/// the family tests train on.
+pub fn synthetic_windows(docs: u32, a: u32, b: u32) -> train::data::PackedDataset {
+    use train::data::{PackedDataset, Packing, TokenStream};
+    let docs: Vec<Vec<u32>> = (0..docs)
+        .map(|d| (0..40).map(|i| (d * a + i * b + i * i) % 256).collect())
+        .collect();
+    PackedDataset::new(
+        TokenStream::from_sequences(&docs, 256).unwrap(),
+        32,
+        Packing::Continuous,
+    )
+    .unwrap()
+}
+
 /// The small AdamW run the family tests train: 32-token sequences, one per micro-batch,
 /// `grad_accum` micro-batches per step, lr 5e-3 with one warmup step and a cosine decay to 5e-4,
 /// weight decay 0.1, clipping at 1.0, loss chunks of 16 tokens, seed `seed`.

@@ -22,7 +22,7 @@ use cpl_integration_tests::{
 };
 
 use models::decoder::DecoderConfig;
-use train::data::{PackedDataset, Packing, TokenStream};
+use train::data::PackedDataset;
 
 const TOL: f64 = 1e-5;
 const FAMILIES: [&str; 3] = ["moe/mixtral", "moe/qwen2_moe", "moe/qwen3_moe"];
@@ -122,19 +122,7 @@ fn config(steps: u64, grad_accum: usize) -> train::trainer::TrainConfig {
 }
 
 fn data() -> PackedDataset {
-    let docs: Vec<Vec<u32>> = (0..16)
-        .map(|d| {
-            (0..40)
-                .map(|i| ((d * 41 + i * 13 + i * i) % 256) as u32)
-                .collect()
-        })
-        .collect();
-    PackedDataset::new(
-        TokenStream::from_sequences(&docs, 256).unwrap(),
-        32,
-        Packing::Continuous,
-    )
-    .unwrap()
+    cpl_integration_tests::synthetic_windows(16, 41, 13)
 }
 
 /// 3 AdamW steps through the registry and the trainer (4 micro-batches per step, each with its

@@ -23,7 +23,7 @@ use cpl_integration_tests::{
     check_saved_under_tp2_reloads, fixture_dir, fixture_files, max_abs, random_matrix, rel_err,
     run_layout, run_layout_lora, run_layout_with, train_through_registry, Layout, StepPlan,
 };
-use train::data::{PackedDataset, Packing, TokenStream};
+use train::data::PackedDataset;
 
 const TOL: f64 = 1e-5;
 const FAMILIES: [&str; 9] = [
@@ -253,19 +253,7 @@ fn config(steps: u64) -> train::trainer::TrainConfig {
 }
 
 fn data() -> PackedDataset {
-    let docs: Vec<Vec<u32>> = (0..12)
-        .map(|d| {
-            (0..40)
-                .map(|i| ((d * 37 + i * 11 + i * i) % 256) as u32)
-                .collect()
-        })
-        .collect();
-    PackedDataset::new(
-        TokenStream::from_sequences(&docs, 256).unwrap(),
-        32,
-        Packing::Continuous,
-    )
-    .unwrap()
+    cpl_integration_tests::synthetic_windows(12, 37, 11)
 }
 
 #[test]
