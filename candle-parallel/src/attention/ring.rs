@@ -322,3 +322,71 @@ impl SequenceParallelAttention for RingAttention {
         saved.cast_grads(grads)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention::AttnMask;
+    use crate::comm::LocalWorld;
+    use candle_core::Device;
+
+    /// The natural ring's neighbours and owners on 3 ranks, explicit neighbours, and their
+    /// validation (either neighbour out of range is an error).
+    #[test]
+    fn ring_neighbours_and_owners() {
+        let got = LocalWorld::run(3, |comm| -> Result<_> {
+            let r = comm.rank();
+            let ring = RingComm::new(comm.clone());
+            let owners: Vec<usize> = (0..7).map(|s| ring.owner(s)).collect();
+            let explicit = RingComm::with_neighbours(comm.clone(), 2, 1)?;
+            let bad_next = RingComm::with_neighbours(comm.clone(), 3, 0).is_err();
+            let bad_prev = RingComm::with_neighbours(comm.clone(), 0, 3).is_err();
+            Ok((
+                r,
+                ring.next(),
+                ring.prev(),
+                owners,
+                explicit.next(),
+                explicit.prev(),
+                bad_next,
+                bad_prev,
+            ))
+        })
+        .unwrap();
+        for (r, next, prev, owners, en, ep, bad_next, bad_prev) in got {
+            assert_eq!((next, prev), ((r + 1) % 3, (r + 2) % 3), "rank {r}");
+            let want: Vec<usize> = (0..7).map(|s| (r + 3 - s % 3) % 3).collect();
+            assert_eq!(owners, want, "rank {r}");
+            assert_eq!((en, ep), (2, 1));
+            assert!(bad_next && bad_prev, "rank {r}");
+        }
+    }
+
+    /// `take2` accepts exactly two received tensors; `check_steps` one kv block per ring rank.
+    #[test]
+    fn received_blocks_and_steps_are_counted() {
+        let t = || Tensor::zeros(2, DType::F32, &Device::Cpu).unwrap();
+        assert!(take2(vec![t(), t()], "kv").is_ok());
+        assert!(take2(vec![t(), t(), t()], "kv").is_err());
+        assert!(take2(vec![t()], "kv").is_err());
+        let out = LocalWorld::run(2, |comm| -> Result<_> {
+            let ring = RingComm::new(comm);
+            let mask = AttnMask::Causal;
+            let block = mask.block(&[0, 1]);
+            let two = RingBlocks {
+                q: block.clone(),
+                kv: vec![block.clone(), block.clone()],
+            };
+            let one = RingBlocks {
+                q: block.clone(),
+                kv: vec![block],
+            };
+            Ok((
+                check_steps(&ring, &two).is_ok(),
+                check_steps(&ring, &one).is_err(),
+            ))
+        })
+        .unwrap();
+        assert!(out.iter().all(|&(ok, err)| ok && err), "{out:?}");
+    }
+}

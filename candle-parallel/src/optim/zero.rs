@@ -155,5 +155,10 @@ mod tests {
         assert_eq!(ZeroStage::try_from(2).unwrap(), ZeroStage::Gradients);
         assert!(ZeroStage::try_from(4).is_err());
         assert_eq!(ZeroStage::Parameters.to_string(), "3");
+        for n in 0..4u8 {
+            let stage = ZeroStage::try_from(n).unwrap();
+            assert_eq!(u8::from(stage), n);
+            assert_eq!(stage.to_string(), n.to_string());
+        }
     }
 }
