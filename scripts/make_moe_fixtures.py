@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_zoo_fixtures  # noqa: E402
 from make_zoo_fixtures import (  # noqa: E402
     BASE, IGNORED_LABELS, BATCH, SEQ, VOCAB, causal_lm_loss, log, make_inputs, make_model, rel_err,
-    setup_determinism,
+    results_table, setup_determinism,
 )
 
 # Mixtral's experts are `intermediate_size` wide: a family's settings replace the common ones.
@@ -214,18 +214,8 @@ def write_readme(results):
         "attention); `hf f32` is unmodified transformers in float32 against it (max-abs / max|ref|).",
         "`tokens_per_expert`: routed slots per expert over the batch and all sparse layers.",
         "",
-        "| fixture | architecture | params | max abs logit | loss (with aux) | hf f32 logits / loss / worst grad | notes |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for r in results:
-        s = r["stock32"]
-        lines.append(
-            f"| `{r['name']}` | {r['architecture']} | {r['num_params']} | {r['max_abs_logit']:.3f} | "
-            f"{r['loss']:.5f} | {s['logits']:.1e} / {s['loss']:.1e} / {s['grad']:.1e} | {r['extra']} |")
-    lines.append("")
-    for name, (_, _, _, desc) in FIXTURES.items():
-        lines.append(f"- `{name}`: {desc}.")
-    lines.append("")
+    lines += results_table(results, FIXTURES, loss="loss (with aux)")
     (OUT / "README.md").write_text("\n".join(lines))
 
 

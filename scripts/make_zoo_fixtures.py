@@ -406,6 +406,25 @@ adapted one, so the comparisons see the training.)
 """
 
 
+def results_table(results, fixtures, loss="loss"):
+    """The README's table of `results` (one row per fixture: size, logits, loss, transformers' own
+    float32 error) and the list of the `fixtures`' descriptions, as lines."""
+    lines = [
+        f"| fixture | architecture | params | max abs logit | {loss} | hf f32 logits / loss / worst grad | notes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        s = r["stock32"]
+        lines.append(
+            f"| `{r['name']}` | {r['architecture']} | {r['num_params']} | {r['max_abs_logit']:.3f} | "
+            f"{r['loss']:.5f} | {s['logits']:.1e} / {s['loss']:.1e} / {s['grad']:.1e} | {r['extra']} |")
+    lines.append("")
+    for name, (_, _, _, desc) in fixtures.items():
+        lines.append(f"- `{name}`: {desc}.")
+    lines.append("")
+    return lines
+
+
 def write_readme(results):
     lines = [
         "# Tiny model-zoo fixtures (generated)",
@@ -425,18 +444,8 @@ def write_readme(results):
         f"({BATCH}, {SEQ}) with labels {IGNORED_LABELS} set to -100. References: transformers in float64",
         "(eager attention); `hf f32` is unmodified transformers in float32 against it (max-abs / max|ref|).",
         "",
-        "| fixture | architecture | params | max abs logit | loss | hf f32 logits / loss / worst grad | notes |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for r in results:
-        s = r["stock32"]
-        lines.append(
-            f"| `{r['name']}` | {r['architecture']} | {r['num_params']} | {r['max_abs_logit']:.3f} | "
-            f"{r['loss']:.5f} | {s['logits']:.1e} / {s['loss']:.1e} / {s['grad']:.1e} | {r['extra']} |")
-    lines.append("")
-    for name, (_, _, _, desc) in FIXTURES.items():
-        lines.append(f"- `{name}`: {desc}.")
-    lines.append("")
+    lines += results_table(results, FIXTURES)
     lines.append(HAND_CHECKS)
     (OUT / "README.md").write_text("\n".join(lines))
 

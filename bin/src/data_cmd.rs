@@ -103,14 +103,24 @@ fn passkey(a: &PasskeyDataArgs) -> Result<()> {
     let prompts =
         crate::eval::passkey_prompts(&a.grid, &files, desc.vocab, None, "cpl data passkey")?;
     let seqs: Vec<&[u32]> = prompts.iter().map(|p| p.tokens.as_slice()).collect();
-    let json = serde_json::to_vec(&seqs)?;
-    models::checkpoint::write_atomic(&a.out, &json)
-        .with_context(|| format!("--out {}: cannot write", a.out.display()))?;
-    let tokens: usize = seqs.iter().map(|s| s.len()).sum();
+    write_tokens(&a.out, &seqs, "passkey prompts")
+}
+
+/// Writes `seqs` as a `--tokens` file at `out` (atomically) and says how many `what` and
+/// tokens it holds.
+fn write_tokens<S: AsRef<[u32]> + serde::Serialize>(
+    out: &std::path::Path,
+    seqs: &[S],
+    what: &str,
+) -> Result<()> {
+    let json = serde_json::to_vec(seqs)?;
+    models::checkpoint::write_atomic(out, &json)
+        .with_context(|| format!("--out {}: cannot write", out.display()))?;
+    let tokens: usize = seqs.iter().map(|s| s.as_ref().len()).sum();
     eprintln!(
-        "{} passkey prompts, {tokens} tokens -> {}",
+        "{} {what}, {tokens} tokens -> {}",
         seqs.len(),
-        a.out.display()
+        out.display()
     );
     Ok(())
 }
@@ -124,16 +134,7 @@ fn prepare(a: &PrepareArgs) -> Result<()> {
     let seqs = train::data::tokenize_documents(&tok, &docs)?;
     // The same checks `cpl train` applies to the ids.
     train::data::TokenStream::from_sequences(&seqs, desc.vocab)?;
-    let json = serde_json::to_vec(&seqs)?;
-    models::checkpoint::write_atomic(&a.out, &json)
-        .with_context(|| format!("--out {}: cannot write", a.out.display()))?;
-    let tokens: usize = seqs.iter().map(|s| s.len()).sum();
-    eprintln!(
-        "{} documents, {tokens} tokens -> {}",
-        seqs.len(),
-        a.out.display()
-    );
-    Ok(())
+    write_tokens(&a.out, &seqs, "documents")
 }
 
 fn render(a: &RenderArgs) -> Result<()> {

@@ -306,9 +306,7 @@ impl SparseMoe {
         if let Some((aux, _)) = &self.aux {
             logits = aux.attach(&logits)?;
         }
-        let max = logits.max_keepdim(1)?.detach();
-        let ex = logits.broadcast_sub(&max)?.exp()?;
-        let probs = ex.broadcast_div(&ex.sum_keepdim(1)?)?;
+        let probs = router_softmax(&logits)?;
         let host = probs.to_vec2::<f32>()?;
         let chosen: Vec<u32> = host.iter().flat_map(|row| top_k(row, k)).collect();
         if let Some((aux, layer)) = &self.aux {
@@ -467,6 +465,14 @@ impl SparseMoe {
     }
 }
 
+/// The softmax over experts of router logits `(tokens, E)`, differentiable (the shift by the
+/// row maximum is detached: softmax does not depend on it).
+fn router_softmax(logits: &Tensor) -> Result<Tensor> {
+    let max = logits.max_keepdim(1)?.detach();
+    let ex = logits.broadcast_sub(&max)?.exp()?;
+    Ok(ex.broadcast_div(&ex.sum_keepdim(1)?)?)
+}
+
 /// The indices of the `k` largest of `row`, largest first; ties go to the lower index.
 fn top_k(row: &[f32], k: usize) -> Vec<u32> {
     let mut order: Vec<u32> = (0..row.len() as u32).collect();
@@ -617,9 +623,7 @@ impl RouterAux {
                     (1, t.counts.len()),
                     z.device(),
                 )?;
-                let max = z.max_keepdim(1)?;
-                let ex = z.broadcast_sub(&max)?.exp()?;
-                let p = ex.broadcast_div(&ex.sum_keepdim(1)?)?;
+                let p = router_softmax(&z)?;
                 let pc = p.broadcast_mul(&c)?.sum_keepdim(1)?;
                 let add = (p * c.broadcast_sub(&pc)?)?;
                 Ok((g + (add * scale)?.to_dtype(g.dtype())?)?)
@@ -704,6 +708,23 @@ impl RouterAux {
         s.seed = None;
         s.last = Some(stats);
         Ok(stats)
+    }
+
+    /// [`RouterAux::finish`] over the ranks of `ctx` that hold the micro-batch's tokens: the
+    /// sequence group, and the tensor-parallel group under TP-sp (each of its ranks routes its
+    /// part of the tokens); `count` summed over the sequence group. Collective over those groups.
+    pub fn finish_in(
+        &self,
+        ctx: &ParallelCtx,
+        count: usize,
+        device: &candle_core::Device,
+    ) -> Result<RouterStats> {
+        let tp = ctx.tp();
+        let mut groups = vec![ctx.sequence_group()];
+        if tp.sequence_parallel() {
+            groups.push(tp.comm());
+        }
+        self.finish(count, &groups, ctx.sequence_group(), device)
     }
 
     /// The statistics of the last micro-batch [`RouterAux::finish`] summed.

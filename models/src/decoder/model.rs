@@ -423,12 +423,7 @@ impl Decoder {
         let Some((aux, coef)) = &self.router_aux else {
             return Ok((sum, count));
         };
-        let tp = self.ctx.tp();
-        let mut groups = vec![self.ctx.sequence_group()];
-        if tp.sequence_parallel() {
-            groups.push(tp.comm());
-        }
-        aux.finish(count, &groups, self.ctx.sequence_group(), sum.device())?;
+        aux.finish_in(&self.ctx, count, sum.device())?;
         match coef {
             Some(c) if *c != 0.0 => Ok((aux.add_to_loss(&sum, count, *c)?, count)),
             _ => Ok((sum, count)),
