@@ -14,7 +14,7 @@ use train::driver::RunOptions;
 use train::schedule::SeqLenSchedule;
 use train::trainer::TrainConfig;
 
-use crate::layout::{Backend, LayoutArgs, PipelineArgs};
+use crate::layout::{Backend, DeviceArg, LayoutArgs, PipelineArgs};
 
 /// The repository's bundled default model and corpus.
 pub fn default_asset(rel: &str) -> PathBuf {
@@ -120,11 +120,8 @@ pub struct TrainArgs {
     /// model.layers.7). Costs a reduction per layer output.
     #[arg(long)]
     pub detect_anomaly: bool,
-    /// The peak (TFLOP/s) that MFU is reported against, e.g. 989 for an H100's dense bf16
-    /// (default: this machine's matmul rate in the run's dtype, measured at start; the log
-    /// says which).
-    #[arg(long, value_name = "TFLOPS")]
-    pub peak_tflops: Option<f64>,
+    #[command(flatten)]
+    pub peak: PeakArgs,
     /// Write a Chrome/Perfetto trace of the run (one track per rank: steps, layers' forward,
     /// backward, each communication call with its bytes, optimizer, data, eval, checkpoints) to
     /// FILE; under mpirun each process writes FILE with `.rank<r>` before its extension. Read
@@ -390,25 +387,11 @@ impl TrainArgs {
         Ok(Some(guard))
     }
 
-    /// The peak that MFU is measured against in GFLOP/s, and what it is: `--peak-tflops`, or
-    /// this machine's matmul rate in the run's dtype on the run's device, measured now.
+    /// The peak that MFU is measured against in GFLOP/s, and what it is ([`PeakArgs::resolve`]
+    /// on the run's device and dtype).
     pub fn mfu_peak(&self) -> Result<(f64, String)> {
-        if let Some(t) = self.peak_tflops {
-            if !(t > 0.0 && t.is_finite()) {
-                bail!("--peak-tflops {t} must be a positive number");
-            }
-            return Ok((t * 1e3, format!("--peak-tflops {t}")));
-        }
         let dtype = self.dtype.map(DType::from).unwrap_or(DType::F32);
-        let device = self.layout.device.open(0)?;
-        let n = if device.is_cpu() { 512 } else { 4096 };
-        let g = train::driver::progress::matmul_gflops(&device, dtype, n, 5)?;
-        let what = format!(
-            "this machine's {} matmul rate on {} ({n}x{n} product, measured at start)",
-            format!("{dtype:?}").to_lowercase(),
-            self.layout.device
-        );
-        Ok((g, what))
+        self.peak.resolve(&self.layout.device, dtype, None)
     }
 
     /// The run driver's options of these flags for a run of `steps` steps, `extra_files`
@@ -770,5 +753,58 @@ mod tests {
         assert!(parse_size("0").is_err());
         assert!(parse_size("five GB").is_err());
         assert!(parse_size("-3KB").is_err());
+    }
+}
+
+/// The one peak every MFU figure is measured against: the progress line, metrics.jsonl and
+/// TensorBoard of `cpl train`, `finetune` and DiT/LLaVA training, and `cpl bench train|eval`.
+/// (The planner predicts seconds and memory, not MFU.)
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct PeakArgs {
+    /// The peak (TFLOP/s) that MFU is reported against, e.g. 989 for an H100's dense bf16
+    /// (default: this machine's matmul rate in the run's dtype, measured at start; the log
+    /// says which).
+    #[arg(long, value_name = "TFLOPS")]
+    pub peak_tflops: Option<f64>,
+}
+
+impl PeakArgs {
+    /// An error naming the flag when `--peak-tflops` is not a positive number or the product's
+    /// side `n` is 0: checked before a run starts.
+    pub fn check(&self, n: Option<usize>) -> Result<()> {
+        if let Some(t) = self.peak_tflops {
+            if !(t > 0.0 && t.is_finite()) {
+                bail!("--peak-tflops {t} must be a positive number");
+            }
+        }
+        if n == Some(0) {
+            bail!("--matmul-size must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// The peak in GFLOP/s and the words that name it: `--peak-tflops`, or the rate of `dtype`
+    /// products of side `n` on `device` (by default 512 on a CPU, 4096 on a GPU), measured now.
+    pub fn resolve(
+        &self,
+        device: &DeviceArg,
+        dtype: DType,
+        n: Option<usize>,
+    ) -> Result<(f64, String)> {
+        self.check(n)?;
+        if let Some(t) = self.peak_tflops {
+            return Ok((t * 1e3, format!("--peak-tflops {t}")));
+        }
+        let n = match (n, device) {
+            (Some(n), _) => n,
+            (None, DeviceArg::Cpu) => 512,
+            (None, DeviceArg::Cuda(_)) => 4096,
+        };
+        let g = train::driver::progress::matmul_gflops(&device.open(0)?, dtype, n, 5)?;
+        let what = format!(
+            "this machine's {} matmul rate on {device} ({n}x{n} product, measured at start)",
+            format!("{dtype:?}").to_lowercase(),
+        );
+        Ok((g, what))
     }
 }

@@ -13,7 +13,7 @@ const TINY: &str =
 const RATES: [&str; 6] = [
     "tokens_per_sec_best",
     "tokens_per_sec_median",
-    "matmul_f32_gflops",
+    "peak_gflops",
     "flops_per_token",
     "mfu_best",
     "mfu_median",
@@ -150,6 +150,38 @@ fn eval_json() {
     assert_eq!(doc["tokens"], 62);
 }
 
+/// MFU's peak is `cpl train`'s: the run's dtype's matmul rate, or `--peak-tflops`, and the
+/// report says which; with a stated peak the MFU is tokens/s x FLOPs per token over it.
+#[test]
+fn mfu_peak_is_the_one_cpl_train_states() {
+    let doc = bench_json(&format!("train --seq-len 32 --steps 2 --dtype bf16 {TINY}"));
+    assert_eq!(
+        doc["peak_source"],
+        "this machine's bf16 matmul rate on cpu (256x256 product, measured at start)",
+        "{doc}"
+    );
+    for line in [
+        format!("train --seq-len 32 --steps 2 --peak-tflops 0.5 {TINY}"),
+        format!("eval --seq-len 32 --repeats 1 --peak-tflops 0.5 {TINY}"),
+    ] {
+        let doc = bench_json(&line);
+        assert_eq!(doc["peak_source"], "--peak-tflops 0.5", "{doc}");
+        assert_eq!(doc["peak_gflops"], 500.0, "{doc}");
+        for (mfu, tps) in [
+            ("mfu_best", "tokens_per_sec_best"),
+            ("mfu_median", "tokens_per_sec_median"),
+        ] {
+            let want =
+                doc[tps].as_f64().unwrap() * doc["flops_per_token"].as_f64().unwrap() / 0.5e12;
+            let got = doc[mfu].as_f64().unwrap();
+            assert!(
+                (got - want).abs() <= 1e-12 * want,
+                "{mfu}: {got} vs {want}: {doc}"
+            );
+        }
+    }
+}
+
 /// A checkpoint instead of the random model, in its own dtype or another.
 #[test]
 fn eval_and_train_json_of_a_checkpoint() {
@@ -281,6 +313,15 @@ fn bad_flags_are_clear_errors() {
             "the dit family does not load as a causal language model",
         ),
         ("eval --repeats 0", "--repeats must be at least 1"),
+        (
+            "eval --peak-tflops 0",
+            "--peak-tflops 0 must be a positive number",
+        ),
+        (
+            "train --peak-tflops nan",
+            "--peak-tflops NaN must be a positive number",
+        ),
+        ("train --matmul-size 0", "--matmul-size must be at least 1"),
         ("matmul --isa neon", "--isa"),
     ];
     let cases: Vec<(Vec<String>, &str)> = cases

@@ -25,15 +25,14 @@ pub fn run(args: &EvalBenchArgs) -> Result<()> {
     let a = &args.lm;
     a.layout.device.require_cpu_because(
         "cpl bench eval",
-        "its timings do not synchronise a GPU and its MFU is against the CPU's matmul rate \
-         (`cpl bench attention --device cuda` measures a GPU)",
+        "its timings do not synchronise a GPU (`cpl bench train` and `cpl bench attention` \
+         measure one)",
     )?;
     at_least_one("--repeats", args.repeats)?;
     a.check()?;
     let model = a.resolve()?;
     let dtype = model.dtype(a.dtype);
     let vocab = model.desc.vocab;
-    let mm = a.matmul.gflops(10)?;
     let reports = launch(&a.layout, |rank| {
         // One sequence per data-parallel rank, so every rank works and the tokens/s is the
         // layout's.
@@ -63,7 +62,8 @@ pub fn run(args: &EvalBenchArgs) -> Result<()> {
     let timed = &reports[1..];
     let seconds: Vec<f64> = timed.iter().map(|r| r.seconds).collect();
     let flops = model.desc.flops_per_token(a.seq_len, Work::Forward);
-    let rate = Throughput::new(&seconds, timed[0].tokens as f64, flops, mm, &a.matmul);
+    let peak = a.peak(dtype)?;
+    let rate = Throughput::new(&seconds, timed[0].tokens as f64, flops, peak);
     let loss = timed[0].loss;
     if a.json {
         return a.print_json(
@@ -84,6 +84,6 @@ pub fn run(args: &EvalBenchArgs) -> Result<()> {
         args.repeats,
         dtype.as_str(),
     );
-    a.print_table(&model, &title, &rate, "f32 matmul");
+    a.print_table(&model, &title, &rate);
     Ok(())
 }

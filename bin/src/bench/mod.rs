@@ -26,7 +26,7 @@ use models::llama::{self, LlamaConfig};
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
-use crate::args::DtypeArg;
+use crate::args::{DtypeArg, PeakArgs};
 use crate::launch::{load_causal_lm, Rank};
 use crate::layout::LayoutArgs;
 
@@ -242,8 +242,12 @@ pub struct LmBenchArgs {
     /// Default: the checkpoint's, f32 for the random model.
     #[arg(long, value_enum)]
     pub dtype: Option<DtypeArg>,
+    /// Side n of the square product that measures this machine's matmul rate, MFU's peak
+    /// (default: as `cpl train` measures it, 512 on a CPU, 4096 on a GPU).
+    #[arg(long)]
+    pub matmul_size: Option<usize>,
     #[command(flatten)]
-    pub matmul: MatmulRate,
+    pub peak: PeakArgs,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -267,6 +271,7 @@ impl LmBenchArgs {
                 self.layout.pp
             );
         }
+        self.peak.check(self.matmul_size)?;
         self.layout.mesh_config()?;
         self.layout.check_seq_len(self.seq_len)
     }
@@ -350,58 +355,61 @@ impl LmBenchArgs {
         print_report(name, body)
     }
 
-    /// Prints the machine, the model, the run's `title` and the table of `rate`, whose matmul
-    /// rate is labelled `matmul` (e.g. "f32 matmul", "bf16 matmul on cuda:0").
-    pub fn print_table(&self, model: &BenchModel, title: &str, rate: &Throughput, matmul: &str) {
+    /// MFU's peak in GFLOP/s and the words that name it, for parameters of `dtype`: the same
+    /// as `cpl train`'s ([`PeakArgs::resolve`]).
+    pub fn peak(&self, dtype: DType) -> Result<(f64, String)> {
+        self.peak
+            .resolve(&self.layout.device, dtype, self.matmul_size)
+    }
+
+    /// Prints the machine, the model, the run's `title` and the table of `rate`.
+    pub fn print_table(&self, model: &BenchModel, title: &str, rate: &Throughput) {
         println!("{}", Machine::detect().line());
         println!("model: {}", model.describe());
         println!("{title}, {}", self.layout.flags());
         println!(
-            "| tokens/s best | tokens/s median | {matmul} GFLOP/s | MFU best (of {matmul}) | MFU median |"
+            "MFU against {:.1} GFLOP/s: {}",
+            rate.peak_gflops, rate.peak_source
         );
-        println!("|---|---|---|---|---|");
+        println!("| tokens/s best | tokens/s median | MFU best | MFU median |");
+        println!("|---|---|---|---|");
         println!(
-            "| {:.0} | {:.0} | {:.1} | {:.1}% | {:.1}% |",
+            "| {:.0} | {:.0} | {:.1}% | {:.1}% |",
             rate.tokens_per_sec_best,
             rate.tokens_per_sec_median,
-            rate.matmul_f32_gflops,
             100.0 * rate.mfu_best,
             100.0 * rate.mfu_median
         );
     }
 }
 
-/// Tokens/s of timed runs, and what they are of this machine's matmul rate.
+/// Tokens/s of timed runs, and what they are of MFU's peak.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Throughput {
     pub tokens_per_sec_best: f64,
     pub tokens_per_sec_median: f64,
-    pub matmul_f32_gflops: f64,
-    pub matmul_size: usize,
+    /// The peak MFU is measured against (GFLOP/s), and what it is (as `cpl train` logs it).
+    pub peak_gflops: f64,
+    pub peak_source: String,
     pub flops_per_token: f64,
-    /// Model FLOPs utilisation: FLOPs per token x tokens/s over the matmul rate.
+    /// Model FLOPs utilisation: FLOPs per token x tokens/s over the peak.
     pub mfu_best: f64,
     pub mfu_median: f64,
 }
 
 impl Throughput {
     /// From the `seconds` of timed runs of `tokens` tokens each, at `flops_per_token`, against
-    /// the rate `gflops` of `matmul`.
-    pub fn new(
-        seconds: &[f64],
-        tokens: f64,
-        flops_per_token: f64,
-        gflops: f64,
-        matmul: &MatmulRate,
-    ) -> Self {
+    /// `peak` (GFLOP/s, and its words).
+    pub fn new(seconds: &[f64], tokens: f64, flops_per_token: f64, peak: (f64, String)) -> Self {
         let (fastest, median) = min_and_median(seconds.to_vec());
         let (best, median) = (tokens / fastest, tokens / median);
+        let (gflops, source) = peak;
         let mfu = |tps: f64| tps * flops_per_token / (gflops * 1e9);
         Self {
             tokens_per_sec_best: best,
             tokens_per_sec_median: median,
-            matmul_f32_gflops: gflops,
-            matmul_size: matmul.matmul_size,
+            peak_gflops: gflops,
+            peak_source: source,
             flops_per_token,
             mfu_best: mfu(best),
             mfu_median: mfu(median),

@@ -5,10 +5,10 @@
 //! backward, clipping to norm 1, AdamW at lr 1e-4, as `scripts/bench_train.py` does in
 //! PyTorch) through the library's `Trainer`, the same step `cpl train` takes. The first step is
 //! a warm-up; tokens/s are the best and the median of the others (the slowest rank's time of
-//! each step). Also: the peak resident memory, this machine's f32 matmul rate and the model
-//! FLOPs utilisation (the family's `Description::flops_per_token` x tokens/s over that rate).
-//! With `--device cuda`: each step's time ends with the GPU synchronised, and the MFU is against
-//! that GPU's matmul rate in the model's dtype (bf16 on tensor cores).
+//! each step). Also: the peak resident memory and the model FLOPs utilisation (the family's
+//! `Description::flops_per_token` x tokens/s over the peak `cpl train` uses: `--peak-tflops`,
+//! or the device's matmul rate in the model's dtype, bf16 on tensor cores on a GPU). With
+//! `--device cuda`, each step's time ends with the GPU synchronised.
 
 use std::time::Instant;
 
@@ -22,8 +22,6 @@ use candle_parallel::recompute::Checkpointing;
 use serde_json::json;
 use train::data::{PackedDataset, Packing, TokenStream};
 use train::trainer::{TrainConfig, Trainer};
-
-use crate::layout::DeviceArg;
 
 use super::{at_least_one, random_tokens, LmBenchArgs, Throughput, Work};
 use crate::launch::launch;
@@ -105,12 +103,6 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
         a.seq_len,
         Packing::Continuous,
     )?;
-    // On a GPU: MFU against that GPU's matmul rate in the model's dtype (tensor cores for bf16),
-    // and every step's time ends with the device synchronised.
-    let cpu_mm = match a.layout.device {
-        DeviceArg::Cpu => Some(a.matmul.gflops(10)?),
-        DeviceArg::Cuda(_) => None,
-    };
     let measured = launch(&a.layout, |rank| {
         let loaded = model.load(rank, dtype, ParamMode::Trainable, &a.layout)?;
         let dtype = train::evaluation::activation_dtype(&loaded.params);
@@ -145,16 +137,10 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     let Some(m) = measured else {
         return Ok(());
     };
-    let matmul = match a.layout.device {
-        DeviceArg::Cpu => "f32 matmul".to_string(),
-        d => format!("{} matmul on {d}", m.dtype.as_str()),
-    };
-    let mm = match cpu_mm {
-        Some(mm) => mm,
-        None => a.matmul.gflops_on(&a.layout.device.open(0)?, m.dtype, 10)?,
-    };
+    // Measured after the run, with the ranks (and a GPU) idle.
+    let peak = a.peak(m.dtype)?;
     let flops = model.desc.flops_per_token(a.seq_len, Work::Training);
-    let rate = Throughput::new(&m.seconds[1..], m.tokens as f64, flops, mm, &a.matmul);
+    let rate = Throughput::new(&m.seconds[1..], m.tokens as f64, flops, peak);
     if a.json {
         return a.print_json(
             "train",
@@ -166,7 +152,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
                 "checkpointing": args.checkpointing.to_string(), "loss_chunk": args.loss_chunk,
                 "tokens_per_step": m.tokens, "step_seconds": m.seconds,
                 "peak_rss_mib": m.peak_rss_mib,
-                "loss_first": m.loss_first, "loss_last": m.loss_last, "matmul": matmul,
+                "loss_first": m.loss_first, "loss_last": m.loss_last,
             }),
         );
     }
@@ -180,7 +166,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
         args.zero,
         args.checkpointing
     );
-    a.print_table(&model, &title, &rate, &matmul);
+    a.print_table(&model, &title, &rate);
     let steps: Vec<String> = m.seconds.iter().map(|s| format!("{s:.2}")).collect();
     println!("step seconds: {}", steps.join(" "));
     println!("peak memory: {:.0} MiB (RSS)", m.peak_rss_mib);
