@@ -55,6 +55,8 @@ struct Case {
     mask: M,
     with_lse: bool,
     dtype: DType,
+    /// A sliding window of this many tokens on top of the mask.
+    window: Option<usize>,
 }
 
 impl Case {
@@ -69,7 +71,17 @@ impl Case {
             mask,
             with_lse: true,
             dtype: DType::F32,
+            window: None,
         }
+    }
+
+    fn window(mut self, w: usize) -> Self {
+        self.window = Some(w);
+        self
+    }
+
+    fn call(&self) -> AttnCall {
+        AttnCall::new(self.attn_mask(), self.scale()).with_window(self.window)
     }
 
     fn batch(mut self, b: usize) -> Self {
@@ -152,6 +164,9 @@ fn reference(c: &Case, x: &Global) -> Five {
     if let Some(d) = m.doc_ids() {
         spec = spec.with_doc_ids(d.clone());
     }
+    if let Some(w) = c.window {
+        spec = spec.with_window(w);
+    }
     let (out, lse) = flash_ring::flash_attention_with_lse(&q, &k, &v, &spec).unwrap();
     let grads = (&out * &x.g)
         .unwrap()
@@ -192,11 +207,9 @@ fn run_ranks(c: &Case, x: &Global) -> Result<Vec<RankOut>, String> {
             let g = sp.shard_for(&x.g, 1, &mask).map_err(e2s)?;
             comm.traffic().reset();
             let (out, lse) = if c.with_lse {
-                sp.attention_with_lse(&q, &k, &v, &AttnCall::new(mask.clone(), c.scale()))
-                    .map_err(e2s)?
+                sp.attention_with_lse(&q, &k, &v, &c.call()).map_err(e2s)?
             } else {
-                let call = AttnCall::new(mask.clone(), c.scale());
-                let out = sp.attention(&q, &k, &v, &call).map_err(e2s)?;
+                let out = sp.attention(&q, &k, &v, &c.call()).map_err(e2s)?;
                 (
                     out,
                     Tensor::zeros(1, DType::F32, &Device::Cpu).map_err(e2s)?,
@@ -326,6 +339,10 @@ fn check(c: &Case, seed: u64) -> Result<(), String> {
             return Err(format!("{name}: relative error {err:e} > {tol:e}"));
         }
     }
+    if let (Some(w), Strategy::AllGather) = (c.window, c.cfg.strategy) {
+        return check_windowed_allgather_traffic(c, w, &plan, &ranks);
+    }
+    // A window skips block pairs' compute, not their transfer: the same bytes.
     let want = expected_traffic(c);
     // The planner's cost model uses the same bytes.
     let planned = attention_traffic(
@@ -375,13 +392,75 @@ fn check(c: &Case, seed: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// Windowed all-gather CP: each rank sends the rows of its k and v that another rank's windows
+/// reach (counted here by brute force over every pair of positions), once forward and again in
+/// backward, plus the f32 gradients of the rows it received; one exchange forward, two in
+/// backward. Ring rank `i`'s rows are `plan.ring_positions(i)`.
+fn check_windowed_allgather_traffic(
+    c: &Case,
+    w: usize,
+    plan: &candle_parallel::attention::ShardPlan,
+    ranks: &[RankOut],
+) -> Result<(), String> {
+    let r = c.cfg.ring;
+    let causal = matches!(c.mask, M::Causal | M::Docs);
+    let sees = |q: u32, k: u32| {
+        let (q, k) = (q as i64, k as i64);
+        if causal {
+            q >= k && q - k < w as i64
+        } else {
+            (q - k).abs() < w as i64
+        }
+    };
+    // rows[i][j]: rows of rank i's keys that a query of rank j sees.
+    let rows = |i: usize, j: usize| -> u64 {
+        let qs = plan.ring_positions(j);
+        plan.ring_positions(i)
+            .iter()
+            .filter(|&&k| qs.iter().any(|&q| sees(q, k)))
+            .count() as u64
+    };
+    let row = (c.b * c.hkv * c.d) as u64;
+    let el = c.dtype.size_in_bytes() as u64;
+    for ro in ranks {
+        let i = ro.coords.0;
+        let sent: u64 = (0..r).filter(|&j| j != i).map(|j| rows(i, j)).sum();
+        let received: u64 = (0..r).filter(|&j| j != i).map(|j| rows(j, i)).sum();
+        let fwd = 2 * sent * row * el;
+        let got = (
+            ro.fwd.bytes_sent(),
+            ro.bwd_sent,
+            ro.bwd_p2p,
+            ro.fwd.get(OpKind::Exchange).calls,
+            ro.bwd_exchanges,
+        );
+        let bwd = fwd + 2 * received * row * 4;
+        let want = (fwd, bwd, bwd, 1, 2);
+        if got != want {
+            return Err(format!(
+                "ring rank {i}: (fwd, bwd, bwd p2p, fwd exchanges, bwd exchanges) = {got:?}, \
+                 expected {want:?}"
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn run_all(cases: &[Case]) {
     let mut failures = Vec::new();
     for (i, c) in cases.iter().enumerate() {
         if let Err(e) = check(c, 1000 + i as u64) {
             failures.push(format!(
-                "{} {}x{} {} {:?} b={} hq={} hkv={}: {e}",
-                c.cfg.strategy, c.cfg.ulysses, c.cfg.ring, c.cfg.layout, c.mask, c.b, c.hq, c.hkv
+                "{} {}x{} {} {:?} window {:?} b={} hq={} hkv={}: {e}",
+                c.cfg.strategy,
+                c.cfg.ulysses,
+                c.cfg.ring,
+                c.cfg.layout,
+                c.mask,
+                c.window,
+                c.b,
+                c.hq,
+                c.hkv
             ));
         }
     }
@@ -505,6 +584,74 @@ fn allgather_cp_matches_single_device() {
         M::DocsFull,
     ));
     run_all(&cases);
+}
+
+/// Sliding windows under every strategy, every mask kind, GQA: out, lse and the gradients equal
+/// one device; windows of 1 (a row sees itself only), shorter than a chunk, longer than a
+/// rank's tokens and longer than the sequence. All-gather CP gathers only the keys the windows
+/// reach (its bytes checked by brute force), so its traffic falls with the window.
+#[test]
+fn sliding_windows_match_single_device_under_every_strategy() {
+    let mut cases = Vec::new();
+    for cfg in [
+        SpConfig::new(Strategy::AllGather, 1, 4),
+        SpConfig::new(Strategy::AllGather, 1, 4).with_layout(SeqLayout::Contiguous),
+        SpConfig::new(Strategy::AllGather, 1, 4).with_layout(SeqLayout::Striped),
+        SpConfig::new(Strategy::AllGather, 1, 2),
+        SpConfig::new(Strategy::AllGather, 1, 8),
+        SpConfig::new(Strategy::Ring, 1, 4),
+        SpConfig::new(Strategy::Ring, 1, 4).with_layout(SeqLayout::Contiguous),
+        SpConfig::new(Strategy::Ulysses, 2, 1),
+        SpConfig::new(Strategy::Usp, 2, 2),
+        SpConfig::new(Strategy::DoubleRing, 1, 4).with_inner_ring(2),
+    ] {
+        for (mask, w) in [
+            (M::Causal, 1),
+            (M::Causal, 5),
+            (M::Docs, 9),
+            (M::Full, 6),
+            (M::DocsFull, 20),
+            (M::Causal, 200),
+        ] {
+            cases.push(Case::new(cfg.clone(), 4, 2, mask).window(w));
+        }
+    }
+    let mut doc_zigzag = Case::new(
+        SpConfig::new(Strategy::AllGather, 1, 4).with_layout(SeqLayout::DocZigzag),
+        4,
+        1,
+        M::Docs,
+    )
+    .window(7)
+    .batch(2);
+    doc_zigzag.with_lse = false;
+    cases.push(doc_zigzag);
+    run_all(&cases);
+}
+
+/// The traffic of windowed all-gather CP falls with the window: at 64 tokens on 4 ranks, a
+/// window of 4 moves under a third of the full all-gather's bytes, and a window as long as the
+/// sequence all of them.
+#[test]
+fn allgather_cp_traffic_falls_with_the_window() {
+    let sent = |w: Option<usize>| -> u64 {
+        let mut c = Case::new(SpConfig::new(Strategy::AllGather, 1, 4), 4, 2, M::Causal);
+        c.window = w;
+        let x = inputs(&c, 7);
+        let ranks = run_ranks(&c, &x).unwrap();
+        ranks.iter().map(|r| r.fwd.bytes_sent()).sum()
+    };
+    let full = sent(None);
+    assert!(full > 0);
+    let small = sent(Some(4));
+    assert!(3 * small < full, "window 4: {small} bytes against {full}");
+    // A window longer than the sequence reaches every key but each rank's first keys' zigzag
+    // partner: causal keys after every query of a rank are never sent.
+    let whole = sent(Some(64));
+    assert!(
+        small < whole && whole <= full,
+        "{small} < {whole} <= {full}"
+    );
 }
 
 #[test]
