@@ -141,6 +141,8 @@ pub struct Layout {
     pub mesh: MeshConfig,
     pub sp: SpConfig,
     pub tp: TpActivations,
+    /// Expert parallelism (1: none).
+    pub ep: usize,
 }
 
 impl Layout {
@@ -167,7 +169,15 @@ impl Layout {
             mesh,
             sp,
             tp: TpActivations::Replicated,
+            ep: 1,
         }
+    }
+
+    /// The same layout with its mixtures of experts divided over `ep` of the ranks holding
+    /// different tokens.
+    pub fn with_ep(mut self, ep: usize) -> Self {
+        self.ep = ep;
+        self
     }
 
     pub fn with_sp(mut self, f: impl FnOnce(SpConfig) -> SpConfig) -> Self {
@@ -197,7 +207,8 @@ impl Layout {
 
     /// This rank's mesh and parallel context (collective over `world`); errors name the layout.
     pub fn context(&self, world: Comm) -> Result<(DeviceMesh, ParallelCtx), String> {
-        let plan = candle_parallel::plan::Layout::new(self.mesh.clone(), self.sp.clone(), self.tp);
+        let plan = candle_parallel::plan::Layout::new(self.mesh.clone(), self.sp.clone(), self.tp)
+            .with_expert_parallel(self.ep);
         plan.context(world)
             .map_err(|e| format!("{}: {e}", self.name))
     }

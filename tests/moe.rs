@@ -167,6 +167,79 @@ fn every_moe_family_trains_like_one_rank() {
     }
 }
 
+/// Expert parallelism through the registry and the trainer, 3 AdamW steps with the balancing
+/// loss (coefficient 0.3): ep2 over dp2, ep4 over dp4, ep2 over the two ranks of a zigzag ring,
+/// ep4 over ulysses2 x dp2, ep2 with ZeRO-1, ep2 with ZeRO-2 and selective checkpointing, each
+/// with the same micro-batches as one rank: losses, gradient norms, the held-out loss and final
+/// weights equal one rank (1e-5); the checkpoint each saves (the experts gathered from their
+/// owners) equals one rank's (1e-5). (`cpl train --ep` with held-out windows that the data ranks
+/// share unevenly is `bin/tests/train_cli.rs`'s.)
+#[test]
+fn every_moe_family_trains_under_expert_parallelism_like_one_rank() {
+    use candle_parallel::optim::ZeroStage;
+    let data = data();
+    let dir = std::env::temp_dir().join(format!("cpl-moe-ep-{}", std::process::id()));
+    let with = |mut cfg: train::trainer::TrainConfig, zero, checkpointing| {
+        cfg.memory.zero = zero;
+        cfg.memory.checkpointing = checkpointing;
+        cfg
+    };
+    for name in FAMILIES {
+        let files = fixture_files(name);
+        let run = |layout: &Layout, cfg: &train::trainer::TrainConfig| {
+            let out = dir.join(format!("{}-{}", name.replace('/', "-"), layout.name));
+            let run = cpl_integration_tests::drive_through_registry(
+                &files, layout, cfg, &data, None, &out,
+            );
+            let saved = models::hub::from_dir("saved", &out.join("step-3"))
+                .unwrap_or_else(|e| panic!("{}: {e}", layout.name));
+            (run, cpl_integration_tests::stored_tensors(&saved))
+        };
+        let (want, want_saved) = run(&Layout::single(), &config(3, 4));
+        for (layout, cfg) in [
+            (Layout::single().with_dp(2).with_ep(2), config(3, 2)),
+            (Layout::single().with_dp(4).with_ep(4), config(3, 1)),
+            (
+                Layout::new("zigzag ring2", 1, 1, 2, Strategy::Ring).with_ep(2),
+                config(3, 4),
+            ),
+            (
+                Layout::new("ulysses2", 1, 2, 1, Strategy::Ulysses)
+                    .with_dp(2)
+                    .with_ep(4),
+                config(3, 2),
+            ),
+            (
+                Layout::single().with_dp(2).with_ep(2),
+                with(
+                    config(3, 2),
+                    ZeroStage::OptimizerStates,
+                    Checkpointing::None,
+                ),
+            ),
+            (
+                Layout::single().with_dp(2).with_ep(2),
+                with(config(3, 2), ZeroStage::Gradients, Checkpointing::Selective),
+            ),
+        ] {
+            let case = format!(
+                "{name} / {} ep{} ZeRO {} {}",
+                layout.name, layout.ep, cfg.memory.zero, cfg.memory.checkpointing
+            );
+            let (got, saved) = run(&layout, &cfg);
+            assert_same_registry_run(&case, &got, &want, TOL);
+            assert_eq!(saved.len(), want_saved.len(), "{case}: saved tensors");
+            for ((n, a), (m, b)) in saved.iter().zip(&want_saved) {
+                assert_eq!(n, m, "{case}");
+                let f = |x: &[f32]| x.iter().map(|&v| f64::from(v)).collect::<Vec<_>>();
+                let e = testkit::rel_err_values(&f(a), &f(b));
+                assert!(e <= TOL, "{case}: saved {n}: rel err {e:e}");
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A copy of fixture `name` whose config says `coef` for the balancing loss (what
 /// `cpl train --router-aux-loss-coef` writes), in a fresh directory.
 fn with_aux_coef(name: &str, coef: f64) -> (models::hub::ModelFiles, std::path::PathBuf) {

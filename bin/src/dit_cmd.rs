@@ -33,6 +33,8 @@ fn load(dir: &Path, rank: &Rank, dtype: Option<DType>, mode: ParamMode) -> Resul
 
 /// `cpl train` on a DiT.
 pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
+    args.layout
+        .require_no_ep("a DiT has no experts: cpl train of a DiT")?;
     args.layout.device.require_cpu("cpl train of a DiT")?;
     // Full attention over the patch tokens: the contiguous ring layout by default.
     let mut args = args.clone();

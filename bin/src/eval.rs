@@ -91,6 +91,7 @@ fn sequences(
 /// Evaluates on every rank; returns rank 0's report and logits (`None` in the other processes
 /// of an MPI job).
 pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
+    args.layout.require_no_ep("cpl eval")?;
     let files = models::hub::resolve(&args.model)?;
     // The family of the checkpoint (the registry): its layers, vocabulary and loader.
     let family = models::family::detect(&files.config)?;

@@ -14,6 +14,7 @@ use crate::args::GenerateArgs;
 use crate::launch::{launch_pipelined, load_causal_lm};
 
 pub fn run(args: &GenerateArgs) -> Result<()> {
+    args.layout.require_no_ep("cpl generate")?;
     let model = crate::model_arg::resolve(&args.model)?;
     match model.family.kind {
         models::Kind::Diffusion => return crate::dit_cmd::generate(args, &model.dir),

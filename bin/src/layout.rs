@@ -24,6 +24,12 @@ pub struct LayoutArgs {
     /// Pipeline-parallel degree.
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
+    /// Expert parallelism: ranks over which every mixture-of-experts block divides its experts,
+    /// carved from the ranks that hold different tokens (ulysses x ring x dp, innermost first);
+    /// tokens travel to their experts and back by all-to-all. `cpl train` and `cpl bench train`
+    /// of a mixture of experts, without --tp, --pp or ZeRO-3 for now.
+    #[arg(long, default_value_t = 1)]
+    pub ep: usize,
     /// Data-parallel degree; inferred from --ranks when omitted.
     #[arg(long)]
     pub dp: Option<usize>,
@@ -170,6 +176,7 @@ impl Default for LayoutArgs {
             ulysses: 1,
             ring: 1,
             pp: 1,
+            ep: 1,
             dp: None,
             order: None,
             placement: Placement::HeadFirst,
@@ -245,11 +252,41 @@ impl LayoutArgs {
         } else {
             candle_parallel::nn::TpActivations::Replicated
         };
-        Ok(candle_parallel::plan::Layout::new(
-            self.mesh_config()?,
-            self.sp_config()?,
-            tp,
-        ))
+        let mesh = self.mesh_config()?;
+        let tokens = mesh.degree(Dim::Ulysses) * mesh.degree(Dim::Ring) * mesh.degree(Dim::Dp);
+        if self.ep == 0 {
+            bail!("--ep must be at least 1");
+        }
+        if !tokens.is_multiple_of(self.ep) {
+            bail!(
+                "--ep {} does not divide the {tokens} ranks that hold different tokens (ulysses x \
+                 ring x dp), from which expert parallelism is carved",
+                self.ep
+            );
+        }
+        if self.ep > 1 && (self.tp > 1 || self.pp > 1) {
+            bail!(
+                "--ep {} with --tp or --pp is not supported yet (expert parallelism runs over the \
+                 data and sequence ranks)",
+                self.ep
+            );
+        }
+        Ok(
+            candle_parallel::plan::Layout::new(mesh, self.sp_config()?, tp)
+                .with_expert_parallel(self.ep),
+        )
+    }
+
+    /// Errors naming `--ep` unless it is 1: for commands (`what`) that run no expert
+    /// parallelism.
+    pub fn require_no_ep(&self, what: &str) -> Result<()> {
+        if self.ep != 1 {
+            bail!(
+                "--ep {}: {what} runs no expert parallelism (cpl train and cpl bench train do)",
+                self.ep
+            );
+        }
+        Ok(())
     }
 
     /// The data-parallel degree of these flags (checked).
@@ -277,6 +314,7 @@ impl LayoutArgs {
             ("--ulysses", self.ulysses, d.ulysses),
             ("--ring", self.ring, d.ring),
             ("--pp", self.pp, d.pp),
+            ("--ep", self.ep, d.ep),
             ("--inner-ring", self.inner_ring, d.inner_ring),
             ("--team", self.team, d.team),
         ] {

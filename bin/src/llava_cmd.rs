@@ -370,6 +370,8 @@ pub fn generate(args: &GenerateArgs, dir: &Path) -> Result<()> {
 /// `--freeze-language-model` (projector-only pretraining: both).
 pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
     args.layout
+        .require_no_ep("a LLaVA model has no experts: cpl train of a LLaVA model")?;
+    args.layout
         .device
         .require_cpu("cpl train of a LLaVA model")?;
     // Flags of text or diffusion training that mean nothing here are errors, not ignored.

@@ -433,6 +433,7 @@ pub struct PlanArgs {
 /// Prints the mesh and, under a pipeline, every rank's schedule as a timetable with its bubble;
 /// with `--auto`, the ranked layouts of [`run`].
 pub fn plan(args: &PlanArgs) -> Result<()> {
+    args.layout.require_no_ep("cpl plan")?;
     if args.auto.auto {
         return run(&args.auto, &args.layout);
     }

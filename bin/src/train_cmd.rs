@@ -218,6 +218,26 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         args.layout.ranks,
         sp.strategy.name()
     );
+    if args.layout.ep > 1 && (args.eval_by_position || args.eval_passkey) {
+        bail!(
+            "--ep {}: --eval-by-position and --eval-passkey do not run under expert parallelism \
+             yet (the held-out loss of --eval-data does); run cpl eval on the checkpoints",
+            args.layout.ep
+        );
+    }
+    if args.layout.ep > 1 && cfg.memory.zero == candle_parallel::optim::ZeroStage::Parameters {
+        bail!(
+            "--ep {} with --zero 3 is not supported yet (ZeRO 1 and 2 are)",
+            args.layout.ep
+        );
+    }
+    if args.layout.ep > 1 && cfg.memory.zero_group.is_some() {
+        bail!(
+            "--ep {} with --zero-group is not supported yet: the experts are sharded over the \
+             ranks that hold them, the other parameters over every data rank",
+            args.layout.ep
+        );
+    }
     if args.eval_by_position && (eval_data.is_none() || cfg.pipeline.is_some()) {
         bail!(
             "--eval-by-position needs held-out data (--eval-data or --eval-tokens) and no --pp \
@@ -251,6 +271,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             None,
         )?
         .model;
+        if args.layout.ep > 1 && !model.has_routers() {
+            bail!(
+                "--ep {}: {model_id} is not a mixture of experts (expert parallelism divides the \
+                 experts of its sparse blocks)",
+                args.layout.ep
+            );
+        }
         let mut trainer = Trainer::new(model, &rank.mesh, &rank.ctx, cfg.clone())?;
         if let Some(r) = &resume {
             r.restore(&mut trainer)?;

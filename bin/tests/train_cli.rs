@@ -2115,3 +2115,149 @@ fn router_aux_loss_coef_changes_the_run_and_its_checkpoints() {
         ),
     ]);
 }
+
+/// `--ep` on a mixture of experts (Qwen3-MoE, 8 experts, 4 ranks): the losses, gradient norms
+/// and held-out losses (5 held-out windows: the data ranks score 2, 1, 1, 1, expert parallelism
+/// pads the others' forwards) of --ep 2, --ep 4, and --ep 2 with ZeRO-2 equal the same run
+/// without expert parallelism, and --ring 2 --ep 2 equals --ring 2 (1e-5); a checkpoint of
+/// step 2 written under --ep 2 resumes under --ep 4 and --ep 1 to the uninterrupted run's losses;
+/// bad uses name the flag.
+#[test]
+fn expert_parallelism_trains_like_data_parallelism_and_resumes_under_another_ep() {
+    let dir = common::tmpdir("expert-parallel");
+    let tokens = docs_file(&dir);
+    let moe = common::fixtures("moe").join("qwen3_moe");
+    let args = |out: &Path, extra: &[&str]| {
+        let mut a = set_flags(
+            base_args(&tokens, out, 4),
+            &[
+                "--seq-len",
+                "16",
+                "--ranks",
+                "4",
+                "--ring",
+                "1",
+                "--eval-tokens",
+                tokens.to_str().unwrap(),
+                "--eval-every",
+                "2",
+                "--eval-windows",
+                "5",
+                "--save-every",
+                "2",
+            ],
+        );
+        let p = a.iter().position(|x| x == "--model").unwrap();
+        a[p + 1] = moe.to_str().unwrap().to_string();
+        set_flags(a, extra)
+    };
+    let run = |name: &str, extra: &[&str]| -> PathBuf {
+        let out = dir.join(name);
+        let o = cpl(&args(&out, extra));
+        assert!(o.status.success(), "{name}: {}", common::stderr(&o));
+        out
+    };
+    let evals = |out: &Path| -> Vec<f64> {
+        std::fs::read_to_string(out.join("eval.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                v["loss"].as_f64().unwrap()
+            })
+            .collect()
+    };
+    let same = |got: &Path, want: &Path, what: &str| {
+        let (g, w) = (losses_and_norms(got), losses_and_norms(want));
+        assert_eq!(g.len(), w.len(), "{what}");
+        for (i, ((gl, gn), (wl, wn))) in g.iter().zip(&w).enumerate() {
+            testkit::assert_close_scalar(*gl, *wl, 1e-5, &format!("{what}: step {i} loss"));
+            testkit::assert_close_scalar(*gn, *wn, 1e-5, &format!("{what}: step {i} norm"));
+        }
+    };
+    let dp4 = run("dp4", &[]);
+    let ring2 = run("ring2", &["--ring", "2"]);
+    assert_eq!(evals(&dp4).len(), 2);
+    for (name, extra, want) in [
+        ("ep2", vec!["--ep", "2"], &dp4),
+        ("ep4", vec!["--ep", "4"], &dp4),
+        ("ep2-zero2", vec!["--ep", "2", "--zero", "2"], &dp4),
+        ("ring2-ep2", vec!["--ring", "2", "--ep", "2"], &ring2),
+    ] {
+        let out = run(name, &extra);
+        same(&out, want, name);
+        for (a, b) in evals(&out).iter().zip(evals(want)) {
+            testkit::assert_close_scalar(*a, b, 1e-5, &format!("{name}: held-out loss"));
+        }
+    }
+    // Resume step-2 of the --ep 2 run under --ep 4 and --ep 1: its first two metrics lines and
+    // its checkpoint, nothing else.
+    let ep2 = dir.join("ep2");
+    let head: Vec<String> = std::fs::read_to_string(ep2.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .take(2)
+        .map(|l| format!("{l}\n"))
+        .collect();
+    for ep in ["4", "1"] {
+        let out = dir.join(format!("resumed-ep{ep}"));
+        std::fs::create_dir_all(out.join("step-2")).unwrap();
+        for f in std::fs::read_dir(ep2.join("step-2")).unwrap() {
+            let f = f.unwrap().path();
+            std::fs::copy(&f, out.join("step-2").join(f.file_name().unwrap())).unwrap();
+        }
+        std::fs::write(out.join("metrics.jsonl"), head.concat()).unwrap();
+        let o = cpl(&args(&out, &["--ep", ep, "--resume"]));
+        assert!(o.status.success(), "--ep {ep}: {}", common::stderr(&o));
+        assert!(
+            common::stderr(&o).contains("resuming from")
+                || common::stdout(&o).contains("resuming from"),
+            "--ep {ep}: no resume"
+        );
+        same(
+            &out,
+            &dp4,
+            &format!("step-2 of --ep 2 resumed under --ep {ep}"),
+        );
+    }
+    common::assert_clear_errors(&[
+        (
+            args(&dir.join("e3"), &["--ep", "3"]),
+            "--ep 3 does not divide the 4 ranks",
+        ),
+        (
+            args(&dir.join("e0"), &["--ep", "0"]),
+            "--ep must be at least 1",
+        ),
+        (
+            args(&dir.join("etp"), &["--ep", "2", "--tp", "2"]),
+            "--ep 2 with --tp or --pp is not supported yet",
+        ),
+        (
+            args(&dir.join("ez3"), &["--ep", "2", "--zero", "3"]),
+            "--ep 2 with --zero 3 is not supported yet",
+        ),
+        (
+            set_flags(
+                base_args(&tokens, &dir.join("dense"), 1),
+                &["--ranks", "2", "--ring", "1", "--ep", "2"],
+            ),
+            "is not a mixture of experts",
+        ),
+        (
+            [
+                "eval",
+                "--model",
+                moe.to_str().unwrap(),
+                "--tokens",
+                tokens.to_str().unwrap(),
+            ]
+            .iter()
+            .chain(&["--seq-len", "16", "--ranks", "2", "--ep", "2"])
+            .map(|s| s.to_string())
+            .collect(),
+            "--ep 2: cpl eval runs no expert parallelism",
+        ),
+    ]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

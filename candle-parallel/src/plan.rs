@@ -48,6 +48,10 @@ pub struct Layout {
     pub mesh: MeshConfig,
     pub attention: SpConfig,
     pub tp: TpActivations,
+    /// Expert parallelism: ranks over which every mixture-of-experts block divides its experts,
+    /// carved from the ranks holding different tokens ([`ParallelCtx::with_expert_parallel`]);
+    /// 1 for none.
+    pub ep: usize,
 }
 
 impl Layout {
@@ -56,7 +60,14 @@ impl Layout {
             mesh,
             attention,
             tp,
+            ep: 1,
         }
+    }
+
+    /// This layout with expert parallelism of degree `ep`.
+    pub fn with_expert_parallel(mut self, ep: usize) -> Self {
+        self.ep = ep;
+        self
     }
 
     /// One rank, no parallelism.
@@ -77,7 +88,8 @@ impl Layout {
     /// This rank's mesh and parallel context. Collective over `world` (every rank calls it).
     pub fn context(&self, world: Comm) -> Result<(DeviceMesh, ParallelCtx)> {
         let mesh = DeviceMesh::new(&self.mesh, world)?;
-        let ctx = ParallelCtx::new(&mesh, &self.attention, self.tp)?;
+        let ctx =
+            ParallelCtx::new(&mesh, &self.attention, self.tp)?.with_expert_parallel(self.ep)?;
         Ok((mesh, ctx))
     }
 }

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::Device;
 use candle_parallel::comm::Comm;
+use candle_parallel::nn::{Param, Shard};
 use candle_parallel::pipeline::gather_to_first;
 use models::checkpoint::{gather_tp, write_hf_dir, CheckpointReader, SaveOptions};
 use serde::{Deserialize, Serialize};
@@ -161,6 +162,23 @@ pub fn save_sharded<M: TrainModel>(
         state.push((name, t));
     }
     let mut params = trainer.whole_params()?;
+    if let Some(ep) = trainer.expert_group() {
+        // Each expert-parallel rank holds its experts: they meet on the writer.
+        let (experts, dense): (Vec<_>, Vec<_>) = state
+            .into_iter()
+            .partition(|(name, _)| trainer.is_expert(name));
+        state = dense;
+        state.extend(gather_to_first(ep, experts)?);
+        let (experts, mut dense): (Vec<Param>, Vec<Param>) =
+            params.into_iter().partition(|p| p.expert_parallel);
+        let named = experts.into_iter().map(|p| (p.name, p.tensor)).collect();
+        for (name, t) in gather_to_first(ep, named)? {
+            let dims = t.dims().to_vec();
+            dense.push(Param::value(&name, t, Shard::replicated(), &dims));
+        }
+        dense.sort_by(|a, b| a.name.cmp(&b.name));
+        params = dense;
+    }
     for p in &mut params {
         p.name = trainer.model.saved_name(&p.name);
     }
@@ -286,12 +304,12 @@ pub fn restore<M: TrainModel>(
     check_data_position(trainer, dir, state)?;
     let reader = CheckpointReader::open(&[dir.join("optimizer.safetensors")])?;
     let mut tensors = HashMap::new();
-    let pipelined = trainer.pp().size() > 1;
+    // A pipeline stage, or an expert-parallel rank, reads the state of its own parameters only.
+    let partial = trainer.pp().size() > 1 || trainer.expert_group().is_some();
     for name in reader.names() {
         let shard = match trainer.entry_shard(&name) {
             Ok(s) => s,
-            // A pipeline stage reads the state of its own parameters only.
-            Err(_) if pipelined => continue,
+            Err(_) if partial => continue,
             Err(_) => {
                 return Err(Error::Checkpoint {
                     path: dir.to_path_buf(),

@@ -369,6 +369,8 @@ struct TrainParam {
     name: String,
     /// Tensor-parallel split.
     shard: Shard,
+    /// This expert-parallel rank's alone ([`Param::expert_parallel`]).
+    expert: bool,
     global_shape: Vec<usize>,
     /// Shape of this rank's tensor-parallel slice.
     local_shape: Vec<usize>,
@@ -618,6 +620,26 @@ impl<M: TrainModel> Trainer<M> {
             _ => {}
         }
         let zero = cfg.memory.zero_groups(mesh)?;
+        let experts = ctx.expert_groups().cloned();
+        if experts.is_some() {
+            if cfg.memory.shards_parameters() {
+                return Err(Error::Invalid(
+                    "expert parallelism with ZeRO-3 is not supported yet (use ZeRO 1 or 2)".into(),
+                ));
+            }
+            if cfg.memory.zero_group.is_some() {
+                return Err(Error::Invalid(
+                    "expert parallelism with a ZeRO sharding group smaller than the data ranks \
+                     (--zero-group) is not supported yet"
+                        .into(),
+                ));
+            }
+            if mesh.size(Dim::Pp) > 1 {
+                return Err(Error::Invalid(
+                    "expert parallelism with pipeline parallelism is not supported yet".into(),
+                ));
+            }
+        }
         let param_meta = |p: &Param| (p.name.clone(), p.shard, p.global_shape.clone());
         let planned = cfg.memory.apply(&mut model, zero.as_ref())?;
         let tp_sp = ctx.tp().sequence_parallel();
@@ -655,6 +677,7 @@ impl<M: TrainModel> Trainer<M> {
                     Ok(TrainParam {
                         name: s.name,
                         shard: s.shard,
+                        expert: false,
                         global_shape: s.global_shape,
                         local_shape: s.local_shape,
                         state: ParamState::Sharded(Chunk {
@@ -672,9 +695,19 @@ impl<M: TrainModel> Trainer<M> {
                 .map(|(p, whole)| {
                     let state = match &zero {
                         Some(z) => {
-                            let flat = z.flat_shard(p.tensor.elem_count())?;
+                            // An expert is sharded over the ranks that hold it.
+                            let (flat, (group, replicas)) = match (&experts, p.expert_parallel) {
+                                (Some(e), true) => (
+                                    FlatShard::new(
+                                        p.tensor.elem_count(),
+                                        e.replicas.rank(),
+                                        e.replicas.size(),
+                                    )?,
+                                    (e.replicas.clone(), candle_parallel::comm::solo()),
+                                ),
+                                _ => (z.flat_shard(p.tensor.elem_count())?, groups(&p.shard)?),
+                            };
                             let var = Var::from_tensor(&flat.take(&p.tensor)?)?;
-                            let (group, replicas) = groups(&p.shard)?;
                             ParamState::Mirrored {
                                 whole,
                                 chunk: Chunk {
@@ -692,6 +725,7 @@ impl<M: TrainModel> Trainer<M> {
                     Ok(TrainParam {
                         name,
                         shard,
+                        expert: p.expert_parallel,
                         global_shape,
                         local_shape: p.tensor.dims().to_vec(),
                         state,
@@ -792,6 +826,18 @@ impl<M: TrainModel> Trainer<M> {
         Ok(self.param(entry)?.shard)
     }
 
+    /// The expert-parallel group when the model's experts are divided over ranks: a parameter
+    /// or optimizer entry that [`Trainer::is_expert`] names is held by one rank of it.
+    pub fn expert_group(&self) -> Option<&Comm> {
+        self.ctx.expert_parallel()
+    }
+
+    /// Whether the parameter or optimizer state entry (`exp_avg.<name>`, ...) `entry` is an
+    /// expert held by this expert-parallel rank alone.
+    pub fn is_expert(&self, entry: &str) -> bool {
+        self.param(entry).is_ok_and(|p| p.expert)
+    }
+
     /// The model's parameters with their whole tensor-parallel slices (current values), sorted
     /// by name, for saving and comparing. Collective over the ZeRO sharding group under stage 3
     /// (every rank calls it), local otherwise.
@@ -812,12 +858,10 @@ impl<M: TrainModel> Trainer<M> {
         self.params
             .iter()
             .map(|p| {
-                Ok(Param::value(
-                    &p.name,
-                    p.whole_value()?,
-                    p.shard,
-                    &p.global_shape,
-                ))
+                Ok(
+                    Param::value(&p.name, p.whole_value()?, p.shard, &p.global_shape)
+                        .with_expert_parallel(p.expert),
+                )
             })
             .collect()
     }
@@ -1240,21 +1284,26 @@ impl<M: TrainModel> Trainer<M> {
                     p.name
                 )));
             }
-            let g = p.reduce_gradient(g, self.ctx.grad_group(&p.shard))?;
+            let g = p.reduce_gradient(g, self.ctx.grad_group(&p.shard, p.expert))?;
             grads.push((n, g));
         }
-        let split: HashMap<&str, bool> = self
+        let split: HashMap<&str, (bool, bool)> = self
             .params
             .iter()
-            .map(|p| (p.name.as_str(), p.shard.is_split()))
+            .map(|p| (p.name.as_str(), (p.shard.is_split(), p.expert)))
             .collect();
         let (tp, zero) = (self.tp.clone(), self.zero.clone());
+        let experts = self.ctx.expert_groups().cloned();
+        // The ranks whose pieces of a parameter make up its gradient once (for the norm).
         let group_of = |name: &str| -> Option<Comm> {
-            let is_split = split.get(name).copied().unwrap_or(false);
-            match &zero {
-                None => is_split.then(|| tp.clone()),
-                Some(z) if is_split => Some(z.shard_tp.clone()),
-                Some(z) => Some(z.shard.clone()),
+            let (is_split, expert) = split.get(name).copied().unwrap_or((false, false));
+            match (&zero, &experts) {
+                // Each expert-parallel rank holds other experts; under ZeRO, chunks of them.
+                (None, Some(e)) if expert => Some(e.ep.clone()),
+                (Some(_), Some(e)) if expert => Some(e.all.clone()),
+                (None, _) => is_split.then(|| tp.clone()),
+                (Some(z), _) if is_split => Some(z.shard_tp.clone()),
+                (Some(z), _) => Some(z.shard.clone()),
             }
         };
         // Under a pipeline each stage adds its parameters; one held by several stages counts
@@ -1306,8 +1355,22 @@ impl<M: TrainModel + CausalLm> Trainer<M> {
         let n = data.num_windows().min(max_windows.max(1));
         let mut micro = Vec::new();
         let mut count = 0f64;
-        for i in (self.dp_rank..n).step_by(self.batching.dp) {
-            let w = data.window(i);
+        let mine: Vec<usize> = (self.dp_rank..n).step_by(self.batching.dp).collect();
+        // Under expert parallelism every rank runs as many forwards as the busiest (their
+        // experts exchange tokens in each): the others score a window with no label.
+        let runs = match self.ctx.expert_parallel() {
+            Some(_) => n.div_ceil(self.batching.dp),
+            None => mine.len(),
+        };
+        for j in 0..runs {
+            let (i, pad) = match mine.get(j) {
+                Some(&i) => (i, false),
+                None => (0, true),
+            };
+            let mut w = data.window(i);
+            if pad {
+                w.labels.iter_mut().for_each(|l| *l = IGNORE_INDEX);
+            }
             let mask = if self.cfg.doc_mask {
                 candle_parallel::attention::AttnMask::documents(w.doc_ids.clone())
             } else {

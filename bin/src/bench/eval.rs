@@ -23,6 +23,7 @@ pub struct EvalBenchArgs {
 
 pub fn run(args: &EvalBenchArgs) -> Result<()> {
     let a = &args.lm;
+    a.layout.require_no_ep("cpl bench eval")?;
     a.layout.device.require_cpu_because(
         "cpl bench eval",
         "its timings do not synchronise a GPU (`cpl bench train` and `cpl bench attention` \

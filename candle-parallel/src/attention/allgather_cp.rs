@@ -386,14 +386,8 @@ mod tests {
             (8192, 12287)
         );
         // The other rows of docs/benchmarks.md's table.
-        assert_eq!(
-            gathered(65536, 8, 16384, SeqLayout::Zigzag),
-            (24575, 40958)
-        );
-        assert_eq!(
-            gathered(65536, 4, 4096, SeqLayout::Zigzag),
-            (20479, 24574)
-        );
+        assert_eq!(gathered(65536, 8, 16384, SeqLayout::Zigzag), (24575, 40958));
+        assert_eq!(gathered(65536, 4, 4096, SeqLayout::Zigzag), (20479, 24574));
         // A window as long as the sequence: every key at or before a rank's last query.
         assert_eq!(gathered(64, 4, 64, SeqLayout::Contiguous), (16, 64));
     }

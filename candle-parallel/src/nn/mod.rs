@@ -206,6 +206,21 @@ pub struct ParallelCtx {
     sink: GradSink,
     /// Where this rank's parameters and activations live (the CPU unless set).
     device: Device,
+    /// Expert parallelism ([`ParallelCtx::with_expert_parallel`]).
+    experts: Option<ExpertGroups>,
+}
+
+/// The groups of expert parallelism ([`ParallelCtx::with_expert_parallel`]).
+#[derive(Clone, Debug)]
+pub struct ExpertGroups {
+    /// Divides the experts of every mixture-of-experts block: rank `r` holds the `r`-th of
+    /// `ep.size()` equal slices.
+    pub ep: Comm,
+    /// The ranks holding the same experts (and other tokens): the experts' gradients are summed
+    /// over it, and ZeRO shards the experts' optimizer state over it.
+    pub replicas: Comm,
+    /// `ep` and `replicas` together: every rank holding different tokens (ulysses × ring × dp).
+    pub all: Comm,
 }
 
 impl std::fmt::Debug for ParallelCtx {
@@ -245,7 +260,53 @@ impl ParallelCtx {
             local_attention,
             sink: GradSink::new(),
             device: Device::Cpu,
+            experts: None,
         })
+    }
+
+    /// This context with expert parallelism of degree `ep`, carved from the ranks that hold
+    /// different tokens of one model replica (ulysses × ring × dp, in rank order: each run of
+    /// `ep` consecutive ranks of that group is one expert-parallel group, innermost first, as
+    /// torchtitan carves it from its data and context ranks). Mixture-of-experts blocks built
+    /// with it hold `1 / ep` of the experts; the experts' gradients are summed over the `dp · sp
+    /// / ep` ranks holding the same ones. Collective over the world (every rank calls it with the
+    /// same `ep`). Errors when `ep` does not divide that group or with tensor parallelism.
+    pub fn with_expert_parallel(mut self, ep: usize) -> Result<Self> {
+        if ep <= 1 {
+            self.experts = None;
+            return Ok(self);
+        }
+        let tokens = &self.sharded_grad_group;
+        if !tokens.size().is_multiple_of(ep) {
+            return Err(Error::Layout(format!(
+                "expert parallelism of {ep} does not divide the {} ranks that hold different                  tokens (ulysses x ring x dp)",
+                tokens.size()
+            )));
+        }
+        if self.tp.size() > 1 {
+            return Err(Error::Layout(
+                "expert parallelism together with tensor parallelism is not supported yet".into(),
+            ));
+        }
+        let g = tokens.rank();
+        let ep_comm = tokens.split(g / ep, g % ep)?;
+        let replicas = tokens.split(g % ep, g / ep)?;
+        self.experts = Some(ExpertGroups {
+            ep: ep_comm,
+            replicas,
+            all: tokens.clone(),
+        });
+        Ok(self)
+    }
+
+    /// The expert-parallel group, when the experts are divided over ranks.
+    pub fn expert_parallel(&self) -> Option<&Comm> {
+        self.experts.as_ref().map(|e| &e.ep)
+    }
+
+    /// The groups of expert parallelism, when the experts are divided over ranks.
+    pub fn expert_groups(&self) -> Option<&ExpertGroups> {
+        self.experts.as_ref()
     }
 
     /// This context with parameters and activations on `device` (models built with it load
@@ -307,7 +368,13 @@ impl ParallelCtx {
     /// The group over which the gradient of a parameter is summed after backward: tensor-parallel
     /// shards (`tp_sharded`) over ulysses × ring × dp; replicated parameters also over tp under
     /// TP-sp, where each tensor-parallel rank sees only its tokens.
-    pub fn grad_group(&self, shard: &Shard) -> &Comm {
+    ///
+    /// A parameter held by this expert-parallel rank alone (`expert_parallel`: an expert under
+    /// [`ParallelCtx::with_expert_parallel`]) sums over the ranks holding the same experts.
+    pub fn grad_group(&self, shard: &Shard, expert_parallel: bool) -> &Comm {
+        if let (true, Some(e)) = (expert_parallel, &self.experts) {
+            return &e.replicas;
+        }
         if shard.is_split() {
             &self.sharded_grad_group
         } else {

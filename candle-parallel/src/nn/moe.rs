@@ -207,15 +207,17 @@ pub struct SparseMoe {
 impl SparseMoe {
     /// Loads the block under `vb` (`mlp`, or Mixtral's `block_sparse_moe`). With `aux`, the
     /// router records its statistics as block `layer` of `aux`, and its logits receive the
-    /// load-balancing loss's gradient ([`RouterAux`]). Errors when tp does not divide the
-    /// experts' hidden units, or LoRA targets an expert.
+    /// load-balancing loss's gradient ([`RouterAux`]). Under the context's expert parallelism
+    /// ([`ParallelCtx::with_expert_parallel`]) this rank holds its slice of the experts
+    /// ([`SparseMoe::new_with_ep`]). Errors when tp does not divide the experts' hidden units,
+    /// or LoRA targets an expert.
     pub fn new(
         cfg: &MoeConfig,
         vb: ParamBuilder,
         ctx: &ParallelCtx,
         aux: Option<(Arc<RouterAux>, usize)>,
     ) -> Result<Self> {
-        Self::new_with_ep(cfg, vb, ctx, aux, None)
+        Self::new_with_ep(cfg, vb, ctx, aux, ctx.expert_parallel().cloned())
     }
 
     /// [`SparseMoe::new`] with expert parallelism over `ep` (when it has more than one rank):
@@ -258,8 +260,12 @@ impl SparseMoe {
         let router = vb
             .pp(&cfg.router)
             .get((cfg.num_experts, cfg.hidden_size), "weight")?;
+        let experts_vb = match &ep {
+            Some(_) => vb.pp(&cfg.experts).expert_parallel(),
+            None => vb.pp(&cfg.experts),
+        };
         let experts = (first_expert..first_expert + local)
-            .map(|e| Expert::new(cfg, vb.pp(&cfg.experts).pp(e), ctx))
+            .map(|e| Expert::new(cfg, experts_vb.pp(e), ctx))
             .collect::<Result<Vec<_>>>()?;
         let shared = match cfg.shared_expert {
             Some(i) => Some((

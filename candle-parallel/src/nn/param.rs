@@ -100,6 +100,10 @@ pub struct Param {
     pub shard: Shard,
     /// The shape of the whole parameter, as in the checkpoint.
     pub global_shape: Vec<usize>,
+    /// Held by this rank of the expert-parallel group alone (an expert's weights under `--ep`):
+    /// the other ranks of the group hold other experts, and its gradient is summed over the
+    /// ranks that replicate it ([`super::ParallelCtx::grad_group`]).
+    pub expert_parallel: bool,
 }
 
 impl Param {
@@ -112,7 +116,14 @@ impl Param {
             tensor,
             shard,
             global_shape,
+            expert_parallel: false,
         }
+    }
+
+    /// The same parameter marked as held by this expert-parallel rank alone (or not).
+    pub fn with_expert_parallel(mut self, expert_parallel: bool) -> Self {
+        self.expert_parallel = expert_parallel;
+        self
     }
 }
 
@@ -254,6 +265,9 @@ pub struct ParamBuilder {
     /// Parameters loaded through this builder are frozen whatever the store's mode (a frozen
     /// vision tower, or weights a model loads only to save them back).
     frozen: bool,
+    /// Parameters loaded through this builder are this expert-parallel rank's alone
+    /// ([`Param::expert_parallel`]).
+    expert_parallel: bool,
 }
 
 impl std::fmt::Debug for ParamBuilder {
@@ -303,7 +317,15 @@ impl ParamBuilder {
             device: device.clone(),
             adapters: None,
             frozen: false,
+            expert_parallel: false,
         }
+    }
+
+    /// This builder (and every builder derived from it) loading parameters that this rank of the
+    /// expert-parallel group holds alone: an expert's weights under expert parallelism.
+    pub fn expert_parallel(mut self) -> Self {
+        self.expert_parallel = true;
+        self
     }
 
     /// This builder (and every builder derived from it) loading its parameters frozen: they are
@@ -409,6 +431,7 @@ impl ParamBuilder {
             tensor,
             shard,
             global_shape,
+            expert_parallel: self.expert_parallel,
         };
         self.store.all.add_once(&p);
         Ok(p)

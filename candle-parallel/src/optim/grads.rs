@@ -81,7 +81,7 @@ pub fn reduce_gradients(
                     p.name
                 )));
             }
-            let group = ctx.grad_group(&p.shard);
+            let group = ctx.grad_group(&p.shard, p.expert_parallel);
             let g = if group.size() > 1 {
                 group.all_reduce(&g, ReduceOp::Sum)?
             } else {
