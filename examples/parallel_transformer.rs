@@ -130,7 +130,9 @@ fn train(ctx: &ParallelCtx) -> Result<Vec<f32>> {
             let g = grads
                 .get(var.as_tensor())
                 .context("a parameter received no gradient")?;
-            let g = ctx.grad_group(&p.shard, p.expert_parallel).all_reduce(g, ReduceOp::Sum)?;
+            let g = ctx
+                .grad_group(&p.shard, p.expert_parallel)
+                .all_reduce(g, ReduceOp::Sum)?;
             var.set(&(var.as_tensor() - (g * LR)?)?)?;
         }
     }

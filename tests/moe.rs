@@ -169,7 +169,9 @@ fn every_moe_family_trains_like_one_rank() {
 
 /// Expert parallelism through the registry and the trainer, 3 AdamW steps with the balancing
 /// loss (coefficient 0.3): ep2 over dp2, ep4 over dp4, ep2 over the two ranks of a zigzag ring,
-/// ep4 over ulysses2 x dp2, ep2 with ZeRO-1, ep2 with ZeRO-2 and selective checkpointing, each
+/// ep4 over ulysses2 x dp2, ep2 with ZeRO-1, ep2 with ZeRO-2 and selective checkpointing, tp2 x
+/// dp2 with ep2 (each expert also split over tp), TP-sp tp2 x ring2 with ep2, ZeRO-1 and full
+/// checkpointing, each
 /// with the same micro-batches as one rank: losses, gradient norms, the held-out loss and final
 /// weights equal one rank (1e-5); the checkpoint each saves (the experts gathered from their
 /// owners) equals one rank's (1e-5). (`cpl train --ep` with held-out windows that the data ranks
@@ -221,6 +223,22 @@ fn every_moe_family_trains_under_expert_parallelism_like_one_rank() {
                 Layout::single().with_dp(2).with_ep(2),
                 with(config(3, 2), ZeroStage::Gradients, Checkpointing::Selective),
             ),
+            (
+                Layout::new("tp2", 2, 1, 1, Strategy::Ring)
+                    .with_dp(2)
+                    .with_ep(2),
+                config(3, 2),
+            ),
+            (
+                Layout::new("TP-sp tp2 x ring2", 2, 1, 2, Strategy::Ring)
+                    .with_tp_sp()
+                    .with_ep(2),
+                with(
+                    config(3, 4),
+                    ZeroStage::OptimizerStates,
+                    Checkpointing::Full,
+                ),
+            ),
         ] {
             let case = format!(
                 "{name} / {} ep{} ZeRO {} {}",
@@ -258,8 +276,9 @@ fn with_aux_coef(name: &str, coef: f64) -> (models::hub::ModelFiles, std::path::
 }
 
 /// Under a pipeline the balancing loss is refused (its statistics span the stages), naming the
-/// fields and the flag; without it, pp2 trains like one rank. The coefficient changes training
-/// (a run without it differs), so the tests above see it.
+/// fields and the flag; without it, pp2 trains like one rank, also with each stage's experts
+/// divided over its two data ranks (pp2 x dp2, ep2). The coefficient changes training (a run
+/// without it differs), so the tests above see it.
 #[test]
 fn moe_under_a_pipeline_without_the_balancing_loss_matches_one_rank() {
     let data = data();
@@ -269,6 +288,10 @@ fn moe_under_a_pipeline_without_the_balancing_loss_matches_one_rank() {
         let want = train_through_registry(&files, &Layout::single(), &cfg, &data);
         let got = train_through_registry(&files, &Layout::single().with_pp(2), &cfg, &data);
         assert_same_registry_run(&format!("{name} / pp2"), &got, &want, TOL);
+        // The experts of each stage divided over its two data ranks.
+        let ep = Layout::single().with_pp(2).with_dp(2).with_ep(2);
+        let got = train_through_registry(&files, &ep, &config(2, 2), &data);
+        assert_same_registry_run(&format!("{name} / pp2 x dp2, ep2"), &got, &want, TOL);
         let with_aux = train_through_registry(&fixture_files(name), &Layout::single(), &cfg, &data);
         assert!(
             (with_aux.grad_norms[0] - want.grad_norms[0]).abs() > 1e-3 * want.grad_norms[0],

@@ -26,8 +26,8 @@ pub struct LayoutArgs {
     pub pp: usize,
     /// Expert parallelism: ranks over which every mixture-of-experts block divides its experts,
     /// carved from the ranks that hold different tokens (ulysses x ring x dp, innermost first);
-    /// tokens travel to their experts and back by all-to-all. `cpl train` and `cpl bench train`
-    /// of a mixture of experts, without --tp, --pp or ZeRO-3 for now.
+    /// tokens travel to their experts and back by all-to-all (each expert still split over
+    /// --tp). `cpl train` and `cpl bench train` of a mixture of experts, without ZeRO-3 for now.
     #[arg(long, default_value_t = 1)]
     pub ep: usize,
     /// Data-parallel degree; inferred from --ranks when omitted.
@@ -261,13 +261,6 @@ impl LayoutArgs {
             bail!(
                 "--ep {} does not divide the {tokens} ranks that hold different tokens (ulysses x \
                  ring x dp), from which expert parallelism is carved",
-                self.ep
-            );
-        }
-        if self.ep > 1 && (self.tp > 1 || self.pp > 1) {
-            bail!(
-                "--ep {} with --tp or --pp is not supported yet (expert parallelism runs over the \
-                 data and sequence ranks)",
                 self.ep
             );
         }

@@ -88,8 +88,8 @@ impl Layout {
     /// This rank's mesh and parallel context. Collective over `world` (every rank calls it).
     pub fn context(&self, world: Comm) -> Result<(DeviceMesh, ParallelCtx)> {
         let mesh = DeviceMesh::new(&self.mesh, world)?;
-        let ctx =
-            ParallelCtx::new(&mesh, &self.attention, self.tp)?.with_expert_parallel(self.ep)?;
+        let ctx = ParallelCtx::new(&mesh, &self.attention, self.tp)?
+            .with_expert_parallel(&mesh, self.ep)?;
         Ok((mesh, ctx))
     }
 }

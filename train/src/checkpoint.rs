@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::Device;
 use candle_parallel::comm::Comm;
-use candle_parallel::nn::{Param, Shard};
+use candle_parallel::nn::Param;
 use candle_parallel::pipeline::gather_to_first;
 use models::checkpoint::{gather_tp, write_hf_dir, CheckpointReader, SaveOptions};
 use serde::{Deserialize, Serialize};
@@ -161,24 +161,24 @@ pub fn save_sharded<M: TrainModel>(
         };
         state.push((name, t));
     }
-    let mut params = trainer.whole_params()?;
-    if let Some(ep) = trainer.expert_group() {
-        // Each expert-parallel rank holds its experts: they meet on the writer.
-        let (experts, dense): (Vec<_>, Vec<_>) = state
-            .into_iter()
-            .partition(|(name, _)| trainer.is_expert(name));
-        state = dense;
-        state.extend(gather_to_first(ep, experts)?);
-        let (experts, mut dense): (Vec<Param>, Vec<Param>) =
-            params.into_iter().partition(|p| p.expert_parallel);
-        let named = experts.into_iter().map(|p| (p.name, p.tensor)).collect();
-        for (name, t) in gather_to_first(ep, named)? {
-            let dims = t.dims().to_vec();
-            dense.push(Param::value(&name, t, Shard::replicated(), &dims));
-        }
-        dense.sort_by(|a, b| a.name.cmp(&b.name));
-        params = dense;
+    let ep = trainer.expert_group();
+    if let Some(ep) = ep {
+        state = gather_experts(ep, state, |name| trainer.is_expert(name))?;
     }
+    let mut params = trainer.whole_params()?;
+    let experts: std::collections::HashSet<String> = params
+        .iter()
+        .filter(|p| p.expert_parallel)
+        .map(|p| trainer.model.saved_name(&p.name))
+        .collect();
+    // Whole tensor-parallel slices, then (under expert parallelism) the experts of every rank.
+    let gather = |params: &[Param], keep: bool| -> Result<Vec<(String, candle_core::Tensor)>> {
+        let full = gather_tp(params, &tp, keep || ep.is_some(), dtype_of(params))?;
+        match ep {
+            Some(ep) => gather_experts(ep, full, |n| experts.contains(n)),
+            None => Ok(full),
+        }
+    };
     for p in &mut params {
         p.name = trainer.model.saved_name(&p.name);
     }
@@ -200,10 +200,7 @@ pub fn save_sharded<M: TrainModel>(
         let json = serde_json::to_vec_pretty(&ts).map_err(|e| Error::Invalid(e.to_string()))?;
         files.push(("trainer_state.json".into(), json));
     }
-    let dtype = params
-        .first()
-        .map(|p| p.tensor.dtype())
-        .unwrap_or(candle_core::DType::F32);
+    let dtype = dtype_of(&params);
     let opts = SaveOptions {
         dtype,
         extra_files: files,
@@ -214,7 +211,7 @@ pub fn save_sharded<M: TrainModel>(
     if pp.size() > 1 {
         // Each stage holds its own parameters: the whole model meets on pipeline rank 0 (world
         // rank 0 is one), then is written as on one stage.
-        let full = gather_tp(&params, &tp, true, dtype)?;
+        let full = gather(&params, true)?;
         let full = gather_to_first(pp, full)?;
         let state = gather_to_first(pp, state)?;
         if write {
@@ -230,7 +227,7 @@ pub fn save_sharded<M: TrainModel>(
             write_hf_dir(&trainer.model.checkpoint_tensors(full)?, &dir, &opts)?;
         }
     } else {
-        let full = gather_tp(&params, &tp, write, dtype)?;
+        let full = gather(&params, write)?;
         if write {
             write_hf_dir(&trainer.model.checkpoint_tensors(full)?, &dir, &opts)?;
         }
@@ -246,6 +243,29 @@ pub fn save_sharded<M: TrainModel>(
     // No rank goes on (or reports the checkpoint) before it is complete.
     world.barrier()?;
     Ok(dir)
+}
+
+/// The dtype a checkpoint of `params` is written in: the first parameter's (f32 for none).
+fn dtype_of(params: &[Param]) -> candle_core::DType {
+    params
+        .first()
+        .map(|p| p.tensor.dtype())
+        .unwrap_or(candle_core::DType::F32)
+}
+
+/// `named` with the tensors `is_expert` names gathered from every rank of the expert-parallel
+/// group `ep` onto its first rank (the others keep only the rest), sorted by name. Collective
+/// over `ep`.
+fn gather_experts(
+    ep: &Comm,
+    named: Vec<(String, candle_core::Tensor)>,
+    is_expert: impl Fn(&str) -> bool,
+) -> Result<Vec<(String, candle_core::Tensor)>> {
+    let (experts, mut rest): (Vec<_>, Vec<_>) =
+        named.into_iter().partition(|(name, _)| is_expert(name));
+    rest.extend(gather_to_first(ep, experts)?);
+    rest.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(rest)
 }
 
 /// Reads `trainer_state.json` of a checkpoint.

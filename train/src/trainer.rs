@@ -634,11 +634,6 @@ impl<M: TrainModel> Trainer<M> {
                         .into(),
                 ));
             }
-            if mesh.size(Dim::Pp) > 1 {
-                return Err(Error::Invalid(
-                    "expert parallelism with pipeline parallelism is not supported yet".into(),
-                ));
-            }
         }
         let param_meta = |p: &Param| (p.name.clone(), p.shard, p.global_shape.clone());
         let planned = cfg.memory.apply(&mut model, zero.as_ref())?;
@@ -1298,9 +1293,10 @@ impl<M: TrainModel> Trainer<M> {
         let group_of = |name: &str| -> Option<Comm> {
             let (is_split, expert) = split.get(name).copied().unwrap_or((false, false));
             match (&zero, &experts) {
-                // Each expert-parallel rank holds other experts; under ZeRO, chunks of them.
-                (None, Some(e)) if expert => Some(e.ep.clone()),
-                (Some(_), Some(e)) if expert => Some(e.all.clone()),
+                // Each expert-parallel rank holds other experts (split over tp); under ZeRO,
+                // chunks of them.
+                (None, Some(e)) if expert => Some(e.ep_tp.clone()),
+                (Some(_), Some(e)) if expert => Some(e.all_tp.clone()),
                 (None, _) => is_split.then(|| tp.clone()),
                 (Some(z), _) if is_split => Some(z.shard_tp.clone()),
                 (Some(z), _) => Some(z.shard.clone()),

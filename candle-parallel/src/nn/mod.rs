@@ -221,6 +221,12 @@ pub struct ExpertGroups {
     pub replicas: Comm,
     /// `ep` and `replicas` together: every rank holding different tokens (ulysses × ring × dp).
     pub all: Comm,
+    /// `ep` with the tensor-parallel group: the ranks whose pieces make up every expert once
+    /// (for the gradient norm).
+    pub ep_tp: Comm,
+    /// `all` with the tensor-parallel group (the same under ZeRO, whose chunks also divide the
+    /// experts over `replicas`).
+    pub all_tp: Comm,
 }
 
 impl std::fmt::Debug for ParallelCtx {
@@ -270,8 +276,9 @@ impl ParallelCtx {
     /// torchtitan carves it from its data and context ranks). Mixture-of-experts blocks built
     /// with it hold `1 / ep` of the experts; the experts' gradients are summed over the `dp · sp
     /// / ep` ranks holding the same ones. Collective over the world (every rank calls it with the
-    /// same `ep`). Errors when `ep` does not divide that group or with tensor parallelism.
-    pub fn with_expert_parallel(mut self, ep: usize) -> Result<Self> {
+    /// same `ep`). Under tensor parallelism the experts are also split over tp and the groups
+    /// hold ranks of one tensor-parallel coordinate. Errors when `ep` does not divide that group.
+    pub fn with_expert_parallel(mut self, mesh: &DeviceMesh, ep: usize) -> Result<Self> {
         if ep <= 1 {
             self.experts = None;
             return Ok(self);
@@ -283,18 +290,17 @@ impl ParallelCtx {
                 tokens.size()
             )));
         }
-        if self.tp.size() > 1 {
-            return Err(Error::Layout(
-                "expert parallelism together with tensor parallelism is not supported yet".into(),
-            ));
-        }
         let g = tokens.rank();
         let ep_comm = tokens.split(g / ep, g % ep)?;
         let replicas = tokens.split(g % ep, g / ep)?;
+        let all_tp = mesh.group(&[Dim::Tp, Dim::Ulysses, Dim::Ring, Dim::Dp])?;
+        let ep_tp = all_tp.split(g / ep, all_tp.rank())?;
         self.experts = Some(ExpertGroups {
             ep: ep_comm,
             replicas,
             all: tokens.clone(),
+            ep_tp,
+            all_tp,
         });
         Ok(self)
     }

@@ -225,8 +225,9 @@ impl SparseMoe {
     /// hold different tokens (data or sequence parallel ranks), and each token's hidden state
     /// travels to the ranks of its experts and back by [`all_to_all_v`]. The parameters of
     /// the experts are this rank's alone: their gradients sum the contributions of every rank's
-    /// tokens and must not be summed over `ep` again. Errors when `P` does not divide the
-    /// experts, or with tensor parallelism (not yet supported together).
+    /// tokens and must not be summed over `ep` again. Under tensor parallelism each expert is
+    /// split over tp as without `ep`, and the rows travel between the ranks of `ep`, which share
+    /// their tensor-parallel coordinate. Errors when `P` does not divide the experts.
     pub fn new_with_ep(
         cfg: &MoeConfig,
         vb: ParamBuilder,
@@ -245,13 +246,6 @@ impl SparseMoe {
                         c.size(),
                         cfg.num_experts
                     )));
-                }
-                if ctx.tp().size() > 1 {
-                    return Err(Error::Layout(
-                        "expert parallelism together with tensor parallelism is not supported \
-                         yet"
-                        .into(),
-                    ));
                 }
                 let per = cfg.num_experts / c.size();
                 (c.rank() * per, per)
@@ -325,15 +319,7 @@ impl SparseMoe {
         }
         let weights = weights.to_dtype(x.dtype())?.reshape((b, s, k))?;
         let idx = idx.reshape((b, s, k))?;
-        let out = match &self.ep {
-            Some(ep) => {
-                let chosen = idx.flatten_all()?.to_vec1::<u32>()?;
-                let weights = weights.flatten_all()?;
-                self.dispatch(&xs, &weights, &chosen, ep)?
-                    .reshape((b, s, h))?
-            }
-            None => self.tensor_parallel(x, &weights, &idx)?,
-        };
+        let out = self.tensor_parallel(x, &weights, &idx)?;
         match &self.shared {
             None => Ok(out),
             Some((mlp, gate)) => {
@@ -345,8 +331,10 @@ impl SparseMoe {
     }
 
     /// The experts on `x` `(batch, tokens', hidden)` with their routing `weights` and chosen
-    /// experts `idx` `(batch, tokens', k)`, every expert here, each split over tp. Collective
-    /// over tp.
+    /// experts `idx` `(batch, tokens', k)`, each expert split over tp: every expert here, or
+    /// under expert parallelism the rows sent to the ranks of their experts
+    /// ([`SparseMoe::dispatch`], between the ranks of the same tensor-parallel coordinate).
+    /// Collective over tp (and `ep`).
     fn tensor_parallel(&self, x: &Tensor, weights: &Tensor, idx: &Tensor) -> Result<Tensor> {
         let (h, k) = (self.cfg.hidden_size, self.cfg.top_k);
         // Into the tensor-parallel region: every rank of the group computes its share of each
@@ -356,14 +344,19 @@ impl SparseMoe {
         let chosen = self.group_choices(idx)?;
         let (bg, sg) = (entered.dim(0)?, entered.dim(1)?);
         let xs = entered.reshape((bg * sg, h))?;
-        let mut rows: Vec<(Vec<u32>, Vec<u32>)> =
-            vec![(Vec::new(), Vec::new()); self.experts.len()];
-        for (slot, &e) in chosen.iter().enumerate() {
-            let (tokens, slots) = &mut rows[e as usize];
-            tokens.push((slot / k) as u32);
-            slots.push(slot as u32);
-        }
-        let out = self.run_experts(&xs, rows, Some(&weights), 0)?;
+        let out = match &self.ep {
+            Some(ep) => self.dispatch(&xs, &weights, &chosen, ep)?,
+            None => {
+                let mut rows: Vec<(Vec<u32>, Vec<u32>)> =
+                    vec![(Vec::new(), Vec::new()); self.experts.len()];
+                for (slot, &e) in chosen.iter().enumerate() {
+                    let (tokens, slots) = &mut rows[e as usize];
+                    tokens.push((slot / k) as u32);
+                    slots.push(slot as u32);
+                }
+                self.run_experts(&xs, rows, Some(&weights), 0)?
+            }
+        };
         let out = out.reshape((bg, sg, h))?;
         Ok(if self.tp.size() == 1 {
             out
