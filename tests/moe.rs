@@ -170,8 +170,9 @@ fn every_moe_family_trains_like_one_rank() {
 /// Expert parallelism through the registry and the trainer, 3 AdamW steps with the balancing
 /// loss (coefficient 0.3): ep2 over dp2, ep4 over dp4, ep2 over the two ranks of a zigzag ring,
 /// ep4 over ulysses2 x dp2, ep2 with ZeRO-1, ep2 with ZeRO-2 and selective checkpointing, tp2 x
-/// dp2 with ep2 (each expert also split over tp), TP-sp tp2 x ring2 with ep2, ZeRO-1 and full
-/// checkpointing, each
+/// dp2 with ep2 (each expert also split over tp), dp4 with ep2 and ZeRO-3 (the experts sharded
+/// over the 2 ranks holding them) with selective checkpointing, tp2 x ring2 with ep2, ZeRO-3 and
+/// full checkpointing, TP-sp tp2 x ring2 with ep2, ZeRO-1 and full checkpointing, each
 /// with the same micro-batches as one rank: losses, gradient norms, the held-out loss and final
 /// weights equal one rank (1e-5); the checkpoint each saves (the experts gathered from their
 /// owners) equals one rank's (1e-5). (`cpl train --ep` with held-out windows that the data ranks
@@ -228,6 +229,18 @@ fn every_moe_family_trains_under_expert_parallelism_like_one_rank() {
                     .with_dp(2)
                     .with_ep(2),
                 config(3, 2),
+            ),
+            (
+                Layout::single().with_dp(4).with_ep(2),
+                with(
+                    config(3, 1),
+                    ZeroStage::Parameters,
+                    Checkpointing::Selective,
+                ),
+            ),
+            (
+                Layout::new("tp2 x ring2", 2, 1, 2, Strategy::Ring).with_ep(2),
+                with(config(3, 4), ZeroStage::Parameters, Checkpointing::Full),
             ),
             (
                 Layout::new("TP-sp tp2 x ring2", 2, 1, 2, Strategy::Ring)

@@ -225,12 +225,6 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             args.layout.ep
         );
     }
-    if args.layout.ep > 1 && cfg.memory.zero == candle_parallel::optim::ZeroStage::Parameters {
-        bail!(
-            "--ep {} with --zero 3 is not supported yet (ZeRO 1 and 2 are)",
-            args.layout.ep
-        );
-    }
     if args.layout.ep > 1 && cfg.memory.zero_group.is_some() {
         bail!(
             "--ep {} with --zero-group is not supported yet: the experts are sharded over the \

@@ -2193,6 +2193,11 @@ fn expert_parallelism_trains_like_data_parallelism_and_resumes_under_another_ep(
         ("ep2", vec!["--ep", "2"], &dp4),
         ("ep4", vec!["--ep", "4"], &dp4),
         ("ep2-zero2", vec!["--ep", "2", "--zero", "2"], &dp4),
+        (
+            "ep2-zero3-selective",
+            vec!["--ep", "2", "--zero", "3", "--checkpointing", "selective"],
+            &dp4,
+        ),
         ("ring2-ep2", vec!["--ring", "2", "--ep", "2"], &ring2),
         ("tp2-ep2", vec!["--tp", "2", "--ep", "2"], &tp2),
         ("pp2-ep2", [&no_aux[..], &["--ep", "2"]].concat(), &pp2),
@@ -2262,8 +2267,11 @@ fn expert_parallelism_trains_like_data_parallelism_and_resumes_under_another_ep(
             "--ep must be at least 1",
         ),
         (
-            args(&dir.join("ez3"), &["--ep", "2", "--zero", "3"]),
-            "--ep 2 with --zero 3 is not supported yet",
+            args(
+                &dir.join("ezg"),
+                &["--ep", "2", "--zero", "1", "--zero-group", "2"],
+            ),
+            "--ep 2 with --zero-group is not supported yet",
         ),
         (
             set_flags(

@@ -619,30 +619,30 @@ impl<M: TrainModel> Trainer<M> {
             }
             _ => {}
         }
-        let zero = cfg.memory.zero_groups(mesh)?;
         let experts = ctx.expert_groups().cloned();
-        if experts.is_some() {
-            if cfg.memory.shards_parameters() {
-                return Err(Error::Invalid(
-                    "expert parallelism with ZeRO-3 is not supported yet (use ZeRO 1 or 2)".into(),
-                ));
-            }
-            if cfg.memory.zero_group.is_some() {
-                return Err(Error::Invalid(
-                    "expert parallelism with a ZeRO sharding group smaller than the data ranks \
-                     (--zero-group) is not supported yet"
-                        .into(),
-                ));
-            }
+        let zero = cfg
+            .memory
+            .zero_groups(mesh)?
+            .map(|z| z.with_experts(experts.as_ref().map(|e| e.replicas.clone())));
+        if experts.is_some() && cfg.memory.zero_group.is_some() {
+            return Err(Error::Invalid(
+                "expert parallelism with a ZeRO sharding group smaller than the data ranks \
+                 (--zero-group) is not supported yet"
+                    .into(),
+            ));
         }
         let param_meta = |p: &Param| (p.name.clone(), p.shard, p.global_shape.clone());
         let planned = cfg.memory.apply(&mut model, zero.as_ref())?;
         let tp_sp = ctx.tp().sequence_parallel();
-        // The sharding group and the replica group of a parameter split (or not) over tp.
-        let groups = |shard: &Shard| -> Result<(Comm, Comm)> {
+        // The sharding group and the replica group of a parameter split (or not) over tp; an
+        // expert's are the ranks holding the same experts (and none).
+        let groups = |shard: &Shard, expert: bool| -> Result<(Comm, Comm)> {
             let z = zero.as_ref().ok_or_else(|| {
                 Error::Invalid("internal: parameters sharded without ZeRO groups".into())
             })?;
+            if let (Some(e), true) = (&experts, expert) {
+                return Ok((e.replicas.clone(), candle_parallel::comm::solo()));
+            }
             let replicas = if tp_sp && !shard.is_split() {
                 &z.replica_tp
             } else {
@@ -654,7 +654,10 @@ impl<M: TrainModel> Trainer<M> {
             PlannedParams::Sharded(chunks) => chunks
                 .iter()
                 .filter(|c| !c.trainable)
-                .map(|c| Ok(FrozenParam::Sharded(c.clone(), groups(&c.shard)?.0)))
+                .map(|c| {
+                    let group = groups(&c.shard, c.expert_parallel)?.0;
+                    Ok(FrozenParam::Sharded(c.clone(), group))
+                })
                 .collect::<Result<_>>()?,
             PlannedParams::Resident(params) => params
                 .iter()
@@ -668,11 +671,11 @@ impl<M: TrainModel> Trainer<M> {
                 .into_iter()
                 .filter(|s| s.trainable)
                 .map(|s| {
-                    let (group, replicas) = groups(&s.shard)?;
+                    let (group, replicas) = groups(&s.shard, s.expert_parallel)?;
                     Ok(TrainParam {
                         name: s.name,
                         shard: s.shard,
-                        expert: false,
+                        expert: s.expert_parallel,
                         global_shape: s.global_shape,
                         local_shape: s.local_shape,
                         state: ParamState::Sharded(Chunk {
@@ -689,19 +692,11 @@ impl<M: TrainModel> Trainer<M> {
                 .filter_map(|p| p.var.clone().map(|whole| (p, whole)))
                 .map(|(p, whole)| {
                     let state = match &zero {
-                        Some(z) => {
+                        Some(_) => {
                             // An expert is sharded over the ranks that hold it.
-                            let (flat, (group, replicas)) = match (&experts, p.expert_parallel) {
-                                (Some(e), true) => (
-                                    FlatShard::new(
-                                        p.tensor.elem_count(),
-                                        e.replicas.rank(),
-                                        e.replicas.size(),
-                                    )?,
-                                    (e.replicas.clone(), candle_parallel::comm::solo()),
-                                ),
-                                _ => (z.flat_shard(p.tensor.elem_count())?, groups(&p.shard)?),
-                            };
+                            let (group, replicas) = groups(&p.shard, p.expert_parallel)?;
+                            let flat =
+                                FlatShard::new(p.tensor.elem_count(), group.rank(), group.size())?;
                             let var = Var::from_tensor(&flat.take(&p.tensor)?)?;
                             ParamState::Mirrored {
                                 whole,

@@ -61,6 +61,9 @@ pub struct ShardedParam {
     /// Whether the parameter trains (false: a frozen base weight under LoRA, gathered without
     /// a gradient path).
     pub trainable: bool,
+    /// An expert held by this expert-parallel rank alone ([`Param::expert_parallel`]), sharded
+    /// over the ranks that hold the same experts.
+    pub expert_parallel: bool,
 }
 
 type Build<T> = Arc<dyn Fn(ParamBuilder) -> Result<T> + Send + Sync>;
@@ -69,8 +72,20 @@ type Build<T> = Arc<dyn Fn(ParamBuilder) -> Result<T> + Send + Sync>;
 struct Sharded {
     params: Vec<ShardedParam>,
     group: Comm,
+    /// The sharding group of the experts' parameters (expert parallelism).
+    experts: Option<Comm>,
     dtype: DType,
     device: Device,
+}
+
+impl Sharded {
+    /// The group `p` is sharded over.
+    fn group_of(&self, p: &ShardedParam) -> &Comm {
+        match (&self.experts, p.expert_parallel) {
+            (Some(e), true) => e,
+            _ => &self.group,
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -151,13 +166,13 @@ impl<T: Clone + Send + Sync + 'static> Unit<T> {
                     .iter()
                     .map(|p| {
                         let chunk = p.var.as_tensor();
+                        let group = s.group_of(p);
                         let tensor = match track {
                             Track::Grad if p.trainable => {
-                                p.flat
-                                    .gather_differentiable(chunk, &s.group, &p.local_shape)?
+                                p.flat.gather_differentiable(chunk, group, &p.local_shape)?
                             }
                             Track::Grad | Track::NoGrad => {
-                                p.flat.gather(&chunk.detach(), &s.group, &p.local_shape)?
+                                p.flat.gather(&chunk.detach(), group, &p.local_shape)?
                             }
                         };
                         Ok(Param::value(&p.name, tensor, p.shard, &p.global_shape))
@@ -172,9 +187,10 @@ impl<T: Clone + Send + Sync + 'static> Unit<T> {
     }
 
     /// ZeRO-3: replaces the resident parameters by this rank's flat chunks over `group` (every
-    /// rank of `group` holding the same names and shapes) and returns the chunks. Local; the
-    /// whole tensors are freed once the caller drops the loaded parameter list.
-    pub fn shard(&mut self, group: &Comm) -> Result<Vec<ShardedParam>> {
+    /// rank of `group` holding the same names and shapes; the experts of expert parallelism over
+    /// `experts`, the ranks holding the same experts) and returns the chunks. Local; the whole
+    /// tensors are freed once the caller drops the loaded parameter list.
+    pub fn shard(&mut self, group: &Comm, experts: Option<&Comm>) -> Result<Vec<ShardedParam>> {
         let Some(first) = self.params.first() else {
             return Err(Error::invalid(
                 "zero-3",
@@ -186,7 +202,11 @@ impl<T: Clone + Send + Sync + 'static> Unit<T> {
             .params
             .iter()
             .map(|p| {
-                let flat = FlatShard::new(p.tensor.elem_count(), group.rank(), group.size())?;
+                let g = match (experts, p.expert_parallel) {
+                    (Some(e), true) => e,
+                    _ => group,
+                };
+                let flat = FlatShard::new(p.tensor.elem_count(), g.rank(), g.size())?;
                 let chunk = flat.take(&p.tensor.detach())?;
                 Ok(ShardedParam {
                     name: p.name.clone(),
@@ -196,12 +216,14 @@ impl<T: Clone + Send + Sync + 'static> Unit<T> {
                     flat,
                     var: Var::from_tensor(&chunk)?,
                     trainable: p.var.is_some(),
+                    expert_parallel: p.expert_parallel,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
         self.state = State::Sharded(Arc::new(Sharded {
             params: params.clone(),
             group: group.clone(),
+            experts: experts.cloned(),
             dtype,
             device,
         }));
@@ -287,7 +309,7 @@ pub trait UnitOps {
     /// The parameters as loaded (names, splits and shapes remain after sharding).
     fn params(&self) -> &[Param];
     /// See [`Unit::shard`].
-    fn shard(&mut self, group: &Comm) -> Result<Vec<ShardedParam>>;
+    fn shard(&mut self, group: &Comm, experts: Option<&Comm>) -> Result<Vec<ShardedParam>>;
     /// See [`Unit::set_checkpointing`].
     fn set_checkpointing(&mut self, mode: Checkpointing);
 }
@@ -301,8 +323,8 @@ impl<T: Clone + Send + Sync + 'static> UnitOps for Unit<T> {
         Unit::params(self)
     }
 
-    fn shard(&mut self, group: &Comm) -> Result<Vec<ShardedParam>> {
-        Unit::shard(self, group)
+    fn shard(&mut self, group: &Comm, experts: Option<&Comm>) -> Result<Vec<ShardedParam>> {
+        Unit::shard(self, group, experts)
     }
 
     fn set_checkpointing(&mut self, mode: Checkpointing) {

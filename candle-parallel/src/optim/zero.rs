@@ -106,6 +106,9 @@ pub struct ZeroGroups {
     /// `shard` together with the tensor-parallel group: the ranks whose chunks make up every
     /// tensor-parallel slice of a split parameter once (for its global norm).
     pub shard_tp: Comm,
+    /// Under expert parallelism, the sharding group of the experts' parameters: the ranks that
+    /// hold the same experts ([`crate::nn::ExpertGroups::replicas`]); `None` otherwise.
+    pub experts: Option<Comm>,
 }
 
 impl ZeroGroups {
@@ -137,7 +140,15 @@ impl ZeroGroups {
             replica,
             replica_tp,
             shard_tp,
+            experts: None,
         })
+    }
+
+    /// These groups with the experts' parameters sharded over `replicas` (the ranks holding the
+    /// same experts under expert parallelism).
+    pub fn with_experts(mut self, replicas: Option<Comm>) -> Self {
+        self.experts = replicas;
+        self
     }
 
     /// The sharding of a tensor of `numel` elements for this rank.
