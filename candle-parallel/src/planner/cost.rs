@@ -326,13 +326,13 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
     let act_token_layer =
         el * (ah * h_share + tp_extra + (aq * hq * d + akv * hkv * d + ai * i) / tpf);
     let elementwise = ELEMENTWISE_TOUCHES * act_token_layer * tok / mem_bw;
-    let sp = sp_comm(&st, work, hw, attn_train)?;
+    let sp_cost = sp_comm(&st, work, hw, attn_train)?;
     let layer_compute =
-        3.0 * dense_fwd + attn_train + sp.merge_forward + sp.merge_backward + elementwise;
+        3.0 * dense_fwd + attn_train + sp_cost.merge_forward + sp_cost.merge_backward + elementwise;
     let layer_recompute = match cand.memory.checkpointing {
         Checkpointing::None => 0.0,
         Checkpointing::Selective => dense_fwd,
-        Checkpointing::Full => dense_fwd + attn_train / 3.0 + sp.merge_forward,
+        Checkpointing::Full => dense_fwd + attn_train / 3.0 + sp_cost.merge_forward,
     };
 
     // Tensor parallelism: 2 all-reduces (or all-gather + reduce-scatter) of the layer's
@@ -354,12 +354,13 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
 
     // Sequence-parallel attention: forward, backward, and the forward again under full
     // recomputation.
-    {
-        let again = cand.memory.checkpointing == Checkpointing::Full;
-        let n_fwd = if again { 2.0 } else { 1.0 };
-        layer_bytes += n_fwd * sp.forward_bytes + sp.backward_bytes;
-        layer_comm += n_fwd * sp.forward + sp.backward;
-    }
+    let n_fwd = if cand.memory.checkpointing == Checkpointing::Full {
+        2.0
+    } else {
+        1.0
+    };
+    layer_bytes += n_fwd * sp_cost.forward_bytes + sp_cost.backward_bytes;
+    layer_comm += n_fwd * sp_cost.forward + sp_cost.backward;
 
     // ZeRO sharding group: the ranks holding the same parameters.
     let z = (u * r * dp) as f64;
@@ -655,8 +656,8 @@ fn sp_comm(st: &Setup, work: &Workload, hw: &Hardware, attn_train: f64) -> Resul
     // Merging each ring step's partial result into the accumulators (f32, read twice and
     // written once: `flash_ring::merge` and the gradient sums of `attention::ring`), at the
     // device's memory bandwidth: the output and lse forward, dq and the travelling dk, dv
-    // backward.
-    // A rank's rows during the ring steps: its ring shard, or its team's under StarTrail.
+    // backward, over a rank's rows during the ring steps (its ring shard after the Ulysses
+    // all-to-all; its team's rows under StarTrail).
     let tokens = match sp.strategy {
         Strategy::StarTrail => (work.seq_len / sp_ranks * team) as f64,
         _ => (work.seq_len / r) as f64,

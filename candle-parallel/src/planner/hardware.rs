@@ -7,6 +7,8 @@
 //! # true for local ranks of one CPU: the devices of a node share its compute and memory, so
 //! # the rates and the memory below are the node's, split among the ranks that run on it.
 //! shared_node = false
+//! overlap = true               # ring transfers overlap the block compute
+//! nics_per_node = 8            # NICs the devices share between nodes; absent: one per device
 //!
 //! [device]
 //! matmul_flops = 6.0e14        # dense products in the training dtype, FLOP/s
@@ -21,13 +23,12 @@
 //! [inter_node]                 # per NIC, one direction
 //! bandwidth = 4.5e10
 //! latency = 1.0e-5
-//!
-//! overlap = true               # ring transfers overlap the block compute
-//! nics_per_node = 8            # optional: one NIC per device when absent
 //! ```
 //!
 //! Presets ([`Hardware::preset`]) describe an 8-GPU NVLink node, a cluster of 8 of them over
-//! InfiniBand, and the 2-core development machine as `cpl bench --calibrate` measured it.
+//! InfiniBand, the clusters of the LoongTrain and USP papers (`a100-hdr-cluster`,
+//! `a800-roce-cluster`, `l20-pcie-node`), and the 2-core development machine as
+//! `cpl bench --calibrate` measured it.
 //! `cpl bench --calibrate` writes the file for the machine it runs on.
 
 use std::path::Path;
