@@ -39,7 +39,7 @@ pub struct AutoArgs {
     #[arg(long, requires = "auto")]
     pub world: Option<usize>,
     /// A hardware description (TOML, see `cpl bench calibrate`) or a preset: h100-node,
-    /// h100-cluster, cpu-2core.
+    /// h100-cluster, a100-hdr-cluster, a800-roce-cluster, l20-pcie-node, cpu-2core.
     #[arg(long, requires = "auto")]
     pub hardware: Option<String>,
     /// Tokens per optimizer step (a multiple of --seq-len; default: one sequence per rank).

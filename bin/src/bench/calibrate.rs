@@ -197,6 +197,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
         intra_node: link,
         inter_node: link,
         overlap: false,
+        nics_per_node: None,
     };
     hw.validate()?;
     let text = format!(

@@ -53,6 +53,11 @@ pub const TP_EXTRA_HIDDEN: f64 = 4.0;
 /// forward, read and written again in the backward).
 const ELEMENTWISE_TOUCHES: f64 = 4.0;
 
+/// Accumulator bytes moved per element when a ring step's partial result is merged: the
+/// accumulator and the block's partial read, the accumulator written (`flash_ring::merge`, and
+/// the `dq`, `dk`, `dv` sums of `attention::ring`).
+const MERGE_TOUCHES: f64 = 3.0;
+
 /// Bytes the optimizer step reads and writes per parameter: f32 master, moments and gradient
 /// read and written, the parameter written.
 const OPTIMIZER_BYTES_PER_PARAM: f64 = 40.0;
@@ -140,78 +145,157 @@ fn transfer(link: &LinkSpec, bytes: f64, messages: f64) -> f64 {
     bytes / link.bandwidth + messages * link.latency
 }
 
+/// A validated candidate: its mesh, degrees and a rank's rates.
+struct Setup<'a> {
+    mesh_layout: MeshLayout,
+    sp: &'a SpConfig,
+    tp: usize,
+    u: usize,
+    r: usize,
+    pp: usize,
+    dp: usize,
+    world: usize,
+    /// A rank's matmul FLOP/s, attention FLOP/s and memory bytes/s.
+    mm_rate: f64,
+    attn_rate: f64,
+    mem_bw: f64,
+}
+
+impl<'a> Setup<'a> {
+    /// Errors when the layout does not fit the world, the model or the sequence (naming what
+    /// does not divide).
+    fn new(cand: &'a Candidate, work: &Workload, hw: &Hardware) -> Result<Self> {
+        let m = &work.model;
+        m.validate()?;
+        let mesh = &cand.layout.mesh;
+        let world = mesh
+            .world_size()
+            .ok_or_else(|| Error::Layout("the mesh's degrees overflow".into()))?;
+        let mesh_layout = MeshLayout::new(mesh, world)?;
+        let sp: &SpConfig = &cand.layout.attention;
+        let deg = |d: Dim| mesh.degree(d);
+        let (tp, u, r, pp, dp) = (
+            deg(Dim::Tp),
+            deg(Dim::Ulysses),
+            deg(Dim::Ring),
+            deg(Dim::Pp),
+            deg(Dim::Dp),
+        );
+        if sp.ulysses != u || sp.ring != r {
+            return Err(Error::Layout(format!(
+                "the attention's grid {}x{} is not the mesh's ulysses {u} x ring {r}",
+                sp.ulysses, sp.ring
+            )));
+        }
+        if world > hw.devices() {
+            return Err(Error::Layout(format!(
+                "{world} ranks on {} devices of {}",
+                hw.devices(),
+                hw.name
+            )));
+        }
+        for (what, n) in [
+            ("num_attention_heads", m.heads),
+            ("num_key_value_heads", m.kv_heads),
+            ("intermediate_size", m.intermediate),
+            ("vocab_size", m.vocab),
+        ] {
+            if !n.is_multiple_of(tp) {
+                return Err(Error::Layout(format!(
+                    "tensor-parallel degree {tp} does not divide {what} {n}"
+                )));
+            }
+        }
+        if work.sequences == 0 || !work.sequences.is_multiple_of(dp) {
+            return Err(Error::Layout(format!(
+                "{} sequences per step do not split over {dp} data-parallel ranks",
+                work.sequences
+            )));
+        }
+        let sp_ranks = u * r;
+        sp.plan(work.seq_len)?;
+        if cand.layout.tp == TpActivations::SequenceSharded
+            && !(work.seq_len / sp_ranks).is_multiple_of(tp)
+        {
+            return Err(Error::Layout(format!(
+                "TP-sp: the {} tokens of a rank do not split over tp {tp}",
+                work.seq_len / sp_ranks
+            )));
+        }
+        let share = hw.share(world.min(hw.devices_per_node));
+        Ok(Self {
+            mesh_layout,
+            sp,
+            tp,
+            u,
+            r,
+            pp,
+            dp,
+            world,
+            mm_rate: hw.device.matmul_flops * share,
+            attn_rate: hw.device.attention_flops * share,
+            mem_bw: hw.device.memory_bandwidth * share,
+        })
+    }
+
+    /// Seconds of a layer's attention FLOPs (forward and backward) on one rank.
+    fn attention_compute(&self, work: &Workload) -> f64 {
+        let m = &work.model;
+        let s = work.seq_len as f64;
+        let flops = 3.0 * 4.0 * s * s * (m.heads * m.head_dim) as f64 * work.attention_density;
+        flops / ((self.u * self.r * self.tp) as f64) / self.attn_rate
+    }
+}
+
+/// Seconds of one decoder layer's attention on a rank, by pass: the attention FLOPs and the
+/// sequence-parallel communication not hidden behind them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct AttentionTime {
+    pub forward: f64,
+    pub backward: f64,
+}
+
+/// The exposed communication of a layer's sequence-parallel attention, and its bytes.
+#[derive(Debug, Clone, Copy, Default)]
+struct SpComm {
+    forward: f64,
+    backward: f64,
+    forward_bytes: f64,
+    backward_bytes: f64,
+    /// Seconds of merging the ring steps' partial results (compute, not communication).
+    merge_forward: f64,
+    merge_backward: f64,
+}
+
+/// Predicts one layer's attention (forward and backward, no recomputation) on a rank of
+/// `cand`: the quantity LoongTrain's Tables 4 and 5 measure. Errors as [`predict`].
+pub fn attention_time(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<AttentionTime> {
+    let st = Setup::new(cand, work, hw)?;
+    let attn_train = st.attention_compute(work);
+    let c = sp_comm(&st, work, hw, attn_train)?;
+    Ok(AttentionTime {
+        forward: attn_train / 3.0 + c.merge_forward + c.forward,
+        backward: attn_train * 2.0 / 3.0 + c.merge_backward + c.backward,
+    })
+}
+
 /// Predicts one optimizer step of `work` under `cand` on `hw`. Errors when the layout does not
 /// fit the world, the model or the sequence (naming what does not divide).
 pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Prediction> {
     let m = &work.model;
-    m.validate()?;
-    let mesh = &cand.layout.mesh;
-    let world = mesh
-        .world_size()
-        .ok_or_else(|| Error::Layout("the mesh's degrees overflow".into()))?;
-    let mesh_layout = MeshLayout::new(mesh, world)?;
-    let sp: &SpConfig = &cand.layout.attention;
-    let deg = |d: Dim| mesh.degree(d);
-    let (tp, u, r, pp, dp) = (
-        deg(Dim::Tp),
-        deg(Dim::Ulysses),
-        deg(Dim::Ring),
-        deg(Dim::Pp),
-        deg(Dim::Dp),
-    );
-    if sp.ulysses != u || sp.ring != r {
-        return Err(Error::Layout(format!(
-            "the attention's grid {}x{} is not the mesh's ulysses {u} x ring {r}",
-            sp.ulysses, sp.ring
-        )));
-    }
-    if world > hw.devices() {
-        return Err(Error::Layout(format!(
-            "{world} ranks on {} devices of {}",
-            hw.devices(),
-            hw.name
-        )));
-    }
-    for (what, n) in [
-        ("num_attention_heads", m.heads),
-        ("num_key_value_heads", m.kv_heads),
-        ("intermediate_size", m.intermediate),
-        ("vocab_size", m.vocab),
-    ] {
-        if !n.is_multiple_of(tp) {
-            return Err(Error::Layout(format!(
-                "tensor-parallel degree {tp} does not divide {what} {n}"
-            )));
-        }
-    }
-    if work.sequences == 0 || !work.sequences.is_multiple_of(dp) {
-        return Err(Error::Layout(format!(
-            "{} sequences per step do not split over {dp} data-parallel ranks",
-            work.sequences
-        )));
-    }
+    let st = Setup::new(cand, work, hw)?;
+    let mesh_layout = &st.mesh_layout;
+    let (tp, u, r, pp, dp, world) = (st.tp, st.u, st.r, st.pp, st.dp, st.world);
+    let (mm_rate, mem_bw) = (st.mm_rate, st.mem_bw);
     let sp_ranks = u * r;
-    sp.plan(work.seq_len)?;
-    if cand.layout.tp == TpActivations::SequenceSharded
-        && !(work.seq_len / sp_ranks).is_multiple_of(tp)
-    {
-        return Err(Error::Layout(format!(
-            "TP-sp: the {} tokens of a rank do not split over tp {tp}",
-            work.seq_len / sp_ranks
-        )));
-    }
     let micro_batches = work.sequences / dp;
     let stages = split_layers(m.layers, pp, None)?;
-
-    // Rates of one rank.
-    let share = hw.share(world.min(hw.devices_per_node));
-    let mm_rate = hw.device.matmul_flops * share;
-    let attn_rate = hw.device.attention_flops * share;
-    let mem_bw = hw.device.memory_bandwidth * share;
+    let deg = |d: Dim| cand.layout.mesh.degree(d);
     let link = |dim: Dim| hw.link(mesh_layout.stride(dim), deg(dim));
     // Seconds per parameter of one pass of the optimizer step over a rank's parameters, and of
     // a micro-batch's gradient bookkeeping (about one such pass: measured on this library's
     // trainer, `docs/planner.md`).
+    let share = hw.share(world.min(hw.devices_per_node));
     let param_pass = match hw.device.optimizer_params_per_sec {
         Some(rate) => 1.0 / (rate * share),
         None => OPTIMIZER_BYTES_PER_PARAM / mem_bw,
@@ -235,19 +319,20 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
 
     // ---- per layer, per micro-batch, on one rank ----
     let dense_fwd = 2.0 * layer_params * tok / mm_rate;
-    let attn_model_flops = 3.0 * 4.0 * s * s * hq * d * work.attention_density;
-    let attn_train = attn_model_flops / (sp_ranks as f64 * tpf) / attn_rate;
+    let attn_train = st.attention_compute(work);
     let h_share = if tp_sp { h / tpf } else { h };
     let [ah, aq, akv, ai] = ACT_PER_TOKEN;
     let tp_extra = if tp > 1 { TP_EXTRA_HIDDEN * h } else { 0.0 };
     let act_token_layer =
         el * (ah * h_share + tp_extra + (aq * hq * d + akv * hkv * d + ai * i) / tpf);
     let elementwise = ELEMENTWISE_TOUCHES * act_token_layer * tok / mem_bw;
-    let layer_compute = 3.0 * dense_fwd + attn_train + elementwise;
+    let sp_cost = sp_comm(&st, work, hw, attn_train)?;
+    let layer_compute =
+        3.0 * dense_fwd + attn_train + sp_cost.merge_forward + sp_cost.merge_backward + elementwise;
     let layer_recompute = match cand.memory.checkpointing {
         Checkpointing::None => 0.0,
         Checkpointing::Selective => dense_fwd,
-        Checkpointing::Full => dense_fwd + attn_train / 3.0,
+        Checkpointing::Full => dense_fwd + attn_train / 3.0 + sp_cost.merge_forward,
     };
 
     // Tensor parallelism: 2 all-reduces (or all-gather + reduce-scatter) of the layer's
@@ -263,116 +348,19 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
             4.0
         };
         let l = link(Dim::Tp);
-        layer_comm += n * transfer(l, per, 2.0 * (tpf - 1.0));
+        layer_comm += n * transfer(&l, per, 2.0 * (tpf - 1.0));
         layer_bytes += n * per;
     }
 
-    // Sequence-parallel attention.
-    if sp_ranks > 1 {
-        let shape = AttnShape {
-            batch: 1,
-            seq: work.seq_len,
-            heads: m.heads / tp,
-            kv_heads: m.kv_heads / tp,
-            head_dim: m.head_dim,
-            elem_bytes: work.elem_bytes,
-            with_lse: false,
-        };
-        let t = attention_traffic(sp, &shape)?;
-        let fwd_block = attn_train / 3.0;
-        let bwd_block = attn_train * 2.0 / 3.0;
-        let again = cand.memory.checkpointing == Checkpointing::Full;
-        let mut sent = (t.forward.total() + t.backward.total()) as f64;
-        if again {
-            sent += t.forward.total() as f64;
-        }
-        layer_bytes += sent;
-        // The ulysses all-to-alls, and the all-gathers / reduce-scatters: not overlapped.
-        let sp_inner = mesh_layout
-            .stride(Dim::Ring)
-            .min(mesh_layout.stride(Dim::Ulysses));
-        // (stride, size) of the all-to-all group, the gathering group and its link.
-        let ((a2a_stride, a2a_size), gather_size, gather_link) = match sp.strategy {
-            Strategy::StarTrail => ((sp_inner, sp.team), sp.team, hw.link(sp_inner, sp.team)),
-            _ => ((mesh_layout.stride(Dim::Ulysses), u), r, link(Dim::Ring)),
-        };
-        let gathered = |b: &crate::attention::multi_ring_plan::StrategyBytes| {
-            hw.all_to_all_time(
-                a2a_stride,
-                a2a_size,
-                b.all_to_all as f64,
-                4.0 * (a2a_size as f64 - 1.0),
-            ) + transfer(
-                gather_link,
-                (b.all_gather + b.reduce_scatter) as f64,
-                if b.all_gather + b.reduce_scatter > 0 {
-                    2.0 * (gather_size as f64 - 1.0)
-                } else {
-                    0.0
-                },
-            )
-        };
-        let mut comm = gathered(&t.forward) + gathered(&t.backward);
-        if again {
-            comm += gathered(&t.forward);
-        }
-        // Ring exchanges: each step moves one block while the previous one computes.
-        let ring_link = match sp.strategy {
-            Strategy::DoubleRing => None,
-            Strategy::StarTrail => Some(hw.link(sp_inner, sp_ranks)),
-            _ => Some(link(Dim::Ring)),
-        };
-        let exposed = |bytes: u64, steps: u64, block: f64, l: &LinkSpec| -> f64 {
-            if steps == 0 {
-                return 0.0;
-            }
-            let per = transfer(l, bytes as f64 / steps as f64, 1.0);
-            let blocks = (steps + 1) as f64;
-            if hw.overlap {
-                steps as f64 * (per - block / blocks).max(0.0)
-            } else {
-                steps as f64 * per
-            }
-        };
-        let ring_time = |bytes: u64, steps: u64, block: f64| -> f64 {
-            match (sp.strategy, ring_link) {
-                (Strategy::DoubleRing, _) => {
-                    // Inner rings of w neighbours, the outer ring across them: the outer hop
-                    // overlaps the w inner steps of an outer step.
-                    let w = sp.inner_ring.max(1);
-                    let stride = mesh_layout.stride(Dim::Ring);
-                    let inner = hw.link(stride, w);
-                    let outer = hw.link(stride * w, r / w);
-                    let outer_steps = (r / w) as u64;
-                    let inner_steps = steps.saturating_sub(outer_steps.saturating_sub(1));
-                    let per_byte = bytes as f64 / steps.max(1) as f64;
-                    let inner_t = exposed(
-                        (per_byte * inner_steps as f64) as u64,
-                        inner_steps,
-                        block * inner_steps as f64 / (steps + 1) as f64,
-                        inner,
-                    );
-                    let outer_per = transfer(outer, per_byte, 1.0);
-                    let hidden = block * w as f64 / (steps + 1) as f64;
-                    let outer_t = (outer_steps.saturating_sub(1)) as f64
-                        * if hw.overlap {
-                            (outer_per - hidden).max(0.0)
-                        } else {
-                            outer_per
-                        };
-                    inner_t + outer_t
-                }
-                (_, Some(l)) => exposed(bytes, steps, block, l),
-                (_, None) => 0.0,
-            }
-        };
-        comm += ring_time(t.forward.exchange, t.forward_steps, fwd_block);
-        comm += ring_time(t.backward.exchange, t.backward_steps, bwd_block);
-        if again {
-            comm += ring_time(t.forward.exchange, t.forward_steps, fwd_block);
-        }
-        layer_comm += comm;
-    }
+    // Sequence-parallel attention: forward, backward, and the forward again under full
+    // recomputation.
+    let n_fwd = if cand.memory.checkpointing == Checkpointing::Full {
+        2.0
+    } else {
+        1.0
+    };
+    layer_bytes += n_fwd * sp_cost.forward_bytes + sp_cost.backward_bytes;
+    layer_comm += n_fwd * sp_cost.forward + sp_cost.backward;
 
     // ZeRO sharding group: the ranks holding the same parameters.
     let z = (u * r * dp) as f64;
@@ -417,7 +405,7 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
         if pp > 1 {
             let l = link(Dim::Pp);
             let act = tok * h * el;
-            t += 2.0 * transfer(l, act, 1.0);
+            t += 2.0 * transfer(&l, act, 1.0);
             // Activations forward to the next stage, their gradients back to the previous.
             bytes += if k == 0 || k == last { act } else { 2.0 * act };
         }
@@ -431,7 +419,7 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
             };
             let per = (z - 1.0) / z * params;
             t += transfer(
-                zero_link,
+                &zero_link,
                 gathers * per * el + per * 4.0,
                 (gathers + 1.0) * layers * (z - 1.0),
             );
@@ -465,7 +453,7 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
             0.0
         };
         let kv_block = tok * hkv / tpf * d * el;
-        let buffers = match sp.strategy {
+        let buffers = match st.sp.strategy {
             _ if sp_ranks == 1 => 0.0,
             // The gathered k and v of every layer are kept for backward.
             Strategy::AllGather => {
@@ -524,7 +512,7 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
             }
             ZeroStage::Parameters => (0.0, 0.0),
         };
-        step_comm += transfer(zero_link, bytes, msgs);
+        step_comm += transfer(&zero_link, bytes, msgs);
         step_bytes += bytes;
     }
     let opt_params = stage_params_max
@@ -561,6 +549,170 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
         memory: worst_mem,
         micro_batches,
         bytes_sent: stage_bytes_max * mb + step_bytes,
+    })
+}
+
+/// The sequence-parallel communication of one layer's attention on a rank, forward and
+/// backward, given the layer's attention compute `attn_train` (forward and backward): the
+/// all-to-alls, all-gathers and reduce-scatters exposed, each ring step's transfer overlapping
+/// the previous block's compute where the hardware overlaps.
+fn sp_comm(st: &Setup, work: &Workload, hw: &Hardware, attn_train: f64) -> Result<SpComm> {
+    let (sp, mesh_layout, tp, u, r) = (st.sp, &st.mesh_layout, st.tp, st.u, st.r);
+    let sp_ranks = u * r;
+    if sp_ranks == 1 {
+        return Ok(SpComm::default());
+    }
+    let m = &work.model;
+    let link = |dim: Dim| hw.link(mesh_layout.stride(dim), mesh_layout.degree(dim));
+    let shape = AttnShape {
+        batch: 1,
+        seq: work.seq_len,
+        heads: m.heads / tp,
+        kv_heads: m.kv_heads / tp,
+        head_dim: m.head_dim,
+        elem_bytes: work.elem_bytes,
+        with_lse: false,
+    };
+    let t = attention_traffic(sp, &shape)?;
+    let fwd_block = attn_train / 3.0;
+    let bwd_block = attn_train * 2.0 / 3.0;
+    // The ulysses all-to-alls, and the all-gathers / reduce-scatters: not overlapped.
+    let sp_inner = mesh_layout
+        .stride(Dim::Ring)
+        .min(mesh_layout.stride(Dim::Ulysses));
+    // (stride, size) of the all-to-all group, the gathering group and its link.
+    let ((a2a_stride, a2a_size), gather_size, gather_link) = match sp.strategy {
+        Strategy::StarTrail => ((sp_inner, sp.team), sp.team, hw.link(sp_inner, sp.team)),
+        _ => ((mesh_layout.stride(Dim::Ulysses), u), r, link(Dim::Ring)),
+    };
+    let gathered = |b: &crate::attention::multi_ring_plan::StrategyBytes| {
+        hw.all_to_all_time(
+            a2a_stride,
+            a2a_size,
+            b.all_to_all as f64,
+            4.0 * (a2a_size as f64 - 1.0),
+        ) + transfer(
+            &gather_link,
+            (b.all_gather + b.reduce_scatter) as f64,
+            if b.all_gather + b.reduce_scatter > 0 {
+                2.0 * (gather_size as f64 - 1.0)
+            } else {
+                0.0
+            },
+        )
+    };
+    // Ring exchanges: each step moves one block while the previous one computes; a step waits
+    // for its slowest hop (`Hardware::ring_link`).
+    let world = st.world;
+    let ring_stride = mesh_layout.stride(Dim::Ring);
+    let exposed = |bytes: f64, steps: u64, block: f64, l: &LinkSpec| -> f64 {
+        if steps == 0 {
+            return 0.0;
+        }
+        let per = transfer(l, bytes / steps as f64, 1.0);
+        let blocks = (steps + 1) as f64;
+        if hw.overlap {
+            steps as f64 * (per - block / blocks).max(0.0)
+        } else {
+            steps as f64 * per
+        }
+    };
+    // StarTrail's sub-rings: the ranks of one member index in a team group, `C` apart.
+    let team = sp.team.max(1);
+    let star_link = hw.ring_link(sp_inner * team, sp_ranks / (team * team).max(1), world);
+    let ring_time = |bytes: u64, steps: u64, block: f64| -> f64 {
+        let bytes = bytes as f64;
+        match sp.strategy {
+            Strategy::DoubleRing => {
+                // Inner rings of w neighbours, the outer ring across them: the outer hop
+                // overlaps the w inner steps of an outer step. The outer ring's w hops out of
+                // an inner ring run at once and share the node's NICs.
+                let w = sp.inner_ring.max(1);
+                let inner = hw.ring_link(ring_stride, w, world);
+                let outer = hw.ring_link(ring_stride * w, r / w, world);
+                let outer_steps = (r / w) as u64;
+                let inner_steps = steps.saturating_sub(outer_steps.saturating_sub(1));
+                let per_byte = bytes / steps.max(1) as f64;
+                let inner_t = exposed(
+                    per_byte * inner_steps as f64,
+                    inner_steps,
+                    block * inner_steps as f64 / (steps + 1) as f64,
+                    &inner,
+                );
+                let outer_per = transfer(&outer, per_byte, 1.0);
+                let hidden = block * w as f64 / (steps + 1) as f64;
+                let outer_t = (outer_steps.saturating_sub(1)) as f64
+                    * if hw.overlap {
+                        (outer_per - hidden).max(0.0)
+                    } else {
+                        outer_per
+                    };
+                inner_t + outer_t
+            }
+            Strategy::StarTrail => exposed(bytes, steps, block, &star_link),
+            _ => exposed(bytes, steps, block, &hw.ring_link(ring_stride, r, world)),
+        }
+    };
+    // Merging each ring step's partial result into the accumulators (f32, read twice and
+    // written once: `flash_ring::merge` and the gradient sums of `attention::ring`), at the
+    // device's memory bandwidth: the output and lse forward, dq and the travelling dk, dv
+    // backward, over a rank's rows during the ring steps (its ring shard after the Ulysses
+    // all-to-all; its team's rows under StarTrail).
+    let tokens = match sp.strategy {
+        Strategy::StarTrail => (work.seq_len / sp_ranks * team) as f64,
+        _ => (work.seq_len / r) as f64,
+    };
+    let q_heads = (m.heads / (tp * u)) as f64;
+    let kv_heads = t.kv_heads_per_rank as f64;
+    let d = m.head_dim as f64;
+    let merges = t.forward_steps as f64;
+    let merge_fwd = merges * MERGE_TOUCHES * 4.0 * tokens * q_heads * (d + 1.0) / st.mem_bw;
+    let merge_bwd =
+        merges * MERGE_TOUCHES * 4.0 * tokens * (q_heads + 2.0 * kv_heads) * d / st.mem_bw;
+    // The backward's last hop (the f32 dk, dv accumulators going home after the last block,
+    // `attention::ring`, `attention::double_ring`; dq under StarTrail) has no compute left to
+    // hide behind.
+    let (bwd_ring, home) = match sp.strategy {
+        Strategy::Ring | Strategy::Usp | Strategy::DoubleRing
+            if t.backward_steps > t.forward_steps =>
+        {
+            let hop =
+                (t.backward.exchange - t.forward.exchange) / (t.backward_steps - t.forward_steps);
+            let w = sp.inner_ring.max(1);
+            let l = match sp.strategy {
+                Strategy::DoubleRing if r > w => hw.ring_link(ring_stride * w, r / w, world),
+                Strategy::DoubleRing => hw.ring_link(ring_stride, w, world),
+                _ => hw.ring_link(ring_stride, r, world),
+            };
+            (
+                ring_time(t.backward.exchange - hop, t.backward_steps - 1, bwd_block),
+                transfer(&l, hop as f64, 1.0),
+            )
+        }
+        // StarTrail's f32 dq accumulator makes one more hop home after the last sub-ring step.
+        Strategy::StarTrail if t.backward_steps > 0 => {
+            let hop = (4.0 * tokens * q_heads * d) as u64;
+            (
+                ring_time(
+                    t.backward.exchange.saturating_sub(hop),
+                    t.backward_steps - 1,
+                    bwd_block,
+                ),
+                transfer(&star_link, hop as f64, 1.0),
+            )
+        }
+        _ => (
+            ring_time(t.backward.exchange, t.backward_steps, bwd_block),
+            0.0,
+        ),
+    };
+    Ok(SpComm {
+        forward: gathered(&t.forward) + ring_time(t.forward.exchange, t.forward_steps, fwd_block),
+        backward: gathered(&t.backward) + bwd_ring + home,
+        forward_bytes: t.forward.total() as f64,
+        backward_bytes: t.backward.total() as f64,
+        merge_forward: merge_fwd,
+        merge_backward: merge_bwd,
     })
 }
 
@@ -727,5 +879,41 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("3 sequences"), "{e}");
+    }
+
+    /// One layer's attention on a ring of 4 in one NVLink node, counted by hand: the FLOPs, the
+    /// merges of the 3 later blocks' partials (f32, read twice and written once: out and lse
+    /// forward; dq, dk, dv backward), the kv exchanges (exposed beyond the block compute), and
+    /// the dk, dv accumulators' last hop home, exposed whole.
+    #[test]
+    fn ring_attention_time_by_hand() {
+        let hw = Hardware::preset("h100-node").unwrap();
+        let mesh = MeshConfig::default().with_ring(4);
+        let c = cand(mesh, SpConfig::new(Strategy::Ring, 1, 4), ZeroStage::Off);
+        let t = attention_time(&c, &work(1), &hw).unwrap();
+        let (bw, lat) = (hw.intra_node.bandwidth, hw.intra_node.latency);
+        // S 16, 2 heads of 4, causal: 3 x 4 x 256 x 8 x 0.5 FLOPs over 4 ranks.
+        let attn = 3.0 * 4.0 * 256.0 * 8.0 * 0.5 / 4.0 / hw.device.attention_flops;
+        let (fwd_block, bwd_block) = (attn / 3.0, attn * 2.0 / 3.0);
+        // 4 tokens a rank: out 4 x 2 x 4 and lse 4 x 2 (f32); dq 4 x 2 x 4, dk and dv 4 x 2 x 4.
+        let mem = hw.device.memory_bandwidth;
+        let merge_fwd = 3.0 * 3.0 * 4.0 * (32.0 + 8.0) / mem;
+        let merge_bwd = 3.0 * 3.0 * 4.0 * (32.0 + 2.0 * 32.0) / mem;
+        // K = 4 x 2 x 4 x 4 = 128 bytes: forward 3 exchanges of 2K; backward 3 of 2K and 4 of
+        // the f32 2K, the last of which goes home after the last block.
+        let fwd_comm = 3.0 * (256.0 / bw + lat - fwd_block / 4.0).max(0.0);
+        let bwd_comm =
+            6.0 * (1536.0 / 6.0 / bw + lat - bwd_block / 7.0).max(0.0) + 256.0 / bw + lat;
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs();
+        assert!(close(t.forward, fwd_block + merge_fwd + fwd_comm), "{t:?}");
+        assert!(close(t.backward, bwd_block + merge_bwd + bwd_comm), "{t:?}");
+        // No sequence parallelism: the FLOPs alone.
+        let single = cand(
+            MeshConfig::default(),
+            SpConfig::new(Strategy::Ring, 1, 1),
+            ZeroStage::Off,
+        );
+        let t1 = attention_time(&single, &work(1), &hw).unwrap();
+        assert!(close(t1.forward, 4.0 * fwd_block) && close(t1.backward, 4.0 * bwd_block));
     }
 }

@@ -7,6 +7,8 @@
 //! # true for local ranks of one CPU: the devices of a node share its compute and memory, so
 //! # the rates and the memory below are the node's, split among the ranks that run on it.
 //! shared_node = false
+//! overlap = true               # ring transfers overlap the block compute
+//! nics_per_node = 8            # NICs the devices share between nodes; absent: one per device
 //!
 //! [device]
 //! matmul_flops = 6.0e14        # dense products in the training dtype, FLOP/s
@@ -18,15 +20,15 @@
 //! bandwidth = 3.0e11           # bytes/s
 //! latency = 5.0e-6             # seconds per message
 //!
-//! [inter_node]
+//! [inter_node]                 # per NIC, one direction
 //! bandwidth = 4.5e10
 //! latency = 1.0e-5
-//!
-//! overlap = true               # ring transfers overlap the block compute
 //! ```
 //!
 //! Presets ([`Hardware::preset`]) describe an 8-GPU NVLink node, a cluster of 8 of them over
-//! InfiniBand, and the 2-core development machine as `cpl bench --calibrate` measured it.
+//! InfiniBand, the clusters of the LoongTrain and USP papers (`a100-hdr-cluster`,
+//! `a800-roce-cluster`, `l20-pcie-node`), and the 2-core development machine as
+//! `cpl bench --calibrate` measured it.
 //! `cpl bench --calibrate` writes the file for the machine it runs on.
 
 use std::path::Path;
@@ -54,7 +56,8 @@ pub struct DeviceSpec {
     pub optimizer_params_per_sec: Option<f64>,
 }
 
-/// One kind of link: bandwidth per device and direction, and latency per message.
+/// One kind of link: bandwidth per device (per NIC for the inter-node link) and direction, and
+/// latency per message.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LinkSpec {
@@ -77,11 +80,16 @@ pub struct Hardware {
     pub shared_node: bool,
     pub device: DeviceSpec,
     pub intra_node: LinkSpec,
+    /// Between nodes: `bandwidth` is one NIC's (one per device when `nics_per_node` is absent).
     pub inter_node: LinkSpec,
     /// Ring transfers run while the previous block computes (GPUs with a copy engine); without,
     /// every transfer is exposed (local CPU ranks, whose cores do the copies).
     #[serde(default = "yes")]
     pub overlap: bool,
+    /// Network adapters per node that the node's devices share for inter-node traffic (the
+    /// cluster's description; LoongTrain's testbed has 4 for 8 GPUs). Absent: one per device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nics_per_node: Option<usize>,
 }
 
 fn yes() -> bool {
@@ -89,10 +97,19 @@ fn yes() -> bool {
 }
 
 /// The built-in hardware descriptions: `(name, TOML)`.
-const PRESETS: [(&str, &str); 3] = [
+const PRESETS: [(&str, &str); 6] = [
     ("h100-node", include_str!("presets/h100-node.toml")),
     ("h100-cluster", include_str!("presets/h100-cluster.toml")),
     ("cpu-2core", include_str!("presets/cpu-2core.toml")),
+    (
+        "a100-hdr-cluster",
+        include_str!("presets/a100-hdr-cluster.toml"),
+    ),
+    (
+        "a800-roce-cluster",
+        include_str!("presets/a800-roce-cluster.toml"),
+    ),
+    ("l20-pcie-node", include_str!("presets/l20-pcie-node.toml")),
 ];
 
 impl Hardware {
@@ -155,6 +172,11 @@ impl Hardware {
                 "nodes and devices_per_node must be at least 1".into(),
             ));
         }
+        if self.nics_per_node == Some(0) {
+            return Err(Error::Layout(
+                "nics_per_node must be at least 1 (leave it out for one per device)".into(),
+            ));
+        }
         let d = &self.device;
         for (field, v) in [
             ("device.matmul_flops", d.matmul_flops),
@@ -200,23 +222,67 @@ impl Hardware {
         }
     }
 
+    /// Network adapters per node (one per device unless the description says otherwise).
+    pub fn nics(&self) -> usize {
+        self.nics_per_node.unwrap_or(self.devices_per_node).max(1)
+    }
+
+    /// Bytes/s each of `flows` concurrent inter-node transfers leaving one node gets: a flow
+    /// uses at most one NIC, and the flows share the node's NICs.
+    pub fn inter_node_flow_bandwidth(&self, flows: usize) -> f64 {
+        let nics = self.nics() as f64;
+        self.inter_node.bandwidth * (nics / flows.max(1) as f64).min(1.0)
+    }
+
     /// The link a group of `size` ranks spaced `stride` apart in rank order uses (the groups
-    /// of a mesh dimension tile the ranks): the intra-node link when every such group lies in
-    /// one node, the inter-node link when some group spans nodes.
-    pub fn link(&self, stride: usize, size: usize) -> &LinkSpec {
+    /// of a mesh dimension tile the ranks, and all of them communicate at once): the intra-node
+    /// link when every such group lies in one node; otherwise the inter-node link, every device
+    /// of a node sending across at once and sharing the node's NICs.
+    pub fn link(&self, stride: usize, size: usize) -> LinkSpec {
         let span = stride * size;
         if size <= 1 || span <= self.devices_per_node && self.devices_per_node.is_multiple_of(span)
         {
-            &self.intra_node
+            self.intra_node
         } else {
-            &self.inter_node
+            LinkSpec {
+                bandwidth: self.inter_node_flow_bandwidth(self.devices_per_node),
+                latency: self.inter_node.latency,
+            }
+        }
+    }
+
+    /// The link one step of a ring takes, where every rank of every ring (`size` ranks
+    /// `stride` apart, the rings tiling `world` ranks) sends to its successor at once: the step
+    /// waits for its slowest hop. Hops inside a node use the intra-node link; the hops that leave
+    /// a node share its NICs ([`Hardware::inter_node_flow_bandwidth`]), so a ring whose only
+    /// crossing hop is one per node gets a whole NIC where an all-to-all gets a device's share.
+    pub fn ring_link(&self, stride: usize, size: usize, world: usize) -> LinkSpec {
+        let dpn = self.devices_per_node;
+        let crossing = (0..dpn.min(world))
+            .filter(|&x| {
+                let c = (x / stride) % size;
+                let next = if c + 1 < size {
+                    x + stride
+                } else {
+                    x - c * stride
+                };
+                next / dpn != x / dpn
+            })
+            .count();
+        if size <= 1 || crossing == 0 {
+            self.intra_node
+        } else {
+            LinkSpec {
+                bandwidth: self.inter_node_flow_bandwidth(crossing),
+                latency: self.inter_node.latency,
+            }
         }
     }
 
     /// Seconds of an all-to-all in which each of `size` ranks spaced `stride` apart sends
     /// `bytes` (to its `size - 1` peers alike) in `messages` messages: the share for peers on
-    /// the same node moves at the intra-node rate while the rest crosses nodes, at the same
-    /// time.
+    /// the same node moves at the intra-node rate while the rest crosses nodes at the same time,
+    /// every device of the node sharing its NICs.
     pub fn all_to_all_time(&self, stride: usize, size: usize, bytes: f64, messages: f64) -> f64 {
         if size <= 1 {
             return 0.0;
@@ -229,7 +295,7 @@ impl Hardware {
         let remote = (size - local) as f64 / (size - 1) as f64;
         let link = self.link(stride, size);
         (bytes * (1.0 - remote) / self.intra_node.bandwidth)
-            .max(bytes * remote / self.inter_node.bandwidth)
+            .max(bytes * remote / self.inter_node_flow_bandwidth(self.devices_per_node))
             + messages * link.latency
     }
 }
@@ -276,11 +342,11 @@ mod tests {
     fn groups_that_span_nodes_use_the_inter_node_link() {
         let hw = Hardware::preset("h100-cluster").unwrap();
         assert_eq!(hw.devices_per_node, 8);
-        assert_eq!(hw.link(1, 8), &hw.intra_node);
-        assert_eq!(hw.link(2, 4), &hw.intra_node);
-        assert_eq!(hw.link(1, 16), &hw.inter_node);
-        assert_eq!(hw.link(8, 2), &hw.inter_node);
-        assert_eq!(hw.link(64, 1), &hw.intra_node);
+        assert_eq!(hw.link(1, 8), hw.intra_node);
+        assert_eq!(hw.link(2, 4), hw.intra_node);
+        assert_eq!(hw.link(1, 16), hw.inter_node);
+        assert_eq!(hw.link(8, 2), hw.inter_node);
+        assert_eq!(hw.link(64, 1), hw.intra_node);
         // An all-to-all over 16 neighbours: 8 of 15 peers on other nodes; over 16 ranks 4
         // apart, 14 of 15.
         let x = 1e9;
@@ -291,6 +357,49 @@ mod tests {
         assert_eq!(
             hw.all_to_all_time(1, 8, x, 0.0),
             x / hw.intra_node.bandwidth
+        );
+    }
+
+    /// LoongTrain's testbed: 4 NICs for 8 GPUs. A ring step waits for its slowest hop, and the
+    /// hops leaving a node share its NICs.
+    #[test]
+    fn ring_hops_share_the_nics_of_a_node() {
+        let hw = Hardware::preset("a100-hdr-cluster").unwrap();
+        assert_eq!(hw.nics(), 4);
+        let nic = hw.inter_node.bandwidth;
+        // A ring inside a node: NVLink.
+        assert_eq!(hw.ring_link(1, 8, 64), hw.intra_node);
+        // A flat ring of 64: one hop per node leaves it, on a NIC of its own.
+        assert_eq!(hw.ring_link(1, 64, 64).bandwidth, nic);
+        // Head-first hp 8 x cp 8: every rank's hop leaves the node, 2 per NIC.
+        assert_eq!(hw.ring_link(8, 8, 64).bandwidth, nic / 2.0);
+        // Double ring (cp 64, context-first): the outer ring of inner rings of 4 sends 4 hops out
+        // of each node (one per NIC); of inner rings of 8 (stride 8, size 8: the hops above),
+        // 8; of inner rings of 2, 2 (one NIC each).
+        assert_eq!(hw.ring_link(4, 16, 64).bandwidth, nic);
+        assert_eq!(hw.ring_link(2, 32, 64).bandwidth, nic);
+        // Collectives of every device of a node across nodes: a device's share of the NICs.
+        assert_eq!(hw.link(8, 8).bandwidth, nic / 2.0);
+        let x = 1e9;
+        assert_eq!(hw.all_to_all_time(8, 8, x, 0.0), x / (nic / 2.0));
+        // Without a NIC count: one per device, as before.
+        let one_each = Hardware {
+            nics_per_node: None,
+            ..hw.clone()
+        };
+        assert_eq!(one_each.ring_link(8, 8, 64).bandwidth, nic);
+        assert_eq!(one_each.link(8, 8).bandwidth, nic);
+        let e = Hardware::from_toml(
+            &hw.to_toml()
+                .unwrap()
+                .replace("nics_per_node = 4", "nics_per_node = 0"),
+            "nics.toml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("nics.toml") && e.contains("nics_per_node"),
+            "{e}"
         );
     }
 }

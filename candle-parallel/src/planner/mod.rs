@@ -22,7 +22,9 @@ pub mod hardware;
 pub mod search;
 pub mod traffic;
 
-pub use cost::{predict, Candidate, MemoryBreakdown, Prediction, TimeBreakdown};
+pub use cost::{
+    attention_time, predict, AttentionTime, Candidate, MemoryBreakdown, Prediction, TimeBreakdown,
+};
 pub use hardware::Hardware;
 pub use search::{search, Request, SearchResult};
 

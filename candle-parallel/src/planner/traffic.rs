@@ -41,6 +41,8 @@ pub struct AttentionTraffic {
     /// the next block's compute.
     pub forward_steps: u64,
     pub backward_steps: u64,
+    /// kv heads a rank holds during the ring steps (after Ulysses' kv replication).
+    pub kv_heads_per_rank: u64,
 }
 
 /// Bytes the busiest rank of `sp` sends for `shape` (every rank sends the same except under
@@ -98,6 +100,7 @@ pub fn attention_traffic(sp: &SpConfig, shape: &AttnShape) -> Result<AttentionTr
                 backward: bytes(0, bw),
                 forward_steps: sf,
                 backward_steps: sb,
+                kv_heads_per_rank: hkv,
             }
         }
         Strategy::Ulysses | Strategy::Usp | Strategy::DoubleRing => {
@@ -109,6 +112,7 @@ pub fn attention_traffic(sp: &SpConfig, shape: &AttnShape) -> Result<AttentionTr
                 backward: bytes(x, bw),
                 forward_steps: sf,
                 backward_steps: sb,
+                kv_heads_per_rank: hkv * rep / u,
             }
         }
         Strategy::AllGather => AttentionTraffic {
@@ -122,6 +126,7 @@ pub fn attention_traffic(sp: &SpConfig, shape: &AttnShape) -> Result<AttentionTr
             },
             forward_steps: 0,
             backward_steps: 0,
+            kv_heads_per_rank: hkv,
         },
         Strategy::StarTrail => {
             let plan = StarTrailPlan::new(p as usize, sp.team)?;
@@ -143,6 +148,7 @@ pub fn attention_traffic(sp: &SpConfig, shape: &AttnShape) -> Result<AttentionTr
                 backward: busiest(&|rank| plan.backward_bytes(rank, &e)),
                 forward_steps: steps.saturating_sub(1),
                 backward_steps: steps,
+                kv_heads_per_rank: hkv,
             }
         }
     })
