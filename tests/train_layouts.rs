@@ -16,6 +16,7 @@ use candle_parallel::comm::{LocalWorld, ReduceOp};
 use candle_parallel::mesh::Dim;
 use candle_parallel::nn::{Batch, CrossEntropyOptions, ParamMode, Track};
 use candle_parallel::optim::{AdamWConfig, Decay, LrSchedule, ZeroStage};
+use candle_parallel::pipeline::ScheduleKind;
 use candle_parallel::plan::MemoryPlan;
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{
@@ -24,7 +25,8 @@ use cpl_integration_tests::{
 use models::llama;
 use testkit::assert_identical_scalars;
 use train::data::{PackedDataset, Packing, TokenStream};
-use train::trainer::{TrainConfig, Trainer};
+use train::driver::Resume;
+use train::trainer::{PipelineConfig, TrainConfig, Trainer};
 
 const TOL: f64 = 1e-5;
 
@@ -110,12 +112,26 @@ fn train_files(
     let mut results = LocalWorld::run(layout.ranks, |world| -> Result<Run, String> {
         let e = |x: &dyn std::fmt::Display| format!("{}: {x}", layout.name);
         let (mesh, ctx) = layout.context(world.clone())?;
-        let m =
-            llama::load(&files, &ctx, Some(DType::F32), ParamMode::Trainable).map_err(|x| e(&x))?;
+        // Under a pipeline, this rank's stage: its layers, and the ends on the first and last.
+        let m = match &cfg.pipeline {
+            Some(pc) => {
+                let (r, pp) = (mesh.coord(Dim::Pp), layout.mesh.pp);
+                let layers = [pc.ranges()[r].clone()];
+                let ends = r == 0 || r + 1 == pp;
+                let mode = ParamMode::Trainable;
+                llama::load_stage(&files, &ctx, Some(DType::F32), mode, &layers, ends)
+            }
+            None => llama::load(&files, &ctx, Some(DType::F32), ParamMode::Trainable),
+        }
+        .map_err(|x| e(&x))?;
         let mut t = Trainer::new(m.model, &mesh, &ctx, cfg.clone()).map_err(|x| e(&x))?;
         if let Some(dir) = resume {
             let state = train::checkpoint::read_state(dir).map_err(|x| e(&x))?;
-            train::checkpoint::restore(&mut t, dir, &state).map_err(|x| e(&x))?;
+            let r = Resume {
+                dir: dir.clone(),
+                state,
+            };
+            r.restore(&mut t).map_err(|x| e(&x))?;
         }
         let mut losses = Vec::new();
         while t.step < cfg.steps {
@@ -140,14 +156,22 @@ fn train_files(
         Ok(Run { losses, weights })
     })
     .unwrap_or_else(|e| panic!("{e}"));
-    let first = results.swap_remove(0);
-    // Every rank ends with the same losses and the same whole weights, to the bit.
-    for (r, other) in results.iter().enumerate() {
+    let mut first = results.swap_remove(0);
+    // Every rank ends with the same losses and the same whole weights, to the bit (pipeline
+    // stages hold different parameters: the same copy of those several hold).
+    let pipelined = cfg.pipeline.is_some();
+    for (r, other) in results.into_iter().enumerate() {
         let who = format!("{}: rank {} vs rank 0", layout.name, r + 1);
         assert_identical_scalars(&other.losses, &first.losses, &who);
-        assert_eq!(other.weights.len(), first.weights.len(), "{who}");
-        for (n, w) in &first.weights {
-            assert_identical(&other.weights[n], w, &format!("{who}: {n}"));
+        if !pipelined {
+            assert_eq!(other.weights.len(), first.weights.len(), "{who}");
+        }
+        for (n, w) in other.weights {
+            match first.weights.get(&n) {
+                Some(prev) => assert_identical(&w, prev, &format!("{who}: {n}")),
+                None if pipelined => drop(first.weights.insert(n, w)),
+                None => panic!("{who}: {n} only on this rank"),
+            }
         }
     }
     first
@@ -532,6 +556,63 @@ fn resume_continues_exactly_and_across_layouts() {
     std::fs::remove_dir_all(&tmp).unwrap();
 }
 
+/// A checkpoint saved under a pipeline (pp2, one decoder layer per stage) holds the whole
+/// model and its optimizer state: resuming under the same pipeline continues bit-identically,
+/// and resuming on one rank continues like the uninterrupted single-rank run (1e-5).
+#[test]
+fn resume_under_a_pipeline() {
+    let data = dataset(false);
+    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("resume-pipeline-test");
+    let _ = std::fs::remove_dir_all(&tmp);
+    let pp2 = Layout::single().with_pp(2);
+    let pp_config = |steps| TrainConfig {
+        pipeline: Some(PipelineConfig {
+            schedule: ScheduleKind::OneFOneB,
+            virtual_stages: 1,
+            layers: vec![1, 1],
+        }),
+        ..config(steps, 1, 2, false)
+    };
+    let uninterrupted = train_run(&pp2, &pp_config(6), &data, None, None);
+    let first = train_run(&pp2, &pp_config(3), &data, None, Some(&tmp));
+    let ckpt = train::checkpoint::step_dir(&tmp, 3);
+    let rest = train_run(&pp2, &pp_config(6), &data, Some(&ckpt), None);
+    let both: Vec<f64> = first.losses.iter().chain(&rest.losses).copied().collect();
+    assert_identical_scalars(
+        &both,
+        &uninterrupted.losses,
+        "pp2: resumed vs uninterrupted",
+    );
+    assert_eq!(rest.weights.len(), uninterrupted.weights.len());
+    for (n, w) in &uninterrupted.weights {
+        assert_identical(
+            &rest.weights[n],
+            w,
+            &format!("pp2: resumed: final weight {n}"),
+        );
+    }
+    let full = train_run(
+        &Layout::single(),
+        &config(6, 1, 2, false),
+        &data,
+        None,
+        None,
+    );
+    let alone = train_run(
+        &Layout::single(),
+        &config(6, 1, 2, false),
+        &data,
+        Some(&ckpt),
+        None,
+    );
+    let joined = Run {
+        losses: first.losses.iter().chain(&alone.losses).copied().collect(),
+        weights: alone.weights,
+    };
+    assert_same("saved pp2, resumed on one rank", &joined, &full, TOL);
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
+
 /// Packed documents under the Llama 3 document mask: each document's summed loss equals the
 /// loss of that document run alone (1e-5 relative), on one rank and under every
 /// sequence-parallel strategy.
@@ -716,8 +797,8 @@ fn stages_run_alone_with_an_incoming_gradient() {
     }
 }
 
-/// Resuming from a checkpoint whose optimizer state lacks an entry, or holds one of the wrong
-/// shape, fails with an error naming the checkpoint and the entry.
+/// Resuming from a checkpoint whose optimizer state lacks an entry, holds one of the wrong
+/// shape, or one of no parameter, fails with an error naming the checkpoint and the entry.
 #[test]
 fn bad_optimizer_state_is_a_clear_error() {
     let data = dataset(false);
@@ -737,7 +818,15 @@ fn bad_optimizer_state_is_a_clear_error() {
         entry.into(),
         Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap(),
     );
-    for (what, tensors) in [("missing", missing), ("mis-shaped", misshaped)] {
+    // An entry of no parameter (only a pipeline stage skips those: the other stages' state).
+    let stray = "exp_avg.model.layers.9.mlp.up_proj.weight";
+    let mut unknown = good.clone();
+    unknown.insert(stray.into(), good[entry].clone());
+    for (what, tensors, named) in [
+        ("missing", missing, entry),
+        ("mis-shaped", misshaped, entry),
+        ("unknown", unknown, stray),
+    ] {
         candle_core::safetensors::save(&tensors, &path).unwrap();
         let files = models::hub::from_dir("resume", &ckpt).unwrap();
         let err = LocalWorld::run(1, |world| -> Result<String, String> {
@@ -756,7 +845,7 @@ fn bad_optimizer_state_is_a_clear_error() {
         .unwrap_or_else(|e| panic!("{e}"))
         .remove(0);
         assert!(
-            err.contains(&ckpt.display().to_string()) && err.contains(entry),
+            err.contains(&ckpt.display().to_string()) && err.contains(named),
             "{what}: {err}"
         );
     }

@@ -8,6 +8,9 @@
 mod common;
 use common::{grad, rand_t, world};
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use candle_parallel::comm::Comm;
 use candle_parallel::nn::{
@@ -421,4 +424,208 @@ fn embedding_rejects_bad_input() {
         assert!(wrong_rows.contains("expected V/P"), "{wrong_rows}");
         assert!(out_of_range.contains("id 8"), "{out_of_range}");
     }
+}
+
+/// Only what tracks gradients gets one: with the hidden states trainable and the head frozen
+/// (a LoRA run's head), or the other way round, the one gradient equals the single-rank
+/// reference's (f32, 1e-5) on 1 and 2 ranks, and the loss is the same either way.
+#[test]
+fn cross_entropy_differentiates_what_tracks() {
+    let mut rng = StdRng::seed_from_u64(15);
+    let (n, h, v) = (11, 8, 32);
+    let hidden = rand_t(&mut rng, &[n, h]);
+    let weight = rand_t(&mut rng, &[v, h]);
+    let labels = rand_labels(&mut rng, n, v, 4);
+    let labels_t = Tensor::new(labels.as_slice(), &Device::Cpu).unwrap();
+    let (hv, wv) = (
+        Var::from_tensor(&hidden).unwrap(),
+        Var::from_tensor(&weight).unwrap(),
+    );
+    let want = reference_loss(hv.as_tensor(), wv.as_tensor(), &labels, None).unwrap();
+    let grads = want.backward().unwrap();
+    let ref_gh = grad(&grads, &hv, "reference hidden").unwrap();
+    let ref_gw = grad(&grads, &wv, "reference weight").unwrap();
+    let want = want.to_scalar::<f32>().unwrap();
+    let opts = CrossEntropyOptions {
+        chunk_tokens: 4,
+        ..Default::default()
+    };
+    for p in [1, 2] {
+        let out = world(p, |comm| {
+            let w = shard(&weight, p, comm.rank())?;
+            let (hr, wr) = (Var::from_tensor(&hidden)?, Var::from_tensor(&w)?);
+            let (only_h, _) =
+                vocab_parallel_cross_entropy(hr.as_tensor(), &w, &labels_t, &comm, &opts)?;
+            let gh = grad(&only_h.backward()?, &hr, "hidden (head frozen)")?;
+            let (only_w, _) =
+                vocab_parallel_cross_entropy(&hidden, wr.as_tensor(), &labels_t, &comm, &opts)?;
+            let gw = grad(&only_w.backward()?, &wr, "weight shard (hidden frozen)")?;
+            Ok((
+                only_h.to_scalar::<f32>()?,
+                only_w.to_scalar::<f32>()?,
+                gh,
+                gw,
+            ))
+        });
+        for (r, (loss_h, loss_w, gh, gw)) in out.iter().enumerate() {
+            let what = format!("P={p} rank {r}");
+            assert_scalar_close(*loss_h, want, TOL, &format!("{what}: loss (head frozen)"));
+            assert_scalar_close(*loss_w, want, TOL, &format!("{what}: loss (hidden frozen)"));
+            assert_close(gh, &ref_gh, &format!("{what}: d_hidden"));
+            assert_close(
+                gw,
+                &shard(&ref_gw, p, r).unwrap(),
+                &format!("{what}: d_weight"),
+            );
+        }
+    }
+}
+
+/// The LM head on 1, 2 and 4 tensor-parallel ranks, with replicated activations and under
+/// TP-sp, with and without a soft-cap, against plain ops on one rank (f32, 1e-5): its weight
+/// is this rank's rows; its logits are `cap(h Wᵀ)` over the whole vocabulary, for
+/// `(batch, tokens, H)` hidden states (under TP-sp this rank's tokens) and for one `(H,)`
+/// state; its loss sum and count are those of the flattened tokens, with the gradients of
+/// this rank's tokens and rows.
+#[test]
+fn lm_head_matches_single_rank() {
+    use candle_parallel::attention::{SpConfig, Strategy};
+    use candle_parallel::nn::{
+        EmbeddingConfig, LmHead, ParallelCtx, ParamBuilder, ParamMode, TensorMap,
+    };
+    use candle_parallel::{DeviceMesh, MeshConfig};
+    let mut rng = StdRng::seed_from_u64(16);
+    let (b, t, h, v) = (2, 4, 8, 32);
+    let weight = rand_t(&mut rng, &[v, h]);
+    let hidden = rand_t(&mut rng, &[b, t, h]);
+    let labels = rand_labels(&mut rng, b * t, v, 3);
+    let count = labels.iter().filter(|&&l| l != IGNORE_INDEX).count();
+    let labels_t = Tensor::from_vec(labels.clone(), (b, t), &Device::Cpu).unwrap();
+    let opts = CrossEntropyOptions {
+        chunk_tokens: 3,
+        ..Default::default()
+    };
+    let source = Arc::new(TensorMap::new(
+        HashMap::from([("lm_head.weight".to_string(), weight.clone())]),
+        "test weights",
+    ));
+    for cap in [None, Some(1.5f32)] {
+        let (hv, wv) = (
+            Var::from_tensor(&hidden).unwrap(),
+            Var::from_tensor(&weight).unwrap(),
+        );
+        let flat = hv.as_tensor().reshape((b * t, h)).unwrap();
+        let loss = reference_loss(&flat, wv.as_tensor(), &labels, cap).unwrap();
+        let grads = loss.backward().unwrap();
+        let ref_gh = grad(&grads, &hv, "reference hidden").unwrap();
+        let ref_gw = grad(&grads, &wv, "reference weight").unwrap();
+        let ref_loss = loss.to_scalar::<f32>().unwrap();
+        let cap_t = |x: Tensor| candle_parallel::nn::soft_cap(&x, cap).unwrap();
+        let ref_logits = cap_t(hidden.broadcast_matmul(&weight.t().unwrap()).unwrap());
+        let one = hidden.get(1).unwrap().get(2).unwrap();
+        let ref_one = cap_t(weight.matmul(&one.unsqueeze(1).unwrap()).unwrap())
+            .squeeze(1)
+            .unwrap();
+        for (p, act) in [
+            (1, TpActivations::Replicated),
+            (2, TpActivations::Replicated),
+            (4, TpActivations::Replicated),
+            (2, TpActivations::SequenceSharded),
+            (4, TpActivations::SequenceSharded),
+        ] {
+            let out = world(p, |comm| {
+                let e = candle_core::Error::wrap;
+                let mesh = DeviceMesh::new(&MeshConfig::default().with_tp(p), comm).map_err(e)?;
+                let single = SpConfig::new(Strategy::Ring, 1, 1);
+                let ctx = ParallelCtx::new(&mesh, &single, act).map_err(e)?;
+                let (vb, _) = ParamBuilder::new(
+                    source.clone(),
+                    DType::F32,
+                    &Device::Cpu,
+                    ParamMode::Trainable,
+                );
+                let cfg = EmbeddingConfig {
+                    vocab_size: v,
+                    hidden_size: h,
+                };
+                let head = LmHead::new(&cfg, vb.pp("lm_head"), &ctx)
+                    .and_then(|head| head.with_softcap(cap))
+                    .map_err(e)?;
+                let hr = Var::from_tensor(&ctx.tp().split_tokens(&hidden).map_err(e)?)?;
+                let logits = head.logits(hr.as_tensor()).map_err(e)?;
+                let logits_one = head.logits(&one).map_err(e)?;
+                let (loss, n) = head.loss_sum(hr.as_tensor(), &labels_t, &opts).map_err(e)?;
+                let grads = loss.backward()?;
+                let gw = grads
+                    .get(head.weight())
+                    .cloned()
+                    .ok_or_else(|| candle_core::Error::Msg("no gradient for the head".into()))?;
+                Ok((
+                    head.weight().detach(),
+                    logits,
+                    logits_one,
+                    loss.to_scalar::<f32>()?,
+                    n,
+                    grad(&grads, &hr, "hidden")?,
+                    gw,
+                ))
+            });
+            for (r, (w, logits, logits_one, loss, n, gh, gw)) in out.iter().enumerate() {
+                let what = format!("cap {cap:?}, P={p} {act:?}, rank {r}");
+                assert_close(
+                    w,
+                    &shard(&weight, p, r).unwrap(),
+                    &format!("{what}: weight"),
+                );
+                assert_close(logits, &ref_logits, &format!("{what}: logits"));
+                assert_close(logits_one, &ref_one, &format!("{what}: logits of one"));
+                assert_scalar_close(*loss, ref_loss, TOL, &format!("{what}: loss"));
+                assert_eq!(*n, count, "{what}: count");
+                // Under TP-sp this rank holds tokens [r·t/p, (r+1)·t/p) of each sequence.
+                let mine = match act {
+                    TpActivations::SequenceSharded => ref_gh.narrow(1, r * t / p, t / p).unwrap(),
+                    TpActivations::Replicated => ref_gh.clone(),
+                };
+                assert_close(gh, &mine, &format!("{what}: d_hidden"));
+                assert_close(
+                    gw,
+                    &shard(&ref_gw, p, r).unwrap(),
+                    &format!("{what}: d_weight"),
+                );
+            }
+        }
+    }
+}
+
+/// A head's soft-cap must be a positive number; `None` is no cap.
+#[test]
+fn lm_head_soft_cap_must_be_positive() {
+    let weight = Tensor::zeros((8, 4), DType::F32, &Device::Cpu).unwrap();
+    world(1, |comm| {
+        let mesh = candle_parallel::DeviceMesh::new(&Default::default(), comm.clone())
+            .map_err(candle_core::Error::wrap)?;
+        let single = candle_parallel::attention::SpConfig::new(
+            candle_parallel::attention::Strategy::Ring,
+            1,
+            1,
+        );
+        let ctx = candle_parallel::nn::ParallelCtx::new(&mesh, &single, Default::default())
+            .map_err(candle_core::Error::wrap)?;
+        let emb = VocabParallelEmbedding::from_weight(weight.clone(), 8, tp(&comm))
+            .map_err(candle_core::Error::wrap)?;
+        let head = candle_parallel::nn::LmHead::tied(&emb, &ctx);
+        assert_eq!(head.weight().id(), emb.weight().id(), "tied: one tensor");
+        for good in [None, Some(30.0), Some(f32::MIN_POSITIVE)] {
+            assert!(head.clone().with_softcap(good).is_ok(), "{good:?} refused");
+        }
+        for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            let err = head
+                .clone()
+                .with_softcap(Some(bad))
+                .expect_err("a bad cap accepted")
+                .to_string();
+            assert!(err.contains("final_logit_softcapping"), "{bad}: {err}");
+        }
+        Ok(())
+    });
 }

@@ -733,3 +733,100 @@ impl InplaceOp2 for AddAssignF32 {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    /// The weight gradient's accumulation: contiguous f32 CPU tensors of one shape are summed
+    /// into `acc`'s own storage (a handle to it sees the sum: no second buffer); other dtypes
+    /// and non-contiguous operands out of place, with the same values; operands of other
+    /// shapes fail, as `+` does, even with as many elements. The values are small integers
+    /// and halves: every sum is exact in f32 and bf16.
+    #[test]
+    fn add_assign_accumulates_in_place_where_it_can() {
+        let a = Tensor::arange(0f32, 6., &Device::Cpu)
+            .unwrap()
+            .reshape((2, 3))
+            .unwrap();
+        let x = (&a * 0.5).unwrap();
+        let want: Vec<f32> = (0..6).map(|i| i as f32 * 1.5).collect();
+        let before = values(&a);
+        // f32, contiguous: in place.
+        let acc = a.copy().unwrap();
+        let alias = acc.clone();
+        assert_eq!(values(&add_assign(acc, &x).unwrap()), want);
+        assert_eq!(values(&alias), want, "f32: not accumulated in place");
+        // bf16, or a non-contiguous operand (a transposed copy of the same values): the same
+        // sums, and `acc` untouched.
+        let transposed = |t: &Tensor| t.t().unwrap().contiguous().unwrap().t().unwrap();
+        let bf16 = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
+        for (what, acc, x) in [
+            ("bf16", bf16(&a), bf16(&x)),
+            ("non-contiguous x", a.copy().unwrap(), transposed(&x)),
+            ("non-contiguous acc", transposed(&a), x.clone()),
+        ] {
+            let alias = acc.clone();
+            assert_eq!(values(&add_assign(acc, &x).unwrap()), want, "{what}");
+            assert_eq!(values(&alias), before, "{what}: accumulated in place");
+        }
+        let other_shape = x.reshape((3, 2)).unwrap();
+        assert!(add_assign(a.copy().unwrap(), &other_shape).is_err());
+    }
+
+    /// The in-place kernel: `dst += src` over the operands' own ranges of their storages
+    /// (offsets included: the rest of the storage is untouched); other sizes, dtypes and
+    /// non-contiguous operands are refused, naming the kernel.
+    #[test]
+    fn add_assign_kernel_adds_over_the_operands_ranges() {
+        let dst_all = Tensor::arange(0f32, 8., &Device::Cpu).unwrap();
+        let src_all = (Tensor::arange(0f32, 12., &Device::Cpu).unwrap() * 10.).unwrap();
+        let dst = dst_all.narrow(0, 2, 4).unwrap();
+        dst.inplace_op2(&src_all.narrow(0, 5, 4).unwrap(), &AddAssignF32)
+            .unwrap();
+        assert_eq!(values(&dst_all), [0., 1., 52., 63., 74., 85., 6., 7.]);
+        let square = Tensor::zeros((2, 2), DType::F32, &Device::Cpu).unwrap();
+        for (what, dst, src) in [
+            ("sizes", dst.clone(), src_all.narrow(0, 0, 3).unwrap()),
+            ("dtypes", dst.to_dtype(DType::BF16).unwrap(), dst.clone()),
+            ("layout", square.t().unwrap(), square.clone()),
+        ] {
+            let err = dst
+                .inplace_op2(&src, &AddAssignF32)
+                .expect_err(what)
+                .to_string();
+            assert!(err.contains("cpl-add-assign-f32"), "{what}: {err}");
+        }
+    }
+
+    /// The head's products keep a bf16 weight as stored only when the hidden states are bf16
+    /// too, on a CPU with bf16 dot products; otherwise the weight is widened to f32.
+    #[test]
+    fn bf16_products_only_for_bf16_inputs_on_bf16_dot_products() {
+        let f = Tensor::ones((2, 4), DType::F32, &Device::Cpu).unwrap();
+        let b = f.to_dtype(DType::BF16).unwrap();
+        let both = if flash_ring::bf16_dot_products() {
+            DType::BF16
+        } else {
+            DType::F32
+        };
+        for (h, w, want) in [
+            (&b, &b, both),
+            (&f, &b, DType::F32),
+            (&b, &f, DType::F32),
+            (&f, &f, DType::F32),
+        ] {
+            let got = Plan::product_weight(h, w).unwrap().dtype();
+            assert_eq!(got, want, "hidden {:?}, weight {:?}", h.dtype(), w.dtype());
+        }
+    }
+}

@@ -654,3 +654,90 @@ impl JsonLines {
 fn invalid(e: impl std::fmt::Display) -> Error {
     Error::Invalid(e.to_string())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::TrainerState;
+    use crate::trainer::TrainConfig;
+
+    fn tmp(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("cpl-driver-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// Writes a checkpoint directory `name` of `out` (its `trainer_state.json`) at `step`, with
+    /// one evaluation in its history.
+    fn checkpoint_at(out: &Path, name: &str, step: u64) -> PathBuf {
+        let dir = out.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let memory = candle_parallel::plan::MemoryPlan::default();
+        let state = TrainerState {
+            step,
+            global_batch: 2,
+            config: TrainConfig::constant_lr(32, 20, 1e-3, 16, memory),
+            history: History {
+                steps: Vec::new(),
+                evals: vec![EvalPoint {
+                    step,
+                    loss: 1.5,
+                    tokens: 7,
+                }],
+            },
+        };
+        let json = serde_json::to_vec(&state).unwrap();
+        std::fs::write(dir.join("trainer_state.json"), json).unwrap();
+        dir
+    }
+
+    /// `--resume` picks the last complete checkpoint by step; with or without it, what an
+    /// interrupted save left is removed first.
+    #[test]
+    fn resume_finds_the_last_complete_checkpoint() {
+        let out = tmp("resume");
+        let err = Resume::find(true, &out).unwrap_err().to_string();
+        assert!(err.contains("no checkpoint"), "{err}");
+        checkpoint_at(&out, "step-2", 2);
+        let last = checkpoint_at(&out, "step-10", 10);
+        let partial = checkpoint_at(&out, ".step-11.tmp-5", 11);
+        assert!(Resume::find(false, &out).unwrap().is_none());
+        assert!(
+            !partial.exists(),
+            "a partial save is removed without --resume too"
+        );
+        checkpoint_at(&out, ".step-11.tmp-5", 11);
+        let r = Resume::find(true, &out)
+            .unwrap()
+            .expect("a checkpoint to resume");
+        assert!(!partial.exists());
+        assert_eq!(r.dir, last);
+        assert_eq!(r.state.step, 10);
+        let h = Resume::history(Some(&r));
+        assert_eq!(h.evals.len(), 1);
+        assert_eq!(h, r.state.history);
+        assert_eq!(Resume::history(None), History::default());
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+
+    /// A resumed run's logs keep the lines of the steps before it and drop a later run's.
+    #[test]
+    fn logs_continue_at_the_resumed_step() {
+        let out = tmp("jsonl");
+        let path = out.join("metrics.jsonl");
+        let lines: Vec<String> = (0..5).map(|s| format!("{{\"step\":{s}}}")).collect();
+        std::fs::write(&path, format!("{}\nnot json\n", lines.join("\n"))).unwrap();
+        let mut log = JsonLines::continue_at(&path, 2).unwrap();
+        log.write(&serde_json::json!({ "step": 2 })).unwrap();
+        drop(log);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let want = format!("{}\n{}\n{}\n", lines[0], lines[1], lines[2]);
+        assert_eq!(text, want);
+        // A fresh run's log: none before it, and no file needed.
+        let fresh = out.join("eval.jsonl");
+        drop(JsonLines::continue_at(&fresh, 0).unwrap());
+        assert_eq!(std::fs::read_to_string(&fresh).unwrap(), "");
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+}
