@@ -118,10 +118,9 @@ fn unless_gone(r: std::io::Result<()>, p: &Path) -> Result<()> {
 /// Removes all but the last `keep` (at least one) checkpoints of `out`.
 fn remove_old(out: &Path, keep: usize) -> Result<()> {
     let all = list_checkpoints(out);
-    if all.len() > keep.max(1) {
-        for (_, p) in &all[..all.len() - keep.max(1)] {
-            std::fs::remove_dir_all(p).map_err(|e| Error::io(p, e))?;
-        }
+    let old = all.len().saturating_sub(keep.max(1));
+    for (_, p) in &all[..old] {
+        std::fs::remove_dir_all(p).map_err(|e| Error::io(p, e))?;
     }
     Ok(())
 }
