@@ -96,6 +96,7 @@ fn comm_json() {
         "all-gather",
         "reduce-scatter",
         "all-to-all",
+        "all-to-all-v",
         "broadcast",
     ];
     assert_eq!(ops, all);

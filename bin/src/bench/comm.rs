@@ -8,7 +8,7 @@
 //! - `t` is the time of one call: per iteration, the slowest rank's time from leaving a barrier
 //!   to holding its output; the best of --iters iterations after a warm-up (and the median).
 //! - `algbw = S / t`; `busbw = algbw · 2(P-1)/P` for all-reduce, `algbw · (P-1)/P` for
-//!   all-gather, reduce-scatter and all-to-all, `algbw` for broadcast: the bytes each rank moves
+//!   all-gather, reduce-scatter and all-to-all (and all-to-all-v), `algbw` for broadcast: the bytes each rank moves
 //!   to or from other ranks per second.
 //! - memcpy bandwidth: bytes copied per second by one thread (`copy_from_slice` of an `S`-byte
 //!   buffer into an already touched one); a second row copies into a fresh allocation, as every
@@ -45,7 +45,7 @@ pub struct CommArgs {
     /// Operations to time.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [
         CommOp::AllReduce, CommOp::AllGather, CommOp::ReduceScatter, CommOp::AllToAll,
-        CommOp::Broadcast,
+        CommOp::AllToAllV, CommOp::Broadcast,
     ])]
     pub ops: Vec<CommOp>,
     /// Print one JSON object instead of the table.
@@ -64,6 +64,9 @@ pub enum CommOp {
     ReduceScatter,
     /// Every rank sends S/P to each rank.
     AllToAll,
+    /// The same through `all_to_all_v`, the exchange of expert parallelism (the counts, here
+    /// S/P each, are all-gathered first, then one grouped exchange).
+    AllToAllV,
     /// Rank 0's tensor to every rank.
     Broadcast,
 }
@@ -75,6 +78,7 @@ impl CommOp {
             Self::AllGather => "all-gather",
             Self::ReduceScatter => "reduce-scatter",
             Self::AllToAll => "all-to-all",
+            Self::AllToAllV => "all-to-all-v",
             Self::Broadcast => "broadcast",
         }
     }
@@ -112,6 +116,10 @@ impl CommOp {
             Self::AllGather => c.all_gather(x, 0),
             Self::ReduceScatter => c.reduce_scatter(x, 0, ReduceOp::Sum),
             Self::AllToAll => c.all_to_all(x, 0, 0),
+            Self::AllToAllV => {
+                let counts = vec![x.dim(0)? / c.size(); c.size()];
+                Ok(c.all_to_all_v(x, &counts)?.0)
+            }
             Self::Broadcast => c.broadcast(x, 0),
         }
     }
