@@ -55,6 +55,17 @@ fn every_moe_fixture_is_detected_as_its_family() {
         assert!(d.summary.contains("8 experts"), "{name}: {}", d.summary);
         // FLOPs count the active parameters: 2 of 8 experts.
         assert!(d.matmul_params < d.params, "{name}: {d:?}");
+        // The planner's shape counts the checkpoint's parameters (Qwen2-MoE: a dense layer, a
+        // shared expert and its gate), less what the cost model leaves out: Qwen2's q/k/v
+        // biases (3 layers x (32 + 16 + 16)) and Qwen3's q/k norms (2 layers x 2 x 16).
+        let shape = d.planner_shape.expect("the planner plans MoE models");
+        let left_out = match family {
+            "qwen2_moe" => 3 * 64,
+            "qwen3_moe" => 2 * 32,
+            _ => 0,
+        };
+        assert_eq!(shape.params() + left_out, d.params, "{name}: {shape:?}");
+        assert_eq!(shape.moe.map(|m| (m.experts, m.top_k)), Some((8, 2)), "{name}");
     }
 }
 
@@ -401,6 +412,10 @@ struct BlockRun {
     aux: f64,
     dx: candle_core::Tensor,
     grads: std::collections::HashMap<String, candle_core::Tensor>,
+    /// What the rank sent during the forward, and during the balancing statistics and the
+    /// backward.
+    forward_traffic: candle_parallel::comm::TrafficSnapshot,
+    backward_traffic: candle_parallel::comm::TrafficSnapshot,
 }
 
 /// The sparse block of `cfg` (random weights named `mlp.*`) on `ranks` local ranks, expert
@@ -442,7 +457,10 @@ fn run_block(
         let r = world.rank();
         let xv = Var::from_tensor(&x.narrow(0, r * per_rank, per_rank).unwrap()).unwrap();
         aux.begin();
+        world.traffic().reset();
         let out = block.forward(xv.as_tensor()).map_err(|x| e(&x))?;
+        let forward_traffic = world.traffic().snapshot();
+        world.traffic().reset();
         let gr = g.narrow(0, r * per_rank, per_rank).unwrap();
         let sum = (&out * &gr).unwrap().sum_all().unwrap();
         let count = out.dim(0).unwrap() * out.dim(1).unwrap();
@@ -451,6 +469,7 @@ fn run_block(
             .map_err(|x| e(&x))?;
         let loss = aux.add_to_loss(&sum, count, 0.5).map_err(|x| e(&x))?;
         let store = loss.backward().map_err(|x| e(&x))?;
+        let backward_traffic = world.traffic().snapshot();
         let mut grads = std::collections::HashMap::new();
         for p in params.sorted() {
             let v = p.var.as_ref().ok_or("a frozen parameter")?;
@@ -467,6 +486,8 @@ fn run_block(
                 .ok_or("no input gradient")?
                 .clone(),
             grads,
+            forward_traffic,
+            backward_traffic,
         })
     })
     .unwrap()
@@ -543,4 +564,103 @@ fn expert_parallel_block_matches_one_rank() {
             );
         }
     }
+}
+
+/// The planner's all-to-all volume for expert parallelism (`planner::expert_traffic`) is what
+/// the ranks send: on 2, 4 and 8 ranks of 8 experts, top-2, each rank's all-gathered and
+/// exchanged bytes, forward and backward, equal the formula for the rows its tokens send to
+/// other ranks' experts and the rows it receives, counted from the router's choices here (ties
+/// impossible with random weights). Rows differ between ranks (the router is not uniform), so a
+/// formula in the tokens alone would fail.
+#[test]
+fn expert_parallel_traffic_is_the_planners_formula() {
+    use candle_core::{Device, Tensor};
+    use candle_parallel::comm::OpKind;
+    use candle_parallel::planner::expert_traffic;
+    use cpl_integration_tests::random_matrix;
+    let (h, inter, experts, k) = (16, 8, 8, 2);
+    let cfg = candle_parallel::nn::MoeConfig::new(h, inter, experts, k).unwrap();
+    let weights: std::collections::HashMap<String, Tensor> = cfg
+        .parameter_shapes()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, shape))| {
+            let t = random_matrix(shape[0], shape[1], 300 + i as u64, &Device::Cpu);
+            (format!("mlp.{name}"), (t * 3.0).unwrap())
+        })
+        .collect();
+    let router = weights["mlp.gate.weight"].to_vec2::<f32>().unwrap();
+    let mut uneven = false;
+    for (ranks, tokens) in [(2, 6), (4, 5), (8, 3)] {
+        let n = ranks * tokens;
+        let x = random_matrix(n, h, 17 + ranks as u64, &Device::Cpu);
+        let g = random_matrix(n, h, 71 + ranks as u64, &Device::Cpu)
+            .reshape((ranks, tokens, h))
+            .unwrap();
+        // The owner of each (token, expert) row: the top-k logits of each token.
+        let per = experts / ranks;
+        let mut sent = vec![0u64; ranks];
+        let mut received = vec![0u64; ranks];
+        for (t, row) in x.to_vec2::<f32>().unwrap().iter().enumerate() {
+            let logits: Vec<f64> = router
+                .iter()
+                .map(|w| w.iter().zip(row).map(|(a, b)| *a as f64 * *b as f64).sum())
+                .collect();
+            let mut order: Vec<usize> = (0..experts).collect();
+            order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+            let home = t / tokens;
+            for &e in &order[..k] {
+                if e / per != home {
+                    sent[home] += 1;
+                    received[e / per] += 1;
+                }
+            }
+        }
+        uneven |= sent.iter().any(|&s| s != sent[0]) || received != sent;
+        let x = x.reshape((ranks, tokens, h)).unwrap();
+        let runs = run_block(&cfg, &weights, &x, &g, ranks);
+        for (r, run) in runs.iter().enumerate() {
+            let want = expert_traffic(ranks, sent[r], received[r], h, 4);
+            let case = format!(
+                "ep{ranks} rank {r} ({} rows out, {} in)",
+                sent[r], received[r]
+            );
+            let (f, b) = (&run.forward_traffic, &run.backward_traffic);
+            assert_eq!(
+                f.get(OpKind::Exchange).bytes_sent,
+                want.forward.exchange,
+                "{case}: forward"
+            );
+            assert_eq!(
+                f.get(OpKind::AllGather).bytes_sent,
+                want.forward.all_gather,
+                "{case}: forward"
+            );
+            assert_eq!(f.get(OpKind::AllGather).calls, want.forward_calls, "{case}");
+            assert_eq!(
+                b.get(OpKind::Exchange).bytes_sent,
+                want.backward.exchange,
+                "{case}: backward"
+            );
+            assert_eq!(
+                b.get(OpKind::AllGather).bytes_sent,
+                want.backward.all_gather,
+                "{case}: backward"
+            );
+            assert_eq!(
+                b.get(OpKind::AllGather).calls,
+                want.backward_calls,
+                "{case}"
+            );
+            assert_eq!(
+                f.bytes_sent(),
+                want.forward.total(),
+                "{case}: nothing else forward"
+            );
+        }
+    }
+    assert!(
+        uneven,
+        "every rank sent as many rows as it received: the test shows nothing"
+    );
 }

@@ -53,6 +53,7 @@ fn fitted() -> Setup {
             intermediate: 384,
             vocab: 4096,
             tied_embeddings: false,
+            moe: None,
         },
         seq: 2048,
     }
@@ -72,6 +73,7 @@ fn held_out() -> Setup {
             intermediate: 512,
             vocab: 6144,
             tied_embeddings: false,
+            moe: None,
         },
         seq: 1536,
     }

@@ -29,7 +29,8 @@ pub struct AutoArgs {
     /// --hardware by predicted step time.
     #[arg(long)]
     pub auto: bool,
-    /// A model directory, its config.json, or a Hugging Face Hub id (LLaMA family).
+    /// A model directory, its config.json, or a Hugging Face Hub id (any causal LM of the
+    /// registry; for a mixture of experts the search includes expert parallelism, `--ep`).
     #[arg(long, requires = "auto")]
     pub model: Option<String>,
     /// Tokens per sequence.
@@ -114,6 +115,7 @@ fn layout_args(c: &Candidate, world: usize) -> LayoutArgs {
         inner_ring: sp.inner_ring,
         team: sp.team,
         tp_sp: c.layout.tp == TpActivations::SequenceSharded,
+        ep: c.layout.ep,
         ..LayoutArgs::default()
     }
 }
@@ -155,7 +157,8 @@ fn candidate_json(c: &Candidate, p: &Prediction, world: usize, tokens: f64) -> V
         "flags": format!("{} {}", layout_args(c, world).flags(), memory_flags(c)).trim(),
         "tp": c.layout.mesh.degree(Dim::Tp), "ulysses": c.layout.mesh.degree(Dim::Ulysses),
         "ring": c.layout.mesh.degree(Dim::Ring), "pp": c.layout.mesh.degree(Dim::Pp),
-        "dp": c.layout.mesh.degree(Dim::Dp), "strategy": c.layout.attention.strategy.name(),
+        "dp": c.layout.mesh.degree(Dim::Dp), "ep": c.layout.ep,
+        "strategy": c.layout.attention.strategy.name(),
         "placement": c.layout.attention.placement.to_string(),
         "inner_ring": c.layout.attention.inner_ring, "team": c.layout.attention.team,
         "tp_sp": c.layout.tp == TpActivations::SequenceSharded,
@@ -186,6 +189,12 @@ pub fn run(args: &AutoArgs, layout: &LayoutArgs) -> Result<()> {
         bail!("--seq-len must be at least 2, --world, --loss-chunk and --top at least 1");
     }
     let model = model_shape(model_arg).with_context(|| format!("--model {model_arg}"))?;
+    if args.measure.is_some() && model.moe.is_some() {
+        bail!(
+            "--measure builds a random LLaMA of --model's shape; {model_arg} is a mixture of \
+             experts (measure its layouts with `cpl bench train --model DIR --ep N`)"
+        );
+    }
     let hw = Hardware::load(hw_arg).with_context(|| format!("--hardware {hw_arg}"))?;
     let tokens = match args.global_batch_tokens {
         Some(t) => t,

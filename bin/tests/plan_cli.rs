@@ -47,6 +47,7 @@ fn ranking_is_sorted_fits_memory_and_covers_the_world() {
             .product();
         assert_eq!(world, 8, "{c}");
         assert!(c["flags"].as_str().unwrap().starts_with("--ranks 8"), "{c}");
+        assert_eq!(c["ep"], 1, "a dense model has no experts to divide: {c}");
     }
     // Sequence parallelism and pipelines are among the candidates; every strategy appears.
     for s in ["ring", "ulysses", "usp", "double-ring", "all-gather"] {
@@ -192,4 +193,100 @@ fn impossible_requests_are_clear_errors() {
             "/nonexistent/config.json",
         ),
     ]);
+}
+
+/// A Mixtral-8x7B-shaped model (8 experts, top-2) at 32K tokens on 16 H100s: every candidate's
+/// expert parallelism divides the experts and the token ranks, both ep 1 and ep > 1 are
+/// searched, dividing the experts lowers a layout's predicted memory, the winner is printed
+/// with its `--ep`, and `--measure` (a random LLaMA) refuses a mixture of experts.
+#[test]
+fn mixture_of_experts_plans_with_expert_parallelism() {
+    let dir = tmpdir("plan-mixtral");
+    let path = dir.join("config.json");
+    let cfg = serde_json::json!({
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "vocab_size": 32000, "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6, "sliding_window": null, "tie_word_embeddings": false
+    });
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    let model = path.display().to_string();
+    let line =
+        format!("--model {model} --seq-len 32768 --world 16 --hardware h100-cluster --dtype bf16");
+    let doc = plan_json(&line);
+    let ranked = doc["ranked"].as_array().unwrap();
+    let all: Vec<&Value> = ranked
+        .iter()
+        .chain(doc["too_big"].as_array().unwrap())
+        .collect();
+    let u = |c: &Value, k: &str| c[k].as_u64().unwrap();
+    for c in &all {
+        let ep = u(c, "ep");
+        assert!(8 % ep == 0, "{c}");
+        assert!(
+            (u(c, "ulysses") * u(c, "ring") * u(c, "dp")) % ep == 0,
+            "{c}"
+        );
+    }
+    for ep in [1, 2, 4, 8] {
+        assert!(
+            all.iter().any(|c| u(c, "ep") == ep),
+            "ep {ep} never searched"
+        );
+    }
+    // The same layout with the experts divided needs less memory per rank.
+    let key = |c: &Value| {
+        [
+            "tp",
+            "ulysses",
+            "ring",
+            "pp",
+            "dp",
+            "strategy",
+            "zero",
+            "checkpointing",
+            "tp_sp",
+        ]
+        .map(|k| c[k].to_string())
+        .join(" ")
+    };
+    let mem = |c: &Value| c["prediction"]["memory"]["total"].as_f64().unwrap();
+    let undivided: std::collections::HashMap<String, f64> = all
+        .iter()
+        .filter(|c| u(c, "ep") == 1)
+        .map(|c| (key(c), mem(c)))
+        .collect();
+    let mut pairs = 0;
+    for b in all.iter().filter(|c| u(c, "ep") > 1) {
+        if let Some(&m1) = undivided.get(&key(b)) {
+            assert!(mem(b) < m1, "{b} needs {} bytes, {m1} with ep 1", mem(b));
+            pairs += 1;
+        }
+    }
+    assert!(pairs > 10, "{pairs} pairs");
+    let best = &ranked[0];
+    assert!(
+        u(best, "ep") > 1,
+        "the 47B-parameter model fits with its experts divided: {best}"
+    );
+    let flags = best["flags"].as_str().unwrap();
+    assert!(
+        flags.contains(&format!("--ep {}", u(best, "ep"))),
+        "{flags}"
+    );
+    let o = cpl(&words(&format!("plan --auto {line} --top 2")));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let cmd = out
+        .lines()
+        .find(|l| l.starts_with("cpl train "))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(cmd.contains(" --ep "), "{cmd}");
+    assert_clear_errors(&[(
+        words(&format!(
+            "plan --auto --model {model} --seq-len 4096 --world 2 --hardware cpu-2core --measure 2"
+        )),
+        "mixture of experts",
+    )]);
 }

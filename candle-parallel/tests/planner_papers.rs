@@ -30,6 +30,7 @@ fn llama7b(kv_heads: usize) -> ModelShape {
         intermediate: 11008,
         vocab: 32000,
         tied_embeddings: false,
+        moe: None,
     }
 }
 
@@ -188,6 +189,7 @@ fn usp_hybrid_beats_ring_across_two_nodes() {
         intermediate: 14336,
         vocab: 128256,
         tied_embeddings: false,
+        moe: None,
     };
     let w = work(llama3_8b, 64 * 1024);
     let t = |u: usize, r: usize| {
@@ -672,6 +674,7 @@ fn llama3_8b() -> ModelShape {
         intermediate: 14336,
         vocab: 128256,
         tied_embeddings: false,
+        moe: None,
     }
 }
 

@@ -19,6 +19,14 @@
 //! rate, as measured on this library's trainer); the gradient reduction of the ZeRO stage and
 //! the AdamW update are added once per step.
 //!
+//! **Mixtures of experts** ([`ModelShape::moe`]): a sparse layer's FLOPs are those of the
+//! parameters a token uses (router, `top_k` experts, shared expert), its memory that of the
+//! experts a rank holds (`1 / ep` of them under expert parallelism, each split over tp). Under
+//! `ep > 1` each sparse layer adds the dispatch's all-to-alls ([`super::traffic::expert_traffic`],
+//! with the router assumed to spread the picks evenly), exposed, over the ep group's link. ZeRO
+//! shards the experts over their replicas (`ulysses x ring x dp / ep` ranks), dense parameters
+//! over every token rank. Dense and sparse layers are averaged (each stage gets the mean layer).
+//!
 //! **Memory** of the busiest stage's rank: parameters, gradients and AdamW's f32 master weights
 //! and moments (each divided by the ZeRO group where the stage shards it), activations per
 //! checkpointing mode for the micro-batches the schedule keeps in flight, the loss chunk's
@@ -66,6 +74,11 @@ const OPTIMIZER_BYTES_PER_PARAM: f64 = 40.0;
 /// formed in place on the CPU (`ops::softmax_rows`); a gradient in a narrower compute dtype
 /// (bf16 products) is a second buffer of that dtype, added where the loss is costed.
 const LOSS_COPIES: f64 = 1.0;
+
+/// Hidden-size rows per (token, expert) pair that a sparse block keeps for backward: the rows
+/// gathered for the experts, the experts' inputs and outputs, the returned and the weighted
+/// outputs, and (under expert parallelism) the received copies (`nn::moe`'s dispatch).
+const MOE_ROW_COPIES: f64 = 6.0;
 
 /// Layers' worth of activations alive while a checkpointed layer's backward runs: the
 /// recomputed layer. Its gradients add no measurable peak since the workspace's candle-core
@@ -154,6 +167,8 @@ struct Setup<'a> {
     r: usize,
     pp: usize,
     dp: usize,
+    /// Expert parallelism (1: every rank holds every expert).
+    ep: usize,
     world: usize,
     /// A rank's matmul FLOP/s, attention FLOP/s and memory bytes/s.
     mm_rate: f64,
@@ -222,6 +237,33 @@ impl<'a> Setup<'a> {
                 work.seq_len / sp_ranks
             )));
         }
+        let ep = cand.layout.ep.max(1);
+        if ep > 1 {
+            let moe = m.moe.ok_or_else(|| {
+                Error::Layout(format!(
+                    "expert parallelism of {ep} for a model without experts"
+                ))
+            })?;
+            if !(u * r * dp).is_multiple_of(ep) || !moe.experts.is_multiple_of(ep) {
+                return Err(Error::Layout(format!(
+                    "expert parallelism of {ep} must divide the {} ranks that hold different \
+                     tokens (ulysses x ring x dp) and the {} experts",
+                    u * r * dp,
+                    moe.experts
+                )));
+            }
+        }
+        if let Some(moe) = &m.moe {
+            if !moe.expert_intermediate.is_multiple_of(tp)
+                || !moe.shared_intermediate.is_multiple_of(tp)
+            {
+                return Err(Error::Layout(format!(
+                    "tensor-parallel degree {tp} does not divide the experts' \
+                     moe_intermediate_size {} (or the shared expert's {})",
+                    moe.expert_intermediate, moe.shared_intermediate
+                )));
+            }
+        }
         let share = hw.share(world.min(hw.devices_per_node));
         Ok(Self {
             mesh_layout,
@@ -231,6 +273,7 @@ impl<'a> Setup<'a> {
             r,
             pp,
             dp,
+            ep,
             world,
             mm_rate: hw.device.matmul_flops * share,
             attn_rate: hw.device.attention_flops * share,
@@ -314,17 +357,71 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
     );
     let tpf = tp as f64;
     let tp_sp = cand.layout.tp == TpActivations::SequenceSharded;
-    // A rank's parameters of a layer: its slice of the projections, both (replicated) norms.
-    let layer_params = (m.layer_params() as f64 - 2.0 * h) / tpf + 2.0 * h;
+    let ep = st.ep;
+    // A rank's parameters of a dense layer: its slice of the projections, both (replicated)
+    // norms.
+    let attn_params = (m.attention_params() as f64 - 2.0 * h) / tpf + 2.0 * h;
+    let dense_layer = attn_params + 3.0 * h * i / tpf;
+    // The mean layer: dense and sparse layers weighted by their counts. `layer_params` is what
+    // a rank holds of it, `layer_experts` the experts' part of that (sharded over the
+    // replicas under ZeRO), `layer_active` what a token multiplies.
+    let sparse_share = m.sparse_layers() as f64 / m.layers as f64;
+    let (mut layer_params, mut layer_experts, mut layer_active) = (dense_layer, 0.0, dense_layer);
+    let mut moe_act = 0.0; // activation elements per token of the mean layer's sparse block
+                           // The dispatch's all-to-alls of the mean layer: forward and backward seconds and bytes.
+    let (mut a2a_fwd, mut a2a_bwd, mut a2a_fwd_bytes, mut a2a_bwd_bytes) = (0.0, 0.0, 0.0, 0.0);
+    if let Some(moe) = m.moe.filter(|_| sparse_share > 0.0) {
+        let (e, k) = (moe.experts as f64, moe.top_k as f64);
+        let (ie, is) = (
+            moe.expert_intermediate as f64,
+            moe.shared_intermediate as f64,
+        );
+        let shared = 3.0 * h * is / tpf + if is > 0.0 { h } else { 0.0 };
+        let experts_here = e / ep as f64 * 3.0 * h * ie / tpf;
+        let sparse = attn_params + e * h + shared + experts_here;
+        let active = attn_params + e * h + shared + k * 3.0 * h * ie / tpf;
+        layer_params = (1.0 - sparse_share) * dense_layer + sparse_share * sparse;
+        layer_experts = sparse_share * experts_here;
+        layer_active = (1.0 - sparse_share) * dense_layer + sparse_share * active;
+        // Each local expert's weighted output is a whole `(rows, hidden)` tensor: the rank's
+        // tokens without ep, the k-fold received rows with it.
+        let outputs = e / ep as f64 * if ep > 1 { k } else { 1.0 };
+        let sparse_act =
+            ACT_PER_TOKEN[3] * (k * ie + is) / tpf + (MOE_ROW_COPIES * k + outputs) * h;
+        moe_act = sparse_share * (sparse_act - ACT_PER_TOKEN[3] * i / tpf);
+        if ep > 1 {
+            let rows = super::traffic::uniform_remote_rows(tok as u64, moe.top_k, ep);
+            let t = super::traffic::expert_traffic(ep, rows, rows, m.hidden, work.elem_bytes);
+            let stride = [Dim::Ulysses, Dim::Ring, Dim::Dp]
+                .iter()
+                .filter(|&&dim| cand.layout.mesh.degree(dim) > 1)
+                .map(|&dim| mesh_layout.stride(dim))
+                .min()
+                .unwrap_or(1);
+            let msgs = |calls: u64| 2.0 * calls as f64 * (ep as f64 - 1.0);
+            let fwd =
+                hw.all_to_all_time(stride, ep, t.forward.total() as f64, msgs(t.forward_calls));
+            let bwd = hw.all_to_all_time(
+                stride,
+                ep,
+                t.backward.total() as f64,
+                msgs(t.backward_calls),
+            );
+            a2a_fwd = sparse_share * fwd;
+            a2a_bwd = sparse_share * bwd;
+            a2a_fwd_bytes = sparse_share * t.forward.total() as f64;
+            a2a_bwd_bytes = sparse_share * t.backward.total() as f64;
+        }
+    }
 
     // ---- per layer, per micro-batch, on one rank ----
-    let dense_fwd = 2.0 * layer_params * tok / mm_rate;
+    let dense_fwd = 2.0 * layer_active * tok / mm_rate;
     let attn_train = st.attention_compute(work);
     let h_share = if tp_sp { h / tpf } else { h };
     let [ah, aq, akv, ai] = ACT_PER_TOKEN;
     let tp_extra = if tp > 1 { TP_EXTRA_HIDDEN * h } else { 0.0 };
     let act_token_layer =
-        el * (ah * h_share + tp_extra + (aq * hq * d + akv * hkv * d + ai * i) / tpf);
+        el * (ah * h_share + tp_extra + (aq * hq * d + akv * hkv * d + ai * i) / tpf + moe_act);
     let elementwise = ELEMENTWISE_TOUCHES * act_token_layer * tok / mem_bw;
     let sp_cost = sp_comm(&st, work, hw, attn_train)?;
     let layer_compute =
@@ -361,6 +458,10 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
     };
     layer_bytes += n_fwd * sp_cost.forward_bytes + sp_cost.backward_bytes;
     layer_comm += n_fwd * sp_cost.forward + sp_cost.backward;
+    // Expert parallelism's dispatch: forward, backward, and the forward again under full
+    // recomputation.
+    layer_bytes += n_fwd * a2a_fwd_bytes + a2a_bwd_bytes;
+    layer_comm += n_fwd * a2a_fwd + a2a_bwd;
 
     // ZeRO sharding group: the ranks holding the same parameters.
     let z = (u * r * dp) as f64;
@@ -374,6 +475,13 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
         u * r * dp,
     );
     let zero = cand.memory.zero;
+    // The experts' replicas (`z / ep`): where ZeRO shards them and their gradients are summed.
+    let ze = z / ep as f64;
+    // `params` of which `experts` are experts: their share on a rank of a group sharding them,
+    // and the part of them a rank does not hold (what a gather or a reduction moves).
+    let sharded = |params: f64, experts: f64| (params - experts) / z + experts / ze;
+    let elsewhere =
+        |params: f64, experts: f64| (params - experts) * (z - 1.0) / z + experts * (ze - 1.0) / ze;
 
     // ---- stages ----
     let last = stages.len() - 1;
@@ -381,12 +489,14 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
     let mut stage_grads: Vec<f64> = Vec::new();
     let mut worst_mem = MemoryBreakdown::default();
     let mut stage_params_max: f64 = 0.0;
+    let mut stage_experts_max: f64 = 0.0;
     let mut stage_bytes_max: f64 = 0.0;
     let schedule = PipelineSchedule::new(ScheduleKind::OneFOneB, pp, micro_batches, 1)?;
     let stats = schedule.validate()?;
     for (k, range) in stages.iter().enumerate() {
         let layers = range.len() as f64;
         let mut params = layers * layer_params;
+        let experts = layers * layer_experts;
         let mut t = layers * (layer_compute + layer_recompute + layer_comm);
         let mut bytes = layers * layer_bytes;
         let emb = v * h / tpf;
@@ -417,7 +527,7 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
             } else {
                 2.0
             };
-            let per = (z - 1.0) / z * params;
+            let per = elsewhere(params, experts);
             t += transfer(
                 &zero_link,
                 gathers * per * el + per * 4.0,
@@ -429,7 +539,9 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
         t += grads;
         stage_grads.push(grads);
         stage_time.push(t);
-        stage_params_max = stage_params_max.max(params);
+        if params > stage_params_max {
+            (stage_params_max, stage_experts_max) = (params, experts);
+        }
         stage_bytes_max = stage_bytes_max.max(bytes);
 
         // Memory of this stage's ranks.
@@ -462,18 +574,18 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
             // Blocks in flight and the f32 dk, dv accumulators.
             _ => 4.0 * kv_block * (u as f64) + 2.0 * kv_block / el * 4.0,
         };
-        let shard = |on: bool| if on { z } else { 1.0 };
+        let shard = |on: bool| if on { sharded(params, experts) } else { params };
         let weights = match zero {
-            ZeroStage::Parameters => params / z + 2.0 * layer_params,
+            ZeroStage::Parameters => sharded(params, experts) + 2.0 * layer_params,
             _ => params,
         } * el;
-        let gradients = params * el / shard(zero >= ZeroStage::Gradients)
+        let gradients = shard(zero >= ZeroStage::Gradients) * el
             + if zero >= ZeroStage::Gradients {
                 layer_params * el
             } else {
                 0.0
             };
-        let optimizer = 12.0 * params / shard(zero >= ZeroStage::OptimizerStates);
+        let optimizer = 12.0 * shard(zero >= ZeroStage::OptimizerStates);
         let mem = MemoryBreakdown {
             weights,
             gradients,
@@ -504,23 +616,22 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
     let mut step_comm = 0.0;
     let mut step_bytes = 0.0;
     if z > 1.0 {
-        let p = stage_params_max;
+        let away = elsewhere(stage_params_max, stage_experts_max);
         let (bytes, msgs) = match zero {
-            ZeroStage::Off => (2.0 * (z - 1.0) / z * p * 4.0, 2.0 * (z - 1.0)),
+            ZeroStage::Off => (2.0 * away * 4.0, 2.0 * (z - 1.0)),
             ZeroStage::OptimizerStates | ZeroStage::Gradients => {
-                ((z - 1.0) / z * p * (4.0 + el), 2.0 * (z - 1.0))
+                (away * (4.0 + el), 2.0 * (z - 1.0))
             }
             ZeroStage::Parameters => (0.0, 0.0),
         };
         step_comm += transfer(&zero_link, bytes, msgs);
         step_bytes += bytes;
     }
-    let opt_params = stage_params_max
-        / if zero >= ZeroStage::OptimizerStates {
-            z
-        } else {
-            1.0
-        };
+    let opt_params = if zero >= ZeroStage::OptimizerStates {
+        sharded(stage_params_max, stage_experts_max)
+    } else {
+        stage_params_max
+    };
     let optimizer = opt_params * param_pass;
 
     // Split the stage time into its causes for the report (the slowest stage).
@@ -738,6 +849,7 @@ mod tests {
             intermediate: 16,
             vocab: 10,
             tied_embeddings: false,
+            moe: None,
         }
     }
 
@@ -915,5 +1027,86 @@ mod tests {
         );
         let t1 = attention_time(&single, &work(1), &hw).unwrap();
         assert!(close(t1.forward, 4.0 * fwd_block) && close(t1.backward, 4.0 * bwd_block));
+    }
+
+    /// `tiny()` with both layers sparse: 4 experts of 4 units, top-2. A layer: attention and
+    /// norms 272, router 4 x 8, experts 4 x 96: 688; embedding, head and norm 168.
+    fn tiny_moe() -> ModelShape {
+        ModelShape {
+            moe: Some(super::super::MoeShape {
+                experts: 4,
+                top_k: 2,
+                expert_intermediate: 4,
+                shared_intermediate: 0,
+                sparse_layers: 2,
+            }),
+            ..tiny()
+        }
+    }
+
+    fn moe_cand(dp: usize, ep: usize, zero: ZeroStage) -> Candidate {
+        let mut c = cand(
+            MeshConfig::default().with_dp(dp),
+            SpConfig::new(Strategy::Ring, 1, 1),
+            zero,
+        );
+        c.layout = c.layout.with_expert_parallel(ep);
+        c
+    }
+
+    /// Expert parallelism by hand: a rank holds half of the experts, ZeRO shards the experts
+    /// over their replicas (here none) and the rest over dp; the bytes are the dispatch's
+    /// (`expert_traffic` for 16 tokens x top-2, half of them away) and the dense gradients'
+    /// all-reduce (the experts' have no replica to meet).
+    #[test]
+    fn expert_parallelism_by_hand() {
+        let w = Workload {
+            model: tiny_moe(),
+            ..work(2)
+        };
+        assert_eq!(w.model.params(), 2 * 688 + 168);
+        let p = predict(&moe_cand(2, 2, ZeroStage::OptimizerStates), &w, &hw()).unwrap();
+        let rank = 2.0 * (272.0 + 32.0 + 192.0) + 168.0;
+        assert_eq!(p.memory.weights, 4.0 * rank);
+        assert_eq!(p.memory.optimizer, 12.0 * ((rank - 384.0) / 2.0 + 384.0));
+        let t = super::super::traffic::expert_traffic(2, 16, 16, 8, 4);
+        assert_eq!((t.forward.total(), t.backward.total()), (1136, 1056));
+        let grads = (rank - 384.0) / 2.0 * (4.0 + 4.0);
+        assert_eq!(p.bytes_sent, 2.0 * 2192.0 + grads);
+        // Without ep every rank holds every expert, moves no rows, and reduces all gradients.
+        let p1 = predict(&moe_cand(2, 1, ZeroStage::Off), &w, &hw()).unwrap();
+        assert_eq!(p1.memory.weights, 4.0 * (2.0 * 688.0 + 168.0));
+        assert_eq!(p1.bytes_sent, 2.0 * 0.5 * 1544.0 * 4.0);
+        // The FLOPs are those of the parameters a token uses: attention 272, router 32 and 2
+        // of the 4 experts, whatever the experts held (selective checkpointing recomputes
+        // exactly the layers' matmuls: 2 layers x 2 x 496 x 16 tokens).
+        let hw = hw();
+        let mm_rate = hw.device.matmul_flops * hw.share(2);
+        for ep in [1, 2] {
+            let mut c = moe_cand(2, ep, ZeroStage::Off);
+            c.memory.checkpointing = Checkpointing::Selective;
+            let p = predict(&c, &w, &hw).unwrap();
+            let expected = 2.0 * (2.0 * 496.0 * 16.0) / mm_rate;
+            assert!(
+                (p.time.recompute - expected).abs() <= 1e-12 * expected,
+                "ep {ep}: {p:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn expert_parallel_layouts_that_do_not_divide_are_errors() {
+        let w = Workload {
+            model: tiny_moe(),
+            ..work(4)
+        };
+        let e = predict(&moe_cand(4, 8, ZeroStage::Off), &w, &hw())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("expert parallelism of 8"), "{e}");
+        let e = predict(&moe_cand(2, 2, ZeroStage::Off), &work(2), &hw())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("without experts"), "{e}");
     }
 }

@@ -27,6 +27,7 @@ pub use cost::{
 };
 pub use hardware::Hardware;
 pub use search::{search, Request, SearchResult};
+pub use traffic::{expert_traffic, uniform_remote_rows, ExpertTraffic};
 
 use crate::error::{Error, Result};
 
@@ -45,6 +46,42 @@ pub struct ModelShape {
     pub vocab: usize,
     /// The LM head shares the embedding matrix.
     pub tied_embeddings: bool,
+    /// The sparse feed-forward blocks of a mixture-of-experts model (`None`: dense).
+    #[serde(default)]
+    pub moe: Option<MoeShape>,
+}
+
+/// The sparse blocks of a mixture-of-experts model ([`crate::nn::moe`]): `sparse_layers` of
+/// the layers have a router, `experts` SwiGLU experts of `expert_intermediate` units of which a
+/// token uses `top_k`, and optionally a shared expert with its sigmoid gate; the other layers
+/// have the dense MLP of `intermediate`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MoeShape {
+    pub experts: usize,
+    pub top_k: usize,
+    pub expert_intermediate: usize,
+    /// The shared expert's hidden units (0: none).
+    pub shared_intermediate: usize,
+    pub sparse_layers: usize,
+}
+
+impl MoeShape {
+    /// Parameters of one expert (gate, up and down projections).
+    pub fn expert_params(&self, hidden: usize) -> u64 {
+        3 * (hidden * self.expert_intermediate) as u64
+    }
+
+    /// Parameters of a sparse block that are not experts: the router, the shared expert and
+    /// its gate.
+    pub fn dense_params(&self, hidden: usize) -> u64 {
+        let h = hidden as u64;
+        let shared = if self.shared_intermediate > 0 {
+            3 * h * self.shared_intermediate as u64 + h
+        } else {
+            0
+        };
+        self.experts as u64 * h + shared
+    }
 }
 
 impl ModelShape {
@@ -63,6 +100,29 @@ impl ModelShape {
                 return Err(Error::Layout(format!("model shape: {name} is 0")));
             }
         }
+        if let Some(m) = &self.moe {
+            for (name, v) in [
+                ("num_experts (num_local_experts)", m.experts),
+                ("num_experts_per_tok", m.top_k),
+                ("moe_intermediate_size", m.expert_intermediate),
+            ] {
+                if v == 0 {
+                    return Err(Error::Layout(format!("model shape: {name} is 0")));
+                }
+            }
+            if m.top_k > m.experts {
+                return Err(Error::Layout(format!(
+                    "model shape: {} experts per token (num_experts_per_tok) of {} experts",
+                    m.top_k, m.experts
+                )));
+            }
+            if m.sparse_layers > self.layers {
+                return Err(Error::Layout(format!(
+                    "model shape: {} sparse layers of {} layers",
+                    m.sparse_layers, self.layers
+                )));
+            }
+        }
         if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(Error::Layout(format!(
                 "model shape: {} attention heads are not a multiple of {} kv heads",
@@ -72,15 +132,37 @@ impl ModelShape {
         Ok(())
     }
 
-    /// Parameters of one decoder layer: q, k, v, o, the SwiGLU MLP and two norms.
+    /// Parameters of one dense decoder layer: q, k, v, o, the SwiGLU MLP and two norms.
     pub fn layer_params(&self) -> u64 {
-        let (h, q, kv, i) = (
+        self.attention_params() + 3 * (self.hidden * self.intermediate) as u64
+    }
+
+    /// Parameters of a layer outside its feed-forward block: q, k, v, o and two norms.
+    pub fn attention_params(&self) -> u64 {
+        let (h, q, kv) = (
             self.hidden as u64,
             (self.heads * self.head_dim) as u64,
             (self.kv_heads * self.head_dim) as u64,
-            self.intermediate as u64,
         );
-        2 * h * q + 2 * h * kv + 3 * h * i + 2 * h
+        2 * h * q + 2 * h * kv + 2 * h
+    }
+
+    /// Parameters of one sparse decoder layer (the dense layer's without a mixture of
+    /// experts): attention, norms, router, every expert, the shared expert.
+    pub fn sparse_layer_params(&self) -> u64 {
+        match &self.moe {
+            Some(m) => {
+                self.attention_params()
+                    + m.dense_params(self.hidden)
+                    + m.experts as u64 * m.expert_params(self.hidden)
+            }
+            None => self.layer_params(),
+        }
+    }
+
+    /// Layers with a sparse block (0 for a dense model).
+    pub fn sparse_layers(&self) -> usize {
+        self.moe.map_or(0, |m| m.sparse_layers.min(self.layers))
     }
 
     /// Parameters of the embedding (and of the LM head unless tied) and the final norm.
@@ -92,7 +174,10 @@ impl ModelShape {
 
     /// All parameters.
     pub fn params(&self) -> u64 {
-        self.layers as u64 * self.layer_params() + self.outer_params()
+        let sparse = self.sparse_layers() as u64;
+        (self.layers as u64 - sparse) * self.layer_params()
+            + sparse * self.sparse_layer_params()
+            + self.outer_params()
     }
 }
 
@@ -156,6 +241,7 @@ mod tests {
             intermediate: 16,
             vocab: 10,
             tied_embeddings: false,
+            moe: None,
         };
         assert_eq!(m.layer_params(), 592);
         assert_eq!(m.outer_params(), 168);

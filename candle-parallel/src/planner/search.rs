@@ -7,7 +7,8 @@
 //! double-ring (every proper inner ring size) and StarTrail (every team size `C > 1` with `C^2`
 //! dividing the ring) attentions; for both `ulysses > 1` and `ring > 1` USP and double ring, each
 //! with the head-first and the context-first placement; TP with and without sequence-sharded
-//! activations; every ZeRO stage and checkpointing mode. Layouts whose predicted memory exceeds
+//! activations; for a mixture of experts, every expert-parallel degree dividing both the
+//! experts and the `ulysses x ring x dp` ranks; every ZeRO stage and checkpointing mode. Layouts whose predicted memory exceeds
 //! a rank's share of the device are dropped (and counted).
 
 use crate::attention::{SpConfig, Strategy};
@@ -118,12 +119,23 @@ pub fn search(req: &Request, hw: &Hardware) -> Result<SearchResult> {
                         } else {
                             &[TpActivations::Replicated]
                         };
-                        for &tpa in tp_modes {
+                        let eps: Vec<usize> = match &w.model.moe {
+                            Some(moe) => divisors(u * r * dp)
+                                .into_iter()
+                                .filter(|ep| moe.experts.is_multiple_of(*ep))
+                                .collect(),
+                            None => vec![1],
+                        };
+                        for (&tpa, &ep) in tp_modes
+                            .iter()
+                            .flat_map(|t| eps.iter().map(move |e| (t, e)))
+                        {
                             let layout = Layout::new(
                                 mesh.clone().with_placement(sp.placement),
                                 sp.clone(),
                                 tpa,
-                            );
+                            )
+                            .with_expert_parallel(ep);
                             for zero in [
                                 ZeroStage::Off,
                                 ZeroStage::OptimizerStates,

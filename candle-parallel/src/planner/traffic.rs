@@ -11,6 +11,9 @@
 //! - usp and double ring: the ulysses terms plus the ring terms with `K'` for `K`;
 //! - startrail: [`StarTrailPlan`]'s per-rank formulas (the largest over the ranks);
 //! - all-gather: `2 K` all-gathered forward, reduce-scattered backward.
+//!
+//! [`expert_traffic`]: the same for one sparse block under expert parallelism
+//! ([`crate::nn::moe`]'s dispatch).
 
 use crate::attention::multi_ring_plan::{ShardElems, StarTrailPlan, StrategyBytes};
 use crate::attention::ulysses::kv_replication;
@@ -154,6 +157,61 @@ pub fn attention_traffic(sp: &SpConfig, shape: &AttnShape) -> Result<AttentionTr
     })
 }
 
+/// What one rank of an expert-parallel group of `ep` ranks sends in one sparse block.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExpertTraffic {
+    pub forward: StrategyBytes,
+    pub backward: StrategyBytes,
+    /// `all_to_all_v` calls, each one all-gather of the split sizes and one exchange.
+    pub forward_calls: u64,
+    pub backward_calls: u64,
+}
+
+/// Bytes a rank sends in one sparse block under expert parallelism of `ep`, when it sends
+/// `rows_sent` of its (token, expert) rows to experts on other ranks and receives
+/// `rows_received` rows from them, `hidden` elements of `elem_bytes` each. The dispatch
+/// ([`crate::nn::moe::SparseMoe`]) makes three `all_to_all_v` calls forward (the rows, their
+/// expert ids as f32, the experts' outputs back) and two backward (the outputs' gradients to
+/// the experts, the rows' gradients back); each call first all-gathers the `ep` split sizes
+/// (f64). A rank's rows for its own experts stay home and are not counted
+/// ([`crate::comm::traffic`]).
+pub fn expert_traffic(
+    ep: usize,
+    rows_sent: u64,
+    rows_received: u64,
+    hidden: usize,
+    elem_bytes: usize,
+) -> ExpertTraffic {
+    if ep <= 1 {
+        return ExpertTraffic::default();
+    }
+    let row = (hidden * elem_bytes) as u64;
+    let counts = ((ep - 1) * ep * 8) as u64;
+    ExpertTraffic {
+        forward: StrategyBytes {
+            all_gather: 3 * counts,
+            exchange: rows_sent * row + rows_sent * 4 + rows_received * row,
+            ..StrategyBytes::default()
+        },
+        backward: StrategyBytes {
+            all_gather: 2 * counts,
+            exchange: (rows_sent + rows_received) * row,
+            ..StrategyBytes::default()
+        },
+        forward_calls: 3,
+        backward_calls: 2,
+    }
+}
+
+/// The (token, expert) rows a rank sends to other ranks (and, in expectation, receives) when
+/// its `tokens` each pick `top_k` of the experts spread evenly over `ep` ranks, and the router
+/// spreads the picks evenly (the planner's assumption; a skewed router sends more to the busy
+/// ranks).
+pub fn uniform_remote_rows(tokens: u64, top_k: usize, ep: usize) -> u64 {
+    let ep = ep.max(1) as u64;
+    tokens * top_k as u64 * (ep - 1) / ep
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -202,6 +260,23 @@ mod tests {
         )
         .unwrap();
         assert_eq!(usp, dr);
+    }
+
+    /// ep 4, hidden 8, f32: a row is 32 bytes; the split sizes' all-gathers 3 x 4 x 3 x 8 and
+    /// 2 x 4 x 3 x 8; forward 10 rows out (their ids 4 bytes each) and 6 outputs back.
+    #[test]
+    fn experts_by_hand() {
+        let t = expert_traffic(4, 10, 6, 8, 4);
+        assert_eq!(t.forward.all_gather, 288);
+        assert_eq!(t.forward.exchange, 10 * 32 + 40 + 6 * 32);
+        assert_eq!(t.backward.all_gather, 192);
+        assert_eq!(t.backward.exchange, 16 * 32);
+        assert_eq!((t.forward_calls, t.backward_calls), (3, 2));
+        assert_eq!(t.forward.all_to_all + t.backward.reduce_scatter, 0);
+        assert_eq!(expert_traffic(1, 10, 6, 8, 4), ExpertTraffic::default());
+        // 12 tokens x top-2 over ep 4: 24 rows, 3 of 4 leave the rank.
+        assert_eq!(uniform_remote_rows(12, 2, 4), 18);
+        assert_eq!(uniform_remote_rows(12, 2, 1), 0);
     }
 
     #[test]

@@ -300,6 +300,16 @@ impl DecoderSpec {
             intermediate: self.intermediate_size,
             vocab: self.vocab_size,
             tied_embeddings: self.tie_word_embeddings,
+            moe: self.moe.as_ref().map(|m| {
+                let b = &m.block;
+                candle_parallel::planner::MoeShape {
+                    experts: b.num_experts,
+                    top_k: b.top_k,
+                    expert_intermediate: b.expert_intermediate_size,
+                    shared_intermediate: b.shared_expert.unwrap_or(0),
+                    sparse_layers: m.sparse.iter().filter(|&&s| s).count(),
+                }
+            }),
         }
     }
 
@@ -332,8 +342,7 @@ impl DecoderSpec {
                 .map(|w| ((self.num_heads * self.head_dim) as u64, w))
                 .collect(),
             causal: true,
-            // The planner's cost model knows dense MLPs only.
-            planner_shape: self.moe.is_none().then(|| self.planner_shape()),
+            planner_shape: Some(self.planner_shape()),
             summary: self.summary(),
         }
     }
