@@ -65,7 +65,11 @@ fn every_moe_fixture_is_detected_as_its_family() {
             _ => 0,
         };
         assert_eq!(shape.params() + left_out, d.params, "{name}: {shape:?}");
-        assert_eq!(shape.moe.map(|m| (m.experts, m.top_k)), Some((8, 2)), "{name}");
+        assert_eq!(
+            shape.moe.map(|m| (m.experts, m.top_k)),
+            Some((8, 2)),
+            "{name}"
+        );
     }
 }
 
@@ -285,15 +289,26 @@ fn every_moe_family_trains_under_expert_parallelism_like_one_rank() {
 /// A copy of fixture `name` whose config says `coef` for the balancing loss (what
 /// `cpl train --router-aux-loss-coef` writes), in a fresh directory.
 fn with_aux_coef(name: &str, coef: f64) -> (models::hub::ModelFiles, std::path::PathBuf) {
+    with_changed_config(name, &format!("aux{coef}"), |t, p| {
+        models::zoo::moe::set_router_aux_loss_coef(t, coef, p)
+    })
+}
+
+/// A copy of fixture `name` (in a fresh directory named by `tag`) whose config is `change`d.
+fn with_changed_config(
+    name: &str,
+    tag: &str,
+    change: impl Fn(&str, &std::path::Path) -> models::Result<String>,
+) -> (models::hub::ModelFiles, std::path::PathBuf) {
     let src = fixture_files(name);
     let dir = std::env::temp_dir().join(format!(
-        "cpl-moe-{}-{}-{coef}",
+        "cpl-moe-{}-{}-{tag}",
         std::process::id(),
         name.replace('/', "-")
     ));
     std::fs::create_dir_all(&dir).unwrap();
     let text = std::fs::read_to_string(&src.config).unwrap();
-    let changed = models::zoo::moe::set_router_aux_loss_coef(&text, coef, &src.config).unwrap();
+    let changed = change(&text, &src.config).unwrap();
     std::fs::write(dir.join("config.json"), changed).unwrap();
     std::fs::copy(&src.weights[0], dir.join("model.safetensors")).unwrap();
     (models::hub::from_dir("moe", &dir).unwrap(), dir)
@@ -663,4 +678,118 @@ fn expert_parallel_traffic_is_the_planners_formula() {
         uneven,
         "every rank sent as many rows as it received: the test shows nothing"
     );
+}
+
+/// The share of dropped assignments in each step of a run's `metrics.jsonl`.
+fn dropped_fractions(out: &std::path::Path) -> Vec<f64> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["expert_dropped_fraction"].as_f64())
+        .collect()
+}
+
+/// Final weights of two AdamW runs that saw the same gradients up to rounding: every tensor
+/// within `tol` relative, once the entries AdamW may legitimately move apart are set aside.
+/// AdamW's update `lr m / (sqrt(v) + eps)` turns the absolute rounding error of a gradient entry
+/// that cancels to about `eps` into a change of up to `lr` per step (here: a factor lr / eps =
+/// 5e5), so such entries can differ by up to `2 lr` per step and nothing else. They are
+/// isolated: at most `1e-3` of all entries (a different routing or dropping decision would move
+/// whole rows and expert matrices, hundreds of entries at once), each within `2 lr steps`.
+fn assert_weights_close_up_to_adam(
+    case: &str,
+    got: &cpl_integration_tests::RegistryRun,
+    want: &cpl_integration_tests::RegistryRun,
+    lr: f64,
+) {
+    let steps = want.losses.len() as f64;
+    let (mut total, mut apart) = (0usize, 0usize);
+    assert_eq!(got.weights.len(), want.weights.len(), "{case}");
+    for (n, w) in &want.weights {
+        let a = got.weights[n]
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let b = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let scale = b
+            .iter()
+            .fold(0.0, |m, x| testkit::max_or_nan(m, x.abs() as f64));
+        let (mut kept_a, mut kept_b) = (Vec::new(), Vec::new());
+        for (x, y) in a.iter().zip(&b) {
+            let d = (*x as f64 - *y as f64).abs();
+            assert!(
+                d <= 2.0 * lr * steps,
+                "{case}: {n}: an entry moved {d:e} apart, more than AdamW's 2 lr per step allow"
+            );
+            if d > TOL * scale {
+                apart += 1;
+            } else {
+                kept_a.push(*x as f64);
+                kept_b.push(*y as f64);
+            }
+        }
+        total += b.len();
+        let e = testkit::rel_err_values(&kept_a, &kept_b);
+        assert!(e <= TOL, "{case}: final weight {n}: rel err {e:e}");
+    }
+    assert!(
+        apart as f64 <= 1e-3 * total as f64,
+        "{case}: {apart} of {total} weight entries apart"
+    );
+}
+
+/// Token dropping (`moe_capacity_factor` 0.75, what `cpl train --moe-capacity-factor 0.75`
+/// writes): each expert keeps its most probable assignments of the micro-batch, decided over
+/// every rank that holds the micro-batch's tokens, so a zigzag ring of 4, USP 2x2, TP-sp x
+/// ring2, and expert parallelism over a ring of 2 (ep2) drop what one rank drops: the same share
+/// dropped at every step, losses, gradient norms and the held-out loss equal one rank (1e-5),
+/// and so do the final weights apart from isolated entries AdamW may move apart
+/// ([`assert_weights_close_up_to_adam`]; measured: one entry of Qwen3-MoE's embedding and one
+/// of Mixtral's layer-1 expert 4, the others within 1e-6). Assignments are dropped (5% to 60%
+/// on every step) and dropping changes training (the dropless run differs).
+#[test]
+fn token_dropping_drops_the_same_assignments_under_every_layout() {
+    use cpl_integration_tests::{assert_same_registry_run_weights, drive_through_registry};
+    let data = data();
+    let cfg = config(2, 2);
+    for name in FAMILIES {
+        let (files, dir) = with_changed_config(name, "capacity", |t, p| {
+            models::zoo::moe::set_moe_capacity_factor(t, 0.75, p)
+        });
+        let out = dir.join("run-single");
+        let want = drive_through_registry(&files, &Layout::single(), &cfg, &data, None, &out);
+        let dropped = dropped_fractions(&out);
+        assert_eq!(dropped.len(), 2, "{name}: {dropped:?}");
+        for d in &dropped {
+            assert!((0.05..0.6).contains(d), "{name}: dropped {dropped:?}");
+        }
+        let dropless = train_through_registry(&fixture_files(name), &Layout::single(), &cfg, &data);
+        assert!(
+            (dropless.losses[1] - want.losses[1]).abs() > 1e-4 * want.losses[1].abs(),
+            "{name}: dropping changed nothing ({} vs {})",
+            dropless.losses[1],
+            want.losses[1]
+        );
+        for layout in [
+            Layout::new("zigzag ring4", 1, 1, 4, Strategy::Ring),
+            Layout::new("usp 2x2", 1, 2, 2, Strategy::Usp),
+            Layout::new("tp2 TP-sp x ring2", 2, 1, 2, Strategy::Ring).with_tp_sp(),
+            Layout::new("ring2, ep2", 1, 1, 2, Strategy::Ring).with_ep(2),
+        ] {
+            let case = format!("{name} / {}", layout.name);
+            let out = dir.join(format!("run-{}", layout.name.replace(' ', "-")));
+            let got = drive_through_registry(&files, &layout, &cfg, &data, None, &out);
+            let d = dropped_fractions(&out);
+            assert_eq!(d.len(), 2, "{case}");
+            for (a, b) in d.iter().zip(&dropped) {
+                testkit::assert_close_scalar(*a, *b, 1e-12, &format!("{case}: dropped"));
+            }
+            // Losses, norms and the held-out loss at 1e-5; the weights below.
+            assert_same_registry_run_weights(&case, &got, &want, TOL, f64::INFINITY);
+            assert_weights_close_up_to_adam(&case, &got, &want, cfg.adamw.lr);
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }

@@ -78,6 +78,11 @@ pub struct TrainArgs {
     /// the config's, added only when its `output_router_logits` is true].
     #[arg(long, value_name = "COEF")]
     pub router_aux_loss_coef: Option<f64>,
+    /// Mixture of experts: token dropping, each expert taking at most `ceil(F x tokens x top-k /
+    /// experts)` of a micro-batch's assignments, the most probable (written into the run's
+    /// config.json as `moe_capacity_factor`) [default: dropless].
+    #[arg(long, value_name = "F")]
+    pub moe_capacity_factor: Option<f64>,
     #[arg(long, default_value_t = 2e-3)]
     pub lr: f64,
     #[arg(long, default_value_t = 2e-4)]

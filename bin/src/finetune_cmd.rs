@@ -438,11 +438,12 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
              train --rope-*, then fine-tune its checkpoint"
         );
     }
-    if t.router_aux_loss_coef.is_some() {
-        // The adapter's users load the base model's config: its routers' loss is theirs.
+    if t.router_aux_loss_coef.is_some() || t.moe_capacity_factor.is_some() {
+        // The adapter's users load the base model's config: its routing is theirs.
         bail!(
-            "--router-aux-loss-coef: cpl finetune trains with the base model's \
-             router_aux_loss_coef / output_router_logits; change them in its config.json"
+            "--router-aux-loss-coef / --moe-capacity-factor: cpl finetune trains with the base \
+             model's router_aux_loss_coef / output_router_logits / moe_capacity_factor; change \
+             them in its config.json"
         );
     }
     if t.eval_by_position || t.eval_passkey {

@@ -59,11 +59,12 @@ pub type ConfigChange<'a> = (
     Box<dyn Fn(&str, &Path) -> models::Result<String> + 'a>,
 );
 
-/// The config changes of `cpl train`'s flags: `--rope-*` ([`crate::args::RopeArgs`]) and
-/// `--router-aux-loss-coef`.
+/// The config changes of `cpl train`'s flags: `--rope-*` ([`crate::args::RopeArgs`]),
+/// `--router-aux-loss-coef` and `--moe-capacity-factor`.
 pub fn train_config_changes(
     rope: &crate::args::RopeArgs,
     router_aux_loss_coef: Option<f64>,
+    moe_capacity_factor: Option<f64>,
 ) -> Result<Vec<ConfigChange<'static>>> {
     let mut changes: Vec<ConfigChange<'static>> = Vec::new();
     if let Some(o) = rope.to_override()? {
@@ -73,6 +74,12 @@ pub fn train_config_changes(
         changes.push((
             "--router-aux-loss-coef",
             Box::new(move |t, p| models::zoo::moe::set_router_aux_loss_coef(t, c, p)),
+        ));
+    }
+    if let Some(f) = moe_capacity_factor {
+        changes.push((
+            "--moe-capacity-factor",
+            Box::new(move |t, p| models::zoo::moe::set_moe_capacity_factor(t, f, p)),
         ));
     }
     Ok(changes)

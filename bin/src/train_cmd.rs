@@ -30,12 +30,20 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                 m.family.name
             );
         }
-        if m.family.kind != Kind::CausalLm && args.router_aux_loss_coef.is_some() {
-            bail!(
-                "--router-aux-loss-coef: only mixture-of-experts text models have routers; \
-                 --model {model} is a {} model",
-                m.family.name
-            );
+        for (flag, given) in [
+            (
+                "--router-aux-loss-coef",
+                args.router_aux_loss_coef.is_some(),
+            ),
+            ("--moe-capacity-factor", args.moe_capacity_factor.is_some()),
+        ] {
+            if m.family.kind != Kind::CausalLm && given {
+                bail!(
+                    "{flag}: only mixture-of-experts text models have routers; --model {model} \
+                     is a {} model",
+                    m.family.name
+                );
+            }
         }
         if m.family.kind != Kind::CausalLm && args.seq_len_schedule.is_some() {
             bail!(
@@ -112,7 +120,11 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let mut extra =
         crate::model_arg::checkpoint_files(models::family::detect(&files.config)?, &files)?;
     let resume = Resume::find(args.resume, &args.out)?;
-    let changes = crate::model_arg::train_config_changes(&args.rope, args.router_aux_loss_coef)?;
+    let changes = crate::model_arg::train_config_changes(
+        &args.rope,
+        args.router_aux_loss_coef,
+        args.moe_capacity_factor,
+    )?;
     crate::model_arg::apply_config_changes(
         &mut files,
         &changes,

@@ -2116,6 +2116,68 @@ fn router_aux_loss_coef_changes_the_run_and_its_checkpoints() {
     ]);
 }
 
+/// `--moe-capacity-factor` on a mixture of experts: each step reports the share of (token,
+/// expert) assignments dropped (none without the flag, some with a factor of 0.5, which caps
+/// each expert at half of an even share), the loss changes, and the factor is written into the
+/// checkpoints' config (so a resumed or evaluated checkpoint drops the same way); on a dense
+/// model, with 0 or a negative value, and on `cpl finetune` it is a clear error naming the
+/// flag.
+#[test]
+fn moe_capacity_factor_drops_tokens_and_reports_them() {
+    let dir = common::tmpdir("moe-capacity");
+    let tokens = docs_file(&dir);
+    let moe = common::fixtures("moe").join("qwen3_moe");
+    let run = |out: &Path, extra: &[&str]| {
+        let mut a = set_flags(base_args(&tokens, out, 2), &["--seq-len", "16"]);
+        let p = a.iter().position(|x| x == "--model").unwrap();
+        a[p + 1] = moe.to_str().unwrap().to_string();
+        set_flags(a, extra)
+    };
+    let (free, capped) = (dir.join("dropless"), dir.join("capped"));
+    let o = cpl(&run(&free, &[]));
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let o = cpl(&run(&capped, &["--moe-capacity-factor", "0.5"]));
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let dropped = |out: &Path| -> Vec<f64> {
+        std::fs::read_to_string(out.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                v["expert_dropped_fraction"].as_f64().unwrap()
+            })
+            .collect()
+    };
+    assert_eq!(dropped(&free), vec![0.0, 0.0]);
+    // A factor of 0.5 keeps at most half of an even share: at least half is dropped.
+    for d in dropped(&capped) {
+        assert!((0.5..1.0).contains(&d), "{d}");
+    }
+    let (a, b) = (losses(&free), losses(&capped));
+    assert!((a[0].1 - b[0].1).abs() > 1e-4, "{a:?} {b:?}");
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(capped.join("step-2/config.json")).unwrap())
+            .unwrap();
+    assert_eq!(saved["moe_capacity_factor"].as_f64(), Some(0.5), "{saved}");
+    common::assert_clear_errors(&[
+        (
+            set_flags(
+                base_args(&tokens, &dir.join("dense"), 1),
+                &["--moe-capacity-factor", "1"],
+            ),
+            "--moe-capacity-factor: the model has no experts",
+        ),
+        (
+            run(&dir.join("zero"), &["--moe-capacity-factor", "0"]),
+            "--moe-capacity-factor must be a finite number above 0",
+        ),
+        (
+            run(&dir.join("neg"), &["--moe-capacity-factor=-1"]),
+            "--moe-capacity-factor must be a finite number above 0",
+        ),
+    ]);
+}
+
 /// `--ep` on a mixture of experts (Qwen3-MoE, 8 experts, 4 ranks): the losses, gradient norms,
 /// held-out losses (5 held-out windows: the data ranks score 2, 1, 1, 1, expert parallelism
 /// pads the others' forwards) and saved checkpoints of --ep 2, --ep 4, and --ep 2 with ZeRO-2

@@ -97,9 +97,14 @@ pub struct NextToken {
 
 /// The parts of a mixture of experts' next-token loss, each averaged over the micro-batches
 /// weighted by their labelled tokens: the routers' load-balancing loss (without its
-/// coefficient; whether or not the loss includes it) and the busiest expert's tokens over the
-/// mean in the most unbalanced sparse layer.
-pub const ROUTER_PARTS: &[&str] = &["router_aux_loss", "expert_load_max_over_mean"];
+/// coefficient; whether or not the loss includes it), the busiest expert's tokens over the
+/// mean in the most unbalanced sparse layer, and the share of (token, expert) assignments the
+/// capacity dropped (0 when dropless).
+pub const ROUTER_PARTS: &[&str] = &[
+    "router_aux_loss",
+    "expert_load_max_over_mean",
+    "expert_dropped_fraction",
+];
 
 impl NextToken {
     /// The loss with `--loss-chunk` tokens per chunk of the vocab-parallel loss.
@@ -173,7 +178,7 @@ impl<M: CausalLm> Objective<M> for NextToken {
                 Error::Invalid("a model with routers reported no routing statistics".into())
             })?;
             let n = count as f64;
-            loss.parts = vec![r.aux * n, r.load_max_over_mean * n];
+            loss.parts = vec![r.aux * n, r.load_max_over_mean * n, r.dropped_fraction * n];
         }
         Ok(loss)
     }

@@ -2,7 +2,16 @@
 //! router, SwiGLU experts, an optional shared expert with a sigmoid gate, and the router's
 //! load-balancing loss ([`RouterAux`]).
 //!
-//! Routing is dropless: every token reaches its `k` experts. The tokens are sorted by expert
+//! Routing is dropless by default: every token reaches its `k` experts. With a capacity factor
+//! `f` ([`MoeConfig::with_capacity_factor`]) an expert takes at most `ceil(f · T · k / E)` of
+//! the micro-batch's `T · k` (token, expert) assignments, those with the highest router
+//! probability (Megatron's `probs` drop policy; exact ties go to the earlier token: sequence,
+//! then position, [`SparseMoe::forward_at`]).
+//! The decision is taken over every rank holding the micro-batch's tokens (an all-gather of the
+//! assignments' probabilities), so any layout drops what one rank drops. A dropped assignment
+//! contributes nothing (its routing weight is zeroed, the others are not renormalised); the
+//! load-balancing loss sees the routing before dropping, and [`RouterStats::dropped_fraction`]
+//! reports the share dropped. The tokens are sorted by expert
 //! and each expert multiplies all of its rows in one product (a loop over experts, never over
 //! tokens); the weighted outputs are added back in expert order, as transformers'
 //! `index_add_` does. Top-k ties break towards the lower expert index, as `torch.topk` does on
@@ -53,6 +62,9 @@ pub struct MoeConfig {
     /// Qwen2-MoE's shared expert: its hidden units; it is at `shared_expert` (a SwiGLU MLP) and
     /// its gate at `shared_expert_gate` (`(1, hidden)`).
     pub shared_expert: Option<usize>,
+    /// Token dropping: each expert takes at most `ceil(f · T · k / E)` assignments of a
+    /// micro-batch of `T` tokens (`None`: dropless, as transformers).
+    pub capacity_factor: Option<f64>,
 }
 
 impl MoeConfig {
@@ -84,6 +96,7 @@ impl MoeConfig {
             experts: "experts".into(),
             expert_names: ["gate_proj".into(), "up_proj".into(), "down_proj".into()],
             shared_expert: None,
+            capacity_factor: None,
         })
     }
 
@@ -101,6 +114,29 @@ impl MoeConfig {
     pub fn with_shared_expert(mut self, intermediate_size: Option<usize>) -> Self {
         self.shared_expert = intermediate_size;
         self
+    }
+
+    /// Token dropping with capacity factor `factor` (`None`: dropless). Errors unless it is a
+    /// finite number above 0.
+    pub fn with_capacity_factor(mut self, factor: Option<f64>) -> Result<Self> {
+        if let Some(f) = factor {
+            if !f.is_finite() || f <= 0.0 {
+                return Err(Error::invalid(
+                    "mixture of experts",
+                    format!("capacity factor {f}: must be a finite number above 0"),
+                ));
+            }
+        }
+        self.capacity_factor = factor;
+        Ok(self)
+    }
+
+    /// The most assignments an expert takes of a micro-batch of `tokens` tokens (`None`:
+    /// unlimited).
+    pub fn capacity(&self, tokens: usize) -> Option<usize> {
+        self.capacity_factor.map(|f| {
+            (f * tokens as f64 * self.top_k as f64 / self.num_experts as f64).ceil() as usize
+        })
     }
 
     /// The parameters of one block, relative to its folder: name and shape as in the
@@ -202,6 +238,9 @@ pub struct SparseMoe {
     /// `experts`, from `first_expert` on).
     ep: Option<Comm>,
     first_expert: usize,
+    /// The groups whose ranks hold the micro-batch's tokens (the sequence group; tp under
+    /// TP-sp): where a capacity decision is taken.
+    token_groups: Vec<Comm>,
 }
 
 impl SparseMoe {
@@ -293,11 +332,28 @@ impl SparseMoe {
             aux,
             ep,
             first_expert,
+            token_groups: {
+                let mut g = vec![ctx.sequence_group().clone()];
+                if ctx.tp().sequence_parallel() {
+                    g.push(ctx.tp().comm().clone());
+                }
+                g
+            },
         })
     }
 
-    /// `x` `(batch, tokens', hidden)` → the same shape. Collective over tp.
+    /// `x` `(batch, tokens', hidden)` → the same shape. Collective over tp (and the ranks
+    /// holding the tokens under a capacity factor). Capacity ties go to the earlier rank and
+    /// row: see [`SparseMoe::forward_at`].
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_at(x, None)
+    }
+
+    /// [`SparseMoe::forward`] for tokens at sequence `positions` (the pass's positions of this
+    /// rank's tokens; under TP-sp this tensor-parallel rank holds its contiguous part of them):
+    /// under a capacity factor, assignments of equal probability go to the earlier sequence of
+    /// the batch, then the earlier position, whatever the layout.
+    pub fn forward_at(&self, x: &Tensor, positions: Option<&[u32]>) -> Result<Tensor> {
         let (b, s, h) = x.dims3()?;
         let k = self.cfg.top_k;
         let xs = x.reshape((b * s, h))?;
@@ -308,17 +364,31 @@ impl SparseMoe {
         }
         let probs = router_softmax(&logits)?;
         let host = probs.to_vec2::<f32>()?;
-        let chosen: Vec<u32> = host.iter().flat_map(|row| top_k(row, k)).collect();
+        let mut chosen: Vec<u32> = host.iter().flat_map(|row| top_k(row, k)).collect();
+        let kept = self.within_capacity(&host, &chosen, s, positions, x.device())?;
         if let Some((aux, layer)) = &self.aux {
-            aux.record(*layer, &host, &chosen);
+            let dropped = kept
+                .as_ref()
+                .map_or(0, |m| m.iter().filter(|&&x| !x).count());
+            aux.record(*layer, &host, &chosen, dropped);
         }
-        let idx = Tensor::from_vec(chosen, (b * s, k), x.device())?;
+        let idx = Tensor::from_vec(chosen.clone(), (b * s, k), x.device())?;
         let mut weights = probs.gather(&idx, 1)?;
         if self.cfg.norm_topk_prob {
             weights = weights.broadcast_div(&weights.sum_keepdim(1)?)?;
         }
+        if let Some(kept) = &kept {
+            // A dropped assignment: weight 0, and the expert id past the last (no rows).
+            let mask: Vec<f32> = kept.iter().map(|&x| if x { 1.0 } else { 0.0 }).collect();
+            weights = weights.mul(&Tensor::from_vec(mask, (b * s, k), x.device())?)?;
+            for (c, &keep) in chosen.iter_mut().zip(kept) {
+                if !keep {
+                    *c = self.cfg.num_experts as u32;
+                }
+            }
+        }
         let weights = weights.to_dtype(x.dtype())?.reshape((b, s, k))?;
-        let idx = idx.reshape((b, s, k))?;
+        let idx = Tensor::from_vec(chosen, (b, s, k), x.device())?;
         let out = self.tensor_parallel(x, &weights, &idx)?;
         match &self.shared {
             None => Ok(out),
@@ -349,10 +419,12 @@ impl SparseMoe {
             None => {
                 let mut rows: Vec<(Vec<u32>, Vec<u32>)> =
                     vec![(Vec::new(), Vec::new()); self.experts.len()];
+                // Dropped assignments carry the id `num_experts`: no expert takes them.
                 for (slot, &e) in chosen.iter().enumerate() {
-                    let (tokens, slots) = &mut rows[e as usize];
-                    tokens.push((slot / k) as u32);
-                    slots.push(slot as u32);
+                    if let Some((tokens, slots)) = rows.get_mut(e as usize) {
+                        tokens.push((slot / k) as u32);
+                        slots.push(slot as u32);
+                    }
                 }
                 self.run_experts(&xs, rows, Some(&weights), 0)?
             }
@@ -412,7 +484,10 @@ impl SparseMoe {
         let (k, h) = (self.cfg.top_k, self.cfg.hidden_size);
         let per = self.experts.len();
         let dev = xs.device();
-        let mut order: Vec<u32> = (0..chosen.len() as u32).collect();
+        // Every kept assignment (a dropped one carries the id `num_experts`), sorted by expert.
+        let mut order: Vec<u32> = (0..chosen.len() as u32)
+            .filter(|&slot| (chosen[slot as usize] as usize) < self.cfg.num_experts)
+            .collect();
         order.sort_by_key(|&slot| (chosen[slot as usize], slot));
         let mut send_counts = vec![0usize; ep.size()];
         for &slot in &order {
@@ -450,6 +525,69 @@ impl SparseMoe {
         Ok(out.broadcast_add(&dangling)?)
     }
 
+    /// Under a capacity factor, which of this rank's assignments (`chosen`, `k` per row of the
+    /// router probabilities `probs`, `s` rows per sequence at `positions`) keep their expert: the assignments of every rank holding
+    /// the micro-batch's tokens are gathered (the same number from each) and each expert keeps
+    /// its `capacity` most probable ([`keep_within_capacity`]). `None` when dropless.
+    /// Collective over the token groups.
+    fn within_capacity(
+        &self,
+        probs: &[Vec<f32>],
+        chosen: &[u32],
+        s: usize,
+        positions: Option<&[u32]>,
+        dev: &candle_core::Device,
+    ) -> Result<Option<Vec<bool>>> {
+        if self.cfg.capacity_factor.is_none() {
+            return Ok(None);
+        }
+        let positions = match positions {
+            None => None,
+            Some(p) if p.len() == s => Some(p),
+            // TP-sp: this rank's contiguous part of the sequence-parallel rank's tokens.
+            Some(p) if self.tp.sequence_parallel() && p.len() == s * self.tp.size() => {
+                Some(&p[self.tp.rank() * s..(self.tp.rank() + 1) * s])
+            }
+            Some(p) => {
+                return Err(Error::invalid(
+                    "mixture of experts",
+                    format!("{} positions for {s} tokens per sequence", p.len()),
+                ))
+            }
+        };
+        let k = self.cfg.top_k;
+        let n = chosen.len();
+        // Per assignment: its probability, expert, and its token's (sequence, position), or
+        // the row here when no positions are known (ids and positions are exact in f32 up to
+        // 2^24).
+        let mut rows = Vec::with_capacity(4 * n);
+        for (slot, &e) in chosen.iter().enumerate() {
+            let token = slot / k;
+            let (seq, pos) = match positions {
+                Some(p) => (token / s, p[token % s] as usize),
+                None => (0, token),
+            };
+            rows.extend([probs[token][e as usize], e as f32, seq as f32, pos as f32]);
+        }
+        let mut all = Tensor::from_vec(rows, (n, 4), dev)?;
+        let mut offset = 0;
+        for g in &self.token_groups {
+            if g.size() > 1 {
+                let len = all.dim(0)?;
+                all = g.all_gather(&all, 0)?;
+                offset += g.rank() * len;
+            }
+        }
+        let all = all.to_vec2::<f32>()?;
+        let tokens = all.len() / k;
+        let capacity = self.cfg.capacity(tokens).unwrap_or(usize::MAX);
+        let p: Vec<f32> = all.iter().map(|r| r[0]).collect();
+        let e: Vec<u32> = all.iter().map(|r| r[1] as u32).collect();
+        let order: Vec<(u32, u32)> = all.iter().map(|r| (r[2] as u32, r[3] as u32)).collect();
+        let keep = keep_within_capacity(&p, &e, &order, self.cfg.num_experts, capacity);
+        Ok(Some(keep[offset..offset + n].to_vec()))
+    }
+
     /// The chosen experts `(batch, tokens', k)` of every token of the tensor-parallel group,
     /// flattened like the entered activations (gathered under TP-sp). Collective over tp under
     /// TP-sp.
@@ -462,6 +600,38 @@ impl SparseMoe {
         };
         Ok(idx.flatten_all()?.to_vec1::<u32>()?)
     }
+}
+
+/// Which assignments keep their expert when each of `num_experts` takes at most `capacity`:
+/// assignment `i` goes to expert `experts[i]` with router probability `probs[i]`; an expert
+/// keeps its most probable assignments, exact ties to the lower `order[i]` (the token's
+/// sequence and position), then the lower index.
+pub fn keep_within_capacity(
+    probs: &[f32],
+    experts: &[u32],
+    order: &[(u32, u32)],
+    num_experts: usize,
+    capacity: usize,
+) -> Vec<bool> {
+    let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); num_experts];
+    for (i, &e) in experts.iter().enumerate() {
+        if let Some(list) = by_expert.get_mut(e as usize) {
+            list.push(i);
+        }
+    }
+    let mut keep = vec![false; experts.len()];
+    for mut list in by_expert {
+        list.sort_by(|&a, &b| {
+            probs[b]
+                .total_cmp(&probs[a])
+                .then(order[a].cmp(&order[b]))
+                .then(a.cmp(&b))
+        });
+        for &i in list.iter().take(capacity) {
+            keep[i] = true;
+        }
+    }
+    keep
 }
 
 /// The softmax over experts of router logits `(tokens, E)`, differentiable (the shift by the
@@ -488,6 +658,9 @@ struct BlockStats {
     /// Per expert: the sum of its router probability over the tokens.
     probs: Vec<f64>,
     tokens: f64,
+    /// (token, expert) assignments, and those dropped by the capacity.
+    assignments: f64,
+    dropped: f64,
 }
 
 /// The load-balancing statistics of the whole micro-batch, summed over its ranks.
@@ -521,6 +694,9 @@ pub struct RouterStats {
     pub load_max_over_mean: f64,
     /// The micro-batch's labelled tokens.
     pub labelled_tokens: f64,
+    /// The share of (token, expert) assignments the capacity dropped, over every sparse block
+    /// (0 when dropless).
+    pub dropped_fraction: f64,
 }
 
 /// The router's load-balancing loss of one micro-batch, as transformers'
@@ -574,12 +750,14 @@ impl RouterAux {
 
     /// Records block `layer`'s routing of this rank's tokens (a recomputation records the same
     /// again). `probs` `(tokens, E)`, `chosen` `(tokens · k)`.
-    fn record(&self, layer: usize, probs: &[Vec<f32>], chosen: &[u32]) {
+    fn record(&self, layer: usize, probs: &[Vec<f32>], chosen: &[u32], dropped: usize) {
         let e = self.num_experts;
         let mut stats = BlockStats {
             counts: vec![0.0; e],
             probs: vec![0.0; e],
             tokens: probs.len() as f64,
+            assignments: chosen.len() as f64,
+            dropped: dropped as f64,
         };
         for &c in chosen {
             stats.counts[c as usize] += 1.0;
@@ -646,16 +824,19 @@ impl RouterAux {
         let e = self.num_experts;
         let blocks: Vec<BlockStats> = self.lock().blocks.values().cloned().collect();
         let nb = blocks.len();
-        // Per block: its experts' counts; then the probability sums and the routed tokens.
-        let mut v = vec![0f32; nb * e + e + 1];
+        // Per block: its experts' counts; then the probability sums, the routed tokens, the
+        // assignments and the dropped ones.
+        let mut v = vec![0f32; nb * e + e + 3];
         for (b, stats) in blocks.iter().enumerate() {
             for i in 0..e {
                 v[b * e + i] = stats.counts[i] as f32;
                 v[nb * e + i] += stats.probs[i] as f32;
             }
             v[nb * e + e] += stats.tokens as f32;
+            v[nb * e + e + 1] += stats.assignments as f32;
+            v[nb * e + e + 2] += stats.dropped as f32;
         }
-        let mut t = Tensor::from_vec(v, nb * e + e + 1, device)?;
+        let mut t = Tensor::from_vec(v, nb * e + e + 3, device)?;
         for g in token_groups {
             if g.size() > 1 {
                 t = g.all_reduce(&t, ReduceOp::Sum)?;
@@ -693,10 +874,16 @@ impl RouterAux {
                 .sum();
             e as f64 * dot / (tokens * tokens)
         };
+        let assignments = v[nb * e + e + 1] as f64;
         let stats = RouterStats {
             aux,
             load_max_over_mean: load,
             labelled_tokens: labelled,
+            dropped_fraction: if assignments > 0.0 {
+                v[nb * e + e + 2] as f64 / assignments
+            } else {
+                0.0
+            },
         };
         let mut s = self.lock();
         s.totals = Some(Totals {
@@ -761,5 +948,60 @@ impl RouterAux {
             Ok(g.clone())
         })?;
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Capacity 2 per expert: expert 0 keeps its two most probable of three assignments; expert
+    /// 1's exact tie goes to the earlier (sequence, position), whatever the assignment's index;
+    /// expert 2 (one assignment) keeps it; an id past the experts (already dropped) stays
+    /// dropped.
+    #[test]
+    fn each_expert_keeps_its_most_probable_assignments() {
+        let probs = [0.5, 0.9, 0.7, 0.4, 0.4, 0.6, 0.3, 0.2];
+        let experts = [0, 0, 0, 1, 1, 1, 2, 3];
+        let order = [
+            (0, 0),
+            (0, 1),
+            (0, 2),
+            (0, 9),
+            (0, 3),
+            (1, 0),
+            (0, 4),
+            (0, 5),
+        ];
+        let keep = keep_within_capacity(&probs, &experts, &order, 3, 2);
+        assert_eq!(
+            keep,
+            [false, true, true, false, true, true, true, false],
+            "{keep:?}"
+        );
+        assert_eq!(
+            keep_within_capacity(&probs, &experts, &order, 3, 0),
+            [false; 8]
+        );
+        assert_eq!(
+            keep_within_capacity(&probs, &experts, &order, 3, 8),
+            [true, true, true, true, true, true, true, false]
+        );
+    }
+
+    /// `ceil(f T k / E)`: 0.75 x 32 x 2 / 8 = 6, 1.1 x 10 x 2 / 8 = 2.75 -> 3; bad factors
+    /// are errors naming the value.
+    #[test]
+    fn capacity_by_hand() {
+        let cfg = MoeConfig::new(16, 8, 8, 2).unwrap();
+        assert_eq!(cfg.capacity(32), None);
+        let c = cfg.clone().with_capacity_factor(Some(0.75)).unwrap();
+        assert_eq!(c.capacity(32), Some(6));
+        let c = cfg.clone().with_capacity_factor(Some(1.1)).unwrap();
+        assert_eq!(c.capacity(10), Some(3));
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let e = cfg.clone().with_capacity_factor(Some(bad)).unwrap_err();
+            assert!(e.to_string().contains("capacity factor"), "{e}");
+        }
     }
 }

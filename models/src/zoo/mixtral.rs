@@ -72,7 +72,7 @@ impl MixtralConfig {
             block,
             "block_sparse_moe",
             vec![true; layers],
-            self.router_loss.coef(path)?,
+            &self.router_loss,
             path,
         )?;
         Ok(spec)

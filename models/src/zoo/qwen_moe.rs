@@ -107,14 +107,7 @@ impl QwenMoeConfig {
             b.with_norm_topk_prob(m.norm_topk_prob)
                 .with_shared_expert(shared)
         });
-        make_sparse(
-            &mut spec,
-            block,
-            "mlp",
-            sparse,
-            m.router_loss.coef(path)?,
-            path,
-        )?;
+        make_sparse(&mut spec, block, "mlp", sparse, &m.router_loss, path)?;
         Ok(spec)
     }
 }

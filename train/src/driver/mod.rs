@@ -335,6 +335,7 @@ pub fn run<T: Task>(
                     extra: [
                         ("aux", "router_aux_loss"),
                         ("load", "expert_load_max_over_mean"),
+                        ("dropped", "expert_dropped_fraction"),
                     ]
                     .into_iter()
                     .filter_map(|(label, key)| {
