@@ -91,7 +91,6 @@ fn sequences(
 /// Evaluates on every rank; returns rank 0's report and logits (`None` in the other processes
 /// of an MPI job).
 pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
-    args.layout.require_no_ep("cpl eval")?;
     let files = models::hub::resolve(&args.model)?;
     // The family of the checkpoint (the registry): its layers, vocabulary and loader.
     let family = models::family::detect(&files.config)?;
@@ -126,6 +125,13 @@ pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
             &args.layout,
             adapter.as_ref(),
         )?;
+        if args.layout.ep > 1 && !loaded.model.has_routers() {
+            anyhow::bail!(
+                "--ep {}: {} is not a mixture of experts",
+                args.layout.ep,
+                args.model
+            );
+        }
         let act = activation_dtype(&loaded.params);
         score(
             &rank.mesh,
@@ -145,6 +151,14 @@ pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
 
 pub fn run(args: &EvalArgs) -> Result<()> {
     let model = crate::model_arg::resolve(&args.model)?;
+    if model.family.kind != models::Kind::CausalLm {
+        args.layout
+            .require_no_ep("a diffusion or vision-language model has no experts: cpl eval")?;
+    }
+    if args.passkey {
+        // Each prompt is generated on its own: no padding keeps the expert exchanges matched.
+        args.layout.require_no_ep("cpl eval --passkey")?;
+    }
     if model.family.kind == models::Kind::Diffusion {
         return crate::dit_cmd::eval(args, &model.dir);
     }

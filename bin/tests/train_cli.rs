@@ -2178,6 +2178,95 @@ fn moe_capacity_factor_drops_tokens_and_reports_them() {
     ]);
 }
 
+/// `cpl eval --ep` on a mixture of experts (Qwen3-MoE, 8 experts): the held-out loss, the
+/// losses by position and the logits of 4 ranks with `--ep 2` and `--ep 4`, and of `--pp 2` over
+/// 2 data ranks with `--ep 2`, equal the same ranks without `--ep` (1e-5; the sequences do not
+/// split evenly over the data ranks, so the ranks with fewer pad their forwards); `--ep` on a
+/// dense model and with `--passkey` are clear errors naming the flag.
+#[test]
+fn eval_under_expert_parallelism_equals_data_parallelism() {
+    let dir = common::tmpdir("eval-ep");
+    // 30 documents, one sequence each: 30 do not split evenly over 4 data ranks.
+    let tokens = dir.join("docs.json");
+    let docs = testkit::random_docs(7, 30, 5..60, 256);
+    std::fs::write(&tokens, serde_json::to_string(&docs).unwrap()).unwrap();
+    let moe = common::fixtures("moe").join("qwen3_moe");
+    let eval = |extra: &[&str], tag: &str| -> (serde_json::Value, PathBuf) {
+        let logits = dir.join(format!("{tag}.safetensors"));
+        let mut a: Vec<String> = [
+            "eval",
+            "--model",
+            moe.to_str().unwrap(),
+            "--tokens",
+            tokens.to_str().unwrap(),
+            "--seq-len",
+            "64",
+            "--json",
+            "--ranks",
+            "4",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        if !extra.contains(&"--pp") {
+            a.extend(["--by-position".to_string(), "--logits-out".to_string()]);
+            a.push(logits.to_str().unwrap().to_string());
+        }
+        let o = cpl(&a);
+        assert!(o.status.success(), "{tag}: {}", common::stderr(&o));
+        let v = serde_json::from_str(common::stdout(&o).trim()).unwrap();
+        (v, logits)
+    };
+    let (want, want_logits) = eval(&[], "dp4");
+    let sequences = want["sequences"].as_u64().unwrap();
+    assert!(sequences % 4 != 0 && sequences > 8, "{sequences} sequences");
+    let loss = |v: &serde_json::Value| v["loss"].as_f64().unwrap();
+    for ep in ["2", "4"] {
+        let (got, got_logits) = eval(&["--ep", ep], &format!("ep{ep}"));
+        testkit::assert_close_scalar(loss(&got), loss(&want), 1e-5, &format!("ep {ep}: loss"));
+        assert_eq!(got["tokens"], want["tokens"], "ep {ep}");
+        let buckets =
+            |v: &serde_json::Value| v["by_position"]["buckets"].as_array().unwrap().clone();
+        for (g, w) in buckets(&got).iter().zip(&buckets(&want)) {
+            assert_eq!(g["tokens"], w["tokens"], "ep {ep}");
+            testkit::assert_close_scalar(
+                g["loss"].as_f64().unwrap(),
+                w["loss"].as_f64().unwrap(),
+                1e-5,
+                &format!("ep {ep}: bucket {g}"),
+            );
+        }
+        let read = |p: &Path| candle_core::safetensors::load(p, &candle_core::Device::Cpu).unwrap();
+        let (g, w) = (read(&got_logits), read(&want_logits));
+        assert_eq!(g.len() as u64, sequences);
+        for (name, t) in &w {
+            testkit::assert_close(&g[name], t, 1e-5, &format!("ep {ep}: {name}"));
+        }
+    }
+    let (pp, _) = eval(&["--pp", "2"], "pp2");
+    let (pp_ep, _) = eval(&["--pp", "2", "--ep", "2"], "pp2-ep2");
+    testkit::assert_close_scalar(loss(&pp_ep), loss(&pp), 1e-5, "pp2 x dp2, ep 2");
+    testkit::assert_close_scalar(loss(&pp), loss(&want), 1e-5, "pp2 against dp4");
+    common::assert_clear_errors(&[
+        (
+            words(&format!(
+                "eval --model {} --tokens {} --seq-len 64 --ranks 2 --ep 2",
+                fixture().display(),
+                tokens.display()
+            )),
+            "--ep 2",
+        ),
+        (
+            words(&format!(
+                "eval --model {} --passkey --ranks 2 --ep 2",
+                moe.display()
+            )),
+            "--ep 2: cpl eval --passkey",
+        ),
+    ]);
+}
+
 /// `--ep` on a mixture of experts (Qwen3-MoE, 8 experts, 4 ranks): the losses, gradient norms,
 /// held-out losses (5 held-out windows: the data ranks score 2, 1, 1, 1, expert parallelism
 /// pads the others' forwards) and saved checkpoints of --ep 2, --ep 4, and --ep 2 with ZeRO-2

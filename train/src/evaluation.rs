@@ -79,7 +79,9 @@ pub struct ScoreOptions<'a> {
 
 /// The mean loss of `model` (this rank's stage, activations in `act`) on `seqs`, timed from a
 /// barrier to the slowest rank's end, with what `opts` asks for. Collective over the world of
-/// `mesh`; `seqs` the same on every rank.
+/// `mesh`; `seqs` the same on every rank. Under expert parallelism every rank runs as many
+/// forwards as the busiest data rank (their experts exchange tokens in each): the others score
+/// a sequence whose result they drop.
 pub fn score(
     mesh: &DeviceMesh,
     ctx: &ParallelCtx,
@@ -106,30 +108,46 @@ pub fn score(
     let start = std::time::Instant::now();
     let (mut sum, mut count) = (0f64, 0u64);
     let mut logits = Vec::new();
+    let ep = ctx.expert_parallel().is_some();
+    let n = seqs.len();
+    // Forwards per data rank: its sequences, or under expert parallelism the busiest rank's.
+    let rounds = if ep { n.div_ceil(dp) * dp } else { n };
     if let Some(pc) = pipeline {
-        // This data-parallel rank's sequences, forward through the stages.
-        let micro = seqs
-            .iter()
-            .skip(dp_rank)
+        // This data-parallel rank's sequences, forward through the stages (padded under expert
+        // parallelism with a sequence whose labels are all ignored).
+        let micro = (dp_rank..rounds)
             .step_by(dp)
-            .map(|seq| {
+            .map(|i| {
+                let seq = &seqs[i % n];
                 let (batch, labels) =
                     Batch::from_sequences(ctx, std::slice::from_ref(seq), AttnMask::Causal)?;
+                let labels = if i < n {
+                    labels
+                } else {
+                    Tensor::full(IGNORE_INDEX, labels.shape(), labels.device())?
+                };
                 Ok(StageMicroBatch { batch, labels })
             })
             .collect::<Result<Vec<_>>>()?;
         (sum, count) = pipeline_eval(model, &mesh.comm(Dim::Pp), pc, &micro, loss_opts, act)?;
     }
-    for (i, seq) in seqs.iter().enumerate().filter(|_| pipeline.is_none()) {
+    let rounds = if want_logits { n } else { rounds };
+    for i in (0..rounds).filter(|_| pipeline.is_none()) {
+        let mine = i % dp == dp_rank && i < n;
         if i % dp != dp_rank && !want_logits {
             continue;
         }
+        let seq = &seqs[i % n];
         let (batch, labels) =
             Batch::from_sequences(ctx, std::slice::from_ref(seq), AttnMask::Causal)?;
-        if i % dp == dp_rank {
+        // Under expert parallelism the ranks that do not score this sequence run its forwards
+        // too, and drop the result.
+        if mine || ep {
             let (s, c) = model.loss_sum(&batch, &labels, &loss_opts)?;
-            sum += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            count += c as u64;
+            if mine {
+                sum += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                count += c as u64;
+            }
             if let Some(b) = buckets {
                 // This rank's labels of each bucket, by the global position of the token each
                 // predicts (one after the input token's).
@@ -152,11 +170,8 @@ pub fn score(
                         Ok(Tensor::new(masked, labels.device())?.reshape(labels.shape())?)
                     })
                     .collect::<Result<Vec<_>>>()?;
-                for (k, (s, c)) in model
-                    .loss_sums_per_labels(&batch, &sets, &loss_opts)?
-                    .into_iter()
-                    .enumerate()
-                {
+                let sums = model.loss_sums_per_labels(&batch, &sets, &loss_opts)?;
+                for (k, (s, c)) in sums.into_iter().enumerate().filter(|_| mine) {
                     bucket_sums[k] += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
                     bucket_counts[k] += c as f64;
                 }

@@ -460,6 +460,12 @@ impl ParamBuilder {
         self.path.join(".")
     }
 
+    /// Whether parameters loaded through this builder (or adapters of its layers) train: the
+    /// store is trainable and this builder is not frozen.
+    pub fn trainable(&self) -> bool {
+        self.store.mode == ParamMode::Trainable && !self.frozen
+    }
+
     pub fn dtype(&self) -> DType {
         self.dtype
     }

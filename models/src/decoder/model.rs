@@ -214,8 +214,9 @@ impl Decoder {
             .as_ref()
             .map(|m| (RouterAux::new(m.block.num_experts), m.aux_loss_coef));
         let whole = ends && (0..spec.num_layers()).all(|i| layers.iter().any(|r| r.contains(&i)));
+        // Training needs the statistics of every stage (evaluation does not add the loss).
         if let Some((_, Some(coef))) = &router_aux {
-            if *coef != 0.0 && !whole {
+            if *coef != 0.0 && !whole && vb.trainable() {
                 return Err(Error::Invalid(format!(
                     "the router's load-balancing loss (router_aux_loss_coef {coef} with \
                      output_router_logits) is not supported under pipeline parallelism yet: \
