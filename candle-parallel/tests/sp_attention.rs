@@ -30,7 +30,9 @@ use candle_parallel::attention::{
 };
 use candle_parallel::comm::{LocalWorld, OpKind, TrafficSnapshot};
 use candle_parallel::mesh::{DeviceMesh, Placement};
-use candle_parallel::planner::traffic::{attention_traffic, AttnShape};
+use candle_parallel::planner::traffic::{
+    attention_traffic, windowed_attention_traffic, AttentionTraffic, AttnShape,
+};
 use candle_parallel::Error;
 use flash_ring::{AttnSpec, Positions};
 use rand::rngs::StdRng;
@@ -403,25 +405,20 @@ fn check(c: &Case, seed: u64) -> Result<(), String> {
             ));
         }
     }
-    if steps.len() < c.cfg.ring {
-        // The planner does not model a shortened ring.
+    // The planner's cost model uses the same bytes (under a window: without documents; they
+    // can only shorten the ring further).
+    let planned = planned_traffic(c)?;
+    let (pf, pb) = (planned.forward, planned.backward);
+    if c.window.is_some() && c.attn_mask().doc_ids().is_some() {
+        if c.cfg.layout == SeqLayout::DocZigzag {
+            // The plan follows the documents, which the planner does not know.
+            return Ok(());
+        }
+        if want.fwd > pf.total() || want.bwd > pb.total() {
+            return Err(format!("planner traffic {planned:?} below {want:?}"));
+        }
         return Ok(());
     }
-    // The planner's cost model uses the same bytes.
-    let planned = attention_traffic(
-        &c.cfg,
-        &AttnShape {
-            batch: c.b,
-            seq: c.s,
-            heads: c.hq,
-            kv_heads: c.hkv,
-            head_dim: c.d,
-            elem_bytes: c.dtype.size_in_bytes(),
-            with_lse: c.with_lse,
-        },
-    )
-    .map_err(e2s)?;
-    let (pf, pb) = (planned.forward, planned.backward);
     if (
         pf.total(),
         pb.total(),
@@ -438,6 +435,24 @@ fn check(c: &Case, seed: u64) -> Result<(), String> {
         return Err(format!("planner traffic {planned:?}, expected {want:?}"));
     }
     Ok(())
+}
+
+/// What the planner predicts for case `c` (with its window, if any).
+fn planned_traffic(c: &Case) -> Result<AttentionTraffic, String> {
+    let shape = AttnShape {
+        batch: c.b,
+        seq: c.s,
+        heads: c.hq,
+        kv_heads: c.hkv,
+        head_dim: c.d,
+        elem_bytes: c.dtype.size_in_bytes(),
+        with_lse: c.with_lse,
+    };
+    match c.window {
+        Some(w) => windowed_attention_traffic(&c.cfg, &shape, w, c.attn_mask().kind()),
+        None => attention_traffic(&c.cfg, &shape),
+    }
+    .map_err(e2s)
 }
 
 /// Windowed all-gather CP: each rank sends the rows of its k and v that another rank's windows
@@ -470,6 +485,17 @@ fn check_windowed_allgather_traffic(
     };
     let row = (c.b * c.hkv * c.d) as u64;
     let el = c.dtype.size_in_bytes() as u64;
+    // The planner: the busiest rank's bytes, forward and backward (unless the plan follows
+    // the documents, which the planner does not know).
+    let planned = planned_traffic(c)?;
+    let most = |f: &dyn Fn(&RankOut) -> u64| ranks.iter().map(f).max().unwrap_or(0);
+    let counted = (most(&|ro| ro.fwd.bytes_sent()), most(&|ro| ro.bwd_sent));
+    let doc_plan = c.cfg.layout == SeqLayout::DocZigzag && c.attn_mask().doc_ids().is_some();
+    if !doc_plan && counted != (planned.forward.total(), planned.backward.total()) {
+        return Err(format!(
+            "planner traffic {planned:?}, counted busiest (fwd, bwd) {counted:?}"
+        ));
+    }
     for ro in ranks {
         let i = ro.coords.0;
         let sent: u64 = (0..r).filter(|&j| j != i).map(|j| rows(i, j)).sum();
