@@ -11,7 +11,10 @@
 //! of ring exchanges), from formulas written here from the shapes alone:
 //! with `el` bytes per element, `n = S / (U·R)` local tokens, `rep` the Ulysses kv replication,
 //! `Q = b·n·hq·d·el`, `K = b·n·hkv·d·el`, `K' = rep·K`, `a2a(x) = x·(U-1)/U`:
-//! - ring:        fwd `(R-1)·2K`,                 bwd `(R-1)·2K + R·2·K_f32` (dk/dv travel in f32)
+//! - ring:        fwd `(R-1)·2K`,                 bwd `(R-1)·2K + R·2·K_f32` (dk/dv travel in f32);
+//!   under a window `m·2K` and `m·2K + (m + h)·2·K_f32`, `m` the ring steps after step 0 that
+//!   some rank needs (found here by brute force over every pair of positions), `h = 1` unless
+//!   only step 0 runs
 //! - ulysses:     fwd `2·a2a(Q) + 2·a2a(K')` (+ `a2a(b·hq·n·4)` for lse), bwd `2·a2a(Q) + 2·a2a(K')`
 //! - usp:         the ulysses terms over U plus the ring terms over R with `K'` for `K`
 //! - all-gather:  fwd `2·(R-1)·K` (all-gather), bwd `2·(R-1)·K` (reduce-scatter)
@@ -22,11 +25,14 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_parallel::attention::{
-    AttnCall, AttnMask, SeqLayout, SequenceParallelAttention, SpAttention, SpConfig, Strategy,
+    AttnCall, AttnMask, SeqLayout, SequenceParallelAttention, ShardPlan, SpAttention, SpConfig,
+    Strategy,
 };
 use candle_parallel::comm::{LocalWorld, OpKind, TrafficSnapshot};
 use candle_parallel::mesh::{DeviceMesh, Placement};
-use candle_parallel::planner::traffic::{attention_traffic, AttnShape};
+use candle_parallel::planner::traffic::{
+    attention_traffic, windowed_attention_traffic, AttentionTraffic, AttnShape,
+};
 use candle_parallel::Error;
 use flash_ring::{AttnSpec, Positions};
 use rand::rngs::StdRng;
@@ -253,7 +259,49 @@ struct Traffic {
     bwd_exchanges: u64,
 }
 
-fn expected_traffic(c: &Case) -> Traffic {
+/// The ring steps some ring rank needs, by brute force: step `s` when some query of ring rank
+/// `j` may attend (mask, documents, window) some key of ring rank `(j - s) mod R`. Step 0
+/// always runs.
+fn needed_ring_steps(c: &Case, plan: &ShardPlan) -> Vec<usize> {
+    let r = c.cfg.ring;
+    let m = c.attn_mask();
+    let mut spec = AttnSpec::new(
+        1.0,
+        m.kind(),
+        Positions::range(0, c.s),
+        Positions::range(0, c.s),
+    );
+    if let Some(d) = m.doc_ids() {
+        spec = spec.with_doc_ids(d.clone());
+    }
+    if let Some(w) = c.window {
+        spec = spec.with_window(w);
+    }
+    let pos: Vec<Vec<u32>> = (0..r).map(|j| plan.ring_positions(j)).collect();
+    let needed = |s: usize| {
+        (0..r).any(|j| {
+            pos[j].iter().any(|&q| {
+                pos[(j + r - s) % r]
+                    .iter()
+                    .any(|&k| spec.allowed(q as usize, k as usize))
+            })
+        })
+    };
+    std::iter::once(0)
+        .chain((1..r).filter(|&s| needed(s)))
+        .collect()
+}
+
+/// The ring steps that run: those some rank needs under a window (ring and USP), every one
+/// otherwise.
+fn ring_steps_run(c: &Case, plan: &ShardPlan) -> Vec<usize> {
+    match (c.window, c.cfg.strategy) {
+        (Some(_), Strategy::Ring | Strategy::Usp) => needed_ring_steps(c, plan),
+        _ => (0..c.cfg.ring).collect(),
+    }
+}
+
+fn expected_traffic(c: &Case, steps: &[usize]) -> Traffic {
     let el = c.dtype.size_in_bytes() as u64;
     let (u, r) = (c.cfg.ulysses as u64, c.cfg.ring as u64);
     let n = c.s as u64 / (u * r);
@@ -270,17 +318,13 @@ fn expected_traffic(c: &Case) -> Traffic {
     let rep = u / gcd(u, hkv);
     let a2a = |x: u64| x * (u - 1) / u;
     // Ring over R ranks with kv blocks of `k` bytes: (fwd, bwd, fwd exchanges, bwd exchanges).
+    // `m` jumps between the steps that run, and one exchange home unless only step 0 runs.
+    let m = steps.len() as u64 - 1;
+    let home = u64::from(steps.last().is_some_and(|&l| l > 0));
+    assert!(r > 1 || m == 0);
     let ring = |k: u64| -> (u64, u64, u64, u64) {
-        if r == 1 {
-            return (0, 0, 0, 0);
-        }
         let k32 = k / el * 4;
-        (
-            (r - 1) * 2 * k,
-            (r - 1) * 2 * k + r * 2 * k32,
-            r - 1,
-            (r - 1) + r,
-        )
+        (m * 2 * k, m * 2 * k + (m + home) * 2 * k32, m, 2 * m + home)
     };
     let lse = if c.with_lse { a2a(b * hq * n * 4) } else { 0 };
     let (fwd, bwd, bwd_p2p, fwd_exchanges, bwd_exchanges) = match c.cfg.strategy {
@@ -342,23 +386,39 @@ fn check(c: &Case, seed: u64) -> Result<(), String> {
     if let (Some(w), Strategy::AllGather) = (c.window, c.cfg.strategy) {
         return check_windowed_allgather_traffic(c, w, &plan, &ranks);
     }
-    // A window skips block pairs' compute, not their transfer: the same bytes.
-    let want = expected_traffic(c);
-    // The planner's cost model uses the same bytes.
-    let planned = attention_traffic(
-        &c.cfg,
-        &AttnShape {
-            batch: c.b,
-            seq: c.s,
-            heads: c.hq,
-            kv_heads: c.hkv,
-            head_dim: c.d,
-            elem_bytes: c.dtype.size_in_bytes(),
-            with_lse: c.with_lse,
-        },
-    )
-    .map_err(e2s)?;
+    // A window skips block pairs' compute and, on the ring (and USP's ring), the steps nobody
+    // needs: their transfers too.
+    let steps = ring_steps_run(c, &plan);
+    let want = expected_traffic(c, &steps);
+    for ro in &ranks {
+        let got = Traffic {
+            fwd: ro.fwd.bytes_sent(),
+            bwd: ro.bwd_sent,
+            bwd_p2p: ro.bwd_p2p,
+            fwd_exchanges: ro.fwd.get(OpKind::Exchange).calls,
+            bwd_exchanges: ro.bwd_exchanges,
+        };
+        if got != want {
+            return Err(format!(
+                "rank {:?}: traffic {got:?}, expected {want:?} (ring steps {steps:?})",
+                ro.coords
+            ));
+        }
+    }
+    // The planner's cost model uses the same bytes (under a window: without documents; they
+    // can only shorten the ring further).
+    let planned = planned_traffic(c)?;
     let (pf, pb) = (planned.forward, planned.backward);
+    if c.window.is_some() && c.attn_mask().doc_ids().is_some() {
+        if c.cfg.layout == SeqLayout::DocZigzag {
+            // The plan follows the documents, which the planner does not know.
+            return Ok(());
+        }
+        if want.fwd > pf.total() || want.bwd > pb.total() {
+            return Err(format!("planner traffic {planned:?} below {want:?}"));
+        }
+        return Ok(());
+    }
     if (
         pf.total(),
         pb.total(),
@@ -374,22 +434,25 @@ fn check(c: &Case, seed: u64) -> Result<(), String> {
     ) {
         return Err(format!("planner traffic {planned:?}, expected {want:?}"));
     }
-    for ro in &ranks {
-        let got = Traffic {
-            fwd: ro.fwd.bytes_sent(),
-            bwd: ro.bwd_sent,
-            bwd_p2p: ro.bwd_p2p,
-            fwd_exchanges: ro.fwd.get(OpKind::Exchange).calls,
-            bwd_exchanges: ro.bwd_exchanges,
-        };
-        if got != want {
-            return Err(format!(
-                "rank {:?}: traffic {got:?}, expected {want:?}",
-                ro.coords
-            ));
-        }
-    }
     Ok(())
+}
+
+/// What the planner predicts for case `c` (with its window, if any).
+fn planned_traffic(c: &Case) -> Result<AttentionTraffic, String> {
+    let shape = AttnShape {
+        batch: c.b,
+        seq: c.s,
+        heads: c.hq,
+        kv_heads: c.hkv,
+        head_dim: c.d,
+        elem_bytes: c.dtype.size_in_bytes(),
+        with_lse: c.with_lse,
+    };
+    match c.window {
+        Some(w) => windowed_attention_traffic(&c.cfg, &shape, w, c.attn_mask().kind()),
+        None => attention_traffic(&c.cfg, &shape),
+    }
+    .map_err(e2s)
 }
 
 /// Windowed all-gather CP: each rank sends the rows of its k and v that another rank's windows
@@ -399,7 +462,7 @@ fn check(c: &Case, seed: u64) -> Result<(), String> {
 fn check_windowed_allgather_traffic(
     c: &Case,
     w: usize,
-    plan: &candle_parallel::attention::ShardPlan,
+    plan: &ShardPlan,
     ranks: &[RankOut],
 ) -> Result<(), String> {
     let r = c.cfg.ring;
@@ -422,6 +485,17 @@ fn check_windowed_allgather_traffic(
     };
     let row = (c.b * c.hkv * c.d) as u64;
     let el = c.dtype.size_in_bytes() as u64;
+    // The planner: the busiest rank's bytes, forward and backward (unless the plan follows
+    // the documents, which the planner does not know).
+    let planned = planned_traffic(c)?;
+    let most = |f: &dyn Fn(&RankOut) -> u64| ranks.iter().map(f).max().unwrap_or(0);
+    let counted = (most(&|ro| ro.fwd.bytes_sent()), most(&|ro| ro.bwd_sent));
+    let doc_plan = c.cfg.layout == SeqLayout::DocZigzag && c.attn_mask().doc_ids().is_some();
+    if !doc_plan && counted != (planned.forward.total(), planned.backward.total()) {
+        return Err(format!(
+            "planner traffic {planned:?}, counted busiest (fwd, bwd) {counted:?}"
+        ));
+    }
     for ro in ranks {
         let i = ro.coords.0;
         let sent: u64 = (0..r).filter(|&j| j != i).map(|j| rows(i, j)).sum();
@@ -589,7 +663,8 @@ fn allgather_cp_matches_single_device() {
 /// Sliding windows under every strategy, every mask kind, GQA: out, lse and the gradients equal
 /// one device; windows of 1 (a row sees itself only), shorter than a chunk, longer than a
 /// rank's tokens and longer than the sequence. All-gather CP gathers only the keys the windows
-/// reach (its bytes checked by brute force), so its traffic falls with the window.
+/// reach (its bytes checked by brute force), so its traffic falls with the window; the ring
+/// and USP send kv only to the steps some rank needs (likewise checked).
 #[test]
 fn sliding_windows_match_single_device_under_every_strategy() {
     let mut cases = Vec::new();
@@ -627,6 +702,83 @@ fn sliding_windows_match_single_device_under_every_strategy() {
     doc_zigzag.with_lse = false;
     cases.push(doc_zigzag);
     run_all(&cases);
+}
+
+/// Ring attention under sliding windows, contiguous layout on 2, 4 and 8 ranks (and zigzag,
+/// striped and USP's ring): windows of 1 key, shorter than a chunk, spanning several chunks and
+/// longer than the sequence, causal, bidirectional and document masks, GQA. out, lse and the
+/// gradients equal one device, and each rank sends exactly the bytes of the ring steps some
+/// rank needs (by brute force over the positions, [`needed_ring_steps`]).
+#[test]
+fn ring_windows_send_only_the_steps_some_rank_needs() {
+    let mut cases = Vec::new();
+    for p in [2, 4, 8] {
+        let cfg = SpConfig::new(Strategy::Ring, 1, p).with_layout(SeqLayout::Contiguous);
+        let chunk = 64 / p;
+        for (mask, w, hkv) in [
+            (M::Causal, 1, 2),
+            (M::Causal, chunk / 2, 1),
+            (M::Causal, chunk + 1, 2),
+            (M::Causal, chunk + 2, 4),
+            (M::Causal, 2 * chunk + 3, 2),
+            (M::Docs, chunk / 2 + 1, 1),
+            (M::Docs, 3 * chunk, 2),
+            (M::Full, 3, 2),
+            (M::DocsFull, chunk + 5, 1),
+            (M::Causal, 100, 2),
+        ] {
+            cases.push(Case::new(cfg.clone(), 4, hkv, mask).window(w));
+        }
+    }
+    for layout in [SeqLayout::Zigzag, SeqLayout::Striped] {
+        let cfg = SpConfig::new(Strategy::Ring, 1, 4).with_layout(layout);
+        for (mask, w) in [(M::Causal, 1), (M::Causal, 3), (M::Docs, 9), (M::Full, 4)] {
+            cases.push(Case::new(cfg.clone(), 4, 2, mask).window(w));
+        }
+    }
+    let usp = SpConfig::new(Strategy::Usp, 2, 4).with_layout(SeqLayout::Contiguous);
+    cases.push(Case::new(usp.clone(), 8, 2, M::Causal).window(5));
+    cases.push(Case::new(usp, 8, 4, M::Docs).window(20).no_lse());
+    run_all(&cases);
+}
+
+/// At 64 tokens on 4 ranks (contiguous, chunks of 16), the forward's sends fall with the window:
+/// a window of 4 needs the previous rank's block only (1 exchange of k and v instead of 3), a
+/// window of 1 nothing at all; zigzag jumps over the middle step. Backward: the kv exchange and
+/// the accumulator's, then the accumulator home.
+#[test]
+fn ring_traffic_falls_with_the_window() {
+    let sent = |layout: SeqLayout, w: Option<usize>| -> (u64, u64, u64, u64) {
+        let cfg = SpConfig::new(Strategy::Ring, 1, 4).with_layout(layout);
+        let mut c = Case::new(cfg, 4, 2, M::Causal);
+        c.window = w;
+        let x = inputs(&c, 7);
+        let ranks = run_ranks(&c, &x).unwrap();
+        let r = &ranks[1];
+        for o in &ranks {
+            assert_eq!(o.fwd.bytes_sent(), r.fwd.bytes_sent(), "{layout} {w:?}");
+            assert_eq!(o.bwd_sent, r.bwd_sent, "{layout} {w:?}");
+        }
+        (
+            r.fwd.bytes_sent(),
+            r.fwd.get(OpKind::Exchange).calls,
+            r.bwd_sent,
+            r.bwd_exchanges,
+        )
+    };
+    // K = 16 tokens x 2 kv heads x 32 x 4 bytes.
+    let k = 16 * 2 * 32 * 4;
+    let c = SeqLayout::Contiguous;
+    assert_eq!(sent(c, None), (3 * 2 * k, 3, 3 * 2 * k + 4 * 2 * k, 7));
+    assert_eq!(sent(c, Some(4)), (2 * k, 1, 2 * k + 2 * 2 * k, 3));
+    assert_eq!(sent(c, Some(17)), (2 * k, 1, 2 * k + 2 * 2 * k, 3));
+    assert_eq!(sent(c, Some(18)), (2 * 2 * k, 2, 2 * 2 * k + 3 * 2 * k, 5));
+    assert_eq!(sent(c, Some(1)), (0, 0, 0, 0));
+    // Zigzag (chunks of 8): the previous rank's block, then a jump to the next rank's.
+    assert_eq!(
+        sent(SeqLayout::Zigzag, Some(4)),
+        (2 * 2 * k, 2, 2 * 2 * k + 3 * 2 * k, 5)
+    );
 }
 
 /// The traffic of windowed all-gather CP falls with the window: at 64 tokens on 4 ranks, a

@@ -3,7 +3,8 @@
 //! A mask is a property of the global sequence; every block pair of every strategy builds its
 //! flash-ring [`AttnSpec`] from it with the global positions of its rows, so the same mask works
 //! for any layout. [`MaskBlock`] summarises a block's positions so that a strategy can skip
-//! a block pair that is certainly fully masked (it still forwards the block on its ring).
+//! a block pair that is certainly fully masked (it still forwards the block on its ring, except
+//! the steps a sliding window leaves to nobody: [`super::ring::ring_steps`]).
 
 use std::sync::Arc;
 

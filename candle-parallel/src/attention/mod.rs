@@ -81,7 +81,9 @@ pub use config::{SeqLayout, SpConfig, Strategy};
 pub use double_ring::DoubleRingAttention;
 pub use layout::ShardPlan;
 pub use mask::{AttnMask, MaskBlock};
-pub use ring::{ring_attention, RingAttention, RingBlocks, RingComm};
+pub use ring::{
+    ring_attention, ring_steps, ring_traffic, RingAttention, RingBlocks, RingComm, RingTraffic,
+};
 pub use startrail::StarTrailAttention;
 pub use ulysses::UlyssesAttention;
 pub use usp::UspAttention;

@@ -40,14 +40,14 @@ impl SequenceParallelAttention for UspAttention {
 
     fn forward(&self, qkv: &Qkv, call: &AttnCall, want_lse: bool) -> Result<AttnOut> {
         HeadParallel::of(self).forward(qkv, call, want_lse, |h, plan| {
-            let blocks = Arc::new(RingBlocks::natural(plan, &self.ring, &call.mask));
+            let blocks = Arc::new(RingBlocks::natural(plan, &self.ring, call));
             ring_attention(&self.ring, h, blocks, call)
         })
     }
 
     fn backward(&self, saved: &Saved, dout: &Tensor, call: &AttnCall) -> Result<Grads> {
         HeadParallel::of(self).backward(saved, dout, call, |h, dout, plan| {
-            let blocks = RingBlocks::natural(plan, &self.ring, &call.mask);
+            let blocks = RingBlocks::natural(plan, &self.ring, call);
             ring_backward(&self.ring, &h.rows(dout), &h.k, &h.v, &blocks, call)
         })
     }

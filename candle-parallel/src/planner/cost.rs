@@ -102,6 +102,23 @@ pub struct Workload {
     pub attention_density: f64,
 }
 
+/// The fraction of the `S²` query-key scores that a sliding window of `w` tokens leaves (a
+/// value for [`Workload::attention_density`]): causal, each query sees its `w` latest keys
+/// (fewer at the start), `(w S - w (w-1) / 2) / S²`; bidirectional, the keys within `w - 1` on
+/// either side, `(S + 2 Σ_{d=1}^{w-1} (S - d)) / S²`. A window of at least `S` is the mask
+/// itself (`(S + 1) / 2S` causal, 1 bidirectional). Exact on positions (no documents).
+pub fn window_density(seq_len: usize, window: usize, kind: flash_ring::MaskKind) -> f64 {
+    if seq_len == 0 {
+        return 0.0;
+    }
+    let (s, w) = (seq_len as f64, window.min(seq_len) as f64);
+    let pairs = match kind {
+        flash_ring::MaskKind::Causal => w * s - w * (w - 1.0) / 2.0,
+        flash_ring::MaskKind::Full => s + 2.0 * ((w - 1.0) * s - (w - 1.0) * w / 2.0),
+    };
+    pairs / (s * s)
+}
+
 /// One layout to predict: the ranks' arrangement and the memory plan.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Candidate {
@@ -997,6 +1014,30 @@ mod tests {
     /// merges of the 3 later blocks' partials (f32, read twice and written once: out and lse
     /// forward; dq, dk, dv backward), the kv exchanges (exposed beyond the block compute), and
     /// the dk, dv accumulators' last hop home, exposed whole.
+    /// The window's share of the scores, against a count of the pairs on 64 tokens.
+    #[test]
+    fn window_density_counts_the_pairs() {
+        use flash_ring::MaskKind;
+        let count = |w: usize, causal: bool| -> usize {
+            (0..64usize)
+                .map(|q| {
+                    (0..64usize)
+                        .filter(|&k| (!causal || k <= q) && q.abs_diff(k) < w)
+                        .count()
+                })
+                .sum()
+        };
+        for w in [1, 2, 5, 16, 63, 64, 100] {
+            let causal = count(w, true) as f64 / 4096.0;
+            let full = count(w, false) as f64 / 4096.0;
+            assert_eq!(window_density(64, w, MaskKind::Causal), causal, "w {w}");
+            assert_eq!(window_density(64, w, MaskKind::Full), full, "w {w}");
+        }
+        // 64K tokens, 4K window: 6.1% of the scores against the causal mask's 50%.
+        let d = window_density(65536, 4096, MaskKind::Causal);
+        assert!((d - 0.0605).abs() < 1e-4, "{d}");
+    }
+
     #[test]
     fn ring_attention_time_by_hand() {
         let hw = Hardware::preset("h100-node").unwrap();

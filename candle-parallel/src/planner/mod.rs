@@ -23,7 +23,8 @@ pub mod search;
 pub mod traffic;
 
 pub use cost::{
-    attention_time, predict, AttentionTime, Candidate, MemoryBreakdown, Prediction, TimeBreakdown,
+    attention_time, predict, window_density, AttentionTime, Candidate, MemoryBreakdown, Prediction,
+    TimeBreakdown,
 };
 pub use hardware::Hardware;
 pub use search::{search, Request, SearchResult};

@@ -14,10 +14,18 @@
 //!
 //! [`expert_traffic`]: the same for one sparse block under expert parallelism
 //! ([`crate::nn::moe`]'s dispatch).
+//! Under a sliding window ([`windowed_attention_traffic`]) the ring and USP's ring send only the
+//! steps some rank needs ([`crate::attention::ring_steps`]) and all-gather CP only the rows the
+//! windows reach ([`crate::attention::allgather_cp::visible_rows`]); the tests assert these too.
 
+use flash_ring::MaskKind;
+
+use crate::attention::allgather_cp::visible_rows;
 use crate::attention::multi_ring_plan::{ShardElems, StarTrailPlan, StrategyBytes};
 use crate::attention::ulysses::kv_replication;
-use crate::attention::{SpConfig, Strategy};
+use crate::attention::{
+    ring_steps, ring_traffic, AttnCall, AttnMask, ShardPlan, SpConfig, Strategy,
+};
 use crate::error::{Error, Result};
 
 /// The global attention problem of one call, as one tensor-parallel rank sees it (its heads).
@@ -212,9 +220,88 @@ pub fn uniform_remote_rows(tokens: u64, top_k: usize, ep: usize) -> u64 {
     tokens * top_k as u64 * (ep - 1) / ep
 }
 
+/// [`attention_traffic`] under a sliding window of `window` tokens with a mask of `kind` and
+/// no documents (documents can only lower the ring's count): the bytes of the busiest rank.
+/// - ring, USP: the steps of [`ring_steps`] on the plan of `sp`, [`ring_traffic`] with `K'`
+///   (the Ulysses all-to-alls unchanged);
+/// - all-gather: rank `i` sends the rows of its k and v that another rank's windows reach
+///   ([`visible_rows`]) forward (counted as `all_gather`) and again backward, plus the f32
+///   gradients of the rows it received (`reduce_scatter`): exposed, not overlapped;
+/// - double ring, Ulysses, StarTrail: as without a window.
+pub fn windowed_attention_traffic(
+    sp: &SpConfig,
+    shape: &AttnShape,
+    window: usize,
+    kind: MaskKind,
+) -> Result<AttentionTraffic> {
+    let mut t = attention_traffic(sp, shape)?;
+    let (u, r) = (sp.ulysses, sp.ring);
+    if r == 1 {
+        return Ok(t);
+    }
+    let el = shape.elem_bytes as u64;
+    let (b, hkv, d) = (
+        shape.batch as u64,
+        shape.kv_heads as u64,
+        shape.head_dim as u64,
+    );
+    let plan = ShardPlan::new(shape.seq, sp.layout, r, u)?;
+    let mask = match kind {
+        MaskKind::Causal => AttnMask::Causal,
+        MaskKind::Full => AttnMask::Full,
+    };
+    match sp.strategy {
+        Strategy::Ring | Strategy::Usp => {
+            let rep = kv_replication(shape.heads, shape.kv_heads, u)? as u64;
+            // K' as in `attention_traffic`: `rep` times a rank's `b n hkv d el`.
+            let kb = b * (shape.seq / (u * r)) as u64 * hkv * d * el * rep;
+            let full = ring_traffic(&(0..r).collect::<Vec<_>>(), kb, el);
+            let steps = ring_steps(&plan, &AttnCall::new(mask, 1.0).with_window(Some(window)));
+            let got = ring_traffic(&steps, kb, el);
+            t.forward.exchange = t.forward.exchange - full.forward + got.forward;
+            t.backward.exchange = t.backward.exchange - full.backward + got.backward;
+            t.forward_steps = got.forward_exchanges;
+            t.backward_steps = got.backward_exchanges;
+        }
+        Strategy::AllGather => {
+            let row = b * hkv * d;
+            let rows = |q: usize, k: usize| visible_rows(&plan, kind, window, q, k).len() as u64;
+            let by_rank: Vec<(StrategyBytes, StrategyBytes)> = (0..r)
+                .map(|i| {
+                    let sent: u64 = (0..r).filter(|&j| j != i).map(|j| rows(j, i)).sum();
+                    let received: u64 = (0..r).filter(|&j| j != i).map(|j| rows(i, j)).sum();
+                    let gathered = 2 * sent * row * el;
+                    let fwd = StrategyBytes {
+                        all_gather: gathered,
+                        ..StrategyBytes::default()
+                    };
+                    let bwd = StrategyBytes {
+                        all_gather: gathered,
+                        reduce_scatter: 2 * received * row * 4,
+                        ..StrategyBytes::default()
+                    };
+                    (fwd, bwd)
+                })
+                .collect();
+            let busiest = |f: fn(&(StrategyBytes, StrategyBytes)) -> StrategyBytes| {
+                by_rank
+                    .iter()
+                    .map(f)
+                    .max_by_key(|s| s.total())
+                    .unwrap_or_default()
+            };
+            t.forward = busiest(|x| x.0);
+            t.backward = busiest(|x| x.1);
+        }
+        _ => {}
+    }
+    Ok(t)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::attention::SeqLayout;
 
     fn shape(seq: usize, heads: usize, kv_heads: usize) -> AttnShape {
         AttnShape {
@@ -277,6 +364,58 @@ mod tests {
         // 12 tokens x top-2 over ep 4: 24 rows, 3 of 4 leave the rank.
         assert_eq!(uniform_remote_rows(12, 2, 4), 18);
         assert_eq!(uniform_remote_rows(12, 2, 1), 0);
+    }
+
+    /// Windows on 64 tokens over 4 ranks, K = 1024 bytes: the contiguous ring keeps steps 0
+    /// and 1 at a window of 4 (one exchange forward; backward one kv, one accumulator hop, one
+    /// home), zigzag 0, 1 and 3; a window of 1 sends nothing; a window as long as the sequence
+    /// is the full ring. All-gather CP: contiguous, window 4, a rank sends its last 3 keys to
+    /// the next (the busiest ranks send 3 rows and receive 3).
+    #[test]
+    fn windows_by_hand() {
+        let s = shape(64, 4, 2);
+        let ring = |layout: SeqLayout, w: usize| {
+            let sp = SpConfig::new(Strategy::Ring, 1, 4).with_layout(layout);
+            let t = windowed_attention_traffic(&sp, &s, w, MaskKind::Causal).unwrap();
+            (
+                t.forward.exchange,
+                t.backward.exchange,
+                t.forward_steps,
+                t.backward_steps,
+            )
+        };
+        let k = 1024;
+        assert_eq!(
+            ring(SeqLayout::Contiguous, 4),
+            (2 * k, 2 * k + 2 * 2 * k, 1, 3)
+        );
+        assert_eq!(
+            ring(SeqLayout::Zigzag, 4),
+            (2 * 2 * k, 2 * 2 * k + 3 * 2 * k, 2, 5)
+        );
+        assert_eq!(ring(SeqLayout::Contiguous, 1), (0, 0, 0, 0));
+        let full = attention_traffic(&SpConfig::new(Strategy::Ring, 1, 4), &s).unwrap();
+        let long = windowed_attention_traffic(
+            &SpConfig::new(Strategy::Ring, 1, 4),
+            &s,
+            64,
+            MaskKind::Causal,
+        )
+        .unwrap();
+        assert_eq!(long, full);
+        let ag = SpConfig::new(Strategy::AllGather, 1, 4).with_layout(SeqLayout::Contiguous);
+        let t = windowed_attention_traffic(&ag, &s, 4, MaskKind::Causal).unwrap();
+        // A row of k: 2 kv heads x 8 x 4 bytes.
+        let row = 2 * 8 * 4;
+        assert_eq!(t.forward.all_gather, 2 * 3 * row);
+        assert_eq!(t.backward.total(), 2 * 3 * row + 2 * 3 * row);
+        assert_eq!(t.forward.exchange + t.backward.exchange, 0);
+        // The double ring still sends every step.
+        let dr = SpConfig::new(Strategy::DoubleRing, 1, 4).with_inner_ring(2);
+        assert_eq!(
+            windowed_attention_traffic(&dr, &s, 4, MaskKind::Causal).unwrap(),
+            attention_traffic(&dr, &s).unwrap()
+        );
     }
 
     #[test]
