@@ -2087,8 +2087,23 @@ fn router_aux_loss_coef_changes_the_run_and_its_checkpoints() {
     let aux = m_on["router_aux_loss"].as_f64().unwrap();
     assert_eq!(m_off["router_aux_loss"].as_f64(), Some(aux), "{m_off}");
     assert!((1.0..8.0).contains(&aux), "{m_on}");
+    let overall = m_on["expert_load_max_over_mean"].as_f64().unwrap();
+    assert!(overall >= 1.0, "{m_on}");
+    // Each sparse layer's load (both of Qwen3-MoE's 2 layers): between 1 and the 8 experts'
+    // worst case, different per layer, and none above the step's mean of each micro-batch's
+    // most unbalanced layer.
+    let layer = |l: usize| {
+        m_on[format!("expert_load_max_over_mean_layer{l}")]
+            .as_f64()
+            .unwrap()
+    };
+    for l in 0..2 {
+        assert!((1.0..=8.0).contains(&layer(l)), "{m_on}");
+        assert!(layer(l) <= overall + 1e-9, "{m_on}");
+    }
+    assert_ne!(layer(0), layer(1), "{m_on}");
     assert!(
-        m_on["expert_load_max_over_mean"].as_f64().unwrap() >= 1.0,
+        m_on.get("expert_load_max_over_mean_layer2").is_none(),
         "{m_on}"
     );
     testkit::assert_close_scalar(b[0].1 - a[0].1, 0.5 * aux, 1e-5, "loss with the aux term");
@@ -2433,17 +2448,20 @@ fn expert_parallelism_trains_like_data_parallelism_and_resumes_under_another_ep(
         ),
         (
             [
-                "eval",
+                "generate",
                 "--model",
                 moe.to_str().unwrap(),
-                "--tokens",
-                tokens.to_str().unwrap(),
+                "--prompt",
+                "a b",
+                "--ranks",
+                "2",
+                "--ep",
+                "2",
             ]
             .iter()
-            .chain(&["--seq-len", "16", "--ranks", "2", "--ep", "2"])
             .map(|s| s.to_string())
             .collect(),
-            "--ep 2: cpl eval runs no expert parallelism",
+            "--ep 2: cpl generate runs no expert parallelism",
         ),
     ]);
     std::fs::remove_dir_all(&dir).unwrap();

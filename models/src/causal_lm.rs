@@ -95,6 +95,11 @@ pub trait CausalLm: Parallelize + Send + Sync {
         false
     }
 
+    /// The layers with a router (a sparse block), of the whole model whatever stage this is.
+    fn router_layers(&self) -> Vec<usize> {
+        Vec::new()
+    }
+
     /// The routing of the last micro-batch [`CausalLm::training_loss_sum`] ran (mixtures of
     /// experts).
     fn router_stats(&self) -> Option<candle_parallel::nn::RouterStats> {
@@ -337,6 +342,10 @@ impl CausalLm for Box<dyn CausalLm> {
 
     fn has_routers(&self) -> bool {
         (**self).has_routers()
+    }
+
+    fn router_layers(&self) -> Vec<usize> {
+        (**self).router_layers()
     }
 
     fn router_stats(&self) -> Option<candle_parallel::nn::RouterStats> {

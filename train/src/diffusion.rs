@@ -133,8 +133,8 @@ impl Objective<Dit> for DiffusionLoss {
     type Micro = DitMicroBatch;
     type Staged<'a> = DitStages<'a>;
 
-    fn part_names(&self) -> &'static [&'static str] {
-        &["mse", "vb"]
+    fn part_names(&self) -> Vec<String> {
+        ["mse", "vb"].map(String::from).to_vec()
     }
 
     fn global_count(&self, s: &StepCtx<'_>, data: &ImageDataset, _step: u64) -> Result<u64> {

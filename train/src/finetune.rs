@@ -722,8 +722,10 @@ impl Objective<Box<dyn CausalLm>> for DpoLoss {
     type Micro = DpoMicroBatch;
     type Staged<'a> = DpoStages<'a>;
 
-    fn part_names(&self) -> &'static [&'static str] {
-        &["chosen_reward", "rejected_reward", "accuracy"]
+    fn part_names(&self) -> Vec<String> {
+        ["chosen_reward", "rejected_reward", "accuracy"]
+            .map(String::from)
+            .to_vec()
     }
 
     fn whole_sequence_loss(&self) -> bool {

@@ -49,9 +49,9 @@ pub trait Objective<M> {
         Self: 'a,
         M: 'a;
 
-    /// Names of the loss parts [`Objective::loss`] reports, in order.
-    fn part_names(&self) -> &'static [&'static str] {
-        &[]
+    /// Names of the loss parts [`Objective::loss`] reports, in order (the same on every rank).
+    fn part_names(&self) -> Vec<String> {
+        Vec::new()
     }
 
     /// Whether every rank of a sequence group computes the same (whole-sequence) loss, as a
@@ -88,12 +88,19 @@ pub trait Objective<M> {
 /// over the global batch's labelled tokens; with a mixture of experts its training loss (the
 /// routers' balancing loss included, [`CausalLm::training_loss_sum`]) with the parts
 /// [`ROUTER_PARTS`].
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct NextToken {
     pub opts: CrossEntropyOptions,
     /// Report [`ROUTER_PARTS`] (a model with routers).
     pub router_parts: bool,
+    /// Also report each of these sparse layers' load ([`ROUTER_LAYER_LOAD`]; empty under a
+    /// pipeline, whose last stage sees only its own layers' routing).
+    pub router_layers: Vec<usize>,
 }
+
+/// The prefix of a sparse layer's load part (`expert_load_max_over_mean_layer3`): the busiest
+/// expert's tokens over the mean in that layer, averaged like [`ROUTER_PARTS`].
+pub const ROUTER_LAYER_LOAD: &str = "expert_load_max_over_mean_layer";
 
 /// The parts of a mixture of experts' next-token loss, each averaged over the micro-batches
 /// weighted by their labelled tokens: the routers' load-balancing loss (without its
@@ -115,6 +122,7 @@ impl NextToken {
                 ..Default::default()
             },
             router_parts: false,
+            router_layers: Vec::new(),
         }
     }
 
@@ -122,6 +130,11 @@ impl NextToken {
     pub fn for_model<M: CausalLm>(cfg: &TrainConfig, model: &M) -> Self {
         Self {
             router_parts: model.has_routers(),
+            router_layers: if cfg.pipeline.is_some() {
+                Vec::new()
+            } else {
+                model.router_layers()
+            },
             ..Self::new(cfg)
         }
     }
@@ -130,12 +143,19 @@ impl NextToken {
 impl<M: CausalLm> Objective<M> for NextToken {
     type Data = dyn Windows;
 
-    fn part_names(&self) -> &'static [&'static str] {
-        if self.router_parts {
-            ROUTER_PARTS
-        } else {
-            &[]
+    fn part_names(&self) -> Vec<String> {
+        if !self.router_parts {
+            return Vec::new();
         }
+        ROUTER_PARTS
+            .iter()
+            .map(|s| s.to_string())
+            .chain(
+                self.router_layers
+                    .iter()
+                    .map(|l| format!("{ROUTER_LAYER_LOAD}{l}")),
+            )
+            .collect()
     }
     type Micro = StageMicroBatch;
     type Staged<'a>
@@ -179,6 +199,16 @@ impl<M: CausalLm> Objective<M> for NextToken {
             })?;
             let n = count as f64;
             loss.parts = vec![r.aux * n, r.load_max_over_mean * n, r.dropped_fraction * n];
+            for layer in &self.router_layers {
+                let load = r
+                    .layer_loads
+                    .iter()
+                    .find(|(l, _)| l == layer)
+                    .ok_or_else(|| {
+                        Error::Invalid(format!("no routing statistics of sparse layer {layer}"))
+                    })?;
+                loss.parts.push(load.1 * n);
+            }
         }
         Ok(loss)
     }

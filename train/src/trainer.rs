@@ -1394,11 +1394,11 @@ impl<M: TrainModel + CausalLm> Trainer<M> {
     pub fn step_with_parts(
         &mut self,
         data: &(impl Windows + 'static),
-    ) -> Result<(StepStats, Vec<(&'static str, f64)>)> {
+    ) -> Result<(StepStats, Vec<(String, f64)>)> {
         let obj = NextToken::for_model(&self.cfg, &self.model);
         let report = self.run_step(&obj, data as &dyn Windows)?;
         let names = <NextToken as Objective<M>>::part_names(&obj);
-        let parts = names.iter().copied().zip(report.parts).collect();
+        let parts = names.into_iter().zip(report.parts).collect();
         Ok((report.stats, parts))
     }
 }

@@ -685,7 +685,7 @@ struct AuxState {
 }
 
 /// A micro-batch's routing, summed over its ranks.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RouterStats {
     /// The load-balancing loss (without its coefficient).
     pub aux: f64,
@@ -697,6 +697,9 @@ pub struct RouterStats {
     /// The share of (token, expert) assignments the capacity dropped, over every sparse block
     /// (0 when dropless).
     pub dropped_fraction: f64,
+    /// Per sparse block that ran (by its layer index, ascending): the busiest expert's tokens
+    /// over the mean.
+    pub layer_loads: Vec<(usize, f64)>,
 }
 
 /// The router's load-balancing loss of one micro-batch, as transformers'
@@ -741,7 +744,7 @@ impl RouterAux {
     /// [`RouterAux::last_stats`]). Local.
     pub fn begin(&self) {
         let mut s = self.lock();
-        let last = s.last;
+        let last = s.last.take();
         *s = AuxState {
             last,
             ..AuxState::default()
@@ -822,7 +825,12 @@ impl RouterAux {
         device: &candle_core::Device,
     ) -> Result<RouterStats> {
         let e = self.num_experts;
-        let blocks: Vec<BlockStats> = self.lock().blocks.values().cloned().collect();
+        let (layers, blocks): (Vec<usize>, Vec<BlockStats>) = self
+            .lock()
+            .blocks
+            .iter()
+            .map(|(l, b)| (*l, b.clone()))
+            .unzip();
         let nb = blocks.len();
         // Per block: its experts' counts; then the probability sums, the routed tokens, the
         // assignments and the dropped ones.
@@ -852,16 +860,17 @@ impl RouterAux {
         let labelled = n.to_vec1::<f32>()?[0] as f64;
         let mut counts = vec![0f64; e];
         let mut load = 0f64;
-        for b in 0..nb {
+        let mut layer_loads = Vec::with_capacity(nb);
+        for (b, &layer) in layers.iter().enumerate() {
             let row = &v[b * e..(b + 1) * e];
             for (c, &x) in counts.iter_mut().zip(row) {
                 *c += x as f64;
             }
             let mean = row.iter().map(|&x| x as f64).sum::<f64>() / e as f64;
             let max = row.iter().fold(0f64, |m, &x| m.max(x as f64));
-            if mean > 0.0 {
-                load = load.max(max / mean);
-            }
+            let block = if mean > 0.0 { max / mean } else { 0.0 };
+            load = load.max(block);
+            layer_loads.push((layer, block));
         }
         let tokens = v[nb * e + e] as f64;
         let aux = if tokens == 0.0 {
@@ -884,6 +893,7 @@ impl RouterAux {
             } else {
                 0.0
             },
+            layer_loads,
         };
         let mut s = self.lock();
         s.totals = Some(Totals {
@@ -892,7 +902,7 @@ impl RouterAux {
             weight: 0.0,
         });
         s.seed = None;
-        s.last = Some(stats);
+        s.last = Some(stats.clone());
         Ok(stats)
     }
 
@@ -915,7 +925,7 @@ impl RouterAux {
 
     /// The statistics of the last micro-batch [`RouterAux::finish`] summed.
     pub fn last_stats(&self) -> Option<RouterStats> {
-        self.lock().last
+        self.lock().last.clone()
     }
 
     /// After [`RouterAux::finish`]: `sum + coef · aux · count` (`sum` this rank's summed LM
@@ -924,7 +934,8 @@ impl RouterAux {
     pub fn add_to_loss(self: &Arc<Self>, sum: &Tensor, count: usize, coef: f64) -> Result<Tensor> {
         let aux = {
             let mut s = self.lock();
-            let (Some(last), Some(totals)) = (s.last, s.totals.as_mut()) else {
+            let s = &mut *s;
+            let (Some(last), Some(totals)) = (s.last.as_ref(), s.totals.as_mut()) else {
                 return Err(Error::invalid(
                     "router load-balancing loss",
                     "add_to_loss before finish",

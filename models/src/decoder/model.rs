@@ -609,6 +609,12 @@ impl crate::causal_lm::CausalLm for Decoder {
         self.router_aux.is_some()
     }
 
+    fn router_layers(&self) -> Vec<usize> {
+        (0..self.spec.num_layers())
+            .filter(|&i| self.spec.sparse_block(i).is_some())
+            .collect()
+    }
+
     fn router_stats(&self) -> Option<RouterStats> {
         self.router_aux().and_then(|a| a.last_stats())
     }

@@ -46,7 +46,7 @@ impl<M: TrainModel + CausalLm, W: Windows + 'static> Task for NextTokenTask<'_, 
         let tokens = self.processed_tokens.unwrap_or(s.tokens as f64);
         let mut out = StepOutcome::new(s, tokens).with(self.count_key, s.tokens);
         for (name, value) in parts {
-            out = out.with(name, value);
+            out = out.with(&name, value);
         }
         Ok(out)
     }
