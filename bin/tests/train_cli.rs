@@ -2057,6 +2057,18 @@ fn mfu_counts_the_model_flops_by_hand() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `base_args` for 2 steps of 16 tokens of the Qwen3-MoE fixture, with `extra`.
+fn moe_args(tokens: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
+    let mut a = set_flags(base_args(tokens, out, 2), &["--seq-len", "16"]);
+    let p = a.iter().position(|x| x == "--model").unwrap();
+    a[p + 1] = common::fixtures("moe")
+        .join("qwen3_moe")
+        .to_str()
+        .unwrap()
+        .to_string();
+    set_flags(a, extra)
+}
+
 /// `--router-aux-loss-coef` on a mixture of experts changes the run's loss and is written into
 /// its checkpoints' config (`output_router_logits` with it); on a dense model, on `cpl finetune`
 /// and with a negative value it is a clear error naming the flag.
@@ -2064,13 +2076,7 @@ fn mfu_counts_the_model_flops_by_hand() {
 fn router_aux_loss_coef_changes_the_run_and_its_checkpoints() {
     let dir = common::tmpdir("router-aux");
     let tokens = docs_file(&dir);
-    let moe = common::fixtures("moe").join("qwen3_moe");
-    let run = |out: &Path, extra: &[&str]| {
-        let mut a = set_flags(base_args(&tokens, out, 2), &["--seq-len", "16"]);
-        let p = a.iter().position(|x| x == "--model").unwrap();
-        a[p + 1] = moe.to_str().unwrap().to_string();
-        set_flags(a, extra)
-    };
+    let run = |out: &Path, extra: &[&str]| moe_args(&tokens, out, extra);
     let (off, on) = (dir.join("off"), dir.join("on"));
     let o = cpl(&run(&off, &["--router-aux-loss-coef", "0"]));
     assert!(o.status.success(), "{}", common::stderr(&o));
@@ -2141,13 +2147,7 @@ fn router_aux_loss_coef_changes_the_run_and_its_checkpoints() {
 fn moe_capacity_factor_drops_tokens_and_reports_them() {
     let dir = common::tmpdir("moe-capacity");
     let tokens = docs_file(&dir);
-    let moe = common::fixtures("moe").join("qwen3_moe");
-    let run = |out: &Path, extra: &[&str]| {
-        let mut a = set_flags(base_args(&tokens, out, 2), &["--seq-len", "16"]);
-        let p = a.iter().position(|x| x == "--model").unwrap();
-        a[p + 1] = moe.to_str().unwrap().to_string();
-        set_flags(a, extra)
-    };
+    let run = |out: &Path, extra: &[&str]| moe_args(&tokens, out, extra);
     let (free, capped) = (dir.join("dropless"), dir.join("capped"));
     let o = cpl(&run(&free, &[]));
     assert!(o.status.success(), "{}", common::stderr(&o));
