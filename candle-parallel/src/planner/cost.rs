@@ -27,6 +27,12 @@
 //! shards the experts over their replicas (`ulysses x ring x dp / ep` ranks), dense parameters
 //! over every token rank. Dense and sparse layers are averaged (each stage gets the mean layer).
 //!
+//! **Sliding windows** ([`ModelShape::window`]): a windowed layer's attention FLOPs are those of
+//! [`window_density`] (capped by the workload's density), its sequence-parallel bytes those of
+//! [`super::traffic::windowed_attention_traffic`] (ring and USP send and merge only the steps
+//! some rank needs; all-gather CP exchanges only the visible rows and keeps none of them across
+//! layers). Windowed and global layers are averaged like dense and sparse ones.
+//!
 //! **Memory** of the busiest stage's rank: parameters, gradients and AdamW's f32 master weights
 //! and moments (each divided by the ZeRO group where the stage shards it), activations per
 //! checkpointing mode for the micro-batches the schedule keeps in flight, the loss chunk's
@@ -97,8 +103,9 @@ pub struct Workload {
     pub elem_bytes: usize,
     /// Tokens per chunk of the vocab-parallel loss.
     pub loss_chunk: usize,
-    /// Fraction of the attention scores computed (0.5 causal, 1 bidirectional; lower with
-    /// document masks).
+    /// Fraction of the attention scores a global layer computes (0.5 causal, 1 bidirectional;
+    /// lower with document masks). Windowed layers compute [`window_density`] of them, with
+    /// the bidirectional mask above 0.5, at most this.
     pub attention_density: f64,
 }
 
