@@ -54,6 +54,7 @@ fn fitted() -> Setup {
             vocab: 4096,
             tied_embeddings: false,
             moe: None,
+            window: None,
         },
         seq: 2048,
     }
@@ -74,6 +75,7 @@ fn held_out() -> Setup {
             vocab: 6144,
             tied_embeddings: false,
             moe: None,
+            window: None,
         },
         seq: 1536,
     }

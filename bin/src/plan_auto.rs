@@ -195,6 +195,13 @@ pub fn run(args: &AutoArgs, layout: &LayoutArgs) -> Result<()> {
              experts (measure its layouts with `cpl bench train --model DIR --ep N`)"
         );
     }
+    if args.measure.is_some() && model.windowed_layers().is_some() {
+        bail!(
+            "--measure builds a random LLaMA of --model's shape, with global attention; \
+             {model_arg} has sliding-window layers (measure them with `cpl bench train --model \
+             DIR`)"
+        );
+    }
     let hw = Hardware::load(hw_arg).with_context(|| format!("--hardware {hw_arg}"))?;
     let tokens = match args.global_batch_tokens {
         Some(t) => t,

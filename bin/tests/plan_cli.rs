@@ -290,3 +290,67 @@ fn mixture_of_experts_plans_with_expert_parallelism() {
         "mixture of experts",
     )]);
 }
+
+/// A Mistral-7B config at 128K tokens on 16 H100s: with `sliding_window: 4096` every layer is
+/// costed by its window (the planner's shape carries it), so the best layout and every layout
+/// of both rankings predict less time than with `sliding_window: null` (global attention);
+/// `--measure` (a random LLaMA with global attention) refuses the windowed model.
+#[test]
+fn sliding_window_models_are_planned_by_their_window() {
+    let mistral = |tag: &str, window: Value| {
+        let path = tmpdir(tag).join("config.json");
+        let cfg = serde_json::json!({
+            "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+            "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+            "rms_norm_eps": 1e-5, "rope_theta": 1e6, "sliding_window": window,
+            "tie_word_embeddings": false
+        });
+        std::fs::write(&path, cfg.to_string()).unwrap();
+        path.display().to_string()
+    };
+    let windowed = mistral("plan-mistral-window", serde_json::json!(4096));
+    let global = mistral("plan-mistral-global", Value::Null);
+    let line = |model: &str| {
+        format!("--model {model} --seq-len 131072 --world 16 --hardware h100-cluster --dtype bf16")
+    };
+    let (w, g) = (plan_json(&line(&windowed)), plan_json(&line(&global)));
+    assert_eq!(w["model"]["window"]["window"], 4096, "{}", w["model"]);
+    assert_eq!(
+        w["model"]["window"]["windowed_layers"], 32,
+        "{}",
+        w["model"]
+    );
+    assert!(g["model"]["window"].is_null(), "{}", g["model"]);
+    let total = |c: &Value| c["prediction"]["time"]["total"].as_f64().unwrap();
+    let (wr, gr) = (
+        w["ranked"].as_array().unwrap(),
+        g["ranked"].as_array().unwrap(),
+    );
+    let (wb, gb) = (total(&wr[0]), total(&gr[0]));
+    assert!(wb < gb, "best: {wb} s with the window, {gb} s without");
+    // The same layout, with and without the window.
+    let key = |c: &Value| c["flags"].as_str().unwrap().to_string();
+    let global_time: std::collections::HashMap<String, f64> =
+        gr.iter().map(|c| (key(c), total(c))).collect();
+    let mut worst = 0.0;
+    let mut pairs = 0;
+    for c in wr {
+        if let Some(&t) = global_time.get(&key(c)) {
+            worst = testkit::max_or_nan(worst, total(c) / t);
+            pairs += 1;
+        }
+    }
+    assert!(pairs > 100, "{pairs} layouts in both rankings");
+    assert!(
+        worst < 1.0,
+        "a layout is no faster with the window: {worst}"
+    );
+    assert_clear_errors(&[(
+        words(&format!(
+            "plan --auto --model {windowed} --seq-len 4096 --world 2 --hardware cpu-2core \
+             --measure 2"
+        )),
+        "sliding-window layers",
+    )]);
+}

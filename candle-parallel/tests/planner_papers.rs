@@ -31,6 +31,7 @@ fn llama7b(kv_heads: usize) -> ModelShape {
         vocab: 32000,
         tied_embeddings: false,
         moe: None,
+        window: None,
     }
 }
 
@@ -190,6 +191,7 @@ fn usp_hybrid_beats_ring_across_two_nodes() {
         vocab: 128256,
         tied_embeddings: false,
         moe: None,
+        window: None,
     };
     let w = work(llama3_8b, 64 * 1024);
     let t = |u: usize, r: usize| {
@@ -675,6 +677,7 @@ fn llama3_8b() -> ModelShape {
         vocab: 128256,
         tied_embeddings: false,
         moe: None,
+        window: None,
     }
 }
 

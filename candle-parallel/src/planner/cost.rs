@@ -27,6 +27,12 @@
 //! shards the experts over their replicas (`ulysses x ring x dp / ep` ranks), dense parameters
 //! over every token rank. Dense and sparse layers are averaged (each stage gets the mean layer).
 //!
+//! **Sliding windows** ([`ModelShape::window`]): a windowed layer's attention FLOPs are those of
+//! [`window_density`] (capped by the workload's density), its sequence-parallel bytes those of
+//! [`super::traffic::windowed_attention_traffic`] (ring and USP send and merge only the steps
+//! some rank needs; all-gather CP exchanges only the visible rows and keeps none of them across
+//! layers). Windowed and global layers are averaged like dense and sparse ones.
+//!
 //! **Memory** of the busiest stage's rank: parameters, gradients and AdamW's f32 master weights
 //! and moments (each divided by the ZeRO group where the stage shards it), activations per
 //! checkpointing mode for the micro-batches the schedule keeps in flight, the loss chunk's
@@ -43,7 +49,7 @@ use crate::plan::{Layout, MemoryPlan};
 use crate::recompute::Checkpointing;
 
 use super::hardware::{Hardware, LinkSpec};
-use super::traffic::{attention_traffic, AttnShape};
+use super::traffic::{attention_traffic, windowed_attention_traffic, AttnShape};
 use super::ModelShape;
 
 /// Activation bytes a decoder layer keeps for backward per token, in elements, as multiples of
@@ -97,8 +103,9 @@ pub struct Workload {
     pub elem_bytes: usize,
     /// Tokens per chunk of the vocab-parallel loss.
     pub loss_chunk: usize,
-    /// Fraction of the attention scores computed (0.5 causal, 1 bidirectional; lower with
-    /// document masks).
+    /// Fraction of the attention scores a global layer computes (0.5 causal, 1 bidirectional;
+    /// lower with document masks). Windowed layers compute [`window_density`] of them, with
+    /// the bidirectional mask above 0.5, at most this.
     pub attention_density: f64,
 }
 
@@ -298,12 +305,82 @@ impl<'a> Setup<'a> {
         })
     }
 
-    /// Seconds of a layer's attention FLOPs (forward and backward) on one rank.
-    fn attention_compute(&self, work: &Workload) -> f64 {
+    /// Seconds of a layer's attention FLOPs (forward and backward) on one rank, computing the
+    /// `density` share of the scores.
+    fn attention_compute(&self, work: &Workload, density: f64) -> f64 {
         let m = &work.model;
         let s = work.seq_len as f64;
-        let flops = 3.0 * 4.0 * s * s * (m.heads * m.head_dim) as f64 * work.attention_density;
+        let flops = 3.0 * 4.0 * s * s * (m.heads * m.head_dim) as f64 * density;
         flops / ((self.u * self.r * self.tp) as f64) / self.attn_rate
+    }
+
+    /// The mean layer's attention on a rank: global and sliding-window layers
+    /// ([`ModelShape::window`]) weighted by their counts. A windowed layer computes
+    /// [`window_density`] of the scores (at most the workload's density) and sends what
+    /// [`windowed_attention_traffic`] counts; without windows, the global layer itself.
+    fn mean_attention(&self, work: &Workload, hw: &Hardware) -> Result<LayerAttention> {
+        let train = self.attention_compute(work, work.attention_density);
+        let global = LayerAttention {
+            train,
+            comm: sp_comm(self, work, hw, train, None)?,
+        };
+        let Some((windowed, w)) = work.model.windowed_layers() else {
+            return Ok(global);
+        };
+        let kind = window_mask(work);
+        let density = window_density(work.seq_len, w, kind).min(work.attention_density);
+        let train = self.attention_compute(work, density);
+        let local = LayerAttention {
+            train,
+            comm: sp_comm(self, work, hw, train, Some((w, kind)))?,
+        };
+        Ok(global.mix(&local, windowed as f64 / work.model.layers as f64))
+    }
+}
+
+/// The mask of a workload's windowed layers: bidirectional when its density is above the
+/// causal mask's 0.5, else causal.
+fn window_mask(work: &Workload) -> flash_ring::MaskKind {
+    if work.attention_density > 0.5 {
+        flash_ring::MaskKind::Full
+    } else {
+        flash_ring::MaskKind::Causal
+    }
+}
+
+/// One layer's attention on a rank: the seconds of its FLOPs (forward and backward) and its
+/// sequence-parallel communication.
+#[derive(Debug, Clone, Copy, Default)]
+struct LayerAttention {
+    train: f64,
+    comm: SpComm,
+}
+
+impl LayerAttention {
+    /// `self` for `1 - share` of the layers and `other` for `share` of them (`self` exactly
+    /// when `share` is 0, `other` when it is 1).
+    fn mix(&self, other: &Self, share: f64) -> Self {
+        if share <= 0.0 {
+            return *self;
+        }
+        if share >= 1.0 {
+            return *other;
+        }
+        let f = |a: f64, b: f64| (1.0 - share) * a + share * b;
+        let (a, b) = (&self.comm, &other.comm);
+        LayerAttention {
+            train: f(self.train, other.train),
+            comm: SpComm {
+                forward: f(a.forward, b.forward),
+                backward: f(a.backward, b.backward),
+                forward_bytes: f(a.forward_bytes, b.forward_bytes),
+                backward_bytes: f(a.backward_bytes, b.backward_bytes),
+                merge_forward: f(a.merge_forward, b.merge_forward),
+                merge_backward: f(a.merge_backward, b.merge_backward),
+                kept_gathered: f(a.kept_gathered, b.kept_gathered),
+                gathered: a.gathered.max(b.gathered),
+            },
+        }
     }
 }
 
@@ -325,14 +402,22 @@ struct SpComm {
     /// Seconds of merging the ring steps' partial results (compute, not communication).
     merge_forward: f64,
     merge_backward: f64,
+    /// All-gather CP, in a rank's kv blocks (`S / cp` rows of k and of v): the gathered rows of
+    /// other ranks a layer keeps for backward, and the rows a rank holds while a layer's
+    /// attention runs (0 under the other strategies).
+    kept_gathered: f64,
+    gathered: f64,
 }
 
 /// Predicts one layer's attention (forward and backward, no recomputation) on a rank of
-/// `cand`: the quantity LoongTrain's Tables 4 and 5 measure. Errors as [`predict`].
+/// `cand`: the quantity LoongTrain's Tables 4 and 5 measure; with sliding-window layers, the
+/// mean layer's (global and windowed layers weighted by their counts). Errors as [`predict`].
 pub fn attention_time(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<AttentionTime> {
     let st = Setup::new(cand, work, hw)?;
-    let attn_train = st.attention_compute(work);
-    let c = sp_comm(&st, work, hw, attn_train)?;
+    let LayerAttention {
+        train: attn_train,
+        comm: c,
+    } = st.mean_attention(work, hw)?;
     Ok(AttentionTime {
         forward: attn_train / 3.0 + c.merge_forward + c.forward,
         backward: attn_train * 2.0 / 3.0 + c.merge_backward + c.backward,
@@ -433,14 +518,16 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
 
     // ---- per layer, per micro-batch, on one rank ----
     let dense_fwd = 2.0 * layer_active * tok / mm_rate;
-    let attn_train = st.attention_compute(work);
+    let LayerAttention {
+        train: attn_train,
+        comm: sp_cost,
+    } = st.mean_attention(work, hw)?;
     let h_share = if tp_sp { h / tpf } else { h };
     let [ah, aq, akv, ai] = ACT_PER_TOKEN;
     let tp_extra = if tp > 1 { TP_EXTRA_HIDDEN * h } else { 0.0 };
     let act_token_layer =
         el * (ah * h_share + tp_extra + (aq * hq * d + akv * hkv * d + ai * i) / tpf + moe_act);
     let elementwise = ELEMENTWISE_TOUCHES * act_token_layer * tok / mem_bw;
-    let sp_cost = sp_comm(&st, work, hw, attn_train)?;
     let layer_compute =
         3.0 * dense_fwd + attn_train + sp_cost.merge_forward + sp_cost.merge_backward + elementwise;
     let layer_recompute = match cand.memory.checkpointing {
@@ -584,9 +671,12 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
         let kv_block = tok * hkv / tpf * d * el;
         let buffers = match st.sp.strategy {
             _ if sp_ranks == 1 => 0.0,
-            // The gathered k and v of every layer are kept for backward.
+            // The gathered k and v of every global layer are kept for backward (a windowed
+            // layer gathers its visible rows again in backward), and one layer's gathered rows
+            // are held while it runs.
             Strategy::AllGather => {
-                2.0 * (r as f64 - 1.0) * kv_block * layers * in_flight + 2.0 * r as f64 * kv_block
+                2.0 * sp_cost.kept_gathered * kv_block * layers * in_flight
+                    + 2.0 * sp_cost.gathered * kv_block
             }
             // Blocks in flight and the f32 dk, dv accumulators.
             _ => 4.0 * kv_block * (u as f64) + 2.0 * kv_block / el * 4.0,
@@ -681,10 +771,17 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
 }
 
 /// The sequence-parallel communication of one layer's attention on a rank, forward and
-/// backward, given the layer's attention compute `attn_train` (forward and backward): the
-/// all-to-alls, all-gathers and reduce-scatters exposed, each ring step's transfer overlapping
-/// the previous block's compute where the hardware overlaps.
-fn sp_comm(st: &Setup, work: &Workload, hw: &Hardware, attn_train: f64) -> Result<SpComm> {
+/// backward, given the layer's attention compute `attn_train` (forward and backward) and its
+/// sliding window (`None`: global): the all-to-alls, all-gathers and reduce-scatters exposed,
+/// each ring step's transfer overlapping the previous block's compute where the hardware
+/// overlaps.
+fn sp_comm(
+    st: &Setup,
+    work: &Workload,
+    hw: &Hardware,
+    attn_train: f64,
+    window: Option<(usize, flash_ring::MaskKind)>,
+) -> Result<SpComm> {
     let (sp, mesh_layout, tp, u, r) = (st.sp, &st.mesh_layout, st.tp, st.u, st.r);
     let sp_ranks = u * r;
     if sp_ranks == 1 {
@@ -701,7 +798,25 @@ fn sp_comm(st: &Setup, work: &Workload, hw: &Hardware, attn_train: f64) -> Resul
         elem_bytes: work.elem_bytes,
         with_lse: false,
     };
-    let t = attention_traffic(sp, &shape)?;
+    let t = match window {
+        Some((w, kind)) => windowed_traffic_cached(sp, &shape, w, kind)?,
+        None => attention_traffic(sp, &shape)?,
+    };
+    // All-gather CP's rows of k: globally every rank's, all but its own kept for backward;
+    // under a window its own and those it received (the busiest rank's f32 gradients of them
+    // go back in `reduce_scatter`), none kept.
+    let (kept_gathered, held_gathered) = match (sp.strategy, window) {
+        (Strategy::AllGather, None) => (r as f64 - 1.0, r as f64),
+        (Strategy::AllGather, Some(_)) => {
+            let row = (shape.kv_heads * shape.head_dim * 4) as f64;
+            let n = (work.seq_len / sp_ranks) as f64;
+            (
+                0.0,
+                1.0 + t.backward.reduce_scatter as f64 / (2.0 * row) / n,
+            )
+        }
+        _ => (0.0, 0.0),
+    };
     let fwd_block = attn_train / 3.0;
     let bwd_block = attn_train * 2.0 / 3.0;
     // The ulysses all-to-alls, and the all-gathers / reduce-scatters: not overlapped.
@@ -841,7 +956,39 @@ fn sp_comm(st: &Setup, work: &Workload, hw: &Hardware, attn_train: f64) -> Resul
         backward_bytes: t.backward.total() as f64,
         merge_forward: merge_fwd,
         merge_backward: merge_bwd,
+        kept_gathered,
+        gathered: held_gathered,
     })
+}
+
+/// [`windowed_attention_traffic`], remembered per thread (the last 1024 configurations): the
+/// search predicts each attention configuration under every memory plan, and the windowed
+/// count walks every position of the sequence. Errors are not remembered.
+fn windowed_traffic_cached(
+    sp: &SpConfig,
+    shape: &AttnShape,
+    window: usize,
+    kind: flash_ring::MaskKind,
+) -> Result<super::traffic::AttentionTraffic> {
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+    thread_local! {
+        static CACHE: RefCell<HashMap<String, super::traffic::AttentionTraffic>> =
+            RefCell::new(HashMap::new());
+    }
+    let key = format!("{sp:?} {shape:?} {window} {kind:?}");
+    if let Some(t) = CACHE.with(|c| c.borrow().get(&key).copied()) {
+        return Ok(t);
+    }
+    let t = windowed_attention_traffic(sp, shape, window, kind)?;
+    CACHE.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.len() >= 1024 {
+            c.clear();
+        }
+        c.insert(key, t);
+    });
+    Ok(t)
 }
 
 /// Usable memory of one rank of `world` ranks on `hw`.
@@ -867,6 +1014,7 @@ mod tests {
             vocab: 10,
             tied_embeddings: false,
             moe: None,
+            window: None,
         }
     }
 
@@ -1149,5 +1297,246 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("without experts"), "{e}");
+    }
+
+    /// `tiny()` with `windowed` of its 2 layers windowed to `window` tokens.
+    fn windowed(window: usize, windowed_layers: usize) -> Workload {
+        Workload {
+            model: ModelShape {
+                window: Some(super::super::WindowShape {
+                    window,
+                    windowed_layers,
+                }),
+                ..tiny()
+            },
+            ..work(1)
+        }
+    }
+
+    /// A windowed layer computes the window's share of the scores: on one rank its attention
+    /// is the FLOPs of `window_density` (58 of the 256 pairs at a window of 4 on 16 tokens)
+    /// instead of the causal half; half the layers windowed, the mean of the two; a window as
+    /// long as the sequence is the global layer.
+    #[test]
+    fn windowed_attention_computes_the_window_by_hand() {
+        use flash_ring::MaskKind;
+        let hw = Hardware::preset("h100-node").unwrap();
+        let single = cand(
+            MeshConfig::default(),
+            SpConfig::new(Strategy::Ring, 1, 1),
+            ZeroStage::Off,
+        );
+        let density = window_density(16, 4, MaskKind::Causal);
+        assert_eq!(density, 58.0 / 256.0);
+        let flops = |density: f64| 3.0 * 4.0 * 256.0 * 8.0 * density / hw.device.attention_flops;
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs();
+        let global = attention_time(&single, &work(1), &hw).unwrap();
+        let t = attention_time(&single, &windowed(4, 2), &hw).unwrap();
+        assert!(close(t.forward, flops(density) / 3.0), "{t:?}");
+        assert!(close(t.backward, flops(density) * 2.0 / 3.0), "{t:?}");
+        assert!(
+            close(t.forward / global.forward, density / 0.5),
+            "{t:?} {global:?}"
+        );
+        let half = attention_time(&single, &windowed(4, 1), &hw).unwrap();
+        let mean = (flops(density) + flops(0.5)) / 2.0;
+        assert!(close(half.forward, mean / 3.0), "{half:?}");
+        assert_eq!(
+            attention_time(&single, &windowed(16, 2), &hw).unwrap(),
+            global
+        );
+        // The step: the attention's compute falls by the difference, nothing else changes.
+        let p = |w: &Workload| predict(&single, w, &hw).unwrap();
+        let (g, wp) = (p(&work(1)), p(&windowed(4, 2)));
+        let saved = 2.0 * (flops(0.5) - flops(density));
+        testkit::assert_close_scalar(g.time.total - wp.time.total, saved, 1e-9, "saved");
+        assert_eq!(g.memory, wp.memory);
+    }
+
+    /// A contiguous ring of 4 with a window of 4 (4 tokens a rank): a rank's queries reach its
+    /// left neighbour's keys only, so step 1 runs and steps 2, 3 do not: forward 1 exchange of
+    /// 2K, backward 1 of 2K and the f32 accumulators' 2 hops (K = 128 bytes), 1024 bytes a
+    /// layer against the global layer's 2560; one ring-step merge instead of 3.
+    #[test]
+    fn windowed_ring_bytes_by_hand() {
+        use crate::attention::SeqLayout;
+        let hw = Hardware::preset("h100-node").unwrap();
+        let ring = SpConfig::new(Strategy::Ring, 1, 4).with_layout(SeqLayout::Contiguous);
+        let c = cand(MeshConfig::default().with_ring(4), ring, ZeroStage::Off);
+        let grads = 2.0 * 0.75 * 1480.0 * 4.0;
+        let bytes = |w: &Workload| predict(&c, w, &hw).unwrap().bytes_sent;
+        assert_eq!(bytes(&work(1)), 2.0 * 2560.0 + grads);
+        assert_eq!(
+            bytes(&windowed(4, 2)),
+            2.0 * (256.0 + 256.0 + 2.0 * 256.0) + grads
+        );
+        // One layer of each.
+        assert_eq!(bytes(&windowed(4, 1)), 2560.0 + 1024.0 + grads);
+        // A window of 1 keeps every rank at home.
+        assert_eq!(bytes(&windowed(1, 2)), grads);
+        // The merges: 1 ring step after the first, against 3 (out and lse forward; dq, dk, dv
+        // backward: 4 tokens, 2 heads of 4), and the windowed FLOPs over 4 ranks.
+        let t = attention_time(&c, &windowed(4, 2), &hw).unwrap();
+        let mem = hw.device.memory_bandwidth;
+        let attn = 3.0 * 4.0 * 256.0 * 8.0 * (58.0 / 256.0) / 4.0 / hw.device.attention_flops;
+        let merge_fwd = 3.0 * 4.0 * (32.0 + 8.0) / mem;
+        let merge_bwd = 3.0 * 4.0 * (32.0 + 2.0 * 32.0) / mem;
+        let (bw, lat) = (hw.intra_node.bandwidth, hw.intra_node.latency);
+        // Forward: one exchange of 2K behind a block of the 2 that run; backward: the 2K and
+        // one accumulator hop behind the compute, the last hop home exposed whole.
+        let fwd_comm = (256.0 / bw + lat - attn / 3.0 / 2.0).max(0.0);
+        let bwd_comm =
+            2.0 * (512.0 / 2.0 / bw + lat - attn * 2.0 / 3.0 / 3.0).max(0.0) + 256.0 / bw + lat;
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs();
+        assert!(close(t.forward, attn / 3.0 + merge_fwd + fwd_comm), "{t:?}");
+        assert!(
+            close(t.backward, attn * 2.0 / 3.0 + merge_bwd + bwd_comm),
+            "{t:?}"
+        );
+    }
+
+    /// All-gather CP over 4 contiguous ranks with a window of 4: a rank gathers its left
+    /// neighbour's last 3 rows (K of 3 rows), sends its own 3 to the right, again in backward
+    /// with the f32 gradients of the received rows; no layer keeps gathered rows for backward,
+    /// and one layer holds 4 + 3 rows of k and of v (32 bytes a row) while it runs.
+    #[test]
+    fn windowed_all_gather_by_hand() {
+        use crate::attention::SeqLayout;
+        let ag = SpConfig::new(Strategy::AllGather, 1, 4).with_layout(SeqLayout::Contiguous);
+        let c = cand(MeshConfig::default().with_ring(4), ag, ZeroStage::Off);
+        let grads = 2.0 * 0.75 * 1480.0 * 4.0;
+        let (g, w) = (
+            predict(&c, &work(1), &hw()).unwrap(),
+            predict(&c, &windowed(4, 2), &hw()).unwrap(),
+        );
+        // Global: 2 x 3 blocks of 128 bytes gathered, their gradients reduce-scattered.
+        assert_eq!(g.bytes_sent, 2.0 * (768.0 + 768.0) + grads);
+        let row = 32.0;
+        assert_eq!(
+            w.bytes_sent,
+            2.0 * (2.0 * 3.0 * row * 2.0 + 2.0 * 3.0 * row) + grads
+        );
+        // Global: 3 gathered blocks of k and v kept by each of 2 layers, 4 held.
+        assert_eq!(
+            g.memory.buffers,
+            2.0 * 3.0 * 128.0 * 2.0 + 2.0 * 4.0 * 128.0
+        );
+        assert_eq!(w.memory.buffers, 2.0 * 7.0 * row);
+        // One global layer of two: its blocks kept, the global layer's 4 held.
+        let half = predict(&c, &windowed(4, 1), &hw()).unwrap();
+        assert_eq!(half.memory.buffers, 2.0 * 3.0 * 128.0 + 2.0 * 4.0 * 128.0);
+    }
+
+    /// A Mistral-7B shape (32 layers, 32 heads of 128, 8 kv heads) at 128K tokens on
+    /// h100-cluster, every layer windowed to 4096 tokens: one rank's attention falls by the
+    /// density ratio (about 16x); a zigzag ring of 8 sends 2 of its 7 steps; and every
+    /// layout that both searches rank predicts less time with the window, the best included.
+    #[test]
+    fn a_windowed_mistral_at_128k_is_predicted_faster() {
+        use flash_ring::MaskKind;
+        let global = ModelShape {
+            layers: 32,
+            hidden: 4096,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            intermediate: 14336,
+            vocab: 32000,
+            tied_embeddings: false,
+            moe: None,
+            window: None,
+        };
+        let mistral = ModelShape {
+            window: Some(super::super::WindowShape {
+                window: 4096,
+                windowed_layers: 32,
+            }),
+            ..global
+        };
+        let seq = 131072;
+        let work = |model: ModelShape, sequences: usize| Workload {
+            model,
+            seq_len: seq,
+            sequences,
+            elem_bytes: 2,
+            loss_chunk: 1024,
+            attention_density: 0.5,
+        };
+        let hw = hw();
+        let ratio = window_density(seq, 4096, MaskKind::Causal) / 0.5;
+        assert!((ratio - 0.0612).abs() < 1e-3, "{ratio}");
+        let single = cand(
+            MeshConfig::default(),
+            SpConfig::new(Strategy::Ring, 1, 1),
+            ZeroStage::Off,
+        );
+        let (g1, w1) = (
+            attention_time(&single, &work(global, 1), &hw).unwrap(),
+            attention_time(&single, &work(mistral, 1), &hw).unwrap(),
+        );
+        testkit::assert_close_scalar(w1.forward / g1.forward, ratio, 1e-12, "forward");
+        testkit::assert_close_scalar(w1.backward / g1.backward, ratio, 1e-12, "backward");
+        let ring = cand(
+            MeshConfig::default().with_ring(8),
+            SpConfig::new(Strategy::Ring, 1, 8),
+            ZeroStage::Off,
+        );
+        let (g8, w8) = (
+            attention_time(&ring, &work(global, 1), &hw).unwrap(),
+            attention_time(&ring, &work(mistral, 1), &hw).unwrap(),
+        );
+        assert!(
+            w8.forward + w8.backward < ratio * 1.5 * (g8.forward + g8.backward),
+            "{w8:?} {g8:?}"
+        );
+        let shape = AttnShape {
+            batch: 1,
+            seq,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            elem_bytes: 2,
+            with_lse: false,
+        };
+        let t = windowed_attention_traffic(&ring.layout.attention, &shape, 4096, MaskKind::Causal)
+            .unwrap();
+        assert_eq!((t.forward_steps, t.backward_steps), (2, 5));
+        let req = |model| super::super::Request {
+            work: work(model, 16),
+            world: 16,
+            pipeline: true,
+        };
+        let (gs, ws) = (
+            super::super::search(&req(global), &hw).unwrap(),
+            super::super::search(&req(mistral), &hw).unwrap(),
+        );
+        let key = |c: &Candidate| format!("{c:?}");
+        let global_time: std::collections::HashMap<String, f64> = gs
+            .ranked
+            .iter()
+            .map(|(c, p)| (key(c), p.time.total))
+            .collect();
+        let mut common = 0;
+        let mut worst_ratio = 0.0;
+        for (c, p) in &ws.ranked {
+            if let Some(&t) = global_time.get(&key(c)) {
+                worst_ratio = testkit::max_or_nan(worst_ratio, p.time.total / t);
+                common += 1;
+            }
+        }
+        assert!(common > 100, "{common} layouts in both rankings");
+        assert!(
+            worst_ratio < 1.0,
+            "a layout is no faster with the window: {worst_ratio}"
+        );
+        let (gb, wb) = (&gs.ranked[0], &ws.ranked[0]);
+        assert!(
+            wb.1.time.total < 0.8 * gb.1.time.total,
+            "best {:?}: {} s, global best {:?}: {} s",
+            wb.0.layout,
+            wb.1.time.total,
+            gb.0.layout,
+            gb.1.time.total
+        );
     }
 }

@@ -50,6 +50,22 @@ pub struct ModelShape {
     /// The sparse feed-forward blocks of a mixture-of-experts model (`None`: dense).
     #[serde(default)]
     pub moe: Option<MoeShape>,
+    /// The layers with sliding-window attention (`None`: every layer global).
+    #[serde(default)]
+    pub window: Option<WindowShape>,
+}
+
+/// The sliding-window layers of a model (Mistral, Gemma 2 and 3's local layers, Qwen2 with
+/// `use_sliding_window`): `windowed_layers` of the layers see the last `window` tokens
+/// (`pq - pk < window`), the others the whole sequence. One window for all of them: every
+/// family of the registry has one (a model with several would be described by its largest,
+/// which costs no less than it). The cost model averages windowed and global layers over the
+/// stages, as it does dense and sparse ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct WindowShape {
+    /// Tokens a query sees, itself included.
+    pub window: usize,
+    pub windowed_layers: usize,
 }
 
 /// The sparse blocks of a mixture-of-experts model ([`crate::nn::moe`]): `sparse_layers` of
@@ -124,6 +140,17 @@ impl ModelShape {
                 )));
             }
         }
+        if let Some(w) = &self.window {
+            if w.window == 0 {
+                return Err(Error::Layout("model shape: sliding_window is 0".into()));
+            }
+            if w.windowed_layers > self.layers {
+                return Err(Error::Layout(format!(
+                    "model shape: {} sliding-window layers of {} layers",
+                    w.windowed_layers, self.layers
+                )));
+            }
+        }
         if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(Error::Layout(format!(
                 "model shape: {} attention heads are not a multiple of {} kv heads",
@@ -164,6 +191,13 @@ impl ModelShape {
     /// Layers with a sparse block (0 for a dense model).
     pub fn sparse_layers(&self) -> usize {
         self.moe.map_or(0, |m| m.sparse_layers.min(self.layers))
+    }
+
+    /// Layers with a sliding window, and the window (`None` when no layer has one).
+    pub fn windowed_layers(&self) -> Option<(usize, usize)> {
+        self.window
+            .filter(|w| w.windowed_layers > 0)
+            .map(|w| (w.windowed_layers.min(self.layers), w.window))
     }
 
     /// Parameters of the embedding (and of the LM head unless tied) and the final norm.
@@ -243,11 +277,26 @@ mod tests {
             vocab: 10,
             tied_embeddings: false,
             moe: None,
+            window: None,
         };
         assert_eq!(m.layer_params(), 592);
         assert_eq!(m.outer_params(), 168);
         assert_eq!(m.params(), 2 * 592 + 168);
         assert!(ModelShape { kv_heads: 3, ..m }.validate().is_err());
         assert!(ModelShape { vocab: 0, ..m }.validate().is_err());
+        let windowed = |window, windowed_layers| ModelShape {
+            window: Some(WindowShape {
+                window,
+                windowed_layers,
+            }),
+            ..m
+        };
+        assert!(windowed(4, 2).validate().is_ok());
+        assert_eq!(windowed(4, 2).windowed_layers(), Some((2, 4)));
+        assert_eq!(windowed(4, 0).windowed_layers(), None);
+        assert!(windowed(0, 2).validate().is_err());
+        assert!(windowed(4, 3).validate().is_err());
+        // The window changes no parameter.
+        assert_eq!(windowed(4, 2).params(), m.params());
     }
 }

@@ -289,8 +289,12 @@ impl DecoderSpec {
             .sum()
     }
 
-    /// The shape `cpl plan --auto`'s cost model plans for.
+    /// The shape `cpl plan --auto`'s cost model plans for: the windowed layers' count and their
+    /// window (the largest, should the layers' windows differ: every family of the registry
+    /// gives its windowed layers one `sliding_window`).
     pub fn planner_shape(&self) -> candle_parallel::planner::ModelShape {
+        let windows = self.layers.iter().filter_map(|l| l.window);
+        let windowed = windows.clone().count();
         candle_parallel::planner::ModelShape {
             layers: self.num_layers(),
             hidden: self.hidden_size,
@@ -310,6 +314,12 @@ impl DecoderSpec {
                     sparse_layers: m.sparse.iter().filter(|&&s| s).count(),
                 }
             }),
+            window: windows
+                .max()
+                .map(|window| candle_parallel::planner::WindowShape {
+                    window,
+                    windowed_layers: windowed,
+                }),
         }
     }
 
@@ -452,4 +462,44 @@ pub fn sliding_layers(
             )),
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use candle_parallel::planner::WindowShape;
+
+    fn fixture(name: &str) -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/zoo")
+            .join(name)
+            .join("config.json")
+    }
+
+    /// The planner sees the windowed layers: Mistral's every layer, Gemma 3's local ones
+    /// (`layer_types`: 2 of 3), with the config's `sliding_window`; none without a window.
+    #[test]
+    fn planner_shape_carries_the_windowed_layers() {
+        let window = |name: &str| {
+            let path = fixture(name);
+            let family = crate::family::detect(&path).unwrap();
+            let d = (family.describe)(&path).unwrap();
+            d.planner_shape.unwrap().window
+        };
+        let w = |window, windowed_layers| {
+            Some(WindowShape {
+                window,
+                windowed_layers,
+            })
+        };
+        assert_eq!(window("mistral"), w(8, 2));
+        assert_eq!(window("gemma3"), w(8, 2));
+        let text = r#"{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 50,
+            "rms_norm_eps": 1e-6}"#;
+        let cfg = crate::llama::LlamaConfig::from_json(text, std::path::Path::new("x")).unwrap();
+        use crate::decoder::ToDecoderSpec;
+        assert_eq!(cfg.decoder_spec().unwrap().planner_shape().window, None);
+    }
 }
