@@ -6,12 +6,13 @@
 //! `Σ out ⊙ g + coef · aux · n` over its `n` tokens, scaled by `SCALE` before backward.
 //!
 //! Layouts: one rank, tp2, tp2 with TP-sp, dp2 with the experts divided over ep2, tp2 x dp2
-//! with ep2 (the rows travel between ranks of one tensor-parallel coordinate), and dp4 with
-//! ep4 on 2 tokens per rank (most experts receive no row on most ranks). On every rank the
-//! output and input gradient equal the reference's rows of its tokens, every parameter this
-//! rank holds receives the reference gradient of its shard (an expert's on its owner alone;
-//! the router's and the shared expert gate's summed over the ranks that hold different tokens),
-//! and the router statistics equal the reference's. f32 against f64: 1e-5 relative.
+//! with ep2 (the rows travel between ranks of one tensor-parallel coordinate), dp4 with ep4
+//! on 2 tokens per rank (most experts receive no row on most ranks), and ring2 (each rank holds
+//! half of every sequence; the labelled tokens are summed over the sequence group). On every
+//! rank the output, the input gradient and the loss equal the reference's for its tokens,
+//! every parameter this rank holds receives the reference gradient of its shard (an expert's on
+//! its owner alone under ep; otherwise summed over the ranks that hold different tokens where
+//! they do), and the router statistics equal the reference's. f32 against f64: 1e-5 relative.
 
 mod common;
 use common::world;
@@ -221,6 +222,7 @@ struct RankRun {
     loss: f64,
     dp_rank: usize,
     tp_rank: usize,
+    sp_rank: usize,
 }
 
 struct Case {
@@ -229,6 +231,8 @@ struct Case {
     dp: usize,
     ep: usize,
     tp_sp: bool,
+    /// Ring (sequence-parallel) ranks, each holding a part of every sequence.
+    sp: usize,
 }
 
 fn run_case(
@@ -238,17 +242,20 @@ fn run_case(
     g: &Tensor,
     case: &Case,
 ) -> Vec<RankRun> {
-    let ranks = case.tp * case.dp;
+    let ranks = case.tp * case.dp * case.sp;
     let rows = x.dim(0).unwrap() / case.dp;
     let seq = x.dim(1).unwrap();
     world(ranks, |comm| {
-        let mesh_cfg = MeshConfig::new().with_tp(case.tp).with_dp(case.dp);
+        let mesh_cfg = MeshConfig::new()
+            .with_tp(case.tp)
+            .with_dp(case.dp)
+            .with_ring(case.sp);
         let acts = if case.tp_sp {
             TpActivations::SequenceSharded
         } else {
             TpActivations::Replicated
         };
-        let layout = Layout::new(mesh_cfg, SpConfig::new(Strategy::Ring, 1, 1), acts)
+        let layout = Layout::new(mesh_cfg, SpConfig::new(Strategy::Ring, 1, case.sp), acts)
             .with_expert_parallel(case.ep);
         // One rank: expert parallelism over a group of one is none (its experts are not marked
         // expert-parallel).
@@ -256,6 +263,7 @@ fn run_case(
         let (mesh, ctx) = layout.context(comm).map_err(candle_core::Error::wrap)?;
         let ep = solo.or_else(|| ctx.expert_parallel().cloned());
         let (dp_rank, tp_rank) = (mesh.comm(Dim::Dp).rank(), mesh.comm(Dim::Tp).rank());
+        let sp_rank = mesh.comm(Dim::Ring).rank();
         let source = Arc::new(TensorMap::new(w.clone(), "random"));
         let (vb, params) =
             ParamBuilder::new(source, DType::F32, &Device::Cpu, ParamMode::Trainable);
@@ -275,6 +283,11 @@ fn run_case(
             xr = xr.narrow(1, tp_rank * part, part)?;
             gr = gr.narrow(1, tp_rank * part, part)?;
         }
+        if case.sp > 1 {
+            let part = seq / case.sp;
+            xr = xr.narrow(1, sp_rank * part, part)?;
+            gr = gr.narrow(1, sp_rank * part, part)?;
+        }
         let xv = Var::from_tensor(&xr)?;
         aux.begin();
         let mut out = blocks[0]
@@ -286,7 +299,8 @@ fn run_case(
                     .map_err(candle_core::Error::wrap)?)?;
         }
         // The micro-batch's tokens: every rank's loss carries its balancing term.
-        let count = rows * seq;
+        // (Under TP-sp every rank's loss covers the micro-batch; under sp its own part.)
+        let count = rows * seq / case.sp;
         let stats = aux
             .finish_in(&ctx, count, &Device::Cpu)
             .map_err(candle_core::Error::wrap)?;
@@ -319,6 +333,7 @@ fn run_case(
             loss: loss.to_scalar::<f32>()? as f64,
             dp_rank,
             tp_rank,
+            sp_rank,
         })
     })
 }
@@ -338,13 +353,21 @@ fn check(cfg: &MoeConfig, seed: u64, case: &Case, rows: usize, seq: usize) {
             case.name, cfg.num_experts, cfg.top_k
         )
     };
-    let part = if case.tp_sp { seq / case.tp } else { seq };
+    let part = if case.tp_sp {
+        seq / case.tp
+    } else {
+        seq / case.sp
+    };
     // Gradients summed over the ranks that hold different tokens, by (name, tensor-parallel
     // rank), with the reference's block of that rank.
     let mut summed: HashMap<(String, usize), (Tensor, Tensor)> = HashMap::new();
     for run in &got {
         let at = format!("dp rank {} tp rank {}", run.dp_rank, run.tp_rank);
-        let first = if case.tp_sp { run.tp_rank * part } else { 0 };
+        let first = if case.tp_sp {
+            run.tp_rank * part
+        } else {
+            run.sp_rank * part
+        };
         let rows_of = |t: &Tensor| {
             t.narrow(0, run.dp_rank * rows, rows)
                 .and_then(|t| t.narrow(1, first, part))
@@ -372,8 +395,8 @@ fn check(cfg: &MoeConfig, seed: u64, case: &Case, rows: usize, seq: usize) {
             0.0,
             &what(&format!("{at}: labelled tokens")),
         );
-        // The loss carries COEF · aux · n for the micro-batch's n tokens.
-        let loss = run.sum + COEF * aux * (rows * seq) as f64;
+        // The loss carries COEF · aux · n for the n tokens this rank counts.
+        let loss = run.sum + COEF * aux * (rows * seq / case.sp) as f64;
         testkit::assert_close_scalar(run.loss, loss, TOL, &what(&format!("{at}: loss")));
         let mut experts_here = 0;
         for (p, gp) in &run.grads {
@@ -389,7 +412,8 @@ fn check(cfg: &MoeConfig, seed: u64, case: &Case, rows: usize, seq: usize) {
             // The router and the shared expert's gate see this rank's tokens; the shared
             // expert, the tensor-parallel group's; an expert, every token routed to it.
             let outside_tp = !expert && !p.name.contains(".shared_expert.");
-            let partial = !expert && (case.dp > 1 || (outside_tp && case.tp_sp));
+            let partial = (!expert || (case.sp > 1 && case.ep == 1))
+                && (case.dp > 1 || case.sp > 1 || (outside_tp && case.tp_sp));
             if partial {
                 let tp_rank = if outside_tp && case.tp_sp {
                     0
@@ -415,10 +439,9 @@ fn check(cfg: &MoeConfig, seed: u64, case: &Case, rows: usize, seq: usize) {
         );
     }
     for ((name, tp_rank), (sum, shard)) in &summed {
-        testkit::assert_close(
+        close_or_zero(
             sum,
             shard,
-            TOL,
             &what(&format!("{name} of tp rank {tp_rank} summed")),
         );
     }
@@ -437,13 +460,14 @@ fn close_or_zero(got: &Tensor, want: &Tensor, what: &str) {
     }
 }
 
-const CASES: [Case; 6] = [
+const CASES: [Case; 7] = [
     Case {
         name: "one rank",
         tp: 1,
         dp: 1,
         ep: 1,
         tp_sp: false,
+        sp: 1,
     },
     Case {
         name: "tp2",
@@ -451,6 +475,7 @@ const CASES: [Case; 6] = [
         dp: 1,
         ep: 1,
         tp_sp: false,
+        sp: 1,
     },
     Case {
         name: "tp2 TP-sp",
@@ -458,6 +483,7 @@ const CASES: [Case; 6] = [
         dp: 1,
         ep: 1,
         tp_sp: true,
+        sp: 1,
     },
     Case {
         name: "dp2 ep2",
@@ -465,6 +491,7 @@ const CASES: [Case; 6] = [
         dp: 2,
         ep: 2,
         tp_sp: false,
+        sp: 1,
     },
     Case {
         name: "tp2 TP-sp x dp2 ep2",
@@ -472,6 +499,7 @@ const CASES: [Case; 6] = [
         dp: 2,
         ep: 2,
         tp_sp: true,
+        sp: 1,
     },
     Case {
         name: "dp4 ep4",
@@ -479,6 +507,15 @@ const CASES: [Case; 6] = [
         dp: 4,
         ep: 4,
         tp_sp: false,
+        sp: 1,
+    },
+    Case {
+        name: "ring2",
+        tp: 1,
+        dp: 1,
+        ep: 1,
+        tp_sp: false,
+        sp: 2,
     },
 ];
 
