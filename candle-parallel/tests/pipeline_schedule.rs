@@ -568,7 +568,8 @@ bubble: 33.3% of the step (mean over ranks); formula (p-1)/(v*m+p-1) = 33.3%
     assert_eq!(s.virtual_stage(1, 0), 1);
 }
 
-/// Megatron-LM's interleaved 1F1B order of rank `r` (`forward_backward_pipelining_with_interleaving`):
+/// Megatron-LM's interleaved 1F1B order of rank `r`
+/// (`forward_backward_pipelining_with_interleaving`):
 /// virtual micro-batch `k` is micro-batch `(k / (p v)) p + k % p` on chunk `(k % (p v)) / p`
 /// (reversed for backwards); `2 (p - r - 1) + (v - 1) p` warm-up forwards (at most `m v`), then
 /// one forward and one backward, then the remaining backwards.
