@@ -390,3 +390,274 @@ mod executor {
         }
     }
 }
+
+fn insert_after(
+    s: &mut PipelineSchedule,
+    r: usize,
+    kind: ActionKind,
+    mb: usize,
+    chunk: usize,
+    new: Action,
+) {
+    let i = s.ranks[r]
+        .iter()
+        .position(|a| a.kind == kind && a.micro_batch == mb && a.chunk == chunk)
+        .expect("action to insert after");
+    s.ranks[r].insert(i + 1, new);
+}
+
+fn act(kind: ActionKind, micro_batch: usize, chunk: usize) -> Action {
+    Action {
+        kind,
+        micro_batch,
+        chunk,
+    }
+}
+
+/// Messages with no neighbour, a message sent twice, a chunk or micro-batch just past the
+/// last, and deadlocks that name the rank each stuck rank waits for (activations from the
+/// previous virtual stage, wrapping from the last rank to the first; gradients from the next).
+#[test]
+fn the_validator_rejects_messages_without_a_partner() {
+    let good = PipelineSchedule::new(ScheduleKind::OneFOneB, 3, 4, 1).unwrap();
+    use ActionKind::*;
+
+    let mut s = good.clone();
+    insert_after(&mut s, 2, Forward, 0, 0, act(SendActivation, 0, 0));
+    expect_invalid(&s, "rank 2, action 2 (SEND_F0): no neighbour to send to");
+
+    let mut s = good.clone();
+    insert_after(&mut s, 0, Backward, 0, 0, act(SendGradient, 0, 0));
+    expect_invalid(&s, "(SEND_B0): no neighbour to send to");
+
+    let mut s = good.clone();
+    s.ranks[0].insert(0, act(RecvActivation, 0, 0));
+    expect_invalid(
+        &s,
+        "rank 0, action 0 (RECV_F0): no neighbour to receive from",
+    );
+
+    let mut s = good.clone();
+    insert_after(&mut s, 2, Forward, 0, 0, act(RecvGradient, 0, 0));
+    expect_invalid(&s, "(RECV_B0): no neighbour to receive from");
+
+    let mut s = good.clone();
+    insert_after(&mut s, 0, SendActivation, 1, 0, act(SendActivation, 1, 0));
+    expect_invalid(&s, "(SEND_F1): the same message sent twice");
+
+    // Just past the last chunk, and just past the last micro-batch.
+    let mut s = good.clone();
+    s.ranks[1][0].chunk = 1;
+    expect_invalid(&s, "no such chunk or micro-batch");
+    let mut s = good.clone();
+    s.ranks[1][0].micro_batch = 4;
+    expect_invalid(&s, "no such chunk or micro-batch");
+
+    // Interleaved, 3 ranks x 2 chunks: rank 0's chunk 1 (virtual stage 3) takes its input from
+    // rank 2's chunk 0.
+    let good = PipelineSchedule::new(ScheduleKind::Interleaved, 3, 3, 2).unwrap();
+    let mut s = good.clone();
+    let i = s.ranks[2]
+        .iter()
+        .position(|a| *a == act(SendActivation, 0, 0))
+        .unwrap();
+    s.ranks[2].remove(i);
+    expect_invalid(&s, "rank 0 waits at RECV_F0.c1 for rank 2");
+    // Rank 1's chunk 0 (virtual stage 1) takes its output gradient from rank 2's chunk 0.
+    let mut s = good.clone();
+    let i = s.ranks[2]
+        .iter()
+        .position(|a| *a == act(SendGradient, 0, 0))
+        .unwrap();
+    s.ranks[2].remove(i);
+    expect_invalid(&s, "rank 1 waits at RECV_B0 for rank 2");
+    // Rank 2's chunk 0 (virtual stage 2) takes its output gradient from rank 0's chunk 1.
+    let mut s = good.clone();
+    let i = s.ranks[0]
+        .iter()
+        .position(|a| *a == act(SendGradient, 0, 1))
+        .unwrap();
+    s.ranks[0].remove(i);
+    expect_invalid(&s, "rank 2 waits at RECV_B0 for rank 0");
+
+    // A deadlock where another rank has finished its list: 2 stages, 1 micro-batch, the last
+    // stage's gradient never sent.
+    let mut s = PipelineSchedule::new(ScheduleKind::OneFOneB, 2, 1, 1).unwrap();
+    remove(&mut s, 1, SendGradient, 0);
+    expect_invalid(&s, "deadlock: rank 0 waits at RECV_B0 for rank 1");
+}
+
+/// A virtual stage past the first ranks that never runs a micro-batch (an evaluation schedule
+/// whose last virtual stage skips micro-batch 1: no message is left, only the work) is named.
+#[test]
+fn the_validator_names_a_virtual_stage_that_skips_a_micro_batch() {
+    let mut s = PipelineSchedule::forward_only(3, 2, 2).unwrap();
+    use ActionKind::*;
+    // Virtual stage 5 is rank 2's chunk 1, fed by virtual stage 4, rank 1's chunk 1.
+    for (r, a) in [
+        (2, act(RecvActivation, 1, 1)),
+        (2, act(Forward, 1, 1)),
+        (1, act(SendActivation, 1, 1)),
+    ] {
+        let i = s.ranks[r].iter().position(|x| *x == a).unwrap();
+        s.ranks[r].remove(i);
+    }
+    expect_invalid(
+        &s,
+        "micro-batch 1 does not run forward and backward on virtual stage 5",
+    );
+
+    // An empty schedule (no micro-batch) is valid, with no idle time rather than 0 / 0.
+    let empty = PipelineSchedule {
+        kind: ScheduleKind::GPipe,
+        stages: 2,
+        micro_batches: 0,
+        chunks: 1,
+        ranks: vec![Vec::new(); 2],
+        forward_only: false,
+    };
+    let stats = empty.validate().unwrap();
+    assert_eq!(stats.makespan, 0.0);
+    assert_eq!(stats.bubble, [0.0, 0.0]);
+}
+
+#[test]
+fn forward_only_needs_a_stage_a_micro_batch_and_a_chunk() {
+    for (p, m, v) in [(0, 1, 1), (1, 0, 1), (1, 1, 0)] {
+        let err = PipelineSchedule::forward_only(p, m, v)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("at least one stage, micro-batch and chunk"),
+            "{p} {m} {v}: {err}"
+        );
+    }
+}
+
+/// The whole timetable of 1F1B on 2 stages and 2 micro-batches, worked by hand with forward 1
+/// and backward 2: rank 0 runs F0 F1 (its limit of 2 in flight), waits for B0's gradient (rank
+/// 1: F0 at 1, B0 at 2-3), runs B0 at 4-5, idles, B1 at 7-8 (rank 1: F1 at 4, B1 at 5-6).
+/// 6 of 9 units busy on each rank: 33.3% idle, the formula's 1 / 3.
+#[test]
+fn the_timetable_of_a_small_schedule_is_exact() {
+    let s = PipelineSchedule::new(ScheduleKind::OneFOneB, 2, 2, 1).unwrap();
+    let want = "\
+1f1b schedule: 2 stages x 2 micro-batches x 1 chunk(s) per rank (forward 1 time unit, backward 2)
+rank 0: F0 F1 .  .  B0 -  .  B1 -   | peak 2 in flight, idle 33.3%
+rank 1: .  F0 B0 -  F1 B1 -  .  .   | peak 1 in flight, idle 33.3%
+bubble: 33.3% of the step (mean over ranks); formula (p-1)/(v*m+p-1) = 33.3%
+";
+    assert_eq!(s.render().unwrap(), want);
+    let stats = s.validate().unwrap();
+    assert_eq!(stats.makespan, 9.0);
+    assert_eq!(stats.peak_in_flight, [2, 1]);
+    // The schedule kinds' names, as `--pp-schedule` takes them.
+    let names: Vec<String> = [
+        ScheduleKind::GPipe,
+        ScheduleKind::OneFOneB,
+        ScheduleKind::Interleaved,
+    ]
+    .iter()
+    .map(|k| k.to_string())
+    .collect();
+    assert_eq!(names, ["gpipe", "1f1b", "interleaved"]);
+    // Virtual stages: chunk c of rank r is c · p + r.
+    let s = PipelineSchedule::new(ScheduleKind::Interleaved, 3, 3, 2).unwrap();
+    assert_eq!(s.virtual_stages(), 6);
+    assert_eq!(s.virtual_stage(2, 1), 5);
+    assert_eq!(s.virtual_stage(1, 0), 1);
+}
+
+/// Megatron-LM's interleaved 1F1B order of rank `r`
+/// (`forward_backward_pipelining_with_interleaving`):
+/// virtual micro-batch `k` is micro-batch `(k / (p v)) p + k % p` on chunk `(k % (p v)) / p`
+/// (reversed for backwards); `2 (p - r - 1) + (v - 1) p` warm-up forwards (at most `m v`), then
+/// one forward and one backward, then the remaining backwards.
+fn megatron_interleaved(p: usize, m: usize, v: usize, r: usize) -> Vec<String> {
+    let total = m * v;
+    let warmup = (2 * (p - r - 1) + (v - 1) * p).min(total);
+    let at = |k: usize, forward: bool| {
+        let c = (k % (p * v)) / p;
+        let mb = (k / (p * v)) * p + k % p;
+        if forward {
+            Action {
+                kind: ActionKind::Forward,
+                micro_batch: mb,
+                chunk: c,
+            }
+        } else {
+            Action {
+                kind: ActionKind::Backward,
+                micro_batch: mb,
+                chunk: v - 1 - c,
+            }
+        }
+        .to_string()
+    };
+    let mut out: Vec<String> = (0..warmup).map(|k| at(k, true)).collect();
+    for i in 0..total - warmup {
+        out.push(at(warmup + i, true));
+        out.push(at(i, false));
+    }
+    out.extend((total - warmup..total).map(|k| at(k, false)));
+    out
+}
+
+/// With `m` a multiple of `p` (here up to `2 p`), the interleaved schedule's compute order on
+/// every rank is Megatron's, and each rank's peak of activations in flight is its warm-up plus
+/// one. (With more groups of `p` micro-batches the list scheduler can start a later group's
+/// forward sooner than Megatron, e.g. p=4, m=16, v=3: the orders differ, the peaks do not.)
+#[test]
+fn interleaved_order_is_megatrons() {
+    for (p, m, v) in [
+        (2, 4, 2),
+        (4, 8, 2),
+        (4, 4, 2),
+        (3, 6, 3),
+        (2, 2, 4),
+        (4, 16, 3),
+    ] {
+        let s = PipelineSchedule::new(ScheduleKind::Interleaved, p, m, v).unwrap();
+        let stats = s.validate().unwrap();
+        for r in 0..p {
+            let warmup = 2 * (p - r - 1) + (v - 1) * p;
+            assert_eq!(
+                stats.peak_in_flight[r],
+                (warmup + 1).min(m * v),
+                "p={p} m={m} v={v} rank {r}"
+            );
+            if m > 2 * p {
+                continue;
+            }
+            let got: Vec<String> = s.ranks[r]
+                .iter()
+                .filter(|a| matches!(a.kind, ActionKind::Forward | ActionKind::Backward))
+                .map(|a| a.to_string())
+                .collect();
+            assert_eq!(
+                got,
+                megatron_interleaved(p, m, v, r),
+                "p={p} m={m} v={v} rank {r}"
+            );
+        }
+    }
+}
+
+/// The 1F1B rule on an interleaved schedule, worked by hand: 3 ranks x 2 chunks, 2
+/// micro-batches (limits 8, 6 and 4 never bind). The forwards fill the pipe one unit apart:
+/// rank 2 runs F0.c1, the last virtual stage, at 5, and at 6 both its backward B0.c1 and the
+/// forward F1.c1 (input from rank 1 at 6) are ready; after a forward the backward goes first,
+/// then F1.c1 at 8 (after a backward a forward goes first), B1.c1 at 9.
+#[test]
+fn after_a_forward_a_ready_backward_goes_first() {
+    let s = PipelineSchedule::new(ScheduleKind::Interleaved, 3, 2, 2).unwrap();
+    let got: Vec<String> = s.ranks[2]
+        .iter()
+        .filter(|a| matches!(a.kind, ActionKind::Forward | ActionKind::Backward))
+        .map(|a| a.to_string())
+        .collect();
+    assert_eq!(
+        got,
+        ["F0", "F1", "F0.c1", "B0.c1", "F1.c1", "B1.c1", "B0", "B1"]
+    );
+}
