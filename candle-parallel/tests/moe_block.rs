@@ -304,7 +304,7 @@ fn run_case(
         let stats = aux
             .finish_in(&ctx, count, &Device::Cpu)
             .map_err(candle_core::Error::wrap)?;
-        assert_eq!(aux.last_stats(), Some(stats));
+        assert_eq!(aux.last_stats(), Some(stats.clone()));
         let sum = (&out * &gr)?.sum_all()?;
         let loss = aux
             .add_to_loss(&sum, count, COEF)
