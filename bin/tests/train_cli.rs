@@ -2190,6 +2190,15 @@ fn moe_capacity_factor_drops_tokens_and_reports_them() {
             run(&dir.join("neg"), &["--moe-capacity-factor=-1"]),
             "--moe-capacity-factor must be a finite number above 0",
         ),
+        (
+            words(&format!(
+                "finetune --model {} --data {} --out {} --moe-capacity-factor 0.5",
+                common::fixtures("moe").join("qwen3_moe").display(),
+                dir.join("chat.jsonl").display(),
+                dir.join("ft").display()
+            )),
+            "cpl finetune trains with the base model's",
+        ),
     ]);
 }
 
