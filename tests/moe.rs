@@ -311,6 +311,9 @@ fn with_changed_config(
     let changed = change(&text, &src.config).unwrap();
     std::fs::write(dir.join("config.json"), changed).unwrap();
     std::fs::copy(&src.weights[0], dir.join("model.safetensors")).unwrap();
+    // transformers' reference (input, labels) too, so that the copy runs as a fixture.
+    let reference = cpl_integration_tests::fixture_dir(name).join("reference.safetensors");
+    std::fs::copy(&reference, dir.join("reference.safetensors")).unwrap();
     (models::hub::from_dir("moe", &dir).unwrap(), dir)
 }
 
@@ -678,6 +681,42 @@ fn expert_parallel_traffic_is_the_planners_formula() {
         uneven,
         "every rank sent as many rows as it received: the test shows nothing"
     );
+}
+
+/// One step with token dropping (`moe_capacity_factor` 0.75) on each fixture's sequence: under a
+/// zigzag ring of 4, USP 2x2 and TP-sp x ring2 the loss, the logits and every parameter's
+/// gradient equal one rank (1e-5), and every parameter receives one (`run_layout` asserts it);
+/// the one-rank loss differs from the dropless one, so assignments were dropped.
+#[test]
+fn token_dropping_gradients_match_one_rank() {
+    for name in FAMILIES {
+        let (_, dir) = with_changed_config(name, "capacity-step", |t, p| {
+            models::zoo::moe::set_moe_capacity_factor(t, 0.75, p)
+        });
+        let copy = dir.to_str().unwrap();
+        let want = run_layout(copy, &Layout::single());
+        let dropless = run_layout(name, &Layout::single());
+        assert!(
+            (want.loss - dropless.loss).abs() > 1e-4 * dropless.loss.abs(),
+            "{name}: nothing dropped ({} vs {})",
+            want.loss,
+            dropless.loss
+        );
+        for layout in [
+            Layout::new("zigzag ring4", 1, 1, 4, Strategy::Ring),
+            Layout::new("usp 2x2", 1, 2, 2, Strategy::Usp),
+            Layout::new("tp2 TP-sp x ring2", 2, 1, 2, Strategy::Ring).with_tp_sp(),
+        ] {
+            let got = run_layout(copy, &layout);
+            assert_same_step(
+                &format!("{name} / {} with dropping", layout.name),
+                &got,
+                &want,
+                TOL,
+            );
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }
 
 /// The share of dropped assignments in each step of a run's `metrics.jsonl`.
