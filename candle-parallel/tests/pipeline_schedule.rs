@@ -130,10 +130,12 @@ fn expect_invalid(s: &PipelineSchedule, needle: &str) {
 }
 
 fn remove(s: &mut PipelineSchedule, r: usize, kind: ActionKind, mb: usize) {
-    let i = s.ranks[r]
-        .iter()
-        .position(|a| a.kind == kind && a.micro_batch == mb)
-        .expect("action to remove");
+    remove_where(s, r, |a| a.kind == kind && a.micro_batch == mb);
+}
+
+/// Removes the first action of rank `r` that `hit` selects.
+fn remove_where(s: &mut PipelineSchedule, r: usize, hit: impl Fn(&Action) -> bool) {
+    let i = s.ranks[r].iter().position(hit).expect("action to remove");
     s.ranks[r].remove(i);
 }
 
@@ -457,27 +459,15 @@ fn the_validator_rejects_messages_without_a_partner() {
     // rank 2's chunk 0.
     let good = PipelineSchedule::new(ScheduleKind::Interleaved, 3, 3, 2).unwrap();
     let mut s = good.clone();
-    let i = s.ranks[2]
-        .iter()
-        .position(|a| *a == act(SendActivation, 0, 0))
-        .unwrap();
-    s.ranks[2].remove(i);
+    remove_where(&mut s, 2, |a| *a == act(SendActivation, 0, 0));
     expect_invalid(&s, "rank 0 waits at RECV_F0.c1 for rank 2");
     // Rank 1's chunk 0 (virtual stage 1) takes its output gradient from rank 2's chunk 0.
     let mut s = good.clone();
-    let i = s.ranks[2]
-        .iter()
-        .position(|a| *a == act(SendGradient, 0, 0))
-        .unwrap();
-    s.ranks[2].remove(i);
+    remove_where(&mut s, 2, |a| *a == act(SendGradient, 0, 0));
     expect_invalid(&s, "rank 1 waits at RECV_B0 for rank 2");
     // Rank 2's chunk 0 (virtual stage 2) takes its output gradient from rank 0's chunk 1.
     let mut s = good.clone();
-    let i = s.ranks[0]
-        .iter()
-        .position(|a| *a == act(SendGradient, 0, 1))
-        .unwrap();
-    s.ranks[0].remove(i);
+    remove_where(&mut s, 0, |a| *a == act(SendGradient, 0, 1));
     expect_invalid(&s, "rank 2 waits at RECV_B0 for rank 0");
 
     // A deadlock where another rank has finished its list: 2 stages, 1 micro-batch, the last

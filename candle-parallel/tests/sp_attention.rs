@@ -155,14 +155,12 @@ fn inputs(c: &Case, seed: u64) -> Global {
 /// out, lse, dq, dk, dv.
 type Five = [Tensor; 5];
 
-/// Single-device flash-ring on the whole sequence.
-fn reference(c: &Case, x: &Global) -> Five {
-    let q = Var::from_tensor(&x.q).unwrap();
-    let k = Var::from_tensor(&x.k).unwrap();
-    let v = Var::from_tensor(&x.v).unwrap();
+/// The case's attention over the whole sequence on one device: its mask kind, documents and
+/// window, positions `0..S`, softmax scale `scale`.
+fn whole_sequence_spec(c: &Case, scale: f32) -> AttnSpec {
     let m = c.attn_mask();
     let mut spec = AttnSpec::new(
-        c.scale(),
+        scale,
         m.kind(),
         Positions::range(0, c.s),
         Positions::range(0, c.s),
@@ -173,6 +171,15 @@ fn reference(c: &Case, x: &Global) -> Five {
     if let Some(w) = c.window {
         spec = spec.with_window(w);
     }
+    spec
+}
+
+/// Single-device flash-ring on the whole sequence.
+fn reference(c: &Case, x: &Global) -> Five {
+    let q = Var::from_tensor(&x.q).unwrap();
+    let k = Var::from_tensor(&x.k).unwrap();
+    let v = Var::from_tensor(&x.v).unwrap();
+    let spec = whole_sequence_spec(c, c.scale());
     let (out, lse) = flash_ring::flash_attention_with_lse(&q, &k, &v, &spec).unwrap();
     let grads = (&out * &x.g)
         .unwrap()
@@ -264,19 +271,7 @@ struct Traffic {
 /// always runs.
 fn needed_ring_steps(c: &Case, plan: &ShardPlan) -> Vec<usize> {
     let r = c.cfg.ring;
-    let m = c.attn_mask();
-    let mut spec = AttnSpec::new(
-        1.0,
-        m.kind(),
-        Positions::range(0, c.s),
-        Positions::range(0, c.s),
-    );
-    if let Some(d) = m.doc_ids() {
-        spec = spec.with_doc_ids(d.clone());
-    }
-    if let Some(w) = c.window {
-        spec = spec.with_window(w);
-    }
+    let spec = whole_sequence_spec(c, 1.0);
     let pos: Vec<Vec<u32>> = (0..r).map(|j| plan.ring_positions(j)).collect();
     let needed = |s: usize| {
         (0..r).any(|j| {

@@ -371,6 +371,16 @@ impl ParallelCtx {
         &self.sequence_group
     }
 
+    /// The groups whose ranks together hold one micro-batch's tokens: the sequence group, and
+    /// under TP-sp the tensor-parallel group too (each of its ranks holds part of them).
+    pub fn token_groups(&self) -> Vec<Comm> {
+        let mut groups = vec![self.sequence_group.clone()];
+        if self.tp.sequence_parallel() {
+            groups.push(self.tp.comm().clone());
+        }
+        groups
+    }
+
     /// The group over which the gradient of a parameter is summed after backward: tensor-parallel
     /// shards (`tp_sharded`) over ulysses × ring × dp; replicated parameters also over tp under
     /// TP-sp, where each tensor-parallel rank sees only its tokens.

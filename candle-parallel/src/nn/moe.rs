@@ -238,8 +238,7 @@ pub struct SparseMoe {
     /// `experts`, from `first_expert` on).
     ep: Option<Comm>,
     first_expert: usize,
-    /// The groups whose ranks hold the micro-batch's tokens (the sequence group; tp under
-    /// TP-sp): where a capacity decision is taken.
+    /// [`ParallelCtx::token_groups`]: where a capacity decision is taken.
     token_groups: Vec<Comm>,
 }
 
@@ -332,13 +331,7 @@ impl SparseMoe {
             aux,
             ep,
             first_expert,
-            token_groups: {
-                let mut g = vec![ctx.sequence_group().clone()];
-                if ctx.tp().sequence_parallel() {
-                    g.push(ctx.tp().comm().clone());
-                }
-                g
-            },
+            token_groups: ctx.token_groups(),
         })
     }
 
@@ -915,11 +908,8 @@ impl RouterAux {
         count: usize,
         device: &candle_core::Device,
     ) -> Result<RouterStats> {
-        let tp = ctx.tp();
-        let mut groups = vec![ctx.sequence_group()];
-        if tp.sequence_parallel() {
-            groups.push(tp.comm());
-        }
+        let groups = ctx.token_groups();
+        let groups: Vec<&Comm> = groups.iter().collect();
         self.finish(count, &groups, ctx.sequence_group(), device)
     }
 
