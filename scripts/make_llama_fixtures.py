@@ -15,6 +15,8 @@ What it writes (everything is rebuilt from fixed seeds; rerunning gives byte-ide
   ``reference.safetensors`` with ``input_ids`` (2, 32) int64, ``labels`` (2, 32) int64 (= input_ids with a
   few positions set to -100), ``logits`` (2, 32, 256) f32, ``loss`` (scalar, shape []) f32 and
   ``grad.<checkpoint tensor name>`` f32 for every tensor stored in the checkpoint.
+* ``tests/fixtures/llama/mha/bf16_error.json``: PyTorch's own bf16 error against f32 on mha's reference
+  input (``write_bf16_error``; ``--bf16-error`` rewrites only this file).
 * ``tests/fixtures/llama/README.md`` (generated: configs, sizes, measured tolerances, tokenizer sample).
 
 References are computed in float64 and stored as float32. The checkpoint is loaded back from disk with
@@ -713,7 +715,37 @@ def write_readme(results, tok_info):
     (OUT / "README.md").write_text("\n".join(lines))
 
 
+def write_bf16_error(fixture_dir: Path) -> dict:
+    """PyTorch's own bf16 error against f32 on a fixture's reference input, written to
+    ``bf16_error.json``: the model in float32 and cast to bfloat16 (parameters, activations and
+    gradients in bf16, the loss as transformers computes it); the max-norm relative error of the
+    loss, the logits, every parameter's gradient and the worst gradient. The yardstick of cpl's
+    bf16 test (tests/llama_layouts.rs, bf16_matches_f32_under_every_layout)."""
+    ref = load_file(str(fixture_dir / "reference.safetensors"))
+    input_ids, labels = ref["input_ids"], ref["labels"]
+    keys = checkpoint_keys(fixture_dir)
+    f32 = run(load(fixture_dir, torch.float32), input_ids, labels, keys, hf_loss=True)
+    bf16 = run(load(fixture_dir, torch.float32).to(torch.bfloat16), input_ids, labels, keys,
+               hf_loss=True)
+    grads = {k: rel_err(bf16[2][k].float(), f32[2][k]) for k in keys}
+    out = {
+        "what": f"PyTorch bf16 vs f32 on {fixture_dir.name} (scripts/make_llama_fixtures.py), "
+                f"torch {torch.__version__}",
+        "loss": rel_err(bf16[1].float(), f32[1]),
+        "logits": rel_err(bf16[0].float(), f32[0]),
+        "worst_grad": max(grads.values()),
+        "grads": grads,
+    }
+    (fixture_dir / "bf16_error.json").write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    return out
+
+
 def main():
+    if sys.argv[1:] == ["--bf16-error"]:
+        setup_determinism()
+        out = write_bf16_error(OUT / "mha")
+        log({k: v for k, v in out.items() if k != "grads"})
+        return 0
     setup_determinism()
     names = list(FIXTURES) + ["tokenizer"]
     OUT.mkdir(parents=True, exist_ok=True)
@@ -740,6 +772,7 @@ def main():
     ref_sh = load_file(str(OUT / "sharded" / "reference.safetensors"))
     assert ref_mha.keys() == ref_sh.keys() and all(torch.equal(ref_mha[k], ref_sh[k]) for k in ref_mha)
 
+    write_bf16_error(OUT / "mha")
     write_readme(results, tok_info)
     digest = hashlib.sha256()
     for p in sorted(OUT.rglob("*")):

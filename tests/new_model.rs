@@ -589,6 +589,7 @@ fn describe_toy(path: &std::path::Path) -> models::Result<Description> {
         windowed: Vec::new(),
         causal: true,
         planner_shape: None,
+        pieces: None,
         summary: String::new(),
     })
 }

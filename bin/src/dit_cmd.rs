@@ -47,9 +47,14 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
     cfg.seq_len = 0;
     let config_path = dir.join("config.json");
     let model_cfg = DitConfig::from_file(&config_path)?;
-    let ranges =
-        args.pipeline
-            .configure(&mut cfg, args.layout.pp, model_cfg.num_layers, &config_path)?;
+    let tokens_per_image = (model_cfg.sample_size / model_cfg.patch_size).pow(2);
+    let model_desc = model_cfg.description();
+    let ranges = args.pipeline.configure(
+        &mut cfg,
+        args.layout.pp,
+        &model_desc.stage_costs(tokens_per_image, models::family::Work::Training),
+        &config_path,
+    )?;
     let Some(data_path) = args.data.first() else {
         bail!("--data: a DiT trains on images: a .safetensors file of `latents` and `labels`, or a folder with one sub-folder of PNG/JPEG images per class");
     };
@@ -97,10 +102,8 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         .map(|r| r.dir.clone())
         .unwrap_or_else(|| dir.to_path_buf());
     let interrupted = interrupt_flag()?;
-    let tokens_per_image = (model_cfg.sample_size / model_cfg.patch_size).pow(2);
-    let flops_per_token = model_cfg
-        .description()
-        .flops_per_token(tokens_per_image, models::family::Work::Training);
+    let flops_per_token =
+        model_desc.flops_per_token(tokens_per_image, models::family::Work::Training);
     let dtype = args.dtype.map(DType::from).unwrap_or(DType::F32);
     let banner = format!(
         "cpl train: DiT {} ({:.2} M params, {} patch tokens/image) on {} images of {} classes, {} images/step, {} steps, objective {}, {} rank(s)",

@@ -98,9 +98,10 @@ pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
     let dtype = args.dtype.map(DType::from);
     let seqs = sequences(args, &files, desc.vocab)?;
     let want_logits = args.logits_out.is_some();
+    let costs = desc.stage_costs(args.seq_len, models::family::Work::Forward);
     let pipeline = args
         .pipeline
-        .stages(args.layout.pp, desc.layers, &files.config)?;
+        .stages(args.layout.pp, &costs, &files.config)?;
     if pipeline.is_some() && want_logits {
         bail!("--logits-out is not available with --pp");
     }

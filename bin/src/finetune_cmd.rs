@@ -501,9 +501,15 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         );
     }
     let model_desc = (family.describe)(&files.config)?;
+    // LoRA's base weights get no gradients.
+    let work = match a.finetuning_type {
+        FinetuningType::Lora => models::family::Work::FrozenTraining,
+        FinetuningType::Full => models::family::Work::Training,
+    };
+    let costs = model_desc.stage_costs(cfg.seq_len, work);
     let ranges = t
         .pipeline
-        .configure(&mut cfg, t.layout.pp, model_desc.layers, &files.config)?;
+        .configure(&mut cfg, t.layout.pp, &costs, &files.config)?;
     let tok = Tokenizer::from_model(&files)?;
     // The bundled model has no chat template of its own.
     let template = match (&t.template, t.model.is_none()) {
@@ -638,11 +644,7 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         train::finetune_data::checkpoint_files(&files, lora.as_ref().map(|l| &l.0), &model_id)?;
     let dtype = t.dtype.map(DType::from).unwrap_or(DType::F32);
     let interrupted = interrupt_flag()?;
-    // Model FLOPs per token for the MFU estimate (LoRA's base weights get no gradients).
-    let work = match lora {
-        Some(_) => models::family::Work::FrozenTraining,
-        None => models::family::Work::Training,
-    };
+    // Model FLOPs per token for the MFU estimate.
     let flops_per_token = model_desc.flops_per_token(cfg.seq_len, work);
     // Tokens a step processes: its sequences' (both sides of every DPO pair).
     let sequences = if a.stage == Stage::Dpo { 2 } else { 1 };

@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use candle_parallel::mesh::Dim;
 use candle_parallel::nn::ParamMode;
-use candle_parallel::pipeline::split_layers;
+use candle_parallel::pipeline::split_by_cost;
 use models::tokenizer::{SpecialTokens, Tokenizer};
 use train::evaluation::activation_dtype;
 use train::generation::{generate, sample, Rng, Stages};
@@ -51,8 +51,13 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= desc.vocab) {
         bail!("the prompt holds token id {bad}, outside the model's vocabulary");
     }
+    // The stages balanced by their work on the prompt and the new tokens (as --pp-layers auto).
     let (num_layers, pp) = (desc.layers, args.layout.pp);
-    let ranges = split_layers(num_layers, pp, None)
+    let costs = desc.stage_costs(
+        prompt.len() + args.max_new_tokens,
+        models::family::Work::Forward,
+    );
+    let ranges = split_by_cost(&costs, pp)
         .with_context(|| format!("--pp {pp} for the {num_layers} layers of {}", files.source))?;
     let text = launch_pipelined(&args.layout, |rank| {
         let m = load_causal_lm(

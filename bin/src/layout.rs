@@ -3,7 +3,7 @@
 use anyhow::{bail, Context, Result};
 use candle_parallel::attention::{SeqLayout, ShardPlan, SpConfig, Strategy};
 use candle_parallel::mesh::{Dim, MeshConfig, MeshLayout, Placement};
-use candle_parallel::pipeline::{split_layers, PipelineSchedule, ScheduleKind};
+use candle_parallel::pipeline::{LayerSplit, PipelineSchedule, ScheduleKind, StageCosts};
 use std::path::Path;
 use train::trainer::PipelineConfig;
 
@@ -393,55 +393,73 @@ pub struct PipelineArgs {
     /// Model chunks per pipeline rank (--pp-schedule interleaved: 2 or more).
     #[arg(long, default_value_t = 1)]
     pub virtual_stages: usize,
-    /// Decoder layers of each virtual stage, e.g. 3,5,5,3 (default: even, with one layer less
-    /// on the first and the last stage, which hold the embedding and the loss).
-    #[arg(long, value_delimiter = ',')]
-    pub pp_layers: Vec<usize>,
+    /// Decoder layers of each virtual stage: `auto` (the default: the stages balanced by the
+    /// model's FLOPs per piece, the first stage's embedding and the last stage's head and loss
+    /// included), `even` (Llama 3's rule: one layer less on the first and the last stage) or
+    /// the counts, e.g. 3,5,5,3.
+    #[arg(long)]
+    pub pp_layers: Option<LayerSplit>,
 }
 
 impl PipelineArgs {
-    /// Sets `cfg`'s pipeline from these flags under `--pp pp` for a model of `num_layers`
-    /// layers (its config at `config_path`): a step's micro-batches are --micro-batches
-    /// (default --grad-accum), the stages' layers --pp-layers or the default split. Returns
-    /// the layers of every virtual stage (the whole model, one range, without a pipeline).
+    /// Sets `cfg`'s pipeline from these flags under `--pp pp` for a model whose pieces cost
+    /// `costs` (its config at `config_path`): a step's micro-batches are --micro-batches
+    /// (default --grad-accum), the stages' layers as --pp-layers says. Returns the layers of
+    /// every virtual stage (the whole model, one range, without a pipeline).
     pub fn configure(
         &self,
         cfg: &mut train::trainer::TrainConfig,
         pp: usize,
-        num_layers: usize,
+        costs: &StageCosts,
         config_path: &Path,
     ) -> Result<Vec<std::ops::Range<usize>>> {
         if pp > 1 {
             cfg.grad_accum = self.micro_batches.unwrap_or(cfg.grad_accum);
         }
         if self.schedule(pp, cfg.grad_accum)?.is_some() {
-            cfg.pipeline = self.stages(pp, num_layers, config_path)?;
+            cfg.pipeline = self.stages(pp, costs, config_path)?;
         }
         Ok(match &cfg.pipeline {
             Some(pc) => pc.ranges(),
-            None => std::iter::once(0..num_layers).collect(),
+            None => std::iter::once(0..costs.layers.len()).collect(),
         })
     }
 
-    /// The layers of every virtual stage of `model` (its config at `config_path`) for `pp`
-    /// ranks: `--pp-layers`, or the default split. `None` without a pipeline.
+    /// The layers of every virtual stage for `pp` ranks of a model whose pieces cost `costs`
+    /// (its config at `config_path`), as --pp-layers says (default `auto`), printed on rank 0's
+    /// log with each stage's share of the cost. `None` without a pipeline.
     pub fn stages(
         &self,
         pp: usize,
-        num_layers: usize,
+        costs: &StageCosts,
         config_path: &Path,
     ) -> Result<Option<PipelineConfig>> {
         if pp <= 1 {
             return Ok(None);
         }
-        let explicit = (!self.pp_layers.is_empty()).then_some(&self.pp_layers[..]);
-        let n = num_layers;
-        let ranges = split_layers(n, pp * self.virtual_stages, explicit).with_context(|| {
-            format!(
-                "--pp-layers for the {n} layers of {}",
-                config_path.display()
-            )
-        })?;
+        let n = costs.layers.len();
+        let how = self.pp_layers.clone().unwrap_or_default();
+        let ranges = how
+            .split(costs, pp * self.virtual_stages)
+            .with_context(|| {
+                format!(
+                    "--pp-layers {how} for the {n} layers of {}",
+                    config_path.display()
+                )
+            })?;
+        let stage_costs = costs.of(&ranges);
+        let mean = stage_costs.iter().sum::<f64>() / stage_costs.len() as f64;
+        let shares: Vec<String> = stage_costs
+            .iter()
+            .map(|c| format!("{:.2}", c / mean))
+            .collect();
+        let counts: Vec<String> = ranges.iter().map(|r| r.len().to_string()).collect();
+        eprintln!(
+            "pipeline layers per virtual stage (--pp-layers {how}): {}; FLOPs over the mean \
+             stage: {}",
+            counts.join(","),
+            shares.join(", ")
+        );
         Ok(Some(PipelineConfig {
             schedule: self.pp_schedule,
             virtual_stages: self.virtual_stages,
@@ -453,9 +471,7 @@ impl PipelineArgs {
     /// without a pipeline (when the pipeline flags are then an error).
     pub fn schedule(&self, pp: usize, micro_batches: usize) -> Result<Option<PipelineSchedule>> {
         if pp <= 1 {
-            if self.micro_batches.is_some()
-                || self.virtual_stages != 1
-                || !self.pp_layers.is_empty()
+            if self.micro_batches.is_some() || self.virtual_stages != 1 || self.pp_layers.is_some()
             {
                 bail!(
                     "--micro-batches, --virtual-stages and --pp-layers describe a pipeline: give \
@@ -472,13 +488,15 @@ impl PipelineArgs {
                     self.pp_schedule, self.virtual_stages
                 )
             })?;
-        if !self.pp_layers.is_empty() && self.pp_layers.len() != pp * self.virtual_stages {
-            bail!(
-                "--pp-layers gives {} counts; --pp {pp} x --virtual-stages {} needs {}",
-                self.pp_layers.len(),
-                self.virtual_stages,
-                pp * self.virtual_stages
-            );
+        if let Some(LayerSplit::Counts(c)) = &self.pp_layers {
+            if c.len() != pp * self.virtual_stages {
+                bail!(
+                    "--pp-layers gives {} counts; --pp {pp} x --virtual-stages {} needs {}",
+                    c.len(),
+                    self.virtual_stages,
+                    pp * self.virtual_stages
+                );
+            }
         }
         Ok(Some(s))
     }

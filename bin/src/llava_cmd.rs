@@ -147,14 +147,18 @@ pub fn eval(args: &EvalArgs, dir: &Path) -> Result<(EvalReport, Vec<Tensor>)> {
             dir.display()
         );
     }
-    let layers = cfg.text().num_hidden_layers;
-    let pipeline = args.pipeline.stages(args.layout.pp, layers, &f.config)?;
+    // The text decoder's pieces at the longest sequence (the tower on the first stage is not
+    // weighed: its work depends on the images).
+    let longest = seqs.iter().map(Vec::len).max().unwrap_or(1);
+    let costs = (models::family::LLAVA.describe)(&f.config)?
+        .stage_costs(longest, models::family::Work::Forward);
+    let pipeline = args.pipeline.stages(args.layout.pp, &costs, &f.config)?;
     if pipeline.is_some() && want_logits {
         bail!("--logits-out is not available with --pp");
     }
     let ranges = match &pipeline {
         Some(pc) => pc.ranges(),
-        None => std::iter::once(0..layers).collect(),
+        None => std::iter::once(0..costs.layers.len()).collect(),
     };
     let out = launch_pipelined(&args.layout, |rank: &Rank| {
         let m = load_rank(
@@ -415,14 +419,6 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
     };
     // Tokens per image: from the config, without loading the model.
     let per = lcfg.tokens_per_image()?;
-    // Pipeline: the language model's decoder layers cut into stages; the tower and
-    // projector on the first.
-    let ranges = args.pipeline.configure(
-        &mut cfg,
-        args.layout.pp,
-        lcfg.text().num_hidden_layers,
-        &f.config,
-    )?;
     let mut data: Option<ImageTextDataset> = None;
     for data_path in &args.data {
         let more = ImageTextDataset::read(
@@ -445,13 +441,6 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
         }
     }
     let data = data.context("no data")?;
-    std::fs::create_dir_all(&args.out)?;
-    let extra = crate::model_arg::checkpoint_files(&models::family::LLAVA, &f)?;
-    let interrupted = interrupt_flag()?;
-    let dtype = args.dtype.map(DType::from);
-    let global = args.layout.dp_degree()? * cfg.batch * cfg.grad_accum;
-    // Text tokens (frozen-weight work when the language model is frozen) plus each sequence's
-    // images through the tower and the projector, spread over its tokens.
     let text_work = if freeze.language_model {
         models::family::Work::FrozenTraining
     } else {
@@ -459,10 +448,26 @@ pub fn train(args: &TrainArgs, dir: &Path) -> Result<()> {
     };
     let images_per_sequence = data.examples.iter().map(|e| e.images.len()).sum::<usize>() as f64
         / data.examples.len().max(1) as f64;
-    let flops_per_token = (models::family::LLAVA.describe)(&f.config)?
-        .flops_per_token(cfg.seq_len, text_work)
-        + images_per_sequence * lcfg.vision_training_flops_per_image(!freeze.vision_tower)?
-            / cfg.seq_len as f64;
+    // Per token: each sequence's images through the tower and the projector, spread over its
+    // tokens.
+    let vision_per_token = images_per_sequence
+        * lcfg.vision_training_flops_per_image(!freeze.vision_tower)?
+        / cfg.seq_len.max(1) as f64;
+    let text_desc = (models::family::LLAVA.describe)(&f.config)?;
+    // Pipeline: the language model's decoder layers cut into stages; the tower and
+    // projector on the first.
+    let mut costs = text_desc.stage_costs(cfg.seq_len, text_work);
+    costs.first += vision_per_token;
+    let ranges = args
+        .pipeline
+        .configure(&mut cfg, args.layout.pp, &costs, &f.config)?;
+    std::fs::create_dir_all(&args.out)?;
+    let extra = crate::model_arg::checkpoint_files(&models::family::LLAVA, &f)?;
+    let interrupted = interrupt_flag()?;
+    let dtype = args.dtype.map(DType::from);
+    let global = args.layout.dp_degree()? * cfg.batch * cfg.grad_accum;
+    // Text tokens (frozen-weight work when the language model is frozen) plus the images.
+    let flops_per_token = text_desc.flops_per_token(cfg.seq_len, text_work) + vision_per_token;
     let banner = format!(
         "cpl train: LLaVA {} on {} conversations, seq {} x {global} sequences/step, {} steps, {} rank(s)",
         dir.display(),

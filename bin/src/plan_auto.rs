@@ -11,11 +11,13 @@ use candle_core::DType;
 use candle_parallel::attention::Strategy;
 use candle_parallel::mesh::{Dim, MeshLayout};
 use candle_parallel::nn::TpActivations;
+use candle_parallel::pipeline::PipelineSchedule;
 use candle_parallel::planner::cost::Workload;
 use candle_parallel::planner::{
     kendall_tau, search, Candidate, Hardware, ModelShape, Prediction, Request, GIB,
 };
 use candle_parallel::recompute::Checkpointing;
+use models::family::Work;
 use serde_json::{json, Value};
 
 use crate::args::DtypeArg;
@@ -31,10 +33,12 @@ pub struct AutoArgs {
     pub auto: bool,
     /// A model directory, its config.json, or a Hugging Face Hub id (any causal LM of the
     /// registry; for a mixture of experts the search includes expert parallelism, `--ep`).
-    #[arg(long, requires = "auto")]
+    /// Without --auto, under --pp: the model's stages as --pp-layers cuts them and the bubble
+    /// of the schedule run with their costs.
+    #[arg(long)]
     pub model: Option<String>,
-    /// Tokens per sequence.
-    #[arg(long, requires = "auto")]
+    /// Tokens per sequence (default without --auto: 4096).
+    #[arg(long)]
     pub seq_len: Option<usize>,
     /// Ranks (devices) to plan for.
     #[arg(long, requires = "auto")]
@@ -68,11 +72,11 @@ pub struct AutoArgs {
     pub measure: Option<usize>,
 }
 
-/// The model's shape from a directory, a config.json or a Hub id.
-fn model_shape(model: &str) -> Result<ModelShape> {
+/// The config.json of a model directory, the file itself, or a Hub id's.
+fn model_config(model: &str) -> Result<std::path::PathBuf> {
     let path = Path::new(model);
     let looks_like_path = model.starts_with(['/', '.']) || model.ends_with(".json");
-    let config = if path.is_file() {
+    Ok(if path.is_file() {
         path.to_path_buf()
     } else if path.is_dir() {
         path.join("config.json")
@@ -80,7 +84,12 @@ fn model_shape(model: &str) -> Result<ModelShape> {
         bail!("no model config at {model} (a directory with config.json, or the file)");
     } else {
         models::hub::resolve(model)?.config
-    };
+    })
+}
+
+/// The model's shape from a directory, a config.json or a Hub id.
+fn model_shape(model: &str) -> Result<ModelShape> {
+    let config = model_config(model)?;
     let family = models::family::detect(&config)?;
     let shape = (family.describe)(&config)?.planner_shape.with_context(|| {
         format!(
@@ -458,8 +467,65 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     print!("{}", layout.describe());
     let pp = &args.pipeline;
     let m = pp.micro_batches.unwrap_or(1);
-    if let Some(schedule) = pp.schedule(args.layout.pp, m)? {
+    let schedule = pp.schedule(args.layout.pp, m)?;
+    if let Some(schedule) = &schedule {
         print!("{}", schedule.render()?);
     }
+    match (&args.auto.model, &schedule) {
+        (Some(model), Some(schedule)) => {
+            print!("{}", model_stages(args, model, schedule)?);
+        }
+        (Some(_), None) => {
+            bail!("--model without --auto shows a model's pipeline stages: give --pp 2 or more")
+        }
+        (None, _) => {
+            if args.auto.seq_len.is_some() {
+                bail!("--seq-len: give --model (with --pp, or --auto)");
+            }
+        }
+    }
     Ok(())
+}
+
+/// `cpl plan --pp P --model M`: the layers of each virtual stage as --pp-layers cuts them,
+/// each stage's training FLOPs over the mean stage's at --seq-len, and the schedule run with
+/// those costs (backward twice the forward, communication free) against the unit-cost run and
+/// the formula.
+fn model_stages(args: &PlanArgs, model: &str, schedule: &PipelineSchedule) -> Result<String> {
+    let config = model_config(model).with_context(|| format!("--model {model}"))?;
+    let family = models::family::detect(&config).with_context(|| format!("--model {model}"))?;
+    let seq_len = args.auto.seq_len.unwrap_or(4096);
+    let costs = (family.describe)(&config)?.stage_costs(seq_len, Work::Training);
+    let Some(pc) = args.pipeline.stages(args.layout.pp, &costs, &config)? else {
+        bail!("--model without --auto shows a model's pipeline stages: give --pp 2 or more");
+    };
+    let ranges = pc.ranges();
+    let stage = costs.of(&ranges);
+    let mean = stage.iter().sum::<f64>() / stage.len() as f64;
+    let weights: Vec<f64> = stage.iter().map(|c| c / mean).collect();
+    let weighted = schedule.validate_weighted(&weights)?;
+    let unit = schedule.validate()?;
+    let mut out = format!(
+        "{} at {seq_len} tokens, --pp-layers {}:\n",
+        config.display(),
+        args.pipeline.pp_layers.clone().unwrap_or_default()
+    );
+    for (vs, (r, w)) in ranges.iter().zip(&weights).enumerate() {
+        out += &format!(
+            "  virtual stage {vs} (rank {}): layers {}..{} ({}), FLOPs {w:.2} x the mean\n",
+            vs % args.layout.pp,
+            r.start,
+            r.end,
+            r.len()
+        );
+    }
+    out += &format!(
+        "bubble with these stages: {:.1}% (step {:.2} x the equal-stage step; equal stages \
+         {:.1}%, formula {:.1}%)\n",
+        100.0 * weighted.mean_bubble(),
+        weighted.makespan / unit.makespan,
+        100.0 * unit.mean_bubble(),
+        100.0 * schedule.bubble_formula()
+    );
+    Ok(out)
 }

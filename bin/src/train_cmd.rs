@@ -141,9 +141,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         );
     }
     let desc = (family.describe)(&files.config)?;
+    let costs = desc.stage_costs(cfg.seq_len, models::family::Work::Training);
     let ranges = args
         .pipeline
-        .configure(&mut cfg, args.layout.pp, desc.layers, &files.config)?;
+        .configure(&mut cfg, args.layout.pp, &costs, &files.config)?;
     // A length curriculum's phases: their shapes (the tokens of a step kept), within the
     // model's positions (after --rope-* and --max-position-embeddings).
     let shapes = match &cfg.seq_len_schedule {

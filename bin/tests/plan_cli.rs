@@ -354,3 +354,51 @@ fn sliding_window_models_are_planned_by_their_window() {
         "sliding-window layers",
     )]);
 }
+
+/// `cpl plan --pp 2 --model M` without --auto: the split `--pp-layers auto` makes (a 32-layer
+/// model whose head, at hidden 1024 and a 32k vocabulary, costs about 2 layers at 4096 tokens:
+/// 17 + 15 layers), each stage's FLOPs, and the bubble of the schedule run with those costs,
+/// larger than the equal-stage bubble; `--pp-layers even` splits 16 + 16, a slower step. Bad
+/// combinations are clear errors.
+#[test]
+fn plan_shows_a_models_pipeline_stages() {
+    let model = config("plan-stages", 32, 1024, 32_000);
+    let run = |extra: &str| {
+        let o = cpl(&words(&format!(
+            "plan --ranks 2 --pp 2 --micro-batches 8 --model {model} --seq-len 4096 {extra}"
+        )));
+        assert!(o.status.success(), "{extra}: {}", stderr(&o));
+        stdout(&o)
+    };
+    let step = |out: &str| -> f64 {
+        let at = out.find("(step ").unwrap_or_else(|| panic!("{out}")) + 6;
+        out[at..].split(' ').next().unwrap().parse().unwrap()
+    };
+    let auto = run("");
+    assert!(auto.contains("--pp-layers auto:"), "{auto}");
+    assert!(
+        auto.contains("virtual stage 0 (rank 0): layers 0..17 (17)"),
+        "{auto}"
+    );
+    assert!(
+        auto.contains("virtual stage 1 (rank 1): layers 17..32 (15)"),
+        "{auto}"
+    );
+    let even = run("--pp-layers even");
+    assert!(
+        even.contains("virtual stage 0 (rank 0): layers 0..16 (16)"),
+        "{even}"
+    );
+    assert!(step(&auto) < step(&even), "{auto}\n{even}");
+    assert!(step(&auto) >= 1.0, "{auto}");
+    assert_clear_errors(&[
+        (
+            words(&format!("plan --ranks 2 --model {model}")),
+            "--model without --auto shows a model's pipeline stages: give --pp 2 or more",
+        ),
+        (
+            words("plan --ranks 2 --pp 2 --seq-len 64"),
+            "--seq-len: give --model",
+        ),
+    ]);
+}

@@ -832,6 +832,24 @@ fn pipeline_training_matches_one_rank() {
             testkit::assert_close_scalar(*g, *wg, 1e-5, &format!("{name}: step {i} grad norm"));
         }
         assert_same_weights(&out.join("step-4"), &plain.join("step-4"), 1e-5, name);
+        // The split is printed. `--pp-layers auto` (the default) balances the 2 layers (80 k
+        // training FLOPs per token each at 32 tokens) and the head (49 k) as 1 + 1 on two
+        // stages; four (virtual) stages leave no choice: the middle ones need a layer each.
+        let split = if extra.contains(&"--pp-layers") {
+            "(--pp-layers 2,0): 2,0;"
+        } else if extra
+            .windows(2)
+            .any(|w| w == ["--pp", "4"] || w == ["--virtual-stages", "2"])
+        {
+            "(--pp-layers auto): 0,1,1,0;"
+        } else {
+            "(--pp-layers auto): 1,1;"
+        };
+        assert!(
+            stderr(&o).contains(&format!("pipeline layers per virtual stage {split}")),
+            "{name}: {}",
+            stderr(&o)
+        );
         // Every step reports the measured bubble of the pipeline.
         for l in std::fs::read_to_string(out.join("metrics.jsonl"))
             .unwrap()
@@ -992,6 +1010,11 @@ fn bad_pipeline_training_flags_fail_with_a_clear_error() {
             train("--ranks 4 --pp 4 --pp-layers 1,1"),
             "--pp-layers gives 2 counts",
         ),
+        (
+            train("--ranks 2 --pp 2 --pp-layers fast"),
+            "`fast`: give `auto`, `even` or the layers of each virtual stage",
+        ),
+        (train("--pp-layers even"), "give --pp 2 or more"),
         (train("--micro-batches 3"), "give --pp 2 or more"),
         (
             train("--ranks 2 --pp 2 --virtual-stages 2"),

@@ -651,3 +651,100 @@ fn after_a_forward_a_ready_backward_goes_first() {
         ["F0", "F1", "F0.c1", "B0.c1", "F1.c1", "B1.c1", "B0", "B1"]
     );
 }
+
+/// Stages of unequal cost: equal weights give the unit-cost run whatever their scale; two
+/// stages and one micro-batch by hand (forward 1 then `w`, backward `2w` then 2: a makespan of
+/// `3 + 3w`, rank 0 idle `3w` of it, rank 1 idle 3); a slower stage adds idle time; bad costs
+/// are clear errors.
+#[test]
+fn weighted_stages_by_hand() {
+    for (kind, p, m, v) in [
+        (ScheduleKind::OneFOneB, 4, 8, 1),
+        (ScheduleKind::GPipe, 3, 5, 1),
+        (ScheduleKind::Interleaved, 2, 6, 2),
+    ] {
+        let s = PipelineSchedule::new(kind, p, m, v).unwrap();
+        let unit = s.validate().unwrap();
+        let scaled = s.validate_weighted(&vec![2.5; p * v]).unwrap();
+        assert_eq!(scaled.makespan, 2.5 * unit.makespan, "{kind:?}");
+        for (a, b) in scaled.bubble.iter().zip(&unit.bubble) {
+            assert!((a - b).abs() <= 1e-12, "{kind:?}: {a} vs {b}");
+        }
+    }
+    let s = PipelineSchedule::new(ScheduleKind::OneFOneB, 2, 1, 1).unwrap();
+    let w = s.validate_weighted(&[1.0, 2.0]).unwrap();
+    assert_eq!(w.makespan, 9.0);
+    assert!((w.bubble[0] - 2.0 / 3.0).abs() <= 1e-15, "{:?}", w.bubble);
+    assert!((w.bubble[1] - 1.0 / 3.0).abs() <= 1e-15, "{:?}", w.bubble);
+    let s = PipelineSchedule::new(ScheduleKind::OneFOneB, 2, 8, 1).unwrap();
+    let even = s.validate().unwrap().mean_bubble();
+    let uneven = s.validate_weighted(&[1.0, 1.3]).unwrap().mean_bubble();
+    assert!(uneven > even + 0.05, "{uneven} vs {even}");
+    let e = |c: &[f64]| s.validate_weighted(c).unwrap_err().to_string();
+    assert!(e(&[1.0]).contains("1 stage costs for 2 virtual stages"));
+    assert!(e(&[1.0, 0.0]).contains("finite and positive"));
+    assert!(e(&[1.0, f64::NAN]).contains("finite and positive"));
+}
+
+/// `--pp-layers auto` against Llama 3's even split, simulated with each virtual stage's FLOPs:
+/// the benchmark model of docs/benchmarks.md (8 layers, a head of 0.57 layers, pp 2) and a
+/// Llama-3-8B shape (32 layers, a head of 2.4 layers, pp 4). The auto split's step is never
+/// longer; under 1F1B on the Llama 3 shape it is shorter (its last stage drops from 7 layers and
+/// the head to 6 and the head). Where the splits agree (8 layers on 2 ranks) they are the same
+/// run. Interleaved on the benchmark model, the auto split's chunks are even (2, 2, 2, 2 and the
+/// head against 2, 3, 2, 1 and the head) but each rank's total is the same (4 layers, and 4 and
+/// the head), and at these micro-batch counts the ranks' totals set the step.
+#[test]
+fn the_auto_split_shortens_the_simulated_step() {
+    use candle_parallel::pipeline::{split_by_cost, split_layers, StageCosts};
+    let bench = StageCosts {
+        first: 0.0,
+        layers: vec![1.0; 8],
+        last: 0.57,
+    };
+    let llama3 = StageCosts {
+        first: 0.0,
+        layers: vec![1.0; 32],
+        last: 2.4,
+    };
+    for (name, costs, p, v, kind) in [
+        ("bench 1f1b", &bench, 2, 1, ScheduleKind::OneFOneB),
+        ("bench interleaved", &bench, 2, 2, ScheduleKind::Interleaved),
+        ("llama3 1f1b", &llama3, 4, 1, ScheduleKind::OneFOneB),
+        (
+            "llama3 interleaved",
+            &llama3,
+            4,
+            2,
+            ScheduleKind::Interleaved,
+        ),
+    ] {
+        let auto = split_by_cost(costs, p * v).unwrap();
+        let even = split_layers(costs.layers.len(), p * v, None).unwrap();
+        for m in [4, 8, 16] {
+            let s = PipelineSchedule::new(kind, p, m, v).unwrap();
+            let run =
+                |split: &[std::ops::Range<usize>]| s.validate_weighted(&costs.of(split)).unwrap();
+            let (a, e) = (run(&auto), run(&even));
+            if auto == even {
+                assert_eq!(a, e, "{name} m={m}");
+            }
+            assert!(
+                a.makespan <= e.makespan,
+                "{name} m={m}: {} vs {}",
+                a.makespan,
+                e.makespan
+            );
+            if name == "llama3 1f1b" {
+                assert!(
+                    a.makespan < e.makespan,
+                    "{name} m={m}: {} vs {}",
+                    a.makespan,
+                    e.makespan
+                );
+                // The same work in a shorter step: less idle time.
+                assert!(a.mean_bubble() < e.mean_bubble(), "{name} m={m}");
+            }
+        }
+    }
+}

@@ -19,6 +19,7 @@ use std::sync::{Arc, RwLock};
 
 use candle_core::DType;
 use candle_parallel::nn::{Adapters, ParallelCtx, ParamList, ParamMode};
+use candle_parallel::pipeline::StageCosts;
 use candle_parallel::planner::ModelShape;
 
 use crate::causal_lm::CausalLm;
@@ -73,8 +74,33 @@ pub struct Description {
     pub causal: bool,
     /// The shape the planner models (causal LMs).
     pub planner_shape: Option<ModelShape>,
+    /// The same terms piece by piece, for cutting the model into pipeline stages
+    /// ([`Description::stage_costs`]); `None`: layers alike and free ends.
+    pub pieces: Option<Pieces>,
     /// The architecture in one line, for `cpl inspect` (`2 layers, hidden 32, ...`).
     pub summary: String,
+}
+
+/// The FLOPs terms of one piece of a model (see [`Pieces`]).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Piece {
+    /// Parameters that multiply an activation, per token (fractional where a parameter applies
+    /// once per image and is spread over the image's tokens).
+    pub matmul_params: f64,
+    /// Query heads × head dim of its global attention (0: none).
+    pub attention_width: u64,
+    /// Its sliding-window attention: `(query heads × head dim, window)`.
+    pub windowed: Option<(u64, usize)>,
+}
+
+/// A model's FLOPs terms split into what a pipeline cuts: what only the first stage runs (the
+/// embedding, a patch embedding), each layer, and what only the last runs (the final norm, the
+/// head). Summed, the terms of [`Description`].
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Pieces {
+    pub first: Piece,
+    pub layers: Vec<Piece>,
+    pub last: Piece,
 }
 
 impl Description {
@@ -86,11 +112,62 @@ impl Description {
     /// (activation checkpointing) is not useful work and is not counted. The only FLOPs formula
     /// of the workspace.
     pub fn flops_per_token(&self, seq_len: usize, work: Work) -> f64 {
-        let weights = 2.0 * self.matmul_params as f64;
+        self.term_flops(
+            self.matmul_params as f64,
+            self.attention_width,
+            &self.windowed,
+            seq_len,
+            work,
+        )
+    }
+
+    /// Model FLOPs per token of each pipeline piece at `seq_len` tokens per sequence, by the
+    /// formula of [`Description::flops_per_token`] applied to each piece's terms (their sum is
+    /// that total); without [`Description::pieces`], the total over equal layers and free ends.
+    /// What `--pp-layers auto` balances.
+    pub fn stage_costs(&self, seq_len: usize, work: Work) -> StageCosts {
+        match &self.pieces {
+            Some(p) => {
+                let f = |piece: &Piece| {
+                    let windowed: Vec<(u64, usize)> = piece.windowed.into_iter().collect();
+                    self.term_flops(
+                        piece.matmul_params,
+                        piece.attention_width,
+                        &windowed,
+                        seq_len,
+                        work,
+                    )
+                };
+                StageCosts {
+                    first: f(&p.first),
+                    layers: p.layers.iter().map(f).collect(),
+                    last: f(&p.last),
+                }
+            }
+            None => {
+                let per_layer = self.flops_per_token(seq_len, work) / self.layers.max(1) as f64;
+                StageCosts {
+                    first: 0.0,
+                    layers: vec![per_layer; self.layers],
+                    last: 0.0,
+                }
+            }
+        }
+    }
+
+    /// The formula of [`Description::flops_per_token`] for some of the terms.
+    fn term_flops(
+        &self,
+        matmul_params: f64,
+        attention_width: u64,
+        windowed: &[(u64, usize)],
+        seq_len: usize,
+        work: Work,
+    ) -> f64 {
+        let weights = 2.0 * matmul_params;
         let share = if self.causal { 0.5 } else { 1.0 };
         let s = seq_len as f64;
-        let windowed: f64 = self
-            .windowed
+        let windowed: f64 = windowed
             .iter()
             .map(|&(width, w)| {
                 let w = w as f64;
@@ -102,7 +179,7 @@ impl Description {
                 4.0 * width as f64 * keys
             })
             .sum();
-        let attn = 4.0 * self.attention_width as f64 * s * share + windowed;
+        let attn = 4.0 * attention_width as f64 * s * share + windowed;
         match work {
             Work::Forward => weights + attn,
             Work::Training => 3.0 * (weights + attn),
@@ -229,6 +306,14 @@ impl crate::dit::DitConfig {
         let side = self.sample_size / self.patch_size.max(1);
         let tokens_per_image = (side * side).max(1) as u64;
         let (mut per_token, mut per_image) = (0u64, 0u64);
+        let mut pieces = Pieces {
+            layers: vec![Piece::default(); self.num_layers],
+            ..Pieces::default()
+        };
+        let width = self.hidden_size() as u64;
+        for p in &mut pieces.layers {
+            p.attention_width = width;
+        }
         for (name, shape) in self.parameter_shapes() {
             let n = shape.iter().product::<usize>() as u64;
             if name.contains("class_embedder") {
@@ -237,11 +322,28 @@ impl crate::dit::DitConfig {
             let conditioning = name.contains("timestep_embedder")
                 || name.contains("norm1.linear")
                 || name.starts_with("proj_out_1");
-            if conditioning {
+            let per = if conditioning {
                 per_image += n;
+                n as f64 / tokens_per_image as f64
             } else {
                 per_token += n;
-            }
+                n as f64
+            };
+            // Blocks by index; the output projections on the last stage; the patch, timestep
+            // and class embeddings on the first.
+            let block = name
+                .strip_prefix("transformer_blocks.")
+                .and_then(|rest| rest.split('.').next())
+                .and_then(|l| l.parse::<usize>().ok())
+                .filter(|&l| l < self.num_layers);
+            let piece = match block {
+                Some(l) => &mut pieces.layers[l],
+                None if name.starts_with("proj_out") || name.starts_with("norm_out") => {
+                    &mut pieces.last
+                }
+                None => &mut pieces.first,
+            };
+            piece.matmul_params += per;
         }
         let amortized = (per_image + tokens_per_image / 2) / tokens_per_image;
         Description {
@@ -254,6 +356,7 @@ impl crate::dit::DitConfig {
             windowed: Vec::new(),
             causal: false,
             planner_shape: None,
+            pieces: Some(pieces),
             summary: format!(
                 "{} layers, hidden {}, {} heads",
                 self.num_layers,
@@ -409,6 +512,7 @@ mod tests {
             windowed: Vec::new(),
             causal: true,
             planner_shape: None,
+            pieces: None,
             summary: String::new(),
         };
         let (w, a) = (2.0 * 900.0, 4.0 * 16.0 * 32.0 * 0.5);

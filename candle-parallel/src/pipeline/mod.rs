@@ -2,7 +2,7 @@
 //!
 //! - [`schedule`]: each rank's ordered list of forwards, backwards, sends and receives for
 //!   GPipe, 1F1B and interleaved 1F1B, validated before it runs (no tensors involved).
-//! - [`stages`]: how a model's layers are cut into (virtual) stages.
+//! - [`stages`]: how a model's layers are cut into (virtual) stages (by cost by default).
 //! - [`executor`]: runs one rank's list on its model chunks ([`StageModel`]), sending and
 //!   receiving over the `pp` communicator.
 //! - [`stage`]: the one stage of every model (embed → layer range → head and loss) over a
@@ -17,4 +17,4 @@ pub mod stages;
 pub use executor::{finish_step, run_schedule, ExecTimes, StageGrads, StageModel};
 pub use schedule::{Action, ActionKind, PipelineSchedule, ScheduleKind, ScheduleStats};
 pub use stage::{run_stage_step, Stage, StageLoss, StageOutput, StageStep, StagedModel};
-pub use stages::{gather_to_first, split_layers};
+pub use stages::{gather_to_first, split_by_cost, split_layers, LayerSplit, StageCosts};

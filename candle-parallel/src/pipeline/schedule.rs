@@ -252,7 +252,34 @@ impl PipelineSchedule {
     /// flight never go negative and end at zero, and no rank waits forever (a deadlock is
     /// reported with what each stuck rank waits for).
     pub fn validate(&self) -> Result<ScheduleStats> {
+        self.simulate(None)
+    }
+
+    /// [`PipelineSchedule::validate`] with stages of unequal cost: virtual stage `vs`'s forward
+    /// takes `forward_costs[vs]` and its backward twice that (e.g. each stage's FLOPs over the
+    /// mean stage's, [`super::StageCosts::of`]): the bubble of a model's actual split. Errors
+    /// as `validate`, or when the costs are not one positive finite number per virtual stage.
+    pub fn validate_weighted(&self, forward_costs: &[f64]) -> Result<ScheduleStats> {
+        let n = self.stages * self.chunks;
+        if forward_costs.len() != n {
+            return Err(invalid(format!(
+                "{} stage costs for {n} virtual stages",
+                forward_costs.len()
+            )));
+        }
+        if let Some(c) = forward_costs.iter().find(|c| !c.is_finite() || **c <= 0.0) {
+            return Err(invalid(format!(
+                "a stage cost of {c}: costs must be finite and positive"
+            )));
+        }
+        self.simulate(Some(forward_costs))
+    }
+
+    /// The run behind [`PipelineSchedule::validate`] (`weights`: each virtual stage's forward
+    /// cost, unit when `None`).
+    fn simulate(&self, weights: Option<&[f64]>) -> Result<ScheduleStats> {
         let (p, v, m) = (self.stages, self.chunks, self.micro_batches);
+        let weight = |vs: usize| weights.map_or(1.0, |w| w[vs]);
         if self.ranks.len() != p {
             return Err(invalid(format!(
                 "{} rank lists for {p} stages",
@@ -293,8 +320,8 @@ impl PipelineSchedule {
                                 return Err(invalid(at("second forward of this micro-batch")));
                             }
                             starts[r].push((a, clock[r]));
-                            clock[r] += FORWARD_COST;
-                            busy[r] += FORWARD_COST;
+                            clock[r] += FORWARD_COST * weight(vs);
+                            busy[r] += FORWARD_COST * weight(vs);
                             if !self.forward_only {
                                 in_flight[r] += 1;
                                 peak[r] = peak[r].max(in_flight[r]);
@@ -319,8 +346,8 @@ impl PipelineSchedule {
                                 .checked_sub(1)
                                 .ok_or_else(|| invalid(at("activations in flight below zero")))?;
                             starts[r].push((a, clock[r]));
-                            clock[r] += BACKWARD_COST;
-                            busy[r] += BACKWARD_COST;
+                            clock[r] += BACKWARD_COST * weight(vs);
+                            busy[r] += BACKWARD_COST * weight(vs);
                         }
                         ActionKind::SendActivation | ActionKind::SendGradient => {
                             let fwd = a.kind == ActionKind::SendActivation;

@@ -3,7 +3,8 @@
 //! One optimizer step trains `sequences` sequences of `seq_len` tokens: each data-parallel rank
 //! runs `micro_batches = sequences / dp` micro-batches of one sequence, split over the
 //! `ulysses x ring` sequence-parallel ranks, the `tp` tensor-parallel ranks and the `pp`
-//! pipeline stages (the default 1F1B schedule, the default layer split).
+//! pipeline stages (the default 1F1B schedule, the default layer split: `--pp-layers auto`, the
+//! stages balanced by their compute with the head on the last).
 //!
 //! **Time** of a micro-batch on a stage: matmul FLOPs (`6 x` parameters `x` tokens, of the
 //! rank's tensor-parallel slice) at the device's matmul rate; attention FLOPs (`3 x 4 S^2 h d`
@@ -44,7 +45,7 @@ use crate::error::{Error, Result};
 use crate::mesh::{Dim, MeshLayout};
 use crate::nn::TpActivations;
 use crate::optim::ZeroStage;
-use crate::pipeline::{split_layers, PipelineSchedule, ScheduleKind};
+use crate::pipeline::{split_by_cost, PipelineSchedule, ScheduleKind, StageCosts};
 use crate::plan::{Layout, MemoryPlan};
 use crate::recompute::Checkpointing;
 
@@ -434,7 +435,6 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
     let (mm_rate, mem_bw) = (st.mm_rate, st.mem_bw);
     let sp_ranks = u * r;
     let micro_batches = work.sequences / dp;
-    let stages = split_layers(m.layers, pp, None)?;
     let deg = |d: Dim| cand.layout.mesh.degree(d);
     let link = |dim: Dim| hw.link(mesh_layout.stride(dim), deg(dim));
     // Seconds per parameter of one pass of the optimizer step over a rank's parameters, and of
@@ -588,6 +588,19 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
         |params: f64, experts: f64| (params - experts) * (z - 1.0) / z + experts * (ze - 1.0) / ze;
 
     // ---- stages ----
+    // The LM head and loss on the last stage: a product forward, two backward, of this rank's
+    // vocab slice.
+    let head = 6.0 * v / tpf * h * tok / mm_rate;
+    // The stages as `--pp-layers auto` cuts them, balanced by compute (equal layers here, the
+    // head on the last stage).
+    let stages = split_by_cost(
+        &StageCosts {
+            first: 0.0,
+            layers: vec![layer_compute; m.layers],
+            last: head,
+        },
+        pp,
+    )?;
     let last = stages.len() - 1;
     let mut stage_time: Vec<f64> = Vec::new();
     let mut stage_grads: Vec<f64> = Vec::new();
@@ -613,8 +626,7 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
             } else {
                 emb
             } + h;
-            // LM head and loss: a product forward, two backward, of this rank's vocab slice.
-            t += 6.0 * v / tpf * h * tok / mm_rate;
+            t += head;
         }
         if pp > 1 {
             let l = link(Dim::Pp);

@@ -353,8 +353,55 @@ impl DecoderSpec {
                 .collect(),
             causal: true,
             planner_shape: Some(self.planner_shape()),
+            pieces: Some(self.pieces()),
             summary: self.summary(),
         }
+    }
+
+    /// The terms of [`DecoderSpec::description`] piece by piece: each layer's parameters (its
+    /// experts' active share) and attention; the input embedding is a lookup on the first
+    /// stage; the final norm and the head (the tied embedding, or `lm_head`) on the last.
+    fn pieces(&self) -> crate::family::Pieces {
+        use crate::family::{Piece, Pieces};
+        let width = (self.num_heads * self.head_dim) as u64;
+        let mut pieces = Pieces {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| match l.window {
+                    Some(w) => Piece {
+                        windowed: Some((width, w)),
+                        ..Piece::default()
+                    },
+                    None => Piece {
+                        attention_width: width,
+                        ..Piece::default()
+                    },
+                })
+                .collect(),
+            ..Pieces::default()
+        };
+        for (name, shape) in self.parameter_shapes() {
+            let n = shape.iter().product::<usize>() as f64;
+            let layer = name
+                .strip_prefix("model.layers.")
+                .and_then(|rest| rest.split('.').next())
+                .and_then(|l| l.parse::<usize>().ok());
+            match layer {
+                Some(l) if l < pieces.layers.len() => pieces.layers[l].matmul_params += n,
+                _ if name == "model.embed_tokens.weight" && !self.tie_word_embeddings => {}
+                _ => pieces.last.matmul_params += n,
+            }
+        }
+        for (l, piece) in pieces.layers.iter_mut().enumerate() {
+            if let Some(m) = self.sparse_block(l) {
+                let b = &m.block;
+                piece.matmul_params -=
+                    ((b.num_experts - b.top_k) * 3 * b.hidden_size * b.expert_intermediate_size)
+                        as f64;
+            }
+        }
+        pieces
     }
 
     /// `2 layers, hidden 32, intermediate 64, 4 heads / 2 kv heads, head_dim 8, vocab 256`,
@@ -501,5 +548,56 @@ mod tests {
         let cfg = crate::llama::LlamaConfig::from_json(text, std::path::Path::new("x")).unwrap();
         use crate::decoder::ToDecoderSpec;
         assert_eq!(cfg.decoder_spec().unwrap().planner_shape().window, None);
+    }
+
+    /// The pipeline pieces add up to the whole model's FLOPs for every family (dense, tied,
+    /// windowed, sparse; training, frozen and forward; sequences shorter and longer than the
+    /// windows), to the sums' rounding (1e-12 relative: a few additions of f64 terms). A
+    /// windowed layer costs less than a global one at 64 tokens, a sparse layer counts the
+    /// experts a token uses (the sum's test), and the head sits on the last stage.
+    #[test]
+    fn pipeline_pieces_add_up_to_the_model() {
+        use crate::family::Work;
+        let dirs = [
+            "zoo/qwen2",
+            "zoo/qwen3",
+            "zoo/mistral",
+            "zoo/gemma2",
+            "zoo/gemma3",
+            "zoo/phi3",
+            "llama/gqa",
+            "moe/mixtral",
+            "moe/qwen2_moe",
+            "moe/qwen3_moe",
+        ];
+        for dir in dirs {
+            let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../tests/fixtures")
+                .join(dir)
+                .join("config.json");
+            let family = crate::family::detect(&path).unwrap();
+            let d = (family.describe)(&path).unwrap();
+            assert!(d.pieces.is_some(), "{dir}");
+            for work in [Work::Training, Work::FrozenTraining, Work::Forward] {
+                for seq in [4, 64] {
+                    let c = d.stage_costs(seq, work);
+                    assert_eq!(c.layers.len(), d.layers, "{dir}");
+                    let sum = c.first + c.layers.iter().sum::<f64>() + c.last;
+                    let want = d.flops_per_token(seq, work);
+                    assert!(
+                        (sum - want).abs() <= 1e-12 * want,
+                        "{dir} {work:?} {seq}: pieces {sum} vs {want}"
+                    );
+                    assert_eq!(c.first, 0.0, "{dir}: the embedding is a lookup");
+                    assert!(c.last > 0.0, "{dir}: the head");
+                }
+            }
+        }
+        // Gemma 3's fixture: layers 0 and 1 see 8 tokens, layer 2 all 64.
+        let path = fixture("gemma3");
+        let d = (crate::family::detect(&path).unwrap().describe)(&path).unwrap();
+        let g = d.stage_costs(64, Work::Training);
+        assert_eq!(g.layers[0], g.layers[1], "{g:?}");
+        assert!(g.layers[0] < g.layers[2], "{g:?}");
     }
 }
