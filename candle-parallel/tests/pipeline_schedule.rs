@@ -748,3 +748,36 @@ fn the_auto_split_shortens_the_simulated_step() {
         }
     }
 }
+
+/// Megatron's 1F1B on rank `r` of `p` for any `m`: `min(p - r - 1, m)` warm-up forwards, then
+/// one forward and one backward at a time, then the remaining backwards.
+fn megatron_one_f_one_b(p: usize, m: usize, r: usize) -> Vec<String> {
+    let warmup = (p - r - 1).min(m);
+    let mut out: Vec<String> = (0..warmup).map(|k| format!("F{k}")).collect();
+    for i in 0..m - warmup {
+        out.push(format!("F{}", warmup + i));
+        out.push(format!("B{i}"));
+    }
+    out.extend((m - warmup..m).map(|k| format!("B{k}")));
+    out
+}
+
+/// With one chunk the generated 1F1B order is Megatron's on every rank for every number of
+/// micro-batches, multiples of `p` or not, fewer than `p` included (Megatron's 1F1B does not
+/// need `m` to be a multiple of `p`; only its interleaved schedule does).
+#[test]
+fn one_f_one_b_order_is_megatrons_for_any_micro_batches() {
+    for p in 1..=6 {
+        for m in 1..=13 {
+            let s = PipelineSchedule::new(ScheduleKind::OneFOneB, p, m, 1).unwrap();
+            for r in 0..p {
+                let got: Vec<String> = s.ranks[r]
+                    .iter()
+                    .filter(|a| matches!(a.kind, ActionKind::Forward | ActionKind::Backward))
+                    .map(|a| a.to_string())
+                    .collect();
+                assert_eq!(got, megatron_one_f_one_b(p, m, r), "p={p} m={m} rank {r}");
+            }
+        }
+    }
+}
