@@ -152,6 +152,9 @@ fn fresh_adapters_start_at_the_base_model() {
         targets: LoraTargets::parse("q_proj,v_proj,down_proj").unwrap(),
         use_rslora: false,
         seed: 1,
+        target_parameters: Vec::new(),
+        alpha_pattern: Default::default(),
+        rank_pattern: Default::default(),
     };
     let adapters = Adapters::new(cfg, None).unwrap();
     on_one_rank(Some(adapters), |model, ctx, params| {
