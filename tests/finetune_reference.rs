@@ -271,7 +271,8 @@ fn bad_adapters_are_clear_errors() {
     .unwrap_err();
     let err = err.to_string();
     assert!(err.contains("lora_A") && err.contains("expects"), "{err}");
-    // PEFT options that would change the result are refused, not ignored.
+    // PEFT options that would change the result and cannot be honoured are refused, not
+    // ignored (alpha_pattern is honoured for target parameters only).
     let patterned = cfg.replace(
         "\"alpha_pattern\": {}",
         "\"alpha_pattern\": {\"q_proj\": 4}",

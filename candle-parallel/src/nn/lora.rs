@@ -165,6 +165,27 @@ impl LoraConfig {
         if !self.alpha.is_finite() {
             return Err(Error::invalid("lora", "lora_alpha must be a finite number"));
         }
+        // Patterns are honoured for target parameters only (the linear layers targeted by
+        // module name take `rank` and `alpha`): any other pattern is refused, not ignored.
+        let keys = self.rank_pattern.keys().chain(self.alpha_pattern.keys());
+        for k in keys {
+            let s = pattern_suffix(k)?;
+            let last = s.rsplit('.').next().unwrap_or(&s);
+            let of_parameter = self
+                .target_parameters
+                .iter()
+                .any(|t| t.rsplit('.').next() == Some(last));
+            if !of_parameter {
+                return Err(Error::invalid(
+                    "lora",
+                    format!(
+                        "rank_pattern / alpha_pattern key {k:?}: only the target parameters' \
+                         ranks and alphas may differ (here {:?})",
+                        self.target_parameters
+                    ),
+                ));
+            }
+        }
         for (k, &r) in &self.rank_pattern {
             pattern_suffix(k)?;
             if r == 0 {
