@@ -220,7 +220,7 @@ pub fn for_transformers5(cfg: &LoraConfig, family: &str) -> candle_parallel::Res
     let names: Vec<String> = match &cfg.targets {
         LoraTargets::AllLinear => ATTENTION_LINEAR
             .iter()
-            .chain([router, gate, up, down].into_iter())
+            .chain([router, gate, up, down])
             .map(|s| s.to_string())
             .collect(),
         LoraTargets::Names(n) => n.clone(),
