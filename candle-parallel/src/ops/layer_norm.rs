@@ -296,7 +296,7 @@ fn rows_per_group(name: &str, n: usize, hidden: usize, groups: usize) -> Result<
         return Ok(0);
     }
     let rows = n / hidden;
-    if n % hidden != 0 || rows % groups != 0 {
+    if !n.is_multiple_of(hidden) || !rows.is_multiple_of(groups) {
         bail!("{name}: {n} elements are not {groups} groups of rows of {hidden}");
     }
     Ok(rows / groups)
