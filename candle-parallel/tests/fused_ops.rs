@@ -404,7 +404,7 @@ fn adaln_f64(
         .collect();
     let mut b_dx = vec![0f64; dxv.len()];
     let dx_slack = slack(&dxv);
-    for row in 0..groups * rows {
+    for (row, &inv_std) in rv.iter().enumerate().take(groups * rows) {
         let base = row * hidden;
         let grp = row / rows * hidden;
         let dn: Vec<f64> = (0..hidden).map(|j| gv[base + j] * s1v[grp + j]).collect();
@@ -413,9 +413,9 @@ fn adaln_f64(
             .map(|j| (dn[j] * nv[base + j]).abs())
             .sum::<f64>()
             / hidden as f64;
-        for j in 0..hidden {
+        for (j, d) in dn.iter().enumerate() {
             let i = base + j;
-            b_dx[i] = 2.0 * u * rv[row] * (dn[j].abs() + mean_dn + nv[i].abs() * mean_dnn)
+            b_dx[i] = 2.0 * u * inv_std * (d.abs() + mean_dn + nv[i].abs() * mean_dnn)
                 + (u + u_t) * dxv[i].abs()
                 + dx_slack;
         }
