@@ -1,9 +1,16 @@
-//! The fused ops (`rms_norm`, `RotaryEmbedding`, `swiglu`, `gelu_tanh`) against composite candle
-//! computations built from differentiable primitives: values and gradients of every input.
+//! The fused ops (`rms_norm`, `layer_norm`, `layer_norm_modulate`, `gated_residual`,
+//! `RotaryEmbedding`, `swiglu`, `gelu_tanh`) against composite candle computations built from
+//! differentiable primitives: values and gradients of every input. LayerNorm, its modulation and
+//! the gated residual also against float64, on random and ill-conditioned inputs, within error
+//! bounds derived from their rounding points.
 
 mod common;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
-use candle_parallel::ops::{gelu_tanh, inv_freq, rms_norm, swiglu, RopeScaling, RotaryEmbedding};
+use candle_parallel::ops::{
+    gated_residual, gated_residual_composite, gelu_tanh, inv_freq, layer_norm,
+    layer_norm_composite, layer_norm_modulate, layer_norm_modulate_composite, rms_norm, swiglu,
+    RopeScaling, RotaryEmbedding,
+};
 use common::zigzag;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -155,6 +162,422 @@ fn rms_norm_rejects_bad_inputs() -> Result<()> {
     let xi = x.to_dtype(DType::U32)?;
     let wi = w8.to_dtype(DType::U32)?;
     assert!(rms_norm(&xi, &wi, EPS).is_err(), "integer dtype");
+    Ok(())
+}
+
+// ---------------------------------------------------------------- LayerNorm, adaLN, gated residual
+
+const LN_EPS: f64 = 1e-6;
+
+#[test]
+fn layer_norm_matches_composite() -> Result<()> {
+    let mut rng = StdRng::seed_from_u64(21);
+    type Params = for<'a> fn(&'a [Tensor]) -> (Option<&'a Tensor>, Option<&'a Tensor>);
+    let forms: [(&str, usize, Params); 4] = [
+        ("weight+bias", 2, |t| (Some(&t[1]), Some(&t[2]))),
+        ("weight", 1, |t| (Some(&t[1]), None)),
+        ("bias", 1, |t| (None, Some(&t[1]))),
+        ("no affine", 0, |_| (None, None)),
+    ];
+    for (dt, tol) in DTYPES {
+        for (form, n_params, params) in forms {
+            // Transposed input: stored (2, 48, 5), used as (2, 5, 48); then narrowed with
+            // enough rows for several backward blocks: (3, 40, 512) -> (3, 32, 512).
+            type View = fn(&Tensor) -> Result<Tensor>;
+            let views: [(&str, [usize; 3], [usize; 3], View); 2] = [
+                ("transposed", [2, 48, 5], [2, 5, 48], |t| t.transpose(1, 2)),
+                ("narrowed", [3, 40, 512], [3, 32, 512], |t| {
+                    t.narrow(1, 5, 32)
+                }),
+            ];
+            for (view_name, stored, used, view) in views {
+                let xv = Var::from_tensor(&rand_tensor(&mut rng, &stored, dt)?)?;
+                let mut vars = vec![xv];
+                for _ in 0..n_params {
+                    vars.push(Var::from_tensor(&rand_tensor(&mut rng, &[used[2]], dt)?)?);
+                }
+                let g = rand_tensor(&mut rng, &used, dt)?;
+                let refs: Vec<&Var> = vars.iter().collect();
+                check_op(
+                    &format!("layer_norm {form} {view_name} {dt:?}"),
+                    &refs,
+                    &g,
+                    tol,
+                    |t| {
+                        let (w, b) = params(t);
+                        layer_norm(&view(&t[0])?, w, b, LN_EPS)
+                    },
+                    |t| {
+                        let (w, b) = params(t);
+                        layer_norm_composite(&view(&t[0])?, w, b, LN_EPS)
+                    },
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn layer_norm_modulate_and_gated_residual_match_composite() -> Result<()> {
+    let mut rng = StdRng::seed_from_u64(22);
+    for (dt, tol) in DTYPES {
+        // x stored (3, 48, 7), used as (3, 7, 48); shift and scale (or the gate) are chunks of
+        // one (3, 96) projection, as DiT's; then 300 rows per sample (two backward blocks each).
+        type View = fn(&Tensor) -> Result<Tensor>;
+        let views: [(&str, [usize; 3], [usize; 3], View); 2] = [
+            ("transposed", [3, 48, 7], [3, 7, 48], |t| t.transpose(1, 2)),
+            ("contiguous", [2, 300, 64], [2, 300, 64], |t| Ok(t.clone())),
+        ];
+        for (view_name, stored, used, view) in views {
+            let h = used[2];
+            let xv = Var::from_tensor(&rand_tensor(&mut rng, &stored, dt)?)?;
+            let mv = Var::from_tensor(&rand_tensor(&mut rng, &[used[0], 2 * h], dt)?)?;
+            let g = rand_tensor(&mut rng, &used, dt)?;
+            let chunks = |m: &Tensor| -> Result<(Tensor, Tensor)> {
+                Ok((m.narrow(1, 0, h)?, m.narrow(1, h, h)?))
+            };
+            check_op(
+                &format!("layer_norm_modulate {view_name} {dt:?}"),
+                &[&xv, &mv],
+                &g,
+                tol,
+                |t| {
+                    let (shift, scale) = chunks(&t[1])?;
+                    layer_norm_modulate(&view(&t[0])?, &shift, &scale, LN_EPS)
+                },
+                |t| {
+                    let (shift, scale) = chunks(&t[1])?;
+                    layer_norm_modulate_composite(&view(&t[0])?, &shift, &scale, LN_EPS)
+                },
+            )?;
+            let yv = Var::from_tensor(&rand_tensor(&mut rng, &used, dt)?)?;
+            check_op(
+                &format!("gated_residual {view_name} {dt:?}"),
+                &[&xv, &yv, &mv],
+                &g,
+                tol,
+                |t| gated_residual(&view(&t[0])?, &t[1], &t[2].narrow(1, h, h)?),
+                |t| gated_residual_composite(&view(&t[0])?, &t[1], &t[2].narrow(1, h, h)?),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn layer_norm_ops_reject_bad_inputs() -> Result<()> {
+    let mut rng = StdRng::seed_from_u64(23);
+    let x = rand_tensor(&mut rng, &[2, 3, 16], DType::F32)?;
+    let w = rand_tensor(&mut rng, &[16], DType::F32)?;
+    let w16 = w.to_dtype(DType::BF16)?;
+    let w8 = rand_tensor(&mut rng, &[8], DType::F32)?;
+    let m = rand_tensor(&mut rng, &[2, 16], DType::F32)?;
+    let m3 = rand_tensor(&mut rng, &[3, 16], DType::F32)?;
+    for (what, r) in [
+        ("weight dtype", layer_norm(&x, Some(&w16), None, LN_EPS)),
+        ("weight length", layer_norm(&x, Some(&w8), None, LN_EPS)),
+        ("bias length", layer_norm(&x, None, Some(&w8), LN_EPS)),
+        ("negative eps", layer_norm(&x, None, None, -1.0)),
+        (
+            "integer x",
+            layer_norm(&x.to_dtype(DType::U32)?, None, None, LN_EPS),
+        ),
+        ("scale batch", layer_norm_modulate(&x, &m, &m3, LN_EPS)),
+        ("shift batch", layer_norm_modulate(&x, &m3, &m, LN_EPS)),
+        ("modulate rank 1", layer_norm_modulate(&w, &m, &m, LN_EPS)),
+        ("gate batch", gated_residual(&x, &x, &m3)),
+        ("y shape", gated_residual(&x, &x.narrow(1, 0, 2)?, &m)),
+        ("y dtype", gated_residual(&x, &x.to_dtype(DType::BF16)?, &m)),
+    ] {
+        assert!(r.is_err(), "{what}: accepted");
+    }
+    Ok(())
+}
+
+/// f32's unit roundoff: one rounding to f32 changes a value by at most this fraction of it.
+const U32: f64 = 1.0 / (1u64 << 24) as f64;
+
+/// Asserts `|got_i - want_i| <= bound_i` for every element (and no NaN or unmatched infinity).
+fn assert_within(what: &str, got: &Tensor, want: &Tensor, bound: &[f64]) {
+    let (g, w) = (testkit::values(got), testkit::values(want));
+    assert_eq!(g.len(), bound.len(), "{what}: sizes");
+    if let Some((_, msg)) = testkit::first_non_finite(&g, &w) {
+        panic!("{what}: {msg}");
+    }
+    for (i, ((&a, &b), &e)) in g.iter().zip(&w).zip(bound).enumerate() {
+        assert!(
+            (a - b).abs() <= e,
+            "{what}: element {i}: {a} vs float64 {b}: error {:.3e} > bound {e:.3e}",
+            (a - b).abs()
+        );
+    }
+}
+
+/// `(x, shift, scale, g)` values of an adaLN case `(groups, rows, hidden)` as f32 vectors:
+/// random non-zero values plus `offset` (a large mean relative to the spread makes the centring
+/// ill-conditioned, κ ≈ offset / std), and with `outlier` every fourth row carries one channel
+/// at that value (a massive activation that sets the row's variance).
+fn adaln_case(
+    rng: &mut StdRng,
+    (groups, rows, hidden): (usize, usize, usize),
+    offset: f32,
+    outlier: f32,
+) -> [Vec<f32>; 4] {
+    let mut rand = |n: usize, lo: f32, hi: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let m = rng.random_range(lo..hi);
+                if rng.random_bool(0.5) {
+                    m
+                } else {
+                    -m
+                }
+            })
+            .collect()
+    };
+    let mut x: Vec<f32> = rand(groups * rows * hidden, 0.05, 2.0)
+        .into_iter()
+        .map(|v| v + offset)
+        .collect();
+    if outlier != 0.0 {
+        for r in (0..groups * rows).step_by(4) {
+            x[r * hidden + 5] = outlier;
+        }
+    }
+    let shift = rand(groups * hidden, 0.05, 2.0);
+    let scale = rand(groups * hidden, 0.05, 1.0);
+    let g = rand(groups * rows * hidden, 0.05, 2.0);
+    [x, shift, scale, g]
+}
+
+/// The float64 reference of `norm(x) · (1 + scale) + shift` and the gradients of
+/// `Σ out · g` with respect to x, scale and shift (candle's autograd in f64), with the error
+/// bounds of the fused op in a dtype whose unit roundoff is `u_t` (0 for f32: its final
+/// rounding is the f32 one counted below):
+/// - out: `n = (x - mean) · r` rounded to f32 (`u·|n|`), `1 + scale` (`u·|1 + scale|`), the
+///   product and the sum each rounded (`u·|n (1 + scale)|`, `u·|out|`), the dtype rounding
+///   `u_t·|out|`: `3u·|n (1 + scale)| + (u + u_t)·|out|`;
+/// - dx = `r (dn - mean(dn) - n · mean(dn · n))` with `dn = g · (1 + scale)` carrying `2u·|dn|`
+///   (two f32 roundings), the rest in f64, rounded once: `2u · r (|dn_j| + mean|dn| + |n_j| ·
+///   mean|dn · n|) + (u + u_t)·|dx_j|`;
+/// - dscale = `Σ g · n`, dshift = `Σ g`, summed in f64 and rounded once: `(u + u_t)·|value|`.
+///
+/// Each bound gets an absolute `1e-12 · max|value|` for the f64 arithmetic (unit roundoff
+/// 1.1e-16 times at most a few thousand terms and κ ≤ 1e4).
+fn adaln_f64(
+    dims: (usize, usize, usize),
+    [x, shift, scale, g]: &[Vec<f32>; 4],
+    u_t: f64,
+) -> Result<([Tensor; 4], [Vec<f64>; 4])> {
+    let (groups, rows, hidden) = dims;
+    let dev = &Device::Cpu;
+    let f64s = |v: &[f32]| v.iter().map(|&a| a as f64).collect::<Vec<f64>>();
+    let xv = Var::from_tensor(&Tensor::from_vec(f64s(x), (groups, rows, hidden), dev)?)?;
+    let bv = Var::from_tensor(&Tensor::from_vec(f64s(shift), (groups, hidden), dev)?)?;
+    let sv = Var::from_tensor(&Tensor::from_vec(f64s(scale), (groups, hidden), dev)?)?;
+    let gt = Tensor::from_vec(f64s(g), (groups, rows, hidden), dev)?;
+    let xt = xv.as_tensor();
+    let c = xt.broadcast_sub(&xt.mean_keepdim(D::Minus1)?)?;
+    let var = c.sqr()?.mean_keepdim(D::Minus1)?;
+    let r = (var + LN_EPS)?.sqrt()?.recip()?;
+    let n = c.broadcast_mul(&r)?;
+    let s1 = (sv.as_tensor().unsqueeze(1)? + 1.0)?;
+    let out = n
+        .broadcast_mul(&s1)?
+        .broadcast_add(&bv.as_tensor().unsqueeze(1)?)?;
+    let grads = (&out * &gt)?.sum_all()?.backward()?;
+    let get = |v: &Var| grads.get(v.as_tensor()).cloned().expect("a gradient");
+    let (dx, ds, db) = (get(&xv), get(&sv), get(&bv));
+    // Bounds, element by element.
+    let vals = |t: &Tensor| testkit::values(t);
+    let (nv, s1v, outv, rv) = (vals(&n), vals(&s1), vals(&out), vals(&r));
+    let (gv, dxv) = (vals(&gt), vals(&dx));
+    let u = U32;
+    let slack = |v: &[f64]| 1e-12 * testkit::max_abs_values(v);
+    let out_slack = slack(&outv);
+    let b_out: Vec<f64> = (0..outv.len())
+        .map(|i| {
+            let j = i % hidden + i / (rows * hidden) * hidden;
+            3.0 * u * (nv[i] * s1v[j]).abs() + (u + u_t) * outv[i].abs() + out_slack
+        })
+        .collect();
+    let mut b_dx = vec![0f64; dxv.len()];
+    let dx_slack = slack(&dxv);
+    for (row, &inv_std) in rv.iter().enumerate().take(groups * rows) {
+        let base = row * hidden;
+        let grp = row / rows * hidden;
+        let dn: Vec<f64> = (0..hidden).map(|j| gv[base + j] * s1v[grp + j]).collect();
+        let mean_dn = dn.iter().map(|v| v.abs()).sum::<f64>() / hidden as f64;
+        let mean_dnn = (0..hidden)
+            .map(|j| (dn[j] * nv[base + j]).abs())
+            .sum::<f64>()
+            / hidden as f64;
+        for (j, d) in dn.iter().enumerate() {
+            let i = base + j;
+            b_dx[i] = 2.0 * u * inv_std * (d.abs() + mean_dn + nv[i].abs() * mean_dnn)
+                + (u + u_t) * dxv[i].abs()
+                + dx_slack;
+        }
+    }
+    let b_sum = |v: Vec<f64>| {
+        let s = slack(&v);
+        v.iter()
+            .map(|a| (u + u_t) * a.abs() + s)
+            .collect::<Vec<f64>>()
+    };
+    let (b_ds, b_db) = (b_sum(vals(&ds)), b_sum(vals(&db)));
+    Ok(([out, dx, ds, db], [b_out, b_dx, b_ds, b_db]))
+}
+
+/// `layer_norm_modulate` (fused) or its composite in `dt` on the case's values: the output and
+/// the gradients of `Σ out · g` with respect to x, scale and shift.
+fn adaln_run(
+    dims: (usize, usize, usize),
+    [x, shift, scale, g]: &[Vec<f32>; 4],
+    dt: DType,
+    fused: bool,
+) -> Result<[Tensor; 4]> {
+    let (groups, rows, hidden) = dims;
+    let dev = &Device::Cpu;
+    let t = |v: &[f32], shape: &[usize]| Tensor::from_vec(v.to_vec(), shape, dev)?.to_dtype(dt);
+    let xv = Var::from_tensor(&t(x, &[groups, rows, hidden])?)?;
+    let bv = Var::from_tensor(&t(shift, &[groups, hidden])?)?;
+    let sv = Var::from_tensor(&t(scale, &[groups, hidden])?)?;
+    let gt = t(g, &[groups, rows, hidden])?;
+    let f = if fused {
+        layer_norm_modulate
+    } else {
+        layer_norm_modulate_composite
+    };
+    let out = f(xv.as_tensor(), bv.as_tensor(), sv.as_tensor(), LN_EPS)?;
+    let grads = (&out * &gt)?.sum_all()?.backward()?;
+    let get = |v: &Var| grads.get(v.as_tensor()).cloned().expect("a gradient");
+    Ok([out, get(&xv), get(&sv), get(&bv)])
+}
+
+/// The fused adaLN LayerNorm against float64 (candle autograd in f64 on the same values): the
+/// output and the gradients of x, scale and shift, in f32 and bf16, each element within the
+/// bound derived from the kernel's rounding points ([`adaln_f64`]), on random rows and on
+/// ill-conditioned ones: a mean 1e3 and 1e4 times the spread (f32; 30 times in bf16, whose
+/// 8-bit values cannot hold a larger offset with any spread) and massive activations (one
+/// channel at 3e4 on every fourth row). In f32 the composite of candle ops is measured
+/// against the same reference: on the ill-conditioned rows the fused op must be at least as
+/// close to float64 in every quantity (the composite rounds the mean to f32 before centring:
+/// an error of about `κ · u` per element).
+#[test]
+fn layer_norm_modulate_against_float64() -> Result<()> {
+    let mut rng = StdRng::seed_from_u64(24);
+    let dims = (2, 40, 384);
+    let cases: [(DType, &str, f32, f32); 7] = [
+        (DType::F32, "random", 0.0, 0.0),
+        (DType::F32, "mean 1e3", 1e3, 0.0),
+        (DType::F32, "mean 1e4", 1e4, 0.0),
+        (DType::F32, "massive", 0.0, 3e4),
+        (DType::BF16, "random", 0.0, 0.0),
+        (DType::BF16, "mean 30", 30.0, 0.0),
+        (DType::BF16, "massive", 0.0, 3e4),
+    ];
+    let names = ["out", "dx", "dscale", "dshift"];
+    for (dt, case, offset, outlier) in cases {
+        let mut vals = adaln_case(&mut rng, dims, offset, outlier);
+        // The reference sees exactly the values the op sees.
+        if dt == DType::BF16 {
+            for v in vals.iter_mut() {
+                for a in v.iter_mut() {
+                    *a = half::bf16::from_f32(*a).to_f32();
+                }
+            }
+        }
+        let u_t = if dt == DType::BF16 { 1.0 / 256.0 } else { 0.0 };
+        let (want, bounds) = adaln_f64(dims, &vals, u_t)?;
+        let fused = adaln_run(dims, &vals, dt, true)?;
+        for i in 0..4 {
+            let what = format!("{dt:?} {case}: {}", names[i]);
+            assert_within(&what, &fused[i], &want[i], &bounds[i]);
+        }
+        if dt == DType::F32 {
+            let comp = adaln_run(dims, &vals, dt, false)?;
+            for i in 0..4 {
+                let (ef, ec) = (
+                    testkit::rel_err(&fused[i], &want[i]),
+                    testkit::rel_err(&comp[i], &want[i]),
+                );
+                eprintln!(
+                    "layer_norm_modulate {case} {}: fused {ef:.2e}, composite {ec:.2e}",
+                    names[i]
+                );
+                if offset != 0.0 || outlier != 0.0 {
+                    assert!(
+                        ef <= ec,
+                        "{case}: {}: fused error {ef:.3e} above the composite's {ec:.3e}",
+                        names[i]
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The gated residual against float64 in f32 and bf16: `out = x + gate · y` carries the
+/// product's and the sum's f32 roundings and the dtype's (`u·|gate·y| + (u + u_t)·|out|`),
+/// `dy = g · gate` one f32 rounding and the dtype's, `dgate = Σ g · y` (f64 sums) one
+/// rounding to f32 and the dtype's; `dx = g` exactly.
+#[test]
+fn gated_residual_against_float64() -> Result<()> {
+    let mut rng = StdRng::seed_from_u64(25);
+    let (b, t, h) = (2, 40, 384);
+    for dt in [DType::F32, DType::BF16] {
+        let u_t = if dt == DType::BF16 { 1.0 / 256.0 } else { 0.0 };
+        let x = (rand_tensor(&mut rng, &[b, t, h], dt)? * 300.0)?;
+        let y = (rand_tensor(&mut rng, &[b, t, h], dt)? * 50.0)?;
+        let gate = rand_tensor(&mut rng, &[b, h], dt)?;
+        let g = rand_tensor(&mut rng, &[b, t, h], dt)?;
+        let vars = [&x, &y, &gate].map(|v| Var::from_tensor(v).expect("a var"));
+        let out = gated_residual(
+            vars[0].as_tensor(),
+            vars[1].as_tensor(),
+            vars[2].as_tensor(),
+        )?;
+        let grads = (&out * &g)?.sum_all()?.backward()?;
+        let got: Vec<Tensor> = vars
+            .iter()
+            .map(|v| grads.get(v.as_tensor()).cloned().expect("a gradient"))
+            .collect();
+        let [x64, y64, gate64, g64] =
+            [&x, &y, &gate, &g].map(|v| v.to_dtype(DType::F64).expect("f64"));
+        let gy = y64.broadcast_mul(&gate64.unsqueeze(1)?)?;
+        let want_out = (&x64 + &gy)?;
+        let want_dy = g64.broadcast_mul(&gate64.unsqueeze(1)?)?;
+        let want_dgate = (&g64 * &y64)?.sum(1)?;
+        let u = U32;
+        let bound = |terms: &[(f64, &Tensor)]| -> Vec<f64> {
+            let vs: Vec<(f64, Vec<f64>)> = terms
+                .iter()
+                .map(|(c, t)| (*c, testkit::values(t)))
+                .collect();
+            (0..vs[0].1.len())
+                .map(|i| vs.iter().map(|(c, v)| c * v[i].abs()).sum::<f64>() + 1e-300)
+                .collect()
+        };
+        let b_out = bound(&[(u, &gy), (u + u_t, &want_out)]);
+        assert_within(&format!("{dt:?} out"), &out, &want_out, &b_out);
+        assert_identical_values(&format!("{dt:?} dx"), &got[0], &g)?;
+        let b_dy = bound(&[(u + u_t, &want_dy)]);
+        assert_within(&format!("{dt:?} dy"), &got[1], &want_dy, &b_dy);
+        let slack = 1e-12 * testkit::max_abs(&(&g64 * &y64)?.abs()?.sum(1)?);
+        let b_dgate: Vec<f64> = bound(&[(u + u_t, &want_dgate)])
+            .into_iter()
+            .map(|v| v + slack)
+            .collect();
+        assert_within(&format!("{dt:?} dgate"), &got[2], &want_dgate, &b_dgate);
+    }
+    Ok(())
+}
+
+fn assert_identical_values(what: &str, got: &Tensor, want: &Tensor) -> Result<()> {
+    testkit::assert_identical(got, want, what);
     Ok(())
 }
 

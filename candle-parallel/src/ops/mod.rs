@@ -1,5 +1,6 @@
 //! Differentiable fused ops that candle lacks (its own fused versions drop gradients silently):
-//! RMSNorm, rotary embeddings, SwiGLU and GELU-tanh.
+//! RMSNorm, LayerNorm (plain and with DiT's adaLN modulation), DiT's gated residual, rotary
+//! embeddings, SwiGLU and GELU-tanh.
 //!
 //! # Devices
 //! Each op dispatches on the device of its inputs:
@@ -13,21 +14,32 @@
 //! intermediate values the kernels round (forward only: the kernels' backward passes gradients
 //! through those roundings, and so do the composites), and cast once to the dtype. Their results
 //! agree with the kernels' to f32 rounding in f32 and to about one ulp of the dtype in bf16/f16
-//! (RoPE, computed in the dtype on both paths as Hugging Face does, is bit-identical on the CPU).
+//! (RoPE, computed in the dtype on both paths as Hugging Face does, is bit-identical on the CPU),
+//! except LayerNorm on ill-conditioned rows (mean far above the spread), where the kernel's f64
+//! statistics are more exact than the composite's f32 ones (`layer_norm`'s docs).
 //!
 //! Each composite is also public and `#[doc(hidden)]` ([`rms_norm_composite`],
+//! [`layer_norm_composite`], [`layer_norm_modulate_composite`], [`gated_residual_composite`],
 //! [`swiglu_composite`], [`gelu_tanh_composite`], [`RotaryEmbedding::apply_composite`]): tests
 //! call it on CPU tensors to compare it with the kernel. It runs on any device.
 
+mod gated_residual;
 mod gelu;
+mod layer_norm;
 mod rms_norm;
 mod rope;
 pub(crate) mod softmax_rows;
 mod swiglu;
 
+pub use gated_residual::gated_residual;
+#[doc(hidden)]
+pub use gated_residual::gated_residual_composite;
 pub use gelu::gelu_tanh;
 #[doc(hidden)]
 pub use gelu::gelu_tanh_composite;
+pub use layer_norm::{layer_norm, layer_norm_modulate};
+#[doc(hidden)]
+pub use layer_norm::{layer_norm_composite, layer_norm_modulate_composite};
 pub use rms_norm::rms_norm;
 #[doc(hidden)]
 pub use rms_norm::rms_norm_composite;
