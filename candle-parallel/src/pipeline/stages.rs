@@ -443,25 +443,21 @@ mod tests {
         let llama = costs(0.0, &[1.0; 32], 2.4);
         let auto = split_by_cost(&llama, 4).unwrap();
         let even = split_layers(32, 4, None).unwrap();
-        let worst = |r: &[Range<usize>]| testkit_free_max(&llama.of(r));
+        let worst_stage = |r: &[Range<usize>]| worst(&llama.of(r));
         assert_eq!(auto, vec![0..9, 9..18, 18..26, 26..32]);
-        assert!(worst(&auto) < worst(&even), "{auto:?} vs {even:?}");
+        assert!(
+            worst_stage(&auto) < worst_stage(&even),
+            "{auto:?} vs {even:?}"
+        );
         // The head alone costs more than a stage of layers: the last stage holds no layer.
         let heavy = costs(0.0, &[1.0, 1.0], 1.6);
         assert_eq!(split_by_cost(&heavy, 2).unwrap(), vec![0..2, 2..2]);
     }
 
-    /// The largest of `xs`, NaN if any is NaN (this crate has no testkit).
-    fn testkit_free_max(xs: &[f64]) -> f64 {
-        xs.iter().copied().fold(f64::NEG_INFINITY, |a, b| {
-            if a.is_nan() || b.is_nan() {
-                f64::NAN
-            } else if b > a {
-                b
-            } else {
-                a
-            }
-        })
+    /// The largest of `xs`, NaN if any is NaN.
+    fn worst(xs: &[f64]) -> f64 {
+        xs.iter()
+            .fold(f64::NEG_INFINITY, |m, &x| testkit::max_or_nan(m, x))
     }
 
     /// Against every cut, by brute force, on uneven layers (windowed and global, sparse and
@@ -490,7 +486,7 @@ mod tests {
             assert_eq!(got.last().map(|r| r.end), Some(n));
             let score = |r: &[Range<usize>]| {
                 let sc = c.of(r);
-                (testkit_free_max(&sc), sc.iter().map(|x| x * x).sum::<f64>())
+                (worst(&sc), sc.iter().map(|x| x * x).sum::<f64>())
             };
             let (max, sq) = score(&got);
             for cut in all_cuts(n, v) {
