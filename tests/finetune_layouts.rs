@@ -179,14 +179,21 @@ struct Run {
 }
 
 fn run(layout: &Layout, memory: MemoryPlan, job: Job) -> Run {
-    run_in(layout, memory, job, DType::F32)
+    run_with(
+        layout,
+        memory,
+        job,
+        DType::F32,
+        config(1, 1, memory).adamw.eps,
+    )
 }
 
-/// [`run`] with the model's parameters (and activations) in `dtype`.
-fn run_in(layout: &Layout, memory: MemoryPlan, job: Job, dtype: DType) -> Run {
+/// [`run`] with the model's parameters (and activations) in `dtype` and AdamW's `eps`.
+fn run_with(layout: &Layout, memory: MemoryPlan, job: Job, dtype: DType, adam_eps: f64) -> Run {
     let dp = layout.mesh.degree(Dim::Dp);
     let pp = layout.mesh.pp;
     let mut cfg = config(1, 2 / dp, memory);
+    cfg.adamw.eps = adam_eps;
     if pp > 1 {
         // One decoder layer per stage of the 2-layer fixture.
         cfg.pipeline = Some(PipelineConfig {
@@ -387,7 +394,13 @@ fn lora_dpo_under_every_layout_equals_one_rank() {
 
 /// bf16 LoRA SFT and LoRA DPO: a tp2 x ring2 run follows the one-rank bf16 run. The two bf16
 /// runs round their reductions in different orders, so they differ by about as much as bf16
-/// differs from f32 (the argument of the zoo's bf16 test, `tests/zoo.rs`): asserted are every
+/// differs from f32 (the argument of the zoo's bf16 test, `tests/zoo.rs`), provided the update
+/// is Lipschitz in the gradient. AdamW's first update, `lr·g/(|g|+eps)`, is `lr·sign(g)` with the
+/// default eps of 1e-8: a component whose sign bf16's rounding decides then moves by 2·lr
+/// between two runs, a jump no rounding argument bounds (measured on DPO's third step: the two
+/// bf16 runs 4.8e-2 apart, the one-rank run 1.2e-2 from f32). So these runs take eps = 1e-3,
+/// 7% of the clipped gradient's RMS component (norm 1 over 4608 adapter weights: 1.5e-2): the
+/// typical component still moves by about lr, the ones near zero by at most lr·|g|/eps. Asserted are every
 /// step's loss within 1e-2 (the loss is summed in f32 from bf16 logits) or, for DPO, whose
 /// loss comes from differences of log-likelihoods that cancel, 1.5x the one-rank bf16 loss's
 /// own distance to f32 where that is larger; every step's gradient norm and every final adapter no further from the one-rank bf16 run than 1.5x that run's own
@@ -395,12 +408,13 @@ fn lora_dpo_under_every_layout_equals_one_rank() {
 /// reference's forward) moves them by far more.
 #[test]
 fn lora_sft_and_dpo_in_bf16_follow_their_one_rank_run() {
+    const LIPSCHITZ_EPS: f64 = 1e-3;
     let plain = MemoryPlan::default();
     let layout = Layout::new("tp2 x ring2", 2, 1, 2, Strategy::Ring);
     for job in [Job::LoraSft, Job::LoraDpo] {
-        let f32_run = run(&Layout::single(), plain, job);
-        let want = run_in(&Layout::single(), plain, job, DType::BF16);
-        let got = run_in(&layout, plain, job, DType::BF16);
+        let f32_run = run_with(&Layout::single(), plain, job, DType::F32, LIPSCHITZ_EPS);
+        let want = run_with(&Layout::single(), plain, job, DType::BF16, LIPSCHITZ_EPS);
+        let got = run_with(&layout, plain, job, DType::BF16, LIPSCHITZ_EPS);
         let case = format!("{job:?} bf16 {}", layout.name);
         assert_eq!(got.losses.len(), STEPS as usize, "{case}");
         for i in 0..STEPS as usize {
