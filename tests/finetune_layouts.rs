@@ -75,6 +75,9 @@ fn lora_config() -> LoraConfig {
         targets: LoraTargets::AllLinear,
         use_rslora: false,
         seed: 5,
+        target_parameters: Vec::new(),
+        alpha_pattern: Default::default(),
+        rank_pattern: Default::default(),
     }
 }
 

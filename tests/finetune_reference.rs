@@ -152,6 +152,9 @@ fn fresh_adapters_start_at_the_base_model() {
         targets: LoraTargets::parse("q_proj,v_proj,down_proj").unwrap(),
         use_rslora: false,
         seed: 1,
+        target_parameters: Vec::new(),
+        alpha_pattern: Default::default(),
+        rank_pattern: Default::default(),
     };
     let adapters = Adapters::new(cfg, None).unwrap();
     on_one_rank(Some(adapters), |model, ctx, params| {
@@ -268,7 +271,8 @@ fn bad_adapters_are_clear_errors() {
     .unwrap_err();
     let err = err.to_string();
     assert!(err.contains("lora_A") && err.contains("expects"), "{err}");
-    // PEFT options that would change the result are refused, not ignored.
+    // PEFT options that would change the result and cannot be honoured are refused, not
+    // ignored (alpha_pattern is honoured for target parameters only).
     let patterned = cfg.replace(
         "\"alpha_pattern\": {}",
         "\"alpha_pattern\": {\"q_proj\": 4}",

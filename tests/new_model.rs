@@ -833,6 +833,9 @@ fn a_family_registered_from_outside_runs_every_task_of_the_engine() {
         targets: LoraTargets::AllLinear,
         use_rslora: false,
         seed: 5,
+        target_parameters: Vec::new(),
+        alpha_pattern: Default::default(),
+        rank_pattern: Default::default(),
     };
     let want = registry_run(&dir, &single, steps, Some(&lora), &out("lora", &single));
     // Two matrices per linear layer: q, k, v, o, fc1, fc2 of each layer.

@@ -200,6 +200,9 @@ fn phi3_adapters() -> Arc<Adapters> {
         targets: LoraTargets::AllLinear,
         use_rslora: false,
         seed: 0,
+        target_parameters: Vec::new(),
+        alpha_pattern: Default::default(),
+        rank_pattern: Default::default(),
     };
     Adapters::new(cfg, Some(Arc::new(TensorMap::new(t, "phi3 adapters")))).unwrap()
 }

@@ -419,6 +419,9 @@ fn lora_settings(a: &FinetuneArgs) -> Result<(LoraConfig, Option<Arc<dyn TensorS
         targets: LoraTargets::parse(&a.lora_targets).context("--lora-targets")?,
         use_rslora: a.use_rslora,
         seed: a.train.seed,
+        target_parameters: Vec::new(),
+        rank_pattern: Default::default(),
+        alpha_pattern: Default::default(),
     };
     cfg.validate().context("--lora-rank / --lora-alpha")?;
     Ok((cfg, None))
@@ -426,7 +429,9 @@ fn lora_settings(a: &FinetuneArgs) -> Result<(LoraConfig, Option<Arc<dyn TensorS
 
 fn finetune(a: &FinetuneArgs) -> Result<()> {
     let t = &a.train;
-    t.layout.require_no_ep("cpl finetune")?;
+    if a.stage == Stage::Dpo {
+        t.layout.require_no_ep("cpl finetune --stage dpo")?;
+    }
     if t.eval_tokens.is_some() || t.tokens.is_some() {
         bail!("--tokens / --eval-tokens: cpl finetune reads chat data (--data, --eval-data)");
     }
@@ -595,7 +600,17 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         cfg.schedule.warmup_steps = (r * cfg.steps as f64).ceil() as u64;
     }
     let lora = match a.finetuning_type {
-        FinetuningType::Lora => Some(lora_settings(a)?),
+        FinetuningType::Lora => {
+            // Where PEFT puts the adapters of this model (a mixture of experts' router and
+            // experts are targeted as parameters under transformers 5).
+            let (c, src) = lora_settings(a)?;
+            let c = models::peft::for_model(&c, &files.config).context(if a.adapter.is_some() {
+                "--adapter"
+            } else {
+                "--lora-targets"
+            })?;
+            Some((c, src))
+        }
         FinetuningType::Full => {
             if a.adapter.is_some() {
                 bail!("--adapter needs --finetuning-type lora");

@@ -502,3 +502,160 @@ fn resume_is_proven_for_lora_sft_and_dpo() {
     }
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A copy of the tiny Qwen3-MoE fixture with the chat fixtures' tokenizer (256 ids, as the
+/// model's vocabulary), so that `cpl finetune` can render chat data for it.
+fn moe_with_tokenizer(d: &Path) -> PathBuf {
+    let m = d.join("qwen3-moe");
+    std::fs::create_dir_all(&m).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixtures("moe/qwen3_moe").join(f), m.join(f)).unwrap();
+    }
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixtures("chat/tokenizer").join(f), m.join(f)).unwrap();
+    }
+    m
+}
+
+/// The names and shapes of an adapter directory's tensors.
+fn adapter_shapes(dir: &Path) -> Vec<(String, Vec<usize>)> {
+    let t = candle_core::safetensors::load(
+        dir.join("adapter_model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let mut v: Vec<(String, Vec<usize>)> =
+        t.into_iter().map(|(k, x)| (k, x.dims().to_vec())).collect();
+    v.sort();
+    v
+}
+
+/// LoRA SFT of a Qwen3-MoE with `--lora-targets all-linear`: the adapter has exactly the tensor
+/// names and shapes PEFT's `all-linear` gives the same model (the fixture PEFT saved, same rank:
+/// the routers, the experts' stacked `gate_up_proj` at twice the rank and `down_proj`, the
+/// attention), and PEFT's converted `adapter_config.json` fields; `cpl eval --adapter` reloads
+/// it (a loss that differs from the base's); `--ranks 2 --ep 2` gives the losses of 2 ranks
+/// without it (1e-5); bad targets are errors naming `--lora-targets`.
+#[test]
+fn lora_on_a_mixture_of_experts_writes_peft_adapters() {
+    let d = tmpdir("ft-moe-lora");
+    let model = moe_with_tokenizer(&d);
+    let data = fixtures("chat/chat.jsonl");
+    let args = |out: &Path, extra: &[&str]| -> Vec<String> {
+        let mut a = vec![
+            "finetune".to_string(),
+            "--model".into(),
+            s(&model),
+            "--data".into(),
+            s(&data),
+            "--template".into(),
+            "plain".into(),
+            "--seq-len".into(),
+            "64".into(),
+            "--steps".into(),
+            "2".into(),
+            "--lr".into(),
+            "1e-2".into(),
+            "--lora-rank".into(),
+            "2".into(),
+            "--lora-alpha".into(),
+            "3".into(),
+            "--lora-targets".into(),
+            "all-linear".into(),
+            "--log-every".into(),
+            "1".into(),
+            "--out".into(),
+            s(out),
+        ];
+        a.extend(extra.iter().map(|x| x.to_string()));
+        a
+    };
+    let dp = d.join("dp2");
+    run_ok(&args(&dp, &["--ranks", "2"]));
+    let ep = d.join("ep2");
+    run_ok(&args(&ep, &["--ranks", "2", "--ep", "2"]));
+    assert_close_losses(&metrics(&ep), &metrics(&dp), "--ep 2 vs dp2");
+    let step = dp.join("step-2");
+    assert_eq!(
+        adapter_shapes(&step),
+        adapter_shapes(&fixtures("moe_lora/qwen3_moe/adapter")),
+        "tensor names and shapes differ from PEFT's"
+    );
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(step.join("adapter_config.json")).unwrap())
+            .unwrap();
+    let peft: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures("moe_lora/qwen3_moe/adapter/adapter_config.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    for k in [
+        "target_modules",
+        "target_parameters",
+        "rank_pattern",
+        "alpha_pattern",
+        "r",
+        "lora_alpha",
+    ] {
+        // Lists in any order (PEFT writes sets), numbers as floats.
+        fn norm(v: &serde_json::Value) -> serde_json::Value {
+            match v {
+                serde_json::Value::Array(a) => {
+                    let mut a: Vec<_> = a.iter().map(norm).collect();
+                    a.sort_by_key(|x| x.to_string());
+                    serde_json::Value::Array(a)
+                }
+                serde_json::Value::Object(o) => {
+                    o.iter().map(|(k, x)| (k.clone(), norm(x))).collect()
+                }
+                serde_json::Value::Number(n) => serde_json::json!(n.as_f64()),
+                other => other.clone(),
+            }
+        }
+        assert_eq!(norm(&cfg[k]), norm(&peft[k]), "adapter_config.json {k}");
+    }
+    // cpl reloads it.
+    let tokens = d.join("ids.json");
+    let ids: Vec<Vec<u32>> = testkit::random_docs(5, 2, 24..25, 256);
+    std::fs::write(&tokens, serde_json::to_string(&ids).unwrap()).unwrap();
+    let eval = |adapter: Option<&Path>| -> f64 {
+        let mut a = vec![
+            "eval".to_string(),
+            "--model".into(),
+            s(&model),
+            "--tokens".into(),
+            s(&tokens),
+            "--json".into(),
+        ];
+        if let Some(ad) = adapter {
+            a.extend(["--adapter".to_string(), s(ad)]);
+        }
+        let o = cpl(&a);
+        assert!(o.status.success(), "{a:?}: {}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_str(&common::stdout(&o)).unwrap();
+        v["loss"].as_f64().unwrap()
+    };
+    let (adapted, base) = (eval(Some(&step)), eval(None));
+    assert!(
+        adapted.is_finite() && (adapted - base).abs() > 1e-4,
+        "{adapted} vs {base}"
+    );
+    let bad = d.join("bad");
+    let targets = |t: &str| -> Vec<String> {
+        let mut a = args(&bad, &[]);
+        let at = a.iter().position(|x| x == "all-linear").unwrap();
+        a[at] = t.to_string();
+        a
+    };
+    assert_clear_errors(&[
+        (targets("gate_proj"), "--lora-targets"),
+        (targets("gate_proj,down_proj"), "without `up_proj`"),
+        (targets("qq_proj"), "--lora-targets"),
+        (targets("qq_proj"), "match no linear layer"),
+        (
+            args(&bad, &["--ranks", "2", "--ep", "2", "--stage", "dpo"]),
+            "--ep 2",
+        ),
+    ]);
+    let _ = std::fs::remove_dir_all(&d);
+}

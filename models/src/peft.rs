@@ -58,6 +58,21 @@ fn bias_none() -> String {
 impl AdapterConfig {
     /// The config PEFT writes for `cfg` (task `CAUSAL_LM`, no bias, no dropout).
     pub fn from_lora(cfg: &LoraConfig, base_model: &str) -> Self {
+        let mut rest = BTreeMap::from([
+            ("inference_mode".into(), serde_json::Value::Bool(true)),
+            ("modules_to_save".into(), serde_json::Value::Null),
+            ("init_lora_weights".into(), serde_json::Value::Bool(true)),
+        ]);
+        if !cfg.target_parameters.is_empty() {
+            rest.insert(
+                "target_parameters".into(),
+                serde_json::json!(cfg.target_parameters),
+            );
+        }
+        if !cfg.rank_pattern.is_empty() || !cfg.alpha_pattern.is_empty() {
+            rest.insert("rank_pattern".into(), serde_json::json!(cfg.rank_pattern));
+            rest.insert("alpha_pattern".into(), serde_json::json!(cfg.alpha_pattern));
+        }
         Self {
             peft_type: "LORA".into(),
             task_type: Some("CAUSAL_LM".into()),
@@ -69,11 +84,7 @@ impl AdapterConfig {
             fan_in_fan_out: false,
             bias: "none".into(),
             base_model_name_or_path: Some(base_model.into()),
-            rest: BTreeMap::from([
-                ("inference_mode".into(), serde_json::Value::Bool(true)),
-                ("modules_to_save".into(), serde_json::Value::Null),
-                ("init_lora_weights".into(), serde_json::Value::Bool(true)),
-            ]),
+            rest,
         }
     }
 
@@ -109,13 +120,11 @@ impl AdapterConfig {
         };
         for k in [
             "modules_to_save",
-            "alpha_pattern",
-            "rank_pattern",
             "layers_to_transform",
             "layers_pattern",
             "exclude_modules",
             "use_dora",
-            "target_parameters",
+            "lora_bias",
         ] {
             if let Some(v) = set(k) {
                 return Err(bad(format!("{k} {v} is not supported")));
@@ -143,12 +152,34 @@ impl AdapterConfig {
                 )))
             }
         };
+        let field = |k: &str| self.rest.get(k).filter(|v| !v.is_null());
+        let target_parameters = match field("target_parameters") {
+            None => Vec::new(),
+            Some(v) => serde_json::from_value::<Vec<String>>(v.clone()).map_err(|_| {
+                bad(format!(
+                    "target_parameters {v} is not a list of parameter names"
+                ))
+            })?,
+        };
+        let rank_pattern = match field("rank_pattern") {
+            None => BTreeMap::new(),
+            Some(v) => serde_json::from_value(v.clone())
+                .map_err(|_| bad(format!("rank_pattern {v} is not a map of names to ranks")))?,
+        };
+        let alpha_pattern = match field("alpha_pattern") {
+            None => BTreeMap::new(),
+            Some(v) => serde_json::from_value(v.clone())
+                .map_err(|_| bad(format!("alpha_pattern {v} is not a map of names to alphas")))?,
+        };
         let cfg = LoraConfig {
             rank: self.r,
             alpha: self.lora_alpha,
             targets,
             use_rslora: self.use_rslora,
             seed,
+            target_parameters,
+            rank_pattern,
+            alpha_pattern,
         };
         cfg.validate().map_err(|e| bad(e.to_string()))?;
         Ok(cfg)
@@ -157,6 +188,91 @@ impl AdapterConfig {
     pub fn to_json(&self) -> Result<Vec<u8>> {
         serde_json::to_vec_pretty(self).map_err(|e| Error::Invalid(e.to_string()))
     }
+}
+
+/// The families whose experts transformers 5 fuses and whose LoRA targets PEFT converts from
+/// transformers 4's module names (`_MOE_TARGET_MODULE_MAPPING` of PEFT's
+/// `transformers_weight_conversion`), with those names: router, gate, up, down. Qwen2-MoE is
+/// not converted by PEFT 0.21 (its names target the shared expert and the dense layers).
+const CONVERTED_FAMILIES: [(&str, [&str; 4]); 2] = [
+    ("mixtral", ["gate", "w1", "w3", "w2"]),
+    ("qwen3_moe", ["gate", "gate_proj", "up_proj", "down_proj"]),
+];
+
+/// The attention's linear layers: what `all-linear` still finds as `nn.Linear` in Mixtral and
+/// Qwen3-MoE under transformers 5.
+const ATTENTION_LINEAR: [&str; 4] = ["q_proj", "k_proj", "v_proj", "o_proj"];
+
+/// `cfg` as PEFT 0.21 converts it for a model of `family` under transformers 5
+/// (`convert_peft_config_for_transformers`), so that the adapters are where PEFT puts them:
+/// for Mixtral and Qwen3-MoE, `all-linear` becomes the attention's projections plus the
+/// parameters `gate.weight` (the router), `gate_up_proj` and `down_proj` (the experts); the
+/// module names of the router and the experts (`gate`; `gate_proj`, `up_proj`, `down_proj`, or
+/// Mixtral's `w1`, `w3`, `w2`) become those parameters. Gate and up are fused: targeting one
+/// without the other is an error, both give `gate_up_proj` twice the rank and alpha
+/// (`rank_pattern` / `alpha_pattern` `.*\.gate_up_proj`). Other families, and configurations
+/// already converted, are returned as they are.
+pub fn for_transformers5(cfg: &LoraConfig, family: &str) -> candle_parallel::Result<LoraConfig> {
+    let Some((_, [router, gate, up, down])) = CONVERTED_FAMILIES.iter().find(|(f, _)| *f == family)
+    else {
+        return Ok(cfg.clone());
+    };
+    let names: Vec<String> = match &cfg.targets {
+        LoraTargets::AllLinear => ATTENTION_LINEAR
+            .iter()
+            .chain([router, gate, up, down])
+            .map(|s| s.to_string())
+            .collect(),
+        LoraTargets::Names(n) => n.clone(),
+    };
+    let ends = |t: &str, n: &str| t == n || t.ends_with(&format!(".{n}"));
+    let mut out = cfg.clone();
+    let mut modules = Vec::new();
+    let mut params: std::collections::BTreeSet<String> =
+        cfg.target_parameters.iter().cloned().collect();
+    let (mut has_gate, mut has_up) = (false, false);
+    for t in names {
+        if ends(&t, router) {
+            params.insert("gate.weight".into());
+        } else if ends(&t, gate) || ends(&t, up) {
+            has_gate |= ends(&t, gate);
+            has_up |= ends(&t, up);
+            params.insert(candle_parallel::nn::moe::EXPERT_GATE_UP.into());
+        } else if ends(&t, down) {
+            params.insert(candle_parallel::nn::moe::EXPERT_DOWN.into());
+        } else {
+            modules.push(t);
+        }
+    }
+    if has_gate != has_up {
+        let (present, missing) = if has_gate { (gate, up) } else { (up, gate) };
+        return Err(candle_parallel::Error::InvalidArgument {
+            op: "lora",
+            msg: format!(
+                "the LoRA targets name the experts' `{present}` without `{missing}`: they are \
+                 fused into `gate_up_proj` (transformers 5, PEFT), so target both or neither"
+            ),
+        });
+    }
+    if has_gate {
+        let key = ".*\\.gate_up_proj".to_string();
+        out.rank_pattern.insert(key.clone(), 2 * cfg.rank);
+        out.alpha_pattern.insert(key, 2.0 * cfg.alpha);
+    }
+    modules.sort();
+    modules.dedup();
+    out.targets = LoraTargets::Names(modules);
+    out.target_parameters = params.into_iter().collect();
+    Ok(out)
+}
+
+/// [`for_transformers5`] for the model whose `config.json` is `config` (its `model_type`).
+pub fn for_model(cfg: &LoraConfig, config: &Path) -> Result<LoraConfig> {
+    let text = std::fs::read_to_string(config).map_err(|e| Error::io(config, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::config(config, format!("not valid JSON: {e}")))?;
+    let family = v.get("model_type").and_then(|m| m.as_str()).unwrap_or("");
+    for_transformers5(cfg, family).map_err(|e| Error::Invalid(e.to_string()))
 }
 
 /// An adapter's tensors under the model's own names (PEFT's prefix removed): the
@@ -279,6 +395,15 @@ pub fn merge(base: &ModelFiles, adapter: &Adapter, out: &Path) -> Result<Vec<Str
                 format!("layer `{layer}` has only one of lora_A and lora_B"),
             ));
         };
+        if layer.ends_with(".experts") || layer.ends_with(".experts.base_layer") {
+            return Err(Error::config(
+                &adapter.dir,
+                format!(
+                    "`{layer}`: merging LoRA on a mixture of experts' experts \
+                     (target_parameters) is not supported yet"
+                ),
+            ));
+        }
         let wname = format!("{layer}.weight");
         if !reader.contains(&wname) {
             return Err(Error::config(

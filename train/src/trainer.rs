@@ -1288,10 +1288,12 @@ impl<M: TrainModel> Trainer<M> {
         let group_of = |name: &str| -> Option<Comm> {
             let (is_split, expert) = split.get(name).copied().unwrap_or((false, false));
             match (&zero, &experts) {
-                // Each expert-parallel rank holds other experts (split over tp); under ZeRO,
-                // chunks of them.
-                (None, Some(e)) if expert => Some(e.ep_tp.clone()),
-                (Some(_), Some(e)) if expert => Some(e.all_tp.clone()),
+                // Each expert-parallel rank holds other experts (split over tp, except the
+                // adapter factors replicated over it); under ZeRO, chunks of them.
+                (None, Some(e)) if expert && is_split => Some(e.ep_tp.clone()),
+                (None, Some(e)) if expert => Some(e.ep.clone()),
+                (Some(_), Some(e)) if expert && is_split => Some(e.all_tp.clone()),
+                (Some(_), Some(e)) if expert => Some(e.all.clone()),
                 (None, _) => is_split.then(|| tp.clone()),
                 (Some(z), _) if is_split => Some(z.shard_tp.clone()),
                 (Some(z), _) => Some(z.shard.clone()),

@@ -27,9 +27,15 @@
 //!   ([`ColumnParallelLinear::new_part`](super::ColumnParallelLinear::new_part)); each part's
 //!   `B` is split over tp like its weight, so every rank holds its heads' rows.
 //!
+//! - a parameter adapted directly (PEFT's `target_parameters`: a mixture of experts' router
+//!   `gate.weight` and its experts' `gate_up_proj` and `down_proj`, see [`super::moe`]): the
+//!   block asks [`Adapters::for_parameter`] for the adapters of that parameter (its rank and
+//!   alpha from `rank_pattern` / `alpha_pattern`) and builds its linear layers with them.
+//!
 //! [`Adapters::set_enabled`] turns every adapter of a model off at once (the reference model of
 //! DPO is the base model); every rank must set the same value.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -105,6 +111,49 @@ pub struct LoraConfig {
     /// Seed of the initial `A` matrices.
     #[serde(default)]
     pub seed: u64,
+    /// `target_parameters`: parameters adapted directly, matched like `target_modules` names
+    /// against the parameter's name (`model.layers.0.mlp.experts.gate_up_proj`,
+    /// `...mlp.gate.weight`): a mixture of experts' router and experts ([`super::moe`]).
+    #[serde(default)]
+    pub target_parameters: Vec<String>,
+    /// `rank_pattern`: the rank of the targets whose name matches a key (`.*\.gate_up_proj`,
+    /// or a plain name: the name or a `.`-separated suffix of it); others have `rank`.
+    #[serde(default)]
+    pub rank_pattern: BTreeMap<String, usize>,
+    /// `alpha_pattern`: the alpha of the targets whose name matches a key (as `rank_pattern`).
+    #[serde(default)]
+    pub alpha_pattern: BTreeMap<String, f64>,
+}
+
+/// The suffix a `rank_pattern` / `alpha_pattern` key stands for: PEFT's keys are regular
+/// expressions matched at the end of a name (`(.*\.)?KEY$`); only `NAME`, `.*NAME` and
+/// `.*\.NAME` with `NAME` a dotted name (dots escaped or not) are understood.
+fn pattern_suffix(key: &str) -> Result<String> {
+    let k = key.strip_prefix('^').unwrap_or(key);
+    let k = k.strip_suffix('$').unwrap_or(k);
+    let k = k
+        .strip_prefix(".*\\.")
+        .or_else(|| k.strip_prefix(".*"))
+        .unwrap_or(k);
+    let name = k.replace("\\.", ".");
+    let plain = name
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.');
+    if name.is_empty() || !plain || name.starts_with('.') {
+        return Err(Error::invalid(
+            "lora",
+            format!(
+                "rank_pattern / alpha_pattern key {key:?}: only a module name or `.*\\.NAME` is \
+                 supported"
+            ),
+        ));
+    }
+    Ok(name)
+}
+
+/// Whether `path` is `name` or ends with `.name` (PEFT's suffix match).
+fn suffix_match(path: &str, name: &str) -> bool {
+    path == name || path.ends_with(&format!(".{name}"))
 }
 
 impl LoraConfig {
@@ -116,7 +165,88 @@ impl LoraConfig {
         if !self.alpha.is_finite() {
             return Err(Error::invalid("lora", "lora_alpha must be a finite number"));
         }
+        // Patterns are honoured for target parameters only (the linear layers targeted by
+        // module name take `rank` and `alpha`): any other pattern is refused, not ignored.
+        let keys = self.rank_pattern.keys().chain(self.alpha_pattern.keys());
+        for k in keys {
+            let s = pattern_suffix(k)?;
+            let last = s.rsplit('.').next().unwrap_or(&s);
+            let of_parameter = self
+                .target_parameters
+                .iter()
+                .any(|t| t.rsplit('.').next() == Some(last));
+            if !of_parameter {
+                return Err(Error::invalid(
+                    "lora",
+                    format!(
+                        "rank_pattern / alpha_pattern key {k:?}: only the target parameters' \
+                         ranks and alphas may differ (here {:?})",
+                        self.target_parameters
+                    ),
+                ));
+            }
+        }
+        for (k, &r) in &self.rank_pattern {
+            pattern_suffix(k)?;
+            if r == 0 {
+                return Err(Error::invalid(
+                    "lora",
+                    format!("rank_pattern {k:?}: the rank must be at least 1"),
+                ));
+            }
+        }
+        for (k, a) in &self.alpha_pattern {
+            pattern_suffix(k)?;
+            if !a.is_finite() {
+                return Err(Error::invalid(
+                    "lora",
+                    format!("alpha_pattern {k:?}: alpha must be a finite number"),
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// Whether the parameter `name` (`model.layers.0.mlp.experts.gate_up_proj`) is one of
+    /// `target_parameters`.
+    pub fn targets_parameter(&self, name: &str) -> bool {
+        self.target_parameters.iter().any(|t| suffix_match(name, t))
+    }
+
+    /// The rank of the target `name` (`rank_pattern`, else `rank`).
+    pub fn rank_of(&self, name: &str) -> usize {
+        self.rank_pattern
+            .iter()
+            .find(|(k, _)| pattern_suffix(k).is_ok_and(|s| suffix_match(name, &s)))
+            .map_or(self.rank, |(_, &r)| r)
+    }
+
+    /// The alpha of the target `name` (`alpha_pattern`, else `alpha`).
+    pub fn alpha_of(&self, name: &str) -> f64 {
+        self.alpha_pattern
+            .iter()
+            .find(|(k, _)| pattern_suffix(k).is_ok_and(|s| suffix_match(name, &s)))
+            .map_or(self.alpha, |(_, &a)| a)
+    }
+
+    /// This configuration for the one target `name`: its rank and alpha, targeting every
+    /// linear layer built with it (or none when `name` is not a target parameter).
+    fn for_parameter(&self, name: &str) -> Self {
+        let targeted = self.targets_parameter(name);
+        Self {
+            rank: self.rank_of(name),
+            alpha: self.alpha_of(name),
+            targets: if targeted {
+                LoraTargets::AllLinear
+            } else {
+                LoraTargets::Names(Vec::new())
+            },
+            use_rslora: self.use_rslora,
+            seed: self.seed,
+            target_parameters: Vec::new(),
+            rank_pattern: BTreeMap::new(),
+            alpha_pattern: BTreeMap::new(),
+        }
     }
 
     /// The factor `s` of the low-rank update.
@@ -171,8 +301,34 @@ impl Adapters {
         })
     }
 
+    /// These adapters with configuration `cfg` (the same targets, converted: see
+    /// `models::peft::for_transformers5`) reading from `source`, with the same on/off switch.
+    pub fn with_config_and_source(
+        &self,
+        cfg: LoraConfig,
+        source: Option<Arc<dyn TensorSource>>,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            cfg,
+            source,
+            enabled: self.enabled.clone(),
+        })
+    }
+
     pub fn enabled(&self) -> bool {
         self.enabled.load(Ordering::SeqCst)
+    }
+
+    /// The adapters of the directly adapted parameter `name` (an expert's `gate_up_proj`, a
+    /// router's `gate.weight`; see [`LoraConfig::target_parameters`]), for building its linear
+    /// layers: every layer built with them is adapted, with the parameter's rank and alpha,
+    /// when `name` is targeted, and none is otherwise. The same source and on/off switch.
+    pub fn for_parameter(&self, name: &str) -> Arc<Self> {
+        Arc::new(Self {
+            cfg: self.cfg.for_parameter(name),
+            source: self.source.clone(),
+            enabled: self.enabled.clone(),
+        })
     }
 
     /// Turns every adapter on or off (off: the base model). Every rank must set the same value.
@@ -261,6 +417,17 @@ impl LoraWeights {
     pub fn up(&self, h: &Tensor) -> Result<Tensor> {
         Ok((super::linear(h, &self.b, None)? * self.scale)?)
     }
+
+    /// These weights with `A` and `B` replaced by `a` and `b` (the same values passed through
+    /// an op: a gradient reduction over a group, see [`super::moe`]).
+    pub fn with_weights(&self, a: Tensor, b: Tensor) -> Self {
+        Self {
+            a,
+            b,
+            scale: self.scale,
+            adapters: self.adapters.clone(),
+        }
+    }
 }
 
 /// The merged weight `W + s · B A` of a layer (any split, as long as the blocks match), in
@@ -315,8 +482,26 @@ mod tests {
             targets: LoraTargets::AllLinear,
             use_rslora: false,
             seed: 0,
+            target_parameters: vec!["gate_up_proj".into(), "down_proj".into()],
+            rank_pattern: BTreeMap::from([(".*\\.gate_up_proj".to_string(), 8)]),
+            alpha_pattern: BTreeMap::from([(".*\\.gate_up_proj".to_string(), 16.0)]),
         };
         assert_eq!(c.scale(), 2.0);
+        let gu = "model.layers.0.mlp.experts.gate_up_proj";
+        assert!(c.targets_parameter(gu));
+        assert!(!c.targets_parameter("model.layers.0.mlp.gate.weight"));
+        assert_eq!((c.rank_of(gu), c.alpha_of(gu)), (8, 16.0));
+        let down = "model.layers.0.mlp.experts.down_proj";
+        assert_eq!((c.rank_of(down), c.alpha_of(down)), (4, 8.0));
+        let p = c.for_parameter(gu);
+        assert_eq!(
+            (p.rank, p.scale(), p.targets.matches("x.y")),
+            (8, 2.0, true)
+        );
+        assert!(!c.for_parameter("m.gate.weight").targets.matches("x.y"));
+        let mut bad = c.clone();
+        bad.rank_pattern = BTreeMap::from([("(gate|up)".to_string(), 2)]);
+        assert!(bad.validate().is_err());
         c.use_rslora = true;
         assert_eq!(c.scale(), 4.0);
         c.rank = 0;

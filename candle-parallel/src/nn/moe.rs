@@ -30,10 +30,12 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Tensor};
 
 use super::{
-    ColumnParallelLinear, LinearConfig, Mlp, MlpConfig, ParallelCtx, ParamBuilder,
+    Adapters, ColumnParallelLinear, LinearConfig, Mlp, MlpConfig, ParallelCtx, ParamBuilder,
     RowParallelLinear, TpGroup,
 };
-use crate::collectives::{all_to_all_v, record, reduce_from_parallel_region, reduce_scatter};
+use crate::collectives::{
+    all_to_all_v, copy_to_parallel_region, record, reduce_from_parallel_region, reduce_scatter,
+};
 use crate::comm::{Comm, ReduceOp};
 use crate::error::{Error, Result};
 use crate::nn::linear::linear;
@@ -174,62 +176,113 @@ impl MoeConfig {
     }
 }
 
-/// One expert's SwiGLU weights: this rank's rows of gate and up `(i/P, hidden)` and columns of
-/// down `(hidden, i/P)`.
+/// The name transformers 5 and PEFT give an expert's fused gate and up projections (one LoRA
+/// `A` for both, its `B` rows split between them).
+pub const EXPERT_GATE_UP: &str = "gate_up_proj";
+/// The name transformers 5 and PEFT give the experts' down projections.
+pub const EXPERT_DOWN: &str = "down_proj";
+
+/// One expert's SwiGLU projections: this rank's rows of gate and up `(i/P, hidden)` and columns
+/// of down `(hidden, i/P)`, with their LoRA adapters when targeted (see [`SparseMoe::new`]).
 #[derive(Debug, Clone)]
 struct Expert {
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
+    gate: ColumnParallelLinear,
+    up: ColumnParallelLinear,
+    down: RowParallelLinear,
+    /// Where the gradients of the adapter factors replicated over tp (gate's and up's `A`,
+    /// down's `B`) are summed in the graph: each tensor-parallel rank's backward gives only its
+    /// rows' (or columns') part of them.
+    sum_over: Option<Comm>,
 }
 
 impl Expert {
-    fn new(cfg: &MoeConfig, vb: ParamBuilder, ctx: &ParallelCtx) -> Result<Self> {
+    /// Expert `vb` (`...experts.3`); `gate_up` and `down`: the model's adapters for the
+    /// experts' `gate_up_proj` and `down_proj` ([`Adapters::for_parameter`]).
+    fn new(
+        cfg: &MoeConfig,
+        vb: ParamBuilder,
+        ctx: &ParallelCtx,
+        adapters: &ExpertAdapters,
+        sum_over: Option<Comm>,
+    ) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.expert_intermediate_size);
         let [g, u, d] = &cfg.expert_names;
-        let column = |name: &str| -> Result<Tensor> {
-            let l = ColumnParallelLinear::new(&LinearConfig::new(h, i), vb.pp(name), ctx)?;
-            no_adapter(l.lora().is_some(), &vb, name)?;
-            Ok(l.weight().clone())
+        let gate_up = with_adapters(&vb, adapters.gate_up.as_ref());
+        let fused = gate_up.pp(EXPERT_GATE_UP);
+        let column = |name: &str| {
+            ColumnParallelLinear::new_part(&LinearConfig::new(h, i), gate_up.pp(name), &fused, ctx)
         };
-        let down = RowParallelLinear::new(&LinearConfig::new(i, h), vb.pp(d), ctx)?;
-        no_adapter(down.lora().is_some(), &vb, d)?;
+        let down = with_adapters(&vb, adapters.down.as_ref());
         Ok(Self {
             gate: column(g)?,
             up: column(u)?,
-            down: down.weight().clone(),
+            down: RowParallelLinear::new(&LinearConfig::new(i, h), down.pp(d), ctx)?,
+            sum_over,
         })
+    }
+
+    /// `t` (a replicated adapter factor) with its gradient summed over tp when needed.
+    fn summed(&self, t: &Tensor) -> Result<Tensor> {
+        match &self.sum_over {
+            Some(c) => Ok(copy_to_parallel_region(t, c)?),
+            None => Ok(t.clone()),
+        }
     }
 
     /// `x` `(n, hidden)` → `(n, hidden)`, a partial sum over tp.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = swiglu(&linear(x, &self.gate, None)?, &linear(x, &self.up, None)?)?;
-        linear(&h, &self.down, None)
+        let mut g = linear(x, self.gate.weight(), None)?;
+        let mut u = linear(x, self.up.weight(), None)?;
+        if let (Some(lg), Some(lu)) = (self.gate.lora(), self.up.lora()) {
+            if lg.enabled() {
+                // One `A` for gate and up (the fused `gate_up_proj`'s), `B` split by rows.
+                let lg = lg.with_weights(self.summed(&lg.a)?, lg.b.clone());
+                let hx = lg.down(x)?;
+                g = (g + lg.up(&hx)?)?;
+                u = (u + lu.up(&hx)?)?;
+            }
+        }
+        let hidden = swiglu(&g, &u)?;
+        let y = linear(&hidden, self.down.weight(), None)?;
+        match self.down.lora() {
+            Some(l) if l.enabled() => {
+                let l = l.with_weights(l.a.clone(), self.summed(&l.b)?);
+                Ok((y + l.up(&l.down(&hidden)?)?)?)
+            }
+            _ => Ok(y),
+        }
     }
 }
 
-fn no_adapter(adapted: bool, vb: &ParamBuilder, name: &str) -> Result<()> {
-    if adapted {
-        return Err(Error::invalid(
-            "mixture of experts",
-            format!(
-                "LoRA on the experts' projections ({}.{name}) is not supported yet: target the \
-                 attention projections",
-                vb.prefix()
-            ),
-        ));
+/// The adapters of the experts' two projections of one block, when the model has adapters.
+#[derive(Debug, Clone, Default)]
+struct ExpertAdapters {
+    gate_up: Option<Arc<Adapters>>,
+    down: Option<Arc<Adapters>>,
+}
+
+/// `vb` building with `adapters` (the base frozen), or as it is without.
+fn with_adapters(vb: &ParamBuilder, adapters: Option<&Arc<Adapters>>) -> ParamBuilder {
+    match adapters {
+        Some(a) => vb.clone().with_adapters(Some(a.clone())),
+        None => vb.clone(),
     }
-    Ok(())
+}
+
+/// `vb` with the model's adapters for the directly adapted parameter `name` (PEFT's
+/// `target_parameters`), if the model has adapters.
+fn for_parameter(vb: &ParamBuilder, name: &str) -> Option<Arc<Adapters>> {
+    vb.adapters().map(|a| a.for_parameter(name))
 }
 
 /// The sparse feed-forward block; see the [module docs](self).
 #[derive(Debug, Clone)]
 pub struct SparseMoe {
-    /// `(num_experts, hidden)`, replicated.
-    router: Tensor,
+    /// `(num_experts, hidden)`, replicated (a layer of this rank alone: no tensor parallelism).
+    router: ColumnParallelLinear,
     experts: Vec<Expert>,
-    /// The shared expert and its gate's weight `(1, hidden)` (replicated).
-    shared: Option<(Mlp, Tensor)>,
+    /// The shared expert and its gate `(1, hidden)` (replicated, like the router).
+    shared: Option<(Mlp, ColumnParallelLinear)>,
     cfg: MoeConfig,
     tp: TpGroup,
     /// Where the router's statistics go, and this block's index there.
@@ -247,8 +300,19 @@ impl SparseMoe {
     /// router records its statistics as block `layer` of `aux`, and its logits receive the
     /// load-balancing loss's gradient ([`RouterAux`]). Under the context's expert parallelism
     /// ([`ParallelCtx::with_expert_parallel`]) this rank holds its slice of the experts
-    /// ([`SparseMoe::new_with_ep`]). Errors when tp does not divide the experts' hidden units,
-    /// or LoRA targets an expert.
+    /// ([`SparseMoe::new_with_ep`]). Errors when tp does not divide the experts' hidden units.
+    ///
+    /// LoRA (the builder's adapters, [`ParamBuilder::with_adapters`]) reaches the block as PEFT
+    /// reaches transformers 5's: through `target_parameters`. The router is adapted when
+    /// `<block>.gate.weight` is targeted, every expert's gate and up projections when
+    /// `<block>.experts.gate_up_proj` is (one `A` of the fused projection's rank shared by
+    /// both, `B` rows split between them and over tp), their down projections when
+    /// `<block>.experts.down_proj` is (`A` split over tp by columns, `B` replicated). The
+    /// shared expert and its gate are linear layers targeted by module name. Each expert's
+    /// adapters are its own parameters (under expert parallelism on its rank alone); the
+    /// factors replicated over tp have their gradients summed over tp in the graph, except
+    /// under TP-sp without expert parallelism, where the trainer sums them like any replicated
+    /// parameter.
     pub fn new(
         cfg: &MoeConfig,
         vb: ParamBuilder,
@@ -289,15 +353,33 @@ impl SparseMoe {
                 (c.rank() * per, per)
             }
         };
-        let router = vb
-            .pp(&cfg.router)
-            .get((cfg.num_experts, cfg.hidden_size), "weight")?;
+        // The router and the shared expert's gate are replicated and applied to this rank's
+        // tokens outside the tensor-parallel region.
+        let solo = ctx.without_tp();
+        let router_vb = vb.pp(&cfg.router);
+        let router_adapters = for_parameter(&router_vb, &format!("{}.weight", router_vb.prefix()));
+        let router = ColumnParallelLinear::new(
+            &LinearConfig::new(cfg.hidden_size, cfg.num_experts),
+            with_adapters(&router_vb, router_adapters.as_ref()),
+            &solo,
+        )?;
         let experts_vb = match &ep {
             Some(_) => vb.pp(&cfg.experts).expert_parallel(),
             None => vb.pp(&cfg.experts),
         };
+        let param =
+            |name: &str| for_parameter(&experts_vb, &format!("{}.{name}", experts_vb.prefix()));
+        let adapters = ExpertAdapters {
+            gate_up: param(EXPERT_GATE_UP),
+            down: param(EXPERT_DOWN),
+        };
+        // Under TP-sp the trainer sums replicated parameters' gradients over tp (each rank's
+        // part); an expert's under expert parallelism only over the ranks holding it.
+        let tp = ctx.tp();
+        let sum_over =
+            (tp.size() > 1 && (!tp.sequence_parallel() || ep.is_some())).then(|| tp.comm().clone());
         let experts = (first_expert..first_expert + local)
-            .map(|e| Expert::new(cfg, experts_vb.pp(e), ctx))
+            .map(|e| Expert::new(cfg, experts_vb.pp(e), ctx, &adapters, sum_over.clone()))
             .collect::<Result<Vec<_>>>()?;
         let shared = match cfg.shared_expert {
             Some(i) => Some((
@@ -306,8 +388,11 @@ impl SparseMoe {
                     vb.pp("shared_expert"),
                     ctx,
                 )?,
-                vb.pp("shared_expert_gate")
-                    .get((1, cfg.hidden_size), "weight")?,
+                ColumnParallelLinear::new(
+                    &LinearConfig::new(cfg.hidden_size, 1),
+                    vb.pp("shared_expert_gate"),
+                    &solo,
+                )?,
             )),
             None => None,
         };
@@ -351,7 +436,7 @@ impl SparseMoe {
         let k = self.cfg.top_k;
         let xs = x.reshape((b * s, h))?;
         // The router, in f32 as transformers' `softmax(.., dtype=float)`.
-        let mut logits = linear(&xs, &self.router, None)?.to_dtype(DType::F32)?;
+        let mut logits = self.router.forward(&xs)?.to_dtype(DType::F32)?;
         if let Some((aux, _)) = &self.aux {
             logits = aux.attach(&logits)?;
         }
@@ -386,7 +471,7 @@ impl SparseMoe {
         match &self.shared {
             None => Ok(out),
             Some((mlp, gate)) => {
-                let g = linear(x, gate, None)?;
+                let g = gate.forward(x)?;
                 let g = (g.neg()?.exp()? + 1.0)?.recip()?;
                 Ok((out + mlp.forward(x)?.broadcast_mul(&g)?)?)
             }

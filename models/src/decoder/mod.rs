@@ -4,6 +4,7 @@
 //! ([`ToDecoderSpec`]) and registers itself ([`crate::family`]); nothing else about it is
 //! written twice.
 
+pub mod experts;
 pub mod fused;
 pub mod model;
 pub mod spec;
@@ -112,10 +113,16 @@ fn build_as(
     dtype: DType,
     load: &LoadSpec<'_>,
 ) -> Result<LoadedDecoder> {
-    let adapters = load
-        .adapters
-        .as_ref()
-        .map(|a| a.with_source(a.source().map(|s| checkpoint_source(spec, s.clone()))));
+    let adapters = match load.adapters.as_ref() {
+        Some(a) => {
+            let cfg = crate::peft::for_transformers5(&a.cfg, spec.family)?;
+            Some(a.with_config_and_source(
+                cfg,
+                a.source().map(|s| checkpoint_source(spec, s.clone())),
+            ))
+        }
+        None => None,
+    };
     let source = checkpoint_source(spec, source);
     let (vb, params) = ParamBuilder::new(source, dtype, load.ctx.device(), load.mode);
     let model = Decoder::new_stage(
@@ -129,11 +136,16 @@ fn build_as(
 }
 
 /// `source` (a checkpoint or an adapter, under its names) under the names of the model of
-/// `spec`: the parts of fused projections as views ([`fused::FusedSource`]), else itself.
+/// `spec`: the parts of fused projections as views ([`fused::FusedSource`]), a mixture of
+/// experts' adapters per expert ([`experts::ExpertsSource`]), else itself.
 pub fn checkpoint_source(
     spec: &DecoderSpec,
     source: Arc<dyn TensorSource>,
 ) -> Arc<dyn TensorSource> {
+    let source = match spec.experts_layout() {
+        Some(layout) => Arc::new(experts::ExpertsSource::new(source, layout)),
+        None => source,
+    };
     match spec.fused_layout() {
         Some(layout) => Arc::new(fused::FusedSource::new(source, layout)),
         None => source,
@@ -165,8 +177,15 @@ fn check_adapters_used(
         .iter()
         .any(|n| candle_parallel::nn::lora::is_adapter_param(n))
     {
+        let params = if spec.moe.is_some() {
+            " and, as target parameters, gate.weight (the routers), gate_up_proj and down_proj \
+             (the experts)"
+        } else {
+            ""
+        };
         return Err(crate::Error::Invalid(format!(
-            "the LoRA targets {:?} match no linear layer of the model (its layers are {})",
+            "the LoRA targets {:?} (--lora-targets) match no linear layer of the model (its \
+             layers are {}{params})",
             adapters.cfg.targets,
             spec.linear_names().join(", ")
         )));
@@ -185,9 +204,21 @@ fn check_adapters_used(
             None => true,
         }
     };
+    // Under expert parallelism this rank holds some experts (and their adapters) only.
+    let experts = spec.experts_layout();
+    let held_experts: std::collections::HashSet<String> = match &experts {
+        Some(l) => loaded.iter().filter_map(|n| l.expert_folder(n)).collect(),
+        None => Default::default(),
+    };
+    let expert_here = |name: &str| -> bool {
+        match experts.as_ref().and_then(|l| l.expert_folder(name)) {
+            Some(folder) => held_experts.contains(&folder),
+            None => true,
+        }
+    };
     let mut unused: Vec<&String> = names
         .iter()
-        .filter(|n| held(n) && !loaded.contains(*n))
+        .filter(|n| held(n) && expert_here(n) && !loaded.contains(*n))
         .collect();
     unused.sort();
     if let Some(first) = unused.first() {

@@ -658,6 +658,10 @@ impl crate::causal_lm::CausalLm for Decoder {
     }
 
     fn to_checkpoint(&self, tensors: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
+        let tensors = match self.spec.experts_layout() {
+            Some(layout) => layout.fuse(tensors)?,
+            None => tensors,
+        };
         match self.spec.fused_layout() {
             Some(layout) => layout.fuse_tensors(tensors),
             None => Ok(tensors),

@@ -141,6 +141,13 @@ impl DecoderSpec {
             .with_fused_gate_up(self.fused_projections.then_some(FUSED_GATE_UP))
     }
 
+    /// How a mixture of experts' adapters are stored (PEFT's stacked experts), if it has one.
+    pub fn experts_layout(&self) -> Option<super::experts::ExpertsLayout> {
+        self.moe
+            .as_ref()
+            .map(|m| super::experts::ExpertsLayout::new(m.folder, &m.block))
+    }
+
     /// How the checkpoint fuses projections the model runs apart (Phi-3), if it does.
     pub fn fused_layout(&self) -> Option<FusedLayout> {
         self.fused_projections.then(|| {
@@ -156,7 +163,8 @@ impl DecoderSpec {
     /// names.
     pub fn linear_names(&self) -> &'static [&'static str] {
         if self.moe.is_some() {
-            // The experts take no adapters yet (candle_parallel::nn::moe).
+            // The experts and routers are targeted as parameters (PEFT's target_parameters:
+            // experts.gate_up_proj, experts.down_proj, gate.weight; see crate::peft).
             &["q_proj", "k_proj", "v_proj", "o_proj"]
         } else if self.fused_projections {
             &[FUSED_QKV, "o_proj", FUSED_GATE_UP, "down_proj"]
