@@ -466,8 +466,13 @@ mod tests {
             assert_eq!(v[0][4], 130.0 + 1.0);
             assert_eq!(v[4][2], 260.0);
             assert!(fused.contains_key(&format!("{head}.mlp.gate.lora_A.weight")));
+            // The outer wrapper is the last target parameter: down's B (6, R·E = 2·3) when
+            // down is adapted, otherwise gate_up's; a nested `base_layer` only with two.
+            let outer = &fused[&format!("{head}.mlp.experts.lora_B.weight")];
+            let want: &[usize] = if with_down { &[6, 6] } else { &[8, 12] };
+            assert_eq!(outer.dims(), want);
             assert_eq!(
-                fused.contains_key(&format!("{head}.mlp.experts.lora_B.weight")),
+                fused.contains_key(&format!("{head}.mlp.experts.base_layer.lora_B.weight")),
                 with_down
             );
             // Back, under the model's names.
