@@ -829,7 +829,7 @@ pub fn eval_through_registry(
         let opts = train::evaluation::ScoreOptions {
             pipeline: r.pipeline,
             logits: r.pipeline.is_none(),
-            buckets: None,
+            ..Default::default()
         };
         let model = r.model.model.as_ref();
         let (report, logits) = train::evaluation::score(&r.mesh, &r.ctx, model, act, seqs, &opts)

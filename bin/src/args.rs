@@ -443,7 +443,9 @@ pub struct EvalArgs {
     #[arg(long)]
     pub adapter: Option<PathBuf>,
     /// Text (.txt), JSON-lines (.jsonl) or Parquet (.parquet) file to evaluate on; documents
-    /// are joined with EOS and cut into windows of --seq-len tokens.
+    /// are joined with EOS and cut into windows of --seq-len tokens; a shorter last window is padded
+    /// (the padding not scored) to a length the layout can split, so every layout scores the same
+    /// tokens.
     #[arg(long, conflicts_with = "tokens")]
     pub data: Option<PathBuf>,
     /// JSON array of token-id arrays; each is evaluated as one sequence.

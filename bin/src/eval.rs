@@ -28,12 +28,28 @@ fn fit_to_layout(len: usize, layout: &LayoutArgs) -> Result<usize> {
     Ok(0)
 }
 
+/// The shortest length from `len` to `max` that the layout can split (`max` itself when none
+/// shorter is).
+fn pad_to_layout(len: usize, max: usize, layout: &LayoutArgs) -> Result<usize> {
+    let sp = layout.sp_config()?;
+    Ok((len..max)
+        .find(|&l| ShardPlan::new(l, sp.layout, sp.ring, sp.ulysses).is_ok())
+        .unwrap_or(max))
+}
+
+/// The sequences to evaluate and the scored length of each (the tokens after it pad the
+/// sequence to a length the layout can split).
+struct Sequences {
+    seqs: Vec<Vec<u32>>,
+    lengths: Vec<usize>,
+}
+
 /// The sequences to evaluate, from `--tokens` or `--data`.
 fn sequences(
     args: &EvalArgs,
     files: &models::hub::ModelFiles,
     vocab_size: usize,
-) -> Result<Vec<Vec<u32>>> {
+) -> Result<Sequences> {
     let sp = args.layout.sp_config()?;
     if let Some(path) = &args.tokens {
         let seqs = train::data::read_token_sequences(path, vocab_size, "--tokens")?;
@@ -50,7 +66,8 @@ fn sequences(
                 )
             })?;
         }
-        return Ok(seqs);
+        let lengths = seqs.iter().map(Vec::len).collect();
+        return Ok(Sequences { seqs, lengths });
     }
     let Some(path) = &args.data else {
         bail!("give the data to evaluate with --data FILE (text or jsonl) or --tokens FILE");
@@ -75,17 +92,21 @@ fn sequences(
         .with_context(|| format!("tokenizing --data {}", path.display()))?
         .ids;
     let mut seqs: Vec<Vec<u32>> = ids.chunks(window).map(|c| c.to_vec()).collect();
-    if let Some(last) = seqs.last_mut() {
-        let fit = fit_to_layout(last.len(), &args.layout)?;
-        last.truncate(fit);
-        if fit < 2 {
-            seqs.pop();
-        }
+    let mut lengths: Vec<usize> = seqs.iter().map(Vec::len).collect();
+    if seqs.last().is_some_and(|s| s.len() < 2) {
+        seqs.pop();
+        lengths.pop();
     }
     if seqs.is_empty() {
         bail!("--data {}: fewer than 2 tokens to evaluate", path.display());
     }
-    Ok(seqs)
+    // The last window, shorter than the others, is padded to a length the layout can split:
+    // every layout scores the same tokens.
+    if let Some(last) = seqs.last_mut() {
+        let padded = pad_to_layout(last.len(), window, &args.layout)?;
+        last.resize(padded, 0);
+    }
+    Ok(Sequences { seqs, lengths })
 }
 
 /// Evaluates on every rank; returns rank 0's report and logits (`None` in the other processes
@@ -96,7 +117,7 @@ pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
     let family = models::family::detect(&files.config)?;
     let desc = (family.describe)(&files.config)?;
     let dtype = args.dtype.map(DType::from);
-    let seqs = sequences(args, &files, desc.vocab)?;
+    let Sequences { seqs, lengths } = sequences(args, &files, desc.vocab)?;
     let want_logits = args.logits_out.is_some();
     let costs = desc.stage_costs(args.seq_len, models::family::Work::Forward);
     let pipeline = args
@@ -144,6 +165,7 @@ pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
                 pipeline: pipeline.as_ref(),
                 logits: want_logits,
                 buckets: buckets.as_deref(),
+                lengths: Some(&lengths),
             },
         )
         .map_err(Into::into)

@@ -58,6 +58,58 @@ fn eval_json(args: &[&str], env: &[(&str, &str)]) -> serde_json::Value {
     serde_json::from_str(stdout(&o).trim()).unwrap_or_else(|e| panic!("{a:?}: {e}: {}", stdout(&o)))
 }
 
+/// A text whose last window no layout can split as it is (its length is odd) is padded, not
+/// cut: every layout scores the same tokens with the same loss (1e-5 relative) as one rank.
+#[test]
+fn eval_of_a_text_scores_the_same_tokens_under_every_layout() {
+    let dir = tmpdir("eval-text");
+    let text = dir.join("text.jsonl");
+    let doc = "To be, or not to be, that is the question: whether 'tis nobler in the mind to \
+               suffer the slings and arrows of outrageous fortune, or to take arms against a sea \
+               of troubles, and by opposing end them.";
+    let lines: Vec<String> = (0..3)
+        .map(|i| serde_json::json!({ "text": format!("{i} {doc}") }).to_string())
+        .collect();
+    std::fs::write(&text, lines.join("\n")).unwrap();
+    let model = common::default_model();
+    let (m, t) = (model.to_str().unwrap(), text.to_str().unwrap());
+    let base = [
+        "--model",
+        m,
+        "--data",
+        t,
+        "--seq-len",
+        "64",
+        "--dtype",
+        "f32",
+    ];
+    let single = eval_json(&base, &[]);
+    let tokens = single["tokens"].as_u64().unwrap();
+    let loss = single["loss"].as_f64().unwrap();
+    // The text's last window is not a multiple of 8 tokens (zigzag ring 4): it is padded.
+    let windows = single["sequences"].as_u64().unwrap();
+    assert_ne!(
+        (tokens + windows) % 64 % 8,
+        0,
+        "{single}: the test needs a ragged last window"
+    );
+    for layout in [
+        vec!["--ranks", "4", "--ring", "4"],
+        vec!["--ranks", "4", "--ulysses", "2", "--ring", "2"],
+        vec!["--ranks", "2", "--ring", "2", "--ring-layout", "contiguous"],
+    ] {
+        let mut a = base.to_vec();
+        a.extend_from_slice(&layout);
+        let got = eval_json(&a, &[]);
+        assert_eq!(got["tokens"].as_u64(), Some(tokens), "{layout:?}: {got}");
+        let l = got["loss"].as_f64().unwrap();
+        assert!(
+            (l - loss).abs() / loss <= 1e-5,
+            "{layout:?}: loss {l} vs one rank {loss}"
+        );
+    }
+}
+
 #[test]
 fn eval_matches_transformers_and_every_layout() {
     let dir = tmpdir("eval");

@@ -75,6 +75,21 @@ pub struct ScoreOptions<'a> {
     pub logits: bool,
     /// The loss of each position bucket (no pipeline; see [`position_buckets`]).
     pub buckets: Option<&'a [(usize, usize)]>,
+    /// The scored length of each sequence: the tokens after it are padding (the last window
+    /// of a text, padded to a length the layout can split), neither scored nor predicted, and
+    /// cut from the logits. `None`: every token is scored.
+    pub lengths: Option<&'a [usize]>,
+}
+
+/// The next-token labels of `seq` when only its first `len` tokens are real: the label of
+/// position `p` is token `p + 1` while that is real, [`IGNORE_INDEX`] after.
+fn scored_labels(seq: &[u32], len: usize) -> Vec<i64> {
+    (0..seq.len())
+        .map(|p| match seq.get(p + 1) {
+            Some(&t) if p + 1 < len => t as i64,
+            _ => IGNORE_INDEX,
+        })
+        .collect()
 }
 
 /// The mean loss of `model` (this rank's stage, activations in `act`) on `seqs`, timed from a
@@ -94,7 +109,25 @@ pub fn score(
         pipeline,
         logits: want_logits,
         buckets,
+        lengths,
     } = *opts;
+    if lengths
+        .is_some_and(|l| l.len() != seqs.len() || l.iter().zip(seqs).any(|(&n, s)| n > s.len()))
+    {
+        return Err(Error::Invalid(
+            "score: one scored length per sequence, at most its length".into(),
+        ));
+    }
+    let len_of = |i: usize| lengths.map_or(seqs[i].len(), |l| l[i]);
+    let batch_of = |i: usize| {
+        let labels = scored_labels(&seqs[i], len_of(i));
+        Batch::from_tokens(
+            ctx,
+            std::slice::from_ref(&seqs[i]),
+            std::slice::from_ref(&labels),
+            AttnMask::Causal,
+        )
+    };
     if pipeline.is_some() && (want_logits || buckets.is_some()) {
         return Err(Error::Invalid(
             "logits and losses by position are not available through pipeline stages".into(),
@@ -118,9 +151,7 @@ pub fn score(
         let micro = (dp_rank..rounds)
             .step_by(dp)
             .map(|i| {
-                let seq = &seqs[i % n];
-                let (batch, labels) =
-                    Batch::from_sequences(ctx, std::slice::from_ref(seq), AttnMask::Causal)?;
+                let (batch, labels) = batch_of(i % n)?;
                 let labels = if i < n {
                     labels
                 } else {
@@ -137,9 +168,7 @@ pub fn score(
         if i % dp != dp_rank && !want_logits {
             continue;
         }
-        let seq = &seqs[i % n];
-        let (batch, labels) =
-            Batch::from_sequences(ctx, std::slice::from_ref(seq), AttnMask::Causal)?;
+        let (batch, labels) = batch_of(i % n)?;
         // Under expert parallelism the ranks that do not score this sequence run its forwards
         // too, and drop the result.
         if mine || ep {
@@ -181,7 +210,7 @@ pub fn score(
             let l = model.logits(&batch)?;
             let global = ctx.gather_tokens(&l)?;
             if mesh.rank() == 0 {
-                logits.push(global.squeeze(0)?);
+                logits.push(global.squeeze(0)?.narrow(0, 0, len_of(i % n))?);
             }
         }
     }
@@ -229,4 +258,18 @@ pub fn score(
         },
         logits,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn padding_is_neither_scored_nor_predicted() {
+        let seq = [5, 6, 7, 0, 0];
+        let i = IGNORE_INDEX;
+        assert_eq!(scored_labels(&seq, 5), vec![6, 7, 0, 0, i]);
+        assert_eq!(scored_labels(&seq, 3), vec![6, 7, i, i, i]);
+        assert_eq!(scored_labels(&seq, 1), vec![i; 5]);
+    }
 }
