@@ -13,8 +13,8 @@
 //! 2x PyTorch's own f32 error (floor 2e-6); the DDPM bound is evaluated in f64 by us, so there
 //! ours is far closer to float64 than PyTorch's f32 run. The key bias's exact gradient is 0
 //! (attention is invariant to it): it is checked against the query bias's gradient scale.
-//! Layouts against one rank: losses and outputs 1e-5, gradients within twice the one-rank run's
-//! own error against float64 (`layout_grad_tol`).
+//! Layouts: losses and outputs within 1e-5 of one rank; gradients against float64, within twice
+//! the larger of the one-rank run's and PyTorch's own f32 errors (`layout_grad_bound`).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -221,19 +221,6 @@ fn check_grads(
 
 /// `g` against `want` (1e-5 relative); the key bias against the scale of the query bias's
 /// gradient `q_scale` instead (its exact gradient is 0).
-fn check_grad(what: &str, name: &str, g: &Tensor, want: &Tensor, q_scale: f64, tol: f64) {
-    if name.ends_with("to_k.bias") {
-        // Exactly zero in exact arithmetic (softmax is shift invariant per query).
-        let d = testkit::max_abs(&(g - want).unwrap());
-        assert!(
-            d <= tol * q_scale,
-            "{what}: {name}: |diff| {d:e} vs scale {q_scale:e}"
-        );
-    } else {
-        assert_rel(g, want, tol, &format!("{what}: gradient of {name}"));
-    }
-}
-
 /// Relative error of `g` against `exact` (for the key bias: max |diff| over `q_scale`).
 fn error(name: &str, g: &Tensor, exact: &Tensor, q_scale: f64) -> f64 {
     if name.ends_with("to_k.bias") {
@@ -299,31 +286,34 @@ fn run(layout: &Layout, memory: MemoryPlan) -> (f64, HashMap<String, Tensor>, Te
     out.swap_remove(0)
 }
 
-/// The tolerance of parameter `name`'s gradient under a layout against one rank (`grads1`):
-/// `2 max(e1, (N - 1) u)`, derived, not fitted. A layout and one rank are two f32 evaluations
-/// of the same gradient, so they differ by at most the sum of their errors against float64.
-/// `e1` is the one-rank run's own error against the fixture's float64 gradients
-/// (`ddpm.grad64.*`, the same batch and loss), measured here; a layout runs the same f32
-/// operations in other orders (each rank sums its tokens' contributions, then the ranks' sums
-/// are added), with an error of the same size, hence the factor 2 (PyTorch's f32 gradients of
-/// the flow loss, another f32 evaluation of the same graph, are within 1.02x of ours in the
-/// median). `(N - 1) u`, with N the batch's tokens (4 samples x 16 patches = 64) and u = 2^-24,
-/// is the first-order error bound of an f32 sum of N contributions without cancellation
-/// (condition number 1), which every gradient is: the floor of any order. Measured: at most
-/// 0.71 of this bound (the patch embedding's bias under StarTrail on 8 ranks, 1.03e-5 against
-/// e1 = 7.4e-6: its 64 token gradients largely cancel). Losses and outputs hold 1e-5.
-fn layout_grad_tol(
+/// The largest error against float64 that a layout's f32 gradient of parameter `name` may
+/// have: `2 max(e1, e_torch, (N - 1) u)`, derived, not fitted. A layout runs the same f32
+/// operations as one rank in other orders (each rank sums its tokens' contributions, then the
+/// ranks' sums are added), so it is another f32 evaluation of the same gradient, as one rank
+/// (`e1`, its error against the fixture's float64 gradients `ddpm.grad64.*`, the same batch and
+/// loss, measured here) and PyTorch (`e_torch`, its f32 gradients `ddpm.grad.*`) are; the
+/// standard holds it within 2x of those. `(N - 1) u`, with N the batch's tokens (4 samples x 16
+/// patches = 64) and u = 2^-24, is the first-order error bound of an f32 sum of N contributions
+/// without cancellation, the floor of any order. Layouts are held to float64 rather than to
+/// the one-rank run: two f32 evaluations of a gradient whose token contributions cancel (the
+/// patch embedding's bias) differ by the sum of their errors, and one sample of `e1` may be
+/// far below the other's (it fell from 7.4e-6 to 4e-6 with the f64-statistics LayerNorm while
+/// a StarTrail layout stayed near 1e-5). Measured: at most 0.37 of the bound (the key bias under
+/// the double ring on 4). Losses and outputs hold 1e-5 against one rank.
+fn layout_grad_bound(
     r: &HashMap<String, Tensor>,
     grads1: &HashMap<String, Tensor>,
     name: &str,
 ) -> f64 {
     let exact = &r[&format!("ddpm.grad64.{name}")];
+    let scale = q_scale(r, name, "ddpm.grad64.");
     let g1 = grads1[name].reshape(exact.dims()).unwrap();
-    let e1 = error(name, &g1, exact, q_scale(r, name, "ddpm.grad64."));
+    let e1 = error(name, &g1, exact, scale);
+    let e_torch = error(name, &r[&format!("ddpm.grad.{name}")], exact, scale);
     let (p, x0) = (config().patch_size, r["ddpm.x0"].dims().to_vec());
     let tokens = x0[0] * (x0[2] / p) * (x0[3] / p);
     let sum_bound = (tokens - 1) as f64 * f64::powi(2.0, -24);
-    2.0 * testkit::max_or_nan(e1, sum_bound)
+    2.0 * testkit::max_or_nan(testkit::max_or_nan(e1, e_torch), sum_bound)
 }
 
 #[test]
@@ -368,9 +358,19 @@ fn every_layout_equals_one_rank() {
                 .get(n)
                 .unwrap_or_else(|| panic!("{}: no gradient for {n}", layout.name));
             testkit::assert_finite(g, &format!("{}: {n}", layout.name));
-            let scale = q_scale(&grads1, n, "");
-            let tol = layout_grad_tol(&r, &grads1, n);
-            check_grad(layout.name, n, g, &grads1[n], scale, tol);
+            let exact = &r[&format!("ddpm.grad64.{n}")];
+            let e = error(
+                n,
+                &g.reshape(exact.dims()).unwrap(),
+                exact,
+                q_scale(&r, n, "ddpm.grad64."),
+            );
+            let bound = layout_grad_bound(&r, &grads1, n);
+            assert!(
+                e <= bound,
+                "{}: gradient of {n}: error against float64 {e:e}, bound {bound:e}",
+                layout.name
+            );
             if !n.ends_with("to_k.bias") {
                 assert!(
                     testkit::max_abs(g) > 0.0,

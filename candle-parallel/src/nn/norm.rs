@@ -9,7 +9,7 @@ use super::{ParallelCtx, ParamBuilder};
 use crate::collectives::copy_to_parallel_region;
 use crate::comm::Comm;
 use crate::error::Result;
-use crate::ops::rms_norm;
+use crate::ops::{layer_norm, layer_norm_modulate, rms_norm};
 
 /// The shape of a normalisation layer over the last dim: `hidden_size` features, `eps` added
 /// to the variance, and for [`LayerNorm`] whether it has a `bias` and whether it has learned
@@ -109,9 +109,9 @@ impl RmsNorm {
     }
 }
 
-/// LayerNorm (`(x - mean) / sqrt(var + eps) * weight (+ bias)`, statistics in f32) written
-/// with differentiable primitives: candle's fused `layer_norm` drops gradients. `weight` and
-/// `bias` `(hidden)`.
+/// LayerNorm (`(x - mean) / sqrt(var + eps) * weight (+ bias)`) by the fused op with backward
+/// of [`crate::ops::layer_norm`] (statistics in f64, the rest in f32, rounded once to x's
+/// dtype). `weight` and `bias` `(hidden)`.
 #[derive(Debug, Clone)]
 pub struct LayerNorm {
     weight: Option<Tensor>,
@@ -139,19 +139,40 @@ impl LayerNorm {
 
     /// `x` `(.., hidden)` → the same shape and dtype. Local.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dtype = x.dtype();
-        let x = x.to_dtype(DType::F32)?;
-        let centered = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
-        let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
-        let normed = centered.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        let y = match &self.weight {
-            Some(w) => normed.broadcast_mul(&w.to_dtype(DType::F32)?)?,
-            None => normed,
-        };
-        let y = match &self.bias {
-            Some(b) => y.broadcast_add(&b.to_dtype(DType::F32)?)?,
-            None => y,
-        };
-        Ok(y.to_dtype(dtype)?)
+        let params = [&self.weight, &self.bias];
+        if params
+            .iter()
+            .flat_map(|p| p.iter())
+            .all(|p| p.dtype() == x.dtype())
+        {
+            return Ok(layer_norm(
+                x,
+                self.weight.as_ref(),
+                self.bias.as_ref(),
+                self.eps,
+            )?);
+        }
+        // Parameters in another dtype than x: all in f32, rounded once to x's dtype.
+        let f32 = |p: &Option<Tensor>| p.as_ref().map(|p| p.to_dtype(DType::F32)).transpose();
+        let (w, b) = (f32(&self.weight)?, f32(&self.bias)?);
+        let y = layer_norm(&x.to_dtype(DType::F32)?, w.as_ref(), b.as_ref(), self.eps)?;
+        Ok(y.to_dtype(x.dtype())?)
+    }
+
+    /// adaLN modulation of the norm (DiT): `norm(x) · (1 + scale) + shift`, `x` `(batch, ..,
+    /// hidden)`, `shift` and `scale` `(batch, hidden)` (one per sample), all of x's dtype. One
+    /// fused op ([`crate::ops::layer_norm_modulate`]) for a norm without affine parameters (DiT's
+    /// adaLN norms); otherwise the norm and then the modulation in x's dtype. Local.
+    pub fn forward_modulated(&self, x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
+        if self.weight.is_none() && self.bias.is_none() {
+            return Ok(layer_norm_modulate(x, shift, scale, self.eps)?);
+        }
+        let y = self.forward(x)?;
+        let mut dims = vec![1; y.rank()];
+        dims[0] = y.dim(0)?;
+        dims[y.rank() - 1] = y.dim(D::Minus1)?;
+        let scale = (scale.reshape(dims.as_slice())? + 1.0)?;
+        Ok(y.broadcast_mul(&scale)?
+            .broadcast_add(&shift.reshape(dims)?)?)
     }
 }

@@ -21,6 +21,7 @@ use candle_parallel::nn::{
     linear, Activation, AttentionConfig, Block, LayerNorm, Mlp, MlpConfig, NormConfig,
     ParallelAttention, ParallelCtx, ParamBuilder, Pass, Track, Unit, UnitOps,
 };
+use candle_parallel::ops::gated_residual;
 use candle_parallel::plan::Parallelize;
 
 use super::config::{DitConfig, TIMESTEP_CHANNELS};
@@ -106,13 +107,6 @@ impl ConditionEmbedding {
     }
 }
 
-/// `shift`, `scale` `(batch, hidden)`: `x · (1 + scale) + shift` over the tokens of `x`.
-fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
-    let scale = (scale.unsqueeze(1)? + 1.0)?;
-    Ok(x.broadcast_mul(&scale)?
-        .broadcast_add(&shift.unsqueeze(1)?)?)
-}
-
 /// `transformer_blocks.N`: adaLN-Zero attention and MLP (diffusers' `BasicTransformerBlock`
 /// with `norm_type="ada_norm_zero"`).
 #[derive(Debug, Clone)]
@@ -181,14 +175,12 @@ impl Block for DitBlock {
         let m = m.chunk(6, 1)?;
         let (shift_msa, scale_msa, gate_msa) = (&m[0], &m[1], &m[2]);
         let (shift_mlp, scale_mlp, gate_mlp) = (&m[3], &m[4], &m[5]);
-        let h = modulate(&self.norm1.forward(x)?, shift_msa, scale_msa)
-            .map_err(candle_parallel::Error::from)?;
+        let h = self.norm1.forward_modulated(x, shift_msa, scale_msa)?;
         let a = self.attn1.forward(&h, pass)?;
-        let x = (x + a.broadcast_mul(&gate_msa.unsqueeze(1)?)?)?;
-        let h = modulate(&self.norm2.forward(&x)?, shift_mlp, scale_mlp)
-            .map_err(candle_parallel::Error::from)?;
+        let x = gated_residual(x, &a, gate_msa)?;
+        let h = self.norm2.forward_modulated(&x, shift_mlp, scale_mlp)?;
         let f = self.ff.forward(&h)?;
-        Ok((&x + f.broadcast_mul(&gate_mlp.unsqueeze(1)?)?)?)
+        Ok(gated_residual(&x, &f, gate_mlp)?)
     }
 }
 
@@ -541,7 +533,7 @@ impl Dit {
         };
         let c = emb.forward(cond)?;
         let m = ends.proj_out_1.forward(&c.silu()?)?.chunk(2, 1)?;
-        let x = modulate(&ends.norm_out.forward(x)?, &m[0], &m[1])?;
+        let x = ends.norm_out.forward_modulated(x, &m[0], &m[1])?;
         Ok(self
             .ctx
             .gather_layer_tokens(&ends.proj_out_2.forward(&x)?)?)
