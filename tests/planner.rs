@@ -265,10 +265,14 @@ fn assert_within_15_percent(setup: &Setup, cases: &[Case]) {
         // measure 129-135 MiB, and "ring4" measures 228.6 to 232.4 MiB from run to run (the
         // largest of 3 runs fell below the band once, at 04c2f04's code as well; the largest of
         // 5 runs of "double-ring w2" measured 230.8 MiB once, ratio 0.848, where other runs reach
-        // the 0.85-0.86 of "ring4"). Multi-rank cases therefore take the largest of 8 runs: the
-        // ranks peaking together is what the prediction describes. (That the model stays
+        // the 0.85-0.86 of "ring4"; the largest of 8 runs of "usp 2x2 zero1 selective" measured
+        // 0.848-0.857 in three runs, the largest of 16 0.892 and 0.858: checkpointed layers peak
+        // briefly, while one layer is recomputed, so their ranks' peaks coincide less often).
+        // Multi-rank cases therefore take the largest of 16 runs: the ranks peaking together is
+        // what the prediction describes, and a process of thread-ranks can only peak below it.
+        // This narrows the spread without removing it: a per-rank peak measurement is the fix. (That the model stays
         // 14-15% above ring layouts' measured peaks is a model question, issue 39.)
-        let runs = if c.ranks() > 1 { 8 } else { 1 };
+        let runs = if c.ranks() > 1 { 16 } else { 1 };
         let got = (0..runs)
             .map(|_| measure(c, setup, &dir))
             .max()
