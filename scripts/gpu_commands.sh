@@ -20,28 +20,11 @@ OUT=
 CPL=
 DEVICE=cuda
 LIMIT=120
-while [ $# -gt 0 ]; do
-    case $1 in
-    --out) OUT=$2; shift ;;
-    --cpl) CPL=$2; shift ;;
-    --device) DEVICE=$2; shift ;;
-    --limit) LIMIT=$2; shift ;;
-    -h | --help) sed -n '2,17p' "$0"; exit 0 ;;
-    *) echo "unknown argument: $1" >&2; exit 2 ;;
-    esac
-    shift
-done
-[ -n "$OUT" ] || { echo "--out DIR is required" >&2; exit 2; }
 W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT
-if [ -z "$CPL" ]; then
-    [ -f "$OUT/env.txt" ] || { echo "$OUT/env.txt missing: run scripts/gpu_check.sh first" >&2; exit 2; }
-    xz -dc gpu-bundle/bin/cpl.xz >"$W/cpl" || { echo "cannot unpack gpu-bundle/bin/cpl.xz" >&2; exit 2; }
-    chmod +x "$W/cpl"
-    CPL=$W/cpl
-    LD_LIBRARY_PATH=$(sed -n 's/^LD_LIBRARY_PATH=//p' "$OUT/env.txt" | head -n 1)
-    export LD_LIBRARY_PATH
-fi
+# shellcheck source=scripts/gpu_common.sh disable=SC1091
+. scripts/gpu_common.sh
+gpu_compare_setup "$@"
 MODEL=assets/default/model
 # About 24K tokens of the corpus: its first 100,000 characters, as 10 documents.
 python3 - "$W/small.jsonl" <<'PY'
@@ -51,7 +34,6 @@ with open(sys.argv[1], "w") as f:
     for i in range(0, len(text), 10000):
         f.write(json.dumps({"text": text[i:i + 10000]}) + "\n")
 PY
-mkdir -p "$OUT"
 REPORT=$OUT/commands.txt
 : >"$REPORT"
 FAILS=0

@@ -27,7 +27,7 @@ check() { # check NAME COMMAND...
 }
 
 SCRIPTS=(scripts/gpu_check.sh scripts/gpu_bench.sh scripts/build_gpu_bundle.sh scripts/check_gpu_bundle.sh
-    scripts/test_gpu_check.sh scripts/gpu_zoo.sh scripts/gpu_commands.sh)
+    scripts/test_gpu_check.sh scripts/gpu_zoo.sh scripts/gpu_commands.sh scripts/gpu_common.sh)
 for s in "${SCRIPTS[@]}"; do
     check "bash -n $s" bash -n "$s"
 done

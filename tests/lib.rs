@@ -1115,3 +1115,20 @@ pub fn stored_tensors(files: &models::hub::ModelFiles) -> Vec<(String, Vec<f32>)
         })
         .collect()
 }
+
+/// Two sets of saved tensors (as [`stored_tensors`] reads them) hold the same names in the same
+/// order and values within `tol` relative (NaN fails). Panics name `case`.
+pub fn assert_same_saved(
+    case: &str,
+    got: &[(String, Vec<f32>)],
+    want: &[(String, Vec<f32>)],
+    tol: f64,
+) {
+    assert_eq!(got.len(), want.len(), "{case}: saved tensors");
+    let f = |x: &[f32]| x.iter().map(|&v| f64::from(v)).collect::<Vec<_>>();
+    for ((n, a), (m, b)) in got.iter().zip(want) {
+        assert_eq!(n, m, "{case}");
+        let e = testkit::rel_err_values(&f(a), &f(b));
+        assert!(e <= tol, "{case}: saved {n}: rel err {e:e}");
+    }
+}

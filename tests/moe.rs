@@ -274,13 +274,7 @@ fn every_moe_family_trains_under_expert_parallelism_like_one_rank() {
             );
             let (got, saved) = run(&layout, &cfg);
             assert_same_registry_run(&case, &got, &want, TOL);
-            assert_eq!(saved.len(), want_saved.len(), "{case}: saved tensors");
-            for ((n, a), (m, b)) in saved.iter().zip(&want_saved) {
-                assert_eq!(n, m, "{case}");
-                let f = |x: &[f32]| x.iter().map(|&v| f64::from(v)).collect::<Vec<_>>();
-                let e = testkit::rel_err_values(&f(a), &f(b));
-                assert!(e <= TOL, "{case}: saved {n}: rel err {e:e}");
-            }
+            cpl_integration_tests::assert_same_saved(&case, &saved, &want_saved, TOL);
         }
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -62,6 +62,25 @@ fn assert_close_losses(
     }
 }
 
+/// `cpl eval --json` of `model` (with `adapter`) on the `--tokens` file `tokens`: its loss.
+fn eval_loss(model: &Path, tokens: &Path, adapter: Option<&Path>) -> f64 {
+    let mut a = vec![
+        "eval".to_string(),
+        "--model".into(),
+        s(model),
+        "--tokens".into(),
+        s(tokens),
+        "--json".into(),
+    ];
+    if let Some(ad) = adapter {
+        a.extend(["--adapter".to_string(), s(ad)]);
+    }
+    let o = cpl(&a);
+    assert!(o.status.success(), "{a:?}: {}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&common::stdout(&o)).unwrap();
+    v["loss"].as_f64().unwrap()
+}
+
 #[test]
 fn the_bundled_demo_finetunes_with_lora_dpo_and_full_weights() {
     let d = tmpdir("ft-demo");
@@ -350,23 +369,7 @@ fn merge_writes_the_merged_model() {
     let tokens = d.join("ids.json");
     let ids: Vec<Vec<u32>> = testkit::random_docs(3, 2, 24..25, 256);
     std::fs::write(&tokens, serde_json::to_string(&ids).unwrap()).unwrap();
-    let eval = |model: &Path, adapter: Option<&Path>| -> f64 {
-        let mut a = vec![
-            "eval".to_string(),
-            "--model".into(),
-            s(model),
-            "--tokens".into(),
-            s(&tokens),
-            "--json".into(),
-        ];
-        if let Some(ad) = adapter {
-            a.extend(["--adapter".to_string(), s(ad)]);
-        }
-        let o = cpl(&a);
-        assert!(o.status.success(), "{a:?}: {}", stderr(&o));
-        let v: serde_json::Value = serde_json::from_str(&common::stdout(&o)).unwrap();
-        v["loss"].as_f64().unwrap()
-    };
+    let eval = |model: &Path, adapter: Option<&Path>| eval_loss(model, &tokens, adapter);
     let with_adapter = eval(
         &fixtures("llama/gqa"),
         Some(&fixtures("finetune/lora/adapter")),
@@ -618,23 +621,7 @@ fn lora_on_a_mixture_of_experts_writes_peft_adapters() {
     let tokens = d.join("ids.json");
     let ids: Vec<Vec<u32>> = testkit::random_docs(5, 2, 24..25, 256);
     std::fs::write(&tokens, serde_json::to_string(&ids).unwrap()).unwrap();
-    let eval = |adapter: Option<&Path>| -> f64 {
-        let mut a = vec![
-            "eval".to_string(),
-            "--model".into(),
-            s(&model),
-            "--tokens".into(),
-            s(&tokens),
-            "--json".into(),
-        ];
-        if let Some(ad) = adapter {
-            a.extend(["--adapter".to_string(), s(ad)]);
-        }
-        let o = cpl(&a);
-        assert!(o.status.success(), "{a:?}: {}", stderr(&o));
-        let v: serde_json::Value = serde_json::from_str(&common::stdout(&o)).unwrap();
-        v["loss"].as_f64().unwrap()
-    };
+    let eval = |adapter: Option<&Path>| eval_loss(&model, &tokens, adapter);
     let (adapted, base) = (eval(Some(&step)), eval(None));
     assert!(
         adapted.is_finite() && (adapted - base).abs() > 1e-4,
