@@ -108,6 +108,20 @@ fn eval_of_a_text_scores_the_same_tokens_under_every_layout() {
             "{layout:?}: loss {l} vs one rank {loss}"
         );
     }
+    // The padded last window's logits are cut back to its real tokens: those of one rank.
+    let logits = |extra: &[&str], name: &str| {
+        let out = dir.join(name);
+        let mut a = base.to_vec();
+        a.extend_from_slice(extra);
+        a.extend(["--logits-out", out.to_str().unwrap()]);
+        eval_json(&a, &[]);
+        let mut t = candle_core::safetensors::load(&out, &Device::Cpu).unwrap();
+        t.remove(&format!("logits.{}", windows - 1)).unwrap()
+    };
+    let one = logits(&[], "one.safetensors");
+    let ring = logits(&["--ranks", "4", "--ring", "4"], "ring.safetensors");
+    assert_eq!(one.dim(0).unwrap() as u64, (tokens + windows) % 64);
+    testkit::assert_close(&ring, &one, 1e-5, "ring4: the last window's logits");
 }
 
 #[test]
