@@ -202,6 +202,10 @@ fn every_moe_family_trains_under_expert_parallelism_like_one_rank() {
         cfg.memory.checkpointing = checkpointing;
         cfg
     };
+    let grouped = |mut cfg: train::trainer::TrainConfig, z| {
+        cfg.memory.zero_group = Some(z);
+        cfg
+    };
     for name in FAMILIES {
         let files = fixture_files(name);
         let run = |layout: &Layout, cfg: &train::trainer::TrainConfig| {
@@ -257,6 +261,32 @@ fn every_moe_family_trains_under_expert_parallelism_like_one_rank() {
                 Layout::new("tp2 x ring2", 2, 1, 2, Strategy::Ring).with_ep(2),
                 with(config(3, 4), ZeroStage::Parameters, Checkpointing::Full),
             ),
+            // --zero-group: the experts sharded over the ranks of a sharding group that hold
+            // them (none of the 2 when z = ep; 2 of 4 under ring2 x dp4 with z 4), replicated
+            // over the other groups.
+            (
+                Layout::single().with_dp(4).with_ep(2),
+                grouped(
+                    with(config(3, 1), ZeroStage::Parameters, Checkpointing::None),
+                    2,
+                ),
+            ),
+            (
+                Layout::single().with_dp(4).with_ep(4),
+                grouped(
+                    with(config(3, 1), ZeroStage::OptimizerStates, Checkpointing::None),
+                    2,
+                ),
+            ),
+            (
+                Layout::new("zigzag ring2", 1, 1, 2, Strategy::Ring)
+                    .with_dp(4)
+                    .with_ep(2),
+                grouped(
+                    with(config(3, 1), ZeroStage::Parameters, Checkpointing::Selective),
+                    4,
+                ),
+            ),
             (
                 Layout::new("TP-sp tp2 x ring2", 2, 1, 2, Strategy::Ring)
                     .with_tp_sp()
@@ -269,8 +299,12 @@ fn every_moe_family_trains_under_expert_parallelism_like_one_rank() {
             ),
         ] {
             let case = format!(
-                "{name} / {} ep{} ZeRO {} {}",
-                layout.name, layout.ep, cfg.memory.zero, cfg.memory.checkpointing
+                "{name} / {} ep{} ZeRO {} (group {:?}) {}",
+                layout.name,
+                layout.ep,
+                cfg.memory.zero,
+                cfg.memory.zero_group,
+                cfg.memory.checkpointing
             );
             let (got, saved) = run(&layout, &cfg);
             assert_same_registry_run(&case, &got, &want, TOL);

@@ -94,6 +94,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                  (ulysses x ring x dp)"
             );
         }
+        let ep = args.layout.ep;
+        if ep > 1 && !z.is_multiple_of(ep) && !ep.is_multiple_of(z) {
+            bail!(
+                "--zero-group {z} with --ep {ep}: one must divide the other (each expert is \
+                 sharded over the ranks of a ZeRO group that hold it: --zero-group / --ep of them)"
+            );
+        }
     }
     // Every length of the run splits under the layout, checked before anything runs.
     match &cfg.seq_len_schedule {
@@ -235,13 +242,6 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         bail!(
             "--ep {}: --eval-by-position and --eval-passkey do not run under expert parallelism \
              yet (the held-out loss of --eval-data does); run cpl eval on the checkpoints",
-            args.layout.ep
-        );
-    }
-    if args.layout.ep > 1 && cfg.memory.zero_group.is_some() {
-        bail!(
-            "--ep {} with --zero-group is not supported yet: the experts are sharded over the \
-             ranks that hold them, the other parameters over every data rank",
             args.layout.ep
         );
     }

@@ -2390,7 +2390,11 @@ fn expert_parallelism_trains_like_data_parallelism_and_resumes_under_another_ep(
     for (name, extra, want) in [
         ("ep2", vec!["--ep", "2"], &dp4),
         ("ep4", vec!["--ep", "4"], &dp4),
-        ("ep2-zero2", vec!["--ep", "2", "--zero", "2"], &dp4),
+        (
+            "ep2-zero2-group2",
+            vec!["--ep", "2", "--zero", "2", "--zero-group", "2"],
+            &dp4,
+        ),
         (
             "ep2-zero3-selective",
             vec!["--ep", "2", "--zero", "3", "--checkpointing", "selective"],
@@ -2467,9 +2471,9 @@ fn expert_parallelism_trains_like_data_parallelism_and_resumes_under_another_ep(
         (
             args(
                 &dir.join("ezg"),
-                &["--ep", "2", "--zero", "1", "--zero-group", "2"],
+                &["--ranks", "6", "--ep", "2", "--zero", "1", "--zero-group", "3"],
             ),
-            "--ep 2 with --zero-group is not supported yet",
+            "--zero-group 3 with --ep 2: one must divide the other",
         ),
         (
             set_flags(

@@ -176,7 +176,7 @@ impl MemoryPlan {
             .ok_or_else(|| Error::Layout("ZeRO-3 needs the sharding groups of the mesh".into()))?;
         let mut chunks = Vec::new();
         for u in units.iter_mut() {
-            chunks.extend(u.shard(&group.shard, group.experts.as_ref())?);
+            chunks.extend(u.shard(&group.shard, group.expert_shard())?);
         }
         chunks.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(PlannedParams::Sharded(chunks))

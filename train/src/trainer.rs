@@ -623,25 +623,19 @@ impl<M: TrainModel> Trainer<M> {
         let zero = cfg
             .memory
             .zero_groups(mesh)?
-            .map(|z| z.with_experts(experts.as_ref().map(|e| e.replicas.clone())));
-        if experts.is_some() && cfg.memory.zero_group.is_some() {
-            return Err(Error::Invalid(
-                "expert parallelism with a ZeRO sharding group smaller than the data ranks \
-                 (--zero-group) is not supported yet"
-                    .into(),
-            ));
-        }
+            .map(|z| z.with_experts(mesh, experts.as_ref()))
+            .transpose()?;
         let param_meta = |p: &Param| (p.name.clone(), p.shard, p.global_shape.clone());
         let planned = cfg.memory.apply(&mut model, zero.as_ref())?;
         let tp_sp = ctx.tp().sequence_parallel();
         // The sharding group and the replica group of a parameter split (or not) over tp; an
-        // expert's are the ranks holding the same experts (and none).
+        // expert's are among the ranks holding the same experts.
         let groups = |shard: &Shard, expert: bool| -> Result<(Comm, Comm)> {
             let z = zero.as_ref().ok_or_else(|| {
                 Error::Invalid("internal: parameters sharded without ZeRO groups".into())
             })?;
-            if let (Some(e), true) = (&experts, expert) {
-                return Ok((e.replicas.clone(), candle_parallel::comm::solo()));
+            if let (Some(e), true) = (&z.experts, expert) {
+                return Ok((e.shard.clone(), e.replica.clone()));
             }
             let replicas = if tp_sp && !shard.is_split() {
                 &z.replica_tp
@@ -1287,13 +1281,14 @@ impl<M: TrainModel> Trainer<M> {
         // The ranks whose pieces of a parameter make up its gradient once (for the norm).
         let group_of = |name: &str| -> Option<Comm> {
             let (is_split, expert) = split.get(name).copied().unwrap_or((false, false));
+            let zero_experts = zero.as_ref().and_then(|z| z.experts.as_ref());
             match (&zero, &experts) {
                 // Each expert-parallel rank holds other experts (split over tp, except the
                 // adapter factors replicated over it); under ZeRO, chunks of them.
                 (None, Some(e)) if expert && is_split => Some(e.ep_tp.clone()),
                 (None, Some(e)) if expert => Some(e.ep.clone()),
-                (Some(_), Some(e)) if expert && is_split => Some(e.all_tp.clone()),
-                (Some(_), Some(e)) if expert => Some(e.all.clone()),
+                (Some(_), Some(_)) if expert => zero_experts
+                    .map(|z| if is_split { z.norm_tp.clone() } else { z.norm.clone() }),
                 (None, _) => is_split.then(|| tp.clone()),
                 (Some(z), _) if is_split => Some(z.shard_tp.clone()),
                 (Some(z), _) => Some(z.shard.clone()),

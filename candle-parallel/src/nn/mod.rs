@@ -217,16 +217,12 @@ pub struct ExpertGroups {
     /// `ep.size()` equal slices.
     pub ep: Comm,
     /// The ranks holding the same experts (and other tokens): the experts' gradients are summed
-    /// over it, and ZeRO shards the experts' optimizer state over it.
+    /// over it, and ZeRO shards the experts over it
+    /// ([`crate::optim::ZeroGroups::with_experts`]).
     pub replicas: Comm,
-    /// `ep` and `replicas` together: every rank holding different tokens (ulysses × ring × dp).
-    pub all: Comm,
     /// `ep` with the tensor-parallel group: the ranks whose pieces make up every expert once
     /// (for the gradient norm).
     pub ep_tp: Comm,
-    /// `all` with the tensor-parallel group (the same under ZeRO, whose chunks also divide the
-    /// experts over `replicas`).
-    pub all_tp: Comm,
 }
 
 impl std::fmt::Debug for ParallelCtx {
@@ -286,7 +282,8 @@ impl ParallelCtx {
         let tokens = &self.sharded_grad_group;
         if !tokens.size().is_multiple_of(ep) {
             return Err(Error::Layout(format!(
-                "expert parallelism of {ep} does not divide the {} ranks that hold different                  tokens (ulysses x ring x dp)",
+                "expert parallelism of {ep} does not divide the {} ranks that hold different \
+                 tokens (ulysses x ring x dp)",
                 tokens.size()
             )));
         }
@@ -298,9 +295,7 @@ impl ParallelCtx {
         self.experts = Some(ExpertGroups {
             ep: ep_comm,
             replicas,
-            all: tokens.clone(),
             ep_tp,
-            all_tp,
         });
         Ok(self)
     }

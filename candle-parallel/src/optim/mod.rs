@@ -23,7 +23,7 @@ use candle_core::{DType, Tensor, Var};
 pub use adamw::{AdamW, AdamWConfig};
 pub use grads::{accumulate, collect_gradients, reduce_gradients};
 pub use schedule::{Decay, LrSchedule};
-pub use zero::{FlatShard, ZeroGroups, ZeroStage};
+pub use zero::{ExpertZeroGroups, FlatShard, ZeroGroups, ZeroStage};
 
 use crate::comm::{Comm, ReduceOp};
 use crate::error::{Error, Result};

@@ -14,6 +14,15 @@
 //! group form a replica group. `shard_size` = the whole group is full sharding, 1 is plain data
 //! parallelism (full replicas), anything between is partial (hybrid) sharding: a gradient is
 //! reduce-scattered in its sharding group and all-reduced over its replica group.
+//!
+//! Under expert parallelism ([`ZeroGroups::with_experts`]) an expert is held by the ranks of
+//! its replica group `E` only (`ulysses·ring·dp / ep` ranks, one per expert-parallel group).
+//! It is sharded over the ranks of `E` that fall in this rank's dense sharding group: with a
+//! sharding group of `z` ranks, `z / ep` of them when `ep` divides `z` (each dense sharding
+//! group holds `z / ep` whole expert-parallel groups), none (whole experts, all-reduced over
+//! `E`) when `z` divides `ep`; other sizes are refused. Full sharding (`z` = the whole group)
+//! shards every expert over all of `E`. So `--zero-group` bounds the span of every
+//! reduce-scatter and all-gather, dense or expert, to one dense sharding group.
 
 use crate::comm::Comm;
 use crate::error::{Error, Result};
@@ -106,9 +115,24 @@ pub struct ZeroGroups {
     /// `shard` together with the tensor-parallel group: the ranks whose chunks make up every
     /// tensor-parallel slice of a split parameter once (for its global norm).
     pub shard_tp: Comm,
-    /// Under expert parallelism, the sharding group of the experts' parameters: the ranks that
-    /// hold the same experts ([`crate::nn::ExpertGroups::replicas`]); `None` otherwise.
-    pub experts: Option<Comm>,
+    /// Under expert parallelism, the groups of the experts' parameters; `None` otherwise.
+    pub experts: Option<ExpertZeroGroups>,
+}
+
+/// The ZeRO communicators of the experts' parameters for one rank under expert parallelism;
+/// see the [module docs](self).
+#[derive(Clone, Debug)]
+pub struct ExpertZeroGroups {
+    /// The ranks holding different chunks of the same experts.
+    pub shard: Comm,
+    /// The ranks holding the same chunk of the same experts in the other sharding groups
+    /// (size 1 under full sharding).
+    pub replica: Comm,
+    /// `shard` with the expert-parallel group: the ranks whose chunks make up every expert
+    /// once (for the gradient norm).
+    pub norm: Comm,
+    /// `norm` with the tensor-parallel group (experts split over tp).
+    pub norm_tp: Comm,
 }
 
 impl ZeroGroups {
@@ -144,11 +168,50 @@ impl ZeroGroups {
         })
     }
 
-    /// These groups with the experts' parameters sharded over `replicas` (the ranks holding the
-    /// same experts under expert parallelism).
-    pub fn with_experts(mut self, replicas: Option<Comm>) -> Self {
-        self.experts = replicas;
-        self
+    /// These groups with the experts' groups of `experts` (`None`: no expert parallelism) on
+    /// `mesh`, whose `ulysses × ring × dp` groups these groups were built on. Collective over
+    /// the world (every rank calls it with the same arguments). Errors when the sharding group
+    /// size and the expert-parallel degree do not divide one another.
+    pub fn with_experts(
+        mut self,
+        mesh: &DeviceMesh,
+        experts: Option<&crate::nn::ExpertGroups>,
+    ) -> Result<Self> {
+        let Some(e) = experts else {
+            self.experts = None;
+            return Ok(self);
+        };
+        let (z, ep) = (self.shard.size(), e.ep.size());
+        if !z.is_multiple_of(ep) && !ep.is_multiple_of(z) {
+            return Err(Error::Layout(format!(
+                "the ZeRO sharding group of {z} ranks and expert parallelism of {ep}: one must \
+                 divide the other (an expert is sharded over the ranks of a sharding group that \
+                 hold it)"
+            )));
+        }
+        // Ranks holding the same experts sit `ep` apart in the token group; `ze` of them are
+        // in one dense sharding group.
+        let ze = (z / ep).max(1);
+        let tokens = mesh.group(&[Dim::Ulysses, Dim::Ring, Dim::Dp])?;
+        let t = tokens.rank();
+        let i = e.replicas.rank();
+        let shard = e.replicas.split(i / ze, i % ze)?;
+        let replica = e.replicas.split(i % ze, i / ze)?;
+        let norm = tokens.split(t / (ep * ze), t)?;
+        let all_tp = mesh.group(&[Dim::Tp, Dim::Ulysses, Dim::Ring, Dim::Dp])?;
+        let norm_tp = all_tp.split(t / (ep * ze), all_tp.rank())?;
+        self.experts = Some(ExpertZeroGroups {
+            shard,
+            replica,
+            norm,
+            norm_tp,
+        });
+        Ok(self)
+    }
+
+    /// The sharding group of the experts' parameters (under expert parallelism).
+    pub fn expert_shard(&self) -> Option<&Comm> {
+        self.experts.as_ref().map(|e| &e.shard)
     }
 
     /// The sharding of a tensor of `numel` elements for this rank.
