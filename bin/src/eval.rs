@@ -178,10 +178,6 @@ pub fn run(args: &EvalArgs) -> Result<()> {
         args.layout
             .require_no_ep("a diffusion or vision-language model has no experts: cpl eval")?;
     }
-    if args.passkey {
-        // Each prompt is generated on its own: no padding keeps the expert exchanges matched.
-        args.layout.require_no_ep("cpl eval --passkey")?;
-    }
     if model.family.kind == models::Kind::Diffusion {
         return crate::dit_cmd::eval(args, &model.dir);
     }

@@ -238,13 +238,6 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         args.layout.ranks,
         sp.strategy.name()
     );
-    if args.layout.ep > 1 && (args.eval_by_position || args.eval_passkey) {
-        bail!(
-            "--ep {}: --eval-by-position and --eval-passkey do not run under expert parallelism \
-             yet (the held-out loss of --eval-data does); run cpl eval on the checkpoints",
-            args.layout.ep
-        );
-    }
     if args.eval_by_position && (eval_data.is_none() || cfg.pipeline.is_some()) {
         bail!(
             "--eval-by-position needs held-out data (--eval-data or --eval-tokens) and no --pp \

@@ -94,9 +94,10 @@ fn scored_labels(seq: &[u32], len: usize) -> Vec<i64> {
 
 /// The mean loss of `model` (this rank's stage, activations in `act`) on `seqs`, timed from a
 /// barrier to the slowest rank's end, with what `opts` asks for. Collective over the world of
-/// `mesh`; `seqs` the same on every rank. Under expert parallelism every rank runs as many
-/// forwards as the busiest data rank (their experts exchange tokens in each): the others score
-/// a sequence whose result they drop.
+/// `mesh`; `seqs` the same on every rank. Every rank runs as many forwards as the busiest data
+/// rank, since a forward may be collective over the data ranks (ZeRO-3 gathers parameters in
+/// each, expert parallelism exchanges tokens): the others score a sequence whose result they
+/// drop. With `logits`, every rank runs every sequence's forwards.
 pub fn score(
     mesh: &DeviceMesh,
     ctx: &ParallelCtx,
@@ -141,13 +142,12 @@ pub fn score(
     let start = std::time::Instant::now();
     let (mut sum, mut count) = (0f64, 0u64);
     let mut logits = Vec::new();
-    let ep = ctx.expert_parallel().is_some();
     let n = seqs.len();
-    // Forwards per data rank: its sequences, or under expert parallelism the busiest rank's.
-    let rounds = if ep { n.div_ceil(dp) * dp } else { n };
+    // Forwards per data rank: the busiest rank's.
+    let rounds = n.div_ceil(dp) * dp;
     if let Some(pc) = pipeline {
-        // This data-parallel rank's sequences, forward through the stages (padded under expert
-        // parallelism with a sequence whose labels are all ignored).
+        // This data-parallel rank's sequences, forward through the stages (padded to the
+        // busiest rank's count with a sequence whose labels are all ignored).
         let micro = (dp_rank..rounds)
             .step_by(dp)
             .map(|i| {
@@ -169,9 +169,8 @@ pub fn score(
             continue;
         }
         let (batch, labels) = batch_of(i % n)?;
-        // Under expert parallelism the ranks that do not score this sequence run its forwards
-        // too, and drop the result.
-        if mine || ep {
+        // The ranks that do not score this sequence run its forwards too, and drop the result.
+        {
             let (s, c) = model.loss_sum(&batch, &labels, &loss_opts)?;
             if mine {
                 sum += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;

@@ -1344,12 +1344,10 @@ impl<M: TrainModel + CausalLm> Trainer<M> {
         let mut micro = Vec::new();
         let mut count = 0f64;
         let mine: Vec<usize> = (self.dp_rank..n).step_by(self.batching.dp).collect();
-        // Under expert parallelism every rank runs as many forwards as the busiest (their
-        // experts exchange tokens in each): the others score a window with no label.
-        let runs = match self.ctx.expert_parallel() {
-            Some(_) => n.div_ceil(self.batching.dp),
-            None => mine.len(),
-        };
+        // Every rank runs as many forwards as the busiest, since a forward may be collective
+        // over the data ranks (ZeRO-3 gathers parameters in each, expert parallelism exchanges
+        // tokens): the others score a window with no label.
+        let runs = n.div_ceil(self.batching.dp);
         for j in 0..runs {
             let (i, pad) = match mine.get(j) {
                 Some(&i) => (i, false),
