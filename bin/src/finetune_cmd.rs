@@ -429,9 +429,6 @@ fn lora_settings(a: &FinetuneArgs) -> Result<(LoraConfig, Option<Arc<dyn TensorS
 
 fn finetune(a: &FinetuneArgs) -> Result<()> {
     let t = &a.train;
-    if a.stage == Stage::Dpo {
-        t.layout.require_no_ep("cpl finetune --stage dpo")?;
-    }
     if t.eval_tokens.is_some() || t.tokens.is_some() {
         bail!("--tokens / --eval-tokens: cpl finetune reads chat data (--data, --eval-data)");
     }

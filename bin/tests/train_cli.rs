@@ -2305,23 +2305,6 @@ fn eval_under_expert_parallelism_equals_data_parallelism() {
     )]);
 }
 
-/// A copy of the Qwen3-MoE fixture (vocabulary 256) with the 256-token test tokenizer, for the
-/// passkey prompts.
-fn moe_with_tokenizer(dir: &Path) -> PathBuf {
-    let model = dir.join("qwen3_moe");
-    std::fs::create_dir_all(&model).unwrap();
-    for src in [
-        common::fixtures("moe").join("qwen3_moe"),
-        common::fixtures("llama").join("tokenizer"),
-    ] {
-        for f in std::fs::read_dir(src).unwrap() {
-            let f = f.unwrap().path();
-            std::fs::copy(&f, model.join(f.file_name().unwrap())).unwrap();
-        }
-    }
-    model
-}
-
 /// `cpl train` of a mixture of experts on 4 ranks with ZeRO-3, evaluating every step on 6
 /// held-out windows (uneven over the 4 data ranks: each forward gathers parameters, so the
 /// ranks with fewer pad theirs; this hung before) by position (`--eval-by-position`) and on a
@@ -2333,7 +2316,7 @@ fn moe_with_tokenizer(dir: &Path) -> PathBuf {
 #[test]
 fn training_evaluations_under_expert_parallelism_equal_data_parallelism() {
     let dir = common::tmpdir("train-eval-ep");
-    let moe = moe_with_tokenizer(&dir);
+    let moe = common::moe_with_tokenizer(&dir);
     let tokens = dir.join("docs.json");
     let docs = testkit::random_docs(5, 40, 20..120, 256);
     std::fs::write(&tokens, serde_json::to_string(&docs).unwrap()).unwrap();
@@ -2418,7 +2401,7 @@ fn training_evaluations_under_expert_parallelism_equal_data_parallelism() {
 #[test]
 fn passkey_under_expert_parallelism_equals_data_parallelism() {
     let dir = common::tmpdir("passkey-ep");
-    let moe = moe_with_tokenizer(&dir);
+    let moe = common::moe_with_tokenizer(&dir);
     let run = |extra: &[&str]| -> Vec<serde_json::Value> {
         let mut a = words(&format!(
             "eval --model {} --passkey --passkey-lengths 96,128 --passkey-depths 0,0.5,1 \

@@ -15,6 +15,21 @@ pub fn fixtures(rel: &str) -> PathBuf {
         .join(rel)
 }
 
+/// A copy of the tiny Qwen3-MoE fixture (`moe/qwen3_moe`, 8 experts, top-2) in `dir` with the
+/// chat fixtures' tokenizer (256 ids, as the model's vocabulary), so that chat data and passkey
+/// prompts can be rendered for it.
+pub fn moe_with_tokenizer(dir: &std::path::Path) -> PathBuf {
+    let m = dir.join("qwen3-moe");
+    std::fs::create_dir_all(&m).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixtures("moe/qwen3_moe").join(f), m.join(f)).unwrap();
+    }
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixtures("chat/tokenizer").join(f), m.join(f)).unwrap();
+    }
+    m
+}
+
 /// The bundled default model (`assets/default/model`: a 1 M-parameter LLaMA with its tokenizer).
 pub fn default_model() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../assets/default/model")
