@@ -458,13 +458,20 @@ pub struct PlanArgs {
 /// Prints the mesh and, under a pipeline, every rank's schedule as a timetable with its bubble;
 /// with `--auto`, the ranked layouts of [`run`].
 pub fn plan(args: &PlanArgs) -> Result<()> {
-    args.layout.require_no_ep("cpl plan")?;
     if args.auto.auto {
         return run(&args.auto, &args.layout);
     }
     let cfg = args.layout.mesh_config()?;
     let layout = MeshLayout::new(&cfg, args.layout.ranks)?;
-    print!("{}", layout.describe());
+    let ep = args.layout.ep;
+    let experts = if ep != 1 {
+        // The flags' checks first (--ep 0, --ep not dividing the token ranks).
+        args.layout.layout()?;
+        experts_summary(&layout, ep, args.auto.model.as_deref())?
+    } else {
+        String::new()
+    };
+    print!("{}{experts}", layout.describe());
     let pp = &args.pipeline;
     let m = pp.micro_batches.unwrap_or(1);
     let schedule = pp.schedule(args.layout.pp, m)?;
@@ -475,9 +482,11 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         (Some(model), Some(schedule)) => {
             print!("{}", model_stages(args, model, schedule)?);
         }
-        (Some(_), None) => {
-            bail!("--model without --auto shows a model's pipeline stages: give --pp 2 or more")
-        }
+        (Some(_), None) if ep != 1 => {}
+        (Some(_), None) => bail!(
+            "--model without --auto shows a model's pipeline stages (give --pp 2 or more) or \
+             where its experts go (give --ep 2 or more)"
+        ),
         (None, _) => {
             if args.auto.seq_len.is_some() {
                 bail!("--seq-len: give --model (with --pp, or --auto)");
@@ -485,6 +494,59 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `cpl plan --ep N`: the expert-parallel groups and the groups holding the same experts (as
+/// [`MeshLayout::expert_groups`] lists them), and with `--model` which experts each position of
+/// a group holds. Errors naming `--ep` when the model is dense or `N` does not divide its
+/// experts.
+fn experts_summary(layout: &MeshLayout, ep: usize, model: Option<&str>) -> Result<String> {
+    const SHOWN: usize = 8;
+    let (groups, replicas) = layout.expert_groups(ep)?;
+    let list = |gs: &[Vec<usize>]| {
+        let shown: Vec<String> = gs.iter().take(SHOWN).map(|g| format!("{g:?}")).collect();
+        let more = match gs.len().checked_sub(SHOWN) {
+            Some(m) if m > 0 => format!(" ... ({m} more)"),
+            _ => String::new(),
+        };
+        format!("{}{more}", shown.join(" "))
+    };
+    let mut out = format!(
+        "ep groups ({} of {ep} ranks, carved from ulysses x ring x dp; tokens travel to their \
+         experts inside one): {}\n",
+        groups.len(),
+        list(&groups)
+    );
+    out += &format!(
+        "same-expert groups ({} of {} ranks; the experts' gradients are summed and ZeRO-sharded \
+         over one): {}\n",
+        replicas.len(),
+        replicas.first().map_or(0, Vec::len),
+        list(&replicas)
+    );
+    if let Some(model) = model {
+        let shape = model_shape(model).with_context(|| format!("--model {model}"))?;
+        let Some(moe) = shape.moe else {
+            bail!("--ep {ep}: {model} is not a mixture of experts");
+        };
+        if !moe.experts.is_multiple_of(ep) {
+            bail!(
+                "--ep {ep} does not divide the {} experts of {model}",
+                moe.experts
+            );
+        }
+        let per = moe.experts / ep;
+        out += &format!(
+            "{model}: {} experts per sparse layer (top-{}), {per} per rank: ",
+            moe.experts, moe.top_k
+        );
+        let held: Vec<String> = (0..ep)
+            .map(|i| format!("position {i} holds experts {}..{}", i * per, (i + 1) * per))
+            .collect();
+        out += &held.join(", ");
+        out += "\n";
+    }
+    Ok(out)
 }
 
 /// `cpl plan --pp P --model M`: the layers of each virtual stage as --pp-layers cuts them,

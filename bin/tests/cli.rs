@@ -39,6 +39,72 @@ fn plan_prints_groups() {
     assert!(out.contains("dp groups (4 of 2 ranks): [0, 4]"), "{out}");
 }
 
+/// `cpl plan --ep` prints the expert-parallel groups and the groups holding the same experts
+/// (the communicators' ranks: `candle-parallel/tests/moe_block.rs`), and with `--model` which
+/// experts each position of a group holds; a dense model, an ep that does not divide the
+/// experts or the token ranks, and `--auto` with `--ep` are errors naming the flag.
+#[test]
+fn plan_prints_the_expert_groups() {
+    let mixtral = common::fixtures("moe/mixtral");
+    let m = mixtral.to_str().unwrap();
+    let o = cpl(&[
+        "plan", "--ranks", "8", "--ring", "2", "--ep", "4", "--model", m,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for want in [
+        "ring groups (4 of 2 ranks): [0, 1]",
+        "ep groups (2 of 4 ranks, carved from ulysses x ring x dp; tokens travel to their experts \
+         inside one): [0, 1, 2, 3] [4, 5, 6, 7]",
+        "same-expert groups (4 of 2 ranks; the experts' gradients are summed and ZeRO-sharded \
+         over one): [0, 4] [1, 5] [2, 6] [3, 7]",
+        "8 experts per sparse layer (top-2), 2 per rank: position 0 holds experts 0..2, position \
+         1 holds experts 2..4, position 2 holds experts 4..6, position 3 holds experts 6..8",
+    ] {
+        assert!(out.contains(want), "{want}\n{out}");
+    }
+    let gqa = common::fixtures("llama/gqa");
+    assert_clear_errors(&[
+        (
+            vec![
+                "plan",
+                "--ranks",
+                "4",
+                "--ep",
+                "2",
+                "--model",
+                gqa.to_str().unwrap(),
+            ],
+            "is not a mixture of experts",
+        ),
+        (
+            vec!["plan", "--ranks", "6", "--ep", "3", "--model", m],
+            "--ep 3 does not divide the 8 experts",
+        ),
+        (
+            vec!["plan", "--ranks", "4", "--ep", "3"],
+            "--ep 3 does not divide the 4 ranks",
+        ),
+        (
+            vec![
+                "plan",
+                "--auto",
+                "--ep",
+                "2",
+                "--model",
+                m,
+                "--seq-len",
+                "64",
+                "--world",
+                "4",
+                "--hardware",
+                "h100-cluster",
+            ],
+            "leave out --ranks 1 --ep 2",
+        ),
+    ]);
+}
+
 /// `cpl plan` with a pipeline prints every rank's timetable and the bubble next to the formula
 /// (issue 13's example command), for a micro-batch count that is not a multiple of the stages.
 #[test]

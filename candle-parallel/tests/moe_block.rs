@@ -601,3 +601,57 @@ fn bad_configurations_and_calls_are_clear_errors() {
     let again = aux.add_to_loss(&sum, 3, 0.1).unwrap_err().to_string();
     assert!(again.contains("add_to_loss before finish"), "{again}");
 }
+
+/// `MeshLayout::expert_groups` (what `cpl plan --ep` prints) lists the ranks of the
+/// communicators `ParallelCtx::with_expert_parallel` builds: on every rank of dp4 with ep2, tp2
+/// x ring2 x dp2 (context-first placement) with ep2 and ulysses2 x ring2 with ep4, the world
+/// ranks of its expert-parallel group and of its replica group, gathered over those groups,
+/// are the listed group holding it, in order.
+#[test]
+fn expert_groups_of_the_layout_are_the_communicators_groups() {
+    use candle_parallel::mesh::{MeshLayout, Placement};
+    let cases = [
+        (MeshConfig::new().with_dp(4), SpConfig::new(Strategy::Ring, 1, 1), 2),
+        (
+            MeshConfig::new()
+                .with_tp(2)
+                .with_ring(2)
+                .with_dp(2)
+                .with_placement(Placement::ContextFirst),
+            SpConfig::new(Strategy::Ring, 1, 2).with_placement(Placement::ContextFirst),
+            2,
+        ),
+        (
+            MeshConfig::new().with_ulysses(2).with_ring(2),
+            SpConfig::new(Strategy::Usp, 2, 2),
+            4,
+        ),
+    ];
+    for (mesh_cfg, sp, ep) in cases {
+        let n = mesh_cfg.world_size().unwrap();
+        let layout = MeshLayout::new(&mesh_cfg, n).unwrap();
+        let (groups, replicas) = layout.expert_groups(ep).unwrap();
+        assert_eq!(groups.len() * ep, n, "{mesh_cfg:?}");
+        let got = world(n, |comm| {
+            let rank = comm.rank();
+            let plan = Layout::new(mesh_cfg.clone(), sp.clone(), TpActivations::Replicated)
+                .with_expert_parallel(ep);
+            let (_, ctx) = plan.context(comm).map_err(candle_core::Error::wrap)?;
+            let e = ctx.expert_groups().expect("expert groups").clone();
+            let members = |c: &candle_parallel::comm::Comm| -> Result<Vec<usize>> {
+                let me = Tensor::new(&[rank as u32], &Device::Cpu)?;
+                let all = c.all_gather(&me, 0).map_err(candle_core::Error::wrap)?;
+                Ok(all.to_vec1::<u32>()?.into_iter().map(|r| r as usize).collect())
+            };
+            Ok((rank, members(&e.ep)?, members(&e.replicas)?))
+        });
+        for (rank, ep_group, replica_group) in got {
+            let listed = |gs: &[Vec<usize>]| gs.iter().find(|g| g.contains(&rank)).cloned();
+            assert_eq!(Some(ep_group), listed(&groups), "{mesh_cfg:?} rank {rank}");
+            assert_eq!(Some(replica_group), listed(&replicas), "{mesh_cfg:?} rank {rank}");
+        }
+    }
+    let layout = MeshLayout::new(&MeshConfig::new().with_dp(6), 6).unwrap();
+    let err = layout.expert_groups(4).unwrap_err().to_string();
+    assert!(err.contains("expert parallelism of 4 does not divide the 6 ranks"), "{err}");
+}

@@ -86,6 +86,9 @@ pub struct MeshLayout {
     strides: [usize; 5],
 }
 
+/// Groups of world ranks, each in group order.
+pub type RankGroups = Vec<Vec<usize>>;
+
 impl MeshLayout {
     /// Validates `config` against `world_size` (see [`MeshConfig::validate`]).
     pub fn new(config: &MeshConfig, world_size: usize) -> Result<Self> {
@@ -253,6 +256,28 @@ impl MeshLayout {
             }
         }
         groups
+    }
+
+    /// The expert-parallel groups of degree `ep` (world ranks, in group order) and the expert
+    /// replica groups (the ranks holding the same experts), as
+    /// [`crate::nn::ParallelCtx::with_expert_parallel`] carves them: each run of `ep`
+    /// consecutive ranks of a `ulysses × ring × dp` group is one expert-parallel group. Errors
+    /// when `ep` is 0 or does not divide that group.
+    pub fn expert_groups(&self, ep: usize) -> Result<(RankGroups, RankGroups)> {
+        let tokens = [Dim::Ulysses, Dim::Ring, Dim::Dp];
+        let g = self.group_size(&tokens);
+        if ep == 0 || !g.is_multiple_of(ep) {
+            return Err(Error::Layout(format!(
+                "expert parallelism of {ep} does not divide the {g} ranks that hold different \
+                 tokens (ulysses x ring x dp)"
+            )));
+        }
+        let (mut groups, mut replicas) = (Vec::new(), Vec::new());
+        for group in self.groups(&tokens) {
+            groups.extend(group.chunks(ep).map(<[usize]>::to_vec));
+            replicas.extend((0..ep).map(|i| group.iter().skip(i).step_by(ep).copied().collect()));
+        }
+        Ok((groups, replicas))
     }
 
     /// A human-readable summary (for `cpl plan`): degrees, effective order with strides,

@@ -82,4 +82,4 @@ mod layout;
 
 pub use config::{Dim, MeshConfig, Placement};
 pub use device::DeviceMesh;
-pub use layout::{Coords, MeshLayout};
+pub use layout::{Coords, MeshLayout, RankGroups};
