@@ -1,5 +1,5 @@
 //! `cpl generate`: text continuation with a KV cache (one rank, tensor parallel, pipeline
-//! stages).
+//! stages; a mixture of experts' experts divided over data-parallel ranks with `--ep`).
 
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
@@ -14,7 +14,6 @@ use crate::args::GenerateArgs;
 use crate::launch::{launch_pipelined, load_causal_lm};
 
 pub fn run(args: &GenerateArgs) -> Result<()> {
-    args.layout.require_no_ep("cpl generate")?;
     let model = crate::model_arg::resolve(&args.model)?;
     match model.family.kind {
         models::Kind::Diffusion => return crate::dit_cmd::generate(args, &model.dir),

@@ -12,10 +12,13 @@ use models::causal_lm::{CausalLm, KvCache};
 
 use crate::error::{Error, Result};
 
-/// A rank's pipeline stage for generation: its decoder layers, and the pipeline group through
-/// which hidden states go forward and the last stage's logits come back.
+/// A rank's pipeline stage for generation: its decoder layers, the pipeline group through
+/// which hidden states go forward and the last stage's logits come back, and the data-parallel
+/// group (ranks generating the same text, e.g. the expert-parallel ranks of a mixture of
+/// experts) that takes its first rank's pick of each token.
 pub struct Stages {
     pp: Comm,
+    dp: Comm,
     layers: Range<usize>,
     hidden: usize,
     vocab: usize,
@@ -35,6 +38,7 @@ impl Stages {
     ) -> Self {
         Self {
             pp: mesh.comm(Dim::Pp),
+            dp: mesh.comm(Dim::Dp),
             layers,
             hidden,
             vocab,
@@ -74,6 +78,16 @@ impl Stages {
             logits
         })
     }
+
+    /// The data-parallel group's first rank's `token` on every rank of it, so that ranks whose
+    /// logits differ by rounding never pick (or stop) apart. Collective over the world.
+    pub fn agree(&self, token: u32) -> Result<u32> {
+        if self.dp.size() == 1 {
+            return Ok(token);
+        }
+        let t = Tensor::new(&[token], &candle_core::Device::Cpu)?;
+        Ok(self.dp.broadcast(&t, 0)?.to_vec1::<u32>()?[0])
+    }
 }
 
 /// Continues `prompt` by up to `max_new` tokens, each chosen by `pick` from the f32 logits of
@@ -97,7 +111,7 @@ pub fn generate(
     for _ in 0..max_new {
         let logits = stages.forward(model, &next, &mut cache)?;
         let logits = logits.squeeze(0)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-        let t = pick(&logits);
+        let t = stages.agree(pick(&logits))?;
         out.push(t);
         if Some(t) == eos {
             break;
@@ -170,4 +184,35 @@ pub fn argmax(logits: &[f32]) -> u32 {
             }
         })
         .0 as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_parallel::comm::LocalWorld;
+    use candle_parallel::MeshConfig;
+
+    /// Under tp2 x dp2 every rank proposes another token; each takes the one of the rank of
+    /// its data-parallel group with dp coordinate 0 (same tp coordinate).
+    #[test]
+    fn data_parallel_ranks_take_their_first_ranks_pick() {
+        let got = LocalWorld::run(4, |world| -> Result<(usize, usize, u32)> {
+            let mesh = DeviceMesh::new(&MeshConfig::new().with_tp(2).with_dp(2), world)?;
+            let stages = Stages::new(&mesh, 0..1, 8, 16, DType::F32);
+            let picked = stages.agree(10 + mesh.rank() as u32)?;
+            Ok((mesh.coord(Dim::Tp), mesh.coord(Dim::Dp), picked))
+        })
+        .unwrap();
+        let first = |tp: usize| {
+            got.iter()
+                .enumerate()
+                .find(|(_, g)| g.0 == tp && g.1 == 0)
+                .map(|(r, _)| 10 + r as u32)
+                .unwrap()
+        };
+        for (tp, _, picked) in &got {
+            assert_eq!(*picked, first(*tp), "{got:?}");
+        }
+        assert_ne!(first(0), first(1));
+    }
 }
