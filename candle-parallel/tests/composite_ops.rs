@@ -519,13 +519,16 @@ fn cross_entropy_composite_matches_fused() {
         let weight = rand_t(&mut rng, &[v, h], dt);
         let labels = rand_labels(&mut rng, n, v, 5, ignore);
         let expected_count = n - n.div_ceil(5);
-        let opts = CrossEntropyOptions {
-            chunk_tokens: chunk,
-            ignore_index: ignore,
-            softcap: None,
-        };
-        for p in [1, 2, 4] {
-            let what = format!("{dt:?} chunk={chunk} ignore={ignore} P={p}");
+        // The fused loss with its gradients recomputed in the backward, and taken in the
+        // forward (eager).
+        for (p, eager) in [1, 2, 4].into_iter().flat_map(|p| [(p, false), (p, true)]) {
+            let opts = CrossEntropyOptions {
+                chunk_tokens: chunk,
+                ignore_index: ignore,
+                softcap: None,
+                eager_gradients: eager,
+            };
+            let what = format!("{dt:?} chunk={chunk} ignore={ignore} P={p} eager {eager}");
             let out = world(p, |comm| {
                 let fused = rank_run(
                     vocab_parallel_cross_entropy,

@@ -140,13 +140,14 @@ fn check_cross_entropy(rng: &mut StdRng, case: &CeCase, dtype: DType, tol: f64) 
     let ref_gw = grad(&grads, &wv, "reference weight").unwrap();
     let ref_loss = ref_loss.to_scalar::<f32>().unwrap();
     let labels_t = Tensor::new(labels.as_slice(), &Device::Cpu).unwrap();
-    let opts = CrossEntropyOptions {
-        chunk_tokens: chunk,
-        softcap,
-        ..Default::default()
-    };
-
-    for p in WORLDS {
+    // Gradients recomputed in the backward, and taken in the forward (eager).
+    for (p, eager) in WORLDS.iter().flat_map(|&p| [(p, false), (p, true)]) {
+        let opts = CrossEntropyOptions {
+            chunk_tokens: chunk,
+            softcap,
+            eager_gradients: eager,
+            ..Default::default()
+        };
         let out = world(p, |comm| {
             let (loss, count, hr, wr) = rank_loss(&hidden, &weight, &labels_t, &comm, &opts)?;
             assert_eq!(loss.dtype(), DType::F32);
@@ -154,6 +155,16 @@ fn check_cross_entropy(rng: &mut StdRng, case: &CeCase, dtype: DType, tol: f64) 
             let grads = loss.affine(scale, 0.)?.backward()?;
             let gh = grad(&grads, &hr, "hidden")?;
             let gw = grad(&grads, &wr, "weight shard")?;
+            // A second backward of the same node (its eager gradients were handed over and
+            // freed by the first) recomputes them.
+            let again = loss.affine(scale, 0.)?.backward()?;
+            let gh2 = grad(&again, &hr, "hidden, second backward")?;
+            let diff = (gh2.to_dtype(DType::F32)? - gh.to_dtype(DType::F32)?)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?;
+            let size = gh.to_dtype(DType::F32)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff <= 1e-5 * size, "second backward: {diff} of {size}");
             assert_eq!(gh.dtype(), dtype);
             assert_eq!(gw.dtype(), dtype);
             // Without tracked inputs no node is recorded; the value is the same.
@@ -173,7 +184,7 @@ fn check_cross_entropy(rng: &mut StdRng, case: &CeCase, dtype: DType, tol: f64) 
         let gh0 = gh0.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
         let gh0 = gh0.to_vec1::<f32>().unwrap();
         for (r, (loss, count, gh, gw)) in out.iter().enumerate() {
-            let what = format!("{dtype:?} N={n} chunk={chunk} P={p} rank {r}");
+            let what = format!("{dtype:?} N={n} chunk={chunk} P={p} eager {eager} rank {r}");
             // Replicated results are bit-identical on every rank.
             assert_eq!(loss, loss0, "{what}: loss differs from rank 0");
             let ghv = gh.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
@@ -446,11 +457,12 @@ fn cross_entropy_differentiates_what_tracks() {
     let ref_gh = grad(&grads, &hv, "reference hidden").unwrap();
     let ref_gw = grad(&grads, &wv, "reference weight").unwrap();
     let want = want.to_scalar::<f32>().unwrap();
-    let opts = CrossEntropyOptions {
-        chunk_tokens: 4,
-        ..Default::default()
-    };
-    for p in [1, 2] {
+    for (p, eager) in [(1, false), (2, false), (1, true), (2, true)] {
+        let opts = CrossEntropyOptions {
+            chunk_tokens: 4,
+            eager_gradients: eager,
+            ..Default::default()
+        };
         let out = world(p, |comm| {
             let w = shard(&weight, p, comm.rank())?;
             let (hr, wr) = (Var::from_tensor(&hidden)?, Var::from_tensor(&w)?);
@@ -468,7 +480,7 @@ fn cross_entropy_differentiates_what_tracks() {
             ))
         });
         for (r, (loss_h, loss_w, gh, gw)) in out.iter().enumerate() {
-            let what = format!("P={p} rank {r}");
+            let what = format!("P={p} eager {eager} rank {r}");
             assert_scalar_close(*loss_h, want, TOL, &format!("{what}: loss (head frozen)"));
             assert_scalar_close(*loss_w, want, TOL, &format!("{what}: loss (hidden frozen)"));
             assert_close(gh, &ref_gh, &format!("{what}: d_hidden"));

@@ -114,16 +114,26 @@ pub const ROUTER_PARTS: &[&str] = &[
 ];
 
 impl NextToken {
-    /// The loss with `--loss-chunk` tokens per chunk of the vocab-parallel loss.
+    /// The training loss with `--loss-chunk` tokens per chunk of the vocab-parallel loss, its
+    /// head's gradients taken in the forward ([`CrossEntropyOptions::eager_gradients`]: a
+    /// backward follows every forward of a training step).
     pub fn new(cfg: &TrainConfig) -> Self {
         Self {
             opts: CrossEntropyOptions {
                 chunk_tokens: cfg.loss_chunk_tokens,
+                eager_gradients: true,
                 ..Default::default()
             },
             router_parts: false,
             router_layers: Vec::new(),
         }
+    }
+
+    /// This loss for forwards that no backward follows (held-out evaluation of a trainable
+    /// model): the head's gradients are not taken.
+    pub fn for_evaluation(mut self) -> Self {
+        self.opts.eager_gradients = false;
+        self
     }
 
     /// [`NextToken::new`] for `model`: with routers, the loss reports [`ROUTER_PARTS`].

@@ -1369,7 +1369,10 @@ impl<M: TrainModel + CausalLm> Trainer<M> {
             micro.push(StageMicroBatch { batch, labels });
         }
         let (sum, _) =
-            self.forward_losses(&NextToken::for_model(&self.cfg, &self.model), &micro)?;
+            self.forward_losses(
+                &NextToken::for_model(&self.cfg, &self.model).for_evaluation(),
+                &micro,
+            )?;
         let t = self
             .loss_group
             .all_reduce(&Tensor::new(&[sum, count], &Device::Cpu)?, ReduceOp::Sum)?

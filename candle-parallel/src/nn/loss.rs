@@ -3,7 +3,12 @@
 //! Long-context training cannot materialise the `(tokens × vocab)` logits. This loss computes
 //! `hidden @ weight^T` one chunk of tokens at a time against this rank's vocabulary shard, keeps
 //! only the per-token log-sum-exp (`N` floats) for the backward, and recomputes each chunk's
-//! logits in the backward.
+//! logits in the backward. With [`CrossEntropyOptions::eager_gradients`] (training steps, whose
+//! backward always follows) it instead takes each chunk's gradients right after its logits in
+//! the forward, as Liger-Kernel's fused linear cross-entropy does, and the backward only scales
+//! them by the loss's gradient: one `N × V/P × H` product fewer per step (the head's logits are
+//! computed once, not twice), for `d_hidden` and `d_weight` held from forward to backward
+//! instead of being formed there.
 //!
 //! Per chunk of `c` tokens, forward: local logits `(c, V/P)` in f32, an all-reduce (max) of the
 //! row maxima, then one all-reduce (sum) of the row sums of `exp(logit - max)` together with the
@@ -31,6 +36,8 @@
 //! - in backward, the gradients themselves: `d_weight` (`S × H` f32, accumulated in place on CPU,
 //!   plus one chunk's `S × H` contribution at a time; out of place on other devices) and
 //!   `d_hidden` (`N × H` f32, then its all-reduced copy), converted to the inputs' dtypes.
+//!   In eager mode the same gradients are formed in the forward and kept until the backward,
+//!   which scales them (a second `N × H` and `S × H` while it does).
 //!
 //! # Devices
 //! The loss node is device-generic: its forward and backward are candle tensor ops (and the
@@ -68,6 +75,10 @@ pub struct CrossEntropyOptions {
     /// `c · tanh(logit / c)`, and the logits' gradient gets the factor `1 - tanh²`. Default
     /// none; an [`LmHead`] with a cap sets it.
     pub softcap: Option<f32>,
+    /// Compute the gradients in the forward (see the [module docs](self)) when `hidden` or
+    /// `weight` tracks gradients. For training steps, whose backward follows every forward; an
+    /// evaluation of a trainable model would pay two products for nothing. Default false.
+    pub eager_gradients: bool,
 }
 
 impl Default for CrossEntropyOptions {
@@ -76,6 +87,7 @@ impl Default for CrossEntropyOptions {
             chunk_tokens: 1024,
             ignore_index: IGNORE_INDEX,
             softcap: None,
+            eager_gradients: false,
         }
     }
 }
@@ -116,8 +128,10 @@ pub fn vocab_parallel_cross_entropy(
 ) -> Result<(Tensor, usize)> {
     let plan = Plan::new(hidden, weight, labels, comm, opts)?;
     let count = plan.count;
-    let (loss, lse) = plan.forward(hidden, weight)?;
-    if !hidden.track_op() && !weight.track_op() {
+    let tracks = hidden.track_op() || weight.track_op();
+    let eager = (tracks && opts.eager_gradients).then(|| weight.track_op());
+    let (loss, lse, grads) = plan.forward(hidden, weight, eager)?;
+    if !tracks {
         return Ok((loss, count));
     }
     let out = crate::collectives::owned_copy(&loss)?.0;
@@ -128,6 +142,7 @@ pub fn vocab_parallel_cross_entropy(
             plan,
             lse,
             out: Mutex::new(Some(out)),
+            grads: Mutex::new(grads),
         },
     )?;
     Ok((node, count))
@@ -477,13 +492,21 @@ impl Plan {
         Ok(Some((t.sqr()?.neg()? + 1.0)?))
     }
 
-    /// Forward on detached inputs: the scalar f32 loss sum and the per-token lse `(N, 1)`.
-    fn forward(&self, hidden: &Tensor, weight: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// Forward on detached inputs: the scalar f32 loss sum, the per-token lse `(N, 1)` and,
+    /// with `eager` = `Some(want_weight)`, the gradients of the loss sum ([`Self::backward`]'s
+    /// with `g = 1`).
+    fn forward(
+        &self,
+        hidden: &Tensor,
+        weight: &Tensor,
+        eager: Option<bool>,
+    ) -> Result<(Tensor, Tensor, Option<Grads>)> {
         let hidden = hidden.detach();
         let device = hidden.device();
         let w = Self::product_weight(&hidden, weight)?;
         let mut loss = Tensor::zeros((), DType::F32, device)?;
         let mut lses = Vec::new();
+        let mut grads = GradParts::default();
         for (s, c) in self.chunks() {
             let logits = self.logits(&hidden, &w, s, c)?;
             let here = self.here.narrow(0, s, c)?;
@@ -495,13 +518,23 @@ impl Plan {
             } else {
                 logits.broadcast_sub(&max)?.exp()?.sum_keepdim(1)?
             };
-            drop(logits);
+            // Kept for the chunk's gradients in eager mode.
+            let logits = match eager {
+                Some(_) => Some(logits),
+                None => {
+                    drop(logits);
+                    None
+                }
+            };
             let both = self.all_reduce(&Tensor::cat(&[&sum_exp, &target], 1)?, ReduceOp::Sum)?;
             let lse = (max + both.narrow(1, 0, 1)?.log()?)?;
             let target = both.narrow(1, 1, 1)?;
             let valid = self.valid.narrow(0, s, c)?;
-            let chunk_loss = ((&lse - target)? * valid)?.sum_all()?;
+            let chunk_loss = ((&lse - target)? * &valid)?.sum_all()?;
             loss = (loss + chunk_loss)?;
+            if let (Some(want_weight), Some(logits)) = (eager, logits) {
+                grads.add_chunk(self, &hidden, &w, logits, &lse, &valid, s, want_weight)?;
+            }
             lses.push(lse);
         }
         let lse = if lses.is_empty() {
@@ -509,11 +542,16 @@ impl Plan {
         } else {
             Tensor::cat(&lses, 0)?
         };
-        Ok((loss, lse))
+        let grads = match eager {
+            Some(want_weight) => Some(grads.finish(self, device, want_weight)?),
+            None => None,
+        };
+        Ok((loss, lse, grads))
     }
 
     /// Gradients of `g · loss_sum` (f32) with respect to `hidden` (all-reduced) and, when
-    /// `want_weight` (the weight trains: not a frozen head under LoRA), `weight`.
+    /// `want_weight` (the weight trains: not a frozen head under LoRA), `weight`: each chunk's
+    /// logits recomputed.
     fn backward(
         &self,
         hidden: &Tensor,
@@ -521,92 +559,133 @@ impl Plan {
         lse: &Tensor,
         g: &Tensor,
         want_weight: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
+    ) -> Result<Grads> {
         let hidden = hidden.detach();
         let device = hidden.device();
         let w = Self::product_weight(&hidden, weight)?;
         let g = g.detach().to_dtype(DType::F32)?.reshape((1, 1))?;
-        let mut d_weight: Option<Tensor> = None;
-        let mut d_hidden = Vec::new();
+        let mut grads = GradParts::default();
         for (s, c) in self.chunks() {
             let logits = self.logits(&hidden, &w, s, c)?;
             let scale = self.valid.narrow(0, s, c)?.broadcast_mul(&g)?;
-            // With bf16 products the gradient of the logits is rounded to bf16 for them, as a
-            // bf16 head's backward does in PyTorch; the sums stay f32.
-            let bf16 = w.dtype() == DType::BF16;
-            let dtype = if bf16 { DType::BF16 } else { DType::F32 };
             let lse_c = lse.narrow(0, s, c)?;
-            // With a cap the gradient of the capped logits is taken in f32, times the cap's
-            // slope, then rounded.
-            let slope = self.cap_slope(&logits)?;
-            let (final_dtype, dtype) = match slope {
-                Some(_) => (dtype, DType::F32),
-                None => (dtype, dtype),
-            };
-            let dlogits = if logits.device().is_cpu() {
-                let target = self.target_here[s..s + c].to_vec();
-                crate::ops::softmax_rows::softmax_grad_rows(logits, &lse_c, &scale, target, dtype)?
-            } else {
-                let probs = logits.broadcast_sub(&lse_c)?.exp()?;
-                // softmax - onehot, in place on the fresh `probs` (only where the target is
-                // here).
-                let minus_here = self.here.narrow(0, s, c)?.neg()?;
-                probs.scatter_add_set(&self.local_idx.narrow(0, s, c)?, &minus_here, 1)?;
-                drop(logits);
-                probs.broadcast_mul(&scale)?.to_dtype(dtype)?
-            };
-            let dlogits = match slope {
-                Some(slope) => (dlogits * slope)?.to_dtype(final_dtype)?,
-                None => dlogits,
-            };
-            let mul = |a: &Tensor, b: &Tensor| -> Result<Tensor> {
-                if bf16 {
-                    flash_ring::matmul_to_f32(a, b).map_err(crate::attention::block::kernel_err)
-                } else {
-                    Ok(a.matmul(b)?)
-                }
-            };
-            if want_weight {
-                let h = hidden.narrow(0, s, c)?;
-                let h = if bf16 {
-                    h
-                } else {
-                    h.to_dtype(DType::F32)?.contiguous()?
-                };
-                let dw = mul(&dlogits.t()?, &h)?;
-                d_weight = Some(match d_weight {
-                    None => dw,
-                    Some(acc) => add_assign(acc, &dw)?,
-                });
-            }
-            d_hidden.push(mul(&dlogits, &w)?);
+            grads.add_chunk(self, &hidden, &w, logits, &lse_c, &scale, s, want_weight)?;
         }
-        let d_weight = match (d_weight, want_weight) {
+        grads.finish(self, device, want_weight)
+    }
+}
+
+/// `d_hidden` `(N, H)` (all-reduced over the vocabulary shards) and `d_weight` `(V/P, H)`
+/// (when the weight trains), f32.
+type Grads = (Tensor, Option<Tensor>);
+
+/// The gradients of the chunks done so far.
+#[derive(Default)]
+struct GradParts {
+    d_weight: Option<Tensor>,
+    d_hidden: Vec<Tensor>,
+}
+
+impl GradParts {
+    /// Adds the gradients of the chunk of tokens from `s` whose `logits` `(c, V/P)` (capped)
+    /// and lse `lse_c` `(c, 1)` are given, each token's scaled by `scale` `(c, 1)` (the
+    /// loss's gradient where its label counts, 0 where ignored).
+    #[allow(clippy::too_many_arguments)]
+    fn add_chunk(
+        &mut self,
+        plan: &Plan,
+        hidden: &Tensor,
+        w: &Tensor,
+        logits: Tensor,
+        lse_c: &Tensor,
+        scale: &Tensor,
+        s: usize,
+        want_weight: bool,
+    ) -> Result<()> {
+        let c = logits.dim(0)?;
+        // With bf16 products the gradient of the logits is rounded to bf16 for them, as a
+        // bf16 head's backward does in PyTorch; the sums stay f32.
+        let bf16 = w.dtype() == DType::BF16;
+        let dtype = if bf16 { DType::BF16 } else { DType::F32 };
+        // With a cap the gradient of the capped logits is taken in f32, times the cap's
+        // slope, then rounded.
+        let slope = plan.cap_slope(&logits)?;
+        let (final_dtype, dtype) = match slope {
+            Some(_) => (dtype, DType::F32),
+            None => (dtype, dtype),
+        };
+        let dlogits = if logits.device().is_cpu() {
+            let target = plan.target_here[s..s + c].to_vec();
+            crate::ops::softmax_rows::softmax_grad_rows(logits, lse_c, scale, target, dtype)?
+        } else {
+            let probs = logits.broadcast_sub(lse_c)?.exp()?;
+            // softmax - onehot, in place on the fresh `probs` (only where the target is here).
+            let minus_here = plan.here.narrow(0, s, c)?.neg()?;
+            probs.scatter_add_set(&plan.local_idx.narrow(0, s, c)?, &minus_here, 1)?;
+            drop(logits);
+            probs.broadcast_mul(scale)?.to_dtype(dtype)?
+        };
+        let dlogits = match slope {
+            Some(slope) => (dlogits * slope)?.to_dtype(final_dtype)?,
+            None => dlogits,
+        };
+        let mul = |a: &Tensor, b: &Tensor| -> Result<Tensor> {
+            if bf16 {
+                flash_ring::matmul_to_f32(a, b).map_err(crate::attention::block::kernel_err)
+            } else {
+                Ok(a.matmul(b)?)
+            }
+        };
+        if want_weight {
+            let h = hidden.narrow(0, s, c)?;
+            let h = if bf16 {
+                h
+            } else {
+                h.to_dtype(DType::F32)?.contiguous()?
+            };
+            let dw = mul(&dlogits.t()?, &h)?;
+            self.d_weight = Some(match self.d_weight.take() {
+                None => dw,
+                Some(acc) => add_assign(acc, &dw)?,
+            });
+        }
+        self.d_hidden.push(mul(&dlogits, w)?);
+        Ok(())
+    }
+
+    /// The gradients: `d_hidden` all-reduced over the vocabulary shards (collective over the
+    /// plan's group), zeros for no chunk.
+    fn finish(self, plan: &Plan, device: &Device, want_weight: bool) -> Result<Grads> {
+        let d_weight = match (self.d_weight, want_weight) {
             (Some(d), _) => Some(d),
             (None, true) => Some(Tensor::zeros(
-                (self.shard, self.hidden_size),
+                (plan.shard, plan.hidden_size),
                 DType::F32,
                 device,
             )?),
             (None, false) => None,
         };
-        let d_hidden = if d_hidden.is_empty() {
-            Tensor::zeros((0, self.hidden_size), DType::F32, device)?
+        let d_hidden = if self.d_hidden.is_empty() {
+            Tensor::zeros((0, plan.hidden_size), DType::F32, device)?
         } else {
-            let local = Tensor::cat(&d_hidden, 0)?;
-            drop(d_hidden);
-            self.all_reduce(&local, ReduceOp::Sum)?
+            let local = Tensor::cat(&self.d_hidden, 0)?;
+            drop(self.d_hidden);
+            plan.all_reduce(&local, ReduceOp::Sum)?
         };
         Ok((d_hidden, d_weight))
     }
 }
 
 /// The loss node: its forward hands over the precomputed loss, its backward recomputes the
-/// chunks' logits and returns the gradients of `hidden` and `weight`.
+/// chunks' logits and returns the gradients of `hidden` and `weight` (or scales those the
+/// forward took, in eager mode).
 struct ChunkedCrossEntropy {
     plan: Plan,
     lse: Tensor,
     out: Mutex<Option<Storage>>,
+    /// The gradients of the loss sum taken in the forward (eager mode), until the backward
+    /// takes them (freed then, not kept with the graph).
+    grads: Mutex<Option<Grads>>,
 }
 
 impl ChunkedCrossEntropy {
@@ -675,9 +754,18 @@ impl CustomOp2 for ChunkedCrossEntropy {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dh, dw) =
-            self.plan
-                .backward(hidden, weight, &self.lse, grad_res, weight.track_op())?;
+        let eager = self.grads.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let (dh, dw) = match eager {
+            // d(g · loss) = g · d(loss). (A second backward of the node recomputes.)
+            Some((dh, dw)) => {
+                let g = grad_res.detach().to_dtype(DType::F32)?.reshape((1, 1))?;
+                let dw = dw.as_ref().map(|d| d.broadcast_mul(&g)).transpose()?;
+                (dh.broadcast_mul(&g)?, dw)
+            }
+            None => self
+                .plan
+                .backward(hidden, weight, &self.lse, grad_res, weight.track_op())?,
+        };
         Ok((
             Some(dh.to_dtype(hidden.dtype())?),
             dw.map(|d| d.to_dtype(weight.dtype())).transpose()?,

@@ -1,0 +1,57 @@
+//! Times `flash_ring::matmul` (short accumulation chains) against candle's `Tensor::matmul`
+//! (the `gemm` crate) on `x (m, k) @ w^T` with `w (n, k)`, a linear layer's forward:
+//! `cargo run -p flash-ring --release --example matmul_timing -- [m] [k] [n] [repeats]`
+//! (defaults 1024, 512, 1536, 10; f32). Prints the best time of each in milliseconds, their
+//! GFLOP/s and ratio, and the largest difference between the two results relative to the
+//! largest entry.
+
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+fn arg(i: usize, default: usize) -> usize {
+    std::env::args()
+        .nth(i)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+fn best(repeats: usize, mut f: impl FnMut() -> Tensor) -> (f64, Tensor) {
+    let mut out = f();
+    let mut best = f64::MAX;
+    for _ in 0..repeats {
+        let t0 = Instant::now();
+        out = f();
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    (best, out)
+}
+
+fn main() -> flash_ring::Result<()> {
+    let (m, k, n, repeats) = (arg(1, 1024), arg(2, 512), arg(3, 1536), arg(4, 10));
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut input = |r: usize, c: usize| {
+        let v: Vec<f32> = (0..r * c).map(|_| rng.random_range(-1.0..1.0)).collect();
+        Tensor::from_vec(v, (r, c), &Device::Cpu)
+    };
+    let (x, w) = (input(m, k)?, input(n, k)?);
+    let wt = w.t()?;
+    let (t_ring, ours) = best(repeats, || flash_ring::matmul(&x, &wt).expect("flash_ring"));
+    let (t_gemm, theirs) = best(repeats, || x.matmul(&wt).expect("candle"));
+    let flops = 2.0 * (m * k * n) as f64;
+    let diff = (&ours - &theirs)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let scale = theirs.abs()?.max_all()?.to_scalar::<f32>()?;
+    println!(
+        "m {m} k {k} n {n}: flash_ring {:.2} ms ({:.1} GFLOP/s), candle {:.2} ms ({:.1} GFLOP/s), \
+         flash_ring / candle time {:.2}, max difference {:.1e} of the largest entry",
+        t_ring * 1e3,
+        flops / t_ring / 1e9,
+        t_gemm * 1e3,
+        flops / t_gemm / 1e9,
+        t_ring / t_gemm,
+        diff / scale
+    );
+    Ok(())
+}
