@@ -248,3 +248,107 @@ fn bad_input_is_an_error() {
         o.unwrap();
     }
 }
+
+/// `ZeroGroups::with_experts` on 8 ranks (dp 8, and ring 2 x dp 4): with a sharding group of
+/// `z` ranks and expert parallelism of `ep`, each rank's expert sharding group holds only ranks
+/// with its experts (the same position in their expert-parallel group) and in its dense
+/// sharding group, `max(1, z / ep)` of them; its replica group holds ranks with its experts at
+/// the same position of their sharding groups, and the two together are every rank holding
+/// its experts; the norm group is the sharding group times the expert-parallel group (the dense
+/// sharding group when `ep` divides `z`, the expert-parallel group when `z` divides `ep`).
+/// Without `--zero-group` (z = all 8) the experts are sharded over every rank holding them.
+/// Sizes that do not divide one another are refused.
+#[test]
+fn expert_zero_groups_shard_each_expert_inside_a_dense_sharding_group() {
+    use candle_parallel::attention::{SpConfig, Strategy};
+    use candle_parallel::nn::TpActivations;
+    use candle_parallel::plan::Layout;
+    let members = |c: &candle_parallel::comm::Comm, me: usize| -> Vec<usize> {
+        let t = Tensor::new(&[me as u32], &Device::Cpu).unwrap();
+        let all = c.all_gather(&t, 0).unwrap().to_vec1::<u32>().unwrap();
+        all.into_iter().map(|r| r as usize).collect()
+    };
+    let meshes = [
+        (MeshConfig::new().with_dp(8), SpConfig::new(Strategy::Ring, 1, 1)),
+        (
+            MeshConfig::new().with_ring(2).with_dp(4),
+            SpConfig::new(Strategy::Ring, 1, 2),
+        ),
+    ];
+    for (mesh_cfg, sp) in meshes {
+        for (ep, z) in [(2, Some(4)), (2, Some(2)), (4, Some(2)), (2, None), (4, Some(8))] {
+            let what = format!("{mesh_cfg:?} ep {ep} zero group {z:?}");
+            let got = world(8, |comm| {
+                let me = comm.rank();
+                let plan = Layout::new(mesh_cfg.clone(), sp.clone(), TpActivations::Replicated)
+                    .with_expert_parallel(ep);
+                let (mesh, ctx) = plan.context(comm).map_err(candle_core::Error::wrap)?;
+                let groups = ZeroGroups::new(&mesh, z)
+                    .and_then(|g| g.with_experts(&mesh, ctx.expert_groups()))
+                    .map_err(candle_core::Error::wrap)?;
+                let e = groups.experts.clone().expect("expert groups");
+                let ex = ctx.expert_groups().expect("ep").clone();
+                Ok((
+                    members(&groups.shard, me),
+                    members(&ex.ep, me),
+                    members(&ex.replicas, me),
+                    members(&e.shard, me),
+                    members(&e.replica, me),
+                    members(&e.norm, me),
+                ))
+            });
+            let z = z.unwrap_or(8);
+            for (me, (dense, ep_group, holders, shard, replica, norm)) in got.iter().enumerate() {
+                let what = format!("{what}, rank {me}");
+                let inside = |g: &[usize], of: &[usize]| g.iter().all(|r| of.contains(r));
+                assert_eq!(dense.len(), z, "{what}");
+                assert_eq!(shard.len(), (z / ep).max(1), "{what}: shard {shard:?}");
+                assert!(inside(shard, holders) && inside(shard, dense), "{what}: {shard:?}");
+                assert!(inside(replica, holders), "{what}: replica {replica:?}");
+                assert_eq!(shard.len() * replica.len(), holders.len(), "{what}");
+                // My replica group: the ranks at my position of their sharding groups.
+                let pos = shard.iter().position(|&r| r == me).unwrap();
+                for r in replica {
+                    let theirs = &got[*r].3;
+                    assert_eq!(theirs.iter().position(|x| x == r), Some(pos), "{what}");
+                }
+                // The norm group: my shard's ranks' expert-parallel groups, together.
+                let mut want: Vec<usize> =
+                    shard.iter().flat_map(|&r| got[r].1.clone()).collect();
+                want.sort_unstable();
+                let mut norm = norm.clone();
+                norm.sort_unstable();
+                assert_eq!(norm, want, "{what}: norm");
+                if z % ep == 0 {
+                    let mut d = dense.clone();
+                    d.sort_unstable();
+                    assert_eq!(norm, d, "{what}: norm is the dense sharding group");
+                } else {
+                    let mut g = ep_group.clone();
+                    g.sort_unstable();
+                    assert_eq!(norm, g, "{what}: norm is the expert-parallel group");
+                }
+            }
+        }
+    }
+    // Neither divides the other: 6 ranks, ep 2, sharding groups of 3.
+    let err = LocalWorld::new(6)
+        .with_timeout(Duration::from_secs(60))
+        .launch(|comm| {
+            let plan = Layout::new(
+                MeshConfig::new().with_dp(6),
+                candle_parallel::attention::SpConfig::new(
+                    candle_parallel::attention::Strategy::Ring,
+                    1,
+                    1,
+                ),
+                candle_parallel::nn::TpActivations::Replicated,
+            )
+            .with_expert_parallel(2);
+            let (mesh, ctx) = plan.context(comm)?;
+            ZeroGroups::new(&mesh, Some(3))?.with_experts(&mesh, ctx.expert_groups())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("one must divide the other"), "{err}");
+}
