@@ -269,14 +269,29 @@ fn expert_zero_groups_shard_each_expert_inside_a_dense_sharding_group() {
         all.into_iter().map(|r| r as usize).collect()
     };
     let meshes = [
-        (MeshConfig::new().with_dp(8), SpConfig::new(Strategy::Ring, 1, 1)),
+        (
+            MeshConfig::new().with_dp(8),
+            SpConfig::new(Strategy::Ring, 1, 1),
+        ),
         (
             MeshConfig::new().with_ring(2).with_dp(4),
             SpConfig::new(Strategy::Ring, 1, 2),
         ),
+        (
+            MeshConfig::new().with_tp(2).with_dp(4),
+            SpConfig::new(Strategy::Ring, 1, 1),
+        ),
     ];
     for (mesh_cfg, sp) in meshes {
-        for (ep, z) in [(2, Some(4)), (2, Some(2)), (4, Some(2)), (2, None), (4, Some(8))] {
+        let tokens = 8 / mesh_cfg.degree(candle_parallel::mesh::Dim::Tp);
+        let cases = [
+            (2, Some(4)),
+            (2, Some(2)),
+            (4, Some(2)),
+            (2, None),
+            (4, Some(8)),
+        ];
+        for (ep, z) in cases.into_iter().filter(|c| c.1.unwrap_or(0) <= tokens) {
             let what = format!("{mesh_cfg:?} ep {ep} zero group {z:?}");
             let got = world(8, |comm| {
                 let me = comm.rank();
@@ -295,15 +310,22 @@ fn expert_zero_groups_shard_each_expert_inside_a_dense_sharding_group() {
                     members(&e.shard, me),
                     members(&e.replica, me),
                     members(&e.norm, me),
+                    members(&e.norm_tp, me),
+                    members(&mesh.comm(candle_parallel::mesh::Dim::Tp), me),
                 ))
             });
-            let z = z.unwrap_or(8);
-            for (me, (dense, ep_group, holders, shard, replica, norm)) in got.iter().enumerate() {
+            let z = z.unwrap_or(tokens);
+            for (me, (dense, ep_group, holders, shard, replica, norm, norm_tp, _)) in
+                got.iter().enumerate()
+            {
                 let what = format!("{what}, rank {me}");
                 let inside = |g: &[usize], of: &[usize]| g.iter().all(|r| of.contains(r));
                 assert_eq!(dense.len(), z, "{what}");
                 assert_eq!(shard.len(), (z / ep).max(1), "{what}: shard {shard:?}");
-                assert!(inside(shard, holders) && inside(shard, dense), "{what}: {shard:?}");
+                assert!(
+                    inside(shard, holders) && inside(shard, dense),
+                    "{what}: {shard:?}"
+                );
                 assert!(inside(replica, holders), "{what}: replica {replica:?}");
                 assert_eq!(shard.len() * replica.len(), holders.len(), "{what}");
                 // My replica group: the ranks at my position of their sharding groups.
@@ -313,12 +335,17 @@ fn expert_zero_groups_shard_each_expert_inside_a_dense_sharding_group() {
                     assert_eq!(theirs.iter().position(|x| x == r), Some(pos), "{what}");
                 }
                 // The norm group: my shard's ranks' expert-parallel groups, together.
-                let mut want: Vec<usize> =
-                    shard.iter().flat_map(|&r| got[r].1.clone()).collect();
+                let mut want: Vec<usize> = shard.iter().flat_map(|&r| got[r].1.clone()).collect();
                 want.sort_unstable();
                 let mut norm = norm.clone();
                 norm.sort_unstable();
                 assert_eq!(norm, want, "{what}: norm");
+                // norm_tp: the norm group's ranks with their tensor-parallel groups.
+                let mut want_tp: Vec<usize> = norm.iter().flat_map(|&r| got[r].7.clone()).collect();
+                want_tp.sort_unstable();
+                let mut norm_tp = norm_tp.clone();
+                norm_tp.sort_unstable();
+                assert_eq!(norm_tp, want_tp, "{what}: norm_tp");
                 if z % ep == 0 {
                     let mut d = dense.clone();
                     d.sort_unstable();
