@@ -274,7 +274,11 @@ fn every_moe_family_trains_under_expert_parallelism_like_one_rank() {
             (
                 Layout::single().with_dp(4).with_ep(4),
                 grouped(
-                    with(config(3, 1), ZeroStage::OptimizerStates, Checkpointing::None),
+                    with(
+                        config(3, 1),
+                        ZeroStage::OptimizerStates,
+                        Checkpointing::None,
+                    ),
                     2,
                 ),
             ),
@@ -283,7 +287,11 @@ fn every_moe_family_trains_under_expert_parallelism_like_one_rank() {
                     .with_dp(4)
                     .with_ep(2),
                 grouped(
-                    with(config(3, 1), ZeroStage::Parameters, Checkpointing::Selective),
+                    with(
+                        config(3, 1),
+                        ZeroStage::Parameters,
+                        Checkpointing::Selective,
+                    ),
                     4,
                 ),
             ),

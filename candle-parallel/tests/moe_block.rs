@@ -611,7 +611,11 @@ fn bad_configurations_and_calls_are_clear_errors() {
 fn expert_groups_of_the_layout_are_the_communicators_groups() {
     use candle_parallel::mesh::{MeshLayout, Placement};
     let cases = [
-        (MeshConfig::new().with_dp(4), SpConfig::new(Strategy::Ring, 1, 1), 2),
+        (
+            MeshConfig::new().with_dp(4),
+            SpConfig::new(Strategy::Ring, 1, 1),
+            2,
+        ),
         (
             MeshConfig::new()
                 .with_tp(2)
@@ -641,17 +645,28 @@ fn expert_groups_of_the_layout_are_the_communicators_groups() {
             let members = |c: &candle_parallel::comm::Comm| -> Result<Vec<usize>> {
                 let me = Tensor::new(&[rank as u32], &Device::Cpu)?;
                 let all = c.all_gather(&me, 0).map_err(candle_core::Error::wrap)?;
-                Ok(all.to_vec1::<u32>()?.into_iter().map(|r| r as usize).collect())
+                Ok(all
+                    .to_vec1::<u32>()?
+                    .into_iter()
+                    .map(|r| r as usize)
+                    .collect())
             };
             Ok((rank, members(&e.ep)?, members(&e.replicas)?))
         });
         for (rank, ep_group, replica_group) in got {
             let listed = |gs: &[Vec<usize>]| gs.iter().find(|g| g.contains(&rank)).cloned();
             assert_eq!(Some(ep_group), listed(&groups), "{mesh_cfg:?} rank {rank}");
-            assert_eq!(Some(replica_group), listed(&replicas), "{mesh_cfg:?} rank {rank}");
+            assert_eq!(
+                Some(replica_group),
+                listed(&replicas),
+                "{mesh_cfg:?} rank {rank}"
+            );
         }
     }
     let layout = MeshLayout::new(&MeshConfig::new().with_dp(6), 6).unwrap();
     let err = layout.expert_groups(4).unwrap_err().to_string();
-    assert!(err.contains("expert parallelism of 4 does not divide the 6 ranks"), "{err}");
+    assert!(
+        err.contains("expert parallelism of 4 does not divide the 6 ranks"),
+        "{err}"
+    );
 }

@@ -163,7 +163,11 @@ fn check_cross_entropy(rng: &mut StdRng, case: &CeCase, dtype: DType, tol: f64) 
                 .abs()?
                 .max_all()?
                 .to_scalar::<f32>()?;
-            let size = gh.to_dtype(DType::F32)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let size = gh
+                .to_dtype(DType::F32)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?;
             assert!(diff <= 1e-5 * size, "second backward: {diff} of {size}");
             assert_eq!(gh.dtype(), dtype);
             assert_eq!(gw.dtype(), dtype);

@@ -1287,8 +1287,13 @@ impl<M: TrainModel> Trainer<M> {
                 // adapter factors replicated over it); under ZeRO, chunks of them.
                 (None, Some(e)) if expert && is_split => Some(e.ep_tp.clone()),
                 (None, Some(e)) if expert => Some(e.ep.clone()),
-                (Some(_), Some(_)) if expert => zero_experts
-                    .map(|z| if is_split { z.norm_tp.clone() } else { z.norm.clone() }),
+                (Some(_), Some(_)) if expert => zero_experts.map(|z| {
+                    if is_split {
+                        z.norm_tp.clone()
+                    } else {
+                        z.norm.clone()
+                    }
+                }),
                 (None, _) => is_split.then(|| tp.clone()),
                 (Some(z), _) if is_split => Some(z.shard_tp.clone()),
                 (Some(z), _) => Some(z.shard.clone()),
@@ -1368,11 +1373,10 @@ impl<M: TrainModel + CausalLm> Trainer<M> {
             count += local.iter().filter(|&&l| l != IGNORE_INDEX).count() as f64;
             micro.push(StageMicroBatch { batch, labels });
         }
-        let (sum, _) =
-            self.forward_losses(
-                &NextToken::for_model(&self.cfg, &self.model).for_evaluation(),
-                &micro,
-            )?;
+        let (sum, _) = self.forward_losses(
+            &NextToken::for_model(&self.cfg, &self.model).for_evaluation(),
+            &micro,
+        )?;
         let t = self
             .loss_group
             .all_reduce(&Tensor::new(&[sum, count], &Device::Cpu)?, ReduceOp::Sum)?
