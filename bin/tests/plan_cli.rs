@@ -394,7 +394,7 @@ fn plan_shows_a_models_pipeline_stages() {
     assert_clear_errors(&[
         (
             words(&format!("plan --ranks 2 --model {model}")),
-            "--model without --auto shows a model's pipeline stages: give --pp 2 or more",
+            "--model without --auto shows a model's pipeline stages (give --pp 2 or more)",
         ),
         (
             words("plan --ranks 2 --pp 2 --seq-len 64"),
