@@ -27,7 +27,8 @@ pub struct LayoutArgs {
     /// Expert parallelism: ranks over which every mixture-of-experts block divides its experts,
     /// carved from the ranks that hold different tokens (ulysses x ring x dp, innermost first);
     /// tokens travel to their experts and back by all-to-all (each expert still split over
-    /// --tp). `cpl train` and `cpl bench train` of a mixture of experts.
+    /// --tp). For a mixture of experts in `cpl train`, `finetune`, `eval`, `generate`, `bench`,
+    /// and `cpl plan` (which prints the groups).
     #[arg(long, default_value_t = 1)]
     pub ep: usize,
     /// Data-parallel degree; inferred from --ranks when omitted.

@@ -2275,15 +2275,8 @@ fn eval_under_expert_parallelism_equals_data_parallelism() {
         assert_eq!(got["tokens"], want["tokens"], "ep {ep}");
         let buckets =
             |v: &serde_json::Value| v["by_position"]["buckets"].as_array().unwrap().clone();
-        for (g, w) in buckets(&got).iter().zip(&buckets(&want)) {
-            assert_eq!(g["tokens"], w["tokens"], "ep {ep}");
-            testkit::assert_close_scalar(
-                g["loss"].as_f64().unwrap(),
-                w["loss"].as_f64().unwrap(),
-                1e-5,
-                &format!("ep {ep}: bucket {g}"),
-            );
-        }
+        let what = format!("ep {ep}: buckets");
+        assert_rows_close(&buckets(&got), &buckets(&want), "tokens", "loss", &what);
         let read = |p: &Path| candle_core::safetensors::load(p, &candle_core::Device::Cpu).unwrap();
         let (g, w) = (read(&got_logits), read(&want_logits));
         assert_eq!(g.len() as u64, sequences);
@@ -2367,31 +2360,37 @@ fn training_evaluations_under_expert_parallelism_equal_data_parallelism() {
             let buckets = |v: &serde_json::Value| v["by_position"].as_array().unwrap().clone();
             let (gb, wb) = (buckets(g), buckets(w));
             assert!(wb.len() > 1, "{w}");
-            assert_eq!(gb.len(), wb.len());
-            for (a, b) in gb.iter().zip(&wb) {
-                assert_eq!(a["tokens"], b["tokens"], "step {step}");
-                testkit::assert_close_scalar(
-                    num(&a["loss"], "bucket"),
-                    num(&b["loss"], "bucket"),
-                    1e-5,
-                    &format!("step {step}: bucket {b}"),
-                );
-            }
+            let what = format!("{name}, step {step}: buckets");
+            assert_rows_close(&gb, &wb, "tokens", "loss", &what);
             let cells = |v: &serde_json::Value| v["passkey"]["cells"].as_array().unwrap().clone();
             let (gc, wc) = (cells(g), cells(w));
             assert_eq!(wc.len(), 4, "{w}");
-            for (a, b) in gc.iter().zip(&wc) {
-                assert_eq!(a["retrieved"], b["retrieved"], "step {step}");
-                testkit::assert_close_scalar(
-                    num(&a["answer_loglik"], "cell"),
-                    num(&b["answer_loglik"], "cell"),
-                    1e-5,
-                    &format!("step {step}: passkey cell {b}"),
-                );
-            }
+            let what = format!("{name}, step {step}: passkey cells");
+            assert_rows_close(&gc, &wc, "retrieved", "answer_loglik", &what);
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Rows of JSON objects (position buckets, passkey cells) compared one to one: as many, `exact`
+/// equal, `close` numbers within 1e-5 relative (a missing, null or NaN value fails).
+fn assert_rows_close(
+    got: &[serde_json::Value],
+    want: &[serde_json::Value],
+    exact: &str,
+    close: &str,
+    what: &str,
+) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (g, w) in got.iter().zip(want) {
+        assert_eq!(g[exact], w[exact], "{what}: {g} vs {w}");
+        let num = |v: &serde_json::Value| {
+            v[close]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{what}: no number `{close}` in {v}"))
+        };
+        testkit::assert_close_scalar(num(g), num(w), 1e-5, &format!("{what}: {w}"));
+    }
 }
 
 /// `cpl generate` of a mixture of experts, greedy and sampled (temperature 0.9, top-p 0.95, a
@@ -2454,22 +2453,17 @@ fn passkey_under_expert_parallelism_equals_data_parallelism() {
     };
     let want = run(&[]);
     assert_eq!(want.len(), 6);
+    for w in &want {
+        let b = w["answer_loglik"].as_f64().unwrap();
+        assert!(b.is_finite() && b < 0.0, "{w}");
+    }
     for layout in [
         &["--ep", "2"][..],
         &["--ep", "4"],
         &["--ring", "2", "--ep", "2"],
     ] {
-        let got = run(layout);
-        assert_eq!(got.len(), want.len(), "{layout:?}");
-        for (g, w) in got.iter().zip(&want) {
-            assert_eq!(g["retrieved"], w["retrieved"], "{layout:?}");
-            let (a, b) = (
-                g["answer_loglik"].as_f64().unwrap(),
-                w["answer_loglik"].as_f64().unwrap(),
-            );
-            assert!(b.is_finite() && b < 0.0, "{w}");
-            testkit::assert_close_scalar(a, b, 1e-5, &format!("{layout:?}: {w}"));
-        }
+        let what = format!("{layout:?}: passkey cells");
+        assert_rows_close(&run(layout), &want, "retrieved", "answer_loglik", &what);
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -3,7 +3,7 @@
 //! `cargo run -p flash-ring --release --example matmul_timing -- [m] [k] [n] [repeats]`
 //! (defaults 1024, 512, 1536, 10; f32). Prints the best time of each in milliseconds, their
 //! GFLOP/s and ratio, and the largest difference between the two results relative to the
-//! largest entry.
+//! largest entry (`testkit::rel_err`).
 
 use std::time::Instant;
 
@@ -41,8 +41,8 @@ fn main() -> flash_ring::Result<()> {
     let (t_ring, ours) = best(repeats, || flash_ring::matmul(&x, &wt).expect("flash_ring"));
     let (t_gemm, theirs) = best(repeats, || x.matmul(&wt).expect("candle"));
     let flops = 2.0 * (m * k * n) as f64;
-    let diff = (&ours - &theirs)?.abs()?.max_all()?.to_scalar::<f32>()?;
-    let scale = theirs.abs()?.max_all()?.to_scalar::<f32>()?;
+    // NaN-aware: a NaN anywhere makes the printed difference NaN.
+    let diff = testkit::rel_err(&ours, &theirs);
     println!(
         "m {m} k {k} n {n}: flash_ring {:.2} ms ({:.1} GFLOP/s), candle {:.2} ms ({:.1} GFLOP/s), \
          flash_ring / candle time {:.2}, max difference {:.1e} of the largest entry",
@@ -51,7 +51,7 @@ fn main() -> flash_ring::Result<()> {
         t_gemm * 1e3,
         flops / t_gemm / 1e9,
         t_ring / t_gemm,
-        diff / scale
+        diff
     );
     Ok(())
 }

@@ -170,39 +170,37 @@ pub fn score(
         }
         let (batch, labels) = batch_of(i % n)?;
         // The ranks that do not score this sequence run its forwards too, and drop the result.
-        {
-            let (s, c) = model.loss_sum(&batch, &labels, &loss_opts)?;
-            if mine {
-                sum += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-                count += c as u64;
-            }
-            if let Some(b) = buckets {
-                // This rank's labels of each bucket, by the global position of the token each
-                // predicts (one after the input token's).
-                let local = labels.flatten_all()?.to_vec1::<i64>()?;
-                let sets = b
-                    .iter()
-                    .map(|&(from, to)| {
-                        let masked: Vec<i64> = local
-                            .iter()
-                            .zip(&batch.positions)
-                            .map(|(&l, &p)| {
-                                let pos = p as usize + 1;
-                                if (from..to).contains(&pos) {
-                                    l
-                                } else {
-                                    IGNORE_INDEX
-                                }
-                            })
-                            .collect();
-                        Ok(Tensor::new(masked, labels.device())?.reshape(labels.shape())?)
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                let sums = model.loss_sums_per_labels(&batch, &sets, &loss_opts)?;
-                for (k, (s, c)) in sums.into_iter().enumerate().filter(|_| mine) {
-                    bucket_sums[k] += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-                    bucket_counts[k] += c as f64;
-                }
+        let (s, c) = model.loss_sum(&batch, &labels, &loss_opts)?;
+        if mine {
+            sum += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            count += c as u64;
+        }
+        if let Some(b) = buckets {
+            // This rank's labels of each bucket, by the global position of the token each
+            // predicts (one after the input token's).
+            let local = labels.flatten_all()?.to_vec1::<i64>()?;
+            let sets = b
+                .iter()
+                .map(|&(from, to)| {
+                    let masked: Vec<i64> = local
+                        .iter()
+                        .zip(&batch.positions)
+                        .map(|(&l, &p)| {
+                            let pos = p as usize + 1;
+                            if (from..to).contains(&pos) {
+                                l
+                            } else {
+                                IGNORE_INDEX
+                            }
+                        })
+                        .collect();
+                    Ok(Tensor::new(masked, labels.device())?.reshape(labels.shape())?)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let sums = model.loss_sums_per_labels(&batch, &sets, &loss_opts)?;
+            for (k, (s, c)) in sums.into_iter().enumerate().filter(|_| mine) {
+                bucket_sums[k] += s.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                bucket_counts[k] += c as f64;
             }
         }
         if want_logits {

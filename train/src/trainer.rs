@@ -1282,21 +1282,16 @@ impl<M: TrainModel> Trainer<M> {
         let group_of = |name: &str| -> Option<Comm> {
             let (is_split, expert) = split.get(name).copied().unwrap_or((false, false));
             let zero_experts = zero.as_ref().and_then(|z| z.experts.as_ref());
-            match (&zero, &experts) {
+            match (&zero, &experts, zero_experts) {
                 // Each expert-parallel rank holds other experts (split over tp, except the
                 // adapter factors replicated over it); under ZeRO, chunks of them.
-                (None, Some(e)) if expert && is_split => Some(e.ep_tp.clone()),
-                (None, Some(e)) if expert => Some(e.ep.clone()),
-                (Some(_), Some(_)) if expert => zero_experts.map(|z| {
-                    if is_split {
-                        z.norm_tp.clone()
-                    } else {
-                        z.norm.clone()
-                    }
-                }),
-                (None, _) => is_split.then(|| tp.clone()),
-                (Some(z), _) if is_split => Some(z.shard_tp.clone()),
-                (Some(z), _) => Some(z.shard.clone()),
+                (None, Some(e), _) if expert && is_split => Some(e.ep_tp.clone()),
+                (None, Some(e), _) if expert => Some(e.ep.clone()),
+                (_, _, Some(z)) if expert && is_split => Some(z.norm_tp.clone()),
+                (_, _, Some(z)) if expert => Some(z.norm.clone()),
+                (None, _, _) => is_split.then(|| tp.clone()),
+                (Some(z), _, _) if is_split => Some(z.shard_tp.clone()),
+                (Some(z), _, _) => Some(z.shard.clone()),
             }
         };
         // Under a pipeline each stage adds its parameters; one held by several stages counts
