@@ -594,8 +594,9 @@ pub fn load_through_registry(
         .load_causal_lm
         .ok_or_else(|| format!("{} is no causal LM family", family.name))?;
     let (r, pp) = (mesh.coord(Dim::Pp), mesh.size(Dim::Pp));
-    let layers = match pipeline {
-        Some(pc) => vec![pc.ranges()[r].clone()],
+    let layers: Vec<std::ops::Range<usize>> = match pipeline {
+        // Every chunk of this rank: virtual stages r, r + pp, ...
+        Some(pc) => pc.ranges().into_iter().skip(r).step_by(pp).collect(),
         None => std::iter::once(0..desc.layers).collect(),
     };
     let spec = models::family::LoadSpec {

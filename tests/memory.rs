@@ -218,6 +218,7 @@ fn pipeline_peak(kind: ScheduleKind, m: usize) -> isize {
         let staged = LmStages {
             model: &loaded.model,
             opts: CrossEntropyOptions::default(),
+            balancing_loss: true,
         };
         let step = StageStep {
             schedule: &schedule,

@@ -179,6 +179,7 @@ fn pipelined(
         let staged = LmStages {
             model: &loaded.model,
             opts: CrossEntropyOptions::default(),
+            balancing_loss: true,
         };
         let out = run_stage_step(&staged, &step, &stage_micro, trainable_vars(&params), 0)
             .map_err(|x| e(&x))?;

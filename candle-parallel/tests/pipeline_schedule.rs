@@ -359,6 +359,178 @@ mod executor {
         }
     }
 
+    /// Records what travels besides the activations: each virtual stage adds itself to the
+    /// forward carry `[micro-batch, Σ stages so far, stages so far]` and to the backward carry
+    /// the other way; the last virtual stage keeps the forward carries it received, the first
+    /// the backward ones. Wraps [`Toy`] for the activations.
+    struct Carrier {
+        toy: Toy,
+        /// Received, by (backward, chunk, micro-batch); to send, likewise.
+        received: std::collections::HashMap<(bool, usize, usize), Vec<f64>>,
+        to_send: std::collections::HashMap<(bool, usize, usize), Vec<f64>>,
+        backward_of: Option<(usize, usize)>,
+        /// (micro-batch, carry) at the last virtual stage's forward / the first's backward.
+        at_last: Vec<(usize, Vec<f64>)>,
+        at_first: Vec<(usize, Vec<f64>)>,
+    }
+
+    impl Carrier {
+        fn stage(&self, chunk: usize) -> usize {
+            chunk * self.toy.p + self.toy.rank
+        }
+        fn last(&self) -> usize {
+            self.toy.w.len() * self.toy.p - 1
+        }
+        fn step(&mut self, backward: bool, chunk: usize, mb: usize) -> Vec<f64> {
+            let s = self.stage(chunk);
+            let start = (s == 0 && !backward) || (s == self.last() && backward);
+            let mut c = if start {
+                vec![mb as f64, 0.0, 0.0]
+            } else {
+                self.received
+                    .remove(&(backward, chunk, mb))
+                    .unwrap_or_else(|| panic!("stage {s}: nothing carried for {mb}"))
+            };
+            assert_eq!(c[0], mb as f64, "stage {s}: another micro-batch's carry");
+            c[1] += s as f64;
+            c[2] += 1.0;
+            c
+        }
+    }
+
+    impl StageModel for Carrier {
+        fn activation_spec(&self, c: usize, m: usize) -> candle_parallel::Result<(Shape, DType)> {
+            self.toy.activation_spec(c, m)
+        }
+
+        fn forward(
+            &mut self,
+            chunk: usize,
+            mb: usize,
+            input: Option<&Tensor>,
+        ) -> candle_parallel::Result<Tensor> {
+            let c = self.step(false, chunk, mb);
+            if self.stage(chunk) == self.last() {
+                self.at_last.push((mb, c));
+            } else {
+                self.to_send.insert((false, chunk, mb), c);
+            }
+            self.toy.forward(chunk, mb, input)
+        }
+
+        fn backward(&mut self, root: &Tensor) -> candle_parallel::Result<GradStore> {
+            let (chunk, mb) = self.backward_of.take().expect("begin_backward first");
+            let c = self.step(true, chunk, mb);
+            if self.stage(chunk) == 0 {
+                self.at_first.push((mb, c));
+            } else {
+                self.to_send.insert((true, chunk, mb), c);
+            }
+            self.toy.backward(root)
+        }
+
+        fn carry_lens(&self) -> (usize, usize) {
+            (3, 3)
+        }
+
+        fn receive_carry(
+            &mut self,
+            backward: bool,
+            chunk: usize,
+            mb: usize,
+            carry: Vec<f64>,
+        ) -> candle_parallel::Result<()> {
+            self.received.insert((backward, chunk, mb), carry);
+            Ok(())
+        }
+
+        fn send_carry(
+            &mut self,
+            backward: bool,
+            chunk: usize,
+            mb: usize,
+        ) -> candle_parallel::Result<Vec<f64>> {
+            Ok(self
+                .to_send
+                .remove(&(backward, chunk, mb))
+                .expect("a carry to send"))
+        }
+
+        fn begin_backward(&mut self, chunk: usize, mb: usize) -> candle_parallel::Result<()> {
+            self.backward_of = Some((chunk, mb));
+            Ok(())
+        }
+    }
+
+    /// Every micro-batch's carried vectors pass through every virtual stage in order, forward
+    /// and backward, under every schedule, also from a rank to itself (one rank with two
+    /// chunks), and the activations' gradients are unchanged by them.
+    #[test]
+    fn carried_vectors_travel_with_activations_and_gradients() {
+        for (kind, p, v) in [
+            (ScheduleKind::GPipe, 3, 1),
+            (ScheduleKind::OneFOneB, 4, 1),
+            (ScheduleKind::Interleaved, 2, 3),
+            (ScheduleKind::Interleaved, 1, 2),
+        ] {
+            let m = 3;
+            let sched = PipelineSchedule::new(kind, p, m, v).unwrap();
+            type Seen = (
+                Vec<(usize, f64)>,
+                Vec<(usize, Vec<f64>)>,
+                Vec<(usize, Vec<f64>)>,
+            );
+            let got = LocalWorld::run(p, |comm| -> candle_parallel::Result<Seen> {
+                let rank = comm.rank();
+                let w = (0..v)
+                    .map(|c| Var::new(weight(c * p + rank), &Device::Cpu))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                let toy = Toy {
+                    rank,
+                    p,
+                    w,
+                    grads: vec![0.0; v],
+                    fail_at: None,
+                };
+                let mut c = Carrier {
+                    toy,
+                    received: Default::default(),
+                    to_send: Default::default(),
+                    backward_of: None,
+                    at_last: Vec::new(),
+                    at_first: Vec::new(),
+                };
+                run_schedule(&sched, &comm, &mut c)?;
+                let grads = (0..v).map(|k| (k * p + rank, c.toy.grads[k])).collect();
+                Ok((grads, c.at_last, c.at_first))
+            })
+            .unwrap();
+            let stages = p * v;
+            let all: f64 = (0..stages).map(|s| s as f64).sum();
+            let want = expected(stages, m);
+            let (mut last, mut first) = (Vec::new(), Vec::new());
+            for (grads, l, f) in got {
+                for (s, g) in grads {
+                    assert!(
+                        (g - want[s]).abs() <= 1e-12 * want[s].abs(),
+                        "{kind} p={p} stage {s}: {g} vs {}",
+                        want[s]
+                    );
+                }
+                last.extend(l);
+                first.extend(f);
+            }
+            last.sort_by_key(|x| x.0);
+            first.sort_by_key(|x| x.0);
+            for (seen, what) in [(last, "forward"), (first, "backward")] {
+                let want: Vec<(usize, Vec<f64>)> = (0..m)
+                    .map(|mb| (mb, vec![mb as f64, all, stages as f64]))
+                    .collect();
+                assert_eq!(seen, want, "{kind} p={p} v={v}: {what} carries");
+            }
+        }
+    }
+
     /// A rank failing mid-pipeline: every other rank returns an error naming it, no hang.
     #[test]
     fn a_failing_rank_is_named_by_every_other_rank() {

@@ -17,7 +17,9 @@ use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
 use candle_core::{Shape, Tensor};
-use candle_parallel::nn::{Adapters, Batch, CrossEntropyOptions, LayerKv, ParallelCtx};
+use candle_parallel::nn::{
+    Adapters, Batch, CrossEntropyOptions, LayerKv, ParallelCtx, RouterAux, RouterStats,
+};
 use candle_parallel::pipeline::{StageLoss, StagedModel};
 use candle_parallel::plan::Parallelize;
 
@@ -89,10 +91,16 @@ pub trait CausalLm: Parallelize + Send + Sync {
         self.loss_sum(batch, labels, opts)
     }
 
+    /// A mixture of experts' routers: their statistics of the current micro-batch, and the
+    /// coefficient of their load-balancing loss in the training loss (0: not added).
+    fn routers(&self) -> Option<(&Arc<RouterAux>, f64)> {
+        None
+    }
+
     /// Whether the model has routers (a mixture of experts): its training loss then reports
     /// [`CausalLm::router_stats`].
     fn has_routers(&self) -> bool {
-        false
+        self.routers().is_some()
     }
 
     /// The layers with a router (a sparse block), of the whole model whatever stage this is.
@@ -102,8 +110,8 @@ pub trait CausalLm: Parallelize + Send + Sync {
 
     /// The routing of the last micro-batch [`CausalLm::training_loss_sum`] ran (mixtures of
     /// experts).
-    fn router_stats(&self) -> Option<candle_parallel::nn::RouterStats> {
-        None
+    fn router_stats(&self) -> Option<RouterStats> {
+        self.routers().and_then(|(a, _)| a.last_stats())
     }
 
     /// Per-sequence sums of this rank's token cross-entropies, `(batch,)` f32 (the negative
@@ -247,6 +255,10 @@ fn no_generation() -> crate::Error {
 pub struct LmStages<'a, M: ?Sized> {
     pub model: &'a M,
     pub opts: CrossEntropyOptions,
+    /// For a mixture of experts: add the routers' load-balancing loss to the last stage's loss
+    /// (the training loss, as [`CausalLm::training_loss_sum`]); false: the next-token loss
+    /// alone, as [`CausalLm::loss_sum`] (`cpl eval`).
+    pub balancing_loss: bool,
 }
 
 impl<M: CausalLm + ?Sized> StagedModel for LmStages<'_, M> {
@@ -271,9 +283,26 @@ impl<M: CausalLm + ?Sized> StagedModel for LmStages<'_, M> {
         Ok(self.model.run_layers(layers, x, &m.batch)?)
     }
 
+    /// The next-token loss, and for a mixture of experts (with
+    /// [`LmStages::balancing_loss`]) the load-balancing loss of every stage's routers (their
+    /// statistics carried here), with [`router_parts`], as [`CausalLm::training_loss_sum`] on
+    /// one stage.
     fn head_loss(&self, x: &Tensor, m: &StageMicroBatch) -> candle_parallel::Result<StageLoss> {
-        let (sum, _) = self.model.norm_head_loss(x, &m.labels, &self.opts)?;
-        Ok(StageLoss::new(sum))
+        let (sum, count) = self.model.norm_head_loss(x, &m.labels, &self.opts)?;
+        let Some((aux, coef)) = self.model.routers() else {
+            return Ok(StageLoss::new(sum));
+        };
+        let stats = aux.finish_stage(self.model.ctx(), count)?;
+        let sum = if coef != 0.0 && self.balancing_loss {
+            aux.add_to_loss(&sum, count, coef)?
+        } else {
+            sum
+        };
+        aux.park();
+        Ok(StageLoss {
+            sum,
+            parts: router_parts(&stats, count, &self.model.router_layers())?,
+        })
     }
 
     fn backward(&self, root: &Tensor) -> candle_parallel::Result<GradStore> {
@@ -283,6 +312,78 @@ impl<M: CausalLm + ?Sized> StagedModel for LmStages<'_, M> {
     fn shared_params(&self) -> Vec<String> {
         self.model.end_params()
     }
+
+    /// A mixture of experts' routing statistics travel with the activations and the
+    /// statistics its routers' gradient needs with the gradients ([`RouterAux`]).
+    fn carry_lens(&self) -> (usize, usize) {
+        match self.model.routers() {
+            Some((a, _)) => (
+                a.forward_carry_len(self.model.num_layers()),
+                a.backward_carry_len(),
+            ),
+            None => (0, 0),
+        }
+    }
+
+    fn begin_forward(
+        &self,
+        micro_batch: usize,
+        carried: Option<&[f64]>,
+    ) -> candle_parallel::Result<()> {
+        match self.model.routers() {
+            Some((a, _)) => a.begin_stage(micro_batch, carried, self.model.num_layers()),
+            None => Ok(()),
+        }
+    }
+
+    fn forward_carry(&self, _micro_batch: usize) -> candle_parallel::Result<Vec<f64>> {
+        match self.model.routers() {
+            Some((a, _)) => a.forward_carry(self.model.ctx(), self.model.num_layers()),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn begin_backward(
+        &self,
+        micro_batch: usize,
+        carried: Option<&[f64]>,
+    ) -> candle_parallel::Result<()> {
+        match self.model.routers() {
+            Some((a, _)) => a.begin_backward(micro_batch, carried),
+            None => Ok(()),
+        }
+    }
+
+    fn backward_carry(&self, _micro_batch: usize) -> candle_parallel::Result<Vec<f64>> {
+        Ok(self
+            .model
+            .routers()
+            .map(|(a, _)| a.backward_carry())
+            .unwrap_or_default())
+    }
+}
+
+/// The parts a mixture of experts' next-token loss reports (`train`'s `ROUTER_PARTS`, then the
+/// load of each of `layers`), each times the micro-batch's `count` labelled tokens on this rank
+/// so that they average like the loss. Errors when a layer has no statistics.
+pub fn router_parts(stats: &RouterStats, count: usize, layers: &[usize]) -> Result<Vec<f64>> {
+    let n = count as f64;
+    let mut parts = vec![
+        stats.aux * n,
+        stats.load_max_over_mean * n,
+        stats.dropped_fraction * n,
+    ];
+    for layer in layers {
+        let load = stats
+            .layer_loads
+            .iter()
+            .find(|(l, _)| l == layer)
+            .ok_or_else(|| {
+                crate::Error::Invalid(format!("no routing statistics of sparse layer {layer}"))
+            })?;
+        parts.push(load.1 * n);
+    }
+    Ok(parts)
 }
 
 /// A model of any registered family ([`crate::family::Family::load_causal_lm`]) is a causal LM.
@@ -340,16 +441,12 @@ impl CausalLm for Box<dyn CausalLm> {
         (**self).training_loss_sum(batch, labels, opts)
     }
 
-    fn has_routers(&self) -> bool {
-        (**self).has_routers()
+    fn routers(&self) -> Option<(&Arc<RouterAux>, f64)> {
+        (**self).routers()
     }
 
     fn router_layers(&self) -> Vec<usize> {
         (**self).router_layers()
-    }
-
-    fn router_stats(&self) -> Option<candle_parallel::nn::RouterStats> {
-        (**self).router_stats()
     }
 
     fn norm_head_logits(&self, x: &Tensor) -> Result<Tensor> {

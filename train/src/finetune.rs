@@ -625,6 +625,7 @@ impl<'a> StagedModel for SequenceLogps<'a> {
         LmStages {
             model: self.model,
             opts: self.opts,
+            balancing_loss: false,
         }
         .activation_shape(p.m)
     }
@@ -684,6 +685,7 @@ impl StagedModel for DpoStages<'_> {
         LmStages {
             model: self.model,
             opts: self.loss.opts,
+            balancing_loss: false,
         }
         .activation_shape(&micro)
     }

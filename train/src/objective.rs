@@ -93,8 +93,8 @@ pub struct NextToken {
     pub opts: CrossEntropyOptions,
     /// Report [`ROUTER_PARTS`] (a model with routers).
     pub router_parts: bool,
-    /// Also report each of these sparse layers' load ([`ROUTER_LAYER_LOAD`]; empty under a
-    /// pipeline, whose last stage sees only its own layers' routing).
+    /// Also report each of these sparse layers' load ([`ROUTER_LAYER_LOAD`]; under a pipeline
+    /// the last stage sees every stage's, carried to it).
     pub router_layers: Vec<usize>,
 }
 
@@ -140,11 +140,7 @@ impl NextToken {
     pub fn for_model<M: CausalLm>(cfg: &TrainConfig, model: &M) -> Self {
         Self {
             router_parts: model.has_routers(),
-            router_layers: if cfg.pipeline.is_some() {
-                Vec::new()
-            } else {
-                model.router_layers()
-            },
+            router_layers: model.router_layers(),
             ..Self::new(cfg)
         }
     }
@@ -207,18 +203,7 @@ impl<M: CausalLm> Objective<M> for NextToken {
             let r = model.router_stats().ok_or_else(|| {
                 Error::Invalid("a model with routers reported no routing statistics".into())
             })?;
-            let n = count as f64;
-            loss.parts = vec![r.aux * n, r.load_max_over_mean * n, r.dropped_fraction * n];
-            for layer in &self.router_layers {
-                let load = r
-                    .layer_loads
-                    .iter()
-                    .find(|(l, _)| l == layer)
-                    .ok_or_else(|| {
-                        Error::Invalid(format!("no routing statistics of sparse layer {layer}"))
-                    })?;
-                loss.parts.push(load.1 * n);
-            }
+            loss.parts = models::causal_lm::router_parts(&r, count, &self.router_layers)?;
         }
         Ok(loss)
     }
@@ -227,6 +212,7 @@ impl<M: CausalLm> Objective<M> for NextToken {
         Ok(LmStages {
             model,
             opts: self.opts,
+            balancing_loss: true,
         })
     }
 }

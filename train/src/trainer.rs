@@ -169,7 +169,12 @@ pub fn pipeline_eval<M: CausalLm + ?Sized>(
         global_count: 1,
         dtype,
     };
-    let staged = LmStages { model, opts };
+    // The next-token loss alone, as `CausalLm::loss_sum` without a pipeline.
+    let staged = LmStages {
+        model,
+        opts,
+        balancing_loss: false,
+    };
     let loss = run_stage_step(&staged, &step, micro, Vec::new(), 0)?.loss_sum;
     let mut count = 0u64;
     for m in micro {

@@ -24,7 +24,7 @@
 //! Under sequence parallelism each rank routes its own tokens; the load-balancing statistics
 //! are summed over the ranks that hold the micro-batch's tokens.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Tensor};
@@ -756,10 +756,110 @@ struct Totals {
 #[derive(Debug, Default)]
 struct AuxState {
     blocks: BTreeMap<usize, BlockStats>,
+    /// The totals of the micro-batch whose backward runs next.
     totals: Option<Totals>,
     /// The gradient of the loss the auxiliary term was added to, per unit of the summed loss.
     seed: Option<f64>,
     last: Option<RouterStats>,
+    /// Under a pipeline: the micro-batch whose forward runs on this stage now, the statistics
+    /// its earlier stages carried here, and the totals of the micro-batches whose loss this
+    /// (last) stage has computed and whose backward has not run yet.
+    current: usize,
+    carried: Option<Partial>,
+    parked: HashMap<usize, Totals>,
+}
+
+/// The routing statistics of some of a micro-batch's sparse blocks, each block's summed over
+/// the ranks that hold the micro-batch's tokens: what [`RouterAux::finish`] completes, and what
+/// a pipeline stage carries to the next ([`RouterAux::forward_carry`]).
+#[derive(Debug, Clone, PartialEq)]
+struct Partial {
+    /// Per expert: Σ over the blocks of the routed count.
+    counts: Vec<f64>,
+    /// Per expert: Σ over the blocks of its router probability.
+    probs: Vec<f64>,
+    tokens: f64,
+    assignments: f64,
+    dropped: f64,
+    /// Per block, by layer (ascending): the busiest expert's tokens over the mean.
+    layer_loads: Vec<(usize, f64)>,
+}
+
+impl Partial {
+    fn empty(experts: usize) -> Self {
+        Self {
+            counts: vec![0.0; experts],
+            probs: vec![0.0; experts],
+            tokens: 0.0,
+            assignments: 0.0,
+            dropped: 0.0,
+            layer_loads: Vec::new(),
+        }
+    }
+
+    /// The statistics of both sets of blocks (disjoint layers).
+    fn add(mut self, other: &Partial) -> Self {
+        for (a, b) in self.counts.iter_mut().zip(&other.counts) {
+            *a += b;
+        }
+        for (a, b) in self.probs.iter_mut().zip(&other.probs) {
+            *a += b;
+        }
+        self.tokens += other.tokens;
+        self.assignments += other.assignments;
+        self.dropped += other.dropped;
+        self.layer_loads.extend_from_slice(&other.layer_loads);
+        self.layer_loads.sort_by_key(|(l, _)| *l);
+        self
+    }
+
+    /// `[counts (E), probs (E), tokens, assignments, dropped, load of each of the model's
+    /// `layers` layers (-1: no block ran)]`.
+    fn encode(&self, layers: usize) -> Result<Vec<f64>> {
+        let e = self.counts.len();
+        let mut v = Vec::with_capacity(2 * e + 3 + layers);
+        v.extend_from_slice(&self.counts);
+        v.extend_from_slice(&self.probs);
+        v.extend([self.tokens, self.assignments, self.dropped]);
+        v.resize(2 * e + 3 + layers, -1.0);
+        for &(l, load) in &self.layer_loads {
+            if l >= layers {
+                return Err(Error::invalid(
+                    "router load-balancing loss",
+                    format!("a sparse block at layer {l} of a model of {layers} layers"),
+                ));
+            }
+            v[2 * e + 3 + l] = load;
+        }
+        Ok(v)
+    }
+
+    fn decode(v: &[f64], experts: usize, layers: usize) -> Result<Self> {
+        let e = experts;
+        if v.len() != 2 * e + 3 + layers {
+            return Err(Error::invalid(
+                "router load-balancing loss",
+                format!(
+                    "{} carried statistics for {e} experts and {layers} layers (want {})",
+                    v.len(),
+                    2 * e + 3 + layers
+                ),
+            ));
+        }
+        Ok(Self {
+            counts: v[..e].to_vec(),
+            probs: v[e..2 * e].to_vec(),
+            tokens: v[2 * e],
+            assignments: v[2 * e + 1],
+            dropped: v[2 * e + 2],
+            layer_loads: v[2 * e + 3..]
+                .iter()
+                .enumerate()
+                .filter(|(_, &x)| x >= 0.0)
+                .map(|(l, &x)| (l, x))
+                .collect(),
+        })
+    }
 }
 
 /// A micro-batch's routing, summed over its ranks.
@@ -797,9 +897,16 @@ pub struct RouterStats {
 /// node, which runs first in the backward pass). It is therefore exact under activation
 /// checkpointing and ZeRO-3. Contract: one micro-batch at a time ([`RouterAux::begin`] before
 /// its forward, then `finish` and `add_to_loss`, its backward before the next `begin`), and
-/// every rank's summed loss is scaled
-/// by the same factor before backward (the step's global token count). Not under pipeline
-/// parallelism (the loss and the routers are on different stages).
+/// every rank's summed loss is scaled by the same factor before backward (the step's global
+/// token count).
+///
+/// Under pipeline parallelism the routers of a micro-batch sit on several stages and the loss
+/// on the last: each stage's statistics travel with the activation
+/// ([`RouterAux::begin_stage`], [`RouterAux::forward_carry`]), the last stage completes them
+/// ([`RouterAux::finish_stage`]) and keeps the totals until the micro-batch's backward
+/// ([`RouterAux::park`]), and what the routers' gradient needs travels back with the
+/// activation's gradient ([`RouterAux::begin_backward`], [`RouterAux::backward_carry`]).
+/// Micro-batches may then interleave as the schedule runs them.
 #[derive(Debug)]
 pub struct RouterAux {
     num_experts: usize,
@@ -822,11 +929,9 @@ impl RouterAux {
     /// [`RouterAux::last_stats`]). Local.
     pub fn begin(&self) {
         let mut s = self.lock();
-        let last = s.last.take();
-        *s = AuxState {
-            last,
-            ..AuxState::default()
-        };
+        s.blocks.clear();
+        s.totals = None;
+        s.seed = None;
     }
 
     /// Records block `layer`'s routing of this rank's tokens (a recomputation records the same
@@ -902,6 +1007,17 @@ impl RouterAux {
         count_group: &Comm,
         device: &candle_core::Device,
     ) -> Result<RouterStats> {
+        let blocks = self.reduce_blocks(token_groups, device)?;
+        self.complete(blocks, count, count_group, device)
+    }
+
+    /// This rank's blocks of the micro-batch, each summed over `token_groups`. Collective over
+    /// them.
+    fn reduce_blocks(
+        &self,
+        token_groups: &[&Comm],
+        device: &candle_core::Device,
+    ) -> Result<Partial> {
         let e = self.num_experts;
         let (layers, blocks): (Vec<usize>, Vec<BlockStats>) = self
             .lock()
@@ -929,6 +1045,37 @@ impl RouterAux {
             }
         }
         let v = t.to_vec1::<f32>()?;
+        let mut out = Partial::empty(e);
+        for (b, &layer) in layers.iter().enumerate() {
+            let row = &v[b * e..(b + 1) * e];
+            for (c, &x) in out.counts.iter_mut().zip(row) {
+                *c += x as f64;
+            }
+            let mean = row.iter().map(|&x| x as f64).sum::<f64>() / e as f64;
+            let max = row.iter().fold(0f64, |m, &x| m.max(x as f64));
+            out.layer_loads
+                .push((layer, if mean > 0.0 { max / mean } else { 0.0 }));
+        }
+        for (p, &x) in out.probs.iter_mut().zip(&v[nb * e..nb * e + e]) {
+            *p = x as f64;
+        }
+        out.tokens = v[nb * e + e] as f64;
+        out.assignments = v[nb * e + e + 1] as f64;
+        out.dropped = v[nb * e + e + 2] as f64;
+        Ok(out)
+    }
+
+    /// The micro-batch's [`RouterStats`] from the statistics of all of its blocks, with this
+    /// rank's `count` labelled tokens summed over `count_group`; keeps the totals for the
+    /// gradient. Collective over `count_group`.
+    fn complete(
+        &self,
+        blocks: Partial,
+        count: usize,
+        count_group: &Comm,
+        device: &candle_core::Device,
+    ) -> Result<RouterStats> {
+        let e = self.num_experts;
         let n = Tensor::new(&[count as f32], device)?;
         let n = if count_group.size() > 1 {
             count_group.all_reduce(&n, ReduceOp::Sum)?
@@ -936,47 +1083,32 @@ impl RouterAux {
             n
         };
         let labelled = n.to_vec1::<f32>()?[0] as f64;
-        let mut counts = vec![0f64; e];
-        let mut load = 0f64;
-        let mut layer_loads = Vec::with_capacity(nb);
-        for (b, &layer) in layers.iter().enumerate() {
-            let row = &v[b * e..(b + 1) * e];
-            for (c, &x) in counts.iter_mut().zip(row) {
-                *c += x as f64;
-            }
-            let mean = row.iter().map(|&x| x as f64).sum::<f64>() / e as f64;
-            let max = row.iter().fold(0f64, |m, &x| m.max(x as f64));
-            let block = if mean > 0.0 { max / mean } else { 0.0 };
-            load = load.max(block);
-            layer_loads.push((layer, block));
-        }
-        let tokens = v[nb * e + e] as f64;
-        let aux = if tokens == 0.0 {
+        let aux = if blocks.tokens == 0.0 {
             0.0
         } else {
-            let dot: f64 = counts
+            let dot: f64 = blocks
+                .counts
                 .iter()
-                .zip(&v[nb * e..nb * e + e])
-                .map(|(c, &p)| c * p as f64)
+                .zip(&blocks.probs)
+                .map(|(c, p)| c * p)
                 .sum();
-            e as f64 * dot / (tokens * tokens)
+            e as f64 * dot / (blocks.tokens * blocks.tokens)
         };
-        let assignments = v[nb * e + e + 1] as f64;
         let stats = RouterStats {
             aux,
-            load_max_over_mean: load,
+            load_max_over_mean: blocks.layer_loads.iter().fold(0f64, |m, l| m.max(l.1)),
             labelled_tokens: labelled,
-            dropped_fraction: if assignments > 0.0 {
-                v[nb * e + e + 2] as f64 / assignments
+            dropped_fraction: if blocks.assignments > 0.0 {
+                blocks.dropped / blocks.assignments
             } else {
                 0.0
             },
-            layer_loads,
+            layer_loads: blocks.layer_loads,
         };
         let mut s = self.lock();
         s.totals = Some(Totals {
-            counts,
-            tokens,
+            counts: blocks.counts,
+            tokens: blocks.tokens,
             weight: 0.0,
         });
         s.seed = None;
@@ -1034,6 +1166,118 @@ impl RouterAux {
             Ok(g.clone())
         })?;
         Ok(out)
+    }
+    /// Under a pipeline: the length of [`RouterAux::forward_carry`]'s vector for a model of
+    /// `layers` decoder layers.
+    pub fn forward_carry_len(&self, layers: usize) -> usize {
+        2 * self.num_experts + 3 + layers
+    }
+
+    /// Under a pipeline: the length of [`RouterAux::backward_carry`]'s vector.
+    pub fn backward_carry_len(&self) -> usize {
+        self.num_experts + 3
+    }
+
+    /// Under a pipeline: micro-batch `micro_batch`'s forward starts on this stage, with the
+    /// statistics of its blocks on the stages before (`carried`, what the previous stage's
+    /// [`RouterAux::forward_carry`] returned; `None` on the first stage). Local.
+    pub fn begin_stage(
+        &self,
+        micro_batch: usize,
+        carried: Option<&[f64]>,
+        layers: usize,
+    ) -> Result<()> {
+        let carried = carried
+            .map(|v| Partial::decode(v, self.num_experts, layers))
+            .transpose()?;
+        self.begin();
+        let mut s = self.lock();
+        s.current = micro_batch;
+        s.carried = carried;
+        Ok(())
+    }
+
+    /// Under a pipeline, after this stage's layers: the statistics of the micro-batch's blocks
+    /// so far (those carried here and this rank's, summed over `ctx`'s token groups), for the
+    /// next stage's [`RouterAux::begin_stage`]. Collective over the token groups.
+    pub fn forward_carry(&self, ctx: &ParallelCtx, layers: usize) -> Result<Vec<f64>> {
+        self.stage_blocks(ctx)?.encode(layers)
+    }
+
+    /// The statistics carried to this stage plus this rank's blocks, summed over the token
+    /// groups.
+    fn stage_blocks(&self, ctx: &ParallelCtx) -> Result<Partial> {
+        let groups = ctx.token_groups();
+        let groups: Vec<&Comm> = groups.iter().collect();
+        let mine = self.reduce_blocks(&groups, ctx.device())?;
+        Ok(match self.lock().carried.take() {
+            Some(before) => before.add(&mine),
+            None => mine,
+        })
+    }
+
+    /// Under a pipeline, on the last stage: [`RouterAux::finish_in`] over every block of the
+    /// micro-batch (those carried here and this rank's). Then [`RouterAux::add_to_loss`] and
+    /// [`RouterAux::park`]. Collective like `finish_in`.
+    pub fn finish_stage(&self, ctx: &ParallelCtx, count: usize) -> Result<RouterStats> {
+        let blocks = self.stage_blocks(ctx)?;
+        self.complete(blocks, count, ctx.sequence_group(), ctx.device())
+    }
+
+    /// Under a pipeline, on the last stage after [`RouterAux::add_to_loss`]: keeps the
+    /// micro-batch's totals until [`RouterAux::begin_backward`] asks for them (the schedule
+    /// may run other micro-batches' forwards first). Local.
+    pub fn park(&self) {
+        let mut s = self.lock();
+        if let Some(t) = s.totals.take() {
+            let mb = s.current;
+            s.parked.insert(mb, t);
+        }
+    }
+
+    /// Under a pipeline: micro-batch `micro_batch`'s backward starts on this stage. `carried`
+    /// is what the next stage's [`RouterAux::backward_carry`] returned; `None` on the last
+    /// stage, whose totals [`RouterAux::park`] kept. Local.
+    pub fn begin_backward(&self, micro_batch: usize, carried: Option<&[f64]>) -> Result<()> {
+        let e = self.num_experts;
+        let mut s = self.lock();
+        match carried {
+            None => {
+                s.totals = s.parked.remove(&micro_batch);
+                s.seed = None;
+            }
+            Some(v) if v.len() == e + 3 => {
+                s.seed = Some(v[0]);
+                s.totals = Some(Totals {
+                    weight: v[1],
+                    tokens: v[2],
+                    counts: v[3..].to_vec(),
+                });
+            }
+            Some(v) => {
+                return Err(Error::invalid(
+                    "router load-balancing loss",
+                    format!("{} carried gradient statistics for {e} experts", v.len()),
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    /// Under a pipeline, after a micro-batch's backward on this stage: what its routers on the
+    /// stages before need for their gradient (`[seed, weight, tokens, counts (E)]`; zeros when
+    /// the loss does not include the balancing loss), for their
+    /// [`RouterAux::begin_backward`]. Local.
+    pub fn backward_carry(&self) -> Vec<f64> {
+        let s = self.lock();
+        let mut v = vec![0.0; self.backward_carry_len()];
+        if let (Some(t), Some(seed)) = (&s.totals, s.seed) {
+            v[0] = seed;
+            v[1] = t.weight;
+            v[2] = t.tokens;
+            v[3..].copy_from_slice(&t.counts);
+        }
+        v
     }
 }
 

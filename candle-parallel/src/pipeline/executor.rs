@@ -40,6 +40,40 @@ pub trait StageModel {
     /// Differentiates the scalar `root`, adds this rank's parameter gradients to its own
     /// accumulators, and returns the store (the executor reads the input's gradient from it).
     fn backward(&mut self, root: &Tensor) -> Result<GradStore>;
+
+    /// Lengths of the f64 vectors that travel besides each activation (forward) and each
+    /// gradient (backward): statistics the loss needs from every stage (a mixture of experts'
+    /// routing). `(0, 0)`, the default: nothing more travels.
+    fn carry_lens(&self) -> (usize, usize) {
+        (0, 0)
+    }
+
+    /// The vector that came with `micro_batch`'s activation into `chunk` (`backward` false) or
+    /// with its gradient into `chunk` (true), before that chunk's forward or backward of it.
+    fn receive_carry(
+        &mut self,
+        backward: bool,
+        chunk: usize,
+        micro_batch: usize,
+        carry: Vec<f64>,
+    ) -> Result<()> {
+        let _ = (backward, chunk, micro_batch, carry);
+        Ok(())
+    }
+
+    /// The vector to send with `micro_batch`'s activation out of `chunk` (after its forward)
+    /// or with its gradient out of `chunk` (after its backward), of [`StageModel::carry_lens`]'s
+    /// length.
+    fn send_carry(&mut self, backward: bool, chunk: usize, micro_batch: usize) -> Result<Vec<f64>> {
+        let _ = (backward, chunk, micro_batch);
+        Ok(Vec::new())
+    }
+
+    /// Called before the [`StageModel::backward`] of `chunk` on `micro_batch`.
+    fn begin_backward(&mut self, chunk: usize, micro_batch: usize) -> Result<()> {
+        let _ = (chunk, micro_batch);
+        Ok(())
+    }
 }
 
 /// The gradient accumulators of a pipeline stage over one step: every backward's gradients of
@@ -131,6 +165,14 @@ pub fn run_schedule<M: StageModel>(
     }
     let last = schedule.virtual_stages() - 1;
     let owner = |vs: usize| vs % p;
+    let (forward_carry, backward_carry) = model.carry_lens();
+    let carry_len = |kind: ActionKind| {
+        if kind == ActionKind::RecvGradient {
+            backward_carry
+        } else {
+            forward_carry
+        }
+    };
     // Messages between two ranks arrive in the order they were sent, which need not be the
     // order the receiver uses them in (interleaved schedules, and p = 2 where activations and
     // gradients share one channel). Every rank knows every list: for each sender, the
@@ -157,17 +199,36 @@ pub fn run_schedule<M: StageModel>(
     let mut live: HashMap<(usize, usize), (Option<Var>, Tensor)> = HashMap::new();
     let mut in_grads: HashMap<(usize, usize), Tensor> = HashMap::new();
     let mut sends: Vec<Pending> = Vec::new();
-    // Posts `t` to rank `dst` without waiting, or keeps it when `dst` is this rank.
-    let send = |arrived: &mut HashMap<(ActionKind, usize, usize), Tensor>,
+    // Posts `t` and the model's carried vector (when it has one) to rank `dst` without
+    // waiting, or keeps them when `dst` is this rank. The carry follows its tensor in the same
+    // group, so a receiver takes it right after.
+    let send = |model: &mut M,
+                arrived: &mut HashMap<(ActionKind, usize, usize), Tensor>,
                 sends: &mut Vec<Pending>,
                 key: (ActionKind, usize, usize),
+                from_chunk: usize,
                 dst: usize,
                 t: Tensor|
      -> Result<()> {
-        if dst == rank {
-            arrived.insert(key, t);
+        let backward = key.0 == ActionKind::RecvGradient;
+        let carry = if carry_len(key.0) > 0 {
+            Some(model.send_carry(backward, from_chunk, key.1)?)
         } else {
-            sends.push(comm.exchange(vec![(dst, t)], vec![])?);
+            None
+        };
+        if dst == rank {
+            if let Some(c) = carry {
+                model.receive_carry(backward, key.2, key.1, c)?;
+            }
+            // As a transfer would: a gradient computed from this rank's weights must not
+            // carry their graph into the previous chunk's backward.
+            arrived.insert(key, t.detach());
+        } else {
+            let mut msgs = vec![(dst, t.clone())];
+            if let Some(c) = carry {
+                msgs.push((dst, Tensor::from_vec(c.clone(), c.len(), t.device())?));
+            }
+            sends.push(comm.exchange(msgs, vec![])?);
         }
         Ok(())
     };
@@ -197,6 +258,12 @@ pub fn run_schedule<M: StageModel>(
                     })?;
                     let (shape, dtype) = model.activation_spec(next.2, next.1)?;
                     arrived.insert(next, comm.recv(src, &shape, dtype)?);
+                    let n = carry_len(next.0);
+                    if n > 0 {
+                        let c = comm.recv(src, &Shape::from(n), DType::F64)?;
+                        let backward = next.0 == ActionKind::RecvGradient;
+                        model.receive_carry(backward, next.2, next.1, c.to_vec1::<f64>()?)?;
+                    }
                 }
                 let t = arrived.remove(&want).ok_or_else(|| missing("message"))?;
                 if a.kind == ActionKind::RecvActivation {
@@ -244,9 +311,11 @@ pub fn run_schedule<M: StageModel>(
                 let out = out.ok_or_else(|| missing("forward output"))?;
                 let to = vs + 1;
                 send(
+                    model,
                     &mut arrived,
                     &mut sends,
                     (ActionKind::RecvActivation, a.micro_batch, to / p),
+                    a.chunk,
                     owner(to),
                     out.detach(),
                 )?;
@@ -261,6 +330,7 @@ pub fn run_schedule<M: StageModel>(
                         .ok_or_else(|| missing("received gradient"))?;
                     (out * g)?.sum_all()?
                 };
+                model.begin_backward(a.chunk, a.micro_batch)?;
                 let mut store = None;
                 timed(&mut || {
                     store = Some(model.backward(&root)?);
@@ -283,9 +353,11 @@ pub fn run_schedule<M: StageModel>(
                     .ok_or_else(|| missing("input gradient"))?;
                 let to = vs.checked_sub(1).ok_or_else(|| missing("previous stage"))?;
                 send(
+                    model,
                     &mut arrived,
                     &mut sends,
                     (ActionKind::RecvGradient, a.micro_batch, to / p),
+                    a.chunk,
                     owner(to),
                     g,
                 )?;

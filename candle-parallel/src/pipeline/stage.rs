@@ -73,6 +73,43 @@ pub trait StagedModel {
     /// (the embedding and head units; tied weights), whose gradients are summed between the
     /// first and the last stage. Empty on a stage that holds neither end.
     fn shared_params(&self) -> Vec<String>;
+
+    /// Lengths of the f64 vectors a micro-batch carries from stage to stage besides its
+    /// activation (forward) and its gradient (backward): statistics the loss needs from the
+    /// layers of every stage, such as a mixture of experts' routing. `(0, 0)`, the default:
+    /// none, and the four hooks below are not called.
+    fn carry_lens(&self) -> (usize, usize) {
+        (0, 0)
+    }
+
+    /// Before micro-batch `micro_batch`'s forward on a virtual stage (before
+    /// [`StagedModel::embed`] on the first): what the previous virtual stage's
+    /// [`StagedModel::forward_carry`] returned (`None` on the first virtual stage).
+    fn begin_forward(&self, micro_batch: usize, carried: Option<&[f64]>) -> Result<()> {
+        let _ = (micro_batch, carried);
+        Ok(())
+    }
+
+    /// After [`StagedModel::run_layers`] on a virtual stage that is not the last: the vector
+    /// for the next one.
+    fn forward_carry(&self, micro_batch: usize) -> Result<Vec<f64>> {
+        let _ = micro_batch;
+        Ok(Vec::new())
+    }
+
+    /// Before micro-batch `micro_batch`'s backward on a virtual stage: what the next virtual
+    /// stage's [`StagedModel::backward_carry`] returned (`None` on the last virtual stage).
+    fn begin_backward(&self, micro_batch: usize, carried: Option<&[f64]>) -> Result<()> {
+        let _ = (micro_batch, carried);
+        Ok(())
+    }
+
+    /// After the backward on a virtual stage that is not the first: the vector for the
+    /// previous one.
+    fn backward_carry(&self, micro_batch: usize) -> Result<Vec<f64>> {
+        let _ = micro_batch;
+        Ok(Vec::new())
+    }
 }
 
 /// What a pipeline step needs besides the model and its micro-batches.
@@ -117,6 +154,13 @@ pub struct Stage<'a, M: StagedModel> {
     dtype: DType,
     loss_sum: f64,
     parts: Vec<f64>,
+    carry_lens: (usize, usize),
+    /// Carried vectors received and not yet used, and those to send: by (backward,
+    /// micro-batch, chunk).
+    carried: HashMap<(bool, usize, usize), Vec<f64>>,
+    to_send: HashMap<(bool, usize, usize), Vec<f64>>,
+    /// The (chunk, micro-batch) whose backward runs next.
+    backward_of: Option<(usize, usize)>,
 }
 
 impl<'a, M: StagedModel> Stage<'a, M> {
@@ -160,6 +204,10 @@ impl<'a, M: StagedModel> Stage<'a, M> {
             dtype: step.dtype,
             loss_sum: 0.0,
             parts: Vec::new(),
+            carry_lens: model.carry_lens(),
+            carried: HashMap::new(),
+            to_send: HashMap::new(),
+            backward_of: None,
         })
     }
 
@@ -190,6 +238,15 @@ impl<M: StagedModel> StageModel for Stage<'_, M> {
     ) -> Result<Tensor> {
         let vs = chunk * self.stages + self.rank;
         let m = self.micro(micro_batch)?;
+        if self.carry_lens.0 > 0 {
+            let carried = self.carried.remove(&(false, micro_batch, chunk));
+            if carried.is_none() && vs > 0 {
+                return Err(invalid(format!(
+                    "virtual stage {vs} got no carried vector with micro-batch {micro_batch}"
+                )));
+            }
+            self.model.begin_forward(micro_batch, carried.as_deref())?;
+        }
         let x = match input {
             Some(x) => x.clone(),
             None if vs == 0 => self.model.embed(m)?,
@@ -202,6 +259,10 @@ impl<M: StagedModel> StageModel for Stage<'_, M> {
             .ok_or_else(|| invalid(format!("no chunk {chunk}")))?;
         let x = self.model.run_layers(layers, &x, m)?;
         if vs != self.last_virtual {
+            if self.carry_lens.0 > 0 {
+                let c = self.model.forward_carry(micro_batch)?;
+                self.to_send.insert((false, micro_batch, chunk), c);
+            }
             return Ok(x);
         }
         let loss = self.model.head_loss(&x, m)?;
@@ -218,7 +279,61 @@ impl<M: StagedModel> StageModel for Stage<'_, M> {
     fn backward(&mut self, root: &Tensor) -> Result<GradStore> {
         let store = self.model.backward(root)?;
         self.grads.add(&store)?;
+        if let (Some((chunk, mb)), true) = (self.backward_of.take(), self.carry_lens.1 > 0) {
+            if chunk * self.stages + self.rank > 0 {
+                let c = self.model.backward_carry(mb)?;
+                self.to_send.insert((true, mb, chunk), c);
+            }
+        }
         Ok(store)
+    }
+
+    fn carry_lens(&self) -> (usize, usize) {
+        self.carry_lens
+    }
+
+    fn receive_carry(
+        &mut self,
+        backward: bool,
+        chunk: usize,
+        micro_batch: usize,
+        carry: Vec<f64>,
+    ) -> Result<()> {
+        self.carried.insert((backward, micro_batch, chunk), carry);
+        Ok(())
+    }
+
+    fn send_carry(&mut self, backward: bool, chunk: usize, micro_batch: usize) -> Result<Vec<f64>> {
+        let want = if backward {
+            self.carry_lens.1
+        } else {
+            self.carry_lens.0
+        };
+        match self.to_send.remove(&(backward, micro_batch, chunk)) {
+            Some(c) if c.len() == want => Ok(c),
+            Some(c) => Err(invalid(format!(
+                "a carried vector of {} values where the model said {want}",
+                c.len()
+            ))),
+            None => Err(invalid(format!(
+                "no carried vector of micro-batch {micro_batch} out of chunk {chunk}"
+            ))),
+        }
+    }
+
+    fn begin_backward(&mut self, chunk: usize, micro_batch: usize) -> Result<()> {
+        if self.carry_lens.1 > 0 {
+            let vs = chunk * self.stages + self.rank;
+            let carried = self.carried.remove(&(true, micro_batch, chunk));
+            if carried.is_none() && vs != self.last_virtual {
+                return Err(invalid(format!(
+                    "virtual stage {vs} got no carried vector with micro-batch {micro_batch}'s gradient"
+                )));
+            }
+            self.model.begin_backward(micro_batch, carried.as_deref())?;
+            self.backward_of = Some((chunk, micro_batch));
+        }
+        Ok(())
     }
 }
 

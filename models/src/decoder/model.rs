@@ -16,8 +16,8 @@ use std::sync::Arc;
 
 use candle_parallel::nn::{
     Adapters, Batch, Block, CrossEntropyOptions, LayerKv, LmHead, Mlp, ParallelAttention,
-    ParallelCtx, ParamBuilder, Pass, RmsNorm, RouterAux, RouterStats, SparseMoe, Track, Unit,
-    UnitOps, VocabParallelEmbedding,
+    ParallelCtx, ParamBuilder, Pass, RmsNorm, RouterAux, SparseMoe, Track, Unit, UnitOps,
+    VocabParallelEmbedding,
 };
 use candle_parallel::plan::Parallelize;
 
@@ -213,17 +213,6 @@ impl Decoder {
             .moe
             .as_ref()
             .map(|m| (RouterAux::new(m.block.num_experts), m.aux_loss_coef));
-        let whole = ends && (0..spec.num_layers()).all(|i| layers.iter().any(|r| r.contains(&i)));
-        // Training needs the statistics of every stage (evaluation does not add the loss).
-        if let Some((_, Some(coef))) = &router_aux {
-            if *coef != 0.0 && !whole && vb.trainable() {
-                return Err(Error::Invalid(format!(
-                    "the router's load-balancing loss (router_aux_loss_coef {coef} with \
-                     output_router_logits) is not supported under pipeline parallelism yet: \
-                     set output_router_logits to false, or --router-aux-loss-coef 0"
-                )));
-            }
-        }
         let ends = if ends {
             let (c, x) = (spec.clone(), ctx.clone());
             Some(
@@ -605,18 +594,16 @@ impl crate::causal_lm::CausalLm for Decoder {
         Decoder::training_loss_sum(self, batch, labels, opts)
     }
 
-    fn has_routers(&self) -> bool {
-        self.router_aux.is_some()
+    fn routers(&self) -> Option<(&Arc<RouterAux>, f64)> {
+        self.router_aux
+            .as_ref()
+            .map(|(a, coef)| (a, coef.unwrap_or(0.0)))
     }
 
     fn router_layers(&self) -> Vec<usize> {
         (0..self.spec.num_layers())
             .filter(|&i| self.spec.sparse_block(i).is_some())
             .collect()
-    }
-
-    fn router_stats(&self) -> Option<RouterStats> {
-        self.router_aux().and_then(|a| a.last_stats())
     }
 
     /// The ends are gathered once (under ZeRO-3) for the embedding and the head.
