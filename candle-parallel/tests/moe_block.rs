@@ -13,6 +13,10 @@
 //! every parameter this rank holds receives the reference gradient of its shard (an expert's on
 //! its owner alone under ep; otherwise summed over the ranks that hold different tokens where
 //! they do), and the router statistics equal the reference's. f32 against f64: 1e-5 relative.
+//!
+//! Pipelined (one rank, tp2 TP-sp, dp2 ep2, ring2, each block on its own emulated stage): the
+//! statistics travel forward and the routers' gradient totals back through `RouterAux`'s
+//! carries, with another micro-batch's forward in between, and give the same.
 
 mod common;
 use common::world;
@@ -233,6 +237,10 @@ struct Case {
     tp_sp: bool,
     /// Ring (sequence-parallel) ranks, each holding a part of every sequence.
     sp: usize,
+    /// Each block on its own pipeline stage (emulated on each rank: block 0's forward, its
+    /// statistics carried to block 1's, the loss and its backward, then block 0's backward
+    /// with the carried totals; another micro-batch's forward runs in between).
+    stages: bool,
 }
 
 fn run_case(
@@ -289,39 +297,81 @@ fn run_case(
             gr = gr.narrow(1, sp_rank * part, part)?;
         }
         let xv = Var::from_tensor(&xr)?;
-        aux.begin();
-        let mut out = blocks[0]
-            .forward(xv.as_tensor())
-            .map_err(candle_core::Error::wrap)?;
-        for b in &blocks[1..] {
-            out = (out
-                + b.forward(xv.as_tensor())
-                    .map_err(candle_core::Error::wrap)?)?;
-        }
+        let wrap = candle_core::Error::wrap;
         // The micro-batch's tokens: every rank's loss carries its balancing term.
         // (Under TP-sp every rank's loss covers the micro-batch; under sp its own part.)
         let count = rows * seq / case.sp;
-        let stats = aux
-            .finish_in(&ctx, count, &Device::Cpu)
-            .map_err(candle_core::Error::wrap)?;
-        assert_eq!(aux.last_stats(), Some(stats.clone()));
-        let sum = (&out * &gr)?.sum_all()?;
-        let loss = aux
-            .add_to_loss(&sum, count, COEF)
-            .map_err(candle_core::Error::wrap)?;
-        let store = (&loss * SCALE)?.backward()?;
+        let (out, stats, sum, loss, stores) = if case.stages {
+            // Stage 0 (block 0), then stage 1 (the others) with what stage 0 carried. The
+            // stages' graphs are apart, as on two ranks. Micro-batch 3; micro-batch 5 (other
+            // tokens) runs its forward on both stages before 3's backward, as GPipe would.
+            let layers = BLOCKS;
+            let stage0 = |mb: usize, x: &Tensor| -> candle_parallel::Result<(Tensor, Vec<f64>)> {
+                aux.begin_stage(mb, None, layers)?;
+                let out = blocks[0].forward(x)?;
+                let carry = aux.forward_carry(&ctx, layers)?;
+                assert_eq!(carry.len(), aux.forward_carry_len(layers));
+                Ok((out, carry))
+            };
+            let stage1 = |mb: usize, x: &Tensor, out0: &Tensor, carried: &[f64]| {
+                aux.begin_stage(mb, Some(carried), layers)?;
+                let mut out = out0.clone();
+                for b in &blocks[1..] {
+                    out = (out + b.forward(x)?)?;
+                }
+                let stats = aux.finish_stage(&ctx, count)?;
+                let sum = (&out * &gr)?.sum_all()?;
+                let loss = aux.add_to_loss(&sum, count, COEF)?;
+                aux.park();
+                candle_parallel::Result::Ok((out, stats, sum, loss))
+            };
+            let (out0, carried) = stage0(3, xv.as_tensor()).map_err(wrap)?;
+            let received = Var::from_tensor(&out0.detach())?;
+            let (out, stats, sum, loss) =
+                stage1(3, xv.as_tensor(), received.as_tensor(), &carried).map_err(wrap)?;
+            let other = (xv.as_tensor().detach() * 0.5)?;
+            let (o, c) = stage0(5, &other).map_err(wrap)?;
+            stage1(5, &other, &o, &c).map_err(wrap)?;
+            aux.begin_backward(3, None).map_err(wrap)?;
+            let late = (&loss * SCALE)?.backward()?;
+            let back = aux.backward_carry();
+            assert_eq!(back.len(), aux.backward_carry_len());
+            aux.begin_backward(3, Some(&back)).map_err(wrap)?;
+            let g0 = late
+                .get(received.as_tensor())
+                .cloned()
+                .ok_or_else(|| candle_core::Error::Msg("no gradient into stage 1".into()))?;
+            let early = (&out0 * &g0)?.sum_all()?.backward()?;
+            (out, stats, sum, loss, vec![late, early])
+        } else {
+            aux.begin();
+            let mut out = blocks[0].forward(xv.as_tensor()).map_err(wrap)?;
+            for b in &blocks[1..] {
+                out = (out + b.forward(xv.as_tensor()).map_err(wrap)?)?;
+            }
+            let stats = aux.finish_in(&ctx, count, &Device::Cpu).map_err(wrap)?;
+            assert_eq!(aux.last_stats(), Some(stats.clone()));
+            let sum = (&out * &gr)?.sum_all()?;
+            let loss = aux.add_to_loss(&sum, count, COEF).map_err(wrap)?;
+            let store = (&loss * SCALE)?.backward()?;
+            (out, stats, sum, loss, vec![store])
+        };
+        // A gradient summed over the stages' stores (each parameter is in one of them; the
+        // input in both).
+        let grad_of = |v: &Var| -> Option<Tensor> {
+            let parts: Vec<&Tensor> = stores.iter().filter_map(|s| s.get(v.as_tensor())).collect();
+            let first = (*parts.first()?).clone();
+            parts[1..].iter().try_fold(first, |a, b| a + *b).ok()
+        };
         let mut grads = Vec::new();
         for p in params.sorted() {
             let v = p.var.clone().expect("trainable");
-            let gp = store.get(v.as_tensor()).cloned().ok_or_else(|| {
+            let gp = grad_of(&v).ok_or_else(|| {
                 candle_core::Error::Msg(format!("{}: {} received no gradient", case.name, p.name))
             })?;
             grads.push((p, gp));
         }
-        let dx = store
-            .get(xv.as_tensor())
-            .cloned()
-            .ok_or_else(|| candle_core::Error::Msg("no input gradient".into()))?;
+        let dx = grad_of(&xv).ok_or_else(|| candle_core::Error::Msg("no input gradient".into()))?;
         Ok(RankRun {
             out,
             dx,
@@ -468,6 +518,7 @@ const CASES: [Case; 7] = [
         ep: 1,
         tp_sp: false,
         sp: 1,
+        stages: false,
     },
     Case {
         name: "tp2",
@@ -476,6 +527,7 @@ const CASES: [Case; 7] = [
         ep: 1,
         tp_sp: false,
         sp: 1,
+        stages: false,
     },
     Case {
         name: "tp2 TP-sp",
@@ -484,6 +536,7 @@ const CASES: [Case; 7] = [
         ep: 1,
         tp_sp: true,
         sp: 1,
+        stages: false,
     },
     Case {
         name: "dp2 ep2",
@@ -492,6 +545,7 @@ const CASES: [Case; 7] = [
         ep: 2,
         tp_sp: false,
         sp: 1,
+        stages: false,
     },
     Case {
         name: "tp2 TP-sp x dp2 ep2",
@@ -500,6 +554,7 @@ const CASES: [Case; 7] = [
         ep: 2,
         tp_sp: true,
         sp: 1,
+        stages: false,
     },
     Case {
         name: "dp4 ep4",
@@ -508,6 +563,7 @@ const CASES: [Case; 7] = [
         ep: 4,
         tp_sp: false,
         sp: 1,
+        stages: false,
     },
     Case {
         name: "ring2",
@@ -516,12 +572,53 @@ const CASES: [Case; 7] = [
         ep: 1,
         tp_sp: false,
         sp: 2,
+        stages: false,
+    },
+];
+
+/// The layouts of [`CASES`] whose blocks sit on two pipeline stages ([`Case::stages`]).
+const STAGED: [Case; 4] = [
+    Case {
+        name: "two stages",
+        tp: 1,
+        dp: 1,
+        ep: 1,
+        tp_sp: false,
+        sp: 1,
+        stages: true,
+    },
+    Case {
+        name: "two stages, tp2 TP-sp",
+        tp: 2,
+        dp: 1,
+        ep: 1,
+        tp_sp: true,
+        sp: 1,
+        stages: true,
+    },
+    Case {
+        name: "two stages, dp2 ep2",
+        tp: 1,
+        dp: 2,
+        ep: 2,
+        tp_sp: false,
+        sp: 1,
+        stages: true,
+    },
+    Case {
+        name: "two stages, ring2",
+        tp: 1,
+        dp: 1,
+        ep: 1,
+        tp_sp: false,
+        sp: 2,
+        stages: true,
     },
 ];
 
 #[test]
 fn sparse_block_matches_the_dense_reference_under_every_layout() {
-    for case in &CASES {
+    for case in CASES.iter().chain(&STAGED) {
         // dp4 ep4 on 2 tokens per rank: most experts receive no row on most ranks.
         let (rows, seq) = if case.dp == 4 { (1, 2) } else { (2, 6) };
         check(&cfg_qwen(), 11, case, rows, seq);
