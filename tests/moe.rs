@@ -887,7 +887,7 @@ fn assert_weights_close_up_to_adam(
 /// Token dropping (`moe_capacity_factor` 0.75, what `cpl train --moe-capacity-factor 0.75`
 /// writes): each expert keeps its most probable assignments of the micro-batch, decided over
 /// every rank that holds the micro-batch's tokens, so a zigzag ring of 4, USP 2x2, TP-sp x
-/// ring2, and expert parallelism over a ring of 2 (ep2) drop what one rank drops: the same share
+/// ring2, expert parallelism over a ring of 2 (ep2) and pp2 drop what one rank drops: the same share
 /// dropped at every step, losses, gradient norms and the held-out loss equal one rank (1e-5),
 /// and so do the final weights apart from isolated entries AdamW may move apart
 /// ([`assert_weights_close_up_to_adam`]; measured: one entry of Qwen3-MoE's embedding and one
@@ -921,6 +921,8 @@ fn token_dropping_drops_the_same_assignments_under_every_layout() {
             Layout::new("usp 2x2", 1, 2, 2, Strategy::Usp),
             Layout::new("tp2 TP-sp x ring2", 2, 1, 2, Strategy::Ring).with_tp_sp(),
             Layout::new("ring2, ep2", 1, 1, 2, Strategy::Ring).with_ep(2),
+            // The dropped assignments counted on both stages and carried to the last.
+            Layout::new("pp2", 1, 1, 1, Strategy::Ring).with_pp(2),
         ] {
             let case = format!("{name} / {}", layout.name);
             let out = dir.join(format!("run-{}", layout.name.replace(' ', "-")));

@@ -278,7 +278,9 @@ fn run_case(
         let aux = RouterAux::new(cfg.num_experts);
         let blocks = (0..BLOCKS)
             .map(|b| {
-                let aux = Some((aux.clone(), b));
+                // Staged: the blocks are layers 1 and 2 of a model whose layer 0 has none.
+                let layer = if case.stages { b + 1 } else { b };
+                let aux = Some((aux.clone(), layer));
                 SparseMoe::new_with_ep(cfg, vb.pp(format!("mlp{b}")), &ctx, aux, ep.clone())
             })
             .collect::<candle_parallel::Result<Vec<_>>>()
@@ -305,7 +307,7 @@ fn run_case(
             // Stage 0 (block 0), then stage 1 (the others) with what stage 0 carried. The
             // stages' graphs are apart, as on two ranks. Micro-batch 3; micro-batch 5 (other
             // tokens) runs its forward on both stages before 3's backward, as GPipe would.
-            let layers = BLOCKS;
+            let layers = BLOCKS + 1;
             let stage0 = |mb: usize, x: &Tensor| -> candle_parallel::Result<(Tensor, Vec<f64>)> {
                 aux.begin_stage(mb, None, layers)?;
                 let out = blocks[0].forward(x)?;
@@ -356,6 +358,14 @@ fn run_case(
             let store = (&loss * SCALE)?.backward()?;
             (out, stats, sum, loss, vec![store])
         };
+        let first = usize::from(case.stages);
+        let want_layers: Vec<usize> = (first..first + BLOCKS).collect();
+        let layers: Vec<usize> = stats.layer_loads.iter().map(|l| l.0).collect();
+        assert_eq!(
+            layers, want_layers,
+            "{}: the layers with statistics",
+            case.name
+        );
         // A gradient summed over the stages' stores (each parameter is in one of them; the
         // input in both).
         let grad_of = |v: &Var| -> Option<Tensor> {
@@ -697,6 +707,27 @@ fn bad_configurations_and_calls_are_clear_errors() {
     assert_eq!(aux.last_stats(), Some(stats));
     let again = aux.add_to_loss(&sum, 3, 0.1).unwrap_err().to_string();
     assert!(again.contains("add_to_loss before finish"), "{again}");
+
+    // Carried vectors of the wrong length (another model's, or a bug) are errors naming the
+    // counts, forward and backward.
+    let fwd = aux
+        .begin_stage(0, Some(&[0.0; 7]), 2)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        fwd.contains("7 carried statistics for 4 experts and 2 layers (want 13)"),
+        "{fwd}"
+    );
+    let bwd = aux
+        .begin_backward(0, Some(&[0.0; 8]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        bwd.contains("8 carried gradient statistics for 4 experts"),
+        "{bwd}"
+    );
+    aux.begin_stage(0, Some(&[0.0; 13]), 2).unwrap();
+    aux.begin_backward(0, Some(&[0.0; 7])).unwrap();
 }
 
 /// `MeshLayout::expert_groups` (what `cpl plan --ep` prints) lists the ranks of the

@@ -385,7 +385,11 @@ mod executor {
             let s = self.stage(chunk);
             let start = (s == 0 && !backward) || (s == self.last() && backward);
             let mut c = if start {
-                vec![mb as f64, 0.0, 0.0]
+                let mut c = vec![mb as f64, 0.0, 0.0];
+                if backward {
+                    c.push(-1.0);
+                }
+                c
             } else {
                 self.received
                     .remove(&(backward, chunk, mb))
@@ -429,8 +433,9 @@ mod executor {
             self.toy.backward(root)
         }
 
+        /// The backward carry has one more (unused) value, so that the lengths differ.
         fn carry_lens(&self) -> (usize, usize) {
-            (3, 3)
+            (3, 4)
         }
 
         fn receive_carry(
@@ -524,7 +529,13 @@ mod executor {
             first.sort_by_key(|x| x.0);
             for (seen, what) in [(last, "forward"), (first, "backward")] {
                 let want: Vec<(usize, Vec<f64>)> = (0..m)
-                    .map(|mb| (mb, vec![mb as f64, all, stages as f64]))
+                    .map(|mb| {
+                        let mut c = vec![mb as f64, all, stages as f64];
+                        if what == "backward" {
+                            c.push(-1.0);
+                        }
+                        (mb, c)
+                    })
                     .collect();
                 assert_eq!(seen, want, "{kind} p={p} v={v}: {what} carries");
             }
