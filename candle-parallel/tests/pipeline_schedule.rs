@@ -258,6 +258,22 @@ mod executor {
         fail_at: Option<usize>,
     }
 
+    impl Toy {
+        /// Rank `rank` of `p` with `v` chunks, each weight [`weight`] of its virtual stage.
+        fn new(rank: usize, p: usize, v: usize) -> candle_core::Result<Self> {
+            let w = (0..v)
+                .map(|c| Var::new(weight(c * p + rank), &Device::Cpu))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Ok(Self {
+                rank,
+                p,
+                w,
+                grads: vec![0.0; v],
+                fail_at: None,
+            })
+        }
+    }
+
     impl StageModel for Toy {
         fn activation_spec(&self, _: usize, _: usize) -> candle_parallel::Result<(Shape, DType)> {
             Ok((Shape::from(2), DType::F64))
@@ -333,16 +349,7 @@ mod executor {
                 let got =
                     LocalWorld::run(p, |comm| -> candle_parallel::Result<Vec<(usize, f64)>> {
                         let rank = comm.rank();
-                        let w = (0..v)
-                            .map(|c| Var::new(weight(c * p + rank), &Device::Cpu))
-                            .collect::<candle_core::Result<Vec<_>>>()?;
-                        let mut toy = Toy {
-                            rank,
-                            p,
-                            w,
-                            grads: vec![0.0; v],
-                            fail_at: None,
-                        };
+                        let mut toy = Toy::new(rank, p, v)?;
                         run_schedule(&sched, &comm, &mut toy)?;
                         Ok((0..v).map(|c| (c * p + rank, toy.grads[c])).collect())
                     })
@@ -487,16 +494,7 @@ mod executor {
             );
             let got = LocalWorld::run(p, |comm| -> candle_parallel::Result<Seen> {
                 let rank = comm.rank();
-                let w = (0..v)
-                    .map(|c| Var::new(weight(c * p + rank), &Device::Cpu))
-                    .collect::<candle_core::Result<Vec<_>>>()?;
-                let toy = Toy {
-                    rank,
-                    p,
-                    w,
-                    grads: vec![0.0; v],
-                    fail_at: None,
-                };
+                let toy = Toy::new(rank, p, v)?;
                 let mut c = Carrier {
                     toy,
                     received: Default::default(),
