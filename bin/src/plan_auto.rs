@@ -67,7 +67,9 @@ pub struct AutoArgs {
     pub json: bool,
     /// Run K layouts spread over the ranking (pipeline-free ones: `cpl bench train` runs no
     /// pipeline) on local ranks of this machine, 3 steps each, and compare: Kendall's tau of
-    /// predicted and measured throughput, predicted memory against the peak RSS.
+    /// predicted and measured throughput, predicted memory against the peak RSS. Random weights
+    /// of the model's shape; a mixture of experts or a model with sliding-window layers runs its
+    /// own checkpoint (--model must then be its directory or Hub id).
     #[arg(long, requires = "auto")]
     pub measure: Option<usize>,
 }
@@ -198,17 +200,11 @@ pub fn run(args: &AutoArgs, layout: &LayoutArgs) -> Result<()> {
         bail!("--seq-len must be at least 2, --world, --loss-chunk and --top at least 1");
     }
     let model = model_shape(model_arg).with_context(|| format!("--model {model_arg}"))?;
-    if args.measure.is_some() && model.moe.is_some() {
+    if args.measure.is_some() && measures_checkpoint(&model) && Path::new(model_arg).is_file() {
         bail!(
-            "--measure builds a random LLaMA of --model's shape; {model_arg} is a mixture of \
-             experts (measure its layouts with `cpl bench train --model DIR --ep N`)"
-        );
-    }
-    if args.measure.is_some() && model.windowed_layers().is_some() {
-        bail!(
-            "--measure builds a random LLaMA of --model's shape, with global attention; \
-             {model_arg} has sliding-window layers (measure them with `cpl bench train --model \
-             DIR`)"
+            "--measure runs a mixture of experts or a model with sliding-window layers on its own \
+             checkpoint (a random LLaMA of its shape would have neither): --model {model_arg} is \
+             a config file; give the checkpoint's directory or Hub id"
         );
     }
     let hw = Hardware::load(hw_arg).with_context(|| format!("--hardware {hw_arg}"))?;
@@ -311,8 +307,16 @@ pub fn run(args: &AutoArgs, layout: &LayoutArgs) -> Result<()> {
     Ok(())
 }
 
+/// Whether `--measure` runs the model's own checkpoint (`cpl bench train --model`): a mixture of
+/// experts or a model with sliding-window layers, which a random LLaMA of the shape would not
+/// reproduce. Other models are measured on random weights of their shape.
+fn measures_checkpoint(m: &candle_parallel::planner::ModelShape) -> bool {
+    m.moe.is_some() || m.windowed_layers().is_some()
+}
+
 /// Runs `k` of the ranked pipeline-free layouts, spread from the best to the worst, with
-/// `cpl bench train` (random weights of the model's shape) and returns the comparison.
+/// `cpl bench train` (random weights of the model's shape, or the checkpoint itself where
+/// [`measures_checkpoint`]) and returns the comparison.
 fn measure(
     args: &AutoArgs,
     req: &Request,
@@ -324,7 +328,8 @@ fn measure(
     if k < 2 {
         bail!("--measure {k}: measure at least 2 layouts to compare a ranking");
     }
-    if m.head_dim * m.heads != m.hidden {
+    let checkpoint = measures_checkpoint(m);
+    if !checkpoint && m.head_dim * m.heads != m.hidden {
         bail!(
             "--measure builds a random model of --model's shape, whose head_dim must be hidden / \
              heads ({} / {}), not {}",
@@ -365,27 +370,36 @@ fn measure(
         .args(["--grad-accum", &p.micro_batches.to_string()])
         .args(["--seq-len", &seq.to_string()])
         .args(["--loss-chunk", &args.loss_chunk.to_string()])
-        .args(["--dtype", &format!("{:?}", args.dtype).to_lowercase()])
-        .args([
-            "--layers",
-            &m.layers.to_string(),
-            "--hidden",
-            &m.hidden.to_string(),
-        ])
-        .args([
-            "--heads",
-            &m.heads.to_string(),
-            "--kv-heads",
-            &m.kv_heads.to_string(),
-        ])
-        .args(["--intermediate", &m.intermediate.to_string()])
-        .args(["--vocab", &m.vocab.to_string()])
-        .args(la.flags().split_whitespace())
-        .args(memory_flags(c).split_whitespace());
+        .args(["--dtype", &format!("{:?}", args.dtype).to_lowercase()]);
+        if checkpoint {
+            cmd.args(["--model", model_arg]);
+        } else {
+            cmd.args([
+                "--layers",
+                &m.layers.to_string(),
+                "--hidden",
+                &m.hidden.to_string(),
+            ])
+            .args([
+                "--heads",
+                &m.heads.to_string(),
+                "--kv-heads",
+                &m.kv_heads.to_string(),
+            ])
+            .args(["--intermediate", &m.intermediate.to_string()])
+            .args(["--vocab", &m.vocab.to_string()]);
+        }
+        cmd.args(la.flags().split_whitespace())
+            .args(memory_flags(c).split_whitespace());
         eprintln!(
-            "measuring {}/{k}: {} (model shape of {model_arg})",
+            "measuring {}/{k}: {} ({} {model_arg})",
             j + 1,
-            describe(c, req.world)
+            describe(c, req.world),
+            if checkpoint {
+                "checkpoint"
+            } else {
+                "model shape of"
+            }
         );
         let out = cmd.output().context("running cpl bench train")?;
         if !out.status.success() {

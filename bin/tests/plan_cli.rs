@@ -198,7 +198,7 @@ fn impossible_requests_are_clear_errors() {
 /// A Mixtral-8x7B-shaped model (8 experts, top-2) at 32K tokens on 16 H100s: every candidate's
 /// expert parallelism divides the experts and the token ranks, both ep 1 and ep > 1 are
 /// searched, dividing the experts lowers a layout's predicted memory, the winner is printed
-/// with its `--ep`, and `--measure` (a random LLaMA) refuses a mixture of experts.
+/// with its `--ep`, and `--measure` runs the fixture's checkpoint (a config file alone is refused).
 #[test]
 fn mixture_of_experts_plans_with_expert_parallelism() {
     let dir = tmpdir("plan-mixtral");
@@ -283,18 +283,33 @@ fn mixture_of_experts_plans_with_expert_parallelism() {
         .find(|l| l.starts_with("cpl train "))
         .unwrap_or_else(|| panic!("{out}"));
     assert!(cmd.contains(" --ep "), "{cmd}");
+    // `--measure` runs a mixture of experts on its own checkpoint: a config file alone is a
+    // clear error; the fixture's directory runs 3 layouts (each measured, at some throughput).
     assert_clear_errors(&[(
         words(&format!(
             "plan --auto --model {model} --seq-len 4096 --world 2 --hardware cpu-2core --measure 2"
         )),
-        "mixture of experts",
+        "is a config file",
     )]);
+    let moe = common::fixtures("moe").join("qwen3_moe");
+    let doc = plan_json(&format!(
+        "--model {} --seq-len 64 --world 2 --hardware cpu-2core --measure 3",
+        moe.display()
+    ));
+    let rows = doc["measured"]["layouts"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no measured layouts: {}", doc["measured"]));
+    assert_eq!(rows.len(), 3, "{rows:?}");
+    for r in rows {
+        let tps = r["measured_tokens_per_sec"].as_f64().unwrap_or(f64::NAN);
+        assert!(tps.is_finite() && tps > 0.0, "{r}");
+    }
 }
 
 /// A Mistral-7B config at 128K tokens on 16 H100s: with `sliding_window: 4096` every layer is
 /// costed by its window (the planner's shape carries it), so the best layout and every layout
 /// of both rankings predict less time than with `sliding_window: null` (global attention);
-/// `--measure` (a random LLaMA with global attention) refuses the windowed model.
+/// `--measure` runs a windowed model on its checkpoint, so a config file alone is refused.
 #[test]
 fn sliding_window_models_are_planned_by_their_window() {
     let mistral = |tag: &str, window: Value| {
@@ -351,7 +366,7 @@ fn sliding_window_models_are_planned_by_their_window() {
             "plan --auto --model {windowed} --seq-len 4096 --world 2 --hardware cpu-2core \
              --measure 2"
         )),
-        "sliding-window layers",
+        "sliding-window layers on its own",
     )]);
 }
 
