@@ -189,6 +189,16 @@ fn the_validator_rejects_planted_defects() {
     let mut s = good.clone();
     s.ranks[1][0].micro_batch = 9;
     expect_invalid(&s, "no such chunk or micro-batch");
+
+    // A forward on a later stage whose input never arrives (its receive moved after it).
+    let mut s = good.clone();
+    let i = s.ranks[1]
+        .iter()
+        .position(|a| a.kind == ActionKind::RecvActivation && a.micro_batch == 0)
+        .unwrap();
+    let recv = s.ranks[1].remove(i);
+    s.ranks[1].insert(i + 1, recv);
+    expect_invalid(&s, "forward before its input was received");
 }
 
 /// Evaluation schedules: forwards only, every micro-batch through every virtual stage, valid
