@@ -190,6 +190,27 @@ fn the_validator_rejects_planted_defects() {
     s.ranks[1][0].micro_batch = 9;
     expect_invalid(&s, "no such chunk or micro-batch");
 
+    // Deadlocks on later chunks of an interleaved schedule with more chunks than ranks name
+    // the rank each receive waits for (virtual stage c·p + r takes activations from the
+    // previous virtual stage's owner and gradients from the next one's).
+    let inter = PipelineSchedule::new(ScheduleKind::Interleaved, 2, 2, 3).unwrap();
+    let drop_send = |kind: ActionKind, chunk: usize| {
+        let mut s = inter.clone();
+        remove_where(&mut s, 1, |a| {
+            a.kind == kind && a.micro_batch == 0 && a.chunk == chunk
+        });
+        s
+    };
+    // Virtual stage 3 (rank 1, chunk 1) sends micro-batch 0 to virtual stage 4 (rank 0, chunk 2).
+    let s = drop_send(ActionKind::SendActivation, 1);
+    expect_invalid(&s, "rank 0 waits at RECV_F0.c2 for rank 1");
+    // Virtual stage 5 (rank 1, chunk 2) sends its gradient to virtual stage 4 (rank 0, chunk 2).
+    let s = drop_send(ActionKind::SendGradient, 2);
+    expect_invalid(&s, "rank 0 waits at RECV_B0.c2 for rank 1");
+    // Virtual stage 3 (rank 1, chunk 1) sends its gradient to virtual stage 2 (rank 0, chunk 1).
+    let s = drop_send(ActionKind::SendGradient, 1);
+    expect_invalid(&s, "rank 0 waits at RECV_B0.c1 for rank 1");
+
     // A forward on a later stage whose input never arrives (its receive moved after it).
     let mut s = good.clone();
     let i = s.ranks[1]
