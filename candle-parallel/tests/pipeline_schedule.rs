@@ -367,14 +367,30 @@ mod executor {
         g
     }
 
+    /// Schedules, stages and chunks per rank the executor tests run.
+    const SCHEDULES: [(ScheduleKind, usize, usize); 4] = [
+        (ScheduleKind::GPipe, 3, 1),
+        (ScheduleKind::OneFOneB, 4, 1),
+        (ScheduleKind::Interleaved, 2, 3),
+        (ScheduleKind::Interleaved, 3, 2),
+    ];
+
+    /// Every (virtual stage, gradient of its weight) of `got` equals [`expected`]'s within
+    /// 1e-12 relative.
+    fn assert_hand_gradients(case: &str, stages: usize, m: usize, got: &[(usize, f64)]) {
+        let want = expected(stages, m);
+        for &(s, g) in got {
+            assert!(
+                (g - want[s]).abs() <= 1e-12 * want[s].abs(),
+                "{case} stage {s}: {g} vs {}",
+                want[s]
+            );
+        }
+    }
+
     #[test]
     fn the_executor_gives_the_hand_computed_gradients() {
-        for (kind, p, v) in [
-            (ScheduleKind::GPipe, 3, 1),
-            (ScheduleKind::OneFOneB, 4, 1),
-            (ScheduleKind::Interleaved, 2, 3),
-            (ScheduleKind::Interleaved, 3, 2),
-        ] {
+        for (kind, p, v) in SCHEDULES {
             for m in [1, 2, 5] {
                 let sched = PipelineSchedule::new(kind, p, m, v).unwrap();
                 let got =
@@ -385,14 +401,8 @@ mod executor {
                         Ok((0..v).map(|c| (c * p + rank, toy.grads[c])).collect())
                     })
                     .unwrap();
-                let want = expected(p * v, m);
-                for (s, g) in got.into_iter().flatten() {
-                    assert!(
-                        (g - want[s]).abs() <= 1e-12 * want[s].abs(),
-                        "{kind} p={p} v={v} m={m} stage {s}: {g} vs {}",
-                        want[s]
-                    );
-                }
+                let got: Vec<(usize, f64)> = got.into_iter().flatten().collect();
+                assert_hand_gradients(&format!("{kind} p={p} v={v} m={m}"), p * v, m, &got);
             }
         }
     }
@@ -510,12 +520,11 @@ mod executor {
     /// chunks), and the activations' gradients are unchanged by them.
     #[test]
     fn carried_vectors_travel_with_activations_and_gradients() {
-        for (kind, p, v) in [
-            (ScheduleKind::GPipe, 3, 1),
-            (ScheduleKind::OneFOneB, 4, 1),
-            (ScheduleKind::Interleaved, 2, 3),
-            (ScheduleKind::Interleaved, 1, 2),
-        ] {
+        // One rank with two chunks: every message goes from the rank to itself.
+        for (kind, p, v) in SCHEDULES
+            .into_iter()
+            .chain([(ScheduleKind::Interleaved, 1, 2)])
+        {
             let m = 3;
             let sched = PipelineSchedule::new(kind, p, m, v).unwrap();
             type Seen = (
@@ -541,16 +550,9 @@ mod executor {
             .unwrap();
             let stages = p * v;
             let all: f64 = (0..stages).map(|s| s as f64).sum();
-            let want = expected(stages, m);
             let (mut last, mut first) = (Vec::new(), Vec::new());
             for (grads, l, f) in got {
-                for (s, g) in grads {
-                    assert!(
-                        (g - want[s]).abs() <= 1e-12 * want[s].abs(),
-                        "{kind} p={p} stage {s}: {g} vs {}",
-                        want[s]
-                    );
-                }
+                assert_hand_gradients(&format!("{kind} p={p} v={v}"), stages, m, &grads);
                 last.extend(l);
                 first.extend(f);
             }

@@ -79,16 +79,22 @@ pub trait CausalLm: Parallelize + Send + Sync {
         self.norm_head_loss(&x, labels, opts)
     }
 
-    /// What the training objective minimises: [`CausalLm::loss_sum`] plus the model's own
-    /// regularisers (a mixture of experts' load-balancing loss, weighted by the count, see
-    /// [`candle_parallel::nn::RouterAux`]). Collective like [`CausalLm::loss_sum`].
+    /// What the training objective minimises: [`CausalLm::loss_sum`] plus, for a mixture of
+    /// experts ([`CausalLm::routers`]), the routers' load-balancing loss (`coef · aux · count`
+    /// on each rank, the statistics summed over the ranks holding the micro-batch's tokens, see
+    /// [`RouterAux`]). Collective like [`CausalLm::loss_sum`].
     fn training_loss_sum(
         &self,
         batch: &Batch,
         labels: &Tensor,
         opts: &CrossEntropyOptions,
     ) -> Result<(Tensor, usize)> {
-        self.loss_sum(batch, labels, opts)
+        let (sum, count) = self.loss_sum(batch, labels, opts)?;
+        let Some((aux, coef)) = self.routers() else {
+            return Ok((sum, count));
+        };
+        aux.finish_in(self.ctx(), count, sum.device())?;
+        Ok((with_balancing_loss(aux, coef, sum, count)?, count))
     }
 
     /// A mixture of experts' routers: their statistics of the current micro-batch, and the
@@ -293,11 +299,8 @@ impl<M: CausalLm + ?Sized> StagedModel for LmStages<'_, M> {
             return Ok(StageLoss::new(sum));
         };
         let stats = aux.finish_stage(self.model.ctx(), count)?;
-        let sum = if coef != 0.0 && self.balancing_loss {
-            aux.add_to_loss(&sum, count, coef)?
-        } else {
-            sum
-        };
+        let coef = if self.balancing_loss { coef } else { 0.0 };
+        let sum = with_balancing_loss(aux, coef, sum, count)?;
         aux.park();
         Ok(StageLoss {
             sum,
@@ -316,13 +319,12 @@ impl<M: CausalLm + ?Sized> StagedModel for LmStages<'_, M> {
     /// A mixture of experts' routing statistics travel with the activations and the
     /// statistics its routers' gradient needs with the gradients ([`RouterAux`]).
     fn carry_lens(&self) -> (usize, usize) {
-        match self.model.routers() {
-            Some((a, _)) => (
+        self.aux().map_or((0, 0), |a| {
+            (
                 a.forward_carry_len(self.model.num_layers()),
                 a.backward_carry_len(),
-            ),
-            None => (0, 0),
-        }
+            )
+        })
     }
 
     fn begin_forward(
@@ -330,17 +332,15 @@ impl<M: CausalLm + ?Sized> StagedModel for LmStages<'_, M> {
         micro_batch: usize,
         carried: Option<&[f64]>,
     ) -> candle_parallel::Result<()> {
-        match self.model.routers() {
-            Some((a, _)) => a.begin_stage(micro_batch, carried, self.model.num_layers()),
-            None => Ok(()),
-        }
+        self.aux().map_or(Ok(()), |a| {
+            a.begin_stage(micro_batch, carried, self.model.num_layers())
+        })
     }
 
     fn forward_carry(&self, _micro_batch: usize) -> candle_parallel::Result<Vec<f64>> {
-        match self.model.routers() {
-            Some((a, _)) => a.forward_carry(self.model.ctx(), self.model.num_layers()),
-            None => Ok(Vec::new()),
-        }
+        self.aux().map_or(Ok(Vec::new()), |a| {
+            a.forward_carry(self.model.ctx(), self.model.num_layers())
+        })
     }
 
     fn begin_backward(
@@ -348,18 +348,36 @@ impl<M: CausalLm + ?Sized> StagedModel for LmStages<'_, M> {
         micro_batch: usize,
         carried: Option<&[f64]>,
     ) -> candle_parallel::Result<()> {
-        match self.model.routers() {
-            Some((a, _)) => a.begin_backward(micro_batch, carried),
-            None => Ok(()),
-        }
+        self.aux()
+            .map_or(Ok(()), |a| a.begin_backward(micro_batch, carried))
     }
 
     fn backward_carry(&self, _micro_batch: usize) -> candle_parallel::Result<Vec<f64>> {
-        Ok(self
-            .model
-            .routers()
-            .map(|(a, _)| a.backward_carry())
-            .unwrap_or_default())
+        Ok(self.aux().map(|a| a.backward_carry()).unwrap_or_default())
+    }
+}
+
+impl<M: CausalLm + ?Sized> LmStages<'_, M> {
+    /// The model's routers' statistics (a mixture of experts).
+    fn aux(&self) -> Option<&Arc<RouterAux>> {
+        self.model.routers().map(|(a, _)| a)
+    }
+}
+
+/// `sum` (this rank's summed next-token loss over its `count` labelled tokens) plus
+/// `coef · aux · count` ([`RouterAux::add_to_loss`], after its statistics are finished); `sum`
+/// itself when `coef` is 0. The one place both the whole-model and the pipelined training loss
+/// add the balancing loss.
+fn with_balancing_loss(
+    aux: &Arc<RouterAux>,
+    coef: f64,
+    sum: Tensor,
+    count: usize,
+) -> candle_parallel::Result<Tensor> {
+    if coef == 0.0 {
+        Ok(sum)
+    } else {
+        aux.add_to_loss(&sum, count, coef)
     }
 }
 

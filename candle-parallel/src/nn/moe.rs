@@ -813,15 +813,21 @@ impl Partial {
         self
     }
 
+    /// Length of [`Partial::encode`]'s vector for `experts` and a model of `layers` layers.
+    fn encoded_len(experts: usize, layers: usize) -> usize {
+        2 * experts + 3 + layers
+    }
+
     /// `[counts (E), probs (E), tokens, assignments, dropped, load of each of the model's
     /// `layers` layers (-1: no block ran)]`.
     fn encode(&self, layers: usize) -> Result<Vec<f64>> {
         let e = self.counts.len();
-        let mut v = Vec::with_capacity(2 * e + 3 + layers);
+        let n = Self::encoded_len(e, layers);
+        let mut v = Vec::with_capacity(n);
         v.extend_from_slice(&self.counts);
         v.extend_from_slice(&self.probs);
         v.extend([self.tokens, self.assignments, self.dropped]);
-        v.resize(2 * e + 3 + layers, -1.0);
+        v.resize(n, -1.0);
         for &(l, load) in &self.layer_loads {
             if l >= layers {
                 return Err(Error::invalid(
@@ -836,13 +842,13 @@ impl Partial {
 
     fn decode(v: &[f64], experts: usize, layers: usize) -> Result<Self> {
         let e = experts;
-        if v.len() != 2 * e + 3 + layers {
+        let n = Self::encoded_len(e, layers);
+        if v.len() != n {
             return Err(Error::invalid(
                 "router load-balancing loss",
                 format!(
-                    "{} carried statistics for {e} experts and {layers} layers (want {})",
-                    v.len(),
-                    2 * e + 3 + layers
+                    "{} carried statistics for {e} experts and {layers} layers (want {n})",
+                    v.len()
                 ),
             ));
         }
@@ -1170,7 +1176,7 @@ impl RouterAux {
     /// Under a pipeline: the length of [`RouterAux::forward_carry`]'s vector for a model of
     /// `layers` decoder layers.
     pub fn forward_carry_len(&self, layers: usize) -> usize {
-        2 * self.num_experts + 3 + layers
+        Partial::encoded_len(self.num_experts, layers)
     }
 
     /// Under a pipeline: the length of [`RouterAux::backward_carry`]'s vector.
@@ -1246,7 +1252,7 @@ impl RouterAux {
                 s.totals = s.parked.remove(&micro_batch);
                 s.seed = None;
             }
-            Some(v) if v.len() == e + 3 => {
+            Some(v) if v.len() == self.backward_carry_len() => {
                 s.seed = Some(v[0]);
                 s.totals = Some(Totals {
                     weight: v[1],

@@ -224,9 +224,11 @@ pub fn run_schedule<M: StageModel>(
             // carry their graph into the previous chunk's backward.
             arrived.insert(key, t.detach());
         } else {
-            let mut msgs = vec![(dst, t.clone())];
+            let device = t.device().clone();
+            let mut msgs = vec![(dst, t)];
             if let Some(c) = carry {
-                msgs.push((dst, Tensor::from_vec(c.clone(), c.len(), t.device())?));
+                let n = c.len();
+                msgs.push((dst, Tensor::from_vec(c, n, &device)?));
             }
             sends.push(comm.exchange(msgs, vec![])?);
         }

@@ -400,27 +400,6 @@ impl Decoder {
         self.head_loss(&ends, &h, labels, opts)
     }
 
-    /// [`Decoder::loss_sum`] plus, for a mixture of experts whose loss includes it, the routers'
-    /// load-balancing loss ([`RouterAux::add_to_loss`]: `coef · aux · count` on each rank, the
-    /// statistics summed over the ranks holding the micro-batch's tokens). Collective over the
-    /// model-parallel ranks.
-    pub fn training_loss_sum(
-        &self,
-        batch: &Batch,
-        labels: &Tensor,
-        opts: &CrossEntropyOptions,
-    ) -> Result<(Tensor, usize)> {
-        let (sum, count) = self.loss_sum(batch, labels, opts)?;
-        let Some((aux, coef)) = &self.router_aux else {
-            return Ok((sum, count));
-        };
-        aux.finish_in(&self.ctx, count, sum.device())?;
-        match coef {
-            Some(c) if *c != 0.0 => Ok((aux.add_to_loss(&sum, count, *c)?, count)),
-            _ => Ok((sum, count)),
-        }
-    }
-
     /// Per-sequence sums of this rank's token cross-entropies, `(batch,)` f32 (the negative
     /// log-likelihood of each sequence's labelled tokens on this rank; sum over the sequence
     /// group for the whole sequence), for preference losses (DPO). `labels` as in
@@ -583,15 +562,6 @@ impl crate::causal_lm::CausalLm for Decoder {
         opts: &CrossEntropyOptions,
     ) -> Result<(Tensor, usize)> {
         Decoder::loss_sum(self, batch, labels, opts)
-    }
-
-    fn training_loss_sum(
-        &self,
-        batch: &Batch,
-        labels: &Tensor,
-        opts: &CrossEntropyOptions,
-    ) -> Result<(Tensor, usize)> {
-        Decoder::training_loss_sum(self, batch, labels, opts)
     }
 
     fn routers(&self) -> Option<(&Arc<RouterAux>, f64)> {
