@@ -826,11 +826,14 @@ fn token_dropping_gradients_match_one_rank() {
 
 /// The share of dropped assignments in each step of a run's `metrics.jsonl`.
 fn dropped_fractions(out: &std::path::Path) -> Vec<f64> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| v["expert_dropped_fraction"].as_f64())
+    router_metrics(out)
+        .iter()
+        .map(|step| {
+            step.iter()
+                .find(|(k, _)| k == "expert_dropped_fraction")
+                .map(|(_, v)| *v)
+                .unwrap_or_else(|| panic!("no expert_dropped_fraction in {step:?}"))
+        })
         .collect()
 }
 
