@@ -18,6 +18,12 @@ The reference is transformers in float64 (eager attention). The per-expert gradi
 fused parameters' gradients at the places the stored tensors come from (found by their values). The
 script checks the balancing loss against its own formula (transformers' ``load_balancing_loss_func`` over
 the router logits of every sparse layer) and that every expert receives tokens in the batch.
+
+A padded run is stored beside it (``padded.*``): row 1's last ``PADDED`` tokens are right padding
+(``padded.attention_mask`` 0 there, their labels -100), as TRL pads fine-tuning batches. transformers then
+leaves the padding out of the balancing loss (``load_balancing_loss_func`` with the attention mask):
+``padded.loss``, ``padded.aux_loss`` and ``padded.grad.<name>`` for every stored tensor. The script checks
+that this balancing loss differs from the unmasked one over the same router logits.
 """
 import hashlib
 import json
@@ -51,6 +57,9 @@ COMMAND = (
     " && .venv/bin/python scripts/make_moe_fixtures.py"
 )
 EXPERTS, TOP_K, COEF = 8, 2, 0.3
+# Right padding of row 1 in the padded run: 15 of 32, so that each padded query still sees a real
+# token within Mixtral's window of 16 (transformers gives NaN for a row whose window holds padding alone).
+PADDED = 15
 COMMON = dict(output_router_logits=True, router_aux_loss_coef=COEF, num_experts_per_tok=TOP_K)
 
 # name -> (model_type, weight seed, config overrides, description)
@@ -105,6 +114,38 @@ def balancing_loss(router_logits, experts, top_k):
     tokens_per_expert = mask.mean(dim=0)
     prob_per_expert = probs.mean(dim=0)
     return (tokens_per_expert * prob_per_expert.unsqueeze(0)).sum() * experts, chosen
+
+
+def masked_balancing_loss(router_logits, experts, top_k, attention_mask):
+    """transformers' load_balancing_loss_func with an attention mask, written out."""
+    logits = torch.cat([r for r in router_logits], dim=0)
+    probs = torch.softmax(logits.double(), dim=-1)
+    _, chosen = torch.topk(probs, top_k, dim=-1)
+    mask = torch.nn.functional.one_hot(chosen, experts).double()
+    layers = logits.shape[0] // attention_mask.numel()
+    keep = attention_mask.reshape(-1).double().repeat(layers)
+    tokens_per_expert = (mask * keep[:, None, None]).sum(0) / keep.sum()
+    prob_per_expert = (probs * keep[:, None]).sum(0) / keep.sum()
+    return (tokens_per_expert * prob_per_expert.unsqueeze(0)).sum() * experts
+
+
+def run_padded(model, input_ids, labels, sources):
+    """The training loss and gradients with row 1 right-padded by PADDED tokens."""
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, -PADDED:] = 0
+    labels = labels.clone()
+    labels[1, -PADDED:] = -100
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False,
+                output_router_logits=True)
+    aux = masked_balancing_loss(out.router_logits, EXPERTS, TOP_K, attention_mask)
+    assert abs(out.aux_loss.item() - aux.item()) <= 1e-6 * abs(aux.item()), (out.aux_loss.item(), aux.item())
+    unmasked, _ = balancing_loss(out.router_logits, EXPERTS, TOP_K)
+    assert abs(unmasked.item() - aux.item()) > 2e-3 * abs(aux.item()), (unmasked.item(), aux.item())
+    out.loss.backward()
+    params = dict(model.named_parameters())
+    grads = {k: params[p].grad[idx].detach().clone() for k, (p, idx) in sources.items()}
+    return attention_mask, labels, out.loss.detach(), aux.detach(), grads
 
 
 def stored_sources(model, stored):
@@ -187,6 +228,13 @@ def build_fixture(name, input_ids, labels):
                "loss": loss.float().reshape(()), "aux_loss": aux.float().reshape(())}
     for k in keys:
         tensors[f"grad.{k}"] = grads[k].float().contiguous()
+    mask, padded_labels, padded_loss, padded_aux, padded_grads = run_padded(m64, input_ids, labels, sources)
+    extra["padded_aux_loss"] = round(padded_aux.item(), 6)
+    tensors.update({"padded.attention_mask": mask, "padded.labels": padded_labels,
+                    "padded.loss": padded_loss.float().reshape(()),
+                    "padded.aux_loss": padded_aux.float().reshape(())})
+    for k in keys:
+        tensors[f"padded.grad.{k}"] = padded_grads[k].float().contiguous()
     save_file(tensors, str(d / "reference.safetensors"), metadata={"format": "pt"})
     return {"name": name, "loss": loss.item(), "max_abs_logit": logits.abs().max().item(),
             "stock32": stock32, "extra": extra, "num_params": sum(v.numel() for v in stored.values()),
@@ -213,6 +261,8 @@ def write_readme(results):
         f"({BATCH}, {SEQ}) with labels {IGNORED_LABELS} set to -100. References: transformers in float64 (eager",
         "attention); `hf f32` is unmodified transformers in float32 against it (max-abs / max|ref|).",
         "`tokens_per_expert`: routed slots per expert over the batch and all sparse layers.",
+        f"`padded_aux_loss`: the balancing loss with row 1's last {PADDED} tokens right padding (attention",
+        "mask 0, labels -100), left out by transformers (`padded.*` in `reference.safetensors`).",
         "",
     ]
     lines += results_table(results, FIXTURES, loss="loss (with aux)")

@@ -88,6 +88,18 @@ pub struct Reference {
     pub loss: f32,
     /// Parameter name -> gradient.
     pub grads: HashMap<String, Tensor>,
+    /// The same inputs with right padding, where the fixture has a padded run (`padded.*`).
+    pub padded: Option<PaddedReference>,
+}
+
+/// A fixture's run with right-padded rows: transformers given an `attention_mask`.
+pub struct PaddedReference {
+    /// Per row, its trailing padding tokens (the attention mask's zeros).
+    pub padding: Vec<usize>,
+    /// The labels, `-100` on the padding too.
+    pub labels: Tensor,
+    pub loss: f32,
+    pub grads: HashMap<String, Tensor>,
 }
 
 pub fn reference(name: &str) -> Reference {
@@ -103,10 +115,40 @@ pub fn reference(name: &str) -> Reference {
         .iter()
         .map(|r| r.iter().map(|&x| x as u32).collect())
         .collect();
-    let grads = t
-        .iter()
-        .filter_map(|(k, v)| k.strip_prefix("grad.").map(|n| (n.to_string(), v.clone())))
-        .collect();
+    let grads_under = |prefix: &str| -> HashMap<String, Tensor> {
+        t.iter()
+            .filter_map(|(k, v)| k.strip_prefix(prefix).map(|n| (n.to_string(), v.clone())))
+            .collect()
+    };
+    let scalar = |k: &str| -> f32 {
+        t[k].to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()[0]
+    };
+    let padded = t.get("padded.attention_mask").map(|m| {
+        let rows = m.to_dtype(DType::I64).unwrap().to_vec2::<i64>().unwrap();
+        let padding = rows
+            .iter()
+            .map(|r| {
+                let real = r.iter().take_while(|&&x| x == 1).count();
+                assert!(
+                    r[real..].iter().all(|&x| x == 0),
+                    "{name}: the padded run's attention mask is not right padding"
+                );
+                r.len() - real
+            })
+            .collect();
+        PaddedReference {
+            padding,
+            labels: t["padded.labels"].to_dtype(DType::I64).unwrap(),
+            loss: scalar("padded.loss"),
+            grads: grads_under("padded.grad."),
+        }
+    });
+    let grads = grads_under("grad.");
     Reference {
         input_ids,
         labels: t["labels"].to_dtype(DType::I64).unwrap(),
@@ -117,6 +159,7 @@ pub fn reference(name: &str) -> Reference {
             .to_scalar::<f32>()
             .unwrap_or_else(|_| t["loss"].flatten_all().unwrap().to_vec1::<f32>().unwrap()[0]),
         grads,
+        padded,
     }
 }
 
@@ -372,8 +415,30 @@ pub fn run_layout_full(
     mask: &AttnMask,
     adapters: Option<Arc<Adapters>>,
 ) -> StepResult {
+    run_layout_inputs(name, layout, plan, mask, adapters, false)
+}
+
+/// [`run_layout_with`] on the fixture's padded run ([`Reference::padded`]): its labels, and
+/// the batch told which tokens are padding ([`Batch::from_padded_tokens`]).
+pub fn run_layout_padded(name: &str, layout: &Layout, plan: StepPlan) -> StepResult {
+    run_layout_inputs(name, layout, plan, &AttnMask::Causal, None, true)
+}
+
+fn run_layout_inputs(
+    name: &str,
+    layout: &Layout,
+    plan: StepPlan,
+    mask: &AttnMask,
+    adapters: Option<Arc<Adapters>>,
+    padded: bool,
+) -> StepResult {
     let r = reference(name);
-    let labels = r.labels.to_vec2::<i64>().unwrap();
+    let (labels, padding) = match (&r.padded, padded) {
+        (_, false) => (&r.labels, vec![0; r.input_ids.len()]),
+        (Some(p), true) => (&p.labels, p.padding.clone()),
+        (None, true) => panic!("{name}: the fixture has no padded run"),
+    };
+    let labels = labels.to_vec2::<i64>().unwrap();
     let seqs = r.input_ids.clone();
     let mut results = LocalWorld::run(layout.ranks, |world| -> Result<StepResult, String> {
         let e = |e: &dyn std::fmt::Display| format!("{}: {e}", layout.name);
@@ -385,7 +450,13 @@ pub fn run_layout_full(
         let memory = plan.memory();
         let zero = memory.zero_groups(&mesh).map_err(|x| e(&x))?;
         let planned = memory.apply(&mut model, zero.as_ref()).map_err(|x| e(&x))?;
-        let (batch, _) = Batch::from_sequences(&ctx, &seqs, mask.clone()).map_err(|x| e(&x))?;
+        let unshifted: Vec<Vec<i64>> = seqs
+            .iter()
+            .map(|s| s.iter().map(|&t| t as i64).collect())
+            .collect();
+        let (batch, _) =
+            Batch::from_padded_tokens(&ctx, &seqs, &unshifted, mask.clone(), &padding)
+                .map_err(|x| e(&x))?;
         // transformers' loss: logits[:, i] against labels[:, i + 1].
         let shifted: Vec<i64> = labels
             .iter()

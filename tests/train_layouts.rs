@@ -710,6 +710,7 @@ fn alone_loss(doc: &[u32], start: usize) -> f32 {
             input_ids: ids,
             positions: (start as u32..(start + doc.len()) as u32).collect(),
             mask: AttnMask::Causal,
+            routed: None,
         };
         let (sum, _) = m
             .loss_sum(&batch, &labels, &CrossEntropyOptions::default())

@@ -115,13 +115,17 @@ struct Reference {
 }
 
 /// The blocks on `x` `(batch, tokens, hidden)`, micro-batch `d` being rows `d·rows..`: the loss
-/// `SCALE · Σ_d (Σ out_d ⊙ g_d + COEF · aux_d · n_d)` and its gradients, in f64.
+/// `SCALE · Σ_d (Σ out_d ⊙ g_d + COEF · aux_d · n_d)` and its gradients, in f64. The last
+/// `pads[r]` tokens of row `r` are padding: routed, but left out of the statistics (transformers'
+/// `load_balancing_loss_func` with an `attention_mask`; a micro-batch of padding alone has
+/// `aux` 0 where transformers divides 0 by 0).
 fn reference(
     cfg: &MoeConfig,
     w: &HashMap<String, Tensor>,
     x: &Tensor,
     g: &Tensor,
     rows: usize,
+    pads: &[usize],
 ) -> Result<Reference> {
     let vars: HashMap<String, Var> = w
         .iter()
@@ -138,6 +142,15 @@ fn reference(
     for d in 0..b / rows {
         let n = rows * s;
         let xs = xv.as_tensor().narrow(0, d * rows, rows)?.reshape((n, h))?;
+        // Per token of the micro-batch: whether it counts.
+        let counted: Vec<bool> = (0..n)
+            .map(|t| t % s < s - pads[d * rows + t / s])
+            .collect();
+        let counted_col = Tensor::from_vec(
+            counted.iter().map(|&c| f64::from(u8::from(c))).collect::<Vec<_>>(),
+            (n, 1),
+            &Device::Cpu,
+        )?;
         let mut out = Tensor::zeros((n, h), DType::F64, &Device::Cpu)?;
         let mut counts = vec![0f64; e];
         let mut prob_sums = Tensor::zeros(e, DType::F64, &Device::Cpu)?;
@@ -153,18 +166,22 @@ fn reference(
             for (t, row) in host.iter().enumerate() {
                 for c in reference_top_k(row, k) {
                     mask[t * e + c] = 1.0;
-                    block_counts[c] += 1.0;
+                    if counted[t] {
+                        block_counts[c] += 1.0;
+                    }
                 }
             }
             let mean = block_counts.iter().sum::<f64>() / e as f64;
             let busiest = block_counts
                 .iter()
                 .fold(0f64, |m, &c| testkit::max_or_nan(m, c));
-            load = testkit::max_or_nan(load, busiest / mean);
+            if mean > 0.0 {
+                load = testkit::max_or_nan(load, busiest / mean);
+            }
             for (c, bc) in counts.iter_mut().zip(&block_counts) {
                 *c += bc;
             }
-            prob_sums = (prob_sums + probs.sum(0)?)?;
+            prob_sums = (prob_sums + probs.broadcast_mul(&counted_col)?.sum(0)?)?;
             let mask = Tensor::from_vec(mask, (n, e), &Device::Cpu)?;
             let mut route = (&probs * &mask)?;
             if cfg.norm_topk_prob {
@@ -189,9 +206,13 @@ fn reference(
             }
         }
         // transformers' load_balancing_loss_func over the blocks' concatenated routing.
-        let tokens = (BLOCKS * n) as f64;
+        let tokens = (BLOCKS * counted.iter().filter(|&&c| c).count()) as f64;
         let c = Tensor::from_vec(counts, e, &Device::Cpu)?;
-        let aux = ((c * prob_sums)?.sum_all()? * (e as f64 / (tokens * tokens)))?;
+        let aux = if tokens == 0.0 {
+            Tensor::zeros((), DType::F64, &Device::Cpu)?
+        } else {
+            ((c * prob_sums)?.sum_all()? * (e as f64 / (tokens * tokens)))?
+        };
         stats.push((aux.to_scalar::<f64>()?, load));
         let gd = g.narrow(0, d * rows, rows)?.reshape((n, h))?;
         let lm = (&out * gd)?.sum_all()?;
@@ -249,6 +270,7 @@ fn run_case(
     x: &Tensor,
     g: &Tensor,
     case: &Case,
+    pads: &[usize],
 ) -> Vec<RankRun> {
     let ranks = case.tp * case.dp * case.sp;
     let rows = x.dim(0).unwrap() / case.dp;
@@ -293,6 +315,15 @@ fn run_case(
             xr = xr.narrow(1, tp_rank * part, part)?;
             gr = gr.narrow(1, tp_rank * part, part)?;
         }
+        // The pass's routing flags: of this rank's rows, over the sequence-parallel rank's
+        // part of the sequence (under TP-sp the block takes its tensor-parallel part).
+        let (from, len) = (sp_rank * seq / case.sp, seq / case.sp);
+        let routed: Option<Vec<bool>> = pads.iter().any(|&p| p > 0).then(|| {
+            (dp_rank * rows..(dp_rank + 1) * rows)
+                .flat_map(|r| (from..from + len).map(move |j| j < seq - pads[r]))
+                .collect()
+        });
+        let routed = routed.as_deref();
         if case.sp > 1 {
             let part = seq / case.sp;
             xr = xr.narrow(1, sp_rank * part, part)?;
@@ -310,7 +341,7 @@ fn run_case(
             let layers = BLOCKS + 1;
             let stage0 = |mb: usize, x: &Tensor| -> candle_parallel::Result<(Tensor, Vec<f64>)> {
                 aux.begin_stage(mb, None, layers)?;
-                let out = blocks[0].forward(x)?;
+                let out = blocks[0].forward_at(x, None, routed)?;
                 let carry = aux.forward_carry(&ctx, layers)?;
                 assert_eq!(carry.len(), aux.forward_carry_len(layers));
                 Ok((out, carry))
@@ -319,7 +350,7 @@ fn run_case(
                 aux.begin_stage(mb, Some(carried), layers)?;
                 let mut out = out0.clone();
                 for b in &blocks[1..] {
-                    out = (out + b.forward(x)?)?;
+                    out = (out + b.forward_at(x, None, routed)?)?;
                 }
                 let stats = aux.finish_stage(&ctx, count)?;
                 let sum = (&out * &gr)?.sum_all()?;
@@ -347,9 +378,11 @@ fn run_case(
             (out, stats, sum, loss, vec![late, early])
         } else {
             aux.begin();
-            let mut out = blocks[0].forward(xv.as_tensor()).map_err(wrap)?;
+            let mut out = blocks[0]
+                .forward_at(xv.as_tensor(), None, routed)
+                .map_err(wrap)?;
             for b in &blocks[1..] {
-                out = (out + b.forward(xv.as_tensor()).map_err(wrap)?)?;
+                out = (out + b.forward_at(xv.as_tensor(), None, routed).map_err(wrap)?)?;
             }
             let stats = aux.finish_in(&ctx, count, &Device::Cpu).map_err(wrap)?;
             assert_eq!(aux.last_stats(), Some(stats.clone()));
@@ -398,15 +431,16 @@ fn run_case(
     })
 }
 
-fn check(cfg: &MoeConfig, seed: u64, case: &Case, rows: usize, seq: usize) {
+/// `pads`: per row of the global batch, its trailing padding tokens (see [`reference`]).
+fn check(cfg: &MoeConfig, seed: u64, case: &Case, rows: usize, seq: usize, pads: &[usize]) {
     let h = cfg.hidden_size;
     let w = weights(cfg, seed);
     let mut rng = StdRng::seed_from_u64(seed + 1);
     let b = rows * case.dp;
     let x = common::rand_t(&mut rng, &[b, seq, h]);
     let g = common::rand_t(&mut rng, &[b, seq, h]);
-    let want = reference(cfg, &w, &x, &g, rows).unwrap();
-    let got = run_case(cfg, &w, &x, &g, case);
+    let want = reference(cfg, &w, &x, &g, rows, pads).unwrap();
+    let got = run_case(cfg, &w, &x, &g, case, pads);
     let what = |s: &str| {
         format!(
             "{} ({} experts, top-{}): {s}",
@@ -631,10 +665,26 @@ fn sparse_block_matches_the_dense_reference_under_every_layout() {
     for case in CASES.iter().chain(&STAGED) {
         // dp4 ep4 on 2 tokens per rank: most experts receive no row on most ranks.
         let (rows, seq) = if case.dp == 4 { (1, 2) } else { (2, 6) };
-        check(&cfg_qwen(), 11, case, rows, seq);
+        let none = vec![0; rows * case.dp];
+        check(&cfg_qwen(), 11, case, rows, seq, &none);
         if case.dp != 4 {
-            check(&cfg_mixtral_names(), 12, case, rows, seq);
+            check(&cfg_mixtral_names(), 12, case, rows, seq, &none);
         }
+    }
+}
+
+/// Padded sequences: the padding is routed and computed, but the balancing loss, its gradient
+/// and the loads count only the other tokens, as transformers' `load_balancing_loss_func` does
+/// with an `attention_mask`. Rows padded across the sequence-parallel and the TP-sp split, not
+/// at all, and wholly (under dp4 whole micro-batches of padding: no statistics, aux 0).
+#[test]
+fn padding_is_routed_but_left_out_of_the_balancing_loss() {
+    for case in CASES.iter().chain(&STAGED) {
+        let (rows, seq) = if case.dp == 4 { (1, 2) } else { (2, 6) };
+        let pads: Vec<usize> = (0..rows * case.dp)
+            .map(|r| [4, 0, 1, 6][r % 4].min(seq))
+            .collect();
+        check(&cfg_qwen(), 13, case, rows, seq, &pads);
     }
 }
 

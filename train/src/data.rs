@@ -337,6 +337,9 @@ pub struct Window {
     pub ids: Vec<u32>,
     pub labels: Vec<i64>,
     pub doc_ids: Vec<u32>,
+    /// How many of the last tokens are padding (fine-tuning windows): a mixture of experts'
+    /// routing statistics leave them out, as transformers' `attention_mask` does.
+    pub padding: usize,
 }
 
 /// How packed windows treat the borders between documents.
@@ -437,6 +440,7 @@ impl PackedDataset {
             ids,
             labels,
             doc_ids,
+            padding: 0,
         }
     }
 }
@@ -529,6 +533,8 @@ pub struct MicroBatch {
     pub ids: Vec<Vec<u32>>,
     pub labels: Vec<Vec<i64>>,
     pub mask: AttnMask,
+    /// Per sequence, its trailing padding tokens ([`Window::padding`]).
+    pub padding: Vec<usize>,
 }
 
 impl Batching {
@@ -596,6 +602,7 @@ impl Batching {
                 out.push(MicroBatch {
                     ids: g.iter().map(|w| w.ids.clone()).collect(),
                     labels: g.iter().map(|w| w.labels.clone()).collect(),
+                    padding: g.iter().map(|w| w.padding).collect(),
                     mask: if self.doc_mask {
                         AttnMask::documents(g[0].doc_ids.clone())
                     } else {

@@ -189,6 +189,7 @@ impl WindowBuilder {
             ids: std::mem::take(&mut self.ids),
             labels: std::mem::take(&mut self.labels),
             doc_ids: std::mem::take(&mut self.doc_ids),
+            padding: pad,
         });
         self.docs = 0;
     }
@@ -568,18 +569,21 @@ fn pair_batch(
     data: &PairDataset,
     pairs: &[usize],
 ) -> Result<(Batch, Tensor)> {
-    let (mut ids, mut labels) = (Vec::new(), Vec::new());
+    let (mut ids, mut labels, mut padding) = (Vec::new(), Vec::new(), Vec::new());
     for side in 0..2 {
         for &i in pairs {
             let (c, r) = data.pair(i);
             let w = if side == 0 { c } else { r };
             ids.push(w.ids.clone());
             labels.push(w.labels.clone());
+            padding.push(w.padding);
         }
     }
     // Padding sits at the end of each window: a causal mask keeps it out of the replies.
     let mask = candle_parallel::attention::AttnMask::Causal;
-    Ok(Batch::from_tokens(ctx, &ids, &labels, mask)?)
+    Ok(Batch::from_padded_tokens(
+        ctx, &ids, &labels, mask, &padding,
+    )?)
 }
 
 /// The per-sequence log-probabilities of the last layer's output `x`, whole over the sequence
@@ -875,6 +879,36 @@ pub fn log_sigmoid(z: &Tensor) -> Result<Tensor> {
 mod tests {
     use super::*;
     use candle_core::{Device, Var};
+
+    /// Windows say how many of their last tokens are padding (what a mixture of experts' routing
+    /// statistics leave out), packed or not, and DPO's pairs too.
+    #[test]
+    fn windows_count_their_trailing_padding() {
+        let ex = |n: usize| Example {
+            ids: (1..=n as u32).collect(),
+            trained: vec![true; n],
+        };
+        let opts = |packing| SftOptions {
+            seq_len: 16,
+            packing,
+            overlong: Overlong::Truncate,
+            pad_id: 0,
+        };
+        let (packed, _) = SftDataset::new(&[ex(5), ex(7)], &opts(true), 64).unwrap();
+        assert_eq!(packed.num_windows(), 1);
+        let w = packed.window(0);
+        assert_eq!(w.padding, 4);
+        assert!(w.ids[12..].iter().all(|&t| t == 0) && w.ids[11] != 0);
+        let (one_each, stats) = SftDataset::new(&[ex(5), ex(7)], &opts(false), 64).unwrap();
+        let pads: Vec<usize> = (0..one_each.num_windows())
+            .map(|i| one_each.window(i).padding)
+            .collect();
+        assert_eq!(pads, [11, 9]);
+        assert_eq!(stats.padding_tokens, 20);
+        let (pairs, _) = PairDataset::new(&[(ex(3), ex(16))], &opts(true), 64).unwrap();
+        let (c, r) = pairs.pair(0);
+        assert_eq!((c.padding, r.padding), (13, 0));
+    }
 
     /// Values and gradients of `log σ` against the closed forms, at 0 and far out.
     #[test]

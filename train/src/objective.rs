@@ -190,7 +190,8 @@ impl<M: CausalLm> Objective<M> for NextToken {
             .micro_batches(data, step, s.dp_rank)
             .into_iter()
             .map(|mb| {
-                let (batch, labels) = Batch::from_tokens(s.ctx, &mb.ids, &mb.labels, mb.mask)?;
+                let (batch, labels) =
+                    Batch::from_padded_tokens(s.ctx, &mb.ids, &mb.labels, mb.mask, &mb.padding)?;
                 Ok(StageMicroBatch { batch, labels })
             })
             .collect()

@@ -1175,8 +1175,13 @@ impl<M: TrainModel + CausalLm> Trainer<M> {
         micro: &MicroBatch,
         global_tokens: u64,
     ) -> Result<(f64, Vec<(String, Tensor)>)> {
-        let (batch, labels) =
-            Batch::from_tokens(&self.ctx, &micro.ids, &micro.labels, micro.mask.clone())?;
+        let (batch, labels) = Batch::from_padded_tokens(
+            &self.ctx,
+            &micro.ids,
+            &micro.labels,
+            micro.mask.clone(),
+            &micro.padding,
+        )?;
         let l = NextToken::for_model(&self.cfg, &self.model)
             .loss(&self.model, &StageMicroBatch { batch, labels })?;
         self.backward_collect(&l.sum, global_tokens)
@@ -1367,8 +1372,13 @@ impl<M: TrainModel + CausalLm> Trainer<M> {
             } else {
                 candle_parallel::attention::AttnMask::Causal
             };
-            let (batch, labels) =
-                Batch::from_tokens(&self.ctx, &[w.ids], std::slice::from_ref(&w.labels), mask)?;
+            let (batch, labels) = Batch::from_padded_tokens(
+                &self.ctx,
+                &[w.ids],
+                std::slice::from_ref(&w.labels),
+                mask,
+                &[w.padding],
+            )?;
             let local = labels.flatten_all()?.to_vec1::<i64>()?;
             count += local.iter().filter(|&&l| l != IGNORE_INDEX).count() as f64;
             micro.push(StageMicroBatch { batch, labels });

@@ -15,6 +15,9 @@ pub struct Batch {
     pub positions: Vec<u32>,
     /// The attention mask of the global sequence.
     pub mask: AttnMask,
+    /// Which of the local tokens count in a mixture of experts' routing statistics,
+    /// `batch · n` flags, sequence-major (see [`Pass::routed`]); `None`: all of them.
+    pub routed: Option<Vec<bool>>,
 }
 
 impl Batch {
@@ -37,6 +40,48 @@ impl Batch {
             })
             .collect();
         Self::from_tokens(ctx, seqs, &labels, mask)
+    }
+
+    /// [`Batch::from_tokens`] for sequences whose last `padding[i]` tokens are padding: their
+    /// routing is left out of a mixture of experts' statistics ([`Batch::routed`]), as
+    /// transformers leaves out the tokens its `attention_mask` zeroes. Errors like
+    /// `from_tokens`, and when a padding count is missing or exceeds its sequence.
+    pub fn from_padded_tokens(
+        ctx: &ParallelCtx,
+        ids: &[Vec<u32>],
+        labels: &[Vec<i64>],
+        mask: AttnMask,
+        padding: &[usize],
+    ) -> Result<(Self, Tensor)> {
+        let (mut batch, labels) = Self::from_tokens(ctx, ids, labels, mask)?;
+        let len = ids[0].len();
+        if padding.len() != ids.len() || padding.iter().any(|&p| p > len) {
+            return Err(Error::invalid(
+                "batch",
+                format!(
+                    "padding counts {padding:?} for {} sequences of {len} tokens",
+                    ids.len()
+                ),
+            ));
+        }
+        if padding.iter().all(|&p| p == 0) {
+            return Ok((batch, labels));
+        }
+        let flags: Vec<u8> = padding
+            .iter()
+            .flat_map(|&p| (0..len).map(move |i| u8::from(i < len - p)))
+            .collect();
+        let flags = Tensor::from_vec(flags, (ids.len(), len), ctx.device())?;
+        let local = ctx.shard_tokens_for(&flags, &batch.mask)?;
+        batch.routed = Some(
+            local
+                .flatten_all()?
+                .to_vec1::<u8>()?
+                .into_iter()
+                .map(|f| f == 1)
+                .collect(),
+        );
+        Ok((batch, labels))
     }
 
     /// This rank's shard of equal-length global sequences `ids` and their `labels` (the target
@@ -71,6 +116,7 @@ impl Batch {
             input_ids: ctx.shard_tokens_for(&ids, &mask)?,
             positions: ctx.attention_positions_for(len, &mask)?,
             mask,
+            routed: None,
         };
         Ok((batch, labels))
     }
@@ -85,6 +131,52 @@ impl Batch {
                 format!("{} positions for {n} tokens", self.positions.len()),
             ));
         }
-        Ok(Pass::new(ctx, &self.positions, &self.mask))
+        if let Some(r) = &self.routed {
+            let b = self.input_ids.dim(0)?;
+            if r.len() != b * n {
+                return Err(Error::invalid(
+                    "batch",
+                    format!("{} routing flags for {b} sequences of {n} tokens", r.len()),
+                ));
+            }
+        }
+        Ok(Pass::new(ctx, &self.positions, &self.mask).with_routed(self.routed.as_deref()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention::{SeqLayout, SpConfig, Strategy};
+    use crate::comm::LocalWorld;
+    use crate::plan::Layout;
+
+    /// Each rank's routing flags are its shard of the padded sequences' (contiguous ring 2:
+    /// the first and second halves), and bad padding counts are errors naming the batch.
+    #[test]
+    fn padding_flags_are_sharded_like_the_tokens_and_bad_counts_are_errors() {
+        let ids = vec![vec![1u32, 2, 3, 4, 5, 6], vec![7, 8, 9, 10, 11, 12]];
+        let labels = vec![vec![0i64; 6]; 2];
+        let sp = SpConfig::new(Strategy::Ring, 1, 2).with_layout(SeqLayout::Contiguous);
+        let layout = Layout::new(sp.mesh_config(), sp, crate::nn::TpActivations::Replicated);
+        let flags = LocalWorld::run(2, |world| -> Result<_> {
+            let (_, ctx) = layout.context(world)?;
+            let padded = |p: &[usize]| {
+                Batch::from_padded_tokens(&ctx, &ids, &labels, AttnMask::Causal, p)
+            };
+            let (b, _) = padded(&[4, 0])?;
+            b.pass(&ctx)?;
+            let (none, _) = padded(&[0, 0])?;
+            assert_eq!(none.routed, None, "no padding: every token counts");
+            for bad in [&[1usize][..], &[0, 7]] {
+                let e = padded(bad).expect_err("a bad padding count").to_string();
+                assert!(e.contains("batch") && e.contains("padding"), "{e}");
+            }
+            Ok(b.routed)
+        })
+        .unwrap();
+        let t = true;
+        assert_eq!(flags[0], Some(vec![t, t, false, t, t, t]));
+        assert_eq!(flags[1], Some(vec![false, false, false, t, t, t]));
     }
 }

@@ -488,6 +488,10 @@ pub struct Pass<'a> {
     /// model's timesteps and class labels). Not differentiated: checkpointed units keep a
     /// detached copy, so it must not carry a gradient path.
     pub cond: Option<&'a Tensor>,
+    /// Which of this rank's tokens count in a mixture of experts' routing statistics,
+    /// `batch · positions.len()` flags, sequence-major (transformers' `attention_mask`: padding
+    /// is routed but left out of the load-balancing loss). `None`: every token.
+    pub routed: Option<&'a [bool]>,
 }
 
 impl<'a> Pass<'a> {
@@ -504,6 +508,7 @@ impl<'a> Pass<'a> {
             mask,
             attention: ctx.local_attention.as_ref(),
             cond: None,
+            routed: None,
         }
     }
 
@@ -525,6 +530,7 @@ impl<'a> Pass<'a> {
             mask,
             attention: ctx.attention(),
             cond: None,
+            routed: None,
         }
     }
 
@@ -534,6 +540,11 @@ impl<'a> Pass<'a> {
             cond: Some(cond),
             ..*self
         }
+    }
+
+    /// The same pass with the routing flags `routed` (see [`Pass::routed`]).
+    pub fn with_routed(&self, routed: Option<&'a [bool]>) -> Self {
+        Self { routed, ..*self }
     }
 
     /// The same pass over a global sequence of `seq_len` tokens (see [`Pass::seq_len`]).

@@ -23,6 +23,12 @@
 //! weighted and summed first, then reduced once (all-reduce, or reduce-scatter under TP-sp).
 //! Under sequence parallelism each rank routes its own tokens; the load-balancing statistics
 //! are summed over the ranks that hold the micro-batch's tokens.
+//!
+//! Padding: a pass may say which of its tokens count in the routing statistics
+//! ([`Pass::routed`](super::Pass::routed), transformers' `attention_mask`). Padding tokens are
+//! routed and computed like any token (and take capacity under a capacity factor), but the
+//! load-balancing loss, its gradient, the loads and the dropped share leave them out, as
+//! transformers' `load_balancing_loss_func` does given an attention mask.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -424,31 +430,36 @@ impl SparseMoe {
     /// holding the tokens under a capacity factor). Capacity ties go to the earlier rank and
     /// row: see [`SparseMoe::forward_at`].
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.forward_at(x, None)
+        self.forward_at(x, None, None)
     }
 
     /// [`SparseMoe::forward`] for tokens at sequence `positions` (the pass's positions of this
     /// rank's tokens; under TP-sp this tensor-parallel rank holds its contiguous part of them):
     /// under a capacity factor, assignments of equal probability go to the earlier sequence of
-    /// the batch, then the earlier position, whatever the layout.
-    pub fn forward_at(&self, x: &Tensor, positions: Option<&[u32]>) -> Result<Tensor> {
+    /// the batch, then the earlier position, whatever the layout. `routed` (the pass's
+    /// [`Pass::routed`](super::Pass::routed), `batch · positions.len()` flags, sequence-major)
+    /// says which tokens count in the routing statistics (`None`: all).
+    pub fn forward_at(
+        &self,
+        x: &Tensor,
+        positions: Option<&[u32]>,
+        routed: Option<&[bool]>,
+    ) -> Result<Tensor> {
         let (b, s, h) = x.dims3()?;
         let k = self.cfg.top_k;
         let xs = x.reshape((b * s, h))?;
+        let routed = self.local_flags(routed, b, s)?;
         // The router, in f32 as transformers' `softmax(.., dtype=float)`.
         let mut logits = self.router.forward(&xs)?.to_dtype(DType::F32)?;
         if let Some((aux, _)) = &self.aux {
-            logits = aux.attach(&logits)?;
+            logits = aux.attach(&logits, routed.as_deref())?;
         }
         let probs = router_softmax(&logits)?;
         let host = probs.to_vec2::<f32>()?;
         let mut chosen: Vec<u32> = host.iter().flat_map(|row| top_k(row, k)).collect();
         let kept = self.within_capacity(&host, &chosen, s, positions, x.device())?;
         if let Some((aux, layer)) = &self.aux {
-            let dropped = kept
-                .as_ref()
-                .map_or(0, |m| m.iter().filter(|&&x| !x).count());
-            aux.record(*layer, &host, &chosen, dropped);
+            aux.record(*layer, &host, &chosen, kept.as_deref(), routed.as_deref());
         }
         let idx = Tensor::from_vec(chosen.clone(), (b * s, k), x.device())?;
         let mut weights = probs.gather(&idx, 1)?;
@@ -601,6 +612,35 @@ impl SparseMoe {
             .zeros_like()?
             .index_add(&tokens, &y_back.broadcast_mul(&w)?, 0)?;
         Ok(out.broadcast_add(&dangling)?)
+    }
+
+    /// The flags of `routed` (the pass's, `batch · n` for `n` tokens per sequence) for this
+    /// rank's `b · s` rows: all of them, or under TP-sp this tensor-parallel rank's contiguous
+    /// part of each sequence. `None` when every token counts.
+    fn local_flags(
+        &self,
+        routed: Option<&[bool]>,
+        b: usize,
+        s: usize,
+    ) -> Result<Option<Vec<bool>>> {
+        let Some(r) = routed else {
+            return Ok(None);
+        };
+        if r.len() == b * s {
+            return Ok(Some(r.to_vec()));
+        }
+        if self.tp.sequence_parallel() && r.len() == b * s * self.tp.size() {
+            let (n, at) = (s * self.tp.size(), self.tp.rank() * s);
+            return Ok(Some(
+                (0..b)
+                    .flat_map(|i| r[i * n + at..i * n + at + s].iter().copied())
+                    .collect(),
+            ));
+        }
+        Err(Error::invalid(
+            "mixture of experts",
+            format!("{} routing flags for {b} sequences of {s} tokens", r.len()),
+        ))
     }
 
     /// Under a capacity factor, which of this rank's assignments (`chosen`, `k` per row of the
@@ -941,35 +981,60 @@ impl RouterAux {
     }
 
     /// Records block `layer`'s routing of this rank's tokens (a recomputation records the same
-    /// again). `probs` `(tokens, E)`, `chosen` `(tokens · k)`.
-    fn record(&self, layer: usize, probs: &[Vec<f32>], chosen: &[u32], dropped: usize) {
+    /// again). `probs` `(tokens, E)`, `chosen` `(tokens · k)`, `kept` (per assignment, under a
+    /// capacity factor) whether it kept its expert, `routed` (per token) whether it counts
+    /// (`None`: all do).
+    fn record(
+        &self,
+        layer: usize,
+        probs: &[Vec<f32>],
+        chosen: &[u32],
+        kept: Option<&[bool]>,
+        routed: Option<&[bool]>,
+    ) {
         let e = self.num_experts;
+        let k = chosen.len() / probs.len().max(1);
+        let counts = |t: usize| routed.is_none_or(|r| r[t]);
         let mut stats = BlockStats {
             counts: vec![0.0; e],
             probs: vec![0.0; e],
-            tokens: probs.len() as f64,
-            assignments: chosen.len() as f64,
-            dropped: dropped as f64,
+            ..BlockStats::default()
         };
-        for &c in chosen {
-            stats.counts[c as usize] += 1.0;
-        }
-        for row in probs {
+        for (t, row) in probs.iter().enumerate().filter(|(t, _)| counts(*t)) {
+            stats.tokens += 1.0;
             for (s, &p) in stats.probs.iter_mut().zip(row) {
                 *s += p as f64;
+            }
+            for slot in t * k..(t + 1) * k {
+                stats.counts[chosen[slot] as usize] += 1.0;
+                stats.assignments += 1.0;
+                if kept.is_some_and(|m| !m[slot]) {
+                    stats.dropped += 1.0;
+                }
             }
         }
         self.lock().blocks.insert(layer, stats);
     }
 
     /// The router logits `(tokens, E)` f32 of a block, with a backward that adds the
-    /// auxiliary loss's gradient once [`RouterAux::add_to_loss`] has run. Local.
-    fn attach(self: &Arc<Self>, logits: &Tensor) -> Result<Tensor> {
+    /// auxiliary loss's gradient once [`RouterAux::add_to_loss`] has run, to the tokens that
+    /// count (`routed`, `None`: all). Local.
+    fn attach(self: &Arc<Self>, logits: &Tensor, routed: Option<&[bool]>) -> Result<Tensor> {
         if !logits.track_op() {
             return Ok(logits.clone());
         }
         let me = self.clone();
         let z = logits.detach();
+        let only = match routed {
+            None => None,
+            Some(r) => Some(Tensor::from_vec(
+                r.iter()
+                    .map(|&x| if x { 1f32 } else { 0.0 })
+                    .collect::<Vec<_>>(),
+                (r.len(), 1),
+                z.device(),
+            )?),
+        };
         Ok(record(
             logits,
             "cpl-router-aux-gradient",
@@ -994,7 +1059,10 @@ impl RouterAux {
                 )?;
                 let p = router_softmax(&z)?;
                 let pc = p.broadcast_mul(&c)?.sum_keepdim(1)?;
-                let add = (p * c.broadcast_sub(&pc)?)?;
+                let mut add = (p * c.broadcast_sub(&pc)?)?;
+                if let Some(only) = &only {
+                    add = add.broadcast_mul(only)?;
+                }
                 Ok((g + (add * scale)?.to_dtype(g.dtype())?)?)
             },
         )?)

@@ -276,6 +276,7 @@ impl<T: Block> Unit<T> {
         let positions: Arc<[u32]> = pass.positions.into();
         let seq_len = pass.seq_len;
         let cond = pass.cond.map(|c| c.detach());
+        let routed: Option<Arc<[bool]>> = pass.routed.map(Into::into);
         let block: crate::recompute::Block = Arc::new(move |x, attention| {
             let track = if x.track_op() {
                 Track::Grad
@@ -289,6 +290,7 @@ impl<T: Block> Unit<T> {
                 mask: &mask,
                 attention,
                 cond: cond.as_ref(),
+                routed: routed.as_deref(),
             };
             unit.get(track)?.forward(x, &pass)
         });

@@ -39,10 +39,16 @@ pub enum FeedForward {
 impl FeedForward {
     /// `x` `(batch, tokens', hidden)` at sequence `positions` → the same shape. Collective
     /// over tp (and, for a sparse block, the ranks holding the tokens).
-    pub fn forward(&self, x: &Tensor, positions: &[u32]) -> candle_parallel::Result<Tensor> {
+    /// `routed`: which tokens count in the routing statistics ([`Pass::routed`]).
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        positions: &[u32],
+        routed: Option<&[bool]>,
+    ) -> candle_parallel::Result<Tensor> {
         match self {
             Self::Dense(m) => m.forward(x),
-            Self::Sparse(m) => m.forward_at(x, Some(positions)),
+            Self::Sparse(m) => m.forward_at(x, Some(positions), routed),
         }
     }
 }
@@ -98,16 +104,22 @@ impl DecoderLayer {
 
     /// The layer around an attention output `attn` of the normed input: the residual adds and
     /// the MLP.
-    fn finish(&self, x: &Tensor, attn: Tensor, pos: &[u32]) -> candle_parallel::Result<Tensor> {
+    fn finish(
+        &self,
+        x: &Tensor,
+        attn: Tensor,
+        pos: &[u32],
+        routed: Option<&[bool]>,
+    ) -> candle_parallel::Result<Tensor> {
         match &self.feedforward_norms {
             None => {
                 let x = (x + attn)?;
                 let h = self.post_attention_layernorm.forward(&x)?;
-                Ok((&x + self.mlp.forward(&h, pos)?)?)
+                Ok((&x + self.mlp.forward(&h, pos, routed)?)?)
             }
             Some((pre, post)) => {
                 let x = (x + self.post_attention_layernorm.forward(&attn)?)?;
-                let h = self.mlp.forward(&pre.forward(&x)?, pos)?;
+                let h = self.mlp.forward(&pre.forward(&x)?, pos, routed)?;
                 Ok((&x + post.forward(&h)?)?)
             }
         }
@@ -117,7 +129,7 @@ impl DecoderLayer {
     pub fn forward_cached(&self, x: &Tensor, pos: &[u32], cache: &mut LayerKv) -> Result<Tensor> {
         let h = self.input_layernorm.forward(x)?;
         let attn = self.self_attn.forward_cached(&h, pos, cache)?;
-        Ok(self.finish(x, attn, pos)?)
+        Ok(self.finish(x, attn, pos, None)?)
     }
 }
 
@@ -125,7 +137,7 @@ impl Block for DecoderLayer {
     fn forward(&self, x: &Tensor, pass: &Pass) -> candle_parallel::Result<Tensor> {
         let h = self.input_layernorm.forward(x)?;
         let attn = self.self_attn.forward(&h, pass)?;
-        self.finish(x, attn, pass.positions)
+        self.finish(x, attn, pass.positions, pass.routed)
     }
 }
 
