@@ -454,9 +454,8 @@ fn run_layout_inputs(
             .iter()
             .map(|s| s.iter().map(|&t| t as i64).collect())
             .collect();
-        let (batch, _) =
-            Batch::from_padded_tokens(&ctx, &seqs, &unshifted, mask.clone(), &padding)
-                .map_err(|x| e(&x))?;
+        let (batch, _) = Batch::from_padded_tokens(&ctx, &seqs, &unshifted, mask.clone(), &padding)
+            .map_err(|x| e(&x))?;
         // transformers' loss: logits[:, i] against labels[:, i + 1].
         let shifted: Vec<i64> = labels
             .iter()

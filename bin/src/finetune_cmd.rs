@@ -440,12 +440,11 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
              train --rope-*, then fine-tune its checkpoint"
         );
     }
-    if t.router_aux_loss_coef.is_some() || t.moe_capacity_factor.is_some() {
+    if t.moe_capacity_factor.is_some() {
         // The adapter's users load the base model's config: its routing is theirs.
         bail!(
-            "--router-aux-loss-coef / --moe-capacity-factor: cpl finetune trains with the base \
-             model's router_aux_loss_coef / output_router_logits / moe_capacity_factor; change \
-             them in its config.json"
+            "--moe-capacity-factor: cpl finetune routes as the base model's config says (an \
+             adapter's users load that config); change moe_capacity_factor in its config.json"
         );
     }
     if t.eval_by_position || t.eval_passkey {
@@ -618,7 +617,7 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
     let resume = Resume::find(t.resume, &t.out)?;
     let resume_from = resume.as_ref().map(|r| &r.dir);
     // Under LoRA a checkpoint holds the adapters; otherwise the whole model.
-    let (load_files, lora) = match (resume_from, lora) {
+    let (mut load_files, lora) = match (resume_from, lora) {
         (Some(dir), Some((cfg, _))) => {
             // The checkpoint's adapters and their configuration (rank, alpha, targets).
             let ad = models::peft::load(dir)
@@ -652,8 +651,20 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         _ => None,
     };
     std::fs::create_dir_all(&t.out).with_context(|| format!("--out {}", t.out.display()))?;
-    let extra =
+    let mut extra =
         train::finetune_data::checkpoint_files(&files, lora.as_ref().map(|l| &l.0), &model_id)?;
+    // --router-aux-loss-coef (LLaMA-Factory's `moe_aux_loss_coef`): the training loss only, so
+    // an adapter's users need not know it; a full fine-tune's checkpoints carry it in their
+    // config.json, and resuming one checks it.
+    let changes =
+        crate::model_arg::train_config_changes(&Default::default(), t.router_aux_loss_coef, None)?;
+    crate::model_arg::apply_config_changes(
+        &mut load_files,
+        &changes,
+        &t.out,
+        &mut extra,
+        resume_from.filter(|_| lora.is_none()).map(|d| d.as_path()),
+    )?;
     let dtype = t.dtype.map(DType::from).unwrap_or(DType::F32);
     let interrupted = interrupt_flag()?;
     // Model FLOPs per token for the MFU estimate.

@@ -572,32 +572,120 @@ fn lora_on_a_mixture_of_experts_writes_peft_adapters() {
         let out = d.join(tag);
         let mut a = words(&format!(
             "finetune --model {} --data {} --template plain --stage dpo --seq-len 64 --steps 2 \
-             --max-examples 16 --lr 1e-3 --log-every 1 --ranks 2 --out {}",
+             --max-examples 16 --lr 1e-3 --log-every 1 --out {}",
             model.display(),
             pairs.display(),
             out.display()
         ));
+        if !extra.contains(&"--ranks") {
+            a.extend(["--ranks".to_string(), "2".into()]);
+        }
         a.extend(extra.iter().map(|x| x.to_string()));
         run_ok(&a);
         out
+    };
+    // A dense model has no routers: the flag is an error naming it.
+    let o = cpl(&words(&format!(
+        "finetune --data {} --template plain --steps 1 --router-aux-loss-coef 0.1 --out {}",
+        data.display(),
+        d.join("dense-coef").display()
+    )));
+    assert!(!o.status.success(), "a coefficient on a dense model");
+    assert!(
+        stderr(&o).contains("--router-aux-loss-coef"),
+        "{}",
+        stderr(&o)
+    );
+    // The fixture's config adds the balancing loss (coefficient 0.3): TRL's DPO adds
+    // `router_aux_loss_coef` times the policy forward's aux loss (padding left out) to the mean
+    // DPO loss, so the first step (policy = reference: the DPO loss is ln 2) is
+    // ln 2 + 0.3 · aux, and the routing is reported.
+    let aux_of = |m: &[(u64, f64, serde_json::Value)], i: usize| -> f64 {
+        m[i].2["router_aux_loss"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no router_aux_loss in {}", m[i].2))
+    };
+    let close = |a: f64, b: f64, tol: f64, what: &str| {
+        let e = (a - b).abs() / b.abs();
+        assert!(e <= tol, "{what}: {a} vs {b} (rel {e:.2e})");
     };
     for (what, extra) in [
         ("lora", &["--lora-targets", "all-linear"][..]),
         ("full", &["--finetuning-type", "full"]),
     ] {
         let want = metrics(&dpo(&format!("dpo-{what}-dp2"), extra));
-        // Step 1 is ln 2 (policy = reference); step 2 has moved.
+        let aux = aux_of(&want, 0);
+        assert!(aux > 1.0, "{what}: aux {aux}");
+        close(
+            want[0].1,
+            std::f64::consts::LN_2 + 0.3 * aux,
+            1e-6,
+            &format!("{what}: first DPO loss"),
+        );
+        for k in [
+            "expert_load_max_over_mean",
+            "expert_load_max_over_mean_layer0",
+        ] {
+            assert!(
+                want[0].2[k].as_f64().is_some_and(|v| v >= 1.0),
+                "{what}: {k}"
+            );
+        }
+        // Without the coefficient (--router-aux-loss-coef 0): ln 2 alone; the aux gradient's
+        // absence shows in the gradient norm.
+        let plain = metrics(&dpo(
+            &format!("dpo-{what}-dp2-coef0"),
+            &[extra, &["--router-aux-loss-coef", "0"]].concat(),
+        ));
+        close(
+            plain[0].1,
+            std::f64::consts::LN_2,
+            1e-6,
+            &format!("{what}: first DPO loss without the balancing loss"),
+        );
+        let norm = |m: &[(u64, f64, serde_json::Value)]| m[0].2["grad_norm"].as_f64().unwrap();
+        assert!(
+            (norm(&plain) - norm(&want)).abs() > 1e-4 * norm(&want),
+            "{what}: the balancing loss changes no gradient"
+        );
+        // Step 2 has moved.
         assert_eq!(want.len(), 2);
         assert!(
-            want[1].1.is_finite() && (want[1].1 - std::f64::consts::LN_2).abs() > 1e-4,
+            want[1].1.is_finite() && (want[1].1 - want[0].1).abs() > 1e-4,
             "{what}: {:?}",
             want[1].1
         );
-        let got = metrics(&dpo(
-            &format!("dpo-{what}-ep2"),
-            &[extra, &["--ep", "2"]].concat(),
-        ));
-        assert_close_losses(&got, &want, &format!("{what} DPO --ep 2 vs dp2"));
+        // Expert parallelism, and (LoRA) two pipeline stages x dp2 with the routing statistics
+        // carried between them, and a ring of 2 x dp2 (each rank of the ring holds the whole
+        // DPO loss: the balancing loss's gradient counted once): losses, gradient norms and the
+        // balancing loss equal dp2's.
+        let mut layouts = vec![("ep2", vec!["--ep", "2"])];
+        if what == "lora" {
+            layouts.push(("pp2", vec!["--ranks", "4", "--pp", "2"]));
+            layouts.push(("ring2", vec!["--ranks", "4", "--ring", "2"]));
+        }
+        for (tag, flags) in layouts {
+            let got = metrics(&dpo(
+                &format!("dpo-{what}-{tag}"),
+                &[extra, &flags[..]].concat(),
+            ));
+            let case = format!("{what} DPO --{tag} vs dp2");
+            assert_close_losses(&got, &want, &case);
+            for i in 0..want.len() {
+                close(
+                    norm(&got[i..]),
+                    norm(&want[i..]),
+                    1e-5,
+                    &format!("{case}: norm {i}"),
+                );
+                close(
+                    aux_of(&got, i),
+                    aux_of(&want, i),
+                    1e-5,
+                    &format!("{case}: aux {i}"),
+                );
+            }
+        }
     }
     let step = dp.join("step-2");
     assert_eq!(

@@ -2220,7 +2220,7 @@ fn moe_capacity_factor_drops_tokens_and_reports_them() {
                 dir.join("chat.jsonl").display(),
                 dir.join("ft").display()
             )),
-            "cpl finetune trains with the base model's",
+            "--moe-capacity-factor: cpl finetune routes as the base model's config says",
         ),
     ]);
 }

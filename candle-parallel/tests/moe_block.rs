@@ -143,11 +143,12 @@ fn reference(
         let n = rows * s;
         let xs = xv.as_tensor().narrow(0, d * rows, rows)?.reshape((n, h))?;
         // Per token of the micro-batch: whether it counts.
-        let counted: Vec<bool> = (0..n)
-            .map(|t| t % s < s - pads[d * rows + t / s])
-            .collect();
+        let counted: Vec<bool> = (0..n).map(|t| t % s < s - pads[d * rows + t / s]).collect();
         let counted_col = Tensor::from_vec(
-            counted.iter().map(|&c| f64::from(u8::from(c))).collect::<Vec<_>>(),
+            counted
+                .iter()
+                .map(|&c| f64::from(u8::from(c)))
+                .collect::<Vec<_>>(),
             (n, 1),
             &Device::Cpu,
         )?;

@@ -350,7 +350,7 @@ pub enum Reference {
 }
 
 /// What one DPO step reports (means over the global batch of pairs).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DpoStats {
     #[serde(flatten)]
     pub stats: StepStats,
@@ -362,6 +362,11 @@ pub struct DpoStats {
     pub margin: f64,
     /// Fraction of pairs whose chosen reward is above the rejected one.
     pub accuracy: f64,
+    /// A mixture of experts' routing of the policy's forwards, means over the pairs
+    /// ([`crate::objective::ROUTER_PARTS`] and each sparse layer's load); empty for a dense
+    /// model.
+    #[serde(skip)]
+    pub routing: Vec<(String, f64)>,
 }
 
 /// Per-pair DPO quantities of a micro-batch on this rank (every rank of the sequence group
@@ -397,6 +402,9 @@ pub struct DpoLoss {
     pub cfg: DpoConfig,
     pub reference: Reference,
     pub opts: CrossEntropyOptions,
+    /// A mixture of experts' sparse layers: the loss also reports the policy's routing
+    /// ([`crate::objective::ROUTER_PARTS`] and each layer's load). `None` for a dense model.
+    pub router_layers: Option<Vec<usize>>,
 }
 
 impl DpoLoss {
@@ -415,6 +423,7 @@ impl DpoLoss {
                 chunk_tokens: tcfg.loss_chunk_tokens,
                 ..Default::default()
             },
+            router_layers: None,
         })
     }
 
@@ -503,6 +512,43 @@ impl DpoLoss {
                 Ok(t.to_device(model.ctx().device())?)
             })
             .collect()
+    }
+
+    /// For a mixture of experts: the micro-batch's DPO loss `l` (which every rank holding its
+    /// tokens computes whole) plus `coef · aux · pairs`, the routers' load-balancing loss of the
+    /// policy's forward over the chosen and rejected sequences (padding left out), as TRL's DPO
+    /// adds `router_aux_loss_coef` times the policy's `aux_loss` to the mean loss when the config
+    /// sets `output_router_logits` (the coefficient is 0 otherwise: nothing is added); the
+    /// routing parts ([`DpoLoss::router_layers`]) weighted by the pairs. `staged`: on a
+    /// pipeline's last stage, with the other stages' statistics carried here. Collective over
+    /// the ranks holding the micro-batch's tokens.
+    fn with_balancing_loss(
+        &self,
+        model: &dyn CausalLm,
+        mut l: StageLoss,
+        pairs: usize,
+        staged: bool,
+    ) -> Result<StageLoss> {
+        let Some((aux, coef)) = model.routers() else {
+            return Ok(l);
+        };
+        let ctx = model.ctx();
+        let stats = if staged {
+            aux.finish_stage(ctx, pairs)?
+        } else {
+            aux.finish_in(ctx, pairs, l.sum.device())?
+        };
+        if coef != 0.0 {
+            l.sum = aux.add_to_whole_loss(&l.sum, pairs, coef)?;
+        }
+        if staged {
+            aux.park();
+        }
+        if let Some(layers) = &self.router_layers {
+            l.parts
+                .extend(models::causal_lm::router_parts(&stats, pairs, layers)?);
+        }
+        Ok(l)
     }
 
     /// The DPO terms of a micro-batch from the policy's per-sequence log-probabilities (whole
@@ -707,11 +753,16 @@ impl StagedModel for DpoStages<'_> {
         Ok(CausalLm::run_layers(self.model, layers, x, &m.batch)?)
     }
 
+    /// The DPO loss, plus a mixture of experts' balancing loss of every stage's routers (their
+    /// statistics carried here, see [`with_balancing_loss`]).
     fn head_loss(&self, x: &Tensor, m: &DpoMicroBatch) -> candle_parallel::Result<StageLoss> {
         let wrap = |e: Error| candle_parallel::Error::Candle(candle_core::Error::wrap(e));
         let policy =
             sequence_logps(self.model, x, &m.labels, &self.loss.opts, true).map_err(wrap)?;
-        Ok(dpo_loss(self.loss.terms_of(&policy, m).map_err(wrap)?))
+        let l = dpo_loss(self.loss.terms_of(&policy, m).map_err(wrap)?);
+        self.loss
+            .with_balancing_loss(self.model, l, m.pairs, true)
+            .map_err(wrap)
     }
 
     fn backward(&self, root: &Tensor) -> candle_parallel::Result<GradStore> {
@@ -721,6 +772,47 @@ impl StagedModel for DpoStages<'_> {
     fn shared_params(&self) -> Vec<String> {
         CausalLm::end_params(self.model)
     }
+
+    // A mixture of experts' routing statistics travel between the stages as under the
+    // next-token loss.
+    fn carry_lens(&self) -> (usize, usize) {
+        self.lm().carry_lens()
+    }
+
+    fn begin_forward(
+        &self,
+        micro_batch: usize,
+        carried: Option<&[f64]>,
+    ) -> candle_parallel::Result<()> {
+        self.lm().begin_forward(micro_batch, carried)
+    }
+
+    fn forward_carry(&self, micro_batch: usize) -> candle_parallel::Result<Vec<f64>> {
+        self.lm().forward_carry(micro_batch)
+    }
+
+    fn begin_backward(
+        &self,
+        micro_batch: usize,
+        carried: Option<&[f64]>,
+    ) -> candle_parallel::Result<()> {
+        self.lm().begin_backward(micro_batch, carried)
+    }
+
+    fn backward_carry(&self, micro_batch: usize) -> candle_parallel::Result<Vec<f64>> {
+        self.lm().backward_carry(micro_batch)
+    }
+}
+
+impl DpoStages<'_> {
+    /// The policy as next-token stages: their routing-statistics protocol.
+    fn lm(&self) -> LmStages<'_, dyn CausalLm + '_> {
+        LmStages {
+            model: self.model,
+            opts: self.loss.opts,
+            balancing_loss: true,
+        }
+    }
 }
 
 impl Objective<Box<dyn CausalLm>> for DpoLoss {
@@ -729,9 +821,18 @@ impl Objective<Box<dyn CausalLm>> for DpoLoss {
     type Staged<'a> = DpoStages<'a>;
 
     fn part_names(&self) -> Vec<String> {
-        ["chosen_reward", "rejected_reward", "accuracy"]
+        let mut names = ["chosen_reward", "rejected_reward", "accuracy"]
             .map(String::from)
-            .to_vec()
+            .to_vec();
+        if let Some(layers) = &self.router_layers {
+            names.extend(crate::objective::ROUTER_PARTS.iter().map(|s| s.to_string()));
+            names.extend(
+                layers
+                    .iter()
+                    .map(|l| format!("{}{l}", crate::objective::ROUTER_LAYER_LOAD)),
+            );
+        }
+        names
     }
 
     fn whole_sequence_loss(&self) -> bool {
@@ -789,7 +890,8 @@ impl Objective<Box<dyn CausalLm>> for DpoLoss {
             model.ctx(),
             true,
         )?;
-        Ok(dpo_loss(self.terms_of(&policy, m)?))
+        let l = dpo_loss(self.terms_of(&policy, m)?);
+        self.with_balancing_loss(model.as_ref(), l, m.pairs, false)
     }
 
     fn staged<'a>(&'a self, model: &'a Box<dyn CausalLm>) -> Result<DpoStages<'a>> {
@@ -812,7 +914,9 @@ impl DpoTrainer {
         reference: Reference,
         cfg: DpoConfig,
     ) -> Result<Self> {
-        let loss = DpoLoss::new(cfg, reference, &trainer.cfg)?;
+        let mut loss = DpoLoss::new(cfg, reference, &trainer.cfg)?;
+        let model = &trainer.model;
+        loss.router_layers = model.has_routers().then(|| model.router_layers());
         Ok(Self { trainer, loss })
     }
 
@@ -854,12 +958,14 @@ impl DpoTrainer {
         let r = self.trainer.run_step(&self.loss, data)?;
         // The parts as run_step reports them: means over the global batch of pairs.
         let (rc, rr, right) = (r.parts[0], r.parts[1], r.parts[2]);
+        let names = <DpoLoss as Objective<Box<dyn CausalLm>>>::part_names(&self.loss);
         Ok(DpoStats {
             stats: r.stats,
             chosen_reward: rc,
             rejected_reward: rr,
             margin: rc - rr,
             accuracy: right,
+            routing: names.into_iter().zip(r.parts).skip(3).collect(),
         })
     }
 }

@@ -161,9 +161,8 @@ mod tests {
         let layout = Layout::new(sp.mesh_config(), sp, crate::nn::TpActivations::Replicated);
         let flags = LocalWorld::run(2, |world| -> Result<_> {
             let (_, ctx) = layout.context(world)?;
-            let padded = |p: &[usize]| {
-                Batch::from_padded_tokens(&ctx, &ids, &labels, AttnMask::Causal, p)
-            };
+            let padded =
+                |p: &[usize]| Batch::from_padded_tokens(&ctx, &ids, &labels, AttnMask::Causal, p);
             let (b, _) = padded(&[4, 0])?;
             b.pass(&ctx)?;
             let (none, _) = padded(&[0, 0])?;

@@ -1213,6 +1213,32 @@ impl RouterAux {
     /// loss over its `count` labelled tokens). The result's backward records the gradient the
     /// loss receives, which the routers' nodes scale by. Local.
     pub fn add_to_loss(self: &Arc<Self>, sum: &Tensor, count: usize, coef: f64) -> Result<Tensor> {
+        self.add_weighted(sum, count as f64, None, coef)
+    }
+
+    /// After [`RouterAux::finish`], for a loss that every rank holding the micro-batch's
+    /// tokens computes whole and backpropagates through its own tokens (DPO's, over whole
+    /// sequences): `sum + coef · aux · n`, with the routers' gradient that of `coef · aux · n`
+    /// once (not of the labelled tokens summed over the ranks). `n`: the micro-batch's weight
+    /// in the step's loss (DPO: its pairs). Local.
+    pub fn add_to_whole_loss(
+        self: &Arc<Self>,
+        sum: &Tensor,
+        n: usize,
+        coef: f64,
+    ) -> Result<Tensor> {
+        self.add_weighted(sum, n as f64, Some(n as f64), coef)
+    }
+
+    /// `sum + coef · aux · n`, the gradient weighted by `coef · weight` (`None`: the labelled
+    /// tokens [`RouterAux::finish`] summed).
+    fn add_weighted(
+        self: &Arc<Self>,
+        sum: &Tensor,
+        n: f64,
+        weight: Option<f64>,
+        coef: f64,
+    ) -> Result<Tensor> {
         let aux = {
             let mut s = self.lock();
             let s = &mut *s;
@@ -1222,10 +1248,10 @@ impl RouterAux {
                     "add_to_loss before finish",
                 ));
             };
-            totals.weight = coef * last.labelled_tokens;
+            totals.weight = coef * weight.unwrap_or(last.labelled_tokens);
             last.aux
         };
-        let add = coef * aux * count as f64;
+        let add = coef * aux * n;
         let dtype = sum.dtype();
         let plus = move |s: &Tensor| -> Result<Tensor> {
             Ok((s.to_dtype(DType::F64)? + add)?.to_dtype(dtype)?)
@@ -1241,6 +1267,7 @@ impl RouterAux {
         })?;
         Ok(out)
     }
+
     /// Under a pipeline: the length of [`RouterAux::forward_carry`]'s vector for a model of
     /// `layers` decoder layers.
     pub fn forward_carry_len(&self, layers: usize) -> usize {

@@ -250,12 +250,16 @@ impl Task for DpoTask<'_> {
 
     fn step(&mut self) -> Result<StepOutcome> {
         let s = self.trainer.step(self.data)?;
-        Ok(StepOutcome::new(s.stats, self.processed_tokens)
+        let mut out = StepOutcome::new(s.stats, self.processed_tokens)
             .with("pairs", s.stats.tokens)
             .with("chosen_reward", s.chosen_reward)
             .with("rejected_reward", s.rejected_reward)
             .with("margin", s.margin)
-            .with("accuracy", s.accuracy))
+            .with("accuracy", s.accuracy);
+        for (name, v) in s.routing {
+            out = out.with(&name, v);
+        }
+        Ok(out)
     }
 }
 
