@@ -287,11 +287,13 @@ fn needed_ring_steps(c: &Case, plan: &ShardPlan) -> Vec<usize> {
         .collect()
 }
 
-/// The ring steps that run: those some rank needs under a window (ring and USP), every one
-/// otherwise.
+/// The ring steps that run: those some rank needs under a window (ring, USP, and the double
+/// ring, which then runs the ring loop), every one otherwise.
 fn ring_steps_run(c: &Case, plan: &ShardPlan) -> Vec<usize> {
     match (c.window, c.cfg.strategy) {
-        (Some(_), Strategy::Ring | Strategy::Usp) => needed_ring_steps(c, plan),
+        (Some(_), Strategy::Ring | Strategy::Usp | Strategy::DoubleRing) => {
+            needed_ring_steps(c, plan)
+        }
         _ => (0..c.cfg.ring).collect(),
     }
 }
@@ -703,7 +705,8 @@ fn sliding_windows_match_single_device_under_every_strategy() {
 /// striped and USP's ring): windows of 1 key, shorter than a chunk, spanning several chunks and
 /// longer than the sequence, causal, bidirectional and document masks, GQA. out, lse and the
 /// gradients equal one device, and each rank sends exactly the bytes of the ring steps some
-/// rank needs (by brute force over the positions, [`needed_ring_steps`]).
+/// rank needs (by brute force over the positions, [`needed_ring_steps`]); the double ring under
+/// a window too (2D with Ulysses 2, and inner rings of 4 on 8 ranks).
 #[test]
 fn ring_windows_send_only_the_steps_some_rank_needs() {
     let mut cases = Vec::new();
@@ -734,6 +737,19 @@ fn ring_windows_send_only_the_steps_some_rank_needs() {
     let usp = SpConfig::new(Strategy::Usp, 2, 4).with_layout(SeqLayout::Contiguous);
     cases.push(Case::new(usp.clone(), 8, 2, M::Causal).window(5));
     cases.push(Case::new(usp, 8, 4, M::Docs).window(20).no_lse());
+    // The double ring (LoongTrain 2D, inner rings of 2) sends what the ring sends.
+    for layout in [SeqLayout::Contiguous, SeqLayout::Zigzag] {
+        let dr = SpConfig::new(Strategy::DoubleRing, 2, 4)
+            .with_inner_ring(2)
+            .with_layout(layout);
+        cases.push(Case::new(dr.clone(), 8, 2, M::Causal).window(5));
+        cases.push(Case::new(dr, 8, 4, M::Docs).window(20).no_lse());
+    }
+    let dr8 = SpConfig::new(Strategy::DoubleRing, 1, 8)
+        .with_inner_ring(4)
+        .with_layout(SeqLayout::Contiguous);
+    cases.push(Case::new(dr8.clone(), 4, 2, M::Causal).window(3));
+    cases.push(Case::new(dr8, 4, 2, M::Causal).window(100));
     run_all(&cases);
 }
 

@@ -24,6 +24,16 @@
 //! blocks after the all-to-all and `DKV` the same in f32: forward `(d_cp - 1)·KV`, backward
 //! `(d_cp - 1)·KV + d_cp·DKV` (all `exchange`; every P2P of the forward is `Size(kv)`, LoongTrain
 //! 4.5.3). Plus, when `d_hp > 1`, the all-to-alls of [`super::ulysses`].
+//!
+//! **Sliding windows**: when the window leaves some ring steps unneeded ([`ring_steps`] of the
+//! context-parallel group: no rank's queries see, within the window, the block it would hold
+//! there), the context-parallel group runs the ring loop over the steps that run instead
+//! ([`super::ring`]: the kv block jumps straight to the next step that runs, each accumulator
+//! goes home from the last one). The double ring's gain is overlapping a whole inner ring with
+//! the outer prefetch when every step runs; under a window only a few steps do (contiguous
+//! `{0, 1}`, zigzag `{0, 1, P-1}` while the window is shorter than a chunk), and not sending the
+//! others saves far more: the traffic of ring attention under the same window
+//! (`planner::traffic::windowed_attention_traffic`). The blocks a rank computes are the same.
 
 use std::sync::Arc;
 
@@ -34,7 +44,7 @@ use super::layout::ShardPlan;
 use super::mask::{AttnMask, MaskBlock};
 use super::multi_ring_plan::DoubleRingPlan;
 use super::op::record_attention;
-use super::ring::RingComm;
+use super::ring::{ring_attention, ring_backward, ring_steps, RingBlocks, RingComm};
 use super::ulysses::HeadParallel;
 use super::{
     strategy_accessors, AttnCall, AttnOut, Grads, Qkv, Saved, SequenceParallelAttention, SpGroup,
@@ -284,17 +294,26 @@ pub fn double_ring_attention(
 pub struct DoubleRingAttention {
     group: SpGroup,
     dr: DoubleRingComm,
+    /// The natural ring over the context-parallel group: under a window that leaves steps out.
+    ring: RingComm,
 }
 
 impl DoubleRingAttention {
     /// Fails (before any communication) unless `w >= 1` divides the ring degree.
     pub fn new(group: SpGroup, w: usize) -> Result<Self> {
         let dr = DoubleRingComm::new(group.ring.clone(), w)?;
-        Ok(Self { group, dr })
+        let ring = RingComm::new(group.ring.clone());
+        Ok(Self { group, dr, ring })
     }
 
     pub fn double_ring(&self) -> &DoubleRingComm {
         &self.dr
+    }
+
+    /// Whether `call` on `plan` runs as the ring loop over the steps that run (a window
+    /// leaving some out): see the module docs. Pure: every rank decides the same.
+    pub fn skips_steps(&self, plan: &ShardPlan, call: &AttnCall) -> bool {
+        call.window.is_some() && ring_steps(plan, call).len() < self.ring.size()
     }
 }
 
@@ -303,6 +322,10 @@ impl SequenceParallelAttention for DoubleRingAttention {
 
     fn forward(&self, qkv: &Qkv, call: &AttnCall, want_lse: bool) -> Result<AttnOut> {
         HeadParallel::of(self).forward(qkv, call, want_lse, |h, plan| {
+            if self.skips_steps(plan, call) {
+                let blocks = Arc::new(RingBlocks::natural(plan, &self.ring, call));
+                return ring_attention(&self.ring, h, blocks, call);
+            }
             let blocks = DoubleRingBlocks::natural(plan, self.dr.rank(), &call.mask);
             double_ring_attention(&self.dr, h, Arc::new(blocks), call)
         })
@@ -310,6 +333,10 @@ impl SequenceParallelAttention for DoubleRingAttention {
 
     fn backward(&self, saved: &Saved, dout: &Tensor, call: &AttnCall) -> Result<Grads> {
         HeadParallel::of(self).backward(saved, dout, call, |h, dout, plan| {
+            if self.skips_steps(plan, call) {
+                let blocks = RingBlocks::natural(plan, &self.ring, call);
+                return ring_backward(&self.ring, &h.rows(dout), &h.k, &h.v, &blocks, call);
+            }
             let blocks = DoubleRingBlocks::natural(plan, self.dr.rank(), &call.mask);
             double_ring_backward(&self.dr, &h.rows(dout), &h.k, &h.v, &blocks, call)
         })

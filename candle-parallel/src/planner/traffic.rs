@@ -251,7 +251,9 @@ pub fn windowed_attention_traffic(
         MaskKind::Full => AttnMask::Full,
     };
     match sp.strategy {
-        Strategy::Ring | Strategy::Usp => {
+        // The double ring runs the ring loop over the steps that run when a window leaves some
+        // out (`attention::double_ring`); with every step its traffic is the ring's.
+        Strategy::Ring | Strategy::Usp | Strategy::DoubleRing => {
             let rep = kv_replication(shape.heads, shape.kv_heads, u)? as u64;
             // K' as in `attention_traffic`: `rep` times a rank's `b n hkv d el`.
             let kb = b * (shape.seq / (u * r)) as u64 * hkv * d * el * rep;
@@ -410,10 +412,16 @@ mod tests {
         assert_eq!(t.forward.all_gather, 2 * 3 * row);
         assert_eq!(t.backward.total(), 2 * 3 * row + 2 * 3 * row);
         assert_eq!(t.forward.exchange + t.backward.exchange, 0);
-        // The double ring still sends every step.
+        // The double ring sends what the ring sends under the window (zigzag, steps 0, 1, 3),
+        // and with a window as long as the sequence all of its own steps.
         let dr = SpConfig::new(Strategy::DoubleRing, 1, 4).with_inner_ring(2);
+        let windowed = windowed_attention_traffic(&dr, &s, 4, MaskKind::Causal).unwrap();
         assert_eq!(
-            windowed_attention_traffic(&dr, &s, 4, MaskKind::Causal).unwrap(),
+            (windowed.forward.exchange, windowed.backward.exchange),
+            (2 * 2 * k, 2 * 2 * k + 3 * 2 * k)
+        );
+        assert_eq!(
+            windowed_attention_traffic(&dr, &s, 64, MaskKind::Causal).unwrap(),
             attention_traffic(&dr, &s).unwrap()
         );
     }
