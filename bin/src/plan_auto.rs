@@ -8,7 +8,7 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
-use candle_parallel::attention::Strategy;
+use candle_parallel::attention::{SeqLayout, Strategy};
 use candle_parallel::mesh::{Dim, MeshLayout};
 use candle_parallel::nn::TpActivations;
 use candle_parallel::pipeline::PipelineSchedule;
@@ -127,6 +127,9 @@ fn layout_args(c: &Candidate, world: usize) -> LayoutArgs {
         team: sp.team,
         tp_sp: c.layout.tp == TpActivations::SequenceSharded,
         ep: c.layout.ep,
+        // The planner's rings are zigzag (`cpl`'s default for causal models; for a
+        // bidirectional one zigzag and contiguous split the scores alike) or contiguous.
+        ring_layout: (sp.ring > 1 && sp.layout == SeqLayout::Contiguous).then_some(sp.layout),
         ..LayoutArgs::default()
     }
 }

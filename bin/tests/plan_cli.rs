@@ -361,6 +361,63 @@ fn sliding_window_models_are_planned_by_their_window() {
         worst < 1.0,
         "a layout is no faster with the window: {worst}"
     );
+    // Every ring is planned contiguous too. Without the window contiguous gives the last rank
+    // the latest queries: each such layout computes more than its zigzag twin. Under the 4K
+    // window (8K tokens a rank on a ring of 16) it is balanced and sends fewer ring steps: no
+    // more compute than zigzag's, fewer bytes, and the best layout is contiguous.
+    let twins = |ranked: &[Value]| -> Vec<(Value, Value)> {
+        let by_flags: std::collections::HashMap<String, &Value> =
+            ranked.iter().map(|c| (key(c), c)).collect();
+        ranked
+            .iter()
+            .filter_map(|c| {
+                let k = key(c);
+                let zig = k.replace(" --ring-layout contiguous", "");
+                (zig != k)
+                    .then(|| by_flags.get(&zig).map(|z| (c.clone(), (*z).clone())))
+                    .flatten()
+            })
+            .collect()
+    };
+    let compute = |c: &Value| c["prediction"]["time"]["compute"].as_f64().unwrap();
+    let bytes = |c: &Value| c["prediction"]["bytes_sent"].as_f64().unwrap();
+    let (gt, wt) = (twins(gr), twins(wr));
+    assert!(
+        gt.len() > 50 && wt.len() > 50,
+        "{} and {} twins",
+        gt.len(),
+        wt.len()
+    );
+    for (contiguous, zigzag) in &gt {
+        assert!(
+            compute(contiguous) > compute(zigzag) * 1.01,
+            "global: {} computes {} s, its zigzag twin {} s",
+            key(contiguous),
+            compute(contiguous),
+            compute(zigzag)
+        );
+    }
+    let mut fewer = 0;
+    for (contiguous, zigzag) in &wt {
+        assert!(
+            compute(contiguous) <= compute(zigzag) * 1.001,
+            "windowed: {} computes {} s, its zigzag twin {} s",
+            key(contiguous),
+            compute(contiguous),
+            compute(zigzag)
+        );
+        assert!(bytes(contiguous) <= bytes(zigzag), "{}", key(contiguous));
+        fewer += usize::from(bytes(contiguous) < bytes(zigzag));
+    }
+    assert!(
+        fewer > 10,
+        "{fewer} contiguous rings send less under the window"
+    );
+    assert!(
+        key(&wr[0]).contains("--ring-layout contiguous"),
+        "best: {}",
+        key(&wr[0])
+    );
     assert_clear_errors(&[(
         words(&format!(
             "plan --auto --model {windowed} --seq-len 4096 --world 2 --hardware cpu-2core \

@@ -127,6 +127,73 @@ pub fn window_density(seq_len: usize, window: usize, kind: flash_ring::MaskKind)
     pairs / (s * s)
 }
 
+/// The busiest ring rank's attention scores over the mean rank's (1: balanced), from the
+/// positions each ring rank holds ([`crate::attention::ShardPlan::ring_positions`]): a query
+/// at `q` of a sequence of `S` sees, causal, the `min(q + 1, w)` latest keys, bidirectional
+/// the keys within `w - 1` on either side (`w`: the window, `S` without one). Ulysses splits
+/// heads evenly, so only the ring's split matters. Causal without a window: zigzag 1,
+/// contiguous `(2P - 1) / P` (its last rank holds the latest queries); under a window shorter
+/// than a rank's tokens both are close to 1. Layouts other than contiguous and zigzag (striped,
+/// per-document) are taken as balanced. Pure.
+pub fn attention_imbalance(
+    sp: &SpConfig,
+    seq_len: usize,
+    window: Option<usize>,
+    kind: flash_ring::MaskKind,
+) -> Result<f64> {
+    use crate::attention::SeqLayout;
+    let r = sp.ring;
+    if r <= 1 || !matches!(sp.layout, SeqLayout::Contiguous | SeqLayout::Zigzag) {
+        return Ok(1.0);
+    }
+    let plan = sp.plan(seq_len)?;
+    let s = seq_len as u64;
+    let w = window.map_or(s, |w| (w as u64).clamp(1, s.max(1)));
+    // Σ_{q < n} min(q + 1, w) and Σ_{q < n} min(q, c): closed forms.
+    let causal = |n: u64| {
+        if n <= w {
+            n * (n + 1) / 2
+        } else {
+            w * (w + 1) / 2 + (n - w) * w
+        }
+    };
+    let c = w - 1;
+    let before = |n: u64| {
+        if n <= c + 1 {
+            n * n.saturating_sub(1) / 2
+        } else {
+            c * (c + 1) / 2 + (n - c - 1) * c
+        }
+    };
+    // The scores of the queries `a..b`.
+    let run = |a: u64, b: u64| match kind {
+        flash_ring::MaskKind::Causal => causal(b) - causal(a),
+        flash_ring::MaskKind::Full => {
+            (b - a) + (before(b) - before(a)) + (before(s - a) - before(s - b))
+        }
+    };
+    let work: Vec<u64> = (0..r)
+        .map(|j| {
+            let mut pos = plan.ring_positions(j);
+            pos.sort_unstable();
+            let mut total = 0;
+            let mut i = 0;
+            while i < pos.len() {
+                let mut e = i + 1;
+                while e < pos.len() && pos[e] == pos[e - 1] + 1 {
+                    e += 1;
+                }
+                total += run(pos[i] as u64, pos[e - 1] as u64 + 1);
+                i = e;
+            }
+            total
+        })
+        .collect();
+    let mean = work.iter().sum::<u64>() as f64 / r as f64;
+    let max = work.iter().copied().max().unwrap_or(0) as f64;
+    Ok(if mean > 0.0 { max / mean } else { 1.0 })
+}
+
 /// One layout to predict: the ranks' arrangement and the memory plan.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Candidate {
@@ -306,13 +373,20 @@ impl<'a> Setup<'a> {
         })
     }
 
-    /// Seconds of a layer's attention FLOPs (forward and backward) on one rank, computing the
-    /// `density` share of the scores.
-    fn attention_compute(&self, work: &Workload, density: f64) -> f64 {
+    /// Seconds of a layer's attention FLOPs (forward and backward) on the busiest rank,
+    /// computing the `density` share of the scores, split over the ring as its layout splits
+    /// them ([`attention_imbalance`] under `window`).
+    fn attention_compute(
+        &self,
+        work: &Workload,
+        density: f64,
+        window: Option<usize>,
+    ) -> Result<f64> {
         let m = &work.model;
         let s = work.seq_len as f64;
         let flops = 3.0 * 4.0 * s * s * (m.heads * m.head_dim) as f64 * density;
-        flops / ((self.u * self.r * self.tp) as f64) / self.attn_rate
+        let busiest = attention_imbalance(self.sp, work.seq_len, window, window_mask(work))?;
+        Ok(flops / ((self.u * self.r * self.tp) as f64) / self.attn_rate * busiest)
     }
 
     /// The mean layer's attention on a rank: global and sliding-window layers
@@ -320,7 +394,7 @@ impl<'a> Setup<'a> {
     /// [`window_density`] of the scores (at most the workload's density) and sends what
     /// [`windowed_attention_traffic`] counts; without windows, the global layer itself.
     fn mean_attention(&self, work: &Workload, hw: &Hardware) -> Result<LayerAttention> {
-        let train = self.attention_compute(work, work.attention_density);
+        let train = self.attention_compute(work, work.attention_density, None)?;
         let global = LayerAttention {
             train,
             comm: sp_comm(self, work, hw, train, None)?,
@@ -330,7 +404,7 @@ impl<'a> Setup<'a> {
         };
         let kind = window_mask(work);
         let density = window_density(work.seq_len, w, kind).min(work.attention_density);
-        let train = self.attention_compute(work, density);
+        let train = self.attention_compute(work, density, Some(w))?;
         let local = LayerAttention {
             train,
             comm: sp_comm(self, work, hw, train, Some((w, kind)))?,
@@ -875,9 +949,17 @@ fn sp_comm(
     // StarTrail's sub-rings: the ranks of one member index in a team group, `C` apart.
     let team = sp.team.max(1);
     let star_link = hw.ring_link(sp_inner * team, sp_ranks / (team * team).max(1), world);
+    // A double ring under a window that leaves ring steps out runs the plain ring's loop
+    // (`attention::double_ring`): its links are the ring's.
+    let strategy = match sp.strategy {
+        Strategy::DoubleRing if window.is_some() && t.forward_steps + 1 < r as u64 => {
+            Strategy::Ring
+        }
+        s => s,
+    };
     let ring_time = |bytes: u64, steps: u64, block: f64| -> f64 {
         let bytes = bytes as f64;
-        match sp.strategy {
+        match strategy {
             Strategy::DoubleRing => {
                 // Inner rings of w neighbours, the outer ring across them: the outer hop
                 // overlaps the w inner steps of an outer step. The outer ring's w hops out of
@@ -927,14 +1009,14 @@ fn sp_comm(
     // The backward's last hop (the f32 dk, dv accumulators going home after the last block,
     // `attention::ring`, `attention::double_ring`; dq under StarTrail) has no compute left to
     // hide behind.
-    let (bwd_ring, home) = match sp.strategy {
+    let (bwd_ring, home) = match strategy {
         Strategy::Ring | Strategy::Usp | Strategy::DoubleRing
             if t.backward_steps > t.forward_steps =>
         {
             let hop =
                 (t.backward.exchange - t.forward.exchange) / (t.backward_steps - t.forward_steps);
             let w = sp.inner_ring.max(1);
-            let l = match sp.strategy {
+            let l = match strategy {
                 Strategy::DoubleRing if r > w => hw.ring_link(ring_stride * w, r / w, world),
                 Strategy::DoubleRing => hw.ring_link(ring_stride, w, world),
                 _ => hw.ring_link(ring_stride, r, world),
@@ -1365,6 +1447,36 @@ mod tests {
         assert_eq!(g.memory, wp.memory);
     }
 
+    /// The busiest ring rank's share of the scores over the mean: contiguous causal `(2P-1)/P`
+    /// in the limit (16 tokens on 4 ranks: ranks' queries score 10, 26, 42 and 58, by hand),
+    /// zigzag and bidirectional 1 exactly, a window of 1 or shorter than a rank's tokens near
+    /// 1, Ulysses alone 1.
+    #[test]
+    fn attention_imbalance_by_hand() {
+        use crate::attention::SeqLayout;
+        use flash_ring::MaskKind::{Causal, Full};
+        let contiguous = SpConfig::new(Strategy::Ring, 1, 4).with_layout(SeqLayout::Contiguous);
+        let zigzag = SpConfig::new(Strategy::Ring, 1, 4);
+        let f = |sp: &SpConfig, s: usize, w: Option<usize>, k| {
+            attention_imbalance(sp, s, w, k).unwrap()
+        };
+        assert_eq!(f(&contiguous, 16, None, Causal), 58.0 / 34.0);
+        assert!((f(&contiguous, 4096, None, Causal) - 1.75).abs() < 1e-3);
+        assert_eq!(f(&zigzag, 4096, None, Causal), 1.0);
+        assert_eq!(f(&contiguous, 4096, None, Full), 1.0);
+        assert_eq!(f(&contiguous, 4096, Some(1), Causal), 1.0);
+        // Window 4 on 16 tokens: rank 0 scores 1 + 2 + 3 + 4, the others 16.
+        assert_eq!(f(&contiguous, 16, Some(4), Causal), 16.0 / 14.5);
+        // Bidirectional window 2: the end ranks' outer queries miss a neighbour.
+        assert_eq!(f(&contiguous, 16, Some(2), Full), 12.0 / 11.5);
+        // Zigzag under a short window: the first chunk's start is the light part.
+        assert!(f(&zigzag, 4096, Some(64), Causal) < 1.01);
+        assert_eq!(
+            f(&SpConfig::new(Strategy::Ulysses, 4, 1), 4096, None, Causal),
+            1.0
+        );
+    }
+
     /// A contiguous ring of 4 with a window of 4 (4 tokens a rank): a rank's queries reach its
     /// left neighbour's keys only, so step 1 runs and steps 2, 3 do not: forward 1 exchange of
     /// 2K, backward 1 of 2K and the f32 accumulators' 2 hops (K = 128 bytes), 1024 bytes a
@@ -1387,10 +1499,11 @@ mod tests {
         // A window of 1 keeps every rank at home.
         assert_eq!(bytes(&windowed(1, 2)), grads);
         // The merges: 1 ring step after the first, against 3 (out and lse forward; dq, dk, dv
-        // backward: 4 tokens, 2 heads of 4), and the windowed FLOPs over 4 ranks.
+        // backward: 4 tokens, 2 heads of 4), and the windowed FLOPs of the busiest rank: of
+        // the 58 scores, rank 0's queries 0..4 have 1 + 2 + 3 + 4, every other rank's 4 x 4.
         let t = attention_time(&c, &windowed(4, 2), &hw).unwrap();
         let mem = hw.device.memory_bandwidth;
-        let attn = 3.0 * 4.0 * 256.0 * 8.0 * (58.0 / 256.0) / 4.0 / hw.device.attention_flops;
+        let attn = 3.0 * 4.0 * 8.0 * 16.0 / hw.device.attention_flops;
         let merge_fwd = 3.0 * 4.0 * (32.0 + 8.0) / mem;
         let merge_bwd = 3.0 * 4.0 * (32.0 + 2.0 * 32.0) / mem;
         let (bw, lat) = (hw.intra_node.bandwidth, hw.intra_node.latency);

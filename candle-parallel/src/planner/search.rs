@@ -11,7 +11,7 @@
 //! experts and the `ulysses x ring x dp` ranks; every ZeRO stage and checkpointing mode. Layouts whose predicted memory exceeds
 //! a rank's share of the device are dropped (and counted).
 
-use crate::attention::{SpConfig, Strategy};
+use crate::attention::{SeqLayout, SpConfig, Strategy};
 use crate::error::{Error, Result};
 use crate::mesh::{MeshConfig, Placement};
 use crate::nn::TpActivations;
@@ -75,6 +75,21 @@ fn attentions(u: usize, r: usize) -> Vec<SpConfig> {
             }
         }
     }
+    // Each ring in the contiguous layout too: unbalanced under a causal mask (the last rank's
+    // queries see the most keys, `cost::attention_imbalance`), but under a sliding window
+    // shorter than a rank's tokens balanced and with the fewest ring steps to send.
+    let contiguous: Vec<SpConfig> = out
+        .iter()
+        .filter(|c| {
+            r > 1
+                && matches!(
+                    c.strategy,
+                    Strategy::Ring | Strategy::Usp | Strategy::DoubleRing | Strategy::AllGather
+                )
+        })
+        .map(|c| c.clone().with_layout(SeqLayout::Contiguous))
+        .collect();
+    out.extend(contiguous);
     out
 }
 
