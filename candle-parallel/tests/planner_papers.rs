@@ -8,7 +8,7 @@
 //! through every published number: per column of each table, the planner ranks the measured
 //! layouts and its pick's measured time is compared with the column's best.
 
-use candle_parallel::attention::{SpConfig, Strategy};
+use candle_parallel::attention::{SeqLayout, SpConfig, Strategy};
 use candle_parallel::mesh::{MeshConfig, Placement};
 use candle_parallel::nn::TpActivations;
 use candle_parallel::optim::ZeroStage;
@@ -291,6 +291,8 @@ struct Row {
     inner: usize,
     sequences: usize,
     placement: Placement,
+    /// The ring's sharding: zigzag (load-balanced) unless a paper's row says otherwise.
+    layout: SeqLayout,
     value: f64,
 }
 
@@ -302,6 +304,7 @@ const fn row(tp: usize, hp: usize, cp: usize, value: f64) -> Row {
         inner: 1,
         sequences: 1,
         placement: Placement::HeadFirst,
+        layout: SeqLayout::Zigzag,
         value,
     }
 }
@@ -337,7 +340,9 @@ impl Column {
             (_, 1, _) => Strategy::Ulysses,
             _ => Strategy::Usp,
         };
-        let mut sp = SpConfig::new(strategy, r.hp, r.cp).with_placement(r.placement);
+        let mut sp = SpConfig::new(strategy, r.hp, r.cp)
+            .with_placement(r.placement)
+            .with_layout(r.layout);
         if r.inner > 1 {
             sp = sp.with_inner_ring(r.inner);
         }
@@ -836,8 +841,8 @@ fn loongtrain_columns() -> Vec<Column> {
     out
 }
 
-/// USP (sec. 5): Tables 3 and 4 (attention forward, iterations/s, the load-balanced ring: the
-/// layout the planner plans; the basic ring's causal imbalance is not modelled), Tables 5 to 7
+/// USP (sec. 5): Tables 3 and 4 (attention forward, iterations/s, the load-balanced ring and
+/// the basic ring: contiguous, whose causal imbalance the planner models), Tables 5 to 7
 /// (end-to-end TFLOPS per GPU, Megatron-LM with TP-sp and ZeRO-1).
 fn usp_columns() -> Vec<Column> {
     let mut out = Vec::new();
@@ -857,6 +862,15 @@ fn usp_columns() -> Vec<Column> {
             .iter()
             .zip(v)
             .map(|(&u, x)| row(1, u, 8 / u, x))
+            .collect::<Vec<_>>()
+    };
+    let basic8 = |v: [f64; 4]| {
+        ring8(v)
+            .into_iter()
+            .map(|r| Row {
+                layout: SeqLayout::Contiguous,
+                ..r
+            })
             .collect::<Vec<_>>()
     };
     let rep = TpActivations::Replicated;
@@ -882,6 +896,27 @@ fn usp_columns() -> Vec<Column> {
         rep,
         fwd,
         ring8([2.785, 2.771, 2.89, 2.91]),
+    ));
+    // The basic-ring columns (contiguous; ulysses 8 has no ring).
+    out.push(column(
+        "T3 A100 32K basic-ring",
+        "a100-hdr-cluster",
+        8,
+        llama3_8b(),
+        32 * K,
+        rep,
+        fwd,
+        basic8([135.569, 103.525, 91.365, 81.985]),
+    ));
+    out.push(column(
+        "T3 A100 128K basic-ring",
+        "a100-hdr-cluster",
+        8,
+        llama3_8b(),
+        128 * K,
+        rep,
+        fwd,
+        basic8([2.782, 2.024, 1.73, 1.628]),
     ));
     // Table 4: 8 x L20 (PCIe).
     out.push(column(
@@ -914,6 +949,22 @@ fn usp_columns() -> Vec<Column> {
         fwd,
         ring8([2.586, 4.235, 5.476, 5.186]),
     ));
+    for (seq, v) in [
+        (8, [57.346, 153.134, 415.5, 358.595]),
+        (32, [15.229, 28.584, 44.348, 40.478]),
+        (128, [2.563, 3.217, 3.399, 3.131]),
+    ] {
+        out.push(column(
+            &format!("T4 L20 {seq}K basic-ring"),
+            "l20-pcie-node",
+            8,
+            llama3_8b(),
+            seq * K,
+            rep,
+            fwd,
+            basic8(v),
+        ));
+    }
     let sh = TpActivations::SequenceSharded;
     let thr = Quantity::Throughput;
     let bs = |r: Row, n: usize| Row { sequences: n, ..r };
@@ -1029,9 +1080,20 @@ fn usp_columns() -> Vec<Column> {
 }
 
 /// Columns whose pick is more than 10% slower than the column's best, with the ratio the
-/// paper's numbers give for it (none since the NIC, merge and last-hop terms; before them 12 of
-/// 107 missed, `docs/planner.md`).
-const MISSES: &[(&str, f64)] = &[];
+/// paper's numbers give for it (none of the first 107 since the NIC, merge and last-hop terms;
+/// before them 12 of 107 missed, `docs/planner.md`). USP Table 4's basic-ring columns (8 L20 on
+/// PCIe), added with the contiguous ring's imbalance: the planner picks Ulysses 8, which no
+/// ring imbalance slows, where the paper measures it 7.2x, 2.9x and 1.3x slower than ulysses 2
+/// x basic ring 4 at 8K, 32K and 128K. Its all-to-all over PCIe is far too fast: the
+/// load-balanced columns' Ulysses 8 rows are 8.0x, 4.4x and 2.1x slower than their best, which
+/// the planner ranks right only because the balanced ring wins there by a margin; the preset
+/// gives every GPU PCIe 4.0's 25.6 GB/s to any peer, while the paper's all-to-all crosses the
+/// host bridges (the node's PCIe topology is not modelled).
+const MISSES: &[(&str, f64)] = &[
+    ("USP T4 L20 8K basic-ring", 7.245),
+    ("USP T4 L20 32K basic-ring", 2.912),
+    ("USP T4 L20 128K basic-ring", 1.326),
+];
 
 /// Every column of LoongTrain's Tables 2 to 5 (each placement, and Tables 3, 4 and 5 with the
 /// placements and double rings together) and of USP's Tables 3 to 7: the planner ranks the
@@ -1042,7 +1104,7 @@ const MISSES: &[(&str, f64)] = &[];
 fn the_pick_is_within_ten_percent_of_the_measured_best() {
     let mut cols = loongtrain_columns();
     cols.extend(usp_columns());
-    assert_eq!(cols.len(), 107);
+    assert_eq!(cols.len(), 112);
     let (mut within, mut open) = (0, 0);
     let mut failures = Vec::new();
     for c in &cols {
