@@ -687,6 +687,35 @@ fn lora_on_a_mixture_of_experts_writes_peft_adapters() {
             }
         }
     }
+    // Full fine-tuning with --router-aux-loss-coef: its checkpoints carry the coefficient in
+    // their config.json, and resuming with another is an error naming the flag.
+    let full = d.join("full-coef");
+    let coef = |c: &str, extra: &[&str]| -> Vec<String> {
+        let mut a = words(&format!(
+            "finetune --model {} --data {} --template plain --seq-len 64 --lr 1e-2 \
+             --finetuning-type full --save-every 1 --router-aux-loss-coef {c} --out {}",
+            model.display(),
+            data.display(),
+            full.display()
+        ));
+        a.extend(extra.iter().map(|x| x.to_string()));
+        a
+    };
+    run_ok(&coef("0.05", &["--steps", "1"]));
+    let saved: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(full.join("step-1").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(saved["router_aux_loss_coef"], 0.05, "{saved}");
+    assert_eq!(saved["output_router_logits"], true, "{saved}");
+    let o = cpl(&coef("0.3", &["--steps", "2", "--resume"]));
+    assert!(!o.status.success(), "resumed under another coefficient");
+    assert!(
+        stderr(&o).contains("--router-aux-loss-coef") && stderr(&o).contains("another config"),
+        "{}",
+        stderr(&o)
+    );
+    run_ok(&coef("0.05", &["--steps", "2", "--resume"]));
     let step = dp.join("step-2");
     assert_eq!(
         adapter_shapes(&step),
