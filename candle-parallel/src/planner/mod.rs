@@ -59,13 +59,18 @@ pub struct ModelShape {
 /// `use_sliding_window`): `windowed_layers` of the layers see the last `window` tokens
 /// (`pq - pk < window`), the others the whole sequence. One window for all of them: every
 /// family of the registry has one (a model with several would be described by its largest,
-/// which costs no less than it). The cost model averages windowed and global layers over the
-/// stages, as it does dense and sparse ones.
+/// which costs no less than it). When [`WindowShape::layer_mask`] says which layers are
+/// windowed, each pipeline stage is costed by its own layers (Qwen2's windowed layers are the
+/// upper ones: the last stages are cheaper); otherwise windowed and global layers are averaged
+/// over the stages, as dense and sparse ones are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct WindowShape {
     /// Tokens a query sees, itself included.
     pub window: usize,
     pub windowed_layers: usize,
+    /// Bit `l` set: layer `l` is windowed (models of up to 128 layers; `None`: not known).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_mask: Option<u128>,
 }
 
 /// The sparse blocks of a mixture-of-experts model ([`crate::nn::moe`]): `sparse_layers` of
@@ -150,6 +155,23 @@ impl ModelShape {
                     w.windowed_layers, self.layers
                 )));
             }
+            if let Some(m) = w.layer_mask {
+                let inside = if self.layers >= 128 {
+                    m
+                } else {
+                    m & ((1u128 << self.layers) - 1)
+                };
+                if self.layers > 128 || inside != m || m.count_ones() as usize != w.windowed_layers
+                {
+                    return Err(Error::Layout(format!(
+                        "model shape: a window layer mask of {} layers for {} windowed layers \
+                         of {} (at most 128)",
+                        m.count_ones(),
+                        w.windowed_layers,
+                        self.layers
+                    )));
+                }
+            }
         }
         if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(Error::Layout(format!(
@@ -194,6 +216,16 @@ impl ModelShape {
     }
 
     /// Layers with a sliding window, and the window (`None` when no layer has one).
+    /// Whether layer `l` is windowed: `None` when the model does not say which are
+    /// ([`WindowShape::layer_mask`]).
+    pub fn layer_is_windowed(&self, l: usize) -> Option<bool> {
+        match self.window {
+            None => Some(false),
+            Some(w) if w.windowed_layers == 0 => Some(false),
+            Some(w) => w.layer_mask.map(|m| l < 128 && (m >> l) & 1 == 1),
+        }
+    }
+
     pub fn windowed_layers(&self) -> Option<(usize, usize)> {
         self.window
             .filter(|w| w.windowed_layers > 0)
@@ -288,6 +320,7 @@ mod tests {
             window: Some(WindowShape {
                 window,
                 windowed_layers,
+                layer_mask: None,
             }),
             ..m
         };

@@ -297,12 +297,19 @@ impl DecoderSpec {
             .sum()
     }
 
-    /// The shape `cpl plan --auto`'s cost model plans for: the windowed layers' count and their
-    /// window (the largest, should the layers' windows differ: every family of the registry
-    /// gives its windowed layers one `sliding_window`).
+    /// The shape `cpl plan --auto`'s cost model plans for: the windowed layers' count, which
+    /// they are (up to 128 layers), and their window (the largest, should the layers' windows
+    /// differ: every family of the registry gives its windowed layers one `sliding_window`).
     pub fn planner_shape(&self) -> candle_parallel::planner::ModelShape {
         let windows = self.layers.iter().filter_map(|l| l.window);
         let windowed = windows.clone().count();
+        let layer_mask = (self.layers.len() <= 128).then(|| {
+            self.layers
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| l.window.is_some())
+                .fold(0u128, |m, (i, _)| m | 1u128 << i)
+        });
         candle_parallel::planner::ModelShape {
             layers: self.num_layers(),
             hidden: self.hidden_size,
@@ -327,6 +334,7 @@ impl DecoderSpec {
                 .map(|window| candle_parallel::planner::WindowShape {
                     window,
                     windowed_layers: windowed,
+                    layer_mask,
                 }),
         }
     }
@@ -532,8 +540,9 @@ mod tests {
             .join("config.json")
     }
 
-    /// The planner sees the windowed layers: Mistral's every layer, Gemma 3's local ones
-    /// (`layer_types`: 2 of 3), with the config's `sliding_window`; none without a window.
+    /// The planner sees the windowed layers and which they are: Mistral's every layer, Gemma
+    /// 3's local ones (`layer_types`), with the config's `sliding_window`; none without a
+    /// window.
     #[test]
     fn planner_shape_carries_the_windowed_layers() {
         let window = |name: &str| {
@@ -542,14 +551,16 @@ mod tests {
             let d = (family.describe)(&path).unwrap();
             d.planner_shape.unwrap().window
         };
-        let w = |window, windowed_layers| {
+        let w = |window, windowed_layers, mask| {
             Some(WindowShape {
                 window,
                 windowed_layers,
+                layer_mask: Some(mask),
             })
         };
-        assert_eq!(window("mistral"), w(8, 2));
-        assert_eq!(window("gemma3"), w(8, 2));
+        assert_eq!(window("mistral"), w(8, 2, 0b11));
+        // Gemma 3's `layer_types`: sliding, sliding, full.
+        assert_eq!(window("gemma3"), w(8, 2, 0b011));
         let text = r#"{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 50,
             "rms_norm_eps": 1e-6}"#;
