@@ -353,13 +353,24 @@ pub fn check_reference(name: &str) {
     let got = run_layout(name, &Layout::single());
     let e = rel_err(&got.logits, &r.logits);
     assert!(e <= 1e-5, "{name}: logits rel err {e}");
+    assert_loss_and_gradients(name, &got, r.loss, &r.grads);
+}
+
+/// `got`'s loss and every parameter's gradient equal transformers' `loss` and `grads` (1e-5
+/// relative; the same parameters have gradients).
+pub fn assert_loss_and_gradients(
+    name: &str,
+    got: &StepResult,
+    loss: f32,
+    grads: &HashMap<String, Tensor>,
+) {
     testkit::assert_close_scalar(
         got.loss as f64,
-        r.loss as f64,
+        loss as f64,
         1e-5,
         &format!("{name}: loss vs transformers"),
     );
-    let mut names: Vec<&String> = r.grads.keys().collect();
+    let mut names: Vec<&String> = grads.keys().collect();
     names.sort();
     let mut ours: Vec<&String> = got.grads.keys().collect();
     ours.sort();
@@ -368,7 +379,7 @@ pub fn check_reference(name: &str) {
         "{name}: parameters with gradients differ from transformers'"
     );
     for n in names {
-        let e = rel_err(&got.grads[n], &r.grads[n]);
+        let e = rel_err(&got.grads[n], &grads[n]);
         assert!(e <= 1e-5, "{name}: gradient of {n}: rel err {e}");
     }
 }

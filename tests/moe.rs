@@ -16,8 +16,8 @@
 use candle_parallel::attention::Strategy;
 use candle_parallel::recompute::Checkpointing;
 use cpl_integration_tests::{
-    assert_same_registry_run, assert_same_step, check_kv_cache, check_reference,
-    check_saved_under_tp2_reloads, fixture_files, reference, rel_err, run_layout,
+    assert_loss_and_gradients, assert_same_registry_run, assert_same_step, check_kv_cache,
+    check_reference, check_saved_under_tp2_reloads, fixture_files, reference, run_layout,
     run_layout_padded, run_layout_with, train_through_registry, Layout, StepPlan,
 };
 
@@ -125,21 +125,7 @@ fn padding_is_left_out_of_the_balancing_loss_like_transformers() {
     for name in FAMILIES {
         let r = reference(name).padded.expect("a padded run in the fixture");
         let got = run_layout_padded(name, &Layout::single(), StepPlan::default());
-        testkit::assert_close_scalar(
-            got.loss as f64,
-            r.loss as f64,
-            TOL,
-            &format!("{name}: padded loss vs transformers"),
-        );
-        let mut names: Vec<&String> = r.grads.keys().collect();
-        names.sort();
-        let mut ours: Vec<&String> = got.grads.keys().collect();
-        ours.sort();
-        assert_eq!(ours, names, "{name}: parameters with gradients");
-        for n in names {
-            let e = rel_err(&got.grads[n], &r.grads[n]);
-            assert!(e <= TOL, "{name}: padded gradient of {n}: rel err {e}");
-        }
+        assert_loss_and_gradients(&format!("{name} padded"), &got, r.loss, &r.grads);
         for (layout, plan) in [&layouts()[1], &layouts()[2], &layouts()[6]] {
             let under = run_layout_padded(name, layout, *plan);
             assert_same_step(

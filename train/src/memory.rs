@@ -186,6 +186,21 @@ impl<A> RankCountingAlloc<A> {
         p
     }
 
+    /// An allocation for `l` made by `inner_alloc` (one of `inner`'s) with its header, tagged.
+    ///
+    /// # Safety
+    /// `inner_alloc` returns null or a live allocation of the layout it is given.
+    unsafe fn alloc_by(&self, l: Layout, inner_alloc: impl FnOnce(Layout) -> *mut u8) -> *mut u8 {
+        let Some(outer) = Self::outer(l) else {
+            return std::ptr::null_mut();
+        };
+        let base = inner_alloc(outer);
+        if base.is_null() {
+            return base;
+        }
+        unsafe { self.tag(base, l) }
+    }
+
     /// The rank `p` was counted for and the inner allocation's start.
     ///
     /// # Safety
@@ -201,25 +216,11 @@ impl<A> RankCountingAlloc<A> {
 // inside it, and deallocation and reallocation hand `inner` its own pointer and layout back.
 unsafe impl<A: GlobalAlloc> GlobalAlloc for RankCountingAlloc<A> {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        let Some(outer) = Self::outer(l) else {
-            return std::ptr::null_mut();
-        };
-        let base = unsafe { self.inner.alloc(outer) };
-        if base.is_null() {
-            return base;
-        }
-        unsafe { self.tag(base, l) }
+        unsafe { self.alloc_by(l, |o| self.inner.alloc(o)) }
     }
 
     unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        let Some(outer) = Self::outer(l) else {
-            return std::ptr::null_mut();
-        };
-        let base = unsafe { self.inner.alloc_zeroed(outer) };
-        if base.is_null() {
-            return base;
-        }
-        unsafe { self.tag(base, l) }
+        unsafe { self.alloc_by(l, |o| self.inner.alloc_zeroed(o)) }
     }
 
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
