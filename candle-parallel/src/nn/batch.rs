@@ -167,6 +167,10 @@ mod tests {
             b.pass(&ctx)?;
             let (none, _) = padded(&[0, 0])?;
             assert_eq!(none.routed, None, "no padding: every token counts");
+            // A sequence of padding alone is a padding count, not an error.
+            let (all, _) = padded(&[6, 0])?;
+            let t = true;
+            assert_eq!(all.routed, Some(vec![false, false, false, t, t, t]));
             for bad in [&[1usize][..], &[0, 7]] {
                 let e = padded(bad).expect_err("a bad padding count").to_string();
                 assert!(e.contains("batch") && e.contains("padding"), "{e}");
