@@ -742,6 +742,47 @@ fn bad_configurations_and_calls_are_clear_errors() {
         );
     }
 
+    // Routing flags must cover the pass's tokens: under tp2 without TP-sp a TP-sp-sized set
+    // (twice the rows) is an error, as is any other length; under TP-sp it is this rank's part.
+    let flagged = world(2, |comm| {
+        let run = |acts: TpActivations, n: usize| -> candle_core::Result<Option<String>> {
+            let layout = Layout::new(
+                MeshConfig::new().with_tp(2),
+                SpConfig::new(Strategy::Ring, 1, 1),
+                acts,
+            );
+            let (_mesh, ctx) = layout
+                .context(comm.clone())
+                .map_err(candle_core::Error::wrap)?;
+            let source = Arc::new(TensorMap::new(w.clone(), "random"));
+            let vb = ParamBuilder::new(source, DType::F32, &Device::Cpu, ParamMode::Trainable).0;
+            let block =
+                SparseMoe::new(&cfg, vb.pp("mlp"), &ctx, None).map_err(candle_core::Error::wrap)?;
+            let x = Tensor::ones((1, 2, cfg.hidden_size), DType::F32, &Device::Cpu)?;
+            let flags = vec![true; n];
+            Ok(block
+                .forward_at(&x, None, Some(&flags))
+                .err()
+                .map(|e| e.to_string()))
+        };
+        Ok([
+            run(TpActivations::Replicated, 4)?,
+            run(TpActivations::Replicated, 3)?,
+            run(TpActivations::SequenceSharded, 4)?,
+            run(TpActivations::SequenceSharded, 3)?,
+        ])
+    });
+    for [tp_sized, odd, tp_sp, tp_sp_odd] in flagged {
+        for e in [&tp_sized, &odd, &tp_sp_odd] {
+            let e = e.as_deref().unwrap_or("no error");
+            assert!(
+                e.contains("routing flags for 1 sequences of 2 tokens"),
+                "{e}"
+            );
+        }
+        assert_eq!(tp_sp, None, "TP-sp: the rank's part of 4 flags");
+    }
+
     // add_to_loss needs finish first, and begin forgets the previous micro-batch's totals (but
     // not its statistics).
     let aux = RouterAux::new(4);
