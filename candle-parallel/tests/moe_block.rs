@@ -890,3 +890,65 @@ fn expert_groups_of_the_layout_are_the_communicators_groups() {
         "{err}"
     );
 }
+
+/// Under a capacity factor with padding: the dropped share counts the assignments of the
+/// tokens that count only (padding takes capacity like any token, but is not reported), against
+/// the experts' capacity recomputed here from the router's probabilities (top-2 of 8, capacity
+/// `ceil(0.5 · 12 · 2 / 8)` = 2 over all 12 tokens, the last 4 padding).
+#[test]
+fn dropped_share_counts_the_tokens_that_count() {
+    let cfg = cfg_qwen().with_capacity_factor(Some(0.5)).unwrap();
+    let (n, pad) = (12, 4);
+    let w: HashMap<String, Tensor> = weights(&cfg, 21)
+        .into_iter()
+        .filter_map(|(k, t)| k.strip_prefix("mlp0.").map(|k| (format!("mlp.{k}"), t)))
+        .collect();
+    let mut rng = StdRng::seed_from_u64(22);
+    let x = common::rand_t(&mut rng, &[1, n, cfg.hidden_size]);
+    // The routing by hand: softmax of x Wᵀ, top-2, then each expert's capacity.
+    let logits = x
+        .squeeze(0)
+        .and_then(|x| x.matmul(&w["mlp.gate.weight"].t()?))
+        .and_then(|l| l.to_vec2::<f32>())
+        .unwrap();
+    let probs: Vec<Vec<f32>> = logits
+        .iter()
+        .map(|row| {
+            let m = row.iter().fold(f32::MIN, |a, &b| a.max(b));
+            let ex: Vec<f32> = row.iter().map(|&v| (v - m).exp()).collect();
+            let z: f32 = ex.iter().sum();
+            ex.iter().map(|v| v / z).collect()
+        })
+        .collect();
+    let (mut p, mut e, mut order) = (Vec::new(), Vec::new(), Vec::new());
+    for (t, row) in probs.iter().enumerate() {
+        let mut idx: Vec<usize> = (0..row.len()).collect();
+        idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        for &c in &idx[..cfg.top_k] {
+            p.push(row[c]);
+            e.push(c as u32);
+            order.push((0, t as u32));
+        }
+    }
+    let capacity = cfg.capacity(n).unwrap();
+    assert_eq!(capacity, 2);
+    let keep = candle_parallel::nn::moe::keep_within_capacity(&p, &e, &order, 8, capacity);
+    let counted = (n - pad) * cfg.top_k;
+    let dropped = keep[..counted].iter().filter(|&&k| !k).count();
+    assert!(
+        dropped > 0 && keep[counted..].iter().any(|&k| !k),
+        "some of each dropped"
+    );
+    let (_mesh, ctx) = Layout::single()
+        .context(candle_parallel::comm::solo())
+        .unwrap();
+    let source = Arc::new(TensorMap::new(w, "random"));
+    let vb = ParamBuilder::new(source, DType::F32, &Device::Cpu, ParamMode::Trainable).0;
+    let aux = RouterAux::new(8);
+    let block = SparseMoe::new(&cfg, vb.pp("mlp"), &ctx, Some((aux.clone(), 0))).unwrap();
+    let routed: Vec<bool> = (0..n).map(|t| t < n - pad).collect();
+    aux.begin();
+    block.forward_at(&x, None, Some(&routed)).unwrap();
+    let stats = aux.finish_in(&ctx, n - pad, &Device::Cpu).unwrap();
+    assert_eq!(stats.dropped_fraction, dropped as f64 / counted as f64);
+}
