@@ -146,7 +146,8 @@ pub fn attention_imbalance(
     if r <= 1 || !matches!(sp.layout, SeqLayout::Contiguous | SeqLayout::Zigzag) {
         return Ok(1.0);
     }
-    let plan = sp.plan(seq_len)?;
+    // Validates the split as the run would (the same errors).
+    sp.plan(seq_len)?;
     let s = seq_len as u64;
     let w = window.map_or(s, |w| (w as u64).clamp(1, s.max(1)));
     // Σ_{q < n} min(q + 1, w) and Σ_{q < n} min(q, c): closed forms.
@@ -166,27 +167,23 @@ pub fn attention_imbalance(
         }
     };
     // The scores of the queries `a..b`.
-    let run = |a: u64, b: u64| match kind {
+    let run = |(a, b): (u64, u64)| match kind {
         flash_ring::MaskKind::Causal => causal(b) - causal(a),
         flash_ring::MaskKind::Full => {
             (b - a) + (before(b) - before(a)) + (before(s - a) - before(s - b))
         }
     };
-    let work: Vec<u64> = (0..r)
-        .map(|j| {
-            let mut pos = plan.ring_positions(j);
-            pos.sort_unstable();
-            let mut total = 0;
-            let mut i = 0;
-            while i < pos.len() {
-                let mut e = i + 1;
-                while e < pos.len() && pos[e] == pos[e - 1] + 1 {
-                    e += 1;
-                }
-                total += run(pos[i] as u64, pos[e - 1] as u64 + 1);
-                i = e;
+    // Ring rank `j`'s positions as runs, as `ShardPlan::ring_positions` lays them out, without
+    // listing them: a search costs thousands of layouts at up to millions of tokens.
+    let p = r as u64;
+    let work: Vec<u64> = (0..p)
+        .map(|j| match sp.layout {
+            SeqLayout::Contiguous => run((j * s / p, (j + 1) * s / p)),
+            _ => {
+                let ch = s / (2 * p);
+                let second = 2 * p - 1 - j;
+                run((j * ch, (j + 1) * ch)) + run((second * ch, (second + 1) * ch))
             }
-            total
         })
         .collect();
     let mean = work.iter().sum::<u64>() as f64 / r as f64;
@@ -1527,6 +1524,36 @@ mod tests {
             f(&SpConfig::new(Strategy::Ulysses, 4, 1), 4096, None, Causal),
             1.0
         );
+        // Against every query's visible keys counted on the plan's own positions.
+        for (sp, s, w, k) in [
+            (&contiguous, 96, Some(7), Causal),
+            (&zigzag, 96, Some(7), Causal),
+            (&zigzag, 96, None, Causal),
+            (&contiguous, 96, Some(5), Full),
+            (&zigzag, 96, Some(30), Full),
+        ] {
+            let plan = sp.plan(s).unwrap();
+            let w = w.unwrap_or(s);
+            let seen = |q: usize| match k {
+                Causal => (q + 1).min(w),
+                Full => (0..s).filter(|&j| q.abs_diff(j) < w).count(),
+            };
+            let work: Vec<usize> = (0..4)
+                .map(|r| {
+                    plan.ring_positions(r)
+                        .iter()
+                        .map(|&q| seen(q as usize))
+                        .sum()
+                })
+                .collect();
+            let mean = work.iter().sum::<usize>() as f64 / 4.0;
+            let want = *work.iter().max().unwrap() as f64 / mean;
+            let got = f(sp, s, Some(w), k);
+            assert!(
+                (got - want).abs() < 1e-12,
+                "{sp:?} {s} {w}: {got} vs {want}"
+            );
+        }
     }
 
     /// A contiguous ring of 4 with a window of 4 (4 tokens a rank): a rank's queries reach its
