@@ -390,28 +390,33 @@ impl<'a> Setup<'a> {
     /// ([`ModelShape::window`]) weighted by their counts; without windows, the global layer
     /// itself.
     fn mean_attention(&self, work: &Workload, hw: &Hardware) -> Result<LayerAttention> {
-        let (global, local) = self.attentions(work, hw)?;
-        Ok(match (local, work.model.windowed_layers()) {
-            (Some(local), Some((windowed, _))) => {
-                global.mix(&local, windowed as f64 / work.model.layers as f64)
-            }
-            _ => global,
-        })
+        Ok(self.layer_attentions(work, hw)?.1)
     }
 
-    /// Each layer's attention on a rank: its kind's ([`ModelShape::layer_is_windowed`]), or
-    /// the mean layer's when the model does not say which layers are windowed.
-    fn layer_attentions(&self, work: &Workload, hw: &Hardware) -> Result<Vec<LayerAttention>> {
+    /// Each layer's attention on a rank (its kind's, [`ModelShape::layer_is_windowed`], or the
+    /// mean layer's when the model does not say which layers are windowed), and the mean
+    /// layer's.
+    fn layer_attentions(
+        &self,
+        work: &Workload,
+        hw: &Hardware,
+    ) -> Result<(Vec<LayerAttention>, LayerAttention)> {
         let m = &work.model;
         let (global, local) = self.attentions(work, hw)?;
-        let mean = self.mean_attention(work, hw)?;
-        Ok((0..m.layers)
+        let mean = match (local, m.windowed_layers()) {
+            (Some(local), Some((windowed, _))) => {
+                global.mix(&local, windowed as f64 / m.layers as f64)
+            }
+            _ => global,
+        };
+        let layers = (0..m.layers)
             .map(|l| match (m.layer_is_windowed(l), local) {
                 (Some(true), Some(local)) => local,
                 (Some(_), _) => global,
                 (None, _) => mean,
             })
-            .collect())
+            .collect();
+        Ok((layers, mean))
     }
 
     /// A global layer's attention on a rank, and a sliding-window layer's
@@ -632,8 +637,8 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
     // ---- per layer, per micro-batch, on one rank ----
     let dense_fwd = 2.0 * layer_active * tok / mm_rate;
     // The mean layer's attention (memory, the report), and each layer's (the stages' times).
-    let sp_cost = st.mean_attention(work, hw)?.comm;
-    let attentions = st.layer_attentions(work, hw)?;
+    let (attentions, mean) = st.layer_attentions(work, hw)?;
+    let sp_cost = mean.comm;
     let h_share = if tp_sp { h / tpf } else { h };
     let [ah, aq, akv, ai] = ACT_PER_TOKEN;
     let tp_extra = if tp > 1 { TP_EXTRA_HIDDEN * h } else { 0.0 };
