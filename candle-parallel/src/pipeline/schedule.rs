@@ -178,6 +178,39 @@ impl PipelineSchedule {
                 one_f_one_b_orders(stages, micro_batches, chunks)?
             }
         };
+        Self::from_compute_orders(kind, stages, micro_batches, chunks, &compute_orders)
+    }
+
+    /// A schedule from each rank's order of forwards and backwards (`compute_orders[r]`, only
+    /// [`ActionKind::Forward`] and [`ActionKind::Backward`]), as torchtitan loads one from a
+    /// CSV file: each forward gets its receive before and send after, each backward likewise,
+    /// and the whole is validated. `kind` names the schedule the orders follow.
+    ///
+    /// Errors: not one order per stage, a communication action in an order, or any defect
+    /// [`PipelineSchedule::validate`] finds (a deadlock, a missing or repeated action).
+    pub fn from_compute_orders(
+        kind: ScheduleKind,
+        stages: usize,
+        micro_batches: usize,
+        chunks: usize,
+        compute_orders: &[Vec<Action>],
+    ) -> Result<Self> {
+        if compute_orders.len() != stages {
+            return Err(invalid(format!(
+                "{} compute orders for {stages} stages",
+                compute_orders.len()
+            )));
+        }
+        if let Some((r, a)) = compute_orders.iter().enumerate().find_map(|(r, o)| {
+            o.iter()
+                .find(|a| !matches!(a.kind, ActionKind::Forward | ActionKind::Backward))
+                .map(|a| (r, a))
+        }) {
+            return Err(invalid(format!(
+                "rank {r}'s compute order holds {a}: only forwards and backwards (the \
+                 communication is added)"
+            )));
+        }
         let ranks = compute_orders
             .iter()
             .enumerate()
@@ -520,31 +553,34 @@ fn compute(kind: ActionKind, micro_batch: usize, chunk: usize) -> Action {
 /// ranks are run with unit costs (forward 1, backward 2); a free rank alternates (after a
 /// backward a ready forward goes first, otherwise a ready backward) and starts a forward only
 /// while it holds fewer than its limit of activations
-/// (`p - rank` for one chunk, Megatron's warm-up plus one, `2 (p - rank - 1) + (v - 1) p + 1`,
-/// for several), else waits. Among ready actions it takes Megatron's order: micro-batches in
-/// groups of `p`, forwards chunk by chunk, backwards with the chunks reversed. With `m` a
-/// multiple of `p` and one chunk this is Megatron's 1F1B (tested); other `m` (Llama 3's
-/// flexible pipeline, fewer micro-batches than stages) get the same rules instead of a hang:
-/// when every rank is idle
-/// and none may start a forward under its limit, the limit is lifted for that moment. The
-/// order is that of a valid run, so it cannot deadlock under buffered sends.
+/// (`p - rank` for one chunk, the warm-up plus one, `2 (p - rank - 1) + (v - 1) g + 1`, for
+/// several, `g` the longest of the [`Rounds`]), else waits. Among ready actions it takes
+/// Megatron's order: micro-batches round by round, forwards chunk by chunk, backwards with the
+/// chunks reversed. With `m` a multiple of `p` the rounds are Megatron's groups of `p` and
+/// the orders Megatron's (tested); for any `m` (Llama 3's flexible pipeline) the bubble is the
+/// formula `(p - 1) / (v m + p - 1)` once `m >= p`, and bubble and activation peaks equal
+/// PyTorch's `ScheduleInterleaved1F1B` wherever it accepts `m` (tested). With fewer
+/// micro-batches than stages: when every rank is idle and none may start a forward under its
+/// limit, the limit is lifted for that moment instead of a hang. The order is that of a
+/// valid run, so it cannot deadlock under buffered sends.
 fn one_f_one_b_orders(p: usize, m: usize, v: usize) -> Result<Vec<Vec<Action>>> {
     let last = p * v - 1;
+    let rounds = Rounds::new(p, m);
     let limit = |r: usize| {
         if v == 1 {
             p - r
         } else {
-            2 * (p - r - 1) + (v - 1) * p + 1
+            2 * (p - r - 1) + (v - 1) * rounds.largest() + 1
         }
     };
-    // Megatron's order among ready actions of one rank.
+    // Megatron's order among ready actions of one rank, round by round.
     let key = |a: &Action| {
         let c = if a.kind == ActionKind::Forward {
             a.chunk
         } else {
             v - 1 - a.chunk
         };
-        (a.micro_batch / p, c, a.micro_batch % p)
+        (rounds.of(a.micro_batch), c, a.micro_batch)
     };
     // Time at which (micro-batch, virtual stage)'s input / output gradient is available.
     let mut input_at: HashMap<(usize, usize), u64> = (0..m).map(|mb| ((mb, 0), 0)).collect();
@@ -639,6 +675,43 @@ fn one_f_one_b_orders(p: usize, m: usize, v: usize) -> Result<Vec<Vec<Action>>> 
         t += 1;
     }
     Ok(orders)
+}
+
+/// The interleaved schedule's rounds: torchtitan's flexible rounds, `max(1, m / p)` of them,
+/// as even as `m` allows (the first `m % rounds` one micro-batch longer), so each holds at least
+/// `p` micro-batches when `m >= p`. Megatron's groups of `p` when `m` is a multiple of `p`; one
+/// round of all `m` when `m < p`. (PyTorch takes only `m` that its rounds divide; `m = 13, p = 4`
+/// here runs rounds of 5, 4 and 4.)
+struct Rounds {
+    count: usize,
+    size: usize,
+    longer: usize,
+}
+
+impl Rounds {
+    fn new(p: usize, m: usize) -> Self {
+        let count = (m / p).max(1);
+        Self {
+            count,
+            size: m / count,
+            longer: m % count,
+        }
+    }
+
+    /// Micro-batches in the longest round.
+    fn largest(&self) -> usize {
+        self.size + usize::from(self.longer > 0)
+    }
+
+    /// The round of micro-batch `mb`.
+    fn of(&self, mb: usize) -> usize {
+        let in_longer = self.longer * (self.size + 1);
+        if mb < in_longer {
+            mb / (self.size + 1)
+        } else {
+            (self.longer + (mb - in_longer) / self.size).min(self.count - 1)
+        }
+    }
 }
 
 /// Wraps each compute action of `rank` with its communication: receive the input before a
