@@ -440,13 +440,6 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
              train --rope-*, then fine-tune its checkpoint"
         );
     }
-    if t.moe_capacity_factor.is_some() {
-        // The adapter's users load the base model's config: its routing is theirs.
-        bail!(
-            "--moe-capacity-factor: cpl finetune routes as the base model's config says (an \
-             adapter's users load that config); change moe_capacity_factor in its config.json"
-        );
-    }
     if t.eval_by_position || t.eval_passkey {
         bail!(
             "--eval-by-position / --eval-passkey: cpl finetune evaluates chat data by example; \
@@ -653,18 +646,57 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
     std::fs::create_dir_all(&t.out).with_context(|| format!("--out {}", t.out.display()))?;
     let mut extra =
         train::finetune_data::checkpoint_files(&files, lora.as_ref().map(|l| &l.0), &model_id)?;
-    // --router-aux-loss-coef (LLaMA-Factory's `moe_aux_loss_coef`): the training loss only, so
-    // an adapter's users need not know it; a full fine-tune's checkpoints carry it in their
-    // config.json, and resuming one checks it.
-    let changes =
-        crate::model_arg::train_config_changes(&Default::default(), t.router_aux_loss_coef, None)?;
+    // --router-aux-loss-coef (LLaMA-Factory's `moe_aux_loss_coef`) and --moe-capacity-factor:
+    // the training run's routing. A full fine-tune's checkpoints carry them in their
+    // config.json; a LoRA checkpoint carries the run's config as run-config.json (its adapter
+    // loads onto the base model's config, so an adapter's users route as that config says).
+    // Resuming checks either against the flags.
+    let changes = crate::model_arg::train_config_changes(
+        &Default::default(),
+        t.router_aux_loss_coef,
+        t.moe_capacity_factor,
+    )?;
+    let saved_config = if lora.is_some() {
+        crate::model_arg::RUN_CONFIG
+    } else {
+        "config.json"
+    };
+    let resumed_config = resume_from.map(|d| d.join(saved_config));
+    if lora.is_some() && !changes.is_empty() {
+        extra.push((crate::model_arg::RUN_CONFIG.to_string(), Vec::new()));
+    }
+    if let (Some(saved), Some(_), true) = (&resumed_config, &lora, changes.is_empty()) {
+        if saved.exists() {
+            bail!(
+                "--resume: the checkpoint was saved with --router-aux-loss-coef or \
+                 --moe-capacity-factor ({}); resume with the flags of the run that saved it",
+                saved.display()
+            );
+        }
+    }
     crate::model_arg::apply_config_changes(
         &mut load_files,
         &changes,
         &t.out,
         &mut extra,
-        resume_from.filter(|_| lora.is_none()).map(|d| d.as_path()),
+        resumed_config.as_deref(),
     )?;
+    if let (Some(f), Some(_)) = (t.moe_capacity_factor, &lora) {
+        eprintln!(
+            "--moe-capacity-factor {f}: this run drops tokens; its adapters load onto the base \
+             model's config ({}), which routes as it says (dropless without \
+             moe_capacity_factor)",
+            files.config.display()
+        );
+    }
+    // Full DPO's reference is a frozen copy of the policy's base: it routes as the policy does.
+    let ref_files = match (ref_files, &a.ref_model) {
+        (Some(mut r), None) => {
+            r.config = load_files.config.clone();
+            Some(r)
+        }
+        (r, _) => r,
+    };
     let dtype = t.dtype.map(DType::from).unwrap_or(DType::F32);
     let interrupted = interrupt_flag()?;
     // Model FLOPs per token for the MFU estimate.

@@ -85,18 +85,23 @@ pub fn train_config_changes(
     Ok(changes)
 }
 
+/// The name of the changed config a run writes into its output directory, and into each
+/// checkpoint that holds no `config.json` of its own (a LoRA adapter's).
+pub const RUN_CONFIG: &str = "run-config.json";
+
 /// Applies `changes` to the run's model: writes the changed `config.json` to
 /// `out/run-config.json` (atomically), points `files.config` at it, and returns its bytes,
-/// which replace `config.json` in `extra` (the files every checkpoint carries), so that every
-/// checkpoint the run saves carries the change. A run resumed from `resume_dir` must have been
-/// saved with the same config: else an error naming the flags, so that a resumed run never
+/// which replace `config.json` and `run-config.json` in `extra` (the files every checkpoint
+/// carries), so that every checkpoint the run saves carries the change. A resumed run must have
+/// been saved with the same config (`resumed_config`: the checkpoint's copy of it; a missing
+/// file counts as another config): else an error naming the flags, so that a resumed run never
 /// silently changes its model. Nothing happens without changes.
 pub fn apply_config_changes(
     files: &mut models::hub::ModelFiles,
     changes: &[ConfigChange<'_>],
     out: &Path,
     extra: &mut [(String, Vec<u8>)],
-    resume_dir: Option<&Path>,
+    resumed_config: Option<&Path>,
 ) -> Result<()> {
     if changes.is_empty() {
         return Ok(());
@@ -111,11 +116,13 @@ pub fn apply_config_changes(
     for (_, change) in changes {
         changed = change(&changed, &files.config)?;
     }
-    if let Some(dir) = resume_dir {
-        let saved = dir.join("config.json");
-        let was = std::fs::read_to_string(&saved)
-            .with_context(|| format!("reading {}", saved.display()))?;
-        if was != changed {
+    if let Some(saved) = resumed_config {
+        let was = match std::fs::read_to_string(saved) {
+            Ok(was) => Some(was),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(e).with_context(|| format!("reading {}", saved.display())),
+        };
+        if was.as_deref() != Some(changed.as_str()) {
             anyhow::bail!(
                 "{flags}: the checkpoint being resumed ({}) was saved with another config; \
                  resume with the flags of the run that saved it",
@@ -124,7 +131,7 @@ pub fn apply_config_changes(
         }
     }
     std::fs::create_dir_all(out).with_context(|| format!("--out {}", out.display()))?;
-    let path = out.join("run-config.json");
+    let path = out.join(RUN_CONFIG);
     models::checkpoint::write_atomic(&path, changed.as_bytes())
         .with_context(|| format!("writing {}", path.display()))?;
     // The changed config must still load through its family.
@@ -132,7 +139,7 @@ pub fn apply_config_changes(
     (family.describe)(&path).with_context(|| format!("{flags}: the changed config.json"))?;
     files.config = path;
     for (name, bytes) in extra.iter_mut() {
-        if name == "config.json" {
+        if name == "config.json" || name == RUN_CONFIG {
             *bytes = changed.clone().into_bytes();
         }
     }

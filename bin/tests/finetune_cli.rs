@@ -780,3 +780,135 @@ fn lora_on_a_mixture_of_experts_writes_peft_adapters() {
     ]);
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `cpl finetune --moe-capacity-factor` on a Qwen3-MoE: LoRA SFT drops tokens and reports them
+/// (a factor of 0.5 caps each expert at half of an even share: at least half of the (token,
+/// expert) assignments dropped), the loss moves from the dropless run's, and `--ep 2` gives the
+/// losses, norms and dropped shares of dp2 (1e-5: the capacity belongs to the micro-batch, not
+/// to a rank). The LoRA checkpoint carries the run's config as run-config.json (its adapters
+/// load onto the base config), and resuming it without the flag or with another factor is an
+/// error naming the flags. Full DPO drops in the reference as in the policy: the first DPO loss
+/// is still ln 2 + 0.3 · aux (the reference a dropless copy would make it differ), and its
+/// checkpoint's config.json carries the factor. A dense model is an error naming the flag.
+#[test]
+fn moe_capacity_factor_in_finetune_drops_tokens_in_policy_and_reference() {
+    let d = tmpdir("ft-moe-capacity");
+    let model = common::moe_with_tokenizer(&d);
+    let data = fixtures("chat/chat.jsonl");
+    let pairs = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../assets/chat/dialogue-dpo.jsonl");
+    let sft = |out: &Path, extra: &[&str]| -> Vec<String> {
+        let mut a = words(&format!(
+            "finetune --model {} --data {} --template plain --seq-len 64 --lr 1e-2 \
+             --lora-targets all-linear --log-every 1 --save-every 1 --out {}",
+            model.display(),
+            data.display(),
+            out.display()
+        ));
+        a.extend(extra.iter().map(|x| x.to_string()));
+        a
+    };
+    let dropped = |m: &[(u64, f64, serde_json::Value)]| -> Vec<f64> {
+        m.iter()
+            .map(|(_, _, v)| {
+                v["expert_dropped_fraction"]
+                    .as_f64()
+                    .unwrap_or_else(|| panic!("no expert_dropped_fraction in {v}"))
+            })
+            .collect()
+    };
+    let (free, capped, ep) = (d.join("dropless"), d.join("capped"), d.join("capped-ep2"));
+    run_ok(&sft(&free, &["--ranks", "2", "--steps", "2"]));
+    let cap = ["--moe-capacity-factor", "0.5", "--steps", "2"];
+    run_ok(&sft(&capped, &[&cap[..], &["--ranks", "2"]].concat()));
+    run_ok(&sft(&ep, &[&cap[..], &["--ranks", "2", "--ep", "2"]].concat()));
+    let (mf, mc, me) = (metrics(&free), metrics(&capped), metrics(&ep));
+    assert_eq!(dropped(&mf), vec![0.0, 0.0]);
+    for x in dropped(&mc) {
+        assert!((0.5..1.0).contains(&x), "dropped share {x}");
+    }
+    assert!((mf[0].1 - mc[0].1).abs() > 1e-4, "{:?} {:?}", mf[0].1, mc[0].1);
+    assert_close_losses(&me, &mc, "--ep 2 vs dp2 under a capacity factor");
+    for (i, (a, b)) in dropped(&me).iter().zip(dropped(&mc)).enumerate() {
+        assert!((a - b).abs() <= 1e-12, "step {i}: dropped {a} vs {b}");
+    }
+    let norm = |m: &[(u64, f64, serde_json::Value)], i: usize| m[i].2["grad_norm"].as_f64().unwrap();
+    for i in 0..mc.len() {
+        let (a, b) = (norm(&me, i), norm(&mc, i));
+        assert!((a - b).abs() <= 1e-5 * b, "step {i}: norm {a} vs {b}");
+    }
+    // The LoRA checkpoint: the adapters and the run's config.
+    let run_cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(capped.join("step-2").join("run-config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(run_cfg["moe_capacity_factor"], 0.5, "{run_cfg}");
+    assert!(capped.join("step-2").join("adapter_config.json").exists());
+    assert!(!free.join("step-2").join("run-config.json").exists());
+    for (case, extra) in [
+        ("without the flag", vec!["--ranks", "2", "--steps", "3", "--resume"]),
+        (
+            "with another factor",
+            vec![
+                "--ranks",
+                "2",
+                "--steps",
+                "3",
+                "--resume",
+                "--moe-capacity-factor",
+                "0.75",
+            ],
+        ),
+    ] {
+        let o = cpl(&sft(&capped, &extra));
+        assert!(!o.status.success(), "resumed {case}");
+        assert!(
+            stderr(&o).contains("--moe-capacity-factor"),
+            "{case}: {}",
+            stderr(&o)
+        );
+    }
+    // A dropless LoRA run resumed with the flag: its checkpoint has no run-config.json.
+    let o = cpl(&sft(
+        &free,
+        &["--ranks", "2", "--steps", "3", "--resume", "--moe-capacity-factor", "0.5"],
+    ));
+    assert!(!o.status.success(), "a dropless run resumed with a factor");
+    assert!(stderr(&o).contains("another config"), "{}", stderr(&o));
+    run_ok(&sft(
+        &capped,
+        &[&cap[..2], &["--ranks", "2", "--steps", "3", "--resume"]].concat(),
+    ));
+    assert_eq!(metrics(&capped).len(), 3);
+    // Full DPO: policy and reference drop alike, so the first step is ln 2 + 0.3 · aux.
+    let dpo = d.join("dpo-full");
+    run_ok(&words(&format!(
+        "finetune --model {} --data {} --template plain --stage dpo --seq-len 64 --steps 1 \
+         --max-examples 16 --lr 1e-3 --log-every 1 --ranks 2 --finetuning-type full \
+         --moe-capacity-factor 0.5 --out {}",
+        model.display(),
+        pairs.display(),
+        dpo.display()
+    )));
+    let m = metrics(&dpo);
+    let aux = m[0].2["router_aux_loss"].as_f64().unwrap();
+    let want = std::f64::consts::LN_2 + 0.3 * aux;
+    assert!(
+        ((m[0].1 - want) / want).abs() <= 1e-6,
+        "first DPO loss {} vs ln 2 + 0.3 aux {want}",
+        m[0].1
+    );
+    assert!(dropped(&m)[0] >= 0.5, "{:?}", dropped(&m));
+    let saved: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dpo.join("step-1").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(saved["moe_capacity_factor"], 0.5, "{saved}");
+    assert_clear_errors(&[(
+        words(&format!(
+            "finetune --data {} --template plain --steps 1 --moe-capacity-factor 0.5 --out {}",
+            data.display(),
+            d.join("dense").display()
+        )),
+        "--moe-capacity-factor: the model has no experts",
+    )]);
+}
