@@ -849,10 +849,11 @@ fn interleaved_order_is_megatrons() {
 }
 
 /// The 1F1B rule on an interleaved schedule, worked by hand: 3 ranks x 2 chunks, 2
-/// micro-batches (limits 8, 6 and 4 never bind). The forwards fill the pipe one unit apart:
-/// rank 2 runs F0.c1, the last virtual stage, at 5, and at 6 both its backward B0.c1 and the
-/// forward F1.c1 (input from rank 1 at 6) are ready; after a forward the backward goes first,
-/// then F1.c1 at 8 (after a backward a forward goes first), B1.c1 at 9.
+/// micro-batches (one round of 2: limits 7, 5 and 3). The forwards fill the pipe one unit
+/// apart: rank 2 runs F0.c1, the last virtual stage, at 5, and at 6 both its backward B0.c1
+/// and the forward F1.c1 (input from rank 1 at 6) are ready; the backward goes first (after a
+/// forward, and rank 2 holds its limit of 3), then F1.c1 at 8 (after a backward a forward goes
+/// first), B1.c1 at 9.
 #[test]
 fn after_a_forward_a_ready_backward_goes_first() {
     let s = PipelineSchedule::new(ScheduleKind::Interleaved, 3, 2, 2).unwrap();

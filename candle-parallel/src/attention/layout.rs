@@ -161,6 +161,26 @@ impl ShardPlan {
         }
     }
 
+    /// [`ShardPlan::ring_positions`] of ring rank `r` as runs of consecutive positions
+    /// `[start, end)`, in its order, where they are a few runs: one for contiguous, two for
+    /// zigzag. `None` for striped (a run per token) and per-document layouts. For costing
+    /// layouts at millions of tokens without listing them.
+    pub fn ring_runs(&self, r: usize) -> Option<Vec<(u64, u64)>> {
+        let (s, p, r) = (self.seq_len as u64, self.ring as u64, r as u64);
+        if self.doc_order.is_some() {
+            return None;
+        }
+        match self.layout {
+            SeqLayout::Contiguous => Some(vec![(r * (s / p), (r + 1) * (s / p))]),
+            SeqLayout::Zigzag | SeqLayout::DocZigzag => {
+                let c = s / (2 * p);
+                let second = 2 * p - 1 - r;
+                Some(vec![(r * c, (r + 1) * c), (second * c, (second + 1) * c)])
+            }
+            SeqLayout::Striped => None,
+        }
+    }
+
     /// The global positions of the tokens of rank (`ring_rank`, `ulysses_rank`), in local order.
     pub fn local_positions(&self, ring_rank: usize, ulysses_rank: usize) -> Vec<u32> {
         let n = self.local_len();

@@ -207,19 +207,26 @@ fn steps_of(plan: &ShardPlan, blocks: &[MaskBlock], call: &AttnCall) -> Vec<usiz
     let Some(w) = call.window else {
         return (0..p).collect();
     };
-    let sorted: Vec<Vec<u64>> = (0..p)
-        .map(|r| {
-            let mut v: Vec<u64> = plan.ring_positions(r).into_iter().map(u64::from).collect();
-            v.sort_unstable();
-            v
-        })
-        .collect();
     let kind = call.mask.kind();
+    // Layouts of a few runs per rank are checked on the runs (the planner asks at millions of
+    // tokens); others on their listed positions.
+    let sorted: Option<Vec<Vec<u64>>> = (0..p).any(|r| plan.ring_runs(r).is_none()).then(|| {
+        (0..p)
+            .map(|r| {
+                let mut v: Vec<u64> = plan.ring_positions(r).into_iter().map(u64::from).collect();
+                v.sort_unstable();
+                v
+            })
+            .collect()
+    });
+    let reach = |j: usize, o: usize| match &sorted {
+        Some(sorted) => within_window(kind, w, &sorted[j], &sorted[o]),
+        None => super::allgather_cp::visible_row_count(plan, kind, w, j, o) > 0,
+    };
     let needed = |s: usize| {
         (0..p).any(|j| {
             let o = (j + p - s) % p;
-            call.may_attend(&blocks[j], &blocks[o])
-                && within_window(kind, w, &sorted[j], &sorted[o])
+            call.may_attend(&blocks[j], &blocks[o]) && reach(j, o)
         })
     };
     std::iter::once(0)

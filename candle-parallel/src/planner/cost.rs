@@ -147,7 +147,7 @@ pub fn attention_imbalance(
         return Ok(1.0);
     }
     // Validates the split as the run would (the same errors).
-    sp.plan(seq_len)?;
+    let plan = sp.plan(seq_len)?;
     let s = seq_len as u64;
     let w = window.map_or(s, |w| (w as u64).clamp(1, s.max(1)));
     // Σ_{q < n} min(q + 1, w) and Σ_{q < n} min(q, c): closed forms.
@@ -173,17 +173,12 @@ pub fn attention_imbalance(
             (b - a) + (before(b) - before(a)) + (before(s - a) - before(s - b))
         }
     };
-    // Ring rank `j`'s positions as runs, as `ShardPlan::ring_positions` lays them out, without
-    // listing them: a search costs thousands of layouts at up to millions of tokens.
-    let p = r as u64;
-    let work: Vec<u64> = (0..p)
-        .map(|j| match sp.layout {
-            SeqLayout::Contiguous => run((j * s / p, (j + 1) * s / p)),
-            _ => {
-                let ch = s / (2 * p);
-                let second = 2 * p - 1 - j;
-                run((j * ch, (j + 1) * ch)) + run((second * ch, (second + 1) * ch))
-            }
+    // Ring rank `j`'s positions as runs, without listing them: a search costs thousands of
+    // layouts at up to millions of tokens.
+    let work: Vec<u64> = (0..r)
+        .map(|j| {
+            plan.ring_runs(j)
+                .map_or(0, |runs| runs.into_iter().map(run).sum())
         })
         .collect();
     let mean = work.iter().sum::<u64>() as f64 / r as f64;
@@ -543,6 +538,41 @@ pub fn attention_time(cand: &Candidate, work: &Workload, hw: &Hardware) -> Resul
     })
 }
 
+/// What the prediction takes from 1F1B's simulated run of `pp` stages and `m` micro-batches:
+/// each rank's peak of activations in flight and the makespan in forward units.
+#[derive(Debug, Clone)]
+struct ScheduleShape {
+    peak_in_flight: Vec<usize>,
+    makespan: f64,
+}
+
+/// [`ScheduleShape`] of 1F1B over `pp` stages and `m` micro-batches, generated and simulated
+/// once per process and shape: a search predicts thousands of layouts that share a handful of
+/// (pp, m), and simulating 1F1B at hundreds of micro-batches took most of a search's time.
+fn one_f_one_b_shape(pp: usize, m: usize) -> Result<ScheduleShape> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static SHAPES: OnceLock<Mutex<HashMap<(usize, usize), ScheduleShape>>> = OnceLock::new();
+    let memo = SHAPES.get_or_init(Default::default);
+    let cached = memo
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&(pp, m))
+        .cloned();
+    if let Some(shape) = cached {
+        return Ok(shape);
+    }
+    let stats = PipelineSchedule::new(ScheduleKind::OneFOneB, pp, m, 1)?.validate()?;
+    let shape = ScheduleShape {
+        peak_in_flight: stats.peak_in_flight,
+        makespan: stats.makespan,
+    };
+    memo.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert((pp, m), shape.clone());
+    Ok(shape)
+}
+
 /// Predicts one optimizer step of `work` under `cand` on `hw`. Errors when the layout does not
 /// fit the world, the model or the sequence (naming what does not divide).
 pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Prediction> {
@@ -731,8 +761,7 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
     let mut stage_params_max: f64 = 0.0;
     let mut stage_experts_max: f64 = 0.0;
     let mut stage_bytes_max: f64 = 0.0;
-    let schedule = PipelineSchedule::new(ScheduleKind::OneFOneB, pp, micro_batches, 1)?;
-    let stats = schedule.validate()?;
+    let stats = one_f_one_b_shape(pp, micro_batches)?;
     for (k, range) in stages.iter().enumerate() {
         let layers = range.len() as f64;
         let mut params = layers * layer_params;

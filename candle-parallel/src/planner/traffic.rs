@@ -16,11 +16,12 @@
 //! ([`crate::nn::moe`]'s dispatch).
 //! Under a sliding window ([`windowed_attention_traffic`]) the ring and USP's ring send only the
 //! steps some rank needs ([`crate::attention::ring_steps`]) and all-gather CP only the rows the
-//! windows reach ([`crate::attention::allgather_cp::visible_rows`]); the tests assert these too.
+//! windows reach ([`crate::attention::allgather_cp::visible_rows`], counted on the ranks' runs
+//! by [`visible_row_count`]); the tests assert these too.
 
 use flash_ring::MaskKind;
 
-use crate::attention::allgather_cp::visible_rows;
+use crate::attention::allgather_cp::visible_row_count;
 use crate::attention::multi_ring_plan::{ShardElems, StarTrailPlan, StrategyBytes};
 use crate::attention::ulysses::kv_replication;
 use crate::attention::{
@@ -225,7 +226,7 @@ pub fn uniform_remote_rows(tokens: u64, top_k: usize, ep: usize) -> u64 {
 /// - ring, USP: the steps of [`ring_steps`] on the plan of `sp`, [`ring_traffic`] with `K'`
 ///   (the Ulysses all-to-alls unchanged);
 /// - all-gather: rank `i` sends the rows of its k and v that another rank's windows reach
-///   ([`visible_rows`]) forward (counted as `all_gather`) and again backward, plus the f32
+///   ([`visible_row_count`]) forward (counted as `all_gather`) and again backward, plus the f32
 ///   gradients of the rows it received (`reduce_scatter`): exposed, not overlapped;
 /// - double ring, Ulysses, StarTrail: as without a window.
 pub fn windowed_attention_traffic(
@@ -267,7 +268,7 @@ pub fn windowed_attention_traffic(
         }
         Strategy::AllGather => {
             let row = b * hkv * d;
-            let rows = |q: usize, k: usize| visible_rows(&plan, kind, window, q, k).len() as u64;
+            let rows = |q: usize, k: usize| visible_row_count(&plan, kind, window, q, k);
             let by_rank: Vec<(StrategyBytes, StrategyBytes)> = (0..r)
                 .map(|i| {
                     let sent: u64 = (0..r).filter(|&j| j != i).map(|j| rows(j, i)).sum();
