@@ -1128,3 +1128,24 @@ fn schedules_from_compute_orders_are_validated() {
     let stuck = vec![vec![f(0), b(0), b(1), f(1)], good[1].clone()];
     assert!(err(&stuck).contains("cannot run"));
 }
+
+/// Uneven rounds put the longer first: 5 micro-batches on 2 ranks make rounds of 3 and 2, so
+/// rank 0 runs round 0's three forwards on chunk 0 and then on chunk 1 before round 1 starts
+/// (rounds of 2 and 3 would start chunk 1 after F1); 7 on 3 ranks: rounds of 4 and 3.
+#[test]
+fn uneven_rounds_put_the_longer_round_first() {
+    for (p, m, first_round) in [(2, 5, 3), (3, 7, 4)] {
+        let s = PipelineSchedule::new(ScheduleKind::Interleaved, p, m, 2).unwrap();
+        let got: Vec<String> = s.ranks[0]
+            .iter()
+            .filter(|a| matches!(a.kind, ActionKind::Forward | ActionKind::Backward))
+            .take(2 * first_round)
+            .map(|a| a.to_string())
+            .collect();
+        let want: Vec<String> = (0..first_round)
+            .map(|mb| format!("F{mb}"))
+            .chain((0..first_round).map(|mb| format!("F{mb}.c1")))
+            .collect();
+        assert_eq!(got, want, "p={p} m={m}");
+    }
+}
