@@ -683,7 +683,6 @@ fn one_f_one_b_orders(p: usize, m: usize, v: usize) -> Result<Vec<Vec<Action>>> 
 /// round of all `m` when `m < p`. (PyTorch takes only `m` that its rounds divide; `m = 13, p = 4`
 /// here runs rounds of 5, 4 and 4.)
 struct Rounds {
-    count: usize,
     size: usize,
     longer: usize,
 }
@@ -692,7 +691,6 @@ impl Rounds {
     fn new(p: usize, m: usize) -> Self {
         let count = (m / p).max(1);
         Self {
-            count,
             size: m / count,
             longer: m % count,
         }
@@ -703,13 +701,13 @@ impl Rounds {
         self.size + usize::from(self.longer > 0)
     }
 
-    /// The round of micro-batch `mb`.
+    /// The round of micro-batch `mb < m`.
     fn of(&self, mb: usize) -> usize {
         let in_longer = self.longer * (self.size + 1);
         if mb < in_longer {
             mb / (self.size + 1)
         } else {
-            (self.longer + (mb - in_longer) / self.size).min(self.count - 1)
+            self.longer + (mb - in_longer) / self.size
         }
     }
 }
