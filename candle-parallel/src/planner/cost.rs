@@ -666,9 +666,8 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
 
     // ---- per layer, per micro-batch, on one rank ----
     let dense_fwd = 2.0 * layer_active * tok / mm_rate;
-    // The mean layer's attention (memory, the report), and each layer's (the stages' times).
-    let (attentions, mean) = st.layer_attentions(work, hw)?;
-    let sp_cost = mean.comm;
+    // Each layer's attention: the stages' times and all-gather's buffers.
+    let (attentions, _) = st.layer_attentions(work, hw)?;
     let h_share = if tp_sp { h / tpf } else { h };
     let [ah, aq, akv, ai] = ACT_PER_TOKEN;
     let tp_extra = if tp > 1 { TP_EXTRA_HIDDEN * h } else { 0.0 };
@@ -839,9 +838,13 @@ pub fn predict(cand: &Candidate, work: &Workload, hw: &Hardware) -> Result<Predi
             // The gathered k and v of every global layer are kept for backward (a windowed
             // layer gathers its visible rows again in backward), and one layer's gathered rows
             // are held while it runs.
+            // Counted over this stage's own layers: a pipeline may put the global layers on
+            // one stage and the windowed ones on another.
             Strategy::AllGather => {
-                2.0 * sp_cost.kept_gathered * kv_block * layers * in_flight
-                    + 2.0 * sp_cost.gathered * kv_block
+                let own = &attentions[range.clone()];
+                let kept: f64 = own.iter().map(|a| a.comm.kept_gathered).sum();
+                let held = own.iter().map(|a| a.comm.gathered).fold(0.0, f64::max);
+                2.0 * kept * kv_block * in_flight + 2.0 * held * kv_block
             }
             // Blocks in flight and the f32 dk, dv accumulators.
             _ => 4.0 * kv_block * (u as f64) + 2.0 * kv_block / el * 4.0,
@@ -1693,7 +1696,7 @@ mod tests {
     fn windowed_all_gather_by_hand() {
         use crate::attention::SeqLayout;
         let ag = SpConfig::new(Strategy::AllGather, 1, 4).with_layout(SeqLayout::Contiguous);
-        let c = cand(MeshConfig::default().with_ring(4), ag, ZeroStage::Off);
+        let c = cand(MeshConfig::default().with_ring(4), ag.clone(), ZeroStage::Off);
         let grads = 2.0 * 0.75 * 1480.0 * 4.0;
         let (g, w) = (
             predict(&c, &work(1), &hw()).unwrap(),
@@ -1715,6 +1718,29 @@ mod tests {
         // One global layer of two: its blocks kept, the global layer's 4 held.
         let half = predict(&c, &windowed(4, 1), &hw()).unwrap();
         assert_eq!(half.memory.buffers, 2.0 * 3.0 * 128.0 + 2.0 * 4.0 * 128.0);
+        // On 2 pipeline stages, a layer each, 2 micro-batches: the first stage, with 2 in
+        // flight under 1F1B, is the one reported. With the global layer there, it keeps its 3
+        // blocks for each micro-batch in flight and holds 4; with the windowed layer there, it
+        // keeps none and holds 7 rows. The mean layer on each stage (as before) said 1.5 kept
+        // blocks and 4 held in both cases (1792 bytes).
+        let staged = |mask: u128| {
+            let w = Workload {
+                model: ModelShape {
+                    window: Some(super::super::WindowShape {
+                        window: 4,
+                        windowed_layers: 1,
+                        layer_mask: Some(mask),
+                    }),
+                    ..tiny()
+                },
+                sequences: 2,
+                ..work(2)
+            };
+            let c = cand(MeshConfig::default().with_ring(4).with_pp(2), ag.clone(), ZeroStage::Off);
+            predict(&c, &w, &hw()).unwrap().memory.buffers
+        };
+        assert_eq!(staged(0b10), 2.0 * 3.0 * 128.0 * 2.0 + 2.0 * 4.0 * 128.0);
+        assert_eq!(staged(0b01), 2.0 * 7.0 * row);
     }
 
     /// A Mistral-7B shape (32 layers, 32 heads of 128, 8 kv heads) at 128K tokens on
