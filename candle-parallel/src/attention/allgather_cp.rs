@@ -115,7 +115,6 @@ pub fn visible_row_count(
     // The key positions each query run reaches, merged into disjoint sorted intervals.
     let mut reach: Vec<(u64, u64)> = q_runs
         .iter()
-        .filter(|(c, d)| c < d)
         .map(|&(c, d)| {
             let hi = match kind {
                 MaskKind::Causal => d,
