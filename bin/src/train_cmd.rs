@@ -137,7 +137,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         &changes,
         &args.out,
         &mut extra,
-        resume.as_ref().map(|r| r.dir.join("config.json")).as_deref(),
+        resume
+            .as_ref()
+            .map(|r| r.dir.join("config.json"))
+            .as_deref(),
     )?;
     // The family of the checkpoint (the registry), its size and FLOPs, and its loader.
     let family = models::family::detect(&files.config)?;

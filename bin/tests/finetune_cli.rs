@@ -820,18 +820,27 @@ fn moe_capacity_factor_in_finetune_drops_tokens_in_policy_and_reference() {
     run_ok(&sft(&free, &["--ranks", "2", "--steps", "2"]));
     let cap = ["--moe-capacity-factor", "0.5", "--steps", "2"];
     run_ok(&sft(&capped, &[&cap[..], &["--ranks", "2"]].concat()));
-    run_ok(&sft(&ep, &[&cap[..], &["--ranks", "2", "--ep", "2"]].concat()));
+    run_ok(&sft(
+        &ep,
+        &[&cap[..], &["--ranks", "2", "--ep", "2"]].concat(),
+    ));
     let (mf, mc, me) = (metrics(&free), metrics(&capped), metrics(&ep));
     assert_eq!(dropped(&mf), vec![0.0, 0.0]);
     for x in dropped(&mc) {
         assert!((0.5..1.0).contains(&x), "dropped share {x}");
     }
-    assert!((mf[0].1 - mc[0].1).abs() > 1e-4, "{:?} {:?}", mf[0].1, mc[0].1);
+    assert!(
+        (mf[0].1 - mc[0].1).abs() > 1e-4,
+        "{:?} {:?}",
+        mf[0].1,
+        mc[0].1
+    );
     assert_close_losses(&me, &mc, "--ep 2 vs dp2 under a capacity factor");
     for (i, (a, b)) in dropped(&me).iter().zip(dropped(&mc)).enumerate() {
         assert!((a - b).abs() <= 1e-12, "step {i}: dropped {a} vs {b}");
     }
-    let norm = |m: &[(u64, f64, serde_json::Value)], i: usize| m[i].2["grad_norm"].as_f64().unwrap();
+    let norm =
+        |m: &[(u64, f64, serde_json::Value)], i: usize| m[i].2["grad_norm"].as_f64().unwrap();
     for i in 0..mc.len() {
         let (a, b) = (norm(&me, i), norm(&mc, i));
         assert!((a - b).abs() <= 1e-5 * b, "step {i}: norm {a} vs {b}");
@@ -845,7 +854,10 @@ fn moe_capacity_factor_in_finetune_drops_tokens_in_policy_and_reference() {
     assert!(capped.join("step-2").join("adapter_config.json").exists());
     assert!(!free.join("step-2").join("run-config.json").exists());
     for (case, extra) in [
-        ("without the flag", vec!["--ranks", "2", "--steps", "3", "--resume"]),
+        (
+            "without the flag",
+            vec!["--ranks", "2", "--steps", "3", "--resume"],
+        ),
         (
             "with another factor",
             vec![
@@ -870,7 +882,15 @@ fn moe_capacity_factor_in_finetune_drops_tokens_in_policy_and_reference() {
     // A dropless LoRA run resumed with the flag: its checkpoint has no run-config.json.
     let o = cpl(&sft(
         &free,
-        &["--ranks", "2", "--steps", "3", "--resume", "--moe-capacity-factor", "0.5"],
+        &[
+            "--ranks",
+            "2",
+            "--steps",
+            "3",
+            "--resume",
+            "--moe-capacity-factor",
+            "0.5",
+        ],
     ));
     assert!(!o.status.success(), "a dropless run resumed with a factor");
     assert!(stderr(&o).contains("another config"), "{}", stderr(&o));

@@ -1103,7 +1103,10 @@ fn interleaved_matches_pytorch_flexible_rounds() {
         same_orders += usize::from(equal);
     }
     assert_eq!(same_orders, 94);
-    assert!(not_multiple >= 20, "{not_multiple} cases with m not a multiple of p");
+    assert!(
+        not_multiple >= 20,
+        "{not_multiple} cases with m not a multiple of p"
+    );
 }
 
 /// A schedule from given compute orders: communication added and validated; orders that
@@ -1114,7 +1117,10 @@ fn schedules_from_compute_orders_are_validated() {
     let b = |mb| act(ActionKind::Backward, mb, 0);
     let good = vec![vec![f(0), f(1), b(0), b(1)], vec![f(0), b(0), f(1), b(1)]];
     let s = PipelineSchedule::from_compute_orders(ScheduleKind::OneFOneB, 2, 2, 1, &good).unwrap();
-    assert_eq!(s, PipelineSchedule::new(ScheduleKind::OneFOneB, 2, 2, 1).unwrap());
+    assert_eq!(
+        s,
+        PipelineSchedule::new(ScheduleKind::OneFOneB, 2, 2, 1).unwrap()
+    );
     let err = |orders: &[Vec<Action>]| {
         PipelineSchedule::from_compute_orders(ScheduleKind::OneFOneB, 2, 2, 1, orders)
             .unwrap_err()

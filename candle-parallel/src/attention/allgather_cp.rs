@@ -465,11 +465,7 @@ mod tests {
     #[test]
     fn visible_row_count_equals_the_listed_rows() {
         let mut checked = 0;
-        for layout in [
-            SeqLayout::Contiguous,
-            SeqLayout::Zigzag,
-            SeqLayout::Striped,
-        ] {
+        for layout in [SeqLayout::Contiguous, SeqLayout::Zigzag, SeqLayout::Striped] {
             for (s, p) in [(48, 4), (96, 3), (64, 8), (40, 2)] {
                 let plan = ShardPlan::new(s, layout, p, 1).unwrap();
                 for kind in [MaskKind::Causal, MaskKind::Full] {

@@ -1696,7 +1696,11 @@ mod tests {
     fn windowed_all_gather_by_hand() {
         use crate::attention::SeqLayout;
         let ag = SpConfig::new(Strategy::AllGather, 1, 4).with_layout(SeqLayout::Contiguous);
-        let c = cand(MeshConfig::default().with_ring(4), ag.clone(), ZeroStage::Off);
+        let c = cand(
+            MeshConfig::default().with_ring(4),
+            ag.clone(),
+            ZeroStage::Off,
+        );
         let grads = 2.0 * 0.75 * 1480.0 * 4.0;
         let (g, w) = (
             predict(&c, &work(1), &hw()).unwrap(),
@@ -1736,7 +1740,11 @@ mod tests {
                 sequences: 2,
                 ..work(2)
             };
-            let c = cand(MeshConfig::default().with_ring(4).with_pp(2), ag.clone(), ZeroStage::Off);
+            let c = cand(
+                MeshConfig::default().with_ring(4).with_pp(2),
+                ag.clone(),
+                ZeroStage::Off,
+            );
             predict(&c, &w, &hw()).unwrap().memory.buffers
         };
         assert_eq!(staged(0b10), 2.0 * 3.0 * 128.0 * 2.0 + 2.0 * 4.0 * 128.0);
