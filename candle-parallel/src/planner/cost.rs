@@ -1042,6 +1042,18 @@ fn sp_comm(
         }
         s => s,
     };
+    // Under a window the plain ring (and USP's) runs only the steps some rank needs
+    // (`attention::ring_steps`) and its blocks jump between them: the hop of each forward
+    // exchange, and the way home of the backward's accumulators (`L` back, `P - L` ahead).
+    // Zigzag's `{0, 1, P-1}` jumps `P - 2` ranks: on a ring across nodes most of a node's ranks
+    // send across at once.
+    let jumps: Option<(Vec<usize>, usize)> = match (strategy, window) {
+        (Strategy::Ring | Strategy::Usp, Some((w, kind))) if r > 1 => {
+            Some(ring_jumps_cached(sp, work.seq_len, w, kind)?)
+        }
+        _ => None,
+    };
+    let ring_link = |hops: usize| hw.ring_jump_link(ring_stride, r, world, hops);
     let ring_time = |bytes: u64, steps: u64, block: f64| -> f64 {
         let bytes = bytes as f64;
         match strategy {
@@ -1072,7 +1084,25 @@ fn sp_comm(
                 inner_t + outer_t
             }
             Strategy::StarTrail => exposed(bytes, steps, block, &star_link),
-            _ => exposed(bytes, steps, block, &hw.ring_link(ring_stride, r, world)),
+            // The jumps: the forward's exchanges, or the backward's (each jump twice: the
+            // kv blocks, then the accumulators); each exchange waits for its own slowest hop.
+            _ => match &jumps {
+                Some((j, _)) if !j.is_empty() && (steps as usize).is_multiple_of(j.len()) => {
+                    let times = steps as usize / j.len();
+                    j.iter()
+                        .flat_map(|&h| std::iter::repeat_n(h, times))
+                        .map(|h| {
+                            exposed(
+                                bytes / steps as f64,
+                                1,
+                                block * 2.0 / (steps + 1) as f64,
+                                &ring_link(h),
+                            )
+                        })
+                        .sum()
+                }
+                _ => exposed(bytes, steps, block, &ring_link(1)),
+            },
         }
     };
     // Merging each ring step's partial result into the accumulators (f32, read twice and
@@ -1104,7 +1134,7 @@ fn sp_comm(
             let l = match strategy {
                 Strategy::DoubleRing if r > w => hw.ring_link(ring_stride * w, r / w, world),
                 Strategy::DoubleRing => hw.ring_link(ring_stride, w, world),
-                _ => hw.ring_link(ring_stride, r, world),
+                _ => ring_link(jumps.as_ref().map_or(1, |(_, home)| *home)),
             };
             (
                 ring_time(t.backward.exchange - hop, t.backward_steps - 1, bwd_block),
@@ -1168,6 +1198,50 @@ fn windowed_traffic_cached(
         c.insert(key, t);
     });
     Ok(t)
+}
+
+/// The jumps of a windowed ring between the steps that run (`attention::ring_steps` of
+/// `sp`'s ring at `seq_len` tokens), and the hops ahead that bring the backward's
+/// accumulators home; remembered per thread like [`windowed_traffic_cached`].
+fn ring_jumps_cached(
+    sp: &SpConfig,
+    seq_len: usize,
+    window: usize,
+    kind: flash_ring::MaskKind,
+) -> Result<(Vec<usize>, usize)> {
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+    type Jumps = (Vec<usize>, usize);
+    thread_local! {
+        static CACHE: RefCell<HashMap<String, Jumps>> = RefCell::new(HashMap::new());
+    }
+    let key = format!(
+        "{:?} {} {} {seq_len} {window} {kind:?}",
+        sp.layout, sp.ring, sp.ulysses
+    );
+    if let Some(j) = CACHE.with(|c| c.borrow().get(&key).cloned()) {
+        return Ok(j);
+    }
+    let plan = sp.plan(seq_len)?;
+    let mask = match kind {
+        flash_ring::MaskKind::Causal => crate::attention::AttnMask::Causal,
+        flash_ring::MaskKind::Full => crate::attention::AttnMask::Full,
+    };
+    let call = crate::attention::AttnCall::new(mask, 1.0).with_window(Some(window));
+    let steps = crate::attention::ring_steps(&plan, &call);
+    let last = steps.last().copied().unwrap_or(0);
+    let jumps = (
+        steps.windows(2).map(|s| s[1] - s[0]).collect(),
+        sp.ring - last,
+    );
+    CACHE.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.len() >= 1024 {
+            c.clear();
+        }
+        c.insert(key, jumps.clone());
+    });
+    Ok(jumps)
 }
 
 /// Usable memory of one rank of `world` ranks on `hw`.
@@ -1634,6 +1708,39 @@ mod tests {
             close(t.backward, attn * 2.0 / 3.0 + merge_bwd + bwd_comm),
             "{t:?}"
         );
+    }
+
+    /// A windowed zigzag ring runs steps {0, 1, P-1}: its kv blocks jump `P - 2` ranks ahead
+    /// (2 back), so on a flat ring of 16 over two 8-GPU nodes 2 ranks of each node send across
+    /// at once, where a contiguous ring's steps {0, 1} send 1. With one NIC per node that
+    /// exchange runs at half a NIC, and the exposed communication grows; with a NIC per device
+    /// both get a whole NIC, and the zigzag ring's time is the same as if every hop were the
+    /// neighbour's. (Before the jumps were costed, both NIC counts gave the same time.)
+    #[test]
+    fn windowed_ring_jumps_share_the_nics() {
+        use crate::attention::SeqLayout;
+        let w = Workload {
+            model: ModelShape {
+                window: Some(super::super::WindowShape {
+                    window: 512,
+                    windowed_layers: 2,
+                    layer_mask: None,
+                }),
+                ..tiny()
+            },
+            seq_len: 1 << 16,
+            ..work(1)
+        };
+        let zigzag = SpConfig::new(Strategy::Ring, 1, 16).with_layout(SeqLayout::Zigzag);
+        let c = cand(MeshConfig::default().with_ring(16), zigzag, ZeroStage::Off);
+        let with_nics = |n: usize| Hardware {
+            nics_per_node: Some(n),
+            overlap: false,
+            ..Hardware::preset("a100-hdr-cluster").unwrap()
+        };
+        let comm = |n: usize| predict(&c, &w, &with_nics(n)).unwrap().time.exposed_comm;
+        let (one, eight) = (comm(1), comm(8));
+        assert!(one > 1.05 * eight, "{one} vs {eight}");
     }
 
     /// Which layers are windowed matters under a pipeline, not without: 2 layers at 4096 tokens,

@@ -257,19 +257,30 @@ impl Hardware {
     /// a node share its NICs ([`Hardware::inter_node_flow_bandwidth`]), so a ring whose only
     /// crossing hop is one per node gets a whole NIC where an all-to-all gets a device's share.
     pub fn ring_link(&self, stride: usize, size: usize, world: usize) -> LinkSpec {
+        self.ring_jump_link(stride, size, world, 1)
+    }
+
+    /// [`Hardware::ring_link`] for an exchange in which every rank sends `hops` ranks ahead
+    /// along its ring at once (a sliding window's ring skips steps: its blocks jump,
+    /// `attention::ring`): more of a node's ranks may send across at once than in a step to
+    /// the neighbour, sharing its NICs.
+    pub fn ring_jump_link(
+        &self,
+        stride: usize,
+        size: usize,
+        world: usize,
+        hops: usize,
+    ) -> LinkSpec {
         let dpn = self.devices_per_node;
+        let hops = hops % size.max(1);
         let crossing = (0..dpn.min(world))
             .filter(|&x| {
                 let c = (x / stride) % size;
-                let next = if c + 1 < size {
-                    x + stride
-                } else {
-                    x - c * stride
-                };
+                let next = x - c * stride + ((c + hops) % size) * stride;
                 next / dpn != x / dpn
             })
             .count();
-        if size <= 1 || crossing == 0 {
+        if size <= 1 || hops == 0 || crossing == 0 {
             self.intra_node
         } else {
             LinkSpec {
@@ -358,6 +369,35 @@ mod tests {
             hw.all_to_all_time(1, 8, x, 0.0),
             x / hw.intra_node.bandwidth
         );
+    }
+
+    /// Jumps along a ring (a window's skipped steps): on 8-GPU nodes with one NIC, a flat ring
+    /// of 32 sends 1 hop per node across for a step to the neighbour, but `h` hops for a jump of
+    /// `h` (up to the 8 ranks of a node), backwards alike (a jump of 30 is 2 back); a jump of the
+    /// ring's size or 0 stays home; one of 1 is the neighbour ring's link.
+    #[test]
+    fn ring_jumps_send_more_hops_across() {
+        let hw = Hardware {
+            nics_per_node: Some(1),
+            ..Hardware::preset("a100-hdr-cluster").unwrap()
+        };
+        let nic = hw.inter_node.bandwidth;
+        assert_eq!(hw.ring_jump_link(1, 32, 32, 1), hw.ring_link(1, 32, 32));
+        assert_eq!(hw.ring_jump_link(1, 32, 32, 1).bandwidth, nic);
+        for (hops, flows) in [(2, 2.0), (3, 3.0), (30, 2.0), (8, 8.0), (12, 8.0)] {
+            let l = hw.ring_jump_link(1, 32, 32, hops);
+            let want = nic / flows;
+            assert!(
+                (l.bandwidth - want).abs() <= 1e-12 * want,
+                "a jump of {hops}: {} vs {want}",
+                l.bandwidth
+            );
+            assert_eq!(l.latency, hw.inter_node.latency);
+        }
+        assert_eq!(hw.ring_jump_link(1, 32, 32, 32), hw.intra_node);
+        assert_eq!(hw.ring_jump_link(1, 32, 32, 0), hw.intra_node);
+        // A ring inside a node stays on NVLink whatever the jump.
+        assert_eq!(hw.ring_jump_link(1, 8, 32, 5), hw.intra_node);
     }
 
     /// LoongTrain's testbed: 4 NICs for 8 GPUs. A ring step waits for its slowest hop, and the
