@@ -853,52 +853,43 @@ fn moe_capacity_factor_in_finetune_drops_tokens_in_policy_and_reference() {
     assert_eq!(run_cfg["moe_capacity_factor"], 0.5, "{run_cfg}");
     assert!(capped.join("step-2").join("adapter_config.json").exists());
     assert!(!free.join("step-2").join("run-config.json").exists());
-    for (case, extra) in [
+    // Resuming without the flag or with another factor, or a dropless run (its checkpoint has
+    // no run-config.json) with a factor: errors naming the flags.
+    let resume = ["--ranks", "2", "--steps", "3", "--resume"];
+    assert_clear_errors(&[
+        (sft(&capped, &resume), "--moe-capacity-factor"),
         (
-            "without the flag",
-            vec!["--ranks", "2", "--steps", "3", "--resume"],
-        ),
-        (
-            "with another factor",
-            vec![
-                "--ranks",
-                "2",
-                "--steps",
-                "3",
-                "--resume",
-                "--moe-capacity-factor",
-                "0.75",
-            ],
-        ),
-    ] {
-        let o = cpl(&sft(&capped, &extra));
-        assert!(!o.status.success(), "resumed {case}");
-        assert!(
-            stderr(&o).contains("--moe-capacity-factor"),
-            "{case}: {}",
-            stderr(&o)
-        );
-    }
-    // A dropless LoRA run resumed with the flag: its checkpoint has no run-config.json.
-    let o = cpl(&sft(
-        &free,
-        &[
-            "--ranks",
-            "2",
-            "--steps",
-            "3",
-            "--resume",
+            sft(
+                &capped,
+                &[&resume[..], &["--moe-capacity-factor", "0.75"]].concat(),
+            ),
             "--moe-capacity-factor",
-            "0.5",
-        ],
-    ));
-    assert!(!o.status.success(), "a dropless run resumed with a factor");
-    assert!(stderr(&o).contains("another config"), "{}", stderr(&o));
-    run_ok(&sft(
-        &capped,
-        &[&cap[..2], &["--ranks", "2", "--steps", "3", "--resume"]].concat(),
-    ));
-    assert_eq!(metrics(&capped).len(), 3);
+        ),
+        (
+            sft(
+                &free,
+                &[&resume[..], &["--moe-capacity-factor", "0.5"]].concat(),
+            ),
+            "another config",
+        ),
+    ]);
+    // With the same factor it resumes from step-2 (the log says so; steps 1-2 kept as they
+    // were) and runs step 3.
+    let before = metrics(&capped);
+    let o = cpl(&sft(&capped, &[&cap[..2], &resume[..]].concat()));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("resuming from") && stderr(&o).contains("step-2"),
+        "{}",
+        stderr(&o)
+    );
+    let after = metrics(&capped);
+    assert_eq!(after.len(), 3);
+    assert_eq!(
+        after[..2],
+        before[..],
+        "the steps before the resume were rewritten"
+    );
     // Full DPO: policy and reference drop alike, so the first step is ln 2 + 0.3 · aux.
     let dpo = d.join("dpo-full");
     run_ok(&words(&format!(
