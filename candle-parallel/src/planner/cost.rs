@@ -547,30 +547,19 @@ struct ScheduleShape {
 }
 
 /// [`ScheduleShape`] of 1F1B over `pp` stages and `m` micro-batches, generated and simulated
-/// once per process and shape: a search predicts thousands of layouts that share a handful of
+/// once per thread and shape ([`remembered`]): a search predicts thousands of layouts that share a handful of
 /// (pp, m), and simulating 1F1B at hundreds of micro-batches took most of a search's time.
 fn one_f_one_b_shape(pp: usize, m: usize) -> Result<ScheduleShape> {
-    use std::collections::HashMap;
-    use std::sync::{Mutex, OnceLock};
-    static SHAPES: OnceLock<Mutex<HashMap<(usize, usize), ScheduleShape>>> = OnceLock::new();
-    let memo = SHAPES.get_or_init(Default::default);
-    let cached = memo
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&(pp, m))
-        .cloned();
-    if let Some(shape) = cached {
-        return Ok(shape);
+    thread_local! {
+        static CACHE: Memo<ScheduleShape> = Memo::default();
     }
-    let stats = PipelineSchedule::new(ScheduleKind::OneFOneB, pp, m, 1)?.validate()?;
-    let shape = ScheduleShape {
-        peak_in_flight: stats.peak_in_flight,
-        makespan: stats.makespan,
-    };
-    memo.lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert((pp, m), shape.clone());
-    Ok(shape)
+    remembered(&CACHE, format!("{pp} {m}"), || {
+        let stats = PipelineSchedule::new(ScheduleKind::OneFOneB, pp, m, 1)?.validate()?;
+        Ok(ScheduleShape {
+            peak_in_flight: stats.peak_in_flight,
+            makespan: stats.makespan,
+        })
+    })
 }
 
 /// Predicts one optimizer step of `work` under `cand` on `hw`. Errors when the layout does not
@@ -1170,34 +1159,21 @@ fn sp_comm(
     })
 }
 
-/// [`windowed_attention_traffic`], remembered per thread (the last 1024 configurations): the
-/// search predicts each attention configuration under every memory plan, and the windowed
-/// count walks every position of the sequence. Errors are not remembered.
+/// [`windowed_attention_traffic`], [`remembered`] per thread: the search predicts each
+/// attention configuration under every memory plan.
 fn windowed_traffic_cached(
     sp: &SpConfig,
     shape: &AttnShape,
     window: usize,
     kind: flash_ring::MaskKind,
 ) -> Result<super::traffic::AttentionTraffic> {
-    use std::cell::RefCell;
-    use std::collections::HashMap;
     thread_local! {
-        static CACHE: RefCell<HashMap<String, super::traffic::AttentionTraffic>> =
-            RefCell::new(HashMap::new());
+        static CACHE: Memo<super::traffic::AttentionTraffic> = Memo::default();
     }
     let key = format!("{sp:?} {shape:?} {window} {kind:?}");
-    if let Some(t) = CACHE.with(|c| c.borrow().get(&key).copied()) {
-        return Ok(t);
-    }
-    let t = windowed_attention_traffic(sp, shape, window, kind)?;
-    CACHE.with(|c| {
-        let mut c = c.borrow_mut();
-        if c.len() >= 1024 {
-            c.clear();
-        }
-        c.insert(key, t);
-    });
-    Ok(t)
+    remembered(&CACHE, key, || {
+        windowed_attention_traffic(sp, shape, window, kind)
+    })
 }
 
 /// The jumps of a windowed ring between the steps that run (`attention::ring_steps` of
@@ -1209,39 +1185,52 @@ fn ring_jumps_cached(
     window: usize,
     kind: flash_ring::MaskKind,
 ) -> Result<(Vec<usize>, usize)> {
-    use std::cell::RefCell;
-    use std::collections::HashMap;
-    type Jumps = (Vec<usize>, usize);
     thread_local! {
-        static CACHE: RefCell<HashMap<String, Jumps>> = RefCell::new(HashMap::new());
+        static CACHE: Memo<(Vec<usize>, usize)> = Memo::default();
     }
     let key = format!(
         "{:?} {} {} {seq_len} {window} {kind:?}",
         sp.layout, sp.ring, sp.ulysses
     );
-    if let Some(j) = CACHE.with(|c| c.borrow().get(&key).cloned()) {
-        return Ok(j);
+    remembered(&CACHE, key, || {
+        let plan = sp.plan(seq_len)?;
+        let mask = match kind {
+            flash_ring::MaskKind::Causal => crate::attention::AttnMask::Causal,
+            flash_ring::MaskKind::Full => crate::attention::AttnMask::Full,
+        };
+        let call = crate::attention::AttnCall::new(mask, 1.0).with_window(Some(window));
+        let steps = crate::attention::ring_steps(&plan, &call);
+        let last = steps.last().copied().unwrap_or(0);
+        Ok((
+            steps.windows(2).map(|s| s[1] - s[0]).collect(),
+            sp.ring - last,
+        ))
+    })
+}
+
+/// A per-thread memo of pure planner computations, by a key naming every input.
+type Memo<T> = std::cell::RefCell<std::collections::HashMap<String, T>>;
+
+/// `compute()`, or its value remembered in `cache` under `key` (the last 1024 keys; errors are
+/// not remembered): a search predicts thousands of layouts that share a few attention and
+/// pipeline configurations.
+fn remembered<T: Clone + 'static>(
+    cache: &'static std::thread::LocalKey<Memo<T>>,
+    key: String,
+    compute: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    if let Some(v) = cache.with(|c| c.borrow().get(&key).cloned()) {
+        return Ok(v);
     }
-    let plan = sp.plan(seq_len)?;
-    let mask = match kind {
-        flash_ring::MaskKind::Causal => crate::attention::AttnMask::Causal,
-        flash_ring::MaskKind::Full => crate::attention::AttnMask::Full,
-    };
-    let call = crate::attention::AttnCall::new(mask, 1.0).with_window(Some(window));
-    let steps = crate::attention::ring_steps(&plan, &call);
-    let last = steps.last().copied().unwrap_or(0);
-    let jumps = (
-        steps.windows(2).map(|s| s[1] - s[0]).collect(),
-        sp.ring - last,
-    );
-    CACHE.with(|c| {
+    let v = compute()?;
+    cache.with(|c| {
         let mut c = c.borrow_mut();
         if c.len() >= 1024 {
             c.clear();
         }
-        c.insert(key, jumps.clone());
+        c.insert(key, v.clone());
     });
-    Ok(jumps)
+    Ok(v)
 }
 
 /// Usable memory of one rank of `world` ranks on `hw`.
