@@ -344,6 +344,30 @@ impl ReduceSum<'_> {
                     }
                     return Ok(dst);
                 };
+                // candle-parallel patch (reduce-sum-runs): the dims after the last reduced one
+                // form runs of `inner` elements that land on `inner` consecutive elements of dst
+                // (a bias's or a broadcast's gradient sums (rows, n) over its rows). Add each run
+                // as a whole: the same additions in the same order as the element loop below
+                // (bit-identical), without a division per element.
+                let inner = self
+                    .reduce_dims
+                    .iter()
+                    .max()
+                    .map_or(1, |&last| src_l.dims()[last + 1..].iter().product::<usize>());
+                if inner > 1 {
+                    for (run_index, run) in src.chunks_exact(inner).enumerate() {
+                        let mut dst_index = run_index * inner;
+                        for &(dim, stride) in self.reduce_dims_and_stride.iter() {
+                            let (pre, post) = (dst_index / stride, dst_index % stride);
+                            dst_index = (pre / dim) * stride + post;
+                        }
+                        let dst = &mut dst[dst_index..dst_index + inner];
+                        for (d, &s) in dst.iter_mut().zip(run) {
+                            *d += s;
+                        }
+                    }
+                    return Ok(dst);
+                }
                 for (unstr_index, &src) in src.iter().enumerate() {
                     let mut dst_index = unstr_index;
                     // Set the reduce_dims indexes to 0.
