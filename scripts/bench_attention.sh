@@ -4,11 +4,20 @@
 # Needs .venv with scripts/requirements-bench.txt installed:
 #   python3 -m venv .venv && .venv/bin/pip install -r scripts/requirements-bench.txt
 # Writes target/bench/attention_torch.json and target/bench/attention.json, and prints the table.
+# PY=... picks another interpreter; REPEATS and TORCH_REPEATS (default 5) the timed runs of each
+# side; SKIP_BUILD=1 uses target/release/cpl as built. --seqs, --dtypes, --masks, --heads and
+# --head-dim (as `--flag VALUE`) go to the PyTorch side too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+py=${PY:-.venv/bin/python}
 mkdir -p target/bench
-cargo build --release -p cpl
-.venv/bin/python scripts/bench_attention_torch.py --repeats "${TORCH_REPEATS:-5}" \
+[ -n "${SKIP_BUILD:-}" ] || cargo build --release -p cpl
+torch_flags=()
+args=("$@")
+for ((i = 0; i + 1 < ${#args[@]}; i++)); do
+    case ${args[i]} in --seqs|--dtypes|--masks|--heads|--head-dim) torch_flags+=("${args[i]}" "${args[i + 1]}");; esac
+done
+"$py" scripts/bench_attention_torch.py --repeats "${TORCH_REPEATS:-5}" "${torch_flags[@]}" \
     --out target/bench/attention_torch.json > /dev/null
 ./target/release/cpl bench attention --repeats "${REPEATS:-5}" \
     --torch target/bench/attention_torch.json --json "$@" > target/bench/attention.json

@@ -29,14 +29,19 @@ def bench_args():
     return a, os.path.join(a.dir, "llama-4l-512"), getattr(torch, a.dtype)
 
 
+def bench_tokens(seq_len):
+    """The benchmark's one sequence of `seq_len` random token ids (seeded: the same ids every run)."""
+    return torch.randint(0, 32000, (1, seq_len), generator=torch.Generator().manual_seed(1))
+
+
 def main():
     a, model_dir, dtype = bench_args()
     if not os.path.exists(os.path.join(model_dir, "model.safetensors")):
         cfg = LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                           num_attention_heads=8, num_key_value_heads=8, vocab_size=32000,
-                          max_position_embeddings=a.seq_len, tie_word_embeddings=False)
+                          max_position_embeddings=max(a.seq_len, 4096), tie_word_embeddings=False)
         LlamaForCausalLM(cfg).save_pretrained(model_dir)
-    ids = torch.randint(0, 32000, (1, a.seq_len), generator=torch.Generator().manual_seed(1))
+    ids = bench_tokens(a.seq_len)
     with open(os.path.join(a.dir, "eval_tokens.json"), "w") as f:
         json.dump(ids.tolist(), f)
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=dtype, attn_implementation="sdpa")

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # `cpl bench eval` vs transformers forward throughput (issue 5), same checkpoint, sequence length
-# and machine. Usage: scripts/bench_eval.sh [f32|bf16]   (needs .venv, see scripts/bench_eval.py)
+# and machine. Usage: scripts/bench_eval.sh [f32|bf16]   (needs .venv, see scripts/bench_eval.py;
+# PY=... picks another interpreter, SEQ=4096 and REPEATS=3 are the defaults; SKIP_BUILD=1 uses
+# target/release/cpl as built)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dt=${1:-f32}
 pyd=float32; [ "$dt" = bf16 ] && pyd=bfloat16
+py=${PY:-.venv/bin/python}
 seq=${SEQ:-4096}
 mkdir -p target/bench
-cargo build --release -p cpl
-torch_json=$(.venv/bin/python scripts/bench_eval.py --dtype "$pyd" --seq-len "$seq" --repeats "${REPEATS:-3}")
+[ -n "${SKIP_BUILD:-}" ] || cargo build --release -p cpl
+torch_json=$("$py" scripts/bench_eval.py --dtype "$pyd" --seq-len "$seq" --repeats "${REPEATS:-3}")
 echo "transformers: $torch_json"
 cpl_json=$(./target/release/cpl bench eval --model target/bench/llama-4l-512 --seq-len "$seq" \
     --repeats "${REPEATS:-3}" --dtype "$dt" --json)

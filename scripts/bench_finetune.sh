@@ -3,7 +3,8 @@
 # (issue 16): same checkpoint (scripts/bench_eval.py's 4-layer hidden-512 LLaMA), one sequence
 # of $SEQ tokens per step, LoRA r 16 alpha 32 on every linear layer, AdamW, same machine, same
 # run. Usage: PY=path/to/python scripts/bench_finetune.sh [f32|bf16] (PY needs torch,
-# transformers and peft: scripts/requirements-finetune.txt).
+# transformers and peft: scripts/requirements-finetune.txt; SEQ=4096 and REPEATS=3 are the defaults;
+# SKIP_BUILD=1 uses target/release/cpl as built).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -12,7 +13,7 @@ pyd=float32; [ "$dt" = bf16 ] && pyd=bfloat16
 seq=${SEQ:-4096}
 reps=${REPEATS:-3}
 mkdir -p target/bench
-cargo build --release -p cpl
+[ -n "${SKIP_BUILD:-}" ] || cargo build --release -p cpl
 [ -f target/bench/llama-4l-512/model.safetensors ] || "$PY" scripts/bench_eval.py --seq-len "$seq" --repeats 1 > /dev/null
 # cpl finetune reads chat data: the bundled model's tokenizer (ids below the bench model's
 # vocabulary) and one long conversation of bundled dialogue turns, cut to $seq tokens.

@@ -31,7 +31,7 @@ def main():
     out = os.path.join(a.dir, "llava-bench")
     if not os.path.exists(os.path.join(out, "model.safetensors")):
         text = LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-                           num_key_value_heads=8, vocab_size=32000, max_position_embeddings=a.seq_len,
+                           num_key_value_heads=8, vocab_size=32000, max_position_embeddings=max(a.seq_len, 4096),
                            tie_word_embeddings=False)
         vision = CLIPVisionConfig(image_size=224, patch_size=16, hidden_size=384, intermediate_size=1536,
                                   num_hidden_layers=4, num_attention_heads=6)

@@ -2,14 +2,15 @@
 # `cpl train` on a small LLaVA vs transformers + PyTorch (issue 15): the 4-layer hidden-512
 # LLaMA with a small CLIP tower (scripts/bench_llava.py builds it), one sequence of $SEQ tokens
 # with one 224x224 image per step, AdamW, same machine, same run.
-# Usage: PY=path/to/python scripts/bench_llava.sh
+# Usage: PY=path/to/python scripts/bench_llava.sh   (SEQ=4096 and REPEATS=3 are the defaults;
+# SKIP_BUILD=1 uses target/release/cpl as built)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 seq=${SEQ:-4096}
 reps=${REPEATS:-3}
 mkdir -p target/bench
-cargo build --release -p cpl
+[ -n "${SKIP_BUILD:-}" ] || cargo build --release -p cpl
 torch_json=$("$PY" scripts/bench_llava.py --seq-len "$seq" --repeats "$reps")
 echo "transformers: $torch_json"
 # One conversation whose text fills the window after the image (cut by the tokenizer's

@@ -7,20 +7,20 @@ tokens, best of --repeats steps after one warm-up, f32 or bf16 parameters, sdpa 
 Prints JSON with tokens/s and the peak resident memory (ru_maxrss) of the process.
 """
 import json
-import os
 import resource
 import time
 
 import torch
 from transformers import LlamaForCausalLM
 
-from bench_eval import bench_args  # same flags, model and tokens
+from bench_eval import bench_args, bench_tokens  # same flags, model and tokens
 
 
 def main():
     a, model_dir, dtype = bench_args()
-    with open(os.path.join(a.dir, "eval_tokens.json")) as f:
-        ids = torch.tensor(json.load(f))[:, : a.seq_len]
+    # The tokens of scripts/bench_eval.py at this length (its eval_tokens.json holds the length
+    # of its last run, which may be shorter).
+    ids = bench_tokens(a.seq_len)
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=dtype, attn_implementation="sdpa")
     best = time_train(model, ids, a.repeats)
     print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": a.dtype,

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # `cpl bench train` vs transformers + PyTorch training throughput (issue 6): same checkpoint,
 # sequence length and machine. Usage: scripts/bench_train.sh [f32|bf16] (needs .venv, see
-# scripts/bench_eval.py, which this runs first to build the checkpoint and tokens).
+# scripts/bench_eval.py, which this runs first to build the checkpoint; PY=... picks another
+# interpreter, SEQ=4096 and REPEATS=3 are the defaults; SKIP_BUILD=1 uses target/release/cpl as built).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dt=${1:-f32}
 pyd=float32; [ "$dt" = bf16 ] && pyd=bfloat16
+py=${PY:-.venv/bin/python}
 seq=${SEQ:-4096}
 mkdir -p target/bench
-cargo build --release -p cpl
-[ -f target/bench/llama-4l-512/model.safetensors ] || .venv/bin/python scripts/bench_eval.py --seq-len "$seq" --repeats 1 > /dev/null
-torch_json=$(.venv/bin/python scripts/bench_train.py --dtype "$pyd" --seq-len "$seq" --repeats "${REPEATS:-3}")
+[ -n "${SKIP_BUILD:-}" ] || cargo build --release -p cpl
+[ -f target/bench/llama-4l-512/model.safetensors ] || "$py" scripts/bench_eval.py --seq-len "$seq" --repeats 1 > /dev/null
+torch_json=$("$py" scripts/bench_train.py --dtype "$pyd" --seq-len "$seq" --repeats "${REPEATS:-3}")
 echo "transformers: $torch_json"
 # transformers trains on $seq tokens: $seq - 1 inputs with a label each, as --seq-len $((seq - 1)).
 # The first step warms up; cpl reports the best of the others.
