@@ -521,3 +521,48 @@ fn defaults_and_decay_rule() {
     assert!(!decays("lm_head.bias", &[256]));
     assert!(!decays("scale", &[]));
 }
+
+/// The step reads a contiguous f32 gradient in place and writes an f32 parameter in place; a
+/// strided or bf16 gradient is converted first. Every form of the same values gives the same
+/// bits, the `Var` (and every tensor sharing its buffer) holds the master weights, and the
+/// parameter's shape and dtype are unchanged.
+#[test]
+fn gradient_forms_give_the_same_update_and_the_var_is_written_in_place() -> Res<()> {
+    let dev = Device::Cpu;
+    let init = Tensor::new(&[[0.5f32, -1.0, 2.0], [0.25, 3.0, -0.75]], &dev)?;
+    // Gradient values exact in bf16, so every form below holds the same numbers.
+    let g = Tensor::new(&[[0.5f32, -0.25, 1.5], [2.0, -1.0, 0.125]], &dev)?;
+    let forms = [
+        g.clone(),
+        g.t()?.contiguous()?.t()?, // strided view
+        g.to_dtype(DType::BF16)?,
+    ];
+    let mut results = Vec::new();
+    for grad in &forms {
+        let var = Var::from_tensor(&init)?;
+        let alias = var.as_tensor().clone(); // shares the Var's buffer
+        let param = OptimParam {
+            name: "w".into(),
+            var: var.clone(),
+            weight_decay: true,
+        };
+        let mut opt = AdamW::new(vec![param], AdamWConfig::default())?;
+        for _ in 0..3 {
+            opt.step(&[("w".to_string(), grad.clone())], 1e-2)?;
+        }
+        let state: HashMap<String, Tensor> = opt.state_tensors()?.into_iter().collect();
+        assert_eq!(bits(var.as_tensor())?, bits(&state["master.w"])?);
+        assert_eq!(bits(&alias)?, bits(var.as_tensor())?, "written in place");
+        assert_eq!(var.dims(), &[2, 3]);
+        assert_eq!(var.dtype(), DType::F32);
+        assert_ne!(
+            bits(var.as_tensor())?,
+            bits(&init)?,
+            "the step moved the weights"
+        );
+        results.push(bits(var.as_tensor())?);
+    }
+    assert_eq!(results[0], results[1], "strided gradient");
+    assert_eq!(results[0], results[2], "bf16 gradient");
+    Ok(())
+}

@@ -70,7 +70,8 @@ pub enum RowInput {
 /// `Tensor::matmul` (the `gemm` crate) keeps one running sum over blocks of 512 or more. The
 /// large activations of a trained transformer are sums of many same-sign products, whose
 /// error grows with the chain length: the short chains keep it at PyTorch's level or below
-/// (see `docs/accuracy.md`). The backward is candle's matmul. Other devices and dtypes use
+/// (see `docs/accuracy.md`). In the backward the input's gradient is this product again, the
+/// weight's candle's matmul ([`flash_ring::matmul`]). Other devices and dtypes use
 /// `Tensor::matmul`.
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let kernel_dtype = matches!(a.dtype(), DType::F32 | DType::BF16 | DType::F16);

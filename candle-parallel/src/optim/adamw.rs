@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Device, Shape, Tensor};
+use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Shape, Storage, Tensor};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -112,6 +112,49 @@ fn f32_vec(t: &Tensor) -> Result<Vec<f32>> {
         .to_dtype(DType::F32)?
         .flatten_all()?
         .to_vec1::<f32>()?)
+}
+
+/// Runs `f` on `t`'s elements as f32: borrowed in place when `t` is a contiguous f32 CPU tensor
+/// (a gradient, read once by the update), else converted ([`f32_vec`]).
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (Storage::Cpu(CpuStorage::F32(v)), Some((start, end))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            return Ok(f(&v[start..end]));
+        }
+    }
+    Ok(f(&f32_vec(t)?))
+}
+
+/// Copies the master weights into an f32 CPU `Var`'s own buffer, in place (what `Var::set`
+/// does, without first building a tensor of them).
+struct CopyMaster<'a>(&'a [f32]);
+
+impl InplaceOp1 for CopyMaster<'_> {
+    fn name(&self) -> &'static str {
+        "adamw-copy-master"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let (CpuStorage::F32(v), Some((start, end))) = (storage, layout.contiguous_offsets())
+        else {
+            candle_core::bail!("adamw-copy-master: not a contiguous f32 parameter");
+        };
+        let dst = &mut v[start..end];
+        if dst.len() != self.0.len() {
+            candle_core::bail!(
+                "adamw-copy-master: {} master weights for {} elements",
+                self.0.len(),
+                dst.len()
+            );
+        }
+        dst.par_chunks_mut(CHUNK)
+            .zip(self.0.par_chunks(CHUNK))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        Ok(())
+    }
 }
 
 /// Per-step scalars of the update, in f32 as torch's float32 kernels use them.
@@ -263,7 +306,6 @@ impl AdamW {
         let bc1 = 1.0 - cfg.beta1.powf(t);
         let bc2 = 1.0 - cfg.beta2.powf(t);
         for (slot, g) in self.slots.iter_mut().zip(ordered) {
-            let g = f32_vec(g)?;
             let wd = if slot.param.weight_decay {
                 cfg.weight_decay
             } else {
@@ -278,12 +320,16 @@ impl AdamW {
                 bc2_sqrt: bc2.sqrt() as f32,
                 eps: cfg.eps as f32,
             };
-            slot.master
-                .par_chunks_mut(CHUNK)
-                .zip(slot.exp_avg.par_chunks_mut(CHUNK))
-                .zip(slot.exp_avg_sq.par_chunks_mut(CHUNK))
-                .zip(g.par_chunks(CHUNK))
-                .for_each(|(((p, m), v), g)| coefs.apply(p, m, v, g));
+            // The gradient is read in place where it can be; its borrow ends before the
+            // parameter is written.
+            with_f32(g, |g| {
+                slot.master
+                    .par_chunks_mut(CHUNK)
+                    .zip(slot.exp_avg.par_chunks_mut(CHUNK))
+                    .zip(slot.exp_avg_sq.par_chunks_mut(CHUNK))
+                    .zip(g.par_chunks(CHUNK))
+                    .for_each(|(((p, m), v), g)| coefs.apply(p, m, v, g))
+            })?;
             Self::write_var(slot)?;
         }
         Ok(())
@@ -292,6 +338,10 @@ impl AdamW {
     /// Sets the slot's `Var` to its master weights cast to the `Var`'s dtype and device.
     fn write_var(slot: &Slot) -> Result<()> {
         let var = &slot.param.var;
+        if var.dtype() == DType::F32 && var.device().is_cpu() && var.is_contiguous() {
+            var.inplace_op1(&CopyMaster(&slot.master))?;
+            return Ok(());
+        }
         let t = Tensor::from_slice(&slot.master, slot.shape.clone(), &Device::Cpu)?
             .to_dtype(var.dtype())?
             .to_device(var.device())?;
