@@ -324,10 +324,47 @@ fn bad_flags_are_clear_errors() {
         ),
         ("train --matmul-size 0", "--matmul-size must be at least 1"),
         ("matmul --isa neon", "--isa"),
+        ("matmul --gemm blas", "--gemm"),
     ];
     let cases: Vec<(Vec<String>, &str)> = cases
         .iter()
         .map(|(line, needle)| (words(&format!("bench {line}")), *needle))
         .collect();
     assert_clear_errors(&cases);
+}
+
+/// The products' library that cannot be used is an error naming the flag and the variable (MKL
+/// asked for where its file does not open; a `FLASH_RING_GEMM` value it does not know), before
+/// anything is timed.
+#[test]
+fn an_unusable_products_library_is_a_clear_error() {
+    let missing = "/nonexistent/libmkl_rt.so.3";
+    let cases = [
+        (
+            vec![("FLASH_RING_MKL", missing)],
+            "--gemm mkl",
+            format!("FLASH_RING_MKL={missing}"),
+        ),
+        (
+            vec![("FLASH_RING_GEMM", "blis")],
+            "--gemm auto",
+            "FLASH_RING_GEMM=\"blis\": expected auto, native or mkl".to_string(),
+        ),
+    ];
+    for (env, flag, needle) in cases {
+        let line = format!("bench matmul {flag} --repeats 1");
+        let o = common::cpl_env(&words(&line), &env);
+        let err = common::stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{line} {env:?}: {err}");
+        assert!(
+            err.contains(flag) && err.contains(&needle),
+            "{line} {env:?}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{line} {env:?}: {err}");
+        assert!(
+            common::stdout(&o).is_empty(),
+            "nothing timed: {}",
+            common::stdout(&o)
+        );
+    }
 }

@@ -60,6 +60,9 @@ pub enum Error {
     /// An invalid kernel configuration.
     #[error("invalid kernel config: {0}")]
     Config(String),
+    /// The products' library asked for (`FLASH_RING_GEMM`, `Gemm::Mkl`) cannot be used.
+    #[error("products' library: {0}")]
+    Gemm(String),
     /// A spec cannot be planned as flash-attn kernel calls within the given limits (see
     /// `flash_attn_plan`), or a call does not fit the accumulator it is added to.
     #[error("flash-attn plan: {0}")]

@@ -8,8 +8,8 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::cpu::gemm::{gemm, Mat};
-use crate::cpu::gemm_bf16;
-use crate::cpu::{Isa, KernelConfig};
+use crate::cpu::mkl::{self, Mkl};
+use crate::cpu::{gemm_bf16, Isa, KernelConfig};
 use crate::error::{Error, Result};
 use crate::f32_to_storage;
 
@@ -25,6 +25,9 @@ use crate::f32_to_storage;
 /// - bf16 on a CPU with AVX512-BF16 (under [`Isa::Avx512`]): the products are the CPU's bf16
 ///   dot products with f32 sums in the same chains ([`crate::cpu::gemm_bf16`]), without
 ///   widening the operands; elsewhere bf16 and f16 are widened to f32.
+/// - Intel MKL instead of these kernels where `cfg.gemm` ([`crate::cpu::Gemm`]) routes the
+///   dtype there: by default bf16 on a CPU with AMX where MKL loads (its products run on the
+///   tile unit; one f32 chain per output over the whole depth, see [`crate::cpu::mkl`]).
 /// - Differentiable with respect to both inputs. `a`'s gradient `grad @ b^T` is this product
 ///   again (short chains); `b`'s gradient `a^T @ grad` is candle's own matmul, as
 ///   `Tensor::matmul` would compute it, except bf16 on the bf16 dot products, where it is this
@@ -34,7 +37,9 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     matmul_with_config(a, b, &KernelConfig::default())
 }
 
-/// [`matmul`] with an explicit instruction set (`cfg.isa`; the tile sizes are not used).
+/// [`matmul`] with an explicit instruction set (`cfg.isa`) and products' library (`cfg.gemm`);
+/// the tile sizes are not used. An error names `FLASH_RING_GEMM` or `FLASH_RING_MKL` when the
+/// library asked for cannot be used.
 pub fn matmul_with_config(a: &Tensor, b: &Tensor, cfg: &KernelConfig) -> Result<Tensor> {
     product(a, b, cfg, false)
 }
@@ -86,7 +91,8 @@ fn product(a: &Tensor, b: &Tensor, cfg: &KernelConfig, f32_out: bool) -> Result<
         let c = a.matmul(b)?;
         return Ok(if f32_out { c.to_dtype(DType::F32)? } else { c });
     }
-    Ok(a.apply_op2(b, MatMulOp { isa, f32_out })?)
+    let mkl = mkl::route(cfg.gemm, a.dtype() == DType::BF16)?;
+    Ok(a.apply_op2(b, MatMulOp { isa, mkl, f32_out })?)
 }
 
 fn dims2(name: &'static str, t: &Tensor) -> Result<(usize, usize)> {
@@ -184,8 +190,11 @@ fn check_inner<T>(a: &Mat<T>, b: &Mat<T>) -> candle_core::Result<()> {
 }
 
 /// `CustomOp2` over `(a, b)` returning `a @ b`, in the inputs' dtype or (`f32_out`) f32.
+#[derive(Clone, Copy)]
 struct MatMulOp {
     isa: Isa,
+    /// MKL when the products of this dtype run there ([`mkl::route`]).
+    mkl: Option<&'static Mkl>,
     f32_out: bool,
 }
 
@@ -212,6 +221,14 @@ impl CustomOp2 for MatMulOp {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        if let (Some(lib), CpuStorage::BF16(v1), CpuStorage::BF16(v2)) = (self.mkl, s1, s2) {
+            let a = mat_view("a", v1, l1)?;
+            let b = mat_view("b", v2, l2)?;
+            check_inner(&a, &b)?;
+            if let Some(c) = mkl::gemm(lib, a, b) {
+                return Ok((self.storage(c, DType::BF16), Shape::from((a.rows, b.cols))));
+            }
+        }
         if let (CpuStorage::BF16(v1), CpuStorage::BF16(v2)) = (s1, s2) {
             if gemm_bf16::used_under(self.isa) {
                 let a = mat_view("a", v1, l1)?;
@@ -226,7 +243,11 @@ impl CustomOp2 for MatMulOp {
         let b = f32_view("b", s2, l2, &mut b2)?;
         check_inner(&a, &b)?;
         let (m, n) = (a.rows, b.cols);
-        let c = gemm(self.isa, a, b);
+        let from_mkl = self.mkl.filter(|_| s1.dtype() != DType::BF16);
+        let c = match from_mkl.and_then(|lib| mkl::gemm(lib, a, b)) {
+            Some(c) => c,
+            None => gemm(self.isa, a, b),
+        };
         Ok((self.storage(c, s1.dtype()), Shape::from((m, n))))
     }
 
@@ -243,15 +264,13 @@ impl CustomOp2 for MatMulOp {
         // to f32).
         let grad = grad.to_dtype(a.dtype())?;
         let grad = &grad;
+        let op = MatMulOp {
+            f32_out: false,
+            ..*self
+        };
         let mul = |x: &Tensor, y: &Tensor| {
-            if x.dtype() == DType::BF16 && gemm_bf16::used_under(self.isa) {
-                x.apply_op2(
-                    y,
-                    MatMulOp {
-                        isa: self.isa,
-                        f32_out: false,
-                    },
-                )
+            if self.mkl.is_some() || (x.dtype() == DType::BF16 && gemm_bf16::used_under(self.isa)) {
+                x.apply_op2(y, op)
             } else {
                 x.matmul(y)
             }
@@ -263,15 +282,7 @@ impl CustomOp2 for MatMulOp {
         // 2048-row products, 111-134 GFLOP/s against 85-113). The weight's gradient
         // `a^T @ grad` (a column-major left operand, a depth of every row) stays candle's,
         // which is faster there.
-        let same = |x: &Tensor, y: &Tensor| {
-            x.apply_op2(
-                y,
-                MatMulOp {
-                    isa: self.isa,
-                    f32_out: false,
-                },
-            )
-        };
+        let same = |x: &Tensor, y: &Tensor| x.apply_op2(y, op);
         let da = a.track_op().then(|| same(grad, &b.t()?)).transpose()?;
         let db = b.track_op().then(|| mul(&a.t()?, grad)).transpose()?;
         Ok((da, db))

@@ -46,6 +46,7 @@ fn backward_bits_do_not_depend_on_timing() {
         q_tile: 32,
         k_tile: 32,
         isa: None,
+        ..KernelConfig::default()
     };
     // GQA (4 q heads on one kv head: dk/dv summed over heads) with few heads (several key chunks
     // per head: dq summed over chunks), and MHA with many heads (one chunk per head).

@@ -19,6 +19,7 @@ fn small_tiles() -> KernelConfig {
         q_tile: 16,
         k_tile: 32,
         isa: None,
+        ..KernelConfig::default()
     }
 }
 
@@ -142,6 +143,7 @@ fn tile_shapes_f32() {
             q_tile,
             k_tile,
             isa: None,
+            ..KernelConfig::default()
         };
         let spec = dense(MaskKind::Causal, 130, 130, 64).with_window(50);
         Case::new(1, 130, 130, 2, 1, 64, spec)

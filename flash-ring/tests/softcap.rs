@@ -36,6 +36,7 @@ fn small_tiles() -> KernelConfig {
         q_tile: 16,
         k_tile: 32,
         isa: None,
+        ..KernelConfig::default()
     }
 }
 

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
-use flash_ring::{Isa, KernelConfig};
+use flash_ring::{Gemm, Isa, KernelConfig};
 use serde_json::json;
 
 use super::{at_least_one, print_report, Machine};
@@ -23,6 +23,11 @@ pub struct MatmulArgs {
     /// flash-ring's kernels (default: the best this CPU has).
     #[arg(long, value_enum)]
     pub isa: Option<IsaArg>,
+    /// The library of flash-ring's products: `auto` (FLASH_RING_GEMM when set; else Intel MKL
+    /// for bf16 on a CPU with AMX where MKL loads, FLASH_RING_MKL naming libmkl_rt),
+    /// `native` (flash-ring's kernels) or `mkl` (MKL for f32 and bf16).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub gemm: GemmArg,
     /// Timed runs of each product; the best is reported.
     #[arg(long, default_value_t = 10)]
     pub repeats: usize,
@@ -41,6 +46,24 @@ pub enum IsaArg {
     Avx512,
     Avx2,
     Portable,
+}
+
+/// A products' library flag (`flash_ring::Gemm`).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmArg {
+    Auto,
+    Native,
+    Mkl,
+}
+
+impl From<GemmArg> for Gemm {
+    fn from(g: GemmArg) -> Self {
+        match g {
+            GemmArg::Auto => Gemm::Auto,
+            GemmArg::Native => Gemm::Native,
+            GemmArg::Mkl => Gemm::Mkl,
+        }
+    }
 }
 
 impl From<IsaArg> for Isa {
@@ -103,17 +126,22 @@ pub fn run(args: &MatmulArgs) -> Result<()> {
     at_least_one("--repeats", args.repeats)?;
     let cfg = KernelConfig {
         isa: args.isa.map(Isa::from),
+        gemm: args.gemm.into(),
         ..KernelConfig::default()
     };
     let isa = cfg.isa.unwrap_or_else(flash_ring::cpu::detect);
     let dtype = DType::from(args.dtype);
     // An ISA this CPU lacks fails here, named by its flag.
+    // A library that cannot be used (MKL not found, a bad FLASH_RING_GEMM) fails here, named.
+    let products = flash_ring::cpu::mkl::describe(cfg.gemm, dtype == DType::BF16)
+        .with_context(|| format!("--gemm {}", format!("{:?}", args.gemm).to_lowercase()))?;
     let one = Tensor::ones((1, 1), DType::F32, &Device::Cpu)?;
     flash_ring::matmul_with_config(&one, &one, &cfg)
         .with_context(|| format!("--isa {}", format!("{isa:?}").to_lowercase()))?;
     if !args.json {
         println!("{}", Machine::detect().line());
         println!("flash-ring kernels: {isa:?}, dtype {:?}", dtype);
+        println!("flash-ring's products on: {products}");
         println!(
             "| product | m x k x n | candle ms | GFLOP/s | flash-ring ms | GFLOP/s | speed \
              | err candle | err flash-ring |"
@@ -161,6 +189,7 @@ pub fn run(args: &MatmulArgs) -> Result<()> {
         print_report(
             "matmul",
             json!({ "isa": format!("{isa:?}"), "dtype": dtype.as_str(), "repeats": args.repeats,
+                "products": products,
                 "results": results }),
         )?;
     }

@@ -76,13 +76,13 @@ impl<'a, T> Mat<'a, T> {
 }
 
 /// A shared, disjointly written output.
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub(crate) *mut f32);
 // SAFETY: tasks write disjoint blocks of C (see `gemm`); the buffer outlives them.
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
-    fn get(&self) -> *mut f32 {
+    pub(crate) fn get(&self) -> *mut f32 {
         self.0
     }
 }

@@ -13,6 +13,7 @@ pub(crate) mod backward;
 pub(crate) mod forward;
 pub mod gemm;
 pub mod gemm_bf16;
+pub mod mkl;
 pub(crate) mod pool;
 pub(crate) mod simd;
 
@@ -22,6 +23,7 @@ use half::{bf16, f16};
 
 use crate::error::{Error, Result};
 use crate::reference::RefShape;
+pub use mkl::Gemm;
 use pool::PoolBuf;
 pub use pool::{release_buffers, POOL_BYTES};
 pub use simd::{available, detect, Isa};
@@ -48,6 +50,8 @@ pub struct KernelConfig {
     pub k_tile: usize,
     /// Instruction set; `None` picks the best one of this machine.
     pub isa: Option<Isa>,
+    /// The library of the dense products ([`crate::matmul`]; not used by attention).
+    pub gemm: Gemm,
 }
 
 impl Default for KernelConfig {
@@ -56,6 +60,7 @@ impl Default for KernelConfig {
             q_tile: 128,
             k_tile: 128,
             isa: None,
+            gemm: Gemm::Auto,
         }
     }
 }
