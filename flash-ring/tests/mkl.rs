@@ -252,3 +252,64 @@ fn the_products_library_is_chosen_by_name_and_bad_choices_are_named() {
         assert!(e.contains(mkl::MKL_ENV) && e.contains(&why), "{e}");
     }
 }
+
+#[test]
+fn mkl_results_do_not_depend_on_the_operands_alignment() {
+    let Some(lib) = mkl_or_skip("flash-ring/mkl::mkl_results_do_not_depend_on_the_alignment")
+    else {
+        return;
+    };
+    // The same operands starting 0..8 elements into their buffers (0-28 bytes off a 32-byte
+    // line): strict reproducibility (MKL_CBWR_STRICT) gives the same bits from each.
+    let (m, k, n) = (67, 515, 93);
+    let mut r = common::rng(5);
+    let a = common::randv(&mut r, m * k);
+    let b = common::randv(&mut r, k * n);
+    let at = |shift: usize| {
+        let (mut ab, mut bb) = (vec![0.0f32; shift + m * k], vec![0.0f32; shift + k * n]);
+        ab[shift..].copy_from_slice(&a);
+        bb[shift..].copy_from_slice(&b);
+        let c = mkl::gemm(
+            lib,
+            Mat::row_major(&ab[shift..], m, k),
+            Mat::row_major(&bb[shift..], k, n),
+        );
+        c.expect("fits")
+    };
+    let first = at(0);
+    for shift in 1..8 {
+        let other = at(shift);
+        assert!(
+            first
+                .iter()
+                .zip(&other)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "operands {shift} elements off give other bits"
+        );
+    }
+    assert!(
+        format!("{lib:?}").contains(&lib.path),
+        "{lib:?} names its file"
+    );
+}
+
+/// `amx_bf16` (CPUID) agrees with the kernel's view of the CPU (`/proc/cpuinfo`'s flags).
+#[test]
+fn amx_detection_matches_the_kernels_cpu_flags() {
+    let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") else {
+        testkit::skip("flash-ring/mkl::amx_detection", "no /proc/cpuinfo here");
+        return;
+    };
+    let flags: Vec<&str> = info
+        .lines()
+        .find(|l| l.starts_with("flags"))
+        .map(|l| l.split_whitespace().collect())
+        .unwrap_or_default();
+    assert!(!flags.is_empty(), "/proc/cpuinfo has a flags line");
+    let listed = flags.contains(&"amx_bf16") && flags.contains(&"amx_tile");
+    assert_eq!(
+        mkl::amx_bf16(),
+        listed,
+        "CPUID and /proc/cpuinfo disagree on AMX-BF16"
+    );
+}

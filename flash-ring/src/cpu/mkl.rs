@@ -449,3 +449,36 @@ pub fn gemm<T: MklElem>(mkl: &Mkl, a: Mat<T>, b: Mat<T>) -> Option<Vec<f32>> {
     });
     Some(c)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The layouts the linear layers hand over (row-major x, column-major W^T, a single row or
+    /// column) reach MKL in place with the right leading dimension; only a layout without a
+    /// unit stride, or with rows that overlap, is copied (`None`).
+    #[test]
+    fn operands_are_read_in_place_where_a_stride_is_one() {
+        let d = [0.0f32; 64];
+        let mat = |rows, cols, rs, cs| Mat {
+            data: &d,
+            rows,
+            cols,
+            rs,
+            cs,
+        };
+        assert_eq!(operand(&mat(3, 4, 4, 1)), Some((CBLAS_NO_TRANS, 4)));
+        assert_eq!(operand(&mat(3, 4, 6, 1)), Some((CBLAS_NO_TRANS, 6)));
+        assert_eq!(operand(&mat(3, 4, 1, 3)), Some((CBLAS_TRANS, 3)));
+        assert_eq!(operand(&mat(3, 4, 1, 5)), Some((CBLAS_TRANS, 5)));
+        // One row, whatever its row stride: the leading dimension is its length.
+        assert_eq!(operand(&mat(1, 4, 0, 1)), Some((CBLAS_NO_TRANS, 4)));
+        // One column, whatever its column stride.
+        assert_eq!(operand(&mat(4, 1, 1, 0)), Some((CBLAS_TRANS, 4)));
+        // No unit stride, or rows (columns) that overlap: copied.
+        assert_eq!(operand(&mat(3, 4, 8, 2)), None);
+        assert_eq!(operand(&mat(3, 4, 2, 1)), None);
+        assert_eq!(operand(&mat(3, 4, 0, 1)), None);
+        assert_eq!(operand(&mat(3, 4, 1, 2)), None);
+    }
+}
