@@ -807,10 +807,29 @@ impl PeakArgs {
             (None, DeviceArg::Cpu) => 512,
             (None, DeviceArg::Cuda(_)) => 4096,
         };
-        let g = train::driver::progress::matmul_gflops(&device.open(0)?, dtype, n, 5)?;
+        // Where MKL runs the products (bf16 on AMX, or FLASH_RING_GEMM=mkl), its rate is the
+        // peak, and the line says so; a bad FLASH_RING_GEMM or MKL asked for and missing stops
+        // the run here, named.
+        let mkl = match device {
+            DeviceArg::Cpu => {
+                let on =
+                    flash_ring::cpu::mkl::describe(flash_ring::Gemm::Auto, dtype == DType::BF16)?;
+                on.starts_with("MKL").then_some(on)
+            }
+            DeviceArg::Cuda(_) => None,
+        };
+        let dev = device.open(0)?;
+        let g = match &mkl {
+            Some(_) => train::driver::progress::product_gflops(&dev, dtype, n, 5, |a, b| {
+                Ok(flash_ring::matmul(a, b)?)
+            })?,
+            None => train::driver::progress::matmul_gflops(&dev, dtype, n, 5)?,
+        };
         let what = format!(
-            "this machine's {} matmul rate on {device} ({n}x{n} product, measured at start)",
+            "this machine's {} matmul rate on {device} ({n}x{n} product, measured at start){}",
             format!("{dtype:?}").to_lowercase(),
+            mkl.map(|on| format!("; the products run on {on}"))
+                .unwrap_or_default(),
         );
         Ok((g, what))
     }

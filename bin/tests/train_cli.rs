@@ -2081,6 +2081,48 @@ fn mfu_counts_the_model_flops_by_hand() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The products' library of flash-ring (`FLASH_RING_GEMM`, `FLASH_RING_MKL`) that cannot be
+/// used stops `cpl train` before its first step with an error naming the variable, exit 1, no
+/// panic, no checkpoint; under `--peak-tflops` (no measured peak) the first product says it.
+#[test]
+fn an_unusable_products_library_stops_the_run_named() {
+    let dir = tmpdir("gemm-env");
+    let tokens = docs_file(&dir);
+    let missing = "/nonexistent/libmkl_rt.so.3";
+    /// The environment, the extra flags, and what the error must say.
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str], String);
+    let cases: [Case; 3] = [
+        (
+            &[("FLASH_RING_GEMM", "openblas")],
+            &[],
+            "FLASH_RING_GEMM=\"openblas\": expected auto, native or mkl".into(),
+        ),
+        (
+            &[("FLASH_RING_GEMM", "mkl"), ("FLASH_RING_MKL", missing)],
+            &[],
+            format!("FLASH_RING_MKL={missing}"),
+        ),
+        (
+            &[("FLASH_RING_GEMM", "mkl"), ("FLASH_RING_MKL", missing)],
+            &["--peak-tflops", "1"],
+            format!("FLASH_RING_MKL={missing}"),
+        ),
+    ];
+    for (i, (env, extra, needle)) in cases.iter().enumerate() {
+        let out = dir.join(format!("run{i}"));
+        let o = cpl_env(&set_flags(base_args(&tokens, &out, 2), extra), env);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{env:?}: {err}");
+        assert!(
+            err.contains(needle.as_str()),
+            "{env:?}: expected {needle:?} in {err}"
+        );
+        assert!(!err.contains("panicked"), "{env:?}: {err}");
+        assert!(!out.join("step-2").exists(), "{env:?}: no checkpoint");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// `base_args` for 2 steps of 16 tokens of the Qwen3-MoE fixture, with `extra`.
 fn moe_args(tokens: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
     let mut a = set_flags(base_args(tokens, out, 2), &["--seq-len", "16"]);

@@ -116,6 +116,21 @@ pub fn matmul_gflops(
     n: usize,
     repeats: usize,
 ) -> candle_core::Result<f64> {
+    product_gflops(device, dtype, n, repeats, |a, b| a.matmul(b))
+}
+
+/// [`matmul_gflops`] of another product of two `(n, n)` tensors (flash-ring's, where it runs on
+/// another library than candle's).
+pub fn product_gflops(
+    device: &candle_core::Device,
+    dtype: candle_core::DType,
+    n: usize,
+    repeats: usize,
+    product: impl Fn(
+        &candle_core::Tensor,
+        &candle_core::Tensor,
+    ) -> candle_core::Result<candle_core::Tensor>,
+) -> candle_core::Result<f64> {
     use candle_core::{Device, Tensor};
     let randn = || {
         Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?
@@ -124,7 +139,7 @@ pub fn matmul_gflops(
     };
     let (a, b) = (randn()?, randn()?);
     let run = || -> candle_core::Result<()> {
-        a.matmul(&b)?;
+        product(&a, &b)?;
         device.synchronize()
     };
     run()?;
