@@ -4,6 +4,10 @@
 //! (defaults 1024, 512, 1536, 10; f32). Prints the best time of each in milliseconds, their
 //! GFLOP/s and ratio, and the largest difference between the two results relative to the
 //! largest entry (`testkit::rel_err`).
+//!
+//! With `--backward` after the numbers: the layer's two backward products instead, as the
+//! autograd hands them over (`grad (m, n) @ w`, and the weight's `x^T @ grad` and `grad^T @ x`
+//! on transposed views), each by candle and by flash_ring::matmul, in GFLOP/s.
 
 use std::time::Instant;
 
@@ -29,8 +33,32 @@ fn best(repeats: usize, mut f: impl FnMut() -> Tensor) -> (f64, Tensor) {
     (best, out)
 }
 
+/// The `--backward` comparison (see the module docs).
+fn backward(m: usize, k: usize, n: usize, repeats: usize) -> flash_ring::Result<()> {
+    let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
+    let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?;
+    let g = Tensor::randn(0f32, 1.0, (m, n), &Device::Cpu)?;
+    let (xt, gt) = (x.t()?, g.t()?);
+    let gf = 2.0 * (m * k * n) as f64 / 1e9;
+    let rate = |a: &Tensor, b: &Tensor| {
+        let candle = best(repeats, || a.matmul(b).expect("candle")).0;
+        let ours = best(repeats, || flash_ring::matmul(a, b).expect("flash_ring")).0;
+        format!("candle {:.1} flash_ring {:.1}", gf / candle, gf / ours)
+    };
+    println!(
+        "m {m} k {k} n {n} (GFLOP/s): grad @ w: {} | x^T @ grad: {} | grad^T @ x: {}",
+        rate(&g, &w),
+        rate(&xt, &g),
+        rate(&gt, &x)
+    );
+    Ok(())
+}
+
 fn main() -> flash_ring::Result<()> {
     let (m, k, n, repeats) = (arg(1, 1024), arg(2, 512), arg(3, 1536), arg(4, 10));
+    if std::env::args().any(|a| a == "--backward") {
+        return backward(m, k, n, repeats);
+    }
     let mut rng = StdRng::seed_from_u64(7);
     let mut input = |r: usize, c: usize| {
         let v: Vec<f32> = (0..r * c).map(|_| rng.random_range(-1.0..1.0)).collect();

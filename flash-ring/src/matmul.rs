@@ -278,7 +278,7 @@ impl CustomOp2 for MatMulOp {
         // The input's gradient `grad @ b^T` is this product again: B's transposed view costs
         // nothing to pack, and the short chains keep its error from growing with the depth
         // (the layer's width; the vocabulary for an LM head). It is also faster than candle's
-        // on the layers' shapes (flash-ring's `bwd_timing` example: 2-core Zen 3, DiT-S/2's
+        // on the layers' shapes (flash-ring's `matmul_timing --backward` example: 2-core Zen 3, DiT-S/2's
         // 2048-row products, 111-134 GFLOP/s against 85-113). The weight's gradient
         // `a^T @ grad` (a column-major left operand, a depth of every row) stays candle's,
         // which is faster there.
