@@ -57,7 +57,10 @@ const MKL_CBWR_AUTO: c_int = 2;
 const MKL_CBWR_STRICT: c_int = 0x10000;
 const MKL_CBWR_SUCCESS: c_int = 0;
 
-type Sgemm = unsafe extern "C" fn(
+/// `cblas_sgemm` (`E = f32`) and `cblas_gemm_bf16bf16f32` (`E = bf16`, MKL's `MKL_BF16`: `bf16`
+/// is `repr(transparent)` over the same 16 bits): layout, transposes, m, n, k, alpha, A, lda, B,
+/// ldb, beta, C (f32), ldc.
+pub type GemmFn<E> = unsafe extern "C" fn(
     c_int,
     c_int,
     c_int,
@@ -65,25 +68,9 @@ type Sgemm = unsafe extern "C" fn(
     c_int,
     c_int,
     f32,
-    *const f32,
+    *const E,
     c_int,
-    *const f32,
-    c_int,
-    f32,
-    *mut f32,
-    c_int,
-);
-type GemmBf16 = unsafe extern "C" fn(
-    c_int,
-    c_int,
-    c_int,
-    c_int,
-    c_int,
-    c_int,
-    f32,
-    *const u16,
-    c_int,
-    *const u16,
+    *const E,
     c_int,
     f32,
     *mut f32,
@@ -110,8 +97,8 @@ pub enum Gemm {
 pub struct Mkl {
     // Keeps the library mapped while the function pointers below are in use (for the process).
     _lib: libloading::Library,
-    sgemm: Sgemm,
-    gemm_bf16: GemmBf16,
+    sgemm: GemmFn<f32>,
+    gemm_bf16: GemmFn<bf16>,
     /// The file it was opened from (as given, or the soname the loader found).
     pub path: String,
     /// MKL's own version string.
@@ -136,10 +123,10 @@ impl Mkl {
         // SAFETY: each symbol is looked up with the C signature MKL's headers declare for it.
         unsafe {
             let sgemm = *lib
-                .get::<Sgemm>(b"cblas_sgemm\0")
+                .get::<GemmFn<f32>>(b"cblas_sgemm\0")
                 .map_err(|e| e.to_string())?;
             let gemm_bf16 = *lib
-                .get::<GemmBf16>(b"cblas_gemm_bf16bf16f32\0")
+                .get::<GemmFn<bf16>>(b"cblas_gemm_bf16bf16f32\0")
                 .map_err(|e| e.to_string())?;
             let interface = *lib
                 .get::<SetLayer>(b"MKL_Set_Interface_Layer\0")
@@ -290,96 +277,21 @@ pub fn describe(gemm: Gemm, bf16: bool) -> Result<String> {
     })
 }
 
-/// An element MKL multiplies: f32, or bf16 as its bits.
+/// An element MKL multiplies: f32 or bf16, each with its product function.
 pub trait MklElem: Copy + Default + Send + Sync {
-    /// `c (rows x cols, row stride ldc) = a b` for one tile (C row-major, A and B as given).
-    ///
-    /// # Safety
-    /// The pointers must cover the operands as described by the dimensions and leading
-    /// dimensions, and `c` must be writable for the tile.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn gemm(
-        mkl: &Mkl,
-        ta: c_int,
-        tb: c_int,
-        m: c_int,
-        n: c_int,
-        k: c_int,
-        a: *const Self,
-        lda: c_int,
-        b: *const Self,
-        ldb: c_int,
-        c: *mut f32,
-        ldc: c_int,
-    );
+    /// MKL's product of two matrices of this element (f32 results).
+    fn function(mkl: &Mkl) -> GemmFn<Self>;
 }
 
 impl MklElem for f32 {
-    unsafe fn gemm(
-        mkl: &Mkl,
-        ta: c_int,
-        tb: c_int,
-        m: c_int,
-        n: c_int,
-        k: c_int,
-        a: *const f32,
-        lda: c_int,
-        b: *const f32,
-        ldb: c_int,
-        c: *mut f32,
-        ldc: c_int,
-    ) {
-        (mkl.sgemm)(
-            CBLAS_ROW_MAJOR,
-            ta,
-            tb,
-            m,
-            n,
-            k,
-            1.0,
-            a,
-            lda,
-            b,
-            ldb,
-            0.0,
-            c,
-            ldc,
-        )
+    fn function(mkl: &Mkl) -> GemmFn<f32> {
+        mkl.sgemm
     }
 }
 
 impl MklElem for bf16 {
-    unsafe fn gemm(
-        mkl: &Mkl,
-        ta: c_int,
-        tb: c_int,
-        m: c_int,
-        n: c_int,
-        k: c_int,
-        a: *const bf16,
-        lda: c_int,
-        b: *const bf16,
-        ldb: c_int,
-        c: *mut f32,
-        ldc: c_int,
-    ) {
-        // `bf16` is `repr(transparent)` over its u16 bits, MKL's `MKL_BF16`.
-        (mkl.gemm_bf16)(
-            CBLAS_ROW_MAJOR,
-            ta,
-            tb,
-            m,
-            n,
-            k,
-            1.0,
-            a.cast(),
-            lda,
-            b.cast(),
-            ldb,
-            0.0,
-            c,
-            ldc,
-        )
+    fn function(mkl: &Mkl) -> GemmFn<bf16> {
+        mkl.gemm_bf16
     }
 }
 
@@ -431,17 +343,19 @@ pub fn gemm<T: MklElem>(mkl: &Mkl, a: Mat<T>, b: Mat<T>) -> Option<Vec<f32>> {
         // task; the operands' extents were checked by `trivial_product`, and the offsets
         // below stay inside them (row r0 of A, column c0 of B).
         unsafe {
-            T::gemm(
-                mkl,
+            T::function(mkl)(
+                CBLAS_ROW_MAJOR,
                 ta,
                 tb,
                 rows as c_int,
                 cols as c_int,
                 k as c_int,
+                1.0,
                 a.data.as_ptr().add(r0 * a.rs),
                 lda as c_int,
                 b.data.as_ptr().add(c0 * b.cs),
                 ldb as c_int,
+                0.0,
                 out.get().add(r0 * n + c0),
                 n as c_int,
             );
