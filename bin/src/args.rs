@@ -812,9 +812,11 @@ impl PeakArgs {
         // the run here, named.
         let mkl = match device {
             DeviceArg::Cpu => {
-                let on =
-                    flash_ring::cpu::mkl::describe(flash_ring::Gemm::Auto, dtype == DType::BF16)?;
-                on.starts_with("MKL").then_some(on)
+                let (gemm, bf16) = (flash_ring::Gemm::Auto, dtype == DType::BF16);
+                match flash_ring::cpu::mkl::route(gemm, bf16)? {
+                    Some(_) => Some(flash_ring::cpu::mkl::describe(gemm, bf16)?),
+                    None => None,
+                }
             }
             DeviceArg::Cuda(_) => None,
         };

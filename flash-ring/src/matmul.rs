@@ -30,8 +30,8 @@ use crate::f32_to_storage;
 ///   tile unit; one f32 chain per output over the whole depth, see [`crate::cpu::mkl`]).
 /// - Differentiable with respect to both inputs. `a`'s gradient `grad @ b^T` is this product
 ///   again (short chains); `b`'s gradient `a^T @ grad` is candle's own matmul, as
-///   `Tensor::matmul` would compute it, except bf16 on the bf16 dot products, where it is this
-///   product again.
+///   `Tensor::matmul` would compute it, except where MKL runs the products and for bf16 on the
+///   bf16 dot products, where it is this product again.
 /// - On other devices (CUDA, Metal) this is candle's own `Tensor::matmul` (cuBLAS on CUDA).
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     matmul_with_config(a, b, &KernelConfig::default())
@@ -221,21 +221,18 @@ impl CustomOp2 for MatMulOp {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        if let (Some(lib), CpuStorage::BF16(v1), CpuStorage::BF16(v2)) = (self.mkl, s1, s2) {
-            let a = mat_view("a", v1, l1)?;
-            let b = mat_view("b", v2, l2)?;
-            check_inner(&a, &b)?;
-            if let Some(c) = mkl::gemm(lib, a, b) {
-                return Ok((self.storage(c, DType::BF16), Shape::from((a.rows, b.cols))));
-            }
-        }
+        // bf16 without widening: MKL where it runs them, else the CPU's bf16 dot products.
         if let (CpuStorage::BF16(v1), CpuStorage::BF16(v2)) = (s1, s2) {
-            if gemm_bf16::used_under(self.isa) {
+            if self.mkl.is_some() || gemm_bf16::used_under(self.isa) {
                 let a = mat_view("a", v1, l1)?;
                 let b = mat_view("b", v2, l2)?;
                 check_inner(&a, &b)?;
-                let c = gemm_bf16::gemm_bf16(a, b);
-                return Ok((self.storage(c, DType::BF16), Shape::from((a.rows, b.cols))));
+                let c = self.mkl.and_then(|lib| mkl::gemm(lib, a, b)).or_else(|| {
+                    gemm_bf16::used_under(self.isa).then(|| gemm_bf16::gemm_bf16(a, b))
+                });
+                if let Some(c) = c {
+                    return Ok((self.storage(c, DType::BF16), Shape::from((a.rows, b.cols))));
+                }
             }
         }
         let (mut b1, mut b2) = (Vec::new(), Vec::new());
@@ -243,8 +240,7 @@ impl CustomOp2 for MatMulOp {
         let b = f32_view("b", s2, l2, &mut b2)?;
         check_inner(&a, &b)?;
         let (m, n) = (a.rows, b.cols);
-        let from_mkl = self.mkl.filter(|_| s1.dtype() != DType::BF16);
-        let c = match from_mkl.and_then(|lib| mkl::gemm(lib, a, b)) {
+        let c = match self.mkl.and_then(|lib| mkl::gemm(lib, a, b)) {
             Some(c) => c,
             None => gemm(self.isa, a, b),
         };
@@ -259,9 +255,9 @@ impl CustomOp2 for MatMulOp {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         // Only the gradients that flow somewhere: a frozen weight (LoRA's base) has none, which
-        // saves a third of a linear layer's backward. The weight's bf16 products with the
-        // CPU's bf16 dot products run this op again (candle's bf16 matmul widens both operands
-        // to f32).
+        // saves a third of a linear layer's backward. The weight's gradient runs this op again
+        // where MKL runs the products, and for bf16 on the CPU's bf16 dot products (candle's
+        // bf16 matmul widens both operands to f32).
         let grad = grad.to_dtype(a.dtype())?;
         let grad = &grad;
         let op = MatMulOp {

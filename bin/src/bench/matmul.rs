@@ -26,8 +26,8 @@ pub struct MatmulArgs {
     /// The library of flash-ring's products: `auto` (FLASH_RING_GEMM when set; else Intel MKL
     /// for bf16 on a CPU with AMX where MKL loads, FLASH_RING_MKL naming libmkl_rt),
     /// `native` (flash-ring's kernels) or `mkl` (MKL for f32 and bf16).
-    #[arg(long, value_enum, default_value = "auto")]
-    pub gemm: GemmArg,
+    #[arg(long, default_value = "auto")]
+    pub gemm: Gemm,
     /// Timed runs of each product; the best is reported.
     #[arg(long, default_value_t = 10)]
     pub repeats: usize,
@@ -46,24 +46,6 @@ pub enum IsaArg {
     Avx512,
     Avx2,
     Portable,
-}
-
-/// A products' library flag (`flash_ring::Gemm`).
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GemmArg {
-    Auto,
-    Native,
-    Mkl,
-}
-
-impl From<GemmArg> for Gemm {
-    fn from(g: GemmArg) -> Self {
-        match g {
-            GemmArg::Auto => Gemm::Auto,
-            GemmArg::Native => Gemm::Native,
-            GemmArg::Mkl => Gemm::Mkl,
-        }
-    }
 }
 
 impl From<IsaArg> for Isa {
@@ -126,7 +108,7 @@ pub fn run(args: &MatmulArgs) -> Result<()> {
     at_least_one("--repeats", args.repeats)?;
     let cfg = KernelConfig {
         isa: args.isa.map(Isa::from),
-        gemm: args.gemm.into(),
+        gemm: args.gemm,
         ..KernelConfig::default()
     };
     let isa = cfg.isa.unwrap_or_else(flash_ring::cpu::detect);

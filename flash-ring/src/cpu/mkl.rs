@@ -122,24 +122,12 @@ impl Mkl {
         let lib = unsafe { libloading::Library::new(path) }.map_err(|e| e.to_string())?;
         // SAFETY: each symbol is looked up with the C signature MKL's headers declare for it.
         unsafe {
-            let sgemm = *lib
-                .get::<GemmFn<f32>>(b"cblas_sgemm\0")
-                .map_err(|e| e.to_string())?;
-            let gemm_bf16 = *lib
-                .get::<GemmFn<bf16>>(b"cblas_gemm_bf16bf16f32\0")
-                .map_err(|e| e.to_string())?;
-            let interface = *lib
-                .get::<SetLayer>(b"MKL_Set_Interface_Layer\0")
-                .map_err(|e| e.to_string())?;
-            let threading = *lib
-                .get::<SetLayer>(b"MKL_Set_Threading_Layer\0")
-                .map_err(|e| e.to_string())?;
-            let cbwr = *lib
-                .get::<SetLayer>(b"MKL_CBWR_Set\0")
-                .map_err(|e| e.to_string())?;
-            let version = *lib
-                .get::<VersionString>(b"MKL_Get_Version_String\0")
-                .map_err(|e| e.to_string())?;
+            let sgemm = symbol::<GemmFn<f32>>(&lib, b"cblas_sgemm\0")?;
+            let gemm_bf16 = symbol::<GemmFn<bf16>>(&lib, b"cblas_gemm_bf16bf16f32\0")?;
+            let interface = symbol::<SetLayer>(&lib, b"MKL_Set_Interface_Layer\0")?;
+            let threading = symbol::<SetLayer>(&lib, b"MKL_Set_Threading_Layer\0")?;
+            let cbwr = symbol::<SetLayer>(&lib, b"MKL_CBWR_Set\0")?;
+            let version = symbol::<VersionString>(&lib, b"MKL_Get_Version_String\0")?;
             if interface(MKL_INTERFACE_LP64) != MKL_INTERFACE_LP64 {
                 return Err("MKL did not take the LP64 interface (32-bit integers)".into());
             }
@@ -164,6 +152,17 @@ impl Mkl {
             })
         }
     }
+}
+
+/// The function `name` (NUL-terminated) of `lib`, as `T`; the error names what is missing.
+///
+/// # Safety
+/// `T` must be the C signature of that function.
+unsafe fn symbol<T: Copy>(
+    lib: &libloading::Library,
+    name: &[u8],
+) -> std::result::Result<T, String> {
+    lib.get::<T>(name).map(|f| *f).map_err(|e| e.to_string())
 }
 
 /// The process's MKL: opened once, from `FLASH_RING_MKL` or else the loader's search path
@@ -195,25 +194,29 @@ pub fn mkl() -> std::result::Result<&'static Mkl, String> {
 /// Whether this CPU has AMX-BF16 and AMX tiles (CPUID leaf 7; MKL checks the OS's support
 /// itself and falls back to AVX-512 without it).
 pub fn amx_bf16() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::__cpuid_count;
-        // Leaf 7 is valid when the largest leaf is at least 7.
-        if __cpuid_count(0, 0).eax < 7 {
-            return false;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::__cpuid_count;
+            // Leaf 7 is valid when the largest leaf is at least 7.
+            if __cpuid_count(0, 0).eax < 7 {
+                return false;
+            }
+            let edx = __cpuid_count(7, 0).edx;
+            edx & (1 << 22) != 0 && edx & (1 << 24) != 0
         }
-        let edx = __cpuid_count(7, 0).edx;
-        edx & (1 << 22) != 0 && edx & (1 << 24) != 0
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
 }
 
 /// Where a product's dtype runs under a [`Gemm`] choice: `Some(mkl)` for MKL, `None` for
 /// flash-ring's kernels. `bf16` says whether the operands are bf16 (f32 and f16 otherwise).
-pub(crate) fn route(gemm: Gemm, bf16: bool) -> Result<Option<&'static Mkl>> {
+/// The one place that decides it ([`crate::matmul`], [`describe`]).
+pub fn route(gemm: Gemm, bf16: bool) -> Result<Option<&'static Mkl>> {
     let gemm = match gemm {
         Gemm::Auto => from_env()?,
         g => g,
