@@ -208,6 +208,74 @@ fn mkl_linear_layer_outputs_and_gradients_match_flash_rings_kernels() {
     }
 }
 
+/// Under `Gemm::Mkl` all three products of a linear layer are MKL's: the output, the input's
+/// gradient and the weight's gradient equal, bit for bit, `mkl::gemm` of the same operands in
+/// the same layouts (f32; bf16 through MKL's bf16 product, rounded to bf16).
+#[test]
+fn mkl_runs_all_three_products_of_a_linear_layer() {
+    let Some(lib) = mkl_or_skip("flash-ring/mkl::mkl_runs_all_three_products_of_a_linear_layer")
+    else {
+        return;
+    };
+    let dev = Device::Cpu;
+    // The weight's gradient sums over m > 512 rows, where candle's own product (the `gemm`
+    // crate) splits its sums in blocks and gives other bits than MKL's.
+    let (m, k, n) = (1100, 48, 40);
+    let x = Tensor::randn(0f32, 1.0, (m, k), &dev).expect("x");
+    let w = Tensor::randn(0f32, 1.0, (n, k), &dev).expect("w");
+    let g = Tensor::randn(0f32, 1.0, (m, n), &dev).expect("g");
+    let (y, dx, dw) = linear(&x, &w, &g, Gemm::Mkl);
+    let v = |t: &Tensor| {
+        t.flatten_all()
+            .expect("flat")
+            .to_vec1::<f32>()
+            .expect("f32")
+    };
+    let (xv, wv, gv) = (v(&x), v(&w), v(&g));
+    let same = |got: Vec<f32>, want: Vec<f32>, what: &str| {
+        assert_eq!(got.len(), want.len(), "{what}");
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what} is not MKL's product"
+        );
+    };
+    let want = |a: Mat<f32>, b: Mat<f32>| mkl::gemm(lib, a, b).expect("fits");
+    same(
+        v(&y),
+        want(Mat::row_major(&xv, m, k), Mat::col_major(&wv, k, n)),
+        "y",
+    );
+    same(
+        v(&dx),
+        want(Mat::row_major(&gv, m, n), Mat::row_major(&wv, n, k)),
+        "dx",
+    );
+    same(
+        v(&dw.t().expect("t")),
+        want(Mat::col_major(&xv, k, m), Mat::row_major(&gv, m, n)),
+        "dw",
+    );
+    // bf16: MKL's bf16 product (exact products, f32 sums), rounded to bf16 once.
+    let (xb, wb) = (
+        x.to_dtype(DType::BF16).expect("x"),
+        w.to_dtype(DType::BF16).expect("w"),
+    );
+    let (y, _, _) = linear(&xb, &wb, &g, Gemm::Mkl);
+    let b = |t: &Tensor| {
+        t.flatten_all()
+            .expect("flat")
+            .to_vec1::<bf16>()
+            .expect("bf16")
+    };
+    let (xbv, wbv) = (b(&xb), b(&wb));
+    let c = mkl::gemm(lib, Mat::row_major(&xbv, m, k), Mat::col_major(&wbv, k, n)).expect("fits");
+    let rounded: Vec<f32> = c.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
+    let got: Vec<f32> = b(&y).iter().map(|x| x.to_f32()).collect();
+    same(got, rounded, "bf16 y");
+}
+
 #[test]
 fn the_products_library_is_chosen_by_name_and_bad_choices_are_named() {
     assert_eq!("MKL".parse::<Gemm>().expect("mkl"), Gemm::Mkl);
