@@ -104,7 +104,9 @@ pub struct TrainArgs {
     /// Clip gradients to this global norm (0: no clipping).
     #[arg(long, default_value_t = 1.0)]
     pub max_grad_norm: f64,
-    /// Parameter dtype (master weights and moments are f32 regardless). Default: f32.
+    /// Parameter dtype (master weights and moments are f32 regardless). Default: f32. On a CPU
+    /// with AMX, bf16 products run on Intel MKL when FLASH_RING_MKL names its libmkl_rt
+    /// (FLASH_RING_GEMM=native|mkl overrides; see the README).
     #[arg(long, value_enum)]
     pub dtype: Option<DtypeArg>,
     #[arg(long, default_value_t = 1234)]
