@@ -106,7 +106,9 @@ pub struct TrainArgs {
     pub max_grad_norm: f64,
     /// Parameter dtype (master weights and moments are f32 regardless). Default: f32. On a CPU
     /// with AMX, bf16 products run on Intel MKL when FLASH_RING_MKL names its libmkl_rt
-    /// (FLASH_RING_GEMM=native|mkl overrides; see the README).
+    /// (FLASH_RING_GEMM=native|mkl overrides; see the README); otherwise on AVX512-BF16's dot
+    /// products except on Intel's CPUs, where they are widened to f32
+    /// (FLASH_RING_BF16=dot|widen overrides).
     #[arg(long, value_enum)]
     pub dtype: Option<DtypeArg>,
     #[arg(long, default_value_t = 1234)]

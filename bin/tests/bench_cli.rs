@@ -334,8 +334,8 @@ fn bad_flags_are_clear_errors() {
 }
 
 /// The products' library that cannot be used is an error naming the flag and the variable (MKL
-/// asked for where its file does not open; a `FLASH_RING_GEMM` value it does not know), before
-/// anything is timed.
+/// asked for where its file does not open; a `FLASH_RING_GEMM` or `FLASH_RING_BF16` value it
+/// does not know), before anything is timed.
 #[test]
 fn an_unusable_products_library_is_a_clear_error() {
     let missing = "/nonexistent/libmkl_rt.so.3";
@@ -349,6 +349,11 @@ fn an_unusable_products_library_is_a_clear_error() {
             vec![("FLASH_RING_GEMM", "blis")],
             "--gemm auto",
             "FLASH_RING_GEMM=\"blis\": expected auto, native or mkl".to_string(),
+        ),
+        (
+            vec![("FLASH_RING_BF16", "fast")],
+            "--bf16 auto",
+            "FLASH_RING_BF16=\"fast\": expected auto, dot or widen".to_string(),
         ),
     ];
     for (env, flag, needle) in cases {

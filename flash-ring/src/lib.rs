@@ -46,7 +46,7 @@ use candle_core::{CpuStorage, DType, Device, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
 pub use composite::CompositeConfig;
-pub use cpu::{Gemm, Isa, KernelConfig};
+pub use cpu::{Bf16Products, Gemm, Isa, KernelConfig};
 pub use error::{Error, Result};
 pub use matmul::{bf16_dot_products, matmul, matmul_to_f32, matmul_with_config};
 pub use merge::merge;

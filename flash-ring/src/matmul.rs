@@ -9,7 +9,7 @@ use rayon::prelude::*;
 
 use crate::cpu::gemm::{gemm, Mat};
 use crate::cpu::mkl::{self, Mkl};
-use crate::cpu::{gemm_bf16, Isa, KernelConfig};
+use crate::cpu::{gemm_bf16, Bf16Products, Isa, KernelConfig};
 use crate::error::{Error, Result};
 use crate::f32_to_storage;
 
@@ -22,9 +22,11 @@ use crate::f32_to_storage;
 ///   [`crate::cpu::gemm::KC`] products, then adds the chain sums, so its rounding error grows
 ///   with `KC + k / KC` instead of `k` (see [`crate::cpu::gemm`]); results do not depend on
 ///   the number of threads.
-/// - bf16 on a CPU with AVX512-BF16 (under [`Isa::Avx512`]): the products are the CPU's bf16
-///   dot products with f32 sums in the same chains ([`crate::cpu::gemm_bf16`]), without
-///   widening the operands; elsewhere bf16 and f16 are widened to f32.
+/// - bf16 on a CPU with AVX512-BF16 (under [`Isa::Avx512`]) where `cfg.bf16`
+///   ([`crate::cpu::Bf16Products`]) chooses them (by default: not on Intel's CPUs, where they
+///   were measured slower): the products are the CPU's bf16 dot products with f32 sums in the
+///   same chains ([`crate::cpu::gemm_bf16`]), without widening the operands; elsewhere bf16
+///   and f16 are widened to f32.
 /// - Intel MKL instead of these kernels where `cfg.gemm` ([`crate::cpu::Gemm`]) routes the
 ///   dtype there: by default bf16 on a CPU with AMX where MKL loads (its products run on the
 ///   tile unit; one f32 chain per output over the whole depth, see [`crate::cpu::mkl`]).
@@ -37,9 +39,9 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     matmul_with_config(a, b, &KernelConfig::default())
 }
 
-/// [`matmul`] with an explicit instruction set (`cfg.isa`) and products' library (`cfg.gemm`);
-/// the tile sizes are not used. An error names `FLASH_RING_GEMM` or `FLASH_RING_MKL` when the
-/// library asked for cannot be used.
+/// [`matmul`] with an explicit instruction set (`cfg.isa`), products' library (`cfg.gemm`) and
+/// bf16 products (`cfg.bf16`); the tile sizes are not used. An error names `FLASH_RING_GEMM`,
+/// `FLASH_RING_MKL` or `FLASH_RING_BF16` when the choice cannot be used.
 pub fn matmul_with_config(a: &Tensor, b: &Tensor, cfg: &KernelConfig) -> Result<Tensor> {
     product(a, b, cfg, false)
 }
@@ -53,9 +55,10 @@ pub fn matmul_to_f32(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 }
 
 /// Whether bf16 products of [`matmul`] run on this CPU's bf16 dot products (AVX512-BF16,
-/// [`crate::cpu::gemm_bf16`]) with the default kernels; otherwise they are widened to f32.
+/// [`crate::cpu::gemm_bf16`]) with the default kernels and choice; otherwise they are widened
+/// to f32 (also when `FLASH_RING_BF16` holds a bad value, which the products report).
 pub fn bf16_dot_products() -> bool {
-    gemm_bf16::used_under(crate::cpu::detect())
+    gemm_bf16::used_under(crate::cpu::detect(), Bf16Products::Auto, false).unwrap_or(false)
 }
 
 fn product(a: &Tensor, b: &Tensor, cfg: &KernelConfig, f32_out: bool) -> Result<Tensor> {
@@ -92,7 +95,18 @@ fn product(a: &Tensor, b: &Tensor, cfg: &KernelConfig, f32_out: bool) -> Result<
         return Ok(if f32_out { c.to_dtype(DType::F32)? } else { c });
     }
     let mkl = mkl::route(cfg.gemm, a.dtype() == DType::BF16)?;
-    Ok(a.apply_op2(b, MatMulOp { isa, mkl, f32_out })?)
+    let bf16_dot = cfg.bf16_dot(isa, false)?;
+    let bf16_dot_few_rows = cfg.bf16_dot(isa, true)?;
+    Ok(a.apply_op2(
+        b,
+        MatMulOp {
+            isa,
+            mkl,
+            bf16_dot,
+            bf16_dot_few_rows,
+            f32_out,
+        },
+    )?)
 }
 
 fn dims2(name: &'static str, t: &Tensor) -> Result<(usize, usize)> {
@@ -195,6 +209,10 @@ struct MatMulOp {
     isa: Isa,
     /// MKL when the products of this dtype run there ([`mkl::route`]).
     mkl: Option<&'static Mkl>,
+    /// bf16 products on the CPU's bf16 dot products ([`gemm_bf16::used_under`]): of any shape,
+    /// and of at most [`gemm_bf16::MEMORY_BOUND_ROWS`] rows.
+    bf16_dot: bool,
+    bf16_dot_few_rows: bool,
     f32_out: bool,
 }
 
@@ -223,13 +241,17 @@ impl CustomOp2 for MatMulOp {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         // bf16 without widening: MKL where it runs them, else the CPU's bf16 dot products.
         if let (CpuStorage::BF16(v1), CpuStorage::BF16(v2)) = (s1, s2) {
-            if self.mkl.is_some() || gemm_bf16::used_under(self.isa) {
+            let rows = l1.dims().first().copied().unwrap_or(0);
+            let dot =
+                self.bf16_dot || (self.bf16_dot_few_rows && rows <= gemm_bf16::MEMORY_BOUND_ROWS);
+            if self.mkl.is_some() || dot {
                 let a = mat_view("a", v1, l1)?;
                 let b = mat_view("b", v2, l2)?;
                 check_inner(&a, &b)?;
-                let c = self.mkl.and_then(|lib| mkl::gemm(lib, a, b)).or_else(|| {
-                    gemm_bf16::used_under(self.isa).then(|| gemm_bf16::gemm_bf16(a, b))
-                });
+                let c = self
+                    .mkl
+                    .and_then(|lib| mkl::gemm(lib, a, b))
+                    .or_else(|| dot.then(|| gemm_bf16::gemm_bf16(a, b)));
                 if let Some(c) = c {
                     return Ok((self.storage(c, DType::BF16), Shape::from((a.rows, b.cols))));
                 }
@@ -265,7 +287,7 @@ impl CustomOp2 for MatMulOp {
             ..*self
         };
         let mul = |x: &Tensor, y: &Tensor| {
-            if self.mkl.is_some() || (x.dtype() == DType::BF16 && gemm_bf16::used_under(self.isa)) {
+            if self.mkl.is_some() || (x.dtype() == DType::BF16 && self.bf16_dot) {
                 x.apply_op2(y, op)
             } else {
                 x.matmul(y)

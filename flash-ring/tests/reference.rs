@@ -19,7 +19,7 @@ fn small_tiles() -> KernelConfig {
         q_tile: 16,
         k_tile: 32,
         isa: None,
-        ..KernelConfig::default()
+        ..common::kernels()
     }
 }
 
@@ -366,7 +366,7 @@ fn extreme_rows_attention_sink_bf16() {
             for cfg in [
                 KernelConfig {
                     isa: Some(isa),
-                    ..KernelConfig::default()
+                    ..common::kernels()
                 },
                 KernelConfig {
                     isa: Some(isa),

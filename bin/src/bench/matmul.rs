@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
-use flash_ring::{Gemm, Isa, KernelConfig};
+use flash_ring::{Bf16Products, Gemm, Isa, KernelConfig};
 use serde_json::json;
 
 use super::{at_least_one, print_report, Machine};
@@ -28,11 +28,16 @@ pub struct MatmulArgs {
     /// `native` (flash-ring's kernels) or `mkl` (MKL for f32 and bf16).
     #[arg(long, default_value = "auto")]
     pub gemm: Gemm,
+    /// bf16 products of flash-ring's kernels: `auto` (FLASH_RING_BF16 when set; else the CPU's
+    /// bf16 dot products where it has AVX512-BF16, except on Intel's CPUs, where they were
+    /// measured slower than the same products widened to f32), `dot` or `widen`.
+    #[arg(long, default_value = "auto")]
+    pub bf16: Bf16Products,
     /// Timed runs of each product; the best is reported.
     #[arg(long, default_value_t = 10)]
     pub repeats: usize,
-    /// Dtype of both operands (bf16: flash-ring uses the CPU's bf16 dot products where it has
-    /// AVX512-BF16; candle widens to f32).
+    /// Dtype of both operands (bf16: flash-ring uses the CPU's bf16 dot products as `--bf16`
+    /// chooses, or MKL as `--gemm` does; candle widens to f32).
     #[arg(long, value_enum, default_value = "f32")]
     pub dtype: DtypeArg,
     /// Print one JSON object instead of the table.
@@ -109,6 +114,7 @@ pub fn run(args: &MatmulArgs) -> Result<()> {
     let cfg = KernelConfig {
         isa: args.isa.map(Isa::from),
         gemm: args.gemm,
+        bf16: args.bf16,
         ..KernelConfig::default()
     };
     let isa = cfg.isa.unwrap_or_else(flash_ring::cpu::detect);
@@ -117,13 +123,33 @@ pub fn run(args: &MatmulArgs) -> Result<()> {
     // A library that cannot be used (MKL not found, a bad FLASH_RING_GEMM) fails here, named.
     let products = flash_ring::cpu::mkl::describe(cfg.gemm, dtype == DType::BF16)
         .with_context(|| format!("--gemm {}", format!("{:?}", args.gemm).to_lowercase()))?;
+    // A bad FLASH_RING_BF16 fails here, named.
+    let bf16_flag = || format!("--bf16 {}", format!("{:?}", args.bf16).to_lowercase());
+    let bf16_dot =
+        flash_ring::cpu::gemm_bf16::used_under(isa, args.bf16, false).with_context(bf16_flag)?;
+    let bf16_dot_few_rows =
+        flash_ring::cpu::gemm_bf16::used_under(isa, args.bf16, true).with_context(bf16_flag)?;
     let one = Tensor::ones((1, 1), DType::F32, &Device::Cpu)?;
     flash_ring::matmul_with_config(&one, &one, &cfg)
         .with_context(|| format!("--isa {}", format!("{isa:?}").to_lowercase()))?;
+    // How flash-ring multiplies bf16 where MKL does not: None for f32 and for MKL's products.
+    let on_mkl = flash_ring::cpu::mkl::route(cfg.gemm, dtype == DType::BF16)?.is_some();
+    let bf16_products =
+        (dtype == DType::BF16 && !on_mkl).then_some(match (bf16_dot, bf16_dot_few_rows) {
+            (true, _) => "the CPU's bf16 dot products (AVX512-BF16)",
+            (false, true) => {
+                "widened to f32, except products of at most 32 rows: the CPU's bf16 dot \
+                 products (AVX512-BF16)"
+            }
+            (false, false) => "widened to f32",
+        });
     if !args.json {
         println!("{}", Machine::detect().line());
         println!("flash-ring kernels: {isa:?}, dtype {:?}", dtype);
         println!("flash-ring's products on: {products}");
+        if let Some(how) = bf16_products {
+            println!("bf16 products: {how}");
+        }
         println!(
             "| product | m x k x n | candle ms | GFLOP/s | flash-ring ms | GFLOP/s | speed \
              | err candle | err flash-ring |"
@@ -171,7 +197,7 @@ pub fn run(args: &MatmulArgs) -> Result<()> {
         print_report(
             "matmul",
             json!({ "isa": format!("{isa:?}"), "dtype": dtype.as_str(), "repeats": args.repeats,
-                "products": products,
+                "products": products, "bf16_products": bf16_products,
                 "results": results }),
         )?;
     }

@@ -78,6 +78,7 @@ pub(crate) fn backward(
     cfg: &KernelConfig,
 ) -> Result<BwdOut> {
     let isa = cfg.check()?;
+    let dot_products = cfg.bf16_dot(isa, false)?;
     let dims = Dims::new(q, k, v)?;
     spec.validate(dims.sq, dims.sk)?;
     let RefShape {
@@ -122,9 +123,9 @@ pub(crate) fn backward(
     // inputs, on the bf16 dot products (exact products, f32 sums; S scaled afterwards). The
     // products with P or dS stay f32 (neither is rounded). S is computed as the forward
     // computed it (the same choice, on q), dP where dO is bf16 too; D then in dP's chain.
-    let dot_s = q.bf16_dot(isa);
-    let dot_dp = dot_s && dout.bf16_dot(isa);
-    let dot_d = dot_dp && out.bf16_dot(isa);
+    let dot_s = q.bf16_dot(dot_products);
+    let dot_dp = dot_s && dout.bf16_dot(dot_products);
+    let dot_d = dot_dp && out.bf16_dot(dot_products);
 
     let pq: Vec<PackedQ> = (0..b * hq)
         .into_par_iter()

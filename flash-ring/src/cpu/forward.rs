@@ -51,6 +51,7 @@ pub(crate) fn forward(
     cfg: &KernelConfig,
 ) -> Result<FwdOut> {
     let isa = cfg.check()?;
+    let dot_products = cfg.bf16_dot(isa, false)?;
     let dims = Dims::new(q, k, v)?;
     spec.validate(dims.sq, dims.sk)?;
     let RefShape {
@@ -73,7 +74,7 @@ pub(crate) fn forward(
     let rule = MaskRule::new(spec);
     // bf16 inputs on AVX512-BF16: S = Q K^T on the bf16 dot products (exact products, f32
     // sums), scaled afterwards; P V stays f32 (P is not rounded).
-    let dot = q.bf16_dot(isa);
+    let dot = q.bf16_dot(dot_products);
     let packed: Vec<PackedKv> = (0..b * hkv)
         .into_par_iter()
         .map(|i| {

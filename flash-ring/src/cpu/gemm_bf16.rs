@@ -16,6 +16,25 @@
 //! the depth padded to even by a zero).
 //!
 //! The caller checks [`available`] first; elsewhere bf16 products are widened to f32.
+//!
+//! Where the CPU has the instruction, [`used_under`] still decides by vendor ([`Bf16Products`]),
+//! from measurements (docs/accuracy.md, "bf16 products on AVX512-BF16"):
+//! - on a 2-core AMD EPYC (Zen 4) these products ran at 700-850 GFLOP/s against the f32
+//!   product's 450-475 (`cpl bench matmul --dtype bf16`, 2026-11-25): the dot products there;
+//! - on a 2-core Intel Xeon with AVX512-BF16 and AMX (issue 39) they lost to the same products
+//!   widened to f32: attention's kernels 150-200 against 230-270 GFLOP/s, a `cpl train` bf16
+//!   step 361 against the f32 step's 606 tokens/s (before the dot products, widened bf16
+//!   attention ran as fast as f32 on an Intel Xeon: docs/benchmarks.md). A bf16 run must
+//!   never be the slow choice, so on Intel's CPUs bf16 products are widened by default (where
+//!   MKL runs them, on AMX, it takes the dense products first: [`super::mkl`]).
+//! - Products of at most [`MEMORY_BOUND_ROWS`] rows (decoding, small batches) keep the dot
+//!   products on Intel's CPUs too: they are bound by reading the weight, which the dot
+//!   products read in place as bf16, where widening writes an f32 copy of all of it first.
+//!   On the Zen 4 EPYC, decoding SmolLM2's LM head (1 x 576 x 49152) took 2.3 ms on the dot
+//!   products and 58-61 ms widened (candle: 21 ms).
+//!
+//! The rule depends only on the CPU (CPUID), never on a timing, so a run's bits stay the same
+//! from one run to the next; `FLASH_RING_BF16=dot|widen` overrides it.
 
 use std::sync::OnceLock;
 
@@ -47,11 +66,111 @@ pub fn available() -> bool {
     })
 }
 
-/// Whether bf16 products under the instruction set `isa` run on these dot products: the
-/// AVX-512 kernels on a CPU that has AVX512-BF16 (the one place that decides it, for the dense
-/// product and the attention kernels alike).
-pub fn used_under(isa: super::Isa) -> bool {
-    isa == super::Isa::Avx512 && available()
+/// The variable that chooses [`Bf16Products`] under [`Bf16Products::Auto`].
+pub const BF16_ENV: &str = "FLASH_RING_BF16";
+
+/// Whether bf16 products (the dense product's and attention's `Q K^T` and `dO V^T`) run on the
+/// CPU's bf16 dot products or are widened to f32 and run on the f32 kernels. Either way each
+/// product of two bf16 numbers is exact and the sums are f32, in chains of the same lengths.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Bf16Products {
+    /// `FLASH_RING_BF16` when set; otherwise the dot products on a CPU with AVX512-BF16 that is
+    /// not Intel's (AMD Zen 4 and later); on Intel's, widened except for products of a few rows
+    /// (see the module doc).
+    #[default]
+    Auto,
+    /// The dot products wherever the CPU has AVX512-BF16 (under the AVX-512 kernels).
+    Dot,
+    /// Always widened to f32.
+    Widen,
+}
+
+impl std::str::FromStr for Bf16Products {
+    type Err = crate::error::Error;
+
+    /// `auto`, `dot` or `widen` (any case); the error lists them.
+    fn from_str(s: &str) -> crate::error::Result<Bf16Products> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Bf16Products::Auto),
+            "dot" => Ok(Bf16Products::Dot),
+            "widen" => Ok(Bf16Products::Widen),
+            _ => Err(crate::error::Error::Config(format!(
+                "bf16 products {s:?}: expected auto, dot or widen"
+            ))),
+        }
+    }
+}
+
+/// `FLASH_RING_BF16` (read once): `Auto` when unset or empty; the error names the variable.
+fn from_env() -> crate::error::Result<Bf16Products> {
+    static ENV: OnceLock<std::result::Result<Bf16Products, String>> = OnceLock::new();
+    ENV.get_or_init(|| match std::env::var(BF16_ENV) {
+        Ok(v) if !v.is_empty() => v
+            .parse()
+            .map_err(|_| format!("{BF16_ENV}={v:?}: expected auto, dot or widen")),
+        _ => Ok(Bf16Products::Auto),
+    })
+    .clone()
+    .map_err(crate::error::Error::Config)
+}
+
+/// Whether this CPU is Intel's (CPUID vendor `GenuineIntel`; detected once).
+pub fn intel() -> bool {
+    static IS: OnceLock<bool> = OnceLock::new();
+    *IS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let r = std::arch::x86_64::__cpuid(0);
+            [r.ebx, r.edx, r.ecx]
+                .iter()
+                .flat_map(|w| w.to_le_bytes())
+                .eq(*b"GenuineIntel")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// Rows of A up to which a dense product counts as bound by reading its weight (see the module
+/// doc): the dot products run there under `Auto` on Intel's CPUs too.
+pub const MEMORY_BOUND_ROWS: usize = 32;
+
+/// The rule of [`used_under`] for a CPU described by `has_dot` (AVX512-BF16 present) and
+/// `intel`, with `choice` already resolved from the environment (`Auto` means no choice), for a
+/// product bound by reading its weight (`few_rows`) or by its arithmetic.
+pub fn dot_products_on(
+    isa: super::Isa,
+    choice: Bf16Products,
+    has_dot: bool,
+    intel: bool,
+    few_rows: bool,
+) -> bool {
+    let possible = isa == super::Isa::Avx512 && has_dot;
+    match choice {
+        Bf16Products::Dot => possible,
+        Bf16Products::Widen => false,
+        Bf16Products::Auto => possible && (few_rows || !intel),
+    }
+}
+
+/// Whether bf16 products under the instruction set `isa` and `choice` run on these dot
+/// products (the one place that decides it, for the dense product and the attention kernels
+/// alike): only under the AVX-512 kernels on a CPU with AVX512-BF16, and under `Auto` on
+/// Intel's CPUs only for products of at most [`MEMORY_BOUND_ROWS`] rows (`few_rows`; attention's
+/// products never are). An error names `FLASH_RING_BF16` when it holds something else than
+/// `auto`, `dot` or `widen`.
+pub fn used_under(
+    isa: super::Isa,
+    choice: Bf16Products,
+    few_rows: bool,
+) -> crate::error::Result<bool> {
+    let choice = match choice {
+        Bf16Products::Auto => from_env()?,
+        c => c,
+    };
+    Ok(dot_products_on(isa, choice, available(), intel(), few_rows))
 }
 
 /// `dst[i] = bf16(src[i])`, rounded to nearest even; with AVX512-BF16's `vcvtneps2bf16` where

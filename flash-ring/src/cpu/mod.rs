@@ -23,6 +23,7 @@ use half::{bf16, f16};
 
 use crate::error::{Error, Result};
 use crate::reference::RefShape;
+pub use gemm_bf16::Bf16Products;
 pub use mkl::Gemm;
 use pool::PoolBuf;
 pub use pool::{release_buffers, POOL_BYTES};
@@ -52,6 +53,9 @@ pub struct KernelConfig {
     pub isa: Option<Isa>,
     /// The library of the dense products ([`crate::matmul`]; not used by attention).
     pub gemm: Gemm,
+    /// Whether bf16 products run on the CPU's bf16 dot products or widened to f32 (the dense
+    /// products and attention's `Q K^T` and `dO V^T`).
+    pub bf16: Bf16Products,
 }
 
 impl Default for KernelConfig {
@@ -61,6 +65,7 @@ impl Default for KernelConfig {
             k_tile: 128,
             isa: None,
             gemm: Gemm::Auto,
+            bf16: Bf16Products::Auto,
         }
     }
 }
@@ -85,6 +90,13 @@ impl KernelConfig {
             ))),
             Some(i) => Ok(i),
         }
+    }
+
+    /// Whether bf16 products bound by their arithmetic (attention's, a dense product of many
+    /// rows) or, with `few_rows`, by reading the weight, run on the CPU's bf16 dot products
+    /// under `isa` and this configuration's [`Bf16Products`] (see [`gemm_bf16::used_under`]).
+    pub(crate) fn bf16_dot(&self, isa: Isa, few_rows: bool) -> Result<bool> {
+        gemm_bf16::used_under(isa, self.bf16, few_rows)
     }
 }
 
@@ -234,10 +246,10 @@ impl<'a> View<'a> {
 }
 
 impl View<'_> {
-    /// Whether the attention kernels multiply this bf16 operand with the CPU's bf16 dot
-    /// products under `isa` (AVX512-BF16 present, the AVX-512 kernels chosen).
-    pub fn bf16_dot(&self, isa: Isa) -> bool {
-        matches!(self.data, Data::BF16(_)) && gemm_bf16::used_under(isa)
+    /// Whether the attention kernels multiply this operand with the CPU's bf16 dot products:
+    /// it is bf16 and `dot` ([`gemm_bf16::used_under`] for the kernels' configuration).
+    pub fn bf16_dot(&self, dot: bool) -> bool {
+        matches!(self.data, Data::BF16(_)) && dot
     }
 
     /// Rows `x[i0, i1 + r, i2, ..]` for `r < rows` as stored (bf16) into

@@ -151,6 +151,16 @@ pub enum Path {
     Composite(CompositeConfig),
 }
 
+/// The default kernels, with bf16 products on the CPU's bf16 dot products wherever it has them
+/// (Intel's CPUs included, where `Bf16Products::Auto` widens), so that the bf16 tests cover
+/// those kernels on every CPU that has them.
+pub fn kernels() -> KernelConfig {
+    KernelConfig {
+        bf16: flash_ring::Bf16Products::Dot,
+        ..KernelConfig::default()
+    }
+}
+
 pub struct Case {
     pub shape: RefShape,
     pub dtype: DType,
@@ -183,7 +193,7 @@ impl Case {
             },
             dtype: DType::F32,
             spec,
-            cfg: KernelConfig::default(),
+            cfg: kernels(),
             path: Path::Kernel,
             seed: 42,
             qk_mul: 1.0,
