@@ -405,8 +405,8 @@ fn lora_dpo_under_every_layout_equals_one_rank() {
 /// 7% of the clipped gradient's RMS component (norm 1 over 4608 adapter weights: 1.5e-2): the
 /// typical component still moves by about lr, the ones near zero by at most lr·|g|/eps. Asserted are every
 /// step's loss within 1e-2 (the loss is summed in f32 from bf16 logits) or, for DPO, whose
-/// loss comes from differences of log-likelihoods that cancel, 1.5x the one-rank bf16 loss's
-/// own distance to f32 where that is larger; every step's gradient norm and every final adapter no further from the one-rank bf16 run than 1.5x that run's own
+/// loss comes from differences of log-likelihoods that cancel, within 1.5x the largest distance
+/// of the one-rank bf16 loss to f32 over the steps, absolutely (see the test); every step's gradient norm and every final adapter no further from the one-rank bf16 run than 1.5x that run's own
 /// distance to f32 (floored at 5e-2); a lost term (a shard, a ring step, a mask block, the
 /// reference's forward) moves them by far more.
 #[test]
@@ -420,12 +420,29 @@ fn lora_sft_and_dpo_in_bf16_follow_their_one_rank_run() {
         let got = run_with(&layout, plain, job, DType::BF16, LIPSCHITZ_EPS);
         let case = format!("{job:?} bf16 {}", layout.name);
         assert_eq!(got.losses.len(), STEPS as usize, "{case}");
+        // DPO's loss `-log σ(z)` comes from `z`, differences of summed log-likelihoods, which
+        // cancel: its bf16 error is `σ(-z) |δz|`, where `δz`, the rounding of the
+        // log-likelihoods, is absolute (their size does not change over three steps) and
+        // `σ(-z) <= 1`. So each step's two bf16 losses may differ by 1.5x the largest own
+        // distance to f32 of the one-rank bf16 loss over the steps (at step 0, the loss near 8,
+        // `σ(-z)` is about 1 and `|δz|` shows whole), not by a share of a loss that falls
+        // tenfold. Measured (Zen 4 EPYC, bf16 dot products): at step 2 the two bf16 runs 0.024
+        // apart at 0.78, the one-rank run 0.012 from f32 there and 0.060 at step 0.
+        let dpo_scale = (0..STEPS as usize)
+            .map(|i| (want.losses[i] - f32_run.losses[i]).abs())
+            .fold(0.0f64, f64::max);
         for i in 0..STEPS as usize {
-            // DPO's loss is a function of differences of summed log-likelihoods, which cancel:
-            // its bf16 error is its own distance to f32 where that exceeds the logits' 1e-2.
             let (g, w, f) = (got.losses[i], want.losses[i], f32_run.losses[i]);
             let what = format!("{case}: step {i}: loss");
-            assert_bf16_follows_scalar(g, w, f, 1e-2 / 1.5, &what);
+            if job == Job::LoraDpo {
+                assert!(
+                    g.is_finite() && (g - w).abs() <= 1.5 * dpo_scale.max(1e-2 / 1.5 * w.abs()),
+                    "{what}: {g} against one bf16 rank's {w}, whose largest distance to f32 over \
+                     the steps is {dpo_scale:.3e} (bound 1.5x that)"
+                );
+            } else {
+                assert_bf16_follows_scalar(g, w, f, 1e-2 / 1.5, &what);
+            }
             let (g, w, f) = (got.norms[i], want.norms[i], f32_run.norms[i]);
             let what = format!("{case}: step {i}: gradient norm");
             assert_bf16_follows_scalar(g, w, f, 5e-2, &what);

@@ -34,8 +34,9 @@ pub use simd::{available, detect, Isa};
 /// The attention kernels' vector exponential on this CPU's best instruction set: `2^t` with
 /// `t = (x - shift) log2(e)`, max relative error about 2e-7 plus `|x - shift|` ulps of the
 /// exponent's rounding (libm's `expf` is within 1 ulp, one element at a time); elements below
-/// `shift - 87` give 0. Deterministic: the sum's order depends only on `x.len()`. For the
-/// softmax of a loss over a large vocabulary.
+/// `shift - 87` (and NaN) give 0, elements above `shift + 88` give `2^127` (about 1.7e38, never
+/// inf), on every instruction set. Deterministic: the sum's order depends only on `x.len()`.
+/// For the softmax of a loss over a large vocabulary, and a GELU's `e^{-2u}`.
 pub fn exp_shifted(x: &mut [f32], shift: f32) -> f32 {
     x.iter_mut()
         .for_each(|v| *v = (*v - shift) * std::f32::consts::LOG2_E);

@@ -155,7 +155,8 @@ pub fn row_max(isa: Isa, x: &[f32]) -> f32 {
     }
 }
 
-/// `x[j] = 2^(x[j] - m)` (0 for `-inf`) and returns the sum of the results. `m` must be finite.
+/// `x[j] = 2^(x[j] - m)` (0 for `-inf` and NaN; `x[j] - m` above 127 is clamped to 127, so
+/// every result is finite) and returns the sum of the results. `m` must be finite.
 pub fn exp2_shift_sum(isa: Isa, x: &mut [f32], m: f32) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
@@ -358,11 +359,12 @@ mod portable {
     use super::{MatMul, CHUNK, TANH_POLY, TANH_SPLIT};
     use std::f32::consts::{LN_2, LOG2_E};
 
-    /// Scalar `2^x` with the same convention as the vector one (0 below -126).
+    /// Scalar `2^x` with the same convention as the vector ones (0 below -126, NaN included;
+    /// arguments above 127 clamped to 127, so the result stays finite).
     #[inline]
     pub fn exp2(x: f32) -> f32 {
         if x >= -126.0 {
-            x.exp2()
+            x.min(127.0).exp2()
         } else {
             0.0
         }
@@ -565,13 +567,15 @@ pub(crate) mod avx512 {
         _mm512_reduce_max_ps(_mm512_max_ps(m0, m1))
     }
 
-    /// `2^x`, 0 below -126 (so `-inf` gives 0 without NaN), relative error below 1.7e-7 and
-    /// exactly 1 at 0 (see `EXP2_POLY`); `+inf` above 128 (the kernels only pass `x <= 0` up to
-    /// rounding).
+    /// `2^x`, 0 below -126 (so `-inf` and NaN give 0), relative error below 1.7e-7 and
+    /// exactly 1 at 0 (see `EXP2_POLY`); inputs above 127 are clamped, as on every instruction
+    /// set (the attention kernels only pass `x <= 0` up to rounding; `exp_shifted`'s callers, a
+    /// GELU's `e^{-2u}` among them, rely on a finite result).
     #[inline]
     #[target_feature(enable = "avx512f")]
     fn exp2(x: __m512) -> __m512 {
         let valid = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_set1_ps(-126.0));
+        let x = _mm512_min_ps(x, _mm512_set1_ps(127.0));
         let n = _mm512_roundscale_ps::<0x08>(x);
         let f = _mm512_sub_ps(x, n);
         // 2^f on [-0.5, 0.5], see `EXP2_POLY`: 1 + f (c1 + f (c2 + ...)).
@@ -1101,6 +1105,48 @@ mod tests {
                 for (a, b) in d1.iter().zip(&d2) {
                     assert!((a - b).abs() <= 1e-4 * a.abs().max(1.0), "{isa:?}");
                 }
+            }
+        }
+    }
+
+    /// Arguments past both ends of f32's exponent range on every ISA: 0 below -126 (and for NaN
+    /// and `-inf`), 2^127 at and above 127 (`+inf` included), never inf or NaN; in between the
+    /// ISAs agree within 1e-6 relative.
+    #[test]
+    fn exp2_is_finite_past_the_exponent_range_on_every_isa() {
+        let xs = [
+            f32::NEG_INFINITY,
+            -1e30,
+            -200.0,
+            -126.5,
+            -30.0,
+            0.0,
+            30.0,
+            126.5,
+            127.0,
+            127.6,
+            128.0,
+            200.0,
+            1e30,
+            f32::INFINITY,
+            f32::NAN,
+        ];
+        for isa in available() {
+            // Long enough for the vector loops and a masked tail.
+            let mut x: Vec<f32> = xs.iter().cycle().take(3 * xs.len()).copied().collect();
+            // (The sum of several 2^127 overflows, as it should.)
+            exp2_shift_sum(isa, &mut x, 0.0);
+            for (&arg, &got) in xs.iter().cycle().zip(&x) {
+                let want = if arg.is_nan() || arg < -126.0 {
+                    0.0
+                } else {
+                    (arg.min(127.0) as f64).exp2()
+                };
+                assert!(got.is_finite(), "{isa:?}: 2^{arg} = {got}");
+                assert!(
+                    (got as f64 - want).abs() <= 1e-6 * want,
+                    "{isa:?}: 2^{arg} = {got}, want {want}"
+                );
             }
         }
     }
