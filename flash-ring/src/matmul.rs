@@ -147,18 +147,40 @@ fn mat_view<'a, T>(name: &'static str, v: &'a [T], l: &Layout) -> Result<Mat<'a,
 }
 
 /// The elements of a rank-2 storage as f32 with its strides: borrowed for f32, converted
-/// (contiguously, rows in parallel) otherwise.
+/// otherwise. A dense block (at most as many gaps as elements: row-major, or a transposed
+/// weight) is converted element by element keeping its strides, so the product reads it as it
+/// reads an f32 tensor of that layout (a transposed weight in place, not transposed while
+/// widening: on a Zen 4 that cost the LM head's widened bf16 product a fifth of its time);
+/// anything sparser is compacted row-major (rows in parallel).
 fn f32_view<'a>(
     name: &'static str,
     s: &'a CpuStorage,
     l: &Layout,
     buf: &'a mut Vec<f32>,
 ) -> Result<Mat<'a>> {
-    fn widen<T: Copy + Sync>(m: Mat<T>, to_f32: fn(T) -> f32, buf: &mut Vec<f32>) {
+    /// Converts `m` into `buf`; returns the strides of the result.
+    fn widen<T: Copy + Sync>(
+        m: Mat<T>,
+        to_f32: fn(T) -> f32,
+        buf: &mut Vec<f32>,
+    ) -> (usize, usize) {
+        let extent = m.extent();
+        if let Some(block) = m
+            .data
+            .get(..extent)
+            .filter(|_| extent <= 2 * m.rows * m.cols)
+        {
+            buf.clear();
+            buf.resize(extent, 0.0);
+            buf.par_chunks_mut(WIDEN_CHUNK)
+                .zip(block.par_chunks(WIDEN_CHUNK))
+                .for_each(|(o, s)| o.iter_mut().zip(s).for_each(|(o, s)| *o = to_f32(*s)));
+            return (m.rs, m.cs);
+        }
         buf.clear();
         buf.resize(m.rows * m.cols, 0.0);
         if m.cols == 0 {
-            return;
+            return (0, 1);
         }
         buf.par_chunks_mut(m.cols).enumerate().for_each(|(r, row)| {
             let src = &m.data[r * m.rs..];
@@ -166,18 +188,17 @@ fn f32_view<'a>(
                 .enumerate()
                 .for_each(|(c, x)| *x = to_f32(src[c * m.cs]));
         });
+        (m.cols, 1)
     }
-    let (rows, cols) = match s {
+    let (rows, cols, (rs, cs)) = match s {
         CpuStorage::F32(v) => return mat_view(name, v, l),
         CpuStorage::BF16(v) => {
             let m = mat_view(name, v, l)?;
-            widen(m, half::bf16::to_f32, buf);
-            (m.rows, m.cols)
+            (m.rows, m.cols, widen(m, half::bf16::to_f32, buf))
         }
         CpuStorage::F16(v) => {
             let m = mat_view(name, v, l)?;
-            widen(m, half::f16::to_f32, buf);
-            (m.rows, m.cols)
+            (m.rows, m.cols, widen(m, half::f16::to_f32, buf))
         }
         other => {
             return Err(Error::DType {
@@ -187,8 +208,17 @@ fn f32_view<'a>(
             })
         }
     };
-    Ok(Mat::row_major(buf, rows, cols))
+    Ok(Mat {
+        data: buf,
+        rows,
+        cols,
+        rs,
+        cs,
+    })
 }
+
+/// Elements per parallel task when widening a dense block.
+const WIDEN_CHUNK: usize = 1 << 16;
 
 fn check_inner<T>(a: &Mat<T>, b: &Mat<T>) -> candle_core::Result<()> {
     if a.cols != b.rows {

@@ -118,6 +118,28 @@ fn a_widened_bf16_product_is_the_f32_product_of_the_same_values() {
             assert!(bits(&got).iter().any(|&b| b != 0), "{isa:?}: all zero");
         }
     }
+    // Views the widening compacts (more gaps than elements: columns of a wide matrix) and a
+    // column-major one it converts in place, against the f32 product of the same views.
+    let (xb, xf) = pair(&[37, 1200], 7);
+    let (wb, wf) = pair(&[300, 90], 8);
+    for isa in flash_ring::cpu::available() {
+        let cfg = widen_on(isa);
+        let narrow = |x: &Tensor| x.narrow(1, 100, 300).expect("narrow");
+        let got = flash_ring::matmul_with_config(&narrow(&xb), &wb, &cfg).expect("bf16");
+        let f32 = flash_ring::matmul_with_config(&narrow(&xf), &wf, &cfg).expect("f32");
+        let want = f32.to_dtype(DType::BF16).expect("rounded");
+        assert_eq!(bits(&got), bits(&want), "{isa:?} narrowed columns");
+        let t = |x: &Tensor| {
+            x.t()
+                .and_then(|x| x.contiguous())
+                .and_then(|x| x.t())
+                .expect("t")
+        };
+        let got = flash_ring::matmul_with_config(&narrow(&xb), &t(&wb), &cfg).expect("bf16");
+        let f32 = flash_ring::matmul_with_config(&narrow(&xf), &t(&wf), &cfg).expect("f32");
+        let want = f32.to_dtype(DType::BF16).expect("rounded");
+        assert_eq!(bits(&got), bits(&want), "{isa:?} column-major b");
+    }
 }
 
 #[test]

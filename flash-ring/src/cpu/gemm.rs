@@ -66,7 +66,7 @@ impl<'a, T> Mat<'a, T> {
     }
 
     /// The number of elements `data` must hold at least (0 for an empty matrix).
-    fn extent(&self) -> usize {
+    pub(crate) fn extent(&self) -> usize {
         if self.rows == 0 || self.cols == 0 {
             0
         } else {
