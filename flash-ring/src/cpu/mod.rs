@@ -27,7 +27,7 @@ pub use gemm_bf16::Bf16Products;
 pub use mkl::Gemm;
 use pool::PoolBuf;
 pub use pool::{release_buffers, POOL_BYTES};
-pub use simd::{available, detect, Isa};
+pub use simd::{available, detect, isa_choice, Isa, ISA_ENV};
 
 /// `x[i] = exp(x[i] - shift)` in place for every element; returns their f32 sum.
 ///
@@ -50,7 +50,8 @@ pub struct KernelConfig {
     pub q_tile: usize,
     /// Key rows per tile (a positive multiple of 32).
     pub k_tile: usize,
-    /// Instruction set; `None` picks the best one of this machine.
+    /// Instruction set; `None` picks `FLASH_RING_ISA` when set, else the best one of this
+    /// machine ([`detect`]).
     pub isa: Option<Isa>,
     /// The library of the dense products ([`crate::matmul`]; not used by attention).
     pub gemm: Gemm,
@@ -83,9 +84,12 @@ impl KernelConfig {
                 self.k_tile
             )));
         }
-        let best = simd::detect();
         match self.isa {
-            None => Ok(best),
+            // A bad FLASH_RING_ISA stops every kernel call, named.
+            None => match simd::isa_from_env().map_err(Error::Config)? {
+                Some(isa) => Ok(isa),
+                None => Ok(simd::detect()),
+            },
             Some(i) if !simd::available().contains(&i) => Err(Error::Config(format!(
                 "{i:?} requested but not available on this CPU"
             ))),

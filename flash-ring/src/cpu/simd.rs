@@ -15,8 +15,54 @@ pub enum Isa {
     Portable,
 }
 
-/// The best instruction set of this machine (detected once).
+/// The variable that picks the kernels' default instruction set (`avx512`, `avx2` or
+/// `portable`, one this CPU has): to run a whole program, a model's tests say, on a narrower
+/// set than the CPU's best (the kernels' ISA-specific code then gets exercised on one machine).
+pub const ISA_ENV: &str = "FLASH_RING_ISA";
+
+/// The instruction set the kernels use by default: `FLASH_RING_ISA` when it names one this CPU
+/// has, otherwise the best of this machine (detected once). An unusable value is ignored here
+/// and reported by [`isa_from_env`], which every kernel call checks
+/// (`KernelConfig { isa: None, .. }`).
 pub fn detect() -> Isa {
+    match isa_from_env() {
+        Ok(Some(isa)) => isa,
+        _ => best(),
+    }
+}
+
+/// `FLASH_RING_ISA` (read once): `None` when unset or empty; the error names the variable.
+pub fn isa_from_env() -> Result<Option<Isa>, String> {
+    static ENV: OnceLock<Result<Option<Isa>, String>> = OnceLock::new();
+    ENV.get_or_init(|| match std::env::var(ISA_ENV) {
+        Ok(v) if !v.is_empty() => isa_choice(&v, &available())
+            .map(Some)
+            .map_err(|e| format!("{ISA_ENV}={v:?}: {e}")),
+        _ => Ok(None),
+    })
+    .clone()
+}
+
+/// The instruction set named `name` (`avx512`, `avx2`, `portable`, any case) if it is among
+/// `available`; the error says which names exist or that this CPU lacks it.
+pub fn isa_choice(name: &str, available: &[Isa]) -> Result<Isa, String> {
+    let isa = match name.to_ascii_lowercase().as_str() {
+        "avx512" => Isa::Avx512,
+        "avx2" => Isa::Avx2,
+        "portable" => Isa::Portable,
+        _ => return Err("expected avx512, avx2 or portable".into()),
+    };
+    if available.contains(&isa) {
+        Ok(isa)
+    } else {
+        Err(format!(
+            "this CPU cannot run {isa:?} (it has {available:?})"
+        ))
+    }
+}
+
+/// The best instruction set of this machine (detected once).
+fn best() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
@@ -42,7 +88,7 @@ pub fn available() -> Vec<Isa> {
     let mut all = Vec::new();
     #[cfg(target_arch = "x86_64")]
     {
-        if detect() == Isa::Avx512 {
+        if best() == Isa::Avx512 {
             all.push(Isa::Avx512);
         }
         if avx2_fma() {
@@ -1244,7 +1290,23 @@ mod tests {
     #[test]
     fn the_best_isa_is_detected() {
         let all = available();
-        assert_eq!(all[0], detect());
+        assert_eq!(all[0], best());
         assert_eq!(all.last(), Some(&Isa::Portable));
+        // Without FLASH_RING_ISA the default is the best; with it, the one it names.
+        match isa_from_env() {
+            Ok(Some(isa)) => assert_eq!(detect(), isa),
+            _ => assert_eq!(detect(), best()),
+        }
+    }
+
+    #[test]
+    fn isa_names_parse_and_must_be_available() {
+        let all = [Isa::Avx2, Isa::Portable];
+        assert_eq!(isa_choice("AVX2", &all), Ok(Isa::Avx2));
+        assert_eq!(isa_choice("portable", &all), Ok(Isa::Portable));
+        let e = isa_choice("avx512", &all).expect_err("not available");
+        assert!(e.contains("cannot run Avx512"), "{e}");
+        let e = isa_choice("sse4", &all).expect_err("not a name");
+        assert!(e.contains("avx512, avx2 or portable"), "{e}");
     }
 }
