@@ -436,8 +436,10 @@ fn lora_sft_and_dpo_in_bf16_follow_their_one_rank_run() {
             let (g, w, f) = (got.losses[i], want.losses[i], f32_run.losses[i]);
             let what = format!("{case}: step {i}: loss");
             if job == Job::LoraDpo {
+                // NaN-aware: a NaN scale or loss makes the bound NaN, and the check fail.
+                let bound = 1.5 * testkit::max_or_nan(dpo_scale, 1e-2 / 1.5 * w.abs());
                 assert!(
-                    g.is_finite() && (g - w).abs() <= 1.5 * dpo_scale.max(1e-2 / 1.5 * w.abs()),
+                    g.is_finite() && (g - w).abs() <= bound,
                     "{what}: {g} against one bf16 rank's {w}, whose largest distance to f32 over \
                      the steps is {dpo_scale:.3e} (bound 1.5x that)"
                 );

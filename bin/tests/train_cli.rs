@@ -2084,7 +2084,8 @@ fn mfu_counts_the_model_flops_by_hand() {
 /// The products' library of flash-ring (`FLASH_RING_GEMM`, `FLASH_RING_MKL`) that cannot be
 /// used stops `cpl train` before its first step with an error naming the variable, exit 1, no
 /// panic, no checkpoint; under `--peak-tflops` (no measured peak) the first product says it.
-/// A bad `FLASH_RING_BF16` (bf16 products) stops the run at its first product, named.
+/// A bad `FLASH_RING_BF16` (bf16 products) or `FLASH_RING_ISA` (instruction set) stops the run
+/// at its first product, named.
 #[test]
 fn an_unusable_products_library_stops_the_run_named() {
     let dir = tmpdir("gemm-env");
@@ -2092,7 +2093,12 @@ fn an_unusable_products_library_stops_the_run_named() {
     let missing = "/nonexistent/libmkl_rt.so.3";
     /// The environment, the extra flags, and what the error must say.
     type Case<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str], String);
-    let cases: [Case; 4] = [
+    let cases: [Case; 5] = [
+        (
+            &[("FLASH_RING_ISA", "sse4")],
+            &[],
+            "FLASH_RING_ISA=\"sse4\": expected avx512, avx2 or portable".into(),
+        ),
         (
             &[("FLASH_RING_GEMM", "openblas")],
             &[],

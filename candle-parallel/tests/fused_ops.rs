@@ -638,6 +638,20 @@ fn swiglu_rejects_bad_inputs() -> Result<()> {
 
 // ---------------------------------------------------------------- GELU (tanh)
 
+/// GELU-tanh and its derivative in float64 at `x`, with `1 - tanh²(u)` as
+/// `4 e^{-2|u|} / (1 + e^{-2|u|})²`, which does not cancel far in the tails.
+fn gelu_f64(x: f64) -> (f64, f64) {
+    let (k, c) = ((2.0f64 / std::f64::consts::PI).sqrt(), 0.044715f64);
+    let u = k * (x + c * x * x * x);
+    let t = u.tanh();
+    let e = (-2.0 * u.abs()).exp();
+    let sech2 = 4.0 * e / (1.0 + e).powi(2);
+    (
+        0.5 * x * (1.0 + t),
+        0.5 * (1.0 + t) + 0.5 * x * sech2 * k * (1.0 + 3.0 * c * x * x),
+    )
+}
+
 #[test]
 fn gelu_tanh_matches_composite_and_float64() -> Result<()> {
     let mut rng = StdRng::seed_from_u64(13);
@@ -675,11 +689,7 @@ fn gelu_tanh_matches_composite_and_float64() -> Result<()> {
     let (k, c) = ((2.0f64 / std::f64::consts::PI).sqrt(), 0.044715f64);
     for ((&xf, &yf), &df) in xs.iter().zip(&y.to_vec1::<f32>()?).zip(&dy) {
         let x = xf as f64;
-        let t = (k * (x + c * x * x * x)).tanh();
-        let (y64, d64) = (
-            0.5 * x * (1.0 + t),
-            0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * c * x * x),
-        );
+        let (y64, d64) = gelu_f64(x);
         assert!(
             (yf as f64 - y64).abs() <= 4e-7 * y64.abs().max(1.0),
             "gelu({x}) = {yf}, float64 {y64}"
@@ -733,16 +743,9 @@ fn gelu_tanh_is_finite_far_in_both_tails() -> Result<()> {
         .get(x.as_tensor())
         .expect("gelu_tanh: a gradient")
         .to_vec1::<f32>()?;
-    let (k, c) = ((2.0f64 / std::f64::consts::PI).sqrt(), 0.044715f64);
     for ((&xf, &yf), &df) in big.iter().zip(&y.to_vec1::<f32>()?).zip(&dy) {
         let x = xf as f64;
-        let u = k * (x + c * x * x * x);
-        let t = u.tanh();
-        let y64 = 0.5 * x * (1.0 + t);
-        // 1 - tanh² as 4 e^{-2|u|} / (1 + e^{-2|u|})², which does not cancel.
-        let e = (-2.0 * u.abs()).exp();
-        let d64 =
-            0.5 * (1.0 + t) + 0.5 * x * (4.0 * e / (1.0 + e).powi(2)) * k * (1.0 + 3.0 * c * x * x);
+        let (y64, d64) = gelu_f64(x);
         assert!(
             yf.is_finite() && df.is_finite(),
             "gelu({x}) = {yf}, gelu' = {df}"

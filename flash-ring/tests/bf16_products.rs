@@ -83,16 +83,6 @@ fn widen_on(isa: Isa) -> KernelConfig {
     }
 }
 
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_dtype(DType::F32)
-        .and_then(|t| t.flatten_all())
-        .and_then(|t| t.to_vec1::<f32>())
-        .expect("values")
-        .iter()
-        .map(|x| x.to_bits())
-        .collect()
-}
-
 /// Random non-zero bf16 values and their f32 copies (the same numbers).
 fn pair(shape: &[usize], seed: u64) -> (Tensor, Tensor) {
     let n = shape.iter().product();
@@ -114,8 +104,8 @@ fn a_widened_bf16_product_is_the_f32_product_of_the_same_values() {
             let f32 = flash_ring::matmul_with_config(&xf, &wf.t().expect("t"), &cfg).expect("f32");
             assert_eq!(got.dtype(), DType::BF16);
             let want = f32.to_dtype(DType::BF16).expect("rounded");
-            assert_eq!(bits(&got), bits(&want), "{isa:?} {m}x{k}x{n}");
-            assert!(bits(&got).iter().any(|&b| b != 0), "{isa:?}: all zero");
+            testkit::assert_identical(&got, &want, &format!("{isa:?} {m}x{k}x{n}"));
+            assert!(testkit::max_abs(&got) > 0.0, "{isa:?}: all zero");
         }
     }
     // Views the widening compacts (more gaps than elements: columns of a wide matrix) and a
@@ -128,7 +118,7 @@ fn a_widened_bf16_product_is_the_f32_product_of_the_same_values() {
         let got = flash_ring::matmul_with_config(&narrow(&xb), &wb, &cfg).expect("bf16");
         let f32 = flash_ring::matmul_with_config(&narrow(&xf), &wf, &cfg).expect("f32");
         let want = f32.to_dtype(DType::BF16).expect("rounded");
-        assert_eq!(bits(&got), bits(&want), "{isa:?} narrowed columns");
+        testkit::assert_identical(&got, &want, &format!("{isa:?} narrowed columns"));
         let t = |x: &Tensor| {
             x.t()
                 .and_then(|x| x.contiguous())
@@ -138,7 +128,7 @@ fn a_widened_bf16_product_is_the_f32_product_of_the_same_values() {
         let got = flash_ring::matmul_with_config(&narrow(&xb), &t(&wb), &cfg).expect("bf16");
         let f32 = flash_ring::matmul_with_config(&narrow(&xf), &t(&wf), &cfg).expect("f32");
         let want = f32.to_dtype(DType::BF16).expect("rounded");
-        assert_eq!(bits(&got), bits(&want), "{isa:?} column-major b");
+        testkit::assert_identical(&got, &want, &format!("{isa:?} column-major b"));
     }
 }
 
@@ -156,8 +146,8 @@ fn widened_bf16_attention_is_the_f32_attention_of_the_same_values() {
         let (of, lf) = flash_ring::flash_fwd_with_config(&qf, &kf, &vf, &spec, &cfg).expect("fwd");
         assert_eq!(ob.dtype(), DType::BF16);
         let of_b = of.to_dtype(DType::BF16).expect("rounded");
-        assert_eq!(bits(&ob), bits(&of_b), "{isa:?} out");
-        assert_eq!(bits(&lb), bits(&lf), "{isa:?} lse");
+        testkit::assert_identical(&ob, &of_b, &format!("{isa:?} out"));
+        testkit::assert_identical(&lb, &lf, &format!("{isa:?} lse"));
         // The backward of the bf16 run against the f32 backward given the same (bf16) out.
         let ob_f = ob.to_dtype(DType::F32).expect("out");
         let gb = flash_ring::flash_bwd_with_config(&qb, &kb, &vb, &ob, &lb, &db, &spec, &cfg, true)
@@ -171,8 +161,8 @@ fn widened_bf16_attention_is_the_f32_attention_of_the_same_values() {
             ("dv", &gb.2, &gf.2),
         ] {
             let y = y.to_dtype(x.dtype()).expect("rounded");
-            assert_eq!(bits(x), bits(&y), "{isa:?} {name}");
-            assert!(bits(x).iter().any(|&b| b != 0), "{isa:?} {name}: all zero");
+            testkit::assert_identical(x, &y, &format!("{isa:?} {name}"));
+            assert!(testkit::max_abs(x) > 0.0, "{isa:?} {name}: all zero");
         }
     }
 }

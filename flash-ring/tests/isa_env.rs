@@ -3,7 +3,7 @@
 //! (`detect`, `KernelConfig { isa: None, .. }`), and the default attention and product give
 //! the bits of the same calls with that ISA named explicitly.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use flash_ring::{AttnSpec, KernelConfig, MaskKind};
 
 #[test]
@@ -22,23 +22,14 @@ fn flash_ring_isa_picks_the_default_instruction_set() {
     let q = Tensor::randn(0f32, 1.0, (1, 70, 2, 32), &dev).expect("q");
     let k = Tensor::randn(0f32, 1.0, (1, 70, 1, 32), &dev).expect("k");
     let spec = AttnSpec::dense(0.2, MaskKind::Causal, 70, 70);
-    let bits = |t: &Tensor| -> Vec<u32> {
-        t.flatten_all()
-            .and_then(|t| t.to_dtype(DType::F32))
-            .and_then(|t| t.to_vec1::<f32>())
-            .expect("values")
-            .iter()
-            .map(|x| x.to_bits())
-            .collect()
-    };
     let (o1, l1) = flash_ring::flash_fwd_with_config(&q, &k, &k, &spec, &KernelConfig::default())
         .expect("fwd");
     let (o2, l2) = flash_ring::flash_fwd_with_config(&q, &k, &k, &spec, &named).expect("fwd");
-    assert_eq!(bits(&o1), bits(&o2));
-    assert_eq!(bits(&l1), bits(&l2));
+    testkit::assert_identical(&o1, &o2, "attention output");
+    testkit::assert_identical(&l1, &l2, "attention lse");
     let w = Tensor::randn(0f32, 1.0, (64, 32), &dev).expect("w");
     let x = q.reshape((140, 32)).expect("x");
     let p1 = flash_ring::matmul(&x, &w.t().expect("t")).expect("product");
     let p2 = flash_ring::matmul_with_config(&x, &w.t().expect("t"), &named).expect("product");
-    assert_eq!(bits(&p1), bits(&p2));
+    testkit::assert_identical(&p1, &p2, "product");
 }

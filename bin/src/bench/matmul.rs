@@ -134,20 +134,21 @@ pub fn run(args: &MatmulArgs) -> Result<()> {
         .with_context(|| format!("--isa {}", format!("{isa:?}").to_lowercase()))?;
     // How flash-ring multiplies bf16 where MKL does not: None for f32 and for MKL's products.
     let on_mkl = flash_ring::cpu::mkl::route(cfg.gemm, dtype == DType::BF16)?.is_some();
+    let dot = "the CPU's bf16 dot products (AVX512-BF16)";
     let bf16_products =
-        (dtype == DType::BF16 && !on_mkl).then_some(match (bf16_dot, bf16_dot_few_rows) {
-            (true, _) => "the CPU's bf16 dot products (AVX512-BF16)",
-            (false, true) => {
-                "widened to f32, except products of at most 32 rows: the CPU's bf16 dot \
-                 products (AVX512-BF16)"
-            }
-            (false, false) => "widened to f32",
+        (dtype == DType::BF16 && !on_mkl).then(|| match (bf16_dot, bf16_dot_few_rows) {
+            (true, _) => dot.to_string(),
+            (false, true) => format!(
+                "widened to f32, except products of at most {} rows: {dot}",
+                flash_ring::cpu::gemm_bf16::MEMORY_BOUND_ROWS
+            ),
+            (false, false) => "widened to f32".to_string(),
         });
     if !args.json {
         println!("{}", Machine::detect().line());
         println!("flash-ring kernels: {isa:?}, dtype {:?}", dtype);
         println!("flash-ring's products on: {products}");
-        if let Some(how) = bf16_products {
+        if let Some(how) = &bf16_products {
             println!("bf16 products: {how}");
         }
         println!(

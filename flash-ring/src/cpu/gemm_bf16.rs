@@ -85,33 +85,34 @@ pub enum Bf16Products {
     Widen,
 }
 
+impl Bf16Products {
+    /// `auto`, `dot` or `widen` (any case); the error lists them.
+    fn parse(s: &str) -> std::result::Result<Bf16Products, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Bf16Products::Auto),
+            "dot" => Ok(Bf16Products::Dot),
+            "widen" => Ok(Bf16Products::Widen),
+            _ => Err("expected auto, dot or widen".into()),
+        }
+    }
+}
+
 impl std::str::FromStr for Bf16Products {
     type Err = crate::error::Error;
 
     /// `auto`, `dot` or `widen` (any case); the error lists them.
     fn from_str(s: &str) -> crate::error::Result<Bf16Products> {
-        match s.to_ascii_lowercase().as_str() {
-            "auto" => Ok(Bf16Products::Auto),
-            "dot" => Ok(Bf16Products::Dot),
-            "widen" => Ok(Bf16Products::Widen),
-            _ => Err(crate::error::Error::Config(format!(
-                "bf16 products {s:?}: expected auto, dot or widen"
-            ))),
-        }
+        Bf16Products::parse(s)
+            .map_err(|e| crate::error::Error::Config(format!("bf16 products {s:?}: {e}")))
     }
 }
 
 /// `FLASH_RING_BF16` (read once): `Auto` when unset or empty; the error names the variable.
 fn from_env() -> crate::error::Result<Bf16Products> {
-    static ENV: OnceLock<std::result::Result<Bf16Products, String>> = OnceLock::new();
-    ENV.get_or_init(|| match std::env::var(BF16_ENV) {
-        Ok(v) if !v.is_empty() => v
-            .parse()
-            .map_err(|_| format!("{BF16_ENV}={v:?}: expected auto, dot or widen")),
-        _ => Ok(Bf16Products::Auto),
-    })
-    .clone()
-    .map_err(crate::error::Error::Config)
+    static ENV: OnceLock<std::result::Result<Option<Bf16Products>, String>> = OnceLock::new();
+    super::env_choice(&ENV, BF16_ENV, Bf16Products::parse)
+        .map(Option::unwrap_or_default)
+        .map_err(crate::error::Error::Config)
 }
 
 /// Whether this CPU is Intel's (CPUID vendor `GenuineIntel`; detected once).

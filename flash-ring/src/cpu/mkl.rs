@@ -229,12 +229,13 @@ pub fn route(gemm: Gemm, bf16: bool) -> Result<Option<&'static Mkl>> {
 }
 
 impl Gemm {
-    fn parse(s: &str) -> Option<Gemm> {
+    /// `auto`, `native` or `mkl` (any case); the error lists them.
+    fn parse(s: &str) -> std::result::Result<Gemm, String> {
         match s.to_ascii_lowercase().as_str() {
-            "auto" => Some(Gemm::Auto),
-            "native" => Some(Gemm::Native),
-            "mkl" => Some(Gemm::Mkl),
-            _ => None,
+            "auto" => Ok(Gemm::Auto),
+            "native" => Ok(Gemm::Native),
+            "mkl" => Ok(Gemm::Mkl),
+            _ => Err("expected auto, native or mkl".into()),
         }
     }
 }
@@ -244,21 +245,16 @@ impl std::str::FromStr for Gemm {
 
     /// `auto`, `native` or `mkl` (any case); the error lists them.
     fn from_str(s: &str) -> Result<Gemm> {
-        Gemm::parse(s).ok_or_else(|| Error::Gemm(format!("{s:?}: expected auto, native or mkl")))
+        Gemm::parse(s).map_err(|e| Error::Gemm(format!("{s:?}: {e}")))
     }
 }
 
 /// `FLASH_RING_GEMM` (read once): `auto` when unset or empty; the error names the variable.
 fn from_env() -> Result<Gemm> {
-    static ENV: OnceLock<std::result::Result<Gemm, String>> = OnceLock::new();
-    ENV.get_or_init(|| match std::env::var(GEMM_ENV) {
-        Ok(v) if !v.is_empty() => {
-            Gemm::parse(&v).ok_or_else(|| format!("{GEMM_ENV}={v:?}: expected auto, native or mkl"))
-        }
-        _ => Ok(Gemm::Auto),
-    })
-    .clone()
-    .map_err(Error::Gemm)
+    static ENV: OnceLock<std::result::Result<Option<Gemm>, String>> = OnceLock::new();
+    super::env_choice(&ENV, GEMM_ENV, Gemm::parse)
+        .map(Option::unwrap_or_default)
+        .map_err(Error::Gemm)
 }
 
 /// What runs a product of bf16 (`bf16`) or f32/f16 operands under `gemm`, in words: MKL's

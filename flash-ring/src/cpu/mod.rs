@@ -29,6 +29,21 @@ use pool::PoolBuf;
 pub use pool::{release_buffers, POOL_BYTES};
 pub use simd::{available, detect, isa_choice, Isa, ISA_ENV};
 
+/// A choice read once per process from the variable `var` (`cell` holds it): `None` when the
+/// variable is unset or empty, else `parse`'s value; the error reads `VAR="value": <why>`. The
+/// one reader of `FLASH_RING_GEMM`, `FLASH_RING_BF16` and `FLASH_RING_ISA`.
+pub(crate) fn env_choice<T: Clone>(
+    cell: &'static std::sync::OnceLock<std::result::Result<Option<T>, String>>,
+    var: &str,
+    parse: impl FnOnce(&str) -> std::result::Result<T, String>,
+) -> std::result::Result<Option<T>, String> {
+    cell.get_or_init(|| match std::env::var(var) {
+        Ok(v) if !v.is_empty() => parse(&v).map(Some).map_err(|e| format!("{var}={v:?}: {e}")),
+        _ => Ok(None),
+    })
+    .clone()
+}
+
 /// `x[i] = exp(x[i] - shift)` in place for every element; returns their f32 sum.
 ///
 /// The attention kernels' vector exponential on this CPU's best instruction set: `2^t` with
@@ -85,11 +100,11 @@ impl KernelConfig {
             )));
         }
         match self.isa {
-            // A bad FLASH_RING_ISA stops every kernel call, named.
-            None => match simd::isa_from_env().map_err(Error::Config)? {
-                Some(isa) => Ok(isa),
-                None => Ok(simd::detect()),
-            },
+            // A bad FLASH_RING_ISA stops every kernel call, named; a good one is `detect`'s.
+            None => {
+                simd::isa_from_env().map_err(Error::Config)?;
+                Ok(simd::detect())
+            }
             Some(i) if !simd::available().contains(&i) => Err(Error::Config(format!(
                 "{i:?} requested but not available on this CPU"
             ))),

@@ -34,13 +34,7 @@ pub fn detect() -> Isa {
 /// `FLASH_RING_ISA` (read once): `None` when unset or empty; the error names the variable.
 pub fn isa_from_env() -> Result<Option<Isa>, String> {
     static ENV: OnceLock<Result<Option<Isa>, String>> = OnceLock::new();
-    ENV.get_or_init(|| match std::env::var(ISA_ENV) {
-        Ok(v) if !v.is_empty() => isa_choice(&v, &available())
-            .map(Some)
-            .map_err(|e| format!("{ISA_ENV}={v:?}: {e}")),
-        _ => Ok(None),
-    })
-    .clone()
+    super::env_choice(&ENV, ISA_ENV, |v| isa_choice(v, &available()))
 }
 
 /// The instruction set named `name` (`avx512`, `avx2`, `portable`, any case) if it is among
