@@ -116,9 +116,14 @@ impl GradSink {
         let mut pending = self.lock();
         for v in vars.iter().filter(|v| v.id() != skip) {
             let Some(g) = grads.get(v) else { continue };
+            // Detached: candle detaches a gradient when it passes through a node, but a
+            // variable's comes straight from the op that consumed it, and may still reference
+            // that op's inputs (the block's recomputed activations), which the sink would then
+            // keep alive until the merge (every block's, at once).
+            let g = g.detach();
             let g = match pending.remove(&v.id()) {
                 Some(acc) => (acc + g)?,
-                None => g.clone(),
+                None => g,
             };
             pending.insert(v.id(), g);
         }

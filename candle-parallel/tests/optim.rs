@@ -566,3 +566,51 @@ fn gradient_forms_give_the_same_update_and_the_var_is_written_in_place() -> Res<
     assert_eq!(results[0], results[2], "bf16 gradient");
     Ok(())
 }
+
+/// The global norm's squared sums, for every dtype and layout a gradient comes in: against a
+/// float64 sum (1e-12 relative: each square is exact in f64, the sums differ only in their
+/// order), on tensors long enough for several of the parallel blocks (with a ragged end), and
+/// the same bits on 1 and 3 threads.
+#[test]
+fn global_norm_of_every_dtype_and_layout_matches_float64_on_any_thread_count() -> Res<()> {
+    let n = 3 * (1 << 15) + 123;
+    let v: Vec<f32> = (0..n)
+        .map(|i| ((i as f32) * 0.618).sin() * (1.0 + (i % 7) as f32))
+        .collect();
+    let base = Tensor::from_vec(v, (n / 3, 3), &Device::Cpu)?;
+    let cases: Vec<(&str, Tensor)> = vec![
+        ("f32", base.clone()),
+        ("bf16", base.to_dtype(DType::BF16)?),
+        ("f16", base.to_dtype(DType::F16)?),
+        ("f64", base.to_dtype(DType::F64)?),
+        // A transposed view and a narrowed one: not contiguous from their buffer's start.
+        ("f32 transposed", base.t()?),
+        (
+            "bf16 narrowed",
+            base.to_dtype(DType::BF16)?.narrow(0, 5, 1000)?,
+        ),
+    ];
+    for (what, g) in cases {
+        let want = {
+            let mut s = 0.0f64;
+            for x in g.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()? {
+                s += x * x;
+            }
+            s.sqrt()
+        };
+        let grads = vec![("w".to_string(), g)];
+        let on = |threads: usize| -> Res<f64> {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()?;
+            Ok(pool.install(|| global_grad_norm(&grads, &no_shard))?)
+        };
+        let (one, three) = (on(1)?, on(3)?);
+        assert!(
+            (one - want).abs() <= 1e-12 * want,
+            "{what}: {one} vs float64 {want}"
+        );
+        assert_eq!(one.to_bits(), three.to_bits(), "{what}: 1 vs 3 threads");
+    }
+    Ok(())
+}

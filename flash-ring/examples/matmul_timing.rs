@@ -8,10 +8,13 @@
 //! With `--backward` after the numbers: the layer's two backward products instead, as the
 //! autograd hands them over (`grad (m, n) @ w`, and the weight's `x^T @ grad` and `grad^T @ x`
 //! on transposed views), each by candle and by flash_ring::matmul, in GFLOP/s.
+//!
+//! With `--bf16`: both operands in bf16 (flash-ring's bf16 products as `FLASH_RING_BF16`
+//! chooses; candle widens to f32).
 
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -35,9 +38,10 @@ fn best(repeats: usize, mut f: impl FnMut() -> Tensor) -> (f64, Tensor) {
 
 /// The `--backward` comparison (see the module docs).
 fn backward(m: usize, k: usize, n: usize, repeats: usize) -> flash_ring::Result<()> {
-    let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
-    let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?;
-    let g = Tensor::randn(0f32, 1.0, (m, n), &Device::Cpu)?;
+    let dt = dtype();
+    let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?.to_dtype(dt)?;
+    let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?.to_dtype(dt)?;
+    let g = Tensor::randn(0f32, 1.0, (m, n), &Device::Cpu)?.to_dtype(dt)?;
     let (xt, gt) = (x.t()?, g.t()?);
     let gf = 2.0 * (m * k * n) as f64 / 1e9;
     let rate = |a: &Tensor, b: &Tensor| {
@@ -54,6 +58,15 @@ fn backward(m: usize, k: usize, n: usize, repeats: usize) -> flash_ring::Result<
     Ok(())
 }
 
+/// The operands' dtype: bf16 with `--bf16`, else f32.
+fn dtype() -> DType {
+    if std::env::args().any(|a| a == "--bf16") {
+        DType::BF16
+    } else {
+        DType::F32
+    }
+}
+
 fn main() -> flash_ring::Result<()> {
     let (m, k, n, repeats) = (arg(1, 1024), arg(2, 512), arg(3, 1536), arg(4, 10));
     if std::env::args().any(|a| a == "--backward") {
@@ -62,7 +75,7 @@ fn main() -> flash_ring::Result<()> {
     let mut rng = StdRng::seed_from_u64(7);
     let mut input = |r: usize, c: usize| {
         let v: Vec<f32> = (0..r * c).map(|_| rng.random_range(-1.0..1.0)).collect();
-        Tensor::from_vec(v, (r, c), &Device::Cpu)
+        Tensor::from_vec(v, (r, c), &Device::Cpu)?.to_dtype(dtype())
     };
     let (x, w) = (input(m, k)?, input(n, k)?);
     let wt = w.t()?;

@@ -48,7 +48,7 @@ use rayon::prelude::*;
 pub use composite::CompositeConfig;
 pub use cpu::{Bf16Products, Gemm, Isa, KernelConfig};
 pub use error::{Error, Result};
-pub use matmul::{bf16_dot_products, matmul, matmul_to_f32, matmul_with_config};
+pub use matmul::{bf16_dot_products, matmul, matmul_nt, matmul_to_f32, matmul_with_config};
 pub use merge::merge;
 pub use op::{owned_copy, record3, Backward3};
 pub use reference::{naive_attention, naive_attention_with_lse};

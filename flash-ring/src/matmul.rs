@@ -39,6 +39,19 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     matmul_with_config(a, b, &KernelConfig::default())
 }
 
+/// `a @ w^T` for `a` `(m, k)` and `w` `(n, k)` (a linear layer's product with its `(out, in)`
+/// weight): [`matmul`] of `a` and `w.t()`, with the same bits, except that `w`'s gradient is
+/// computed as `grad^T @ a` and comes back contiguous in `w`'s own layout.
+///
+/// Through `matmul(a, &w.t())` the gradient of `w.t()` comes back `(k, n)` row-major, and
+/// candle's backward of the transposition hands `w` a transposed view of it, which the
+/// gradient store copies element by element on the calling thread (about 2 ns an element on a
+/// 2-core Zen 4: an eighth of that thread's time in the MoE benchmark's bf16 step, with the
+/// other cores idle). The two weight gradients are the same sums of the same products.
+pub fn matmul_nt(a: &Tensor, w: &Tensor) -> Result<Tensor> {
+    product_of(a, w, &KernelConfig::default(), false, true)
+}
+
 /// [`matmul`] with an explicit instruction set (`cfg.isa`), products' library (`cfg.gemm`) and
 /// bf16 products (`cfg.bf16`); the tile sizes are not used. An error names `FLASH_RING_GEMM`,
 /// `FLASH_RING_MKL` or `FLASH_RING_BF16` when the choice cannot be used.
@@ -62,14 +75,30 @@ pub fn bf16_dot_products() -> bool {
 }
 
 fn product(a: &Tensor, b: &Tensor, cfg: &KernelConfig, f32_out: bool) -> Result<Tensor> {
+    product_of(a, b, cfg, f32_out, false)
+}
+
+/// `a @ b`, or with `b_transposed` `a @ b^T`.
+fn product_of(
+    a: &Tensor,
+    b: &Tensor,
+    cfg: &KernelConfig,
+    f32_out: bool,
+    b_transposed: bool,
+) -> Result<Tensor> {
     let isa = cfg.check()?;
     let (_, k) = dims2("a", a)?;
-    let (kb, _) = dims2("b", b)?;
+    let (b0, b1) = dims2("b", b)?;
+    let kb = if b_transposed { b1 } else { b0 };
     if kb != k {
         return Err(Error::Shape {
             tensor: "b",
             got: b.dims().to_vec(),
-            expected: format!("({k}, n) to match a {:?}", a.dims()),
+            expected: if b_transposed {
+                format!("(n, {k}) to match a {:?}", a.dims())
+            } else {
+                format!("({k}, n) to match a {:?}", a.dims())
+            },
         });
     }
     if a.dtype() != b.dtype() {
@@ -91,7 +120,11 @@ fn product(a: &Tensor, b: &Tensor, cfg: &KernelConfig, f32_out: bool) -> Result<
     }
     if !a.device().is_cpu() {
         // Other devices: the device's own matmul (cuBLAS on CUDA), differentiable as is.
-        let c = a.matmul(b)?;
+        let c = if b_transposed {
+            a.matmul(&b.t()?)?
+        } else {
+            a.matmul(b)?
+        };
         return Ok(if f32_out { c.to_dtype(DType::F32)? } else { c });
     }
     let mkl = mkl::route(cfg.gemm, a.dtype() == DType::BF16)?;
@@ -105,6 +138,7 @@ fn product(a: &Tensor, b: &Tensor, cfg: &KernelConfig, f32_out: bool) -> Result<
             bf16_dot,
             bf16_dot_few_rows,
             f32_out,
+            b_transposed,
         },
     )?)
 }
@@ -244,9 +278,20 @@ struct MatMulOp {
     bf16_dot: bool,
     bf16_dot_few_rows: bool,
     f32_out: bool,
+    /// The second input is `W` `(n, k)` and the product `a @ W^T` ([`matmul_nt`]).
+    b_transposed: bool,
 }
 
 impl MatMulOp {
+    /// The second input as the product's B: transposed for [`matmul_nt`].
+    fn oriented<'a, T>(&self, b: Mat<'a, T>) -> Mat<'a, T> {
+        if self.b_transposed {
+            b.t()
+        } else {
+            b
+        }
+    }
+
     /// The f32 result `c` as the op's output storage.
     fn storage(&self, c: Vec<f32>, inputs: DType) -> CpuStorage {
         if self.f32_out {
@@ -276,7 +321,7 @@ impl CustomOp2 for MatMulOp {
                 self.bf16_dot || (self.bf16_dot_few_rows && rows <= gemm_bf16::MEMORY_BOUND_ROWS);
             if self.mkl.is_some() || dot {
                 let a = mat_view("a", v1, l1)?;
-                let b = mat_view("b", v2, l2)?;
+                let b = self.oriented(mat_view("b", v2, l2)?);
                 check_inner(&a, &b)?;
                 let c = self
                     .mkl
@@ -289,7 +334,7 @@ impl CustomOp2 for MatMulOp {
         }
         let (mut b1, mut b2) = (Vec::new(), Vec::new());
         let a = f32_view("a", s1, l1, &mut b1)?;
-        let b = f32_view("b", s2, l2, &mut b2)?;
+        let b = self.oriented(f32_view("b", s2, l2, &mut b2)?);
         check_inner(&a, &b)?;
         let (m, n) = (a.rows, b.cols);
         let c = match self.mkl.and_then(|lib| mkl::gemm(lib, a, b)) {
@@ -309,11 +354,18 @@ impl CustomOp2 for MatMulOp {
         // Only the gradients that flow somewhere: a frozen weight (LoRA's base) has none, which
         // saves a third of a linear layer's backward. The weight's gradient runs this op again
         // where MKL runs the products, and for bf16 on the CPU's bf16 dot products (candle's
-        // bf16 matmul widens both operands to f32).
-        let grad = grad.to_dtype(a.dtype())?;
+        // bf16 matmul widens both operands to f32). The products run on detached operands, so
+        // the gradients reference no graph: under `matmul_nt` the weight's goes straight to its
+        // variable, which candle does not detach, and held there (a checkpointed block's
+        // parameter gradients wait in a sink until the whole backward ends) it would keep the
+        // block's recomputed activations alive.
+        let (track_a, track_b) = (a.track_op(), b.track_op());
+        let (a, b) = (&a.detach(), &b.detach());
+        let grad = grad.detach().to_dtype(a.dtype())?;
         let grad = &grad;
         let op = MatMulOp {
             f32_out: false,
+            b_transposed: false,
             ..*self
         };
         let mul = |x: &Tensor, y: &Tensor| {
@@ -326,13 +378,23 @@ impl CustomOp2 for MatMulOp {
         // The input's gradient `grad @ b^T` is this product again: B's transposed view costs
         // nothing to pack, and the short chains keep its error from growing with the depth
         // (the layer's width; the vocabulary for an LM head). It is also faster than candle's
-        // on the layers' shapes (flash-ring's `matmul_timing --backward` example: 2-core Zen 3, DiT-S/2's
-        // 2048-row products, 111-134 GFLOP/s against 85-113). The weight's gradient
+        // on the layers' shapes (flash-ring's `matmul_timing --backward` example: 2-core Zen 3,
+        // DiT-S/2's 2048-row products, 111-134 GFLOP/s against 85-113). The weight's gradient
         // `a^T @ grad` (a column-major left operand, a depth of every row) stays candle's,
-        // which is faster there.
+        // which is faster there. Under [`matmul_nt`] the second input is W itself: the input's
+        // gradient is `grad @ W`, W's is `grad^T @ a` in W's layout (see there).
         let same = |x: &Tensor, y: &Tensor| x.apply_op2(y, op);
-        let da = a.track_op().then(|| same(grad, &b.t()?)).transpose()?;
-        let db = b.track_op().then(|| mul(&a.t()?, grad)).transpose()?;
+        let (da, db) = if self.b_transposed {
+            (
+                track_a.then(|| same(grad, b)).transpose()?,
+                track_b.then(|| mul(&grad.t()?, a)).transpose()?,
+            )
+        } else {
+            (
+                track_a.then(|| same(grad, &b.t()?)).transpose()?,
+                track_b.then(|| mul(&a.t()?, grad)).transpose()?,
+            )
+        };
         Ok((da, db))
     }
 }

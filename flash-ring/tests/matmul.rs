@@ -336,3 +336,83 @@ fn input_gradient_of_a_wide_layer_keeps_the_short_chains_accuracy() {
         "{worst:e} vs one long chain {worst_long:e}"
     );
 }
+
+/// `matmul_nt(a, w)` is `matmul(a, w.t())`: the same output bits and input gradient bits, and
+/// `w`'s gradient `grad^T @ a` (the same sums of the same products) within rounding of float64,
+/// handed back contiguous in `w`'s own `(n, k)` layout (through `w.t()` it came back as a
+/// transposed view, which the gradient store then copied). f32, bf16 and f16; shapes with
+/// ragged tiles, and one of several row and column blocks.
+#[test]
+fn matmul_nt_is_matmul_of_the_transposed_weight_with_the_weight_gradient_in_its_layout() {
+    let mut r = common::rng(21);
+    for (m, k, n) in [(37, 70, 50), (300, 96, 520)] {
+        let a32 = t2(common::randv(&mut r, m * k), m, k);
+        let w32 = t2(common::randv(&mut r, n * k), n, k);
+        let g32 = t2(common::randv(&mut r, m * n), m, n);
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            let [a, w, g] = [&a32, &w32, &g32].map(|t| t.to_dtype(dt).expect("dtype"));
+            let grads = |y: Tensor, a: &Var, w: &Var| {
+                let gs = (y.to_dtype(DType::F32).expect("f32")
+                    * g.to_dtype(DType::F32).expect("f32"))
+                .expect("mul")
+                .sum_all()
+                .expect("sum")
+                .backward()
+                .expect("backward");
+                let da = gs.get(a.as_tensor()).expect("grad a").clone();
+                let dw = gs.get(w.as_tensor()).expect("grad w").clone();
+                (da, dw)
+            };
+            let (av, wv) = (
+                Var::from_tensor(&a).expect("var"),
+                Var::from_tensor(&w).expect("var"),
+            );
+            let y = flash_ring::matmul_nt(av.as_tensor(), wv.as_tensor()).expect("matmul_nt");
+            let want_y =
+                flash_ring::matmul(&a, &w.t().expect("t")).expect("matmul of the transposed view");
+            assert_eq!(y.dims(), &[m, n]);
+            assert_eq!(y.dtype(), dt);
+            assert_eq!(
+                common::to_f64(&y),
+                common::to_f64(&want_y),
+                "{dt:?} {m}x{k}x{n}: output"
+            );
+            let (da, dw) = grads(y, &av, &wv);
+            let (bv, xv) = (
+                Var::from_tensor(&a).expect("var"),
+                Var::from_tensor(&w).expect("var"),
+            );
+            let y2 = flash_ring::matmul(bv.as_tensor(), &xv.as_tensor().t().expect("t"))
+                .expect("matmul");
+            let (want_da, _) = grads(y2, &bv, &xv);
+            assert_eq!(
+                common::to_f64(&da),
+                common::to_f64(&want_da),
+                "{dt:?}: input gradient"
+            );
+            assert_eq!(dw.dims(), &[n, k], "{dt:?}");
+            assert!(
+                dw.is_contiguous(),
+                "{dt:?}: weight gradient {:?}",
+                dw.stride()
+            );
+            // Against float64 of the rounded operands: f32 to its rounding, the half types to
+            // the rounding of their result.
+            let (gd, ad) = (common::to_f64(&g), common::to_f64(&a));
+            let want: Vec<f64> = (0..n * k)
+                .map(|e| (0..m).map(|t| gd[t * n + e / k] * ad[t * k + e % k]).sum())
+                .collect();
+            let tol = if dt == DType::F32 { 1e-5 } else { 1e-2 };
+            let err = common::rel(&common::to_f64(&dw), &want);
+            assert!(err <= tol, "{dt:?} {m}x{k}x{n}: weight gradient {err}");
+        }
+    }
+    // A weight whose width is not the input's is an error naming it.
+    let a = Tensor::zeros((3, 4), DType::F32, &Device::Cpu).expect("zeros");
+    let w = Tensor::zeros((5, 3), DType::F32, &Device::Cpu).expect("zeros");
+    let e = flash_ring::matmul_nt(&a, &w).expect_err("widths");
+    assert!(
+        e.to_string().contains("b: shape [5, 3]") && e.to_string().contains("(n, 4)"),
+        "{e}"
+    );
+}

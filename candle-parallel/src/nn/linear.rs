@@ -82,7 +82,19 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// `x @ w^T (+ b)` for `x` `(.., in)` and `w` `(out, in)`, as one 2-D [`matmul`].
+/// `x @ w^T` for 2-D `x` `(m, k)` and `w` `(n, k)`, differentiable: [`matmul`] of `x` and
+/// `w.t()`, where flash-ring runs it through [`flash_ring::matmul_nt`], which hands `w` its
+/// gradient in `w`'s own layout (a transposed one is copied element by element when stored).
+fn matmul_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let kernel_dtype = matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16);
+    if x.device().is_cpu() && kernel_dtype && x.dtype() == w.dtype() {
+        flash_ring::matmul_nt(x, w).map_err(crate::attention::block::kernel_err)
+    } else {
+        Ok(x.matmul(&w.t()?)?)
+    }
+}
+
+/// `x @ w^T (+ b)` for `x` `(.., in)` and `w` `(out, in)`, as one 2-D [`matmul_nt`].
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     let (out_f, in_f) = w.dims2()?;
@@ -99,7 +111,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
         ));
     }
     let rows: usize = dims[..dims.len() - 1].iter().product();
-    let y = matmul(&x.reshape((rows, in_f))?, &w.t()?)?;
+    let y = matmul_nt(&x.reshape((rows, in_f))?, w)?;
     let y = match b {
         Some(b) => y.broadcast_add(b)?,
         None => y,

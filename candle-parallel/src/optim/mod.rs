@@ -98,13 +98,12 @@ pub fn global_grad_norm_staged(
     }
     let mut total = 0.0f64;
     for (name, g) in order {
-        let sq = g.to_dtype(DType::F64)?.sqr()?.sum_all()?;
         let sq = match sharded(name) {
             Some(comm) => comm
-                .all_reduce(&sq.reshape(1)?, ReduceOp::Sum)?
+                .all_reduce(&sum_of_squares(g)?.reshape(1)?, ReduceOp::Sum)?
                 .to_device(&candle_core::Device::Cpu)?
                 .to_vec1::<f64>()?[0],
-            None => sq.to_scalar::<f64>()?,
+            None => sum_of_squares(g)?.to_scalar::<f64>()?,
         };
         if stages.is_none_or(|s| (s.counted)(name)) {
             total += sq;
@@ -120,6 +119,62 @@ pub fn global_grad_norm_staged(
             .to_vec1::<f64>()?[0];
     }
     Ok(total.sqrt())
+}
+
+/// Elements summed per block of [`sum_of_squares`] (a fixed size: the blocks and the order
+/// their sums are added in never depend on the thread count).
+const SQUARES_BLOCK: usize = 1 << 15;
+
+/// `sum(g^2)` in f64 as a scalar f64 tensor on `g`'s device.
+///
+/// A contiguous f32, bf16 or f16 CPU tensor is read in place: its blocks of [`SQUARES_BLOCK`]
+/// elements are summed in parallel, each in 8 interleaved f64 lanes (the lanes added in order),
+/// then the block sums in order, so the result is the same bits on any number of threads. Each
+/// square is exact in f64. Candle's `to_dtype(F64).sqr().sum_all()` (the path of every other
+/// tensor) writes two f64 copies of the gradient and sums on one thread: for the 111M
+/// parameters of the MoE benchmark model it took about a tenth of a second per step, with the
+/// other cores idle.
+fn sum_of_squares(g: &Tensor) -> Result<Tensor> {
+    use candle_core::{CpuStorage, Storage};
+    use rayon::prelude::*;
+    fn blocks<T: Copy + Sync>(v: &[T], f64_of: impl Fn(T) -> f64 + Sync) -> f64 {
+        let partial: Vec<f64> = v
+            .par_chunks(SQUARES_BLOCK)
+            .map(|block| {
+                let mut lanes = [0f64; 8];
+                let mut eights = block.chunks_exact(8);
+                for e in &mut eights {
+                    for (l, &x) in lanes.iter_mut().zip(e) {
+                        let x = f64_of(x);
+                        *l += x * x;
+                    }
+                }
+                for (l, &x) in lanes.iter_mut().zip(eights.remainder()) {
+                    let x = f64_of(x);
+                    *l += x * x;
+                }
+                lanes.iter().sum::<f64>()
+            })
+            .collect();
+        partial.iter().sum()
+    }
+    let sum = {
+        let (storage, layout) = g.storage_and_layout();
+        match (&*storage, layout.contiguous_offsets()) {
+            (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Some(blocks(&v[a..b], f64::from)),
+            (Storage::Cpu(CpuStorage::BF16(v)), Some((a, b))) => {
+                Some(blocks(&v[a..b], |x| f64::from(x.to_f32())))
+            }
+            (Storage::Cpu(CpuStorage::F16(v)), Some((a, b))) => {
+                Some(blocks(&v[a..b], |x| f64::from(x.to_f32())))
+            }
+            _ => None,
+        }
+    };
+    match sum {
+        Some(s) => Ok(Tensor::new(s, g.device())?),
+        None => Ok(g.to_dtype(DType::F64)?.sqr()?.sum_all()?),
+    }
 }
 
 /// Scales `grads` in place so that their global norm ([`global_grad_norm`]) is at most

@@ -42,6 +42,17 @@ pub struct Mat<'a, T = f32> {
 }
 
 impl<'a, T> Mat<'a, T> {
+    /// The transposed view (no copy).
+    pub fn t(self) -> Self {
+        Self {
+            data: self.data,
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+        }
+    }
+
     /// A `rows x cols` matrix stored row by row.
     pub fn row_major(data: &'a [T], rows: usize, cols: usize) -> Self {
         Self {
@@ -251,11 +262,15 @@ pub(crate) fn blocked<K: PanelKernel>(kern: &K) -> Vec<f32> {
     let panel_len = kern.panel_len();
     // Padded row length of C: the kernel writes whole 16-column vectors.
     let np = n.div_ceil(16) * 16;
-    let mut c = vec![0.0f32; m * np];
+    // C is not zero-filled here: a serial fill of the whole of C (up to 128 MiB for an LM head
+    // chunk) ran on the calling thread while the workers waited, and sent C to memory twice.
+    // Each task zeroes its own block instead (in parallel, in cache, just before its first
+    // depth chunk overwrites it); the tasks' blocks cover C, padding columns included.
+    let mut c: Vec<f32> = Vec::with_capacity(m * np);
     let col_blocks = np.div_ceil(NB);
     let threads = rayon::current_num_threads().max(1);
     let out = OutPtr(c.as_mut_ptr());
-    let c_len = c.len();
+    let c_len = m * np;
     // Rows r0..r0+rows of C against packed columns c0..c0+cols (`panels` starts at column c0);
     // `tmp` is scratch for depths beyond one super-chunk.
     let block = |panels: &[K::Packed],
@@ -268,8 +283,15 @@ pub(crate) fn blocked<K: PanelKernel>(kern: &K) -> Vec<f32> {
         let c_need = (rows - 1) * np + cols;
         assert!(c_off + c_need <= c_len, "gemm: c block out of range");
         // SAFETY: every (row block, column block) pair is computed by exactly one task, and
-        // the range was checked above.
-        let cblk = unsafe { std::slice::from_raw_parts_mut(out.get().add(c_off), c_need) };
+        // the range was checked above; the block's rows are initialised (zeroed) by this task
+        // before it is viewed as a slice. The bytes between its rows are other tasks' columns:
+        // they are zeroed by those tasks, and this task neither reads nor writes them.
+        let cblk = unsafe {
+            for r in 0..rows {
+                std::ptr::write_bytes(out.get().add(c_off + r * np), 0, cols);
+            }
+            std::slice::from_raw_parts_mut(out.get().add(c_off), c_need)
+        };
         let chunks = |s0: usize, dst: &mut [f32], dst_rs: usize| {
             for k0 in (s0..k.min(s0 + SUPER)).step_by(KC) {
                 let at = Chunk {
@@ -339,6 +361,8 @@ pub(crate) fn blocked<K: PanelKernel>(kern: &K) -> Vec<f32> {
                 );
             });
     }
+    // SAFETY: the tasks above initialised every element of C (see the allocation).
+    unsafe { c.set_len(m * np) };
     if np != n {
         for r in 1..m {
             c.copy_within(r * np..r * np + n, r * n);

@@ -1,0 +1,117 @@
+//! The products' output is allocated without zero-filling (each task clears and then writes
+//! its own block of C): every element must still be written. This test binary's allocator
+//! fills every allocation that is not asked to be zeroed with the bits of a NaN, so an element
+//! of C no task wrote reads as NaN here, whatever memory the system hands out.
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+
+use flash_ring::cpu::gemm::{gemm, Mat};
+
+/// [`System`], with every non-zeroed allocation filled with 0xFF bytes (an f32 NaN).
+struct Poisoned;
+
+// SAFETY: forwards to `System`; the fill writes only the bytes just allocated.
+unsafe impl GlobalAlloc for Poisoned {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            unsafe { std::ptr::write_bytes(p, 0xFF, layout.size()) };
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        unsafe { System.alloc_zeroed(layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Poisoned = Poisoned;
+
+/// A fresh allocation really is poisoned here (else the test below could not fail).
+#[test]
+fn this_binary_poisons_fresh_allocations() {
+    let v: Vec<f32> = Vec::with_capacity(1000);
+    // SAFETY: reads the initialised bytes of the allocation as f32 (any bits are an f32).
+    let first = unsafe { *v.as_ptr() };
+    assert!(first.is_nan(), "{first}");
+}
+
+/// Every element of C is written, for the product's block shapes on every instruction set and
+/// thread count: columns that are not a multiple of 16 (padding), several row and column
+/// blocks, the wide-B path (one column block per task, at least 8 per thread), a depth past one
+/// super-chunk (a scratch block). Each element against float64 within its summation's bound.
+#[test]
+fn products_write_every_element_of_an_unzeroed_output() {
+    let mut r = common::rng(31);
+    for (m, k, n) in [
+        (100, 70, 300),
+        (40, 33, 8200),
+        (30, 1100, 100),
+        (200, 64, 1040),
+    ] {
+        let a = common::randv(&mut r, m * k);
+        let b = common::randv(&mut r, k * n);
+        let want: Vec<f64> = (0..m * n)
+            .map(|e| {
+                (0..k)
+                    .map(|t| f64::from(a[e / n * k + t]) * f64::from(b[t * n + e % n]))
+                    .sum()
+            })
+            .collect();
+        for isa in flash_ring::cpu::available() {
+            for threads in [1, 3] {
+                let c = common::on_threads(threads, || {
+                    gemm(isa, Mat::row_major(&a, m, k), Mat::row_major(&b, k, n))
+                });
+                assert_eq!(c.len(), m * n);
+                let nan = c.iter().position(|x| !x.is_finite());
+                assert!(
+                    nan.is_none(),
+                    "{isa:?} {m}x{k}x{n} on {threads}: element {nan:?} not written"
+                );
+                let c: Vec<f64> = c.iter().map(|&x| f64::from(x)).collect();
+                let e = common::rel(&c, &want);
+                assert!(e <= 1e-5, "{isa:?} {m}x{k}x{n} on {threads}: {e}");
+            }
+        }
+        // The bf16 dot-product kernel shares the blocking (where the CPU has it).
+        if flash_ring::cpu::gemm_bf16::available() {
+            let (ah, bh) = (to_bf16(&a), to_bf16(&b));
+            let want: Vec<f64> = (0..m * n)
+                .map(|e| {
+                    (0..k)
+                        .map(|t| f64::from(ah[e / n * k + t]) * f64::from(bh[t * n + e % n]))
+                        .sum()
+                })
+                .collect();
+            let c = flash_ring::cpu::gemm_bf16::gemm_bf16(
+                Mat::row_major(&ah, m, k),
+                Mat::row_major(&bh, k, n),
+            );
+            let nan = c.iter().position(|x| !x.is_finite());
+            assert!(
+                nan.is_none(),
+                "bf16 {m}x{k}x{n}: element {nan:?} not written"
+            );
+            let c: Vec<f64> = c.iter().map(|&x| f64::from(x)).collect();
+            let e = common::rel(&c, &want);
+            assert!(e <= 1e-5, "bf16 {m}x{k}x{n}: {e}");
+        } else {
+            testkit::skip(
+                "products_write_every_element_of_an_unzeroed_output (bf16)",
+                "this CPU has no AVX512-BF16",
+            );
+        }
+    }
+}
+
+fn to_bf16(v: &[f32]) -> Vec<half::bf16> {
+    v.iter().map(|&x| half::bf16::from_f32(x)).collect()
+}
