@@ -614,3 +614,42 @@ fn global_norm_of_every_dtype_and_layout_matches_float64_on_any_thread_count() -
     }
     Ok(())
 }
+
+/// Clipping scales each gradient as candle's `affine(coef, 0.0)` does (bf16/f16 through f32),
+/// bit for bit, on gradients long enough for several of the parallel blocks, with negative
+/// zeros (which `+ 0.0` turns positive), and on a transposed view (candle's own path).
+#[test]
+fn clipping_scales_every_dtype_and_layout_as_candle_affine() -> Res<()> {
+    let n = 7 * 14_100;
+    let v: Vec<f32> = (0..n)
+        .map(|i| match i % 11 {
+            0 => -0.0,
+            _ => ((i as f32) * 0.377).cos() * 3.0,
+        })
+        .collect();
+    let base = Tensor::from_vec(v, (n / 7, 7), &Device::Cpu)?;
+    let mut grads: Grads = vec![
+        ("a.f32".to_string(), base.clone()),
+        ("b.bf16".to_string(), base.to_dtype(DType::BF16)?),
+        ("c.f16".to_string(), base.to_dtype(DType::F16)?),
+        ("d.transposed".to_string(), base.t()?),
+    ];
+    let before = grads.clone();
+    let norm = global_grad_norm(&grads, &no_shard)?;
+    let max_norm = norm / 3.0;
+    clip_grad_norm(&mut grads, max_norm, &no_shard)?;
+    let coef = max_norm / (norm + 1e-6);
+    for ((name, got), (_, g)) in grads.iter().zip(&before) {
+        let want = match g.dtype() {
+            DType::BF16 | DType::F16 => g
+                .to_dtype(DType::F32)?
+                .affine(coef, 0.0)?
+                .to_dtype(g.dtype())?,
+            _ => g.affine(coef, 0.0)?,
+        };
+        assert_eq!(got.dtype(), g.dtype(), "{name}");
+        assert_eq!(got.dims(), g.dims(), "{name}");
+        assert_eq!(bits(got)?, bits(&want)?, "{name}");
+    }
+    Ok(())
+}

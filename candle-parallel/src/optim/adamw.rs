@@ -119,30 +119,38 @@ fn f32_vec(t: &Tensor) -> Result<Vec<f32>> {
 fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     {
         let (storage, layout) = t.storage_and_layout();
-        if let (Storage::Cpu(CpuStorage::F32(v)), Some((start, end))) =
+        if let (Storage::Cpu(storage), Some((start, end))) =
             (&*storage, layout.contiguous_offsets())
         {
-            return Ok(f(&v[start..end]));
+            // bf16 and f16 widen exactly, in parallel (candle's conversion runs on the calling
+            // thread).
+            match storage {
+                CpuStorage::F32(v) => return Ok(f(&v[start..end])),
+                CpuStorage::BF16(v) => return Ok(f(&widened(&v[start..end], half::bf16::to_f32))),
+                CpuStorage::F16(v) => return Ok(f(&widened(&v[start..end], half::f16::to_f32))),
+                _ => {}
+            }
         }
     }
     Ok(f(&f32_vec(t)?))
 }
 
-/// Copies the master weights into an f32 CPU `Var`'s own buffer, in place (what `Var::set`
-/// does, without first building a tensor of them).
+/// `v` as f32, converted in parallel.
+fn widened<T: Copy + Sync>(v: &[T], to_f32: fn(T) -> f32) -> Vec<f32> {
+    let mut out = vec![0f32; v.len()];
+    out.par_chunks_mut(CHUNK)
+        .zip(v.par_chunks(CHUNK))
+        .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d = to_f32(s)));
+    out
+}
+
+/// Copies the master weights into a CPU `Var`'s own buffer, in place, rounded to its dtype (f32,
+/// bf16 or f16; the rounding of candle's `to_dtype`): what `Var::set` of the converted master
+/// weights does, without building them as a tensor first, and in parallel.
 struct CopyMaster<'a>(&'a [f32]);
 
-impl InplaceOp1 for CopyMaster<'_> {
-    fn name(&self) -> &'static str {
-        "adamw-copy-master"
-    }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let (CpuStorage::F32(v), Some((start, end))) = (storage, layout.contiguous_offsets())
-        else {
-            candle_core::bail!("adamw-copy-master: not a contiguous f32 parameter");
-        };
-        let dst = &mut v[start..end];
+impl CopyMaster<'_> {
+    fn copy_into<T: Send>(&self, dst: &mut [T], round: fn(f32) -> T) -> candle_core::Result<()> {
         if dst.len() != self.0.len() {
             candle_core::bail!(
                 "adamw-copy-master: {} master weights for {} elements",
@@ -152,8 +160,26 @@ impl InplaceOp1 for CopyMaster<'_> {
         }
         dst.par_chunks_mut(CHUNK)
             .zip(self.0.par_chunks(CHUNK))
-            .for_each(|(d, s)| d.copy_from_slice(s));
+            .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d = round(s)));
         Ok(())
+    }
+}
+
+impl InplaceOp1 for CopyMaster<'_> {
+    fn name(&self) -> &'static str {
+        "adamw-copy-master"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("adamw-copy-master: not a contiguous parameter");
+        };
+        match storage {
+            CpuStorage::F32(v) => self.copy_into(&mut v[start..end], |x| x),
+            CpuStorage::BF16(v) => self.copy_into(&mut v[start..end], half::bf16::from_f32),
+            CpuStorage::F16(v) => self.copy_into(&mut v[start..end], half::f16::from_f32),
+            _ => candle_core::bail!("adamw-copy-master: not an f32, bf16 or f16 parameter"),
+        }
     }
 }
 
@@ -338,7 +364,8 @@ impl AdamW {
     /// Sets the slot's `Var` to its master weights cast to the `Var`'s dtype and device.
     fn write_var(slot: &Slot) -> Result<()> {
         let var = &slot.param.var;
-        if var.dtype() == DType::F32 && var.device().is_cpu() && var.is_contiguous() {
+        let float = matches!(var.dtype(), DType::F32 | DType::BF16 | DType::F16);
+        if float && var.device().is_cpu() && var.is_contiguous() {
             var.inplace_op1(&CopyMaster(&slot.master))?;
             return Ok(());
         }

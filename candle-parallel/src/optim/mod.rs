@@ -210,14 +210,56 @@ pub fn clip_grad_norm_staged(
     let coef = max_norm / (norm + 1e-6);
     if coef < 1.0 {
         for (_, g) in grads.iter_mut() {
-            *g = match g.dtype() {
-                DType::BF16 | DType::F16 => g
-                    .to_dtype(DType::F32)?
-                    .affine(coef, 0.0)?
-                    .to_dtype(g.dtype())?,
-                _ => g.affine(coef, 0.0)?,
-            };
+            *g = scaled(g, coef)?;
         }
     }
     Ok(norm)
+}
+
+/// `g * coef` as a new tensor: f32 gradients as candle's `affine(coef, 0.0)` computes them,
+/// bf16/f16 ones the same in f32 then rounded to their dtype. A contiguous CPU gradient is
+/// scaled in parallel blocks (candle's element-wise ops run on the calling thread), with the
+/// same bits.
+fn scaled(g: &Tensor, coef: f64) -> Result<Tensor> {
+    use candle_core::{CpuStorage, Storage};
+    use rayon::prelude::*;
+    fn each<T: Copy + Send + Sync>(v: &[T], f: impl Fn(T) -> T + Sync + Send) -> Vec<T> {
+        v.par_iter()
+            .with_min_len(SQUARES_BLOCK)
+            .map(|&x| f(x))
+            .collect()
+    }
+    // candle's affine computes `x * mul + add` in the dtype; `+ 0.0` turns a -0 into +0.
+    let (mul, add) = (coef as f32, 0f32);
+    let fast = {
+        let (storage, layout) = g.storage_and_layout();
+        match (&*storage, layout.contiguous_offsets()) {
+            (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => {
+                Some(CpuStorage::F32(each(&v[a..b], |x| x * mul + add)))
+            }
+            (Storage::Cpu(CpuStorage::BF16(v)), Some((a, b))) => {
+                Some(CpuStorage::BF16(each(&v[a..b], |x| {
+                    half::bf16::from_f32(x.to_f32() * mul + add)
+                })))
+            }
+            (Storage::Cpu(CpuStorage::F16(v)), Some((a, b))) => {
+                Some(CpuStorage::F16(each(&v[a..b], |x| {
+                    half::f16::from_f32(x.to_f32() * mul + add)
+                })))
+            }
+            _ => None,
+        }
+    };
+    Ok(match fast {
+        Some(CpuStorage::F32(v)) => Tensor::from_vec(v, g.shape(), g.device())?,
+        Some(CpuStorage::BF16(v)) => Tensor::from_vec(v, g.shape(), g.device())?,
+        Some(CpuStorage::F16(v)) => Tensor::from_vec(v, g.shape(), g.device())?,
+        _ => match g.dtype() {
+            DType::BF16 | DType::F16 => g
+                .to_dtype(DType::F32)?
+                .affine(coef, 0.0)?
+                .to_dtype(g.dtype())?,
+            _ => g.affine(coef, 0.0)?,
+        },
+    })
 }
