@@ -795,7 +795,7 @@ impl PeakArgs {
     }
 
     /// The peak in GFLOP/s and the words that name it: `--peak-tflops`, or the rate of `dtype`
-    /// products of side `n` on `device` (by default 512 on a CPU, 4096 on a GPU), measured now.
+    /// products of side `n` on `device` (by default 1024 on a CPU, 4096 on a GPU), measured now.
     pub fn resolve(
         &self,
         device: &DeviceArg,
@@ -808,7 +808,7 @@ impl PeakArgs {
         }
         let n = match (n, device) {
             (Some(n), _) => n,
-            (None, DeviceArg::Cpu) => 512,
+            (None, DeviceArg::Cpu) => 1024,
             (None, DeviceArg::Cuda(_)) => 4096,
         };
         // Where MKL runs the products (bf16 on AMX, or FLASH_RING_GEMM=mkl), its rate is the
@@ -824,13 +824,13 @@ impl PeakArgs {
             }
             DeviceArg::Cuda(_) => None,
         };
+        // The rate of the products the run itself uses: flash-ring's (on a CPU its kernels or
+        // MKL; elsewhere the device's own matmul). Candle's CPU matmul widens bf16 to f32: taken
+        // as the peak, it put a bf16 run's MFU above 1 on a CPU with AVX512-BF16.
         let dev = device.open(0)?;
-        let g = match &mkl {
-            Some(_) => train::driver::progress::product_gflops(&dev, dtype, n, 5, |a, b| {
-                Ok(flash_ring::matmul(a, b)?)
-            })?,
-            None => train::driver::progress::matmul_gflops(&dev, dtype, n, 5)?,
-        };
+        let g = train::driver::progress::product_gflops(&dev, dtype, n, 5, |a, b| {
+            Ok(flash_ring::matmul(a, b)?)
+        })?;
         let what = format!(
             "this machine's {} matmul rate on {device} ({n}x{n} product, measured at start){}",
             format!("{dtype:?}").to_lowercase(),

@@ -243,7 +243,7 @@ pub struct LmBenchArgs {
     #[arg(long, value_enum)]
     pub dtype: Option<DtypeArg>,
     /// Side n of the square product that measures this machine's matmul rate, MFU's peak
-    /// (default: as `cpl train` measures it, 512 on a CPU, 4096 on a GPU).
+    /// (default: as `cpl train` measures it, 1024 on a CPU, 4096 on a GPU).
     #[arg(long)]
     pub matmul_size: Option<usize>,
     #[command(flatten)]
