@@ -416,3 +416,50 @@ fn matmul_nt_is_matmul_of_the_transposed_weight_with_the_weight_gradient_in_its_
         "{e}"
     );
 }
+
+/// `matmul_to_f32`'s result is f32 for bf16 inputs, and the gradients flowing back are the
+/// inputs' dtype (the backward's products round to it, as `matmul`'s do): the same bits as
+/// `matmul`'s gradients for the same upstream gradient.
+#[test]
+fn matmul_to_f32_gradients_come_back_in_the_inputs_dtype() {
+    let mut r = common::rng(23);
+    let (m, k, n) = (40, 48, 72);
+    let a = t2(common::randv(&mut r, m * k), m, k)
+        .to_dtype(DType::BF16)
+        .expect("bf16");
+    let w = t2(common::randv(&mut r, n * k), n, k)
+        .to_dtype(DType::BF16)
+        .expect("bf16");
+    let g = t2(common::randv(&mut r, m * n), m, n);
+    let grads = |to_f32: bool| {
+        let (av, wv) = (
+            Var::from_tensor(&a).expect("var"),
+            Var::from_tensor(&w).expect("var"),
+        );
+        let wt = wv.as_tensor().t().expect("t");
+        let y = if to_f32 {
+            flash_ring::matmul_to_f32(av.as_tensor(), &wt).expect("matmul_to_f32")
+        } else {
+            flash_ring::matmul(av.as_tensor(), &wt)
+                .expect("matmul")
+                .to_dtype(DType::F32)
+                .expect("f32")
+        };
+        assert_eq!(y.dtype(), DType::F32);
+        let gs = (y * &g)
+            .expect("mul")
+            .sum_all()
+            .expect("sum")
+            .backward()
+            .expect("backward");
+        let da = gs.get(av.as_tensor()).expect("grad a").clone();
+        let dw = gs.get(wv.as_tensor()).expect("grad w").clone();
+        (da, dw)
+    };
+    let (da, dw) = grads(true);
+    let (want_da, want_dw) = grads(false);
+    for (got, want, what) in [(&da, &want_da, "input"), (&dw, &want_dw, "weight")] {
+        assert_eq!(got.dtype(), DType::BF16, "{what} gradient");
+        assert_eq!(common::to_f64(got), common::to_f64(want), "{what} gradient");
+    }
+}
