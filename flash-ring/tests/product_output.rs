@@ -58,51 +58,24 @@ fn products_write_every_element_of_an_unzeroed_output() {
     ] {
         let a = common::randv(&mut r, m * k);
         let b = common::randv(&mut r, k * n);
-        let want: Vec<f64> = (0..m * n)
-            .map(|e| {
-                (0..k)
-                    .map(|t| f64::from(a[e / n * k + t]) * f64::from(b[t * n + e % n]))
-                    .sum()
-            })
-            .collect();
+        let want = product_f64(&a, &b, (m, k, n), f64::from);
         for isa in flash_ring::cpu::available() {
             for threads in [1, 3] {
                 let c = common::on_threads(threads, || {
                     gemm(isa, Mat::row_major(&a, m, k), Mat::row_major(&b, k, n))
                 });
-                assert_eq!(c.len(), m * n);
-                let nan = c.iter().position(|x| !x.is_finite());
-                assert!(
-                    nan.is_none(),
-                    "{isa:?} {m}x{k}x{n} on {threads}: element {nan:?} not written"
-                );
-                let c: Vec<f64> = c.iter().map(|&x| f64::from(x)).collect();
-                let e = common::rel(&c, &want);
-                assert!(e <= 1e-5, "{isa:?} {m}x{k}x{n} on {threads}: {e}");
+                check(&c, &want, &format!("{isa:?} {m}x{k}x{n} on {threads}"));
             }
         }
         // The bf16 dot-product kernel shares the blocking (where the CPU has it).
         if flash_ring::cpu::gemm_bf16::available() {
             let (ah, bh) = (to_bf16(&a), to_bf16(&b));
-            let want: Vec<f64> = (0..m * n)
-                .map(|e| {
-                    (0..k)
-                        .map(|t| f64::from(ah[e / n * k + t]) * f64::from(bh[t * n + e % n]))
-                        .sum()
-                })
-                .collect();
+            let want = product_f64(&ah, &bh, (m, k, n), f64::from);
             let c = flash_ring::cpu::gemm_bf16::gemm_bf16(
                 Mat::row_major(&ah, m, k),
                 Mat::row_major(&bh, k, n),
             );
-            let nan = c.iter().position(|x| !x.is_finite());
-            assert!(
-                nan.is_none(),
-                "bf16 {m}x{k}x{n}: element {nan:?} not written"
-            );
-            let c: Vec<f64> = c.iter().map(|&x| f64::from(x)).collect();
-            let e = common::rel(&c, &want);
-            assert!(e <= 1e-5, "bf16 {m}x{k}x{n}: {e}");
+            check(&c, &want, &format!("bf16 {m}x{k}x{n}"));
         } else {
             testkit::skip(
                 "products_write_every_element_of_an_unzeroed_output (bf16)",
@@ -110,6 +83,32 @@ fn products_write_every_element_of_an_unzeroed_output() {
             );
         }
     }
+}
+
+/// Row-major `A (m, k) @ B (k, n)` in float64.
+fn product_f64<T: Copy>(
+    a: &[T],
+    b: &[T],
+    (m, k, n): (usize, usize, usize),
+    f: fn(T) -> f64,
+) -> Vec<f64> {
+    (0..m * n)
+        .map(|e| {
+            (0..k)
+                .map(|t| f(a[e / n * k + t]) * f(b[t * n + e % n]))
+                .sum()
+        })
+        .collect()
+}
+
+/// Every element of `c` written (no NaN) and within 1e-5 of `want`.
+fn check(c: &[f32], want: &[f64], what: &str) {
+    assert_eq!(c.len(), want.len(), "{what}");
+    let nan = c.iter().position(|x| !x.is_finite());
+    assert!(nan.is_none(), "{what}: element {nan:?} not written");
+    let c: Vec<f64> = c.iter().map(|&x| f64::from(x)).collect();
+    let e = common::rel(&c, want);
+    assert!(e <= 1e-5, "{what}: {e}");
 }
 
 fn to_bf16(v: &[f32]) -> Vec<half::bf16> {
