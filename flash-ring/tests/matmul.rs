@@ -351,18 +351,7 @@ fn matmul_nt_is_matmul_of_the_transposed_weight_with_the_weight_gradient_in_its_
         let g32 = t2(common::randv(&mut r, m * n), m, n);
         for dt in [DType::F32, DType::BF16, DType::F16] {
             let [a, w, g] = [&a32, &w32, &g32].map(|t| t.to_dtype(dt).expect("dtype"));
-            let grads = |y: Tensor, a: &Var, w: &Var| {
-                let gs = (y.to_dtype(DType::F32).expect("f32")
-                    * g.to_dtype(DType::F32).expect("f32"))
-                .expect("mul")
-                .sum_all()
-                .expect("sum")
-                .backward()
-                .expect("backward");
-                let da = gs.get(a.as_tensor()).expect("grad a").clone();
-                let dw = gs.get(w.as_tensor()).expect("grad w").clone();
-                (da, dw)
-            };
+            let grads = |y: Tensor, a: &Var, w: &Var| grads_of(&y, &g, a, w);
             let (av, wv) = (
                 Var::from_tensor(&a).expect("var"),
                 Var::from_tensor(&w).expect("var"),
@@ -446,15 +435,7 @@ fn matmul_to_f32_gradients_come_back_in_the_inputs_dtype() {
                 .expect("f32")
         };
         assert_eq!(y.dtype(), DType::F32);
-        let gs = (y * &g)
-            .expect("mul")
-            .sum_all()
-            .expect("sum")
-            .backward()
-            .expect("backward");
-        let da = gs.get(av.as_tensor()).expect("grad a").clone();
-        let dw = gs.get(wv.as_tensor()).expect("grad w").clone();
-        (da, dw)
+        grads_of(&y, &g, &av, &wv)
     };
     let (da, dw) = grads(true);
     let (want_da, want_dw) = grads(false);
@@ -462,4 +443,18 @@ fn matmul_to_f32_gradients_come_back_in_the_inputs_dtype() {
         assert_eq!(got.dtype(), DType::BF16, "{what} gradient");
         assert_eq!(common::to_f64(got), common::to_f64(want), "{what} gradient");
     }
+}
+
+/// The gradients of `sum(y · g)` (in f32) with respect to `a` and `w`.
+fn grads_of(y: &Tensor, g: &Tensor, a: &Var, w: &Var) -> (Tensor, Tensor) {
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32).expect("f32");
+    let gs = (f32(y) * f32(g))
+        .expect("mul")
+        .sum_all()
+        .expect("sum")
+        .backward()
+        .expect("backward");
+    let da = gs.get(a.as_tensor()).expect("grad a").clone();
+    let dw = gs.get(w.as_tensor()).expect("grad w").clone();
+    (da, dw)
 }

@@ -74,20 +74,25 @@ pub enum RowInput {
 /// weight's candle's matmul ([`flash_ring::matmul`]). Other devices and dtypes use
 /// `Tensor::matmul`.
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let kernel_dtype = matches!(a.dtype(), DType::F32 | DType::BF16 | DType::F16);
-    if a.device().is_cpu() && kernel_dtype && a.dtype() == b.dtype() {
+    if on_flash_ring(a, b) {
         flash_ring::matmul(a, b).map_err(crate::attention::block::kernel_err)
     } else {
         Ok(a.matmul(b)?)
     }
 }
 
+/// Whether flash-ring multiplies `a` and `b`: both on the CPU, in one dtype it has kernels
+/// for (f32, bf16, f16).
+fn on_flash_ring(a: &Tensor, b: &Tensor) -> bool {
+    let kernel_dtype = matches!(a.dtype(), DType::F32 | DType::BF16 | DType::F16);
+    a.device().is_cpu() && kernel_dtype && a.dtype() == b.dtype()
+}
+
 /// `x @ w^T` for 2-D `x` `(m, k)` and `w` `(n, k)`, differentiable: [`matmul`] of `x` and
 /// `w.t()`, where flash-ring runs it through [`flash_ring::matmul_nt`], which hands `w` its
 /// gradient in `w`'s own layout (a transposed one is copied element by element when stored).
 fn matmul_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let kernel_dtype = matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16);
-    if x.device().is_cpu() && kernel_dtype && x.dtype() == w.dtype() {
+    if on_flash_ring(x, w) {
         flash_ring::matmul_nt(x, w).map_err(crate::attention::block::kernel_err)
     } else {
         Ok(x.matmul(&w.t()?)?)

@@ -54,8 +54,9 @@ pub use swiglu::swiglu_composite;
 use candle_core::{bail, DType, Layout, Result, Tensor, WithDType};
 use std::borrow::Cow;
 
-/// Element types the fused CPU kernels accept; arithmetic is always done in f32.
-trait Elem: WithDType {
+/// Element types the fused CPU kernels accept; arithmetic is always done in f32. (Also the
+/// optimizer's parallel CPU paths, `optim::cpu_floats`.)
+pub(crate) trait Elem: WithDType {
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
     /// Rounds an f32 to this type's precision (round to nearest even), returned as f32.
@@ -186,7 +187,7 @@ macro_rules! dispatch_float {
         }
     };
 }
-use dispatch_float;
+pub(crate) use dispatch_float;
 
 #[cfg(test)]
 mod tests {

@@ -6,8 +6,9 @@ use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Shape, Storage,
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use super::OptimParam;
+use super::{cpu_floats, OptimParam, BLOCK};
 use crate::error::{Error, Result};
+use crate::ops::{dispatch_float, Elem};
 
 /// Elements per parallel work item of the update (the update is element-wise, so how the work is
 /// split does not change any result).
@@ -119,29 +120,24 @@ fn f32_vec(t: &Tensor) -> Result<Vec<f32>> {
 fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     {
         let (storage, layout) = t.storage_and_layout();
-        if let (Storage::Cpu(storage), Some((start, end))) =
+        if let (Storage::Cpu(CpuStorage::F32(v)), Some((start, end))) =
             (&*storage, layout.contiguous_offsets())
         {
-            // bf16 and f16 widen exactly, in parallel (candle's conversion runs on the calling
-            // thread).
-            match storage {
-                CpuStorage::F32(v) => return Ok(f(&v[start..end])),
-                CpuStorage::BF16(v) => return Ok(f(&widened(&v[start..end], half::bf16::to_f32))),
-                CpuStorage::F16(v) => return Ok(f(&widened(&v[start..end], half::f16::to_f32))),
-                _ => {}
-            }
+            return Ok(f(&v[start..end]));
         }
     }
-    Ok(f(&f32_vec(t)?))
-}
-
-/// `v` as f32, converted in parallel.
-fn widened<T: Copy + Sync>(v: &[T], to_f32: fn(T) -> f32) -> Vec<f32> {
-    let mut out = vec![0f32; v.len()];
-    out.par_chunks_mut(CHUNK)
-        .zip(v.par_chunks(CHUNK))
-        .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d = to_f32(s)));
-    out
+    // bf16 and f16 widen exactly, in parallel (candle's conversion runs on the calling thread).
+    fn widened<T: Elem>(s: &CpuStorage, (a, b): (usize, usize)) -> candle_core::Result<Vec<f32>> {
+        Ok(T::cpu_storage_as_slice(s)?[a..b]
+            .par_iter()
+            .with_min_len(BLOCK)
+            .map(|&x| x.to_f32())
+            .collect())
+    }
+    match cpu_floats(t, |s, range| dispatch_float!("AdamW", s, widened(s, range)))? {
+        Some(v) => Ok(f(&v)),
+        None => Ok(f(&f32_vec(t)?)),
+    }
 }
 
 /// Copies the master weights into a CPU `Var`'s own buffer, in place, rounded to its dtype (f32,
@@ -150,7 +146,7 @@ fn widened<T: Copy + Sync>(v: &[T], to_f32: fn(T) -> f32) -> Vec<f32> {
 struct CopyMaster<'a>(&'a [f32]);
 
 impl CopyMaster<'_> {
-    fn copy_into<T: Send>(&self, dst: &mut [T], round: fn(f32) -> T) -> candle_core::Result<()> {
+    fn copy_into<T: Elem>(&self, dst: &mut [T]) -> candle_core::Result<()> {
         if dst.len() != self.0.len() {
             candle_core::bail!(
                 "adamw-copy-master: {} master weights for {} elements",
@@ -160,7 +156,7 @@ impl CopyMaster<'_> {
         }
         dst.par_chunks_mut(CHUNK)
             .zip(self.0.par_chunks(CHUNK))
-            .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d = round(s)));
+            .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d = T::from_f32(s)));
         Ok(())
     }
 }
@@ -175,9 +171,9 @@ impl InplaceOp1 for CopyMaster<'_> {
             candle_core::bail!("adamw-copy-master: not a contiguous parameter");
         };
         match storage {
-            CpuStorage::F32(v) => self.copy_into(&mut v[start..end], |x| x),
-            CpuStorage::BF16(v) => self.copy_into(&mut v[start..end], half::bf16::from_f32),
-            CpuStorage::F16(v) => self.copy_into(&mut v[start..end], half::f16::from_f32),
+            CpuStorage::F32(v) => self.copy_into(&mut v[start..end]),
+            CpuStorage::BF16(v) => self.copy_into(&mut v[start..end]),
+            CpuStorage::F16(v) => self.copy_into(&mut v[start..end]),
             _ => candle_core::bail!("adamw-copy-master: not an f32, bf16 or f16 parameter"),
         }
     }

@@ -25,8 +25,11 @@ pub use grads::{accumulate, collect_gradients, reduce_gradients};
 pub use schedule::{Decay, LrSchedule};
 pub use zero::{ExpertZeroGroups, FlatShard, ZeroGroups, ZeroStage};
 
+use rayon::prelude::*;
+
 use crate::comm::{Comm, ReduceOp};
 use crate::error::{Error, Result};
+use crate::ops::{dispatch_float, Elem};
 
 /// One trainable parameter as the optimizer sees it.
 #[derive(Debug, Clone)]
@@ -121,58 +124,64 @@ pub fn global_grad_norm_staged(
     Ok(total.sqrt())
 }
 
-/// Elements summed per block of [`sum_of_squares`] (a fixed size: the blocks and the order
-/// their sums are added in never depend on the thread count).
-const SQUARES_BLOCK: usize = 1 << 15;
+/// Elements per parallel block of the optimizer's CPU paths ([`sum_of_squares`], [`scaled`],
+/// AdamW's conversions): a fixed size, so that the blocks, and the order [`sum_of_squares`]
+/// adds their sums in, never depend on the thread count.
+pub(crate) const BLOCK: usize = 1 << 15;
+
+/// `f(storage, (start, end))` for a contiguous f32, bf16 or f16 CPU tensor (its elements are
+/// `start..end` of the storage), `None` for any other tensor (the callers' candle path).
+pub(crate) fn cpu_floats<R>(
+    t: &Tensor,
+    f: impl FnOnce(&candle_core::CpuStorage, (usize, usize)) -> candle_core::Result<R>,
+) -> Result<Option<R>> {
+    if !matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+        return Ok(None);
+    }
+    let (storage, layout) = t.storage_and_layout();
+    match (&*storage, layout.contiguous_offsets()) {
+        (candle_core::Storage::Cpu(s), Some(range)) => Ok(Some(f(s, range)?)),
+        _ => Ok(None),
+    }
+}
 
 /// `sum(g^2)` in f64 as a scalar f64 tensor on `g`'s device.
 ///
-/// A contiguous f32, bf16 or f16 CPU tensor is read in place: its blocks of [`SQUARES_BLOCK`]
-/// elements are summed in parallel, each in 8 interleaved f64 lanes (the lanes added in order),
-/// then the block sums in order, so the result is the same bits on any number of threads. Each
-/// square is exact in f64. Candle's `to_dtype(F64).sqr().sum_all()` (the path of every other
-/// tensor) writes two f64 copies of the gradient and sums on one thread: for the 111M
-/// parameters of the MoE benchmark model it took about a tenth of a second per step, with the
-/// other cores idle.
+/// A contiguous f32, bf16 or f16 CPU tensor is read in place: its blocks of [`BLOCK`] elements
+/// are summed in parallel, each in 8 interleaved f64 lanes (the lanes added in order), then the
+/// block sums in order, so the result is the same bits on any number of threads. Each square is
+/// exact in f64. Candle's `to_dtype(F64).sqr().sum_all()` (the path of every other tensor)
+/// writes two f64 copies of the gradient and sums on one thread: for the 111M parameters of the
+/// MoE benchmark model it took about a tenth of a second per step, with the other cores idle.
 fn sum_of_squares(g: &Tensor) -> Result<Tensor> {
-    use candle_core::{CpuStorage, Storage};
-    use rayon::prelude::*;
-    fn blocks<T: Copy + Sync>(v: &[T], f64_of: impl Fn(T) -> f64 + Sync) -> f64 {
-        let partial: Vec<f64> = v
-            .par_chunks(SQUARES_BLOCK)
+    fn blocks<T: Elem>(
+        s: &candle_core::CpuStorage,
+        (a, b): (usize, usize),
+    ) -> candle_core::Result<f64> {
+        let partial: Vec<f64> = T::cpu_storage_as_slice(s)?[a..b]
+            .par_chunks(BLOCK)
             .map(|block| {
                 let mut lanes = [0f64; 8];
                 let mut eights = block.chunks_exact(8);
                 for e in &mut eights {
                     for (l, &x) in lanes.iter_mut().zip(e) {
-                        let x = f64_of(x);
+                        let x = f64::from(x.to_f32());
                         *l += x * x;
                     }
                 }
                 for (l, &x) in lanes.iter_mut().zip(eights.remainder()) {
-                    let x = f64_of(x);
+                    let x = f64::from(x.to_f32());
                     *l += x * x;
                 }
                 lanes.iter().sum::<f64>()
             })
             .collect();
-        partial.iter().sum()
+        Ok(partial.iter().sum())
     }
-    let sum = {
-        let (storage, layout) = g.storage_and_layout();
-        match (&*storage, layout.contiguous_offsets()) {
-            (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Some(blocks(&v[a..b], f64::from)),
-            (Storage::Cpu(CpuStorage::BF16(v)), Some((a, b))) => {
-                Some(blocks(&v[a..b], |x| f64::from(x.to_f32())))
-            }
-            (Storage::Cpu(CpuStorage::F16(v)), Some((a, b))) => {
-                Some(blocks(&v[a..b], |x| f64::from(x.to_f32())))
-            }
-            _ => None,
-        }
-    };
-    match sum {
-        Some(s) => Ok(Tensor::new(s, g.device())?),
+    match cpu_floats(g, |s, range| {
+        dispatch_float!("sum_of_squares", s, blocks(s, range))
+    })? {
+        Some(sum) => Ok(Tensor::new(sum, g.device())?),
         None => Ok(g.to_dtype(DType::F64)?.sqr()?.sum_all()?),
     }
 }
@@ -221,45 +230,31 @@ pub fn clip_grad_norm_staged(
 /// scaled in parallel blocks (candle's element-wise ops run on the calling thread), with the
 /// same bits.
 fn scaled(g: &Tensor, coef: f64) -> Result<Tensor> {
-    use candle_core::{CpuStorage, Storage};
-    use rayon::prelude::*;
-    fn each<T: Copy + Send + Sync>(v: &[T], f: impl Fn(T) -> T + Sync + Send) -> Vec<T> {
-        v.par_iter()
-            .with_min_len(SQUARES_BLOCK)
-            .map(|&x| f(x))
-            .collect()
+    fn scale<T: Elem>(
+        s: &candle_core::CpuStorage,
+        (a, b): (usize, usize),
+        mul: f32,
+        g: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        // candle's affine computes `x * mul + add` in f32; `+ 0.0` turns a -0 into +0.
+        let out: Vec<T> = T::cpu_storage_as_slice(s)?[a..b]
+            .par_iter()
+            .with_min_len(BLOCK)
+            .map(|&x| T::from_f32(x.to_f32() * mul + 0.0))
+            .collect();
+        Tensor::from_vec(out, g.shape(), g.device())
     }
-    // candle's affine computes `x * mul + add` in the dtype; `+ 0.0` turns a -0 into +0.
-    let (mul, add) = (coef as f32, 0f32);
-    let fast = {
-        let (storage, layout) = g.storage_and_layout();
-        match (&*storage, layout.contiguous_offsets()) {
-            (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => {
-                Some(CpuStorage::F32(each(&v[a..b], |x| x * mul + add)))
-            }
-            (Storage::Cpu(CpuStorage::BF16(v)), Some((a, b))) => {
-                Some(CpuStorage::BF16(each(&v[a..b], |x| {
-                    half::bf16::from_f32(x.to_f32() * mul + add)
-                })))
-            }
-            (Storage::Cpu(CpuStorage::F16(v)), Some((a, b))) => {
-                Some(CpuStorage::F16(each(&v[a..b], |x| {
-                    half::f16::from_f32(x.to_f32() * mul + add)
-                })))
-            }
-            _ => None,
-        }
-    };
-    Ok(match fast {
-        Some(CpuStorage::F32(v)) => Tensor::from_vec(v, g.shape(), g.device())?,
-        Some(CpuStorage::BF16(v)) => Tensor::from_vec(v, g.shape(), g.device())?,
-        Some(CpuStorage::F16(v)) => Tensor::from_vec(v, g.shape(), g.device())?,
-        _ => match g.dtype() {
+    let mul = coef as f32;
+    match cpu_floats(g, |s, range| {
+        dispatch_float!("clip_grad_norm", s, scale(s, range, mul, g))
+    })? {
+        Some(t) => Ok(t),
+        None => Ok(match g.dtype() {
             DType::BF16 | DType::F16 => g
                 .to_dtype(DType::F32)?
                 .affine(coef, 0.0)?
                 .to_dtype(g.dtype())?,
             _ => g.affine(coef, 0.0)?,
-        },
-    })
+        }),
+    }
 }
