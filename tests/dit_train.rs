@@ -51,7 +51,13 @@ fn dataset() -> ImageDataset {
             Tensor::from_vec(labels, n, &Device::Cpu).unwrap(),
         ),
     ]);
-    let tmp = dir.join(format!("dit-train-latents.{}.tmp", std::process::id()));
+    // One temporary name per call: the tests of this binary run on threads of one process.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!(
+        "dit-train-latents.{}.{call}.tmp",
+        std::process::id()
+    ));
     candle_core::safetensors::save(&map, &tmp).unwrap();
     std::fs::rename(&tmp, &path).unwrap();
     ImageDataset::load(

@@ -18,12 +18,15 @@ use std::f32::consts::LN_2;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
+use super::bf16_pairs::{narrow_pairs, pair_panels_len, RowsAndErrors};
 use super::forward::logit_units;
+use super::gemm_bf16::TileProduct;
 use super::pool::PoolBuf;
 use super::simd::{self, MatMul, CHUNK};
 use super::{
-    pack_pair_panels, pack_panels, pack_rows, pack_rows_bf16, panel_product, row_dots_bf16, Dims,
-    KernelConfig, PanelOperands, View,
+    pack_depth_pairs, pack_pair_panels, pack_panels, pack_rows, pack_rows_bf16,
+    pack_transposed_bf16, panel_product, row_dots_bf16, row_mean, Dims, KernelConfig,
+    PanelOperands, View,
 };
 use crate::error::{Error, Result};
 use crate::reference::RefShape;
@@ -43,13 +46,18 @@ pub(crate) struct BwdOut {
 
 /// Query-side operands of one (batch, q head).
 struct PackedQ {
-    /// Q * qmul (see `forward::logit_units`), rows of length dp.
+    /// Q * qmul (see `forward::logit_units`), rows of length dp; empty with P and dS rounded.
     q: PoolBuf,
-    /// dO, rows of length dp.
+    /// dO, rows of length dp; empty with P and dS rounded.
     dout: PoolBuf,
     /// Q and dO as stored (bf16, rows of dp), with bf16 dot products; empty otherwise.
     q16: Vec<bf16>,
     dout16: Vec<bf16>,
+    /// With P and dS rounded: Q and dO as stored, transposed (`pack_transposed_bf16`), and
+    /// Q's mean row (for the rounding's compensation, `bf16_pairs`); empty otherwise.
+    qt16: Vec<bf16>,
+    doutt16: Vec<bf16>,
+    q_mean: Vec<f32>,
     /// The rows' natural-log lse (see `simd::p_ds_row` for why not in log2 units).
     lse: Vec<f32>,
     /// D = rowsum(dO * O) per row.
@@ -57,13 +65,17 @@ struct PackedQ {
 }
 
 /// Key-side operands of one (batch, kv head): K^T and V^T in f32 panels, or as stored (bf16)
-/// in pair-interleaved panels with bf16 dot products (the others empty); K rows in f32.
+/// in pair-interleaved panels with bf16 dot products (the others empty); K rows in f32, or,
+/// with P and dS rounded, K as stored with the keys as depth (`pack_depth_pairs`) and K's
+/// mean row.
 struct PackedKv {
     kt: PoolBuf,
     k: PoolBuf,
     vt: PoolBuf,
     kt16: Vec<bf16>,
     vt16: Vec<bf16>,
+    kpairs: Vec<bf16>,
+    k_mean: Vec<f32>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -120,19 +132,33 @@ pub(crate) fn backward(
     // dK = dS^T (Q * qmul) times this: `scale / qmul`, i.e. ln 2, or `c` with a cap.
     let dk_mul = spec.softcap.unwrap_or(LN_2);
     // bf16 inputs on AVX512-BF16: S = Q K^T and dP = dO V^T, the two products of stored
-    // inputs, on the bf16 dot products (exact products, f32 sums; S scaled afterwards). The
-    // products with P or dS stay f32 (neither is rounded). S is computed as the forward
-    // computed it (the same choice, on q), dP where dO is bf16 too; D then in dP's chain.
+    // inputs, on the bf16 dot products (exact products, f32 sums; S scaled afterwards). S is
+    // computed as the forward computed it (the same choice, on q), dP where dO is bf16 too; D
+    // then in dP's chain.
     let dot_s = q.bf16_dot(dot_products);
     let dot_dp = dot_s && dout.bf16_dot(dot_products);
     let dot_d = dot_dp && out.bf16_dot(dot_products);
+    // Then P and dS are rounded to bf16 for the three products with them, as FlashAttention-2
+    // and PyTorch's CPU kernel do, and those run on the dot products too (exact products, f32
+    // sums), with the rounding's common part added back (`bf16_pairs`). The depth pairs of
+    // `dV^T += dO^T P` and `dK^T += Q^T dS` are pairs of query rows, so a q tile of odd length
+    // keeps the f32 products.
+    let round = dot_dp && bq % 2 == 0;
 
     let pq: Vec<PackedQ> = (0..b * hq)
         .into_par_iter()
         .map(|i| {
             let (bi, h) = (i / hq, i % hq);
-            let qp = pack_rows(q, bi, h, sq, dp, qmul);
-            let dop = pack_rows(dout, bi, h, sq, dp, 1.0);
+            let qp = if round {
+                PoolBuf::zeroed(0)
+            } else {
+                pack_rows(q, bi, h, sq, dp, qmul)
+            };
+            let dop = if round && dot_d {
+                PoolBuf::zeroed(0)
+            } else {
+                pack_rows(dout, bi, h, sq, dp, 1.0)
+            };
             // D in the order of dP's matmul (see `simd::row_dots`); fully masked rows (P = 0)
             // do not use it.
             let q16 = if dot_s {
@@ -153,11 +179,23 @@ pub(crate) fn backward(
                 simd::row_dots(isa, &op, dp, &dop, dp, d, &mut dd);
                 dd
             };
+            let (qt16, doutt16, q_mean) = if round {
+                (
+                    pack_transposed_bf16(q, bi, h, sq, dp),
+                    pack_transposed_bf16(dout, bi, h, sq, dp),
+                    row_mean(q, bi, h, sq, dp),
+                )
+            } else {
+                (Vec::new(), Vec::new(), Vec::new())
+            };
             PackedQ {
-                q: qp,
-                dout: dop,
+                q: if round { PoolBuf::zeroed(0) } else { qp },
+                dout: if round { PoolBuf::zeroed(0) } else { dop },
                 q16,
                 dout16,
+                qt16,
+                doutt16,
+                q_mean,
                 lse: lse[i * sq..(i + 1) * sq].to_vec(),
                 dd,
             }
@@ -175,12 +213,23 @@ pub(crate) fn backward(
                 }
             };
             let ((kt, kt16), (vt, vt16)) = (panels(k, dot_s), panels(v, dot_dp));
+            let (kf, kpairs, k_mean) = if round {
+                (
+                    PoolBuf::zeroed(0),
+                    pack_depth_pairs(k, bi, h, sk, dp),
+                    row_mean(k, bi, h, sk, dp),
+                )
+            } else {
+                (pack_rows(k, bi, h, sk, dp, 1.0), Vec::new(), Vec::new())
+            };
             PackedKv {
                 kt,
-                k: pack_rows(k, bi, h, sk, dp, 1.0),
+                k: kf,
                 vt,
                 kt16,
                 vt16,
+                kpairs,
+                k_mean,
             }
         })
         .collect();
@@ -220,8 +269,18 @@ pub(crate) fn backward(
         let ks = &pk[kvh];
         let mut s = vec![0.0f32; bq * bk];
         let mut g = vec![0.0f32; bq * bk];
+        // The key tile's dK and dV: (bk, dp) in f32; transposed, (dp, bk), with P and dS rounded.
         let mut dk_t = vec![0.0f32; bk * dp];
         let mut dv_t = vec![0.0f32; bk * dp];
+        // With P and dS rounded: a strip's P and dS in pair panels (query pairs as depth), dS
+        // row-major, and the sums of dS's rounding errors by row and by column.
+        let mut rounded = round.then(|| StripBuffers {
+            p: vec![bf16::ZERO; pair_panels_len(bq, bk)],
+            ds: vec![bf16::ZERO; pair_panels_len(bq, bk)],
+            ds_rows: vec![bf16::ZERO; bq * bk],
+            row_err: vec![0.0f32; bq],
+            col_err: vec![0.0f32; bk],
+        });
         // d(capped)/ds of the row being processed (soft-cap only).
         let mut dcap = if cap.is_some() {
             vec![0.0f32; bk]
@@ -248,8 +307,13 @@ pub(crate) fn backward(
             let k0 = kt * bk;
             let kn = bk.min(sk - k0);
             let mut touched = false;
-            dk_t[..kn * dp].fill(0.0);
-            dv_t[..kn * dp].fill(0.0);
+            if round {
+                dk_t.fill(0.0);
+                dv_t.fill(0.0);
+            } else {
+                dk_t[..kn * dp].fill(0.0);
+                dv_t[..kn * dp].fill(0.0);
+            }
             for qt in 0..nqt {
                 let class = rule.classify(&qb.tiles[qt], &kb.tiles[kt]);
                 if class == TileClass::Skip {
@@ -280,8 +344,9 @@ pub(crate) fn backward(
                     let c0 = lo / CHUNK * CHUNK;
                     let cn = c1 - c0;
                     scores += (rn * cn) as u64;
-                    let qrows = &qs.q[(q0 + r0) * dp..];
-                    let dorows = &qs.dout[(q0 + r0) * dp..];
+                    // Empty where not packed (bf16 dot products, P and dS rounded).
+                    let qrows = qs.q.get((q0 + r0) * dp..).unwrap_or_default();
+                    let dorows = qs.dout.get((q0 + r0) * dp..).unwrap_or_default();
                     let sb = &mut s[r0 * bk + c0..];
                     let gb = &mut g[r0 * bk + c0..];
                     // S = Qs K^T and dP = dO V^T over whole 32-key panels.
@@ -329,6 +394,35 @@ pub(crate) fn backward(
                             simd::mul_row(isa, grow, &dcap[c0..c1]);
                         }
                     }
+                    let dq_target: &mut [f32] = match (own.as_mut(), local.as_mut()) {
+                        (Some(g), _) => &mut g.acc[..],
+                        (None, Some(l)) => &mut l[..],
+                        (None, None) => unreachable!("dq buffer allocated above"),
+                    };
+                    if let Some(sb16) = rounded.as_mut() {
+                        let at = RoundedStrip {
+                            q_row: q0 + r0,
+                            rows: rn,
+                            key: k0 + c0,
+                            c0,
+                            cols: cn,
+                            dp,
+                            bk,
+                            sq,
+                            sk,
+                        };
+                        sb16.products(
+                            &at,
+                            &s[r0 * bk + c0..],
+                            &g[r0 * bk + c0..],
+                            qs,
+                            ks,
+                            &mut dv_t,
+                            &mut dk_t,
+                            &mut dq_target[(q0 + r0) * dp..],
+                        );
+                        continue;
+                    }
                     let sb = &s[r0 * bk + c0..];
                     let gb = &g[r0 * bk + c0..];
                     // dV += P^T dO ; dK += dS^T Qs (rescaled by `dk_mul` at the end).
@@ -346,11 +440,6 @@ pub(crate) fn backward(
                     tn.run(isa, sb, dorows, &mut dv_t[c0 * dp..]);
                     tn.run(isa, gb, qrows, &mut dk_t[c0 * dp..]);
                     // dQ += dS K (rescaled by scale at the end).
-                    let dq_target: &mut [f32] = match (own.as_mut(), local.as_mut()) {
-                        (Some(g), _) => &mut g.acc[..],
-                        (None, Some(l)) => &mut l[..],
-                        (None, None) => unreachable!("dq buffer allocated above"),
-                    };
                     MatMul {
                         m: rn,
                         n: dp,
@@ -370,7 +459,23 @@ pub(crate) fn backward(
                     );
                 }
             }
-            if touched {
+            if touched && round {
+                // dK^T and dV^T (dp, bk) of the tile into the rows of dK and dV; dK's products
+                // were of the stored Q, so it gets `qmul` too.
+                let (dka, dva) = &mut *dkv;
+                let mul = dk_mul * qmul;
+                let base = (k0 - row0) * dp;
+                for c in 0..kn {
+                    let (ka, va) = (
+                        &mut dka[base + c * dp..base + (c + 1) * dp],
+                        &mut dva[base + c * dp..base + (c + 1) * dp],
+                    );
+                    for j in 0..dp {
+                        ka[j] += dk_t[j * bk + c] * mul;
+                        va[j] += dv_t[j * bk + c];
+                    }
+                }
+            } else if touched {
                 let (dka, dva) = &mut *dkv;
                 let r = (k0 - row0) * dp..(k0 - row0 + kn) * dp;
                 for (a, x) in dka[r.clone()].iter_mut().zip(&dk_t[..kn * dp]) {
@@ -484,5 +589,111 @@ impl OrderedSum {
             )));
         }
         Ok(self.acc)
+    }
+}
+
+/// Where one strip of rows of a tile lies, for [`StripBuffers::products`].
+struct RoundedStrip {
+    /// First query row of the strip (even) and its rows.
+    q_row: usize,
+    rows: usize,
+    /// First key of the strip's columns (even), their offset in the tile and their count.
+    key: usize,
+    c0: usize,
+    cols: usize,
+    dp: usize,
+    /// Key tile length (the row length of `s`, `g` and the transposed dK/dV tiles).
+    bk: usize,
+    sq: usize,
+    sk: usize,
+}
+
+/// Scratch of one task for the products with P and dS rounded to bf16.
+struct StripBuffers {
+    p: Vec<bf16>,
+    ds: Vec<bf16>,
+    ds_rows: Vec<bf16>,
+    row_err: Vec<f32>,
+    col_err: Vec<f32>,
+}
+
+impl StripBuffers {
+    /// `dV^T += dO^T P`, `dK^T += Q^T dS + (Q's mean) (column sums of dS's rounding error)`
+    /// (unscaled Q: the caller multiplies by `qmul` with `dk_mul`), `dQ += dS K + (row sums of
+    /// the error) (K's mean)`, with P and dS rounded to bf16 and every product on the bf16 dot
+    /// products (exact products, f32 sums in chains of at most 64 products). `p` and `ds` start
+    /// at the strip's first row and column (rows `bk` apart); `dvt` and `dkt` are the tile's
+    /// transposed accumulators (dp, bk); `dq` starts at the strip's first row (rows `dp` apart).
+    #[allow(clippy::too_many_arguments)]
+    fn products(
+        &mut self,
+        at: &RoundedStrip,
+        p: &[f32],
+        ds: &[f32],
+        qs: &PackedQ,
+        ks: &PackedKv,
+        dvt: &mut [f32],
+        dkt: &mut [f32],
+        dq: &mut [f32],
+    ) {
+        let &RoundedStrip {
+            q_row,
+            rows,
+            key,
+            c0,
+            cols,
+            dp,
+            bk,
+            sq,
+            sk,
+        } = at;
+        let width = cols.div_ceil(CHUNK) * CHUNK;
+        narrow_pairs(p, bk, rows, cols, &mut self.p, None);
+        self.row_err[..rows].fill(0.0);
+        self.col_err[..width].fill(0.0);
+        narrow_pairs(
+            ds,
+            bk,
+            rows,
+            cols,
+            &mut self.ds,
+            Some(RowsAndErrors {
+                rows: &mut self.ds_rows,
+                rs: bk,
+                row_err: &mut self.row_err,
+                col_err: &mut self.col_err,
+            }),
+        );
+        let (sqe, ske) = (sq.next_multiple_of(2), sk.next_multiple_of(2));
+        let by_query = TileProduct {
+            rows: dp,
+            cols: width,
+            pairs: rows.div_ceil(2),
+            a_rs: sqe,
+            b_cs: rows.next_multiple_of(2) * CHUNK,
+            c_rs: bk,
+        };
+        by_query.run(&qs.doutt16[q_row..], &self.p, &mut dvt[c0..], true);
+        by_query.run(&qs.qt16[q_row..], &self.ds, &mut dkt[c0..], true);
+        for (j, &m) in qs.q_mean.iter().enumerate() {
+            let row = &mut dkt[j * bk + c0..j * bk + c0 + cols];
+            row.iter_mut()
+                .zip(&self.col_err[..cols])
+                .for_each(|(x, e)| *x += m * e);
+        }
+        TileProduct {
+            rows,
+            cols: dp,
+            pairs: cols.div_ceil(2),
+            a_rs: bk,
+            b_cs: ske * CHUNK,
+            c_rs: dp,
+        }
+        .run(&self.ds_rows, &ks.kpairs[key * CHUNK..], dq, true);
+        for (row, &e) in dq.chunks_mut(dp).zip(&self.row_err[..rows]) {
+            row.iter_mut()
+                .zip(&ks.k_mean)
+                .for_each(|(x, m)| *x += e * m);
+        }
     }
 }

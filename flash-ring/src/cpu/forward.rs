@@ -9,11 +9,12 @@ use rayon::prelude::*;
 use std::f32::consts::{LN_2, LOG2_E};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::gemm_bf16::{narrow_to_bf16, TileProduct};
 use super::pool::PoolBuf;
 use super::simd::{self, Isa, MatMul, CHUNK};
 use super::{
-    pack_pair_panels, pack_panels, pack_rows, panel_product, Dims, KernelConfig, PanelOperands,
-    SharedOut, View,
+    pack_depth_pairs, pack_pair_panels, pack_panels, pack_rows, panel_product, Dims, KernelConfig,
+    PanelOperands, SharedOut, View,
 };
 use crate::error::Result;
 use crate::reference::RefShape;
@@ -39,8 +40,11 @@ struct PackedKv {
     /// K^T as stored (bf16) in pair-interleaved panels (`pack_pair_panels`), with bf16 dot
     /// products; empty otherwise.
     kt16: Vec<bf16>,
-    /// V rows (seq_k x dp).
+    /// V rows (seq_k x dp); empty with bf16 dot products.
     v: PoolBuf,
+    /// V as stored (bf16) with the keys as depth (`pack_depth_pairs`), with bf16 dot
+    /// products; empty otherwise.
+    vpairs: Vec<bf16>,
 }
 
 pub(crate) fn forward(
@@ -73,7 +77,9 @@ pub(crate) fn forward(
     let kb = BlockPos::new(&spec.k_pos, spec.doc_ids.as_ref(), bk);
     let rule = MaskRule::new(spec);
     // bf16 inputs on AVX512-BF16: S = Q K^T on the bf16 dot products (exact products, f32
-    // sums), scaled afterwards; P V stays f32 (P is not rounded).
+    // sums), scaled afterwards; P is rounded to bf16 for P V (as FlashAttention-2 and PyTorch's
+    // CPU kernel do; the row sums that normalise O are of the unrounded P), which runs on the
+    // dot products too.
     let dot = q.bf16_dot(dot_products);
     let packed: Vec<PackedKv> = (0..b * hkv)
         .into_par_iter()
@@ -90,7 +96,16 @@ pub(crate) fn forward(
                 } else {
                     Vec::new()
                 },
-                v: pack_rows(v, bi, h, sk, dp, 1.0),
+                v: if dot {
+                    PoolBuf::zeroed(0)
+                } else {
+                    pack_rows(v, bi, h, sk, dp, 1.0)
+                },
+                vpairs: if dot {
+                    pack_depth_pairs(v, bi, h, sk, dp)
+                } else {
+                    Vec::new()
+                },
             }
         })
         .collect();
@@ -168,6 +183,8 @@ struct Scratch {
     q16: Vec<bf16>,
     o: Vec<f32>,
     s: Vec<f32>,
+    /// A strip's P rounded to bf16 (rows of bk), with bf16 dot products.
+    p16: Vec<bf16>,
     m: Vec<f32>,
     l: Vec<f32>,
 }
@@ -179,6 +196,7 @@ impl Scratch {
             q16: vec![bf16::ZERO; bq * dp],
             o: vec![0.0; bq * dp],
             s: vec![0.0; bq * bk],
+            p16: vec![bf16::ZERO; bq * bk],
             m: vec![0.0; bq],
             l: vec![0.0; bq],
         }
@@ -312,6 +330,32 @@ impl TileTask<'_> {
             }
         }
         // O += P V.
+        let cn = c1 - c0;
+        if self.dot {
+            // P rounded to bf16, rows padded to an even length by a zero.
+            let w = cn.next_multiple_of(2);
+            for i in 0..rn {
+                let src = &sc.s[(r0 + i) * bk + c0..(r0 + i) * bk + c1];
+                let dst = &mut sc.p16[i * bk..i * bk + w];
+                narrow_to_bf16(src, &mut dst[..cn]);
+                dst[cn..].fill(bf16::ZERO);
+            }
+            TileProduct {
+                rows: rn,
+                cols: dp,
+                pairs: w / 2,
+                a_rs: bk,
+                b_cs: self.dims.sk.next_multiple_of(2) * CHUNK,
+                c_rs: dp,
+            }
+            .run(
+                &sc.p16,
+                &kv.vpairs[(k0 + c0) * CHUNK..],
+                &mut sc.o[r0 * dp..],
+                true,
+            );
+            return;
+        }
         MatMul {
             m: rn,
             n: dp,

@@ -69,9 +69,11 @@ pub fn available() -> bool {
 /// The variable that chooses [`Bf16Products`] under [`Bf16Products::Auto`].
 pub const BF16_ENV: &str = "FLASH_RING_BF16";
 
-/// Whether bf16 products (the dense product's and attention's `Q K^T` and `dO V^T`) run on the
-/// CPU's bf16 dot products or are widened to f32 and run on the f32 kernels. Either way each
-/// product of two bf16 numbers is exact and the sums are f32, in chains of the same lengths.
+/// Whether bf16 products (the dense product's and attention's) run on the CPU's bf16 dot
+/// products or are widened to f32 and run on the f32 kernels. Either way each product of two
+/// bf16 numbers is exact and the sums are f32, in chains of the same lengths; on the dot
+/// products attention also rounds P and dS to bf16 for the products with them (see
+/// `cpu::bf16_pairs`), widened it does not.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Bf16Products {
     /// `FLASH_RING_BF16` when set; otherwise the dot products on a CPU with AVX512-BF16 that is

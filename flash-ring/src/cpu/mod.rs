@@ -3,13 +3,18 @@
 //! Inputs are read through strided views (any strides, f32/bf16/f16) and converted to f32 once
 //! while packing, except where bf16 inputs meet the CPU's bf16 dot products (AVX512-BF16 under
 //! the AVX-512 kernels): `Q K^T` and `dO V^T` then multiply the stored bf16 values
-//! ([`panel_product`]: exact products, f32 sums). Extra memory: packed copies of the inputs and
-//! f32 gradient accumulators (O(seq x head_dim) per head) plus O(tile x tile) scratch per task; never O(seq_q x seq_k).
-//! The packed buffers come from a process-wide pool that keeps up to [`POOL_BYTES`] cached
-//! between calls (first-touch page faults otherwise cost as much as the attention at short
-//! lengths); [`release_buffers`] frees it.
+//! ([`panel_product`]: exact products, f32 sums), and P and dS are rounded to bf16 for the
+//! products with them (`P V`, `P^T dO`, `dS^T Q`, `dS K`), as FlashAttention-2 and PyTorch do,
+//! with the common part of dS's rounding added back (`bf16_pairs`).
+//!
+//! Extra memory: packed copies of the inputs and f32 gradient accumulators (O(seq x head_dim)
+//! per head) plus O(tile x tile) scratch per task; never O(seq_q x seq_k). The packed buffers
+//! come from a process-wide pool that keeps up to [`POOL_BYTES`] cached between calls
+//! (first-touch page faults otherwise cost as much as the attention at short lengths);
+//! [`release_buffers`] frees it.
 
 pub(crate) mod backward;
+pub(crate) mod bf16_pairs;
 pub(crate) mod forward;
 pub mod gemm;
 pub mod gemm_bf16;
@@ -71,7 +76,8 @@ pub struct KernelConfig {
     /// The library of the dense products ([`crate::matmul`]; not used by attention).
     pub gemm: Gemm,
     /// Whether bf16 products run on the CPU's bf16 dot products or widened to f32 (the dense
-    /// products and attention's `Q K^T` and `dO V^T`).
+    /// products and all of attention's, P and dS then rounded to bf16; widened, attention
+    /// computes in f32 and rounds nothing but its outputs).
     pub bf16: Bf16Products,
 }
 
@@ -385,6 +391,75 @@ pub(crate) fn pack_pair_panels(x: &View, b: usize, h: usize, rows: usize, dp: us
                 panel[(c / 2) * 2 * W + 2 * j + c % 2] = val;
             }
         }
+    }
+    out
+}
+
+/// Rows `0..rows` of head `h` in batch `b` as stored (bf16), transposed: `(dp, rows.next_multiple_of(2))`
+/// row-major, zero padded. The A operand of [`gemm_bf16::TileProduct`] whose depth is the rows
+/// (adjacent rows are a depth pair).
+pub(crate) fn pack_transposed_bf16(
+    x: &View,
+    b: usize,
+    h: usize,
+    rows: usize,
+    dp: usize,
+) -> Vec<bf16> {
+    let (d, re) = (x.dims[3], rows.next_multiple_of(2));
+    let mut out = vec![bf16::ZERO; dp * re];
+    let mut tmp = vec![bf16::ZERO; simd::CHUNK * d];
+    for r0 in (0..rows).step_by(simd::CHUNK) {
+        let n = simd::CHUNK.min(rows - r0);
+        x.read_rows_bf16(b, r0, h, n, &mut tmp, d);
+        for (r, row) in tmp.chunks_exact(d).take(n).enumerate() {
+            for (c, &val) in row.iter().enumerate() {
+                out[c * re + r0 + r] = val;
+            }
+        }
+    }
+    out
+}
+
+/// Rows `0..rows` of head `h` in batch `b` as stored (bf16) as the B operand of
+/// [`gemm_bf16::TileProduct`] whose depth is the rows: panels of 32 columns, `(r, c)` at
+/// `(c / 32) * re * 32 + (r / 2) * 64 + 2 (c % 32) + r % 2` with `re = rows.next_multiple_of(2)`
+/// (so `b_cs = re * 32`); padding is zero.
+pub(crate) fn pack_depth_pairs(x: &View, b: usize, h: usize, rows: usize, dp: usize) -> Vec<bf16> {
+    const W: usize = simd::CHUNK;
+    let (d, re) = (x.dims[3], rows.next_multiple_of(2));
+    let mut out = vec![bf16::ZERO; dp.div_ceil(W) * re * W];
+    let mut tmp = vec![bf16::ZERO; W * d];
+    for r0 in (0..rows).step_by(W) {
+        let n = W.min(rows - r0);
+        x.read_rows_bf16(b, r0, h, n, &mut tmp, d);
+        for (r, row) in tmp.chunks_exact(d).take(n).enumerate() {
+            let r = r0 + r;
+            for (c, &val) in row.iter().enumerate() {
+                out[(c / W) * re * W + (r / 2) * 2 * W + 2 * (c % W) + r % 2] = val;
+            }
+        }
+    }
+    out
+}
+
+/// The mean of rows `0..rows` of head `h` in batch `b` (summed in f64 in row order), length
+/// `dp` (zero padded); zeros when `rows` is 0.
+pub(crate) fn row_mean(x: &View, b: usize, h: usize, rows: usize, dp: usize) -> Vec<f32> {
+    let d = x.dims[3];
+    let mut sum = vec![0.0f64; d];
+    let mut tmp = vec![0.0f32; simd::CHUNK * d];
+    for r0 in (0..rows).step_by(simd::CHUNK) {
+        let n = simd::CHUNK.min(rows - r0);
+        x.read_rows(b, r0, h, n, &mut tmp, d, 1.0);
+        for row in tmp.chunks_exact(d).take(n) {
+            sum.iter_mut().zip(row).for_each(|(s, &v)| *s += v as f64);
+        }
+    }
+    let mut out = vec![0.0f32; dp];
+    if rows > 0 {
+        out.iter_mut()
+            .zip(&sum)
+            .for_each(|(o, s)| *o = (s / rows as f64) as f32);
     }
     out
 }
