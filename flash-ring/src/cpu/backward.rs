@@ -621,7 +621,8 @@ impl StripBuffers {
     /// `dV^T += dO^T P`, `dK^T += Q^T dS + (Q's mean) (column sums of dS's rounding error)`
     /// (unscaled Q: the caller multiplies by `qmul` with `dk_mul`), `dQ += dS K + (row sums of
     /// the error) (K's mean)`, with P and dS rounded to bf16 and every product on the bf16 dot
-    /// products (exact products, f32 sums in chains of at most 64 products). `p` and `ds` start
+    /// products (exact products; each element's f32 sum is one chain over the strip's rows or
+    /// columns, as the f32 products' are). `p` and `ds` start
     /// at the strip's first row and column (rows `bk` apart); `dvt` and `dkt` are the tile's
     /// transposed accumulators (dp, bk); `dq` starts at the strip's first row (rows `dp` apart).
     #[allow(clippy::too_many_arguments)]
