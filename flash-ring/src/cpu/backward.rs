@@ -189,7 +189,8 @@ pub(crate) fn backward(
                 (Vec::new(), Vec::new(), Vec::new())
             };
             PackedQ {
-                q: if round { PoolBuf::zeroed(0) } else { qp },
+                q: qp,
+                // dO's f32 rows served D's sum above where O is not bf16.
                 dout: if round { PoolBuf::zeroed(0) } else { dop },
                 q16,
                 dout16,
