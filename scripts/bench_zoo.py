@@ -5,7 +5,7 @@ Run through scripts/bench_zoo.sh (which builds cpl first), from the repository r
 
     scripts/bench_zoo.sh [--families llama,qwen2,qwen3,mistral,gemma2,gemma3,mixtral,qwen3_moe]
                          [--dtypes f32,bf16]
-                         [--seq-len 4096] [--repeats 3] [--json FILE]
+                         [--seq-len 4096] [--repeats 3] [--rounds 1] [--json FILE]
 
 For each family it builds once, with transformers (``AutoConfig.for_model`` + ``save_pretrained``, random
 weights, f32), a bench-sized checkpoint in target/bench/zoo/<family>-4l-512/: 4 layers, hidden 512, 8 heads /
@@ -24,6 +24,10 @@ Then for each dtype, in this process and one after the other on the same checkpo
 - transformers' training step (scripts/bench_train.py's ``time_train``: forward, backward, clip 1.0, AdamW at
   lr 1e-4) on the same S tokens (S - 1 labelled), best of --repeats after a warm-up; next to ``cpl bench train
   --seq-len S-1 --steps R+1`` (S - 1 inputs with a label each; best step after the first).
+With ``--rounds N`` the pair (transformers, then cpl) runs N times in turn and the best of each counts,
+with every round's rates in the JSON and on the progress line: on a VM whose speed drifts over minutes
+(transformers' bf16 step moved 25% between two runs three minutes apart, docs/benchmarks.md) one block of
+each side is not a fair comparison.
 transformers runs ``sdpa`` attention where the family supports it, else its default (Gemma 2: ``eager``,
 as sdpa has no soft-cap), and for the mixtures of experts (Mixtral, Qwen3-MoE: 8 experts of 1536 units,
 top-2) its default experts implementation; the table says which. It prints the CPU (lscpu: vendor, model name, the flags
@@ -130,6 +134,8 @@ def main():
     p.add_argument("--works", default="eval,train")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="transformers then cpl, this many times in turn; the best of each counts")
     p.add_argument("--dir", default="target/bench")
     p.add_argument("--cpl", default=os.path.join(os.environ.get("CARGO_TARGET_DIR", "target"), "release", "cpl"))
     p.add_argument("--json", help="also write every measurement to this file")
@@ -149,34 +155,45 @@ def main():
         ids = torch.randint(0, VOCAB, (1, S), generator=torch.Generator().manual_seed(1))
         for dt in a.dtypes.split(","):
             for work in a.works.split(","):
-                model = load(model_dir, DTYPES[dt])
-                attn = model.config._attn_implementation
-                experts = getattr(model.config, "_experts_implementation", None)
-                if experts:
-                    attn = f"{attn}, experts {experts}"
                 t0 = time.time()
-                if work == "eval":
-                    seconds, _ = time_eval(model, ids, R)
-                else:
-                    seconds = time_train(model, ids, R)
-                del model
-                gc.collect()
-                if work == "eval":
-                    c = cpl(a.cpl, ["eval", "--model", model_dir, "--seq-len", str(S), "--repeats", str(R),
-                                    "--dtype", dt])
-                else:
-                    c = cpl(a.cpl, ["train", "--model", model_dir, "--seq-len", str(S - 1), "--steps",
-                                    str(R + 1), "--dtype", dt])
+                # --rounds N: the peer and cpl alternately, N times; the best of each counts.
+                rounds = []
+                for _ in range(a.rounds):
+                    model = load(model_dir, DTYPES[dt])
+                    attn = model.config._attn_implementation
+                    experts = getattr(model.config, "_experts_implementation", None)
+                    if experts:
+                        attn = f"{attn}, experts {experts}"
+                    if work == "eval":
+                        seconds, _ = time_eval(model, ids, R)
+                    else:
+                        seconds = time_train(model, ids, R)
+                    del model
+                    gc.collect()
+                    if work == "eval":
+                        c = cpl(a.cpl, ["eval", "--model", model_dir, "--seq-len", str(S), "--repeats", str(R),
+                                        "--dtype", dt])
+                    else:
+                        c = cpl(a.cpl, ["train", "--model", model_dir, "--seq-len", str(S - 1), "--steps",
+                                        str(R + 1), "--dtype", dt])
+                    rounds.append(((S - 1) / seconds, c))
+                peer = max(r[0] for r in rounds)
+                c = max((r[1] for r in rounds), key=lambda x: x["tokens_per_sec_best"])
                 row = {"family": family, "cpl_family": c["family"], "dtype": dt, "work": work, "seq_len": S,
                        "cpl_tokens_per_sec": c["tokens_per_sec_best"],
                        "cpl_tokens_per_sec_median": c["tokens_per_sec_median"],
-                       "transformers_tokens_per_sec": (S - 1) / seconds, "transformers_attention": attn,
-                       "load_average": os.getloadavg()[0], "wall_seconds": time.time() - t0, "cpl": c}
+                       "transformers_tokens_per_sec": peer, "transformers_attention": attn,
+                       "load_average": os.getloadavg()[0], "wall_seconds": time.time() - t0, "cpl": c,
+                       "rounds": [{"transformers_tokens_per_sec": t, "cpl_tokens_per_sec": x["tokens_per_sec_best"]}
+                                  for t, x in rounds]}
                 row["ratio"] = row["cpl_tokens_per_sec"] / row["transformers_tokens_per_sec"]
                 rows.append(row)
+                each = ", ".join(f"{x['cpl_tokens_per_sec']:.0f}/{x['transformers_tokens_per_sec']:.0f}"
+                                 for x in row["rounds"])
                 print(f"{family} {dt} {work}: cpl {row['cpl_tokens_per_sec']:.0f} tok/s, transformers "
                       f"{row['transformers_tokens_per_sec']:.0f} tok/s ({attn}), ratio {row['ratio']:.2f}x, "
-                      f"load {row['load_average']:.2f}, {row['wall_seconds']:.0f} s", flush=True)
+                      f"load {row['load_average']:.2f}, {row['wall_seconds']:.0f} s"
+                      + (f" (rounds cpl/peer: {each})" if len(row["rounds"]) > 1 else ""), flush=True)
     print()
     print("| family | dtype | work | cpl tok/s best (median) | transformers tok/s | ratio | transformers attention |")
     print("|---|---|---|---|---|---|---|")
