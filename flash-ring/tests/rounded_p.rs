@@ -25,6 +25,42 @@ fn has_dot_products() -> bool {
     flash_ring::cpu::gemm_bf16::available() && flash_ring::cpu::available().contains(&Isa::Avx512)
 }
 
+/// The shape `(b, s, s, hq, hkv, d)` of a case, or `None` after printing `test`'s skip on a CPU
+/// without AVX512-BF16.
+fn shape_or_skip(test: &str, dims: (usize, usize, usize, usize, usize)) -> Option<RefShape> {
+    if !has_dot_products() {
+        testkit::skip(
+            &format!("flash-ring/rounded_p::{test}"),
+            "this CPU has no AVX512-BF16",
+        );
+        return None;
+    }
+    let (b, s, hq, hkv, d) = dims;
+    Some(RefShape {
+        b,
+        sq: s,
+        sk: s,
+        hq,
+        hkv,
+        d,
+    })
+}
+
+/// q, dO `(b, s, hq, d)` and k, v `(b, s, hkv, d)` of `shape`, each from [`tensor`] with its
+/// `(mean, spread)`.
+fn case_tensors(r: &mut impl Rng, shape: RefShape, ms: [(f32, f32); 4]) -> [Tensor; 4] {
+    let RefShape {
+        b, sq, hq, hkv, d, ..
+    } = shape;
+    let [q, k, v, g] = ms;
+    [
+        tensor(r, (b, sq, hq, d), q.0, q.1),
+        tensor(r, (b, sq, hkv, d), k.0, k.1),
+        tensor(r, (b, sq, hkv, d), v.0, v.1),
+        tensor(r, (b, sq, hq, d), g.0, g.1),
+    ]
+}
+
 fn cfg(bf16: Bf16Products, q_tile: usize) -> KernelConfig {
     KernelConfig {
         isa: Some(Isa::Avx512),
@@ -111,22 +147,14 @@ fn exact_forward(
 /// PyTorch's bf16 SDPA, which saves a bf16 output too.)
 #[test]
 fn rounded_p_and_ds_stay_within_one_rounding_of_the_widened_error_on_large_means() {
-    if !has_dot_products() {
-        return testkit::skip(
-            "flash-ring/rounded_p::rounded_p_and_ds_stay_within_one_rounding_of_the_widened_error_on_large_means",
-            "this CPU has no AVX512-BF16",
-        );
-    }
     // Odd lengths (a last query pair and key pair of one), GQA 2:1, strips of partial tiles.
-    let (b, s, hq, hkv, d) = (1, 301, 4, 2, 64);
-    let shape = RefShape {
-        b,
-        sq: s,
-        sk: s,
-        hq,
-        hkv,
-        d,
+    let Some(shape) = shape_or_skip(
+        "rounded_p_and_ds_stay_within_one_rounding_of_the_widened_error_on_large_means",
+        (1, 301, 4, 2, 64),
+    ) else {
+        return;
     };
+    let (s, d) = (shape.sq, shape.d);
     let mut r = rng(11);
     // (q mean, k mean, v mean, k spread): keys' and queries' means make dS K and dS^T Q cancel;
     // the spreads keep the softmax neither flat nor one-hot.
@@ -138,12 +166,7 @@ fn rounded_p_and_ds_stay_within_one_rounding_of_the_widened_error_on_large_means
         (20.0, 20.0, 0.0, 0.6),
         (0.0, 4.0, 20.0, 0.6),
     ] {
-        let ts = [
-            tensor(&mut r, (b, s, hq, d), qm, 0.6),
-            tensor(&mut r, (b, s, hkv, d), km, ks),
-            tensor(&mut r, (b, s, hkv, d), vm, 1.0),
-            tensor(&mut r, (b, s, hq, d), 0.0, 1.0),
-        ];
+        let ts = case_tensors(&mut r, shape, [(qm, 0.6), (km, ks), (vm, 1.0), (0.0, 1.0)]);
         for mask in [MaskKind::Causal, MaskKind::Full] {
             let spec = AttnSpec::dense(1.0 / (d as f32).sqrt(), mask, s, s);
             let (_, fwd) = errors(&ts, shape, &spec, &cfg(Bf16Products::Widen, 32), None);
@@ -170,28 +193,15 @@ fn rounded_p_and_ds_stay_within_one_rounding_of_the_widened_error_on_large_means
 /// pairs are pairs of query rows); the forward still rounds P. Both within the bf16 tolerance.
 #[test]
 fn odd_q_tiles_keep_the_backward_within_tolerance() {
-    if !has_dot_products() {
-        return testkit::skip(
-            "flash-ring/rounded_p::odd_q_tiles_keep_the_backward_within_tolerance",
-            "this CPU has no AVX512-BF16",
-        );
-    }
-    let (b, s, hq, hkv, d) = (2, 97, 2, 1, 48);
-    let shape = RefShape {
-        b,
-        sq: s,
-        sk: s,
-        hq,
-        hkv,
-        d,
+    let Some(shape) = shape_or_skip(
+        "odd_q_tiles_keep_the_backward_within_tolerance",
+        (2, 97, 2, 1, 48),
+    ) else {
+        return;
     };
+    let (s, d) = (shape.sq, shape.d);
     let mut r = rng(12);
-    let ts = [
-        tensor(&mut r, (b, s, hq, d), 0.0, 1.0),
-        tensor(&mut r, (b, s, hkv, d), 0.0, 1.0),
-        tensor(&mut r, (b, s, hkv, d), 0.0, 1.0),
-        tensor(&mut r, (b, s, hq, d), 0.0, 1.0),
-    ];
+    let ts = case_tensors(&mut r, shape, [(0.0, 1.0); 4]);
     for q_tile in [15, 16, 33] {
         for mask in [MaskKind::Causal, MaskKind::Full] {
             let spec = AttnSpec::dense(1.0 / (d as f32).sqrt(), mask, s, s);
@@ -212,21 +222,17 @@ fn odd_q_tiles_keep_the_backward_within_tolerance() {
 /// (`scripts/attention_bf16_rounding.py`): dk 0.13, dv 0.23.
 #[test]
 fn dk_compensation_on_paired_queries() {
-    if !has_dot_products() {
-        return testkit::skip(
-            "flash-ring/rounded_p::dk_compensation_on_paired_queries",
-            "this CPU has no AVX512-BF16",
-        );
-    }
-    let (b, s, hq, hkv, d) = (1, 256, 2, 1, 64);
-    let shape = RefShape {
+    let Some(shape) = shape_or_skip("dk_compensation_on_paired_queries", (1, 256, 2, 1, 64)) else {
+        return;
+    };
+    let RefShape {
         b,
         sq: s,
-        sk: s,
         hq,
         hkv,
         d,
-    };
+        ..
+    } = shape;
     let mut r = rng(13);
     let mut q = vec![0.0f32; s * hq * d];
     let mut dout = vec![0.0f32; s * hq * d];
