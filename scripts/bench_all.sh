@@ -10,6 +10,8 @@
 #   --quick      tiny sizes and one timed step each: checks the plumbing end to end, its figures
 #                mean nothing
 #   --no-build   use target/release/cpl as built (default: build it once here)
+# TRAIN_ROUNDS (default 3) is how many times the two training rows run transformers and cpl in
+# turn (the best of each counts: this VM's speed drifts over minutes, docs/benchmarks.md).
 # BF16_SEQ and BF16_REPEATS (default 4096 and 3) size the bf16 training and evaluation rows alone:
 # on a CPU without AVX512-BF16 PyTorch's bf16 products run at about a tenth of its f32 rate, and
 # its 4096-token bf16 training step takes minutes.
@@ -35,10 +37,10 @@ mkdir -p "$out"
 # The real run: each script's documented sizes (docs/benchmarks.md); --quick: tiny ones.
 # shellcheck disable=SC2054  # the commas are inside flag values
 if [ -n "$quick" ]; then
-    lm=(SEQ=256 REPEATS=1) lm_bf16=("${lm[@]}") att=(--seqs 256 --dtypes f32,bf16) att_env=(REPEATS=1 TORCH_REPEATS=1)
+    lm=(SEQ=256 REPEATS=1) lm_bf16=("${lm[@]}") rounds=(ROUNDS=2) att=(--seqs 256 --dtypes f32,bf16) att_env=(REPEATS=1 TORCH_REPEATS=1)
     dit=(16) dit_env=(STEPS=1) llava=(SEQ=512 REPEATS=1) comm=(--mib 4 --iters 2)
 else
-    lm=(REPEATS=3) lm_bf16=(SEQ="${BF16_SEQ:-4096}" REPEATS="${BF16_REPEATS:-3}") att=(--seqs 2048,8192 --dtypes f32,bf16) att_env=(REPEATS=3 TORCH_REPEATS=3)
+    lm=(REPEATS=3) lm_bf16=(SEQ="${BF16_SEQ:-4096}" REPEATS="${BF16_REPEATS:-3}") rounds=(ROUNDS="${TRAIN_ROUNDS:-3}") att=(--seqs 2048,8192 --dtypes f32,bf16) att_env=(REPEATS=3 TORCH_REPEATS=3)
     dit=(256 1024) dit_env=(STEPS=3) llava=(REPEATS=3) comm=()
 fi
 {
@@ -66,8 +68,9 @@ run() { # NAME COMMAND...: its output in $out/NAME.log; exit code, times, load b
         "$load" "$cmd" > "$out/$name.status"
     return 0
 }
-run train-f32 env "${lm[@]}" scripts/bench_train.sh f32
-run train-bf16 env "${lm_bf16[@]}" scripts/bench_train.sh bf16
+# Training: transformers and cpl in turn, the best of each (scripts/bench_train.sh ROUNDS).
+run train-f32 env "${lm[@]}" "${rounds[@]}" scripts/bench_train.sh f32
+run train-bf16 env "${lm_bf16[@]}" "${rounds[@]}" scripts/bench_train.sh bf16
 run eval-f32 env "${lm[@]}" scripts/bench_eval.sh f32
 run eval-bf16 env "${lm_bf16[@]}" scripts/bench_eval.sh bf16
 run attention env "${att_env[@]}" scripts/bench_attention.sh "${att[@]}"
