@@ -24,9 +24,9 @@ use crate::f32_to_storage;
 ///   the number of threads.
 /// - bf16 on a CPU with AVX512-BF16 (under [`Isa::Avx512`]) where `cfg.bf16`
 ///   ([`crate::cpu::Bf16Products`]) chooses them (by default: not on Intel's CPUs, where they
-///   were measured slower): the products are the CPU's bf16 dot products with f32 sums in the
-///   same chains ([`crate::cpu::gemm_bf16`]), without widening the operands; elsewhere bf16
-///   and f16 are widened to f32.
+///   were measured slower): the products are the CPU's bf16 dot products with f32 sums in
+///   chains of [`crate::cpu::gemm_bf16::CHAIN`] products ([`crate::cpu::gemm_bf16`]), without
+///   widening the operands; elsewhere bf16 and f16 are widened to f32.
 /// - Intel MKL instead of these kernels where `cfg.gemm` ([`crate::cpu::Gemm`]) routes the
 ///   dtype there: by default bf16 on a CPU with AMX where MKL loads (its products run on the
 ///   tile unit; one f32 chain per output over the whole depth, see [`crate::cpu::mkl`]).

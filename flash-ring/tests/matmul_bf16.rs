@@ -11,7 +11,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
 use flash_ring::cpu::gemm::{gemm, Mat};
-use flash_ring::cpu::gemm_bf16::{available, gemm_bf16, narrow_to_bf16};
+use flash_ring::cpu::gemm_bf16::{available, gemm_bf16, narrow_to_bf16, CHAIN};
 use flash_ring::KernelConfig;
 use half::bf16;
 
@@ -67,8 +67,9 @@ fn check(m: usize, k: usize, n: usize, a_cm: bool, b_cm: bool, seed: u64) {
     );
     for i in 0..m {
         for j in 0..n {
-            let (exact, bound) = common::exact_dot(
+            let (exact, bound) = common::exact_dot_chains(
                 k,
+                CHAIN,
                 |t| af[3 + i * ars + t * acs] as f64,
                 |t| bf[5 + t * brs + j * bcs] as f64,
             );
@@ -118,8 +119,9 @@ fn bf16_dot_products_read_any_strides() {
     let c = gemm_bf16(mat(&ad, m, k, 2 * k, 2), mat(&bd, k, n, 2 * n, 2));
     for i in 0..m {
         for j in 0..n {
-            let (exact, bound) = common::exact_dot(
+            let (exact, bound) = common::exact_dot_chains(
                 k,
+                CHAIN,
                 |t| ad[i * 2 * k + 2 * t].to_f64(),
                 |t| bd[t * 2 * n + 2 * j].to_f64(),
             );

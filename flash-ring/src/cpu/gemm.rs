@@ -191,6 +191,11 @@ pub(crate) trait PanelKernel: Sync {
     /// products of every element in one register chain; `panels` starts at depth 0 of the
     /// first panel of the block's columns.
     fn chunk(&self, at: Chunk, panels: &[Self::Packed], dst: &mut [f32]);
+    /// Products per register chain: [`KC`] unless the kernel says otherwise (a divisor of
+    /// [`SUPER`] and a multiple of [`KC`]).
+    fn chain(&self) -> usize {
+        KC
+    }
 }
 
 /// One depth chunk of one block of C, as [`blocked`] hands it to a [`PanelKernel`]: rows
@@ -293,12 +298,13 @@ pub(crate) fn blocked<K: PanelKernel>(kern: &K) -> Vec<f32> {
             std::slice::from_raw_parts_mut(out.get().add(c_off), c_need)
         };
         let chunks = |s0: usize, dst: &mut [f32], dst_rs: usize| {
-            for k0 in (s0..k.min(s0 + SUPER)).step_by(KC) {
+            let kc = kern.chain();
+            for k0 in (s0..k.min(s0 + SUPER)).step_by(kc) {
                 let at = Chunk {
                     r0,
                     rows,
                     k0,
-                    depth: KC.min(k - k0),
+                    depth: kc.min(k - k0),
                     cols,
                     dst_rs,
                     accumulate: k0 > s0,

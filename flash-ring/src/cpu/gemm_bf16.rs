@@ -7,10 +7,14 @@
 //! would); subnormal inputs and results are flushed to zero, as the instruction always does
 //! (bf16 subnormals lie below 1.2e-38).
 //!
-//! The blocking, the chunks of [`KC`] products summed in registers and the order of the chunk
-//! sums are those of [`super::gemm`] (its driver runs this kernel), so the result has the same
-//! short accumulation chains and does not depend on the thread count. What differs is the
-//! packing: B's panels hold pairs of depths side by side (`(t, j)` and `(t + 1, j)` in adjacent
+//! The blocking and the order of the chunk sums are those of [`super::gemm`] (its driver runs
+//! this kernel), so the result has short accumulation chains and does not depend on the thread
+//! count. The chains are [`CHAIN`] = 2 [`KC`] products long (64 `vdpbf16ps` steps) instead of
+//! the f32 kernels' [`KC`]: each call of the register block then does twice the work per read
+//! and write of its C tile, which made the products 3-9% faster on a Zen 4 EPYC (`cpl bench
+//! matmul --dtype bf16`, docs/accuracy.md), and the longer chain's rounding (at most
+//! `(CHAIN + k / CHAIN + 2) u` of `sum |a b|`, u = 2^-24) stays below a 200th of the bf16
+//! result's own rounding. What differs too is the packing: B's panels hold pairs of depths side by side (`(t, j)` and `(t + 1, j)` in adjacent
 //! elements, the layout the instruction reads), and A is read as pairs of adjacent depths
 //! (in place when its rows are contiguous and the depth is even, otherwise copied once with
 //! the depth padded to even by a zero).
@@ -43,7 +47,7 @@ use rayon::prelude::*;
 
 use super::gemm::{
     blocked, few_rows, swapped_operands, to_row_major, trivial_product, Chunk, Mat, PanelKernel,
-    ROW_GROUP,
+    KC, ROW_GROUP,
 };
 use super::simd::CHUNK;
 
@@ -66,14 +70,17 @@ pub fn available() -> bool {
     })
 }
 
+/// Products per register chain of the blocked bf16 product (see the module doc).
+pub const CHAIN: usize = 2 * KC;
+
 /// The variable that chooses [`Bf16Products`] under [`Bf16Products::Auto`].
 pub const BF16_ENV: &str = "FLASH_RING_BF16";
 
 /// Whether bf16 products (the dense product's and attention's) run on the CPU's bf16 dot
 /// products or are widened to f32 and run on the f32 kernels. Either way each product of two
-/// bf16 numbers is exact and the sums are f32, in chains of the same lengths; on the dot
-/// products attention also rounds P and dS to bf16 for the products with them (see
-/// `cpu::bf16_pairs`), widened it does not.
+/// bf16 numbers is exact and the sums are f32 in short chains (the dense product's: [`CHAIN`]
+/// products on the dot products, [`KC`] widened); on the dot products attention also rounds P
+/// and dS to bf16 for the products with them (see `cpu::bf16_pairs`), widened it does not.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Bf16Products {
     /// `FLASH_RING_BF16` when set; otherwise the dot products on a CPU with AVX512-BF16 that is
@@ -347,6 +354,10 @@ impl PanelKernel for Bf16Panels<'_> {
                 }
             }
         }
+    }
+
+    fn chain(&self) -> usize {
+        CHAIN
     }
 
     fn chunk(&self, at: Chunk, panels: &[bf16], dst: &mut [f32]) {

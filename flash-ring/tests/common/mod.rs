@@ -41,13 +41,22 @@ pub fn store<T: Copy>(
 /// products' short chains guarantee for it: `(KC + ceil(k / KC) + 2) u` times the second (a
 /// chain of at most KC products, then at most ceil(k / KC) chain sums).
 pub fn exact_dot(k: usize, a: impl Fn(usize) -> f64, b: impl Fn(usize) -> f64) -> (f64, f64) {
+    exact_dot_chains(k, flash_ring::cpu::gemm::KC, a, b)
+}
+
+/// [`exact_dot`] for chains of `kc` products (the bf16 dot products' `gemm_bf16::CHAIN`).
+pub fn exact_dot_chains(
+    k: usize,
+    kc: usize,
+    a: impl Fn(usize) -> f64,
+    b: impl Fn(usize) -> f64,
+) -> (f64, f64) {
     let (mut exact, mut mag) = (0.0f64, 0.0f64);
     for t in 0..k {
         let p = a(t) * b(t);
         exact += p;
         mag += p.abs();
     }
-    let kc = flash_ring::cpu::gemm::KC;
     (exact, (kc + k.div_ceil(kc) + 2) as f64 * U * mag)
 }
 
