@@ -380,19 +380,28 @@ pub(crate) fn pack_rows_bf16(x: &View, b: usize, h: usize, rows: usize, dp: usiz
 /// `(j / 32) * dp * 32 + (c / 2) * 64 + 2 (j % 32) + c % 2`; padding is zero.
 pub(crate) fn pack_pair_panels(x: &View, b: usize, h: usize, rows: usize, dp: usize) -> Vec<bf16> {
     const W: usize = simd::CHUNK;
-    let d = x.dims[3];
     let mut out = vec![bf16::ZERO; rows.div_ceil(W) * dp * W];
+    for_each_bf16(x, b, h, rows, |j, c, val| {
+        out[(j / W) * dp * W + (c / 2) * 2 * W + 2 * (j % W) + c % 2] = val;
+    });
+    out
+}
+
+/// Calls `f(r, c, x[b, r, h, c])` for every row `r < rows` and column `c < d` of head `h` in
+/// batch `b`, as stored (bf16), reading 32 rows at a time: the one reader of the bf16 packings.
+fn for_each_bf16(x: &View, b: usize, h: usize, rows: usize, mut f: impl FnMut(usize, usize, bf16)) {
+    const W: usize = simd::CHUNK;
+    let d = x.dims[3];
     let mut tmp = vec![bf16::ZERO; W * d];
-    for (p, panel) in out.chunks_exact_mut(dp * W).enumerate() {
-        let n = W.min(rows - p * W);
-        x.read_rows_bf16(b, p * W, h, n, &mut tmp, d);
-        for (j, row) in tmp.chunks_exact(d).take(n).enumerate() {
+    for r0 in (0..rows).step_by(W) {
+        let n = W.min(rows - r0);
+        x.read_rows_bf16(b, r0, h, n, &mut tmp, d);
+        for (r, row) in tmp.chunks_exact(d).take(n).enumerate() {
             for (c, &val) in row.iter().enumerate() {
-                panel[(c / 2) * 2 * W + 2 * j + c % 2] = val;
+                f(r0 + r, c, val);
             }
         }
     }
-    out
 }
 
 /// Rows `0..rows` of head `h` in batch `b` as stored (bf16), transposed: `(dp, rows.next_multiple_of(2))`
@@ -405,18 +414,9 @@ pub(crate) fn pack_transposed_bf16(
     rows: usize,
     dp: usize,
 ) -> Vec<bf16> {
-    let (d, re) = (x.dims[3], rows.next_multiple_of(2));
+    let re = rows.next_multiple_of(2);
     let mut out = vec![bf16::ZERO; dp * re];
-    let mut tmp = vec![bf16::ZERO; simd::CHUNK * d];
-    for r0 in (0..rows).step_by(simd::CHUNK) {
-        let n = simd::CHUNK.min(rows - r0);
-        x.read_rows_bf16(b, r0, h, n, &mut tmp, d);
-        for (r, row) in tmp.chunks_exact(d).take(n).enumerate() {
-            for (c, &val) in row.iter().enumerate() {
-                out[c * re + r0 + r] = val;
-            }
-        }
-    }
+    for_each_bf16(x, b, h, rows, |r, c, val| out[c * re + r] = val);
     out
 }
 
@@ -426,19 +426,11 @@ pub(crate) fn pack_transposed_bf16(
 /// (so `b_cs = re * 32`); padding is zero.
 pub(crate) fn pack_depth_pairs(x: &View, b: usize, h: usize, rows: usize, dp: usize) -> Vec<bf16> {
     const W: usize = simd::CHUNK;
-    let (d, re) = (x.dims[3], rows.next_multiple_of(2));
+    let re = rows.next_multiple_of(2);
     let mut out = vec![bf16::ZERO; dp.div_ceil(W) * re * W];
-    let mut tmp = vec![bf16::ZERO; W * d];
-    for r0 in (0..rows).step_by(W) {
-        let n = W.min(rows - r0);
-        x.read_rows_bf16(b, r0, h, n, &mut tmp, d);
-        for (r, row) in tmp.chunks_exact(d).take(n).enumerate() {
-            let r = r0 + r;
-            for (c, &val) in row.iter().enumerate() {
-                out[(c / W) * re * W + (r / 2) * 2 * W + 2 * (c % W) + r % 2] = val;
-            }
-        }
-    }
+    for_each_bf16(x, b, h, rows, |r, c, val| {
+        out[(c / W) * re * W + (r / 2) * 2 * W + 2 * (c % W) + r % 2] = val;
+    });
     out
 }
 
