@@ -105,6 +105,40 @@ fn bf16_dot_products_match_the_f32_product_of_the_same_inputs() {
     }
 }
 
+/// A column-major A (a weight's gradient `grad^T @ x`) is packed in groups of 8 rows, a
+/// row-major one read in place: the same products in the same chains, so the same bits. The
+/// shapes cover a last group of fewer than 8 rows, an odd count of groups, odd depths (a zero
+/// second half of the last pair), several packing tasks of several groups, a wide B and depths
+/// past one super-chunk.
+#[test]
+fn bf16_column_major_a_gives_the_bits_of_row_major_a() {
+    if !available() {
+        return skip("bf16_column_major_a_gives_the_bits_of_row_major_a");
+    }
+    for (i, &(m, k, n)) in [
+        (3, 4, 16),
+        (13, 7, 20),
+        (200, 130, 50),
+        (4099, 33, 40),
+        (1030, 1100, 300),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut r = common::rng(30 + i as u64);
+        let (cm, _, ld) = store(m, k, true, 0, &mut r);
+        let rm: Vec<bf16> = (0..m * k).map(|e| cm[(e % k) * ld + e / k]).collect();
+        let (b, _, _) = store(k, n, false, 0, &mut r);
+        let got = gemm_bf16(mat(&cm, m, k, 1, ld), Mat::row_major(&b, k, n));
+        let want = gemm_bf16(Mat::row_major(&rm, m, k), Mat::row_major(&b, k, n));
+        let same = got
+            .iter()
+            .zip(&want)
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "m={m} k={k} n={n}: column-major A changed the result");
+    }
+}
+
 #[test]
 fn bf16_dot_products_read_any_strides() {
     if !available() {

@@ -20,7 +20,7 @@ use std::sync::Mutex;
 
 use super::bf16_pairs::{narrow_pairs, pair_panels_len, RowsAndErrors};
 use super::forward::logit_units;
-use super::gemm_bf16::TileProduct;
+use super::gemm_bf16::{PairLayout, TileProduct};
 use super::pool::PoolBuf;
 use super::simd::{self, MatMul, CHUNK};
 use super::{
@@ -671,7 +671,7 @@ impl StripBuffers {
             rows: dp,
             cols: width,
             pairs: rows.div_ceil(2),
-            a_rs: sqe,
+            a: PairLayout::rows(sqe),
             b_cs: rows.next_multiple_of(2) * CHUNK,
             c_rs: bk,
         };
@@ -687,7 +687,7 @@ impl StripBuffers {
             rows,
             cols: dp,
             pairs: cols.div_ceil(2),
-            a_rs: bk,
+            a: PairLayout::rows(bk),
             b_cs: ske * CHUNK,
             c_rs: dp,
         }

@@ -9,7 +9,7 @@ use rayon::prelude::*;
 use std::f32::consts::{LN_2, LOG2_E};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::gemm_bf16::{narrow_to_bf16, TileProduct};
+use super::gemm_bf16::{narrow_to_bf16, PairLayout, TileProduct};
 use super::pool::PoolBuf;
 use super::simd::{self, Isa, MatMul, CHUNK};
 use super::{
@@ -344,7 +344,7 @@ impl TileTask<'_> {
                 rows: rn,
                 cols: dp,
                 pairs: w / 2,
-                a_rs: bk,
+                a: PairLayout::rows(bk),
                 b_cs: self.dims.sk.next_multiple_of(2) * CHUNK,
                 c_rs: dp,
             }

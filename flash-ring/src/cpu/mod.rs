@@ -320,7 +320,7 @@ pub(crate) fn panel_product(
             rows,
             cols,
             pairs: dp / 2,
-            a_rs: dp,
+            a: gemm_bf16::PairLayout::rows(dp),
             b_cs: dp * simd::CHUNK,
             c_rs,
         }
