@@ -16,7 +16,8 @@ use crate::f32_to_storage;
 /// `a @ b` for `a` `(m, k)` and `b` `(k, n)`.
 ///
 /// - Inputs: f32, bf16 or f16 (both the same dtype), any strides (transposed views cost
-///   nothing extra for `b`; a column-major `a` is copied once). Arithmetic is f32; the result
+///   nothing extra for `b`; a column-major `a` is read in place in f32 and packed in one pass
+///   for the bf16 dot products; other strides of `a` are copied once). Arithmetic is f32; the result
 ///   `(m, n)` is contiguous, in the inputs' dtype.
 /// - Each output element sums its `k` products in register chains of
 ///   [`crate::cpu::gemm::KC`] products, then adds the chain sums, so its rounding error grows

@@ -167,6 +167,45 @@ fn transposed_weight_products_take_the_swapped_path_with_the_same_bits() {
     }
 }
 
+/// A column-major A (a weight's gradient `grad^T @ x`) is read in place by the blocked
+/// product's kernels, a row-major one too: the same products in the same order, so the same
+/// bits, on every instruction set; also through the swapped path (a few rows against W^T) and
+/// the few-rows one (which copy A to rows first).
+#[test]
+fn column_major_a_gives_the_bits_of_row_major_a() {
+    for (i, &(m, k, n, b_cm)) in [
+        (97, 130, 300, false),
+        (1030, 1100, 70, false),
+        (40, 400, 2000, true),
+        (5, 300, 48, true),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut r = common::rng(40 + i as u64);
+        let cm = common::randv(&mut r, m * k);
+        let rm: Vec<f32> = (0..m * k).map(|e| cm[(e % k) * m + e / k]).collect();
+        let b = common::randv(&mut r, k * n);
+        let bm = if b_cm {
+            Mat::col_major(&b, k, n)
+        } else {
+            Mat::row_major(&b, k, n)
+        };
+        for isa in flash_ring::cpu::available() {
+            let got = gemm(isa, Mat::col_major(&cm, m, k), bm);
+            let want = gemm(isa, Mat::row_major(&rm, m, k), bm);
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(
+                same,
+                "{isa:?} m={m} k={k} n={n}: column-major A changed the result"
+            );
+        }
+    }
+}
+
 #[test]
 fn gemm_results_do_not_depend_on_the_thread_count() {
     let (m, k, n) = (150, 1500, 70);

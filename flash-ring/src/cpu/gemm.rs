@@ -107,10 +107,10 @@ pub fn gemm(isa: Isa, a: Mat, b: Mat) -> Vec<f32> {
     if let Some(trivial) = trivial_product(&a, &b) {
         return trivial;
     }
-    // The kernel broadcasts A's elements along its rows: give it rows that are contiguous in
-    // the depth (a column-major A, e.g. x^T of a weight gradient, is transposed once).
+    // The dot products read A's rows contiguous in the depth (a column-major A is transposed
+    // once for them); the blocked product and the swapped one read any strides.
     let a_rows;
-    let a = if a.cs != 1 && k > 1 {
+    let a = if a.cs != 1 && k > 1 && m <= FEW_ROWS && b.rs == 1 {
         a_rows = to_row_major(&a);
         Mat::row_major(&a_rows, m, k)
     } else {
@@ -213,7 +213,9 @@ pub(crate) struct Chunk {
     pub accumulate: bool,
 }
 
-/// The f32 kernels of [`MatMul`] on an A with contiguous rows.
+/// The f32 kernels of [`MatMul`] on A read through its strides (a column-major A in place: on
+/// a Zen 4 EPYC an LM head's weight gradient, 32000 x 1024 x 512, ran at 183-190 GFLOP/s so, at
+/// 190-193 from a row-major copy made beforehand, whose making it saves).
 struct F32Panels<'a> {
     isa: Isa,
     a: Mat<'a>,
@@ -242,7 +244,7 @@ impl PanelKernel for F32Panels<'_> {
             n: at.cols,
             k: at.depth,
             a_rs: self.a.rs,
-            a_ks: 1,
+            a_ks: self.a.cs,
             b_rs: CHUNK,
             b_cs: k * CHUNK,
             c_rs: at.dst_rs,
@@ -250,7 +252,7 @@ impl PanelKernel for F32Panels<'_> {
         }
         .run(
             self.isa,
-            &self.a.data[at.r0 * self.a.rs + at.k0..],
+            &self.a.data[at.r0 * self.a.rs + at.k0 * self.a.cs..],
             &panels[at.k0 * CHUNK..],
             dst,
         );
