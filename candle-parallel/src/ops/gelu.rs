@@ -13,7 +13,7 @@
 //! relative error stays within about `|2u|` times a few f32 ulps (the conditioning of `σ(2u)`
 //! in `u`), in the value and in the derivative `σ (1 + 2 x u' e^{-2u} σ)`.
 
-use super::{all_cpu, check_float, dispatch_float, strided, Elem};
+use super::{all_cpu, check_float, chunk_exp, dispatch_float, strided, Elem};
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -69,15 +69,6 @@ fn minus_two_u(x: f32) -> f32 {
     -2.0 * K * (x + C * x * x * x)
 }
 
-/// `x` of one chunk in f32, and `e^{-2u}` of each (flash-ring's vector exponential; it clamps
-/// its argument at 127 log 2, so `e` stays finite and large negative `x` gives 0, not NaN).
-fn chunk_exp<T: Elem>(x: &[T]) -> (Vec<f32>, Vec<f32>) {
-    let xs: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
-    let mut e: Vec<f32> = xs.iter().map(|&x| minus_two_u(x)).collect();
-    flash_ring::cpu::exp_shifted(&mut e, 0.0);
-    (xs, e)
-}
-
 /// `gelu(x) = x σ(2u) = x / (1 + e)`, `e = e^{-2u}`.
 #[inline(always)]
 fn gelu(x: f32, e: f32) -> f32 {
@@ -101,7 +92,7 @@ fn gelu_fwd<T: Elem>(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> 
     out.par_chunks_mut(CHUNK)
         .zip(x.par_chunks(CHUNK))
         .for_each(|(o, x)| {
-            let (xs, e) = chunk_exp(x);
+            let (xs, e) = chunk_exp(x, minus_two_u);
             for ((o, &x), &e) in o.iter_mut().zip(&xs).zip(&e) {
                 *o = T::from_f32(gelu(x, e));
             }
@@ -145,7 +136,7 @@ fn gelu_bwd<T: Elem>(
     out.par_chunks_mut(CHUNK)
         .zip(x.par_chunks(CHUNK).zip(d.par_chunks(CHUNK)))
         .for_each(|(o, (x, d))| {
-            let (xs, e) = chunk_exp(x);
+            let (xs, e) = chunk_exp(x, minus_two_u);
             for (((o, &x), &e), &d) in o.iter_mut().zip(&xs).zip(&e).zip(d) {
                 *o = T::from_f32(d.to_f32() * gelu_grad(x, e));
             }

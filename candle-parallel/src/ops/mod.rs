@@ -54,6 +54,19 @@ pub use swiglu::swiglu_composite;
 use candle_core::{bail, DType, Layout, Result, Tensor, WithDType};
 use std::borrow::Cow;
 
+/// `x` of one chunk in f32, and `e^{exponent(x)}` of each, by flash-ring's vector exponential
+/// (`flash_ring::cpu::exp_shifted`: within about 2e-7 relative plus `|exponent|` ulps of its
+/// rounding, where libm's `expf` is within one ulp but one element at a time, several times
+/// slower). It clamps its argument at 127 log 2, so `e` stays finite (`x / (1 + e)` goes to 0,
+/// not NaN) and NaN gives 0 (NaN still propagates through `x`). The GELU's `e^{-2u}` and the
+/// SiLU's `e^{-x}`.
+pub(crate) fn chunk_exp<T: Elem>(x: &[T], exponent: impl Fn(f32) -> f32) -> (Vec<f32>, Vec<f32>) {
+    let xs: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    let mut e: Vec<f32> = xs.iter().map(|&x| exponent(x)).collect();
+    flash_ring::cpu::exp_shifted(&mut e, 0.0);
+    (xs, e)
+}
+
 /// Element types the fused CPU kernels accept; arithmetic is always done in f32. (Also the
 /// optimizer's parallel CPU paths, `optim::cpu_floats`.)
 pub(crate) trait Elem: WithDType {

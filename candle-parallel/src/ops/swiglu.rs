@@ -1,7 +1,7 @@
 //! SwiGLU (`silu(gate) * up`): a custom op with a backward on the CPU, a composite of
 //! differentiable candle ops elsewhere.
 
-use super::{all_cpu, check_float, dispatch_float, round_through, strided, Elem};
+use super::{all_cpu, check_float, chunk_exp, dispatch_float, round_through, strided, Elem};
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -67,10 +67,18 @@ fn check(gate: &Tensor, up: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// `x * sigmoid(x)` as torch's CPU kernel writes it: `x / (1 + exp(-x))`.
+/// `x * sigmoid(x)` as torch's CPU kernel writes it, `x / (1 + e)`, with `e = exp(-x)` from
+/// [`chunk_exp`] (a vector exponential: libm's `expf` one element at a time, three times per
+/// element over forward and backward, was about 5% of a bf16 MoE training step).
 #[inline(always)]
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+fn silu(x: f32, e: f32) -> f32 {
+    x / (1.0 + e)
+}
+
+/// The exponent of `e = exp(-x)`.
+#[inline(always)]
+fn minus(x: f32) -> f32 {
+    -x
 }
 
 struct SwiGlu;
@@ -87,8 +95,9 @@ fn swiglu_fwd<T: Elem>(
     out.par_chunks_mut(CHUNK)
         .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
         .for_each(|(o, (g, u))| {
-            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                *o = T::from_f32(T::round(silu(g.to_f32())) * u.to_f32());
+            let (gs, e) = chunk_exp(g, minus);
+            for (((o, &g), &e), &u) in o.iter_mut().zip(&gs).zip(&e).zip(u) {
+                *o = T::from_f32(T::round(silu(g, e)) * u.to_f32());
             }
         });
     Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
@@ -157,12 +166,13 @@ fn swiglu_bwd<T: Elem>(
                 .zip(d.par_chunks(CHUNK)),
         )
         .for_each(|((dg, du), ((g, u), d))| {
+            let (gs, e) = chunk_exp(g, minus);
             for i in 0..g.len() {
-                let (gv, uv, dv) = (g[i].to_f32(), u[i].to_f32(), d[i].to_f32());
-                let s = 1.0 / (1.0 + (-gv).exp());
+                let (gv, ev, uv, dv) = (gs[i], e[i], u[i].to_f32(), d[i].to_f32());
+                let s = 1.0 / (1.0 + ev);
                 // d silu / dg = s * (1 + g * (1 - s)); d out / d up = silu(g) as stored.
                 dg[i] = T::from_f32(dv * uv * (s * (1.0 + gv * (1.0 - s))));
-                du[i] = T::from_f32(dv * T::round(silu(gv)));
+                du[i] = T::from_f32(dv * T::round(silu(gv, ev)));
             }
         });
     Ok((T::to_cpu_storage_owned(out), Shape::from(2 * n)))
