@@ -324,12 +324,16 @@ impl CustomOp2 for MatMulOp {
                 let a = mat_view("a", v1, l1)?;
                 let b = self.oriented(mat_view("b", v2, l2)?);
                 check_inner(&a, &b)?;
-                let c = self
-                    .mkl
-                    .and_then(|lib| mkl::gemm(lib, a, b))
-                    .or_else(|| dot.then(|| gemm_bf16::gemm_bf16(a, b)));
-                if let Some(c) = c {
-                    return Ok((self.storage(c, DType::BF16), Shape::from((a.rows, b.cols))));
+                let shape = Shape::from((a.rows, b.cols));
+                if let Some(c) = self.mkl.and_then(|lib| mkl::gemm(lib, a, b)) {
+                    return Ok((self.storage(c, DType::BF16), shape));
+                }
+                if dot && self.f32_out {
+                    return Ok((CpuStorage::F32(gemm_bf16::gemm_bf16(a, b)), shape));
+                }
+                if dot {
+                    // Rounded to bf16 block by block, as the product completes them.
+                    return Ok((CpuStorage::BF16(gemm_bf16::gemm_bf16_rounded(a, b)), shape));
                 }
             }
         }

@@ -1,5 +1,5 @@
-//! The products' output is allocated without zero-filling (each task clears and then writes
-//! its own block of C): every element must still be written. This test binary's allocator
+//! The products' output is allocated without zero-filling (each task stores its own block of
+//! C once, from a scratch block): every element must still be written. This test binary's allocator
 //! fills every allocation that is not asked to be zeroed with the bits of a NaN, so an element
 //! of C no task wrote reads as NaN here, whatever memory the system hands out.
 
@@ -76,6 +76,19 @@ fn products_write_every_element_of_an_unzeroed_output() {
                 Mat::row_major(&bh, k, n),
             );
             check(&c, &want, &format!("bf16 {m}x{k}x{n}"));
+            // Rounded to bf16 block by block: every element written (0xFFFF is a bf16 NaN),
+            // each the rounding of the f32 sum.
+            let rounded = flash_ring::cpu::gemm_bf16::gemm_bf16_rounded(
+                Mat::row_major(&ah, m, k),
+                Mat::row_major(&bh, k, n),
+            );
+            let mut want16 = vec![half::bf16::ZERO; c.len()];
+            flash_ring::cpu::gemm_bf16::narrow_to_bf16(&c, &mut want16);
+            assert_eq!(rounded.len(), c.len());
+            for (i, (r, w)) in rounded.iter().zip(&want16).enumerate() {
+                let what = format!("bf16 rounded {m}x{k}x{n} element {i}");
+                assert_eq!(r.to_bits(), w.to_bits(), "{what}");
+            }
         } else {
             testkit::skip(
                 "products_write_every_element_of_an_unzeroed_output (bf16)",

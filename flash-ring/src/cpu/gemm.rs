@@ -259,47 +259,48 @@ impl PanelKernel for F32Panels<'_> {
     }
 }
 
-/// The blocked product of `kern`: C `(m, n)` row-major.
-///
-/// Tasks of [`MB`] rows by [`NB`] columns of C run the kernel one [`KC`] depth chunk at a
-/// time, so their block of C stays in L2 between chunks; depths beyond [`SUPER`] are summed in
-/// a scratch block first. B is packed once (or, for a wide B, one column block per task).
+/// The blocked product of `kern`: C `(m, n)` row-major, in f32.
 pub(crate) fn blocked<K: PanelKernel>(kern: &K) -> Vec<f32> {
+    blocked_into(kern, |sums: &[f32], out: &mut [f32]| {
+        out.copy_from_slice(sums)
+    })
+}
+
+/// The blocked product of `kern`, each element of C `(m, n)` row-major stored by `store` (a
+/// copy for f32, a rounding for a bf16 result).
+///
+/// Tasks of [`MB`] rows by [`NB`] columns of C run the kernel one depth chunk at a time into a
+/// scratch block of the task's own, which stays in L2 between chunks; depths beyond [`SUPER`]
+/// are summed in a second scratch block first. When the block's depth is done, `store` writes
+/// its rows into C (`store(sums, out)`, equal lengths), once per element: C is never
+/// zero-filled nor read back, and a bf16 result is rounded from cache instead of from an f32
+/// copy of C in memory. B is packed once (or, for a wide B, one column block per task).
+pub(crate) fn blocked_into<K, E>(kern: &K, store: impl Fn(&[f32], &mut [E]) + Sync) -> Vec<E>
+where
+    K: PanelKernel,
+    E: Copy + Send + Sync,
+{
     let (m, k, n) = kern.dims();
     let panel_len = kern.panel_len();
-    // Padded row length of C: the kernel writes whole 16-column vectors.
+    // Padded row length of the blocks: the kernel writes whole 16-column vectors.
     let np = n.div_ceil(16) * 16;
-    // C is not zero-filled here: a serial fill of the whole of C (up to 128 MiB for an LM head
-    // chunk) ran on the calling thread while the workers waited, and sent C to memory twice.
-    // Each task zeroes its own block instead (in parallel, in cache, just before its first
-    // depth chunk overwrites it); the tasks' blocks cover C, padding columns included.
-    let mut c: Vec<f32> = Vec::with_capacity(m * np);
+    let mut c: Vec<E> = Vec::with_capacity(m * n);
     let col_blocks = np.div_ceil(NB);
     let threads = rayon::current_num_threads().max(1);
-    let out = OutPtr(c.as_mut_ptr());
-    let c_len = m * np;
-    // Rows r0..r0+rows of C against packed columns c0..c0+cols (`panels` starts at column c0);
-    // `tmp` is scratch for depths beyond one super-chunk.
+    let out = SendPtr(c.as_mut_ptr());
+    // Rows r0..r0+rows of C against packed columns c0..c0+cols (`panels` starts at column c0),
+    // summed in `sums` (its row stride `cols`); `tmp` is scratch for depths beyond one
+    // super-chunk.
     let block = |panels: &[K::Packed],
-                 tmp: &mut Vec<f32>,
+                 (sums, tmp): &mut (Vec<f32>, Vec<f32>),
                  r0: usize,
                  rows: usize,
                  c0: usize,
                  cols: usize| {
-        let c_off = r0 * np + c0;
-        let c_need = (rows - 1) * np + cols;
-        assert!(c_off + c_need <= c_len, "gemm: c block out of range");
-        // SAFETY: every (row block, column block) pair is computed by exactly one task, and
-        // the range was checked above; the block's rows are initialised (zeroed) by this task
-        // before it is viewed as a slice. The bytes between its rows are other tasks' columns:
-        // they are zeroed by those tasks, and this task neither reads nor writes them.
-        let cblk = unsafe {
-            for r in 0..rows {
-                std::ptr::write_bytes(out.get().add(c_off + r * np), 0, cols);
-            }
-            std::slice::from_raw_parts_mut(out.get().add(c_off), c_need)
-        };
-        let chunks = |s0: usize, dst: &mut [f32], dst_rs: usize| {
+        // The first depth chunk overwrites the block (`accumulate` false), so the scratch is
+        // only grown, never cleared.
+        sums.resize(rows * cols, 0.0);
+        let chunks = |s0: usize, dst: &mut [f32]| {
             let kc = kern.chain();
             for k0 in (s0..k.min(s0 + SUPER)).step_by(kc) {
                 let at = Chunk {
@@ -308,21 +309,30 @@ pub(crate) fn blocked<K: PanelKernel>(kern: &K) -> Vec<f32> {
                     k0,
                     depth: kc.min(k - k0),
                     cols,
-                    dst_rs,
+                    dst_rs: cols,
                     accumulate: k0 > s0,
                 };
                 kern.chunk(at, panels, dst);
             }
         };
-        chunks(0, cblk, np);
+        chunks(0, &mut sums[..rows * cols]);
         if k > SUPER {
             tmp.resize(rows * cols, 0.0);
             for s0 in (SUPER..k).step_by(SUPER) {
-                chunks(s0, tmp, cols);
-                for (crow, trow) in cblk.chunks_mut(np).zip(tmp.chunks_exact(cols)) {
-                    crow[..cols].iter_mut().zip(trow).for_each(|(c, t)| *c += t);
-                }
+                chunks(s0, &mut tmp[..rows * cols]);
+                sums.iter_mut().zip(tmp.iter()).for_each(|(c, t)| *c += t);
             }
+        }
+        // Columns past n are the kernel's padding.
+        let width = cols.min(n - c0);
+        for (r, row) in sums.chunks_exact(cols).take(rows).enumerate() {
+            let at = (r0 + r) * n + c0;
+            assert!(at + width <= m * n, "gemm: c block out of range");
+            // SAFETY: every (row block, column block) pair is stored by exactly one task, each
+            // of its rows' `width` elements once, within C's capacity (checked above); the
+            // elements are written before they are read (they are never read here).
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add(at), width) };
+            store(&row[..width], dst);
         }
     };
     // Row blocks of at most MB rows, of equal size (a multiple of ROW_ALIGN but the last).
@@ -333,8 +343,8 @@ pub(crate) fn blocked<K: PanelKernel>(kern: &K) -> Vec<f32> {
         // Wide B (an LM head): each task packs one column block and runs every row against
         // it while it is in cache.
         (0..col_blocks).into_par_iter().for_each_init(
-            || (Vec::new(), Vec::new()),
-            |(panels, tmp): &mut (Vec<K::Packed>, Vec<f32>), cb| {
+            || (Vec::new(), (Vec::new(), Vec::new())),
+            |(panels, scratch): &mut (Vec<K::Packed>, (Vec<f32>, Vec<f32>)), cb| {
                 let (c0, cols) = (cb * NB, NB.min(np - cb * NB));
                 panels.clear();
                 panels.resize(cols.div_ceil(CHUNK) * panel_len, K::Packed::default());
@@ -342,7 +352,7 @@ pub(crate) fn blocked<K: PanelKernel>(kern: &K) -> Vec<f32> {
                     kern.pack_panel(c0 + p * CHUNK, panel);
                 }
                 for rb in 0..row_blocks {
-                    block(panels, tmp, rb * blk, blk.min(m - rb * blk), c0, cols);
+                    block(panels, scratch, rb * blk, blk.min(m - rb * blk), c0, cols);
                 }
             },
         );
@@ -354,30 +364,38 @@ pub(crate) fn blocked<K: PanelKernel>(kern: &K) -> Vec<f32> {
             .par_chunks_mut(panel_len)
             .enumerate()
             .for_each(|(p, panel)| kern.pack_panel(p * CHUNK, panel));
-        (0..row_blocks * col_blocks)
-            .into_par_iter()
-            .for_each_init(Vec::new, |tmp, task| {
+        (0..row_blocks * col_blocks).into_par_iter().for_each_init(
+            || (Vec::new(), Vec::new()),
+            |scratch, task| {
                 let (rb, cb) = (task / col_blocks, task % col_blocks);
                 let c0 = cb * NB;
                 block(
                     &panels[(c0 / CHUNK) * panel_len..],
-                    tmp,
+                    scratch,
                     rb * blk,
                     blk.min(m - rb * blk),
                     c0,
                     NB.min(np - c0),
                 );
-            });
+            },
+        );
     }
-    // SAFETY: the tasks above initialised every element of C (see the allocation).
-    unsafe { c.set_len(m * np) };
-    if np != n {
-        for r in 1..m {
-            c.copy_within(r * np..r * np + n, r * n);
-        }
-        c.truncate(m * n);
-    }
+    // SAFETY: the tasks above stored every element of C: the row blocks cover rows 0..m, the
+    // column blocks columns 0..np, and each block stores its columns below n.
+    unsafe { c.set_len(m * n) };
     c
+}
+
+/// A shared, disjointly written output of any element type (see [`blocked_into`]).
+struct SendPtr<E>(*mut E);
+// SAFETY: tasks write disjoint elements; the buffer outlives them.
+unsafe impl<E: Send> Send for SendPtr<E> {}
+unsafe impl<E: Send> Sync for SendPtr<E> {}
+
+impl<E> SendPtr<E> {
+    fn get(&self) -> *mut E {
+        self.0
+    }
 }
 
 /// Rows of A up to which a product with a B of contiguous columns (`B = W^T`, a linear layer's
