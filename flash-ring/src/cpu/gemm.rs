@@ -292,7 +292,7 @@ where
     // summed in `sums` (its row stride `cols`); `tmp` is scratch for depths beyond one
     // super-chunk.
     let block = |panels: &[K::Packed],
-                 (sums, tmp): &mut (Vec<f32>, Vec<f32>),
+                 (sums, tmp): &mut Scratch,
                  r0: usize,
                  rows: usize,
                  c0: usize,
@@ -343,8 +343,8 @@ where
         // Wide B (an LM head): each task packs one column block and runs every row against
         // it while it is in cache.
         (0..col_blocks).into_par_iter().for_each_init(
-            || (Vec::new(), (Vec::new(), Vec::new())),
-            |(panels, scratch): &mut (Vec<K::Packed>, (Vec<f32>, Vec<f32>)), cb| {
+            || (Vec::new(), Scratch::default()),
+            |(panels, scratch): &mut (Vec<K::Packed>, Scratch), cb| {
                 let (c0, cols) = (cb * NB, NB.min(np - cb * NB));
                 panels.clear();
                 panels.resize(cols.div_ceil(CHUNK) * panel_len, K::Packed::default());
@@ -385,6 +385,10 @@ where
     unsafe { c.set_len(m * n) };
     c
 }
+
+/// A task's scratch blocks of [`blocked_into`]: the block's sums, and the sums of one
+/// super-chunk.
+type Scratch = (Vec<f32>, Vec<f32>);
 
 /// A shared, disjointly written output of any element type (see [`blocked_into`]).
 struct SendPtr<E>(*mut E);

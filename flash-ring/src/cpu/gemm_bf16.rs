@@ -259,16 +259,15 @@ where
     blocked_into(&kern, store)
 }
 
+/// The two operands of a product.
+type Operands<'a> = (Mat<'a, bf16>, Mat<'a, bf16>);
+
 /// Elements per task when a whole f32 result is stored.
 const STORE_CHUNK: usize = 1 << 14;
 
 /// The products that are not the blocked one, in f32: an empty one, a few rows against W^T,
 /// or the swapped product; otherwise the operands back.
-#[allow(clippy::type_complexity)]
-fn f32_paths<'a>(
-    a: Mat<'a, bf16>,
-    b: Mat<'a, bf16>,
-) -> Result<Vec<f32>, (Mat<'a, bf16>, Mat<'a, bf16>)> {
+fn f32_paths<'a>(a: Mat<'a, bf16>, b: Mat<'a, bf16>) -> Result<Vec<f32>, Operands<'a>> {
     assert!(available(), "gemm_bf16: this CPU has no AVX512-BF16");
     let (m, k, n) = (a.rows, a.cols, b.cols);
     if let Some(trivial) = trivial_product(&a, &b) {
