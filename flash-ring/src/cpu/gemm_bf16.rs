@@ -485,10 +485,15 @@ impl PanelKernel for Bf16Panels<'_> {
         if b.rs == 1 && b.cs != 1 {
             // Columns are contiguous (B = W^T): each column's pair of depths is adjacent in
             // memory already.
+            // Element by element: a slice copy of each pair was a `memcpy` call per 4 bytes.
             for jj in 0..w {
                 let col = &b.data[(j0 + jj) * b.cs..][..k];
-                for (row, pair) in panel.chunks_exact_mut(2 * CHUNK).zip(col.chunks(2)) {
-                    row[2 * jj..2 * jj + pair.len()].copy_from_slice(pair);
+                for (row, pair) in panel.chunks_exact_mut(2 * CHUNK).zip(col.chunks_exact(2)) {
+                    row[2 * jj] = pair[0];
+                    row[2 * jj + 1] = pair[1];
+                }
+                if k % 2 == 1 {
+                    panel[(k / 2) * 2 * CHUNK + 2 * jj] = col[k - 1];
                 }
             }
         } else if b.cs == 1 {
