@@ -512,11 +512,15 @@ impl Plan {
             let here = self.here.narrow(0, s, c)?;
             let idx = self.local_idx.narrow(0, s, c)?;
             let target = (logits.gather(&idx, 1)? * &here)?;
-            let max = self.all_reduce(&logits.max_keepdim(1)?, ReduceOp::Max)?;
-            let sum_exp = if logits.device().is_cpu() {
-                crate::ops::softmax_rows::sum_exp_rows(&logits, &max)?
+            let (max, sum_exp) = if logits.device().is_cpu() {
+                let max = crate::ops::softmax_rows::max_rows(&logits)?;
+                let max = self.all_reduce(&max, ReduceOp::Max)?;
+                let sum_exp = crate::ops::softmax_rows::sum_exp_rows(&logits, &max)?;
+                (max, sum_exp)
             } else {
-                logits.broadcast_sub(&max)?.exp()?.sum_keepdim(1)?
+                let max = self.all_reduce(&logits.max_keepdim(1)?, ReduceOp::Max)?;
+                let sum_exp = logits.broadcast_sub(&max)?.exp()?.sum_keepdim(1)?;
+                (max, sum_exp)
             };
             // Kept for the chunk's gradients in eager mode.
             let logits = match eager {

@@ -63,6 +63,13 @@ pub fn exp_shifted(x: &mut [f32], shift: f32) -> f32 {
     simd::exp2_shift_sum(simd::detect(), x, 0.0)
 }
 
+/// The largest element of `x` (`-inf` when empty), on this CPU's best instruction set: exact,
+/// whatever the order (a NaN may or may not be returned, as with candle's `max`, which keeps a
+/// NaN only in first position). For the row maxima of a loss over a large vocabulary.
+pub fn row_max(x: &[f32]) -> f32 {
+    simd::row_max(simd::detect(), x)
+}
+
 /// Tile sizes and instruction set of the CPU kernels.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KernelConfig {
