@@ -260,81 +260,142 @@ impl PanelKernel for F32Panels<'_> {
 }
 
 /// The blocked product of `kern`: C `(m, n)` row-major, in f32.
+///
+/// Each task's block of C is summed in place (rows padded to whole 16-column vectors, removed
+/// at the end): zeroed in cache just before its first depth chunk overwrites it (a serial fill
+/// of the whole of C, up to 128 MiB for an LM head chunk, ran on the calling thread while the
+/// workers waited, and sent C to memory twice), which costs less than summing it in a scratch
+/// block and copying that out.
 pub(crate) fn blocked<K: PanelKernel>(kern: &K) -> Vec<f32> {
-    blocked_into(kern, |sums: &[f32], out: &mut [f32]| {
-        out.copy_from_slice(sums)
-    })
+    let (m, k, n) = kern.dims();
+    let np = n.div_ceil(16) * 16;
+    let mut c: Vec<f32> = Vec::with_capacity(m * np);
+    let out = SendPtr(c.as_mut_ptr());
+    let c_len = m * np;
+    run_blocks(kern, |panels, tmp: &mut Vec<f32>, r0, rows, c0, cols| {
+        let c_off = r0 * np + c0;
+        let c_need = (rows - 1) * np + cols;
+        assert!(c_off + c_need <= c_len, "gemm: c block out of range");
+        // SAFETY: every (row block, column block) pair is computed by exactly one task, and
+        // the range was checked above; the block's rows are initialised (zeroed) by this task
+        // before it is viewed as a slice. The bytes between its rows are other tasks' columns:
+        // they are zeroed by those tasks, and this task neither reads nor writes them.
+        let cblk = unsafe {
+            for r in 0..rows {
+                std::ptr::write_bytes(out.get().add(c_off + r * np), 0, cols);
+            }
+            std::slice::from_raw_parts_mut(out.get().add(c_off), c_need)
+        };
+        sum_block(kern, panels, cblk, np, tmp, (r0, rows, cols), k);
+    });
+    // SAFETY: the tasks above initialised every element of C (the row blocks cover rows
+    // 0..m, the column blocks columns 0..np).
+    unsafe { c.set_len(m * np) };
+    if np != n {
+        for r in 1..m {
+            c.copy_within(r * np..r * np + n, r * n);
+        }
+        c.truncate(m * n);
+    }
+    c
 }
 
 /// The blocked product of `kern`, each element of C `(m, n)` row-major stored by `store` (a
-/// copy for f32, a rounding for a bf16 result).
+/// rounding to bf16).
 ///
-/// Tasks of [`MB`] rows by [`NB`] columns of C run the kernel one depth chunk at a time into a
-/// scratch block of the task's own, which stays in L2 between chunks; depths beyond [`SUPER`]
-/// are summed in a second scratch block first. When the block's depth is done, `store` writes
-/// its rows into C (`store(sums, out)`, equal lengths), once per element: C is never
-/// zero-filled nor read back, and a bf16 result is rounded from cache instead of from an f32
-/// copy of C in memory. B is packed once (or, for a wide B, one column block per task).
+/// Each task sums its block in a scratch block of its own, which stays in L2; when the block's
+/// depth is done, `store` writes its rows into C (`store(sums, out)`, equal lengths), once per
+/// element: C is neither zero-filled nor read back, and a bf16 result is rounded from cache
+/// instead of from an f32 copy of C in memory.
 pub(crate) fn blocked_into<K, E>(kern: &K, store: impl Fn(&[f32], &mut [E]) + Sync) -> Vec<E>
 where
     K: PanelKernel,
     E: Copy + Send + Sync,
 {
     let (m, k, n) = kern.dims();
-    let panel_len = kern.panel_len();
-    // Padded row length of the blocks: the kernel writes whole 16-column vectors.
-    let np = n.div_ceil(16) * 16;
     let mut c: Vec<E> = Vec::with_capacity(m * n);
-    let col_blocks = np.div_ceil(NB);
-    let threads = rayon::current_num_threads().max(1);
     let out = SendPtr(c.as_mut_ptr());
-    // Rows r0..r0+rows of C against packed columns c0..c0+cols (`panels` starts at column c0),
-    // summed in `sums` (its row stride `cols`); `tmp` is scratch for depths beyond one
-    // super-chunk.
-    let block = |panels: &[K::Packed],
-                 (sums, tmp): &mut Scratch,
-                 r0: usize,
-                 rows: usize,
-                 c0: usize,
-                 cols: usize| {
-        // The first depth chunk overwrites the block (`accumulate` false), so the scratch is
-        // only grown, never cleared.
-        sums.resize(rows * cols, 0.0);
-        let chunks = |s0: usize, dst: &mut [f32]| {
-            let kc = kern.chain();
-            for k0 in (s0..k.min(s0 + SUPER)).step_by(kc) {
-                let at = Chunk {
-                    r0,
-                    rows,
-                    k0,
-                    depth: kc.min(k - k0),
-                    cols,
-                    dst_rs: cols,
-                    accumulate: k0 > s0,
-                };
-                kern.chunk(at, panels, dst);
+    run_blocks(
+        kern,
+        |panels, (sums, tmp): &mut Scratch, r0, rows, c0, cols| {
+            // The first depth chunk overwrites the block (`accumulate` false): the scratch is
+            // resized, never cleared.
+            sums.resize(rows * cols, 0.0);
+            sum_block(kern, panels, sums, cols, tmp, (r0, rows, cols), k);
+            // Columns past n are the kernel's padding.
+            let width = cols.min(n - c0);
+            for (r, row) in sums.chunks_exact(cols).enumerate() {
+                let at = (r0 + r) * n + c0;
+                assert!(at + width <= m * n, "gemm: c block out of range");
+                // SAFETY: every (row block, column block) pair is stored by exactly one task, each
+                // of its rows' `width` elements once, within C's capacity (checked above); the
+                // elements are written before they are read (they are never read here).
+                let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add(at), width) };
+                store(&row[..width], dst);
             }
-        };
-        chunks(0, &mut sums[..rows * cols]);
-        if k > SUPER {
-            tmp.resize(rows * cols, 0.0);
-            for s0 in (SUPER..k).step_by(SUPER) {
-                chunks(s0, &mut tmp[..rows * cols]);
-                sums.iter_mut().zip(tmp.iter()).for_each(|(c, t)| *c += t);
-            }
-        }
-        // Columns past n are the kernel's padding.
-        let width = cols.min(n - c0);
-        for (r, row) in sums.chunks_exact(cols).take(rows).enumerate() {
-            let at = (r0 + r) * n + c0;
-            assert!(at + width <= m * n, "gemm: c block out of range");
-            // SAFETY: every (row block, column block) pair is stored by exactly one task, each
-            // of its rows' `width` elements once, within C's capacity (checked above); the
-            // elements are written before they are read (they are never read here).
-            let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add(at), width) };
-            store(&row[..width], dst);
+        },
+    );
+    // SAFETY: the tasks above stored every element of C: the row blocks cover rows 0..m, the
+    // column blocks columns 0..np, and each block stores its columns below n.
+    unsafe { c.set_len(m * n) };
+    c
+}
+
+/// Rows `r0..r0 + rows` by the `cols` packed columns of `panels`, summed over the whole depth
+/// `k` into `dst` (row stride `dst_rs`) one depth chunk at a time; depths beyond one
+/// super-chunk are summed in `tmp` first, then added.
+fn sum_block<K: PanelKernel>(
+    kern: &K,
+    panels: &[K::Packed],
+    dst: &mut [f32],
+    dst_rs: usize,
+    tmp: &mut Vec<f32>,
+    (r0, rows, cols): (usize, usize, usize),
+    k: usize,
+) {
+    let chunks = |s0: usize, dst: &mut [f32], dst_rs: usize| {
+        let kc = kern.chain();
+        for k0 in (s0..k.min(s0 + SUPER)).step_by(kc) {
+            let at = Chunk {
+                r0,
+                rows,
+                k0,
+                depth: kc.min(k - k0),
+                cols,
+                dst_rs,
+                accumulate: k0 > s0,
+            };
+            kern.chunk(at, panels, dst);
         }
     };
+    chunks(0, dst, dst_rs);
+    if k > SUPER {
+        tmp.resize(rows * cols, 0.0);
+        for s0 in (SUPER..k).step_by(SUPER) {
+            chunks(s0, tmp, cols);
+            for (crow, trow) in dst.chunks_mut(dst_rs).zip(tmp.chunks_exact(cols)) {
+                crow[..cols].iter_mut().zip(trow).for_each(|(c, t)| *c += t);
+            }
+        }
+    }
+}
+
+/// Runs `block(panels, scratch, r0, rows, c0, cols)` once for every block of C of the blocked
+/// product of `kern` over rayon's threads (`scratch` per task, `panels` starting at column
+/// `c0`): tasks of at most [`MB`] rows by [`NB`] columns; B packed once, or for a wide B one
+/// column block per task.
+fn run_blocks<K, S>(
+    kern: &K,
+    block: impl Fn(&[K::Packed], &mut S, usize, usize, usize, usize) + Sync,
+) where
+    K: PanelKernel,
+    S: Default + Send,
+{
+    let (m, _, n) = kern.dims();
+    let panel_len = kern.panel_len();
+    let np = n.div_ceil(16) * 16;
+    let col_blocks = np.div_ceil(NB);
+    let threads = rayon::current_num_threads().max(1);
     // Row blocks of at most MB rows, of equal size (a multiple of ROW_ALIGN but the last).
     let nblk = m.div_ceil(MB);
     let blk = m.div_ceil(nblk).div_ceil(ROW_ALIGN) * ROW_ALIGN;
@@ -343,8 +404,8 @@ where
         // Wide B (an LM head): each task packs one column block and runs every row against
         // it while it is in cache.
         (0..col_blocks).into_par_iter().for_each_init(
-            || (Vec::new(), Scratch::default()),
-            |(panels, scratch): &mut (Vec<K::Packed>, Scratch), cb| {
+            || (Vec::new(), S::default()),
+            |(panels, scratch): &mut (Vec<K::Packed>, S), cb| {
                 let (c0, cols) = (cb * NB, NB.min(np - cb * NB));
                 panels.clear();
                 panels.resize(cols.div_ceil(CHUNK) * panel_len, K::Packed::default());
@@ -364,9 +425,9 @@ where
             .par_chunks_mut(panel_len)
             .enumerate()
             .for_each(|(p, panel)| kern.pack_panel(p * CHUNK, panel));
-        (0..row_blocks * col_blocks).into_par_iter().for_each_init(
-            || (Vec::new(), Vec::new()),
-            |scratch, task| {
+        (0..row_blocks * col_blocks)
+            .into_par_iter()
+            .for_each_init(S::default, |scratch, task| {
                 let (rb, cb) = (task / col_blocks, task % col_blocks);
                 let c0 = cb * NB;
                 block(
@@ -377,13 +438,8 @@ where
                     c0,
                     NB.min(np - c0),
                 );
-            },
-        );
+            });
     }
-    // SAFETY: the tasks above stored every element of C: the row blocks cover rows 0..m, the
-    // column blocks columns 0..np, and each block stores its columns below n.
-    unsafe { c.set_len(m * n) };
-    c
 }
 
 /// A task's scratch blocks of [`blocked_into`]: the block's sums, and the sums of one

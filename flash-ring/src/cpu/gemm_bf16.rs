@@ -48,7 +48,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::gemm::{
-    blocked_into, few_rows, swapped_operands, to_row_major, trivial_product, Chunk, Mat,
+    blocked, blocked_into, few_rows, swapped_operands, to_row_major, trivial_product, Chunk, Mat,
     PanelKernel, KC, ROW_GROUP,
 };
 use super::simd::CHUNK;
@@ -209,33 +209,35 @@ pub fn narrow_to_bf16(src: &[f32], dst: &mut [bf16]) {
 /// Panics (internal bug, never user input) when [`available`] is false, the operands disagree
 /// on `k` or a slice is shorter than its strides require.
 pub fn gemm_bf16(a: Mat<bf16>, b: Mat<bf16>) -> Vec<f32> {
-    product(a, b, |sums: &[f32], out: &mut [f32]| {
-        out.copy_from_slice(sums)
-    })
+    product(a, b, |c| c, |kern| blocked(kern))
 }
 
 /// [`gemm_bf16`] rounded to bf16 ([`narrow_to_bf16`]): the same sums, each rounded once. The
 /// blocked product rounds each block of C from cache as it completes, without an f32 copy of
 /// C in memory (on a Zen 4 EPYC the copy, its zero-filling and its rounding pass were about 4%
-/// of a bf16 Mixtral training step).
+/// of a bf16 LLaMA training step).
 pub fn gemm_bf16_rounded(a: Mat<bf16>, b: Mat<bf16>) -> Vec<bf16> {
-    product(a, b, narrow_to_bf16)
-}
-
-/// [`gemm_bf16`] with each element of C stored by `store` (see [`blocked_into`]).
-fn product<E>(a: Mat<bf16>, b: Mat<bf16>, store: impl Fn(&[f32], &mut [E]) + Sync) -> Vec<E>
-where
-    E: Copy + Default + Send + Sync,
-{
-    let stored = |c: Vec<f32>| {
-        let mut out = vec![E::default(); c.len()];
+    let rounded = |c: Vec<f32>| {
+        let mut out = vec![bf16::ZERO; c.len()];
         out.par_chunks_mut(STORE_CHUNK)
             .zip(c.par_chunks(STORE_CHUNK))
-            .for_each(|(o, c)| store(c, o));
+            .for_each(|(o, c)| narrow_to_bf16(c, o));
         out
     };
+    product(a, b, rounded, |kern| blocked_into(kern, narrow_to_bf16))
+}
+
+/// `a @ b` by the blocked kernel (`blocked_path`), or where another path computes it in f32
+/// (an empty product, a few rows against W^T, the swapped product) that result through
+/// `f32_path`.
+fn product<R>(
+    a: Mat<bf16>,
+    b: Mat<bf16>,
+    f32_path: impl FnOnce(Vec<f32>) -> R,
+    blocked_path: impl FnOnce(&Bf16Panels) -> R,
+) -> R {
     let (a, b) = match f32_paths(a, b) {
-        Ok(c) => return stored(c),
+        Ok(c) => return f32_path(c),
         Err(operands) => operands,
     };
     let (m, k) = (a.rows, a.cols);
@@ -250,13 +252,12 @@ where
         packed = rows_of_pairs(&a);
         (&packed[..], PairLayout::rows(k.next_multiple_of(2)))
     };
-    let kern = Bf16Panels {
+    blocked_path(&Bf16Panels {
         a: a_data,
         a_rows: m,
         a_layout,
         b,
-    };
-    blocked_into(&kern, store)
+    })
 }
 
 /// The two operands of a product.
