@@ -320,13 +320,7 @@ fn check_devices(q: &Tensor, others: &[(&'static str, &Tensor)]) -> Result<()> {
 /// Converts an f32 buffer to a CPU storage of `dtype` (f32, bf16 or f16; others stay f32).
 pub(crate) fn f32_to_storage(v: Vec<f32>, dtype: DType) -> CpuStorage {
     match dtype {
-        DType::BF16 => {
-            let mut out = vec![half::bf16::ZERO; v.len()];
-            out.par_chunks_mut(1 << 14)
-                .zip(v.par_chunks(1 << 14))
-                .for_each(|(d, s)| cpu::gemm_bf16::narrow_to_bf16(s, d));
-            CpuStorage::BF16(out)
-        }
+        DType::BF16 => CpuStorage::BF16(cpu::gemm_bf16::narrowed(&v)),
         DType::F16 => CpuStorage::F16(v.par_iter().map(|&x| half::f16::from_f32(x)).collect()),
         _ => CpuStorage::F32(v),
     }

@@ -86,14 +86,14 @@ impl<'a, T> Mat<'a, T> {
     }
 }
 
-/// A shared, disjointly written output.
-pub(crate) struct OutPtr(pub(crate) *mut f32);
-// SAFETY: tasks write disjoint blocks of C (see `gemm`); the buffer outlives them.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
+/// A shared, disjointly written output (f32 unless said).
+pub(crate) struct OutPtr<E = f32>(pub(crate) *mut E);
+// SAFETY: tasks write disjoint elements (see `gemm`, `blocked_into`); the buffer outlives them.
+unsafe impl<E: Send> Send for OutPtr<E> {}
+unsafe impl<E: Send> Sync for OutPtr<E> {}
 
-impl OutPtr {
-    pub(crate) fn get(&self) -> *mut f32 {
+impl<E> OutPtr<E> {
+    pub(crate) fn get(&self) -> *mut E {
         self.0
     }
 }
@@ -270,7 +270,7 @@ pub(crate) fn blocked<K: PanelKernel>(kern: &K) -> Vec<f32> {
     let (m, k, n) = kern.dims();
     let np = n.div_ceil(16) * 16;
     let mut c: Vec<f32> = Vec::with_capacity(m * np);
-    let out = SendPtr(c.as_mut_ptr());
+    let out = OutPtr(c.as_mut_ptr());
     let c_len = m * np;
     run_blocks(kern, |panels, tmp: &mut Vec<f32>, r0, rows, c0, cols| {
         let c_off = r0 * np + c0;
@@ -314,7 +314,7 @@ where
 {
     let (m, k, n) = kern.dims();
     let mut c: Vec<E> = Vec::with_capacity(m * n);
-    let out = SendPtr(c.as_mut_ptr());
+    let out = OutPtr(c.as_mut_ptr());
     run_blocks(
         kern,
         |panels, (sums, tmp): &mut Scratch, r0, rows, c0, cols| {
@@ -445,18 +445,6 @@ fn run_blocks<K, S>(
 /// A task's scratch blocks of [`blocked_into`]: the block's sums, and the sums of one
 /// super-chunk.
 type Scratch = (Vec<f32>, Vec<f32>);
-
-/// A shared, disjointly written output of any element type (see [`blocked_into`]).
-struct SendPtr<E>(*mut E);
-// SAFETY: tasks write disjoint elements; the buffer outlives them.
-unsafe impl<E: Send> Send for SendPtr<E> {}
-unsafe impl<E: Send> Sync for SendPtr<E> {}
-
-impl<E> SendPtr<E> {
-    fn get(&self) -> *mut E {
-        self.0
-    }
-}
 
 /// Rows of A up to which a product with a B of contiguous columns (`B = W^T`, a linear layer's
 /// weight) takes [`few_rows`]: packing B would cost as much as the product (decoding one token

@@ -204,6 +204,16 @@ pub fn narrow_to_bf16(src: &[f32], dst: &mut [bf16]) {
         .for_each(|(d, s)| *d = bf16::from_f32(*s));
 }
 
+/// `src` rounded to bf16 by [`narrow_to_bf16`], in parallel blocks.
+pub fn narrowed(src: &[f32]) -> Vec<bf16> {
+    const BLOCK: usize = 1 << 14;
+    let mut out = vec![bf16::ZERO; src.len()];
+    out.par_chunks_mut(BLOCK)
+        .zip(src.par_chunks(BLOCK))
+        .for_each(|(o, s)| narrow_to_bf16(s, o));
+    out
+}
+
 /// `C = A B` for bf16 `A` `(m, k)` and `B` `(k, n)` (any strides): C `(m, n)` row-major in f32.
 ///
 /// Panics (internal bug, never user input) when [`available`] is false, the operands disagree
@@ -217,14 +227,12 @@ pub fn gemm_bf16(a: Mat<bf16>, b: Mat<bf16>) -> Vec<f32> {
 /// C in memory (on a Zen 4 EPYC the copy, its zero-filling and its rounding pass were about 4%
 /// of a bf16 LLaMA training step).
 pub fn gemm_bf16_rounded(a: Mat<bf16>, b: Mat<bf16>) -> Vec<bf16> {
-    let rounded = |c: Vec<f32>| {
-        let mut out = vec![bf16::ZERO; c.len()];
-        out.par_chunks_mut(STORE_CHUNK)
-            .zip(c.par_chunks(STORE_CHUNK))
-            .for_each(|(o, c)| narrow_to_bf16(c, o));
-        out
-    };
-    product(a, b, rounded, |kern| blocked_into(kern, narrow_to_bf16))
+    product(
+        a,
+        b,
+        |c| narrowed(&c),
+        |kern| blocked_into(kern, narrow_to_bf16),
+    )
 }
 
 /// `a @ b` by the blocked kernel (`blocked_path`), or where another path computes it in f32
@@ -262,9 +270,6 @@ fn product<R>(
 
 /// The two operands of a product.
 type Operands<'a> = (Mat<'a, bf16>, Mat<'a, bf16>);
-
-/// Elements per task when a whole f32 result is stored.
-const STORE_CHUNK: usize = 1 << 14;
 
 /// The products that are not the blocked one, in f32: an empty one, a few rows against W^T,
 /// or the swapped product; otherwise the operands back.
