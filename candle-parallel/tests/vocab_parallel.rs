@@ -311,6 +311,59 @@ fn cross_entropy_all_ignored() {
     }
 }
 
+/// A NaN logit makes the loss NaN, as PyTorch's `cross_entropy` does, wherever it sits: in the
+/// row of a token's label or off it, in the first or the last vocabulary shard, f32 and bf16
+/// products. (The vector exponential sends NaN to 0 and the maxima's all-reduce keeps a NaN
+/// only from some ranks, so without the rows' NaN check a poisoned vocabulary entry that no
+/// label names gave a finite loss, and training went on with it.) The same inputs without the
+/// NaN give a finite loss.
+#[test]
+fn cross_entropy_nan_logit_gives_nan_loss() {
+    let mut rng = StdRng::seed_from_u64(17);
+    let (n, h, v) = (9, 8, 32);
+    let hidden = rand_t(&mut rng, &[n, h]);
+    let clean = rand_t(&mut rng, &[v, h]);
+    // Every label is 5 (or ignored): entries 0 and 31 are never a label.
+    let labels: Vec<i64> = (0..n)
+        .map(|i| if i == 3 { IGNORE_INDEX } else { 5 })
+        .collect();
+    let labels = Tensor::new(labels.as_slice(), &Device::Cpu).unwrap();
+    let poisoned = |entry: usize| {
+        let mut w = clean.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        w[entry * h + 2] = f32::NAN;
+        Tensor::from_vec(w, (v, h), &Device::Cpu).unwrap()
+    };
+    for (dtype, eager) in [(DType::F32, false), (DType::F32, true), (DType::BF16, true)] {
+        let opts = CrossEntropyOptions {
+            chunk_tokens: 4,
+            eager_gradients: eager,
+            ..Default::default()
+        };
+        let hidden = hidden.to_dtype(dtype).unwrap();
+        for (what, weight, nan) in [
+            ("clean", clean.clone(), false),
+            ("entry 0", poisoned(0), true),
+            ("entry 31", poisoned(v - 1), true),
+            ("the label's entry", poisoned(5), true),
+        ] {
+            let weight = weight.to_dtype(dtype).unwrap();
+            for p in WORLDS {
+                let out = world(p, |comm| {
+                    let (loss, _, _, _) = rank_loss(&hidden, &weight, &labels, &comm, &opts)?;
+                    loss.to_dtype(DType::F32)?.to_scalar::<f32>()
+                });
+                for (r, loss) in out.iter().enumerate() {
+                    assert_eq!(
+                        loss.is_nan(),
+                        nan,
+                        "{dtype:?} eager {eager}, {what}, P={p} rank {r}: loss {loss}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn cross_entropy_rejects_bad_input() {
     let mut rng = StdRng::seed_from_u64(14);

@@ -513,9 +513,9 @@ impl Plan {
             let idx = self.local_idx.narrow(0, s, c)?;
             let target = (logits.gather(&idx, 1)? * &here)?;
             let (max, sum_exp) = if logits.device().is_cpu() {
-                let max = crate::ops::softmax_rows::max_rows(&logits)?;
-                let max = self.all_reduce(&max, ReduceOp::Max)?;
-                let sum_exp = crate::ops::softmax_rows::sum_exp_rows(&logits, &max)?;
+                let local = crate::ops::softmax_rows::max_rows(&logits)?;
+                let max = self.all_reduce(&local, ReduceOp::Max)?;
+                let sum_exp = crate::ops::softmax_rows::sum_exp_rows(&logits, &max, &local)?;
                 (max, sum_exp)
             } else {
                 let max = self.all_reduce(&logits.max_keepdim(1)?, ReduceOp::Max)?;

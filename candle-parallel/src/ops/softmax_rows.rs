@@ -25,16 +25,20 @@ fn per_row(t: &Tensor, c: usize) -> Result<Vec<f32>> {
 
 /// `(c, 1)` f32: `max_v logits[r, v]` for f32 logits `(c, V)` on the CPU, rows in parallel
 /// ([`flash_ring::cpu::row_max`]; candle's `max_keepdim` runs one element at a time on the
-/// calling thread: 3.6% of a bf16 `cpl bench eval`).
+/// calling thread: 3.6% of a bf16 `cpl bench eval`). NaN for a row holding a NaN.
 pub(crate) fn max_rows(logits: &Tensor) -> Result<Tensor> {
     logits.apply_op1_no_bwd(&MaxRows)
 }
 
-/// `(c, 1)` f32: `sum_v exp(logits[r, v] - shift[r])` for f32 logits `(c, V)` on the CPU.
-pub(crate) fn sum_exp_rows(logits: &Tensor, shift: &Tensor) -> Result<Tensor> {
+/// `(c, 1)` f32: `sum_v exp(logits[r, v] - shift[r])` for f32 logits `(c, V)` on the CPU, NaN
+/// where `local_max[r]` (these logits' [`max_rows`]) is NaN. The exponential sends a NaN to 0,
+/// and the maxima's all-reduce over vocabulary shards need not keep a NaN, so a NaN logit
+/// reaches the loss through this sum (which all-reduces as a sum).
+pub(crate) fn sum_exp_rows(logits: &Tensor, shift: &Tensor, local_max: &Tensor) -> Result<Tensor> {
     let (c, _) = logits.dims2()?;
     let op = SumExpRows {
         shift: per_row(shift, c)?,
+        nan: per_row(local_max, c)?.iter().map(|m| m.is_nan()).collect(),
     };
     logits.apply_op1_no_bwd(&op)
 }
@@ -105,6 +109,8 @@ impl CustomOp1 for MaxRows {
 
 struct SumExpRows {
     shift: Vec<f32>,
+    /// Rows that hold a NaN: their sum is NaN.
+    nan: Vec<bool>,
 }
 
 impl CustomOp1 for SumExpRows {
@@ -118,12 +124,16 @@ impl CustomOp1 for SumExpRows {
         if v > 0 {
             sums.par_iter_mut()
                 .zip(x.par_chunks(v))
-                .zip(&self.shift)
+                .zip(self.shift.par_iter().zip(&self.nan))
                 .for_each_init(
                     || vec![0f32; v],
-                    |row, ((sum, src), &m)| {
-                        row.copy_from_slice(src);
-                        *sum = flash_ring::cpu::exp_shifted(row, m);
+                    |row, ((sum, src), (&m, &nan))| {
+                        *sum = if nan {
+                            f32::NAN
+                        } else {
+                            row.copy_from_slice(src);
+                            flash_ring::cpu::exp_shifted(row, m)
+                        };
                     },
                 );
         }

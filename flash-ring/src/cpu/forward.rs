@@ -311,7 +311,7 @@ impl TileTask<'_> {
             }
             let row = &mut full[c0..c1];
             let m_old = sc.m[i];
-            let m_new = m_old.max(simd::row_max(isa, row));
+            let m_new = m_old.max(simd::row_max::<false>(isa, row));
             if m_new == f32::NEG_INFINITY {
                 // Nothing allowed so far: P = 0, the output row stays 0.
                 row.fill(0.0);

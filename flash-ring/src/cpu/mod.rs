@@ -64,10 +64,11 @@ pub fn exp_shifted(x: &mut [f32], shift: f32) -> f32 {
 }
 
 /// The largest element of `x` (`-inf` when empty), on this CPU's best instruction set: exact,
-/// whatever the order (a NaN may or may not be returned, as with candle's `max`, which keeps a
-/// NaN only in first position). For the row maxima of a loss over a large vocabulary.
+/// whatever the order, and NaN when any element is NaN (as PyTorch's `max`; candle's keeps a
+/// NaN only in first position). For the row maxima of a loss over a large vocabulary, where a
+/// NaN logit must make the loss NaN.
 pub fn row_max(x: &[f32]) -> f32 {
-    simd::row_max(simd::detect(), x)
+    simd::row_max::<true>(simd::detect(), x)
 }
 
 /// Tile sizes and instruction set of the CPU kernels.

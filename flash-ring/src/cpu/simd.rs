@@ -182,16 +182,18 @@ impl MatMul {
     }
 }
 
-/// Largest element of `x` (`-inf` when empty).
-pub fn row_max(isa: Isa, x: &[f32]) -> f32 {
+/// Largest element of `x` (`-inf` when empty). NaN elements are skipped (attention's rows:
+/// the caller decides what a NaN score means), or, with `NAN`, make the result NaN (a loss
+/// row: a NaN logit must give a NaN loss, as PyTorch's does).
+pub fn row_max<const NAN: bool>(isa: Isa, x: &[f32]) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX-512F is present (see `detect`); the kernel stays inside `x`.
-        Isa::Avx512 => unsafe { avx512::row_max(x) },
+        Isa::Avx512 => unsafe { avx512::row_max::<NAN>(x) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX2 and FMA are present (see `Isa::Avx2`); the kernel stays in its slices.
-        Isa::Avx2 => unsafe { avx2::row_max(x) },
-        _ => x.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+        Isa::Avx2 => unsafe { avx2::row_max::<NAN>(x) },
+        _ => portable::row_max::<NAN>(x),
     }
 }
 
@@ -410,6 +412,14 @@ mod portable {
         }
     }
 
+    /// See `super::row_max`.
+    pub fn row_max<const NAN: bool>(x: &[f32]) -> f32 {
+        if NAN && x.iter().any(|v| v.is_nan()) {
+            return f32::NAN;
+        }
+        x.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+    }
+
     /// Scalar `tanh` with the formulas of the vector kernels (see `softcap_row`).
     #[inline]
     pub fn tanh(x: f32) -> f32 {
@@ -583,26 +593,39 @@ pub(crate) mod avx512 {
         ((1u32 << rem) - 1) as __mmask16
     }
 
+    /// See `super::row_max`: `_mm512_max_ps(v, m)` returns its second operand `m` when `v` is
+    /// NaN, so NaNs are skipped; with `NAN` an unordered compare of each vector with itself
+    /// marks them.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn row_max(x: &[f32]) -> f32 {
+    pub unsafe fn row_max<const NAN: bool>(x: &[f32]) -> f32 {
         let n = x.len();
         let p = x.as_ptr();
         let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
         let mut m0 = ninf;
         let mut m1 = ninf;
+        let mut nan: __mmask16 = 0;
         let mut j = 0;
+        let mut take = |m: __m512, v: __m512| {
+            if NAN {
+                nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            }
+            _mm512_max_ps(v, m)
+        };
         while j + 32 <= n {
-            m0 = _mm512_max_ps(m0, _mm512_loadu_ps(p.add(j)));
-            m1 = _mm512_max_ps(m1, _mm512_loadu_ps(p.add(j + 16)));
+            m0 = take(m0, _mm512_loadu_ps(p.add(j)));
+            m1 = take(m1, _mm512_loadu_ps(p.add(j + 16)));
             j += 32;
         }
         while j + 16 <= n {
-            m0 = _mm512_max_ps(m0, _mm512_loadu_ps(p.add(j)));
+            m0 = take(m0, _mm512_loadu_ps(p.add(j)));
             j += 16;
         }
         if j < n {
             let v = _mm512_mask_loadu_ps(ninf, tail_mask(n - j), p.add(j));
-            m1 = _mm512_max_ps(m1, v);
+            m1 = take(m1, v);
+        }
+        if NAN && nan != 0 {
+            return f32::NAN;
         }
         _mm512_reduce_max_ps(_mm512_max_ps(m0, m1))
     }
@@ -886,26 +909,35 @@ mod avx2 {
         _mm256_and_ps(valid, _mm256_mul_ps(p, _mm256_castsi256_ps(e)))
     }
 
+    /// See `super::row_max` and the AVX-512 kernel.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn row_max(x: &[f32]) -> f32 {
+    pub unsafe fn row_max<const NAN: bool>(x: &[f32]) -> f32 {
         let n = x.len();
         let p = x.as_ptr();
         let mut m0 = _mm256_set1_ps(f32::NEG_INFINITY);
         let mut m1 = m0;
+        let mut nan = _mm256_setzero_ps();
         let mut j = 0;
+        let mut take = |m: __m256, v: __m256| {
+            if NAN {
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+            }
+            _mm256_max_ps(v, m)
+        };
         while j + 16 <= n {
-            m0 = _mm256_max_ps(m0, _mm256_loadu_ps(p.add(j)));
-            m1 = _mm256_max_ps(m1, _mm256_loadu_ps(p.add(j + 8)));
+            m0 = take(m0, _mm256_loadu_ps(p.add(j)));
+            m1 = take(m1, _mm256_loadu_ps(p.add(j + 8)));
             j += 16;
         }
         while j + 8 <= n {
-            m0 = _mm256_max_ps(m0, _mm256_loadu_ps(p.add(j)));
+            m0 = take(m0, _mm256_loadu_ps(p.add(j)));
             j += 8;
         }
-        x[j..]
-            .iter()
-            .copied()
-            .fold(hmax(_mm256_max_ps(m0, m1)), f32::max)
+        let tail = super::portable::row_max::<NAN>(&x[j..]);
+        if NAN && (_mm256_movemask_ps(nan) != 0 || tail.is_nan()) {
+            return f32::NAN;
+        }
+        hmax(_mm256_max_ps(m0, m1)).max(tail)
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -1093,6 +1125,38 @@ mod tests {
         }
     }
 
+    /// `row_max::<true>` is NaN exactly when the row holds a NaN, wherever it sits (a full
+    /// vector, the second accumulator, the tail, alone); `row_max::<false>` is then the
+    /// maximum of the other elements. Every instruction set, lengths around the vector widths.
+    #[test]
+    fn row_max_nan_is_kept_or_skipped_on_every_isa() {
+        let mut seed = 11;
+        for isa in available() {
+            for n in [
+                1usize, 2, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 47, 48, 63, 64, 65, 130,
+            ] {
+                let x: Vec<f32> = (0..n).map(|_| lcg(&mut seed) * 50.0).collect();
+                let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                assert_eq!(row_max::<true>(isa, &x), max, "{isa:?} n={n}: no NaN");
+                assert_eq!(row_max::<false>(isa, &x), max, "{isa:?} n={n}: no NaN");
+                for at in 0..n {
+                    let mut y = x.clone();
+                    y[at] = f32::NAN;
+                    let rest = y.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    assert!(
+                        row_max::<true>(isa, &y).is_nan(),
+                        "{isa:?} n={n}: NaN at {at}"
+                    );
+                    assert_eq!(
+                        row_max::<false>(isa, &y),
+                        rest,
+                        "{isa:?} n={n}: NaN at {at}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn row_ops_isas_agree() {
         let mut seed = 7;
@@ -1103,8 +1167,8 @@ mod tests {
                 if masked {
                     x[n / 2] = f32::NEG_INFINITY;
                 }
-                let m1 = row_max(Isa::Portable, &x);
-                let m2 = row_max(isa, &x);
+                let m1 = row_max::<false>(Isa::Portable, &x);
+                let m2 = row_max::<false>(isa, &x);
                 assert_eq!(m1, m2, "{isa:?}");
                 let mut y1 = x.clone();
                 let mut y2 = x.clone();
