@@ -40,7 +40,7 @@ fn check(a: &[bf16], b: &[bf16], what: &str) -> Result<()> {
 #[test]
 fn bf16_addition_rounds_each_f32_sum_to_nearest_even() -> Result<()> {
     let mut rng = StdRng::seed_from_u64(23);
-    let mut value = |rng: &mut StdRng| {
+    let value = |rng: &mut StdRng| {
         let m = rng.random_range(0.5f32..2.0) * 2f32.powi(rng.random_range(-20..20));
         bf16::from_f32(if rng.random_bool(0.5) { m } else { -m })
     };

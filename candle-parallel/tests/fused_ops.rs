@@ -629,7 +629,7 @@ fn swiglu_matches_composite() -> Result<()> {
 /// of `|up| (σ + |x| σ (1 - σ))` (its terms' magnitudes: it crosses 0 at x = -1.28). Measured:
 /// 2.9e-7, 2.5e-7 and 1.0e-6; the composite from libm's `expf` (PyTorch's formula) 1.7e-7,
 /// 1.3e-7 and 1.2e-6. Without the exponential's correction for the rounding of `x log2 e`
-/// (`ops::chunk_exp`) the value was 3.7e-6 off at x = -67.
+/// (`flash_ring::cpu::exp_in_place`) the value was 3.7e-6 off at x = -67.
 #[test]
 fn swiglu_matches_float64_over_the_whole_range() -> Result<()> {
     let xs: Vec<f32> = (-8700..=8800).map(|i| i as f32 / 99.0).collect();
