@@ -125,17 +125,13 @@ impl CustomOp1 for SumExpRows {
             sums.par_iter_mut()
                 .zip(x.par_chunks(v))
                 .zip(self.shift.par_iter().zip(&self.nan))
-                .for_each_init(
-                    || vec![0f32; v],
-                    |row, ((sum, src), (&m, &nan))| {
-                        *sum = if nan {
-                            f32::NAN
-                        } else {
-                            row.copy_from_slice(src);
-                            flash_ring::cpu::exp_shifted(row, m)
-                        };
-                    },
-                );
+                .for_each(|((sum, src), (&m, &nan))| {
+                    *sum = if nan {
+                        f32::NAN
+                    } else {
+                        flash_ring::cpu::exp_shifted_sum(src, m)
+                    };
+                });
         }
         Ok((CpuStorage::F32(sums), Shape::from((c, 1))))
     }

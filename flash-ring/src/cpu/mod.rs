@@ -58,9 +58,13 @@ pub(crate) fn env_choice<T: Clone>(
 /// inf), on every instruction set. Deterministic: the sum's order depends only on `x.len()`.
 /// For the softmax of a loss over a large vocabulary, and a GELU's `e^{-2u}`.
 pub fn exp_shifted(x: &mut [f32], shift: f32) -> f32 {
-    x.iter_mut()
-        .for_each(|v| *v = (*v - shift) * std::f32::consts::LOG2_E);
-    simd::exp2_shift_sum(simd::detect(), x, 0.0)
+    simd::exp_shift_sum(simd::detect(), x, shift)
+}
+
+/// The sum [`exp_shifted`] returns (the same bits), without writing the exponentials: a
+/// softmax's normaliser over a row it only reads.
+pub fn exp_shifted_sum(x: &[f32], shift: f32) -> f32 {
+    simd::exp_shift_sum_of(simd::detect(), x, shift)
 }
 
 /// `x[j] = e^(x[j])` on this CPU's best instruction set, within 2.5e-7 relative (2 ulps; libm's

@@ -200,18 +200,52 @@ pub fn row_max<const NAN: bool>(isa: Isa, x: &[f32]) -> f32 {
 /// `x[j] = 2^(x[j] - m)` (0 for `-inf` and NaN; `x[j] - m` above 127 is clamped to 127, so
 /// every result is finite) and returns the sum of the results. `m` must be finite.
 pub fn exp2_shift_sum(isa: Isa, x: &mut [f32], m: f32) -> f32 {
+    let n = x.len();
+    // SAFETY: source and destination are `x`, read before written, element by element.
+    unsafe { shift_sum::<false, true>(isa, x.as_ptr(), x.as_mut_ptr(), n, m) }
+}
+
+/// `x[j] = 2^((x[j] - shift) log2 e)`, each `(x[j] - shift) log2 e` rounded to f32 as written
+/// (so `exp2_shift_sum` of those values, bit for bit), and the sum of the results.
+pub fn exp_shift_sum(isa: Isa, x: &mut [f32], shift: f32) -> f32 {
+    let n = x.len();
+    // SAFETY: as above.
+    unsafe { shift_sum::<true, true>(isa, x.as_ptr(), x.as_mut_ptr(), n, shift) }
+}
+
+/// The sum of `e^(x[j] - shift)` as [`exp_shift_sum`] computes it (the same bits), `x` unchanged.
+pub fn exp_shift_sum_of(isa: Isa, x: &[f32], shift: f32) -> f32 {
+    // SAFETY: with `STORE = false` nothing is written through the pointer.
+    unsafe { shift_sum::<true, false>(isa, x.as_ptr(), x.as_ptr() as *mut f32, x.len(), shift) }
+}
+
+/// The kernels above: reads `n` elements at `src`, writes them at `dst` when `STORE` (`src`
+/// and `dst` may be the same; each element is read before it is written).
+///
+/// # Safety
+/// `src` readable and (with `STORE`) `dst` writable for `n` elements.
+unsafe fn shift_sum<const NATURAL: bool, const STORE: bool>(
+    isa: Isa,
+    src: *const f32,
+    dst: *mut f32,
+    n: usize,
+    m: f32,
+) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Isa::Avx512 => unsafe { avx512::exp2_shift_sum(x, m) },
+        // SAFETY: AVX-512F is present (see `detect`); the caller's contract covers the memory.
+        Isa::Avx512 => avx512::shift_sum::<NATURAL, STORE>(src, dst, n, m),
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2 and FMA are present (see `Isa::Avx2`); the kernel stays in its slices.
-        Isa::Avx2 => unsafe { avx2::exp2_shift_sum(x, m) },
+        // SAFETY: AVX2 and FMA are present (see `Isa::Avx2`); as above.
+        Isa::Avx2 => avx2::shift_sum::<NATURAL, STORE>(src, dst, n, m),
         _ => {
             let mut s = 0.0f32;
-            for v in x.iter_mut() {
-                *v = portable::exp2(*v - m);
-                s += *v;
+            for j in 0..n {
+                let e = portable::exp2(portable::shifted::<NATURAL>(*src.add(j), m));
+                if STORE {
+                    *dst.add(j) = e;
+                }
+                s += e;
             }
             s
         }
@@ -438,6 +472,17 @@ mod portable {
             return f32::NAN;
         }
         x.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+    }
+
+    /// The exponent of `shift_sum` in log2 units: `x - m`, or with `NATURAL`
+    /// `(x - m) log2 e - 0` (as `exp_shifted` computed it in two passes).
+    #[inline(always)]
+    pub fn shifted<const NATURAL: bool>(x: f32, m: f32) -> f32 {
+        if NATURAL {
+            (x - m) * LOG2_E - 0.0
+        } else {
+            x - m
+        }
     }
 
     /// See `super::exp_in_place` (`mul_add`: an FMA where the target has one).
@@ -716,28 +761,48 @@ pub(crate) mod avx512 {
         }
     }
 
+    /// See `super::shift_sum`.
+    #[inline]
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn exp2_shift_sum(x: &mut [f32], m: f32) -> f32 {
-        let n = x.len();
-        let p = x.as_mut_ptr();
+    fn shifted<const NATURAL: bool>(x: __m512, m: __m512) -> __m512 {
+        if NATURAL {
+            let t = _mm512_mul_ps(_mm512_sub_ps(x, m), _mm512_set1_ps(LOG2_E));
+            _mm512_sub_ps(t, _mm512_setzero_ps())
+        } else {
+            _mm512_sub_ps(x, m)
+        }
+    }
+
+    /// See `super::shift_sum`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn shift_sum<const NATURAL: bool, const STORE: bool>(
+        src: *const f32,
+        dst: *mut f32,
+        n: usize,
+        m: f32,
+    ) -> f32 {
         let mv = _mm512_set1_ps(m);
         let mut s0 = _mm512_setzero_ps();
         let mut s1 = _mm512_setzero_ps();
         let mut j = 0;
         while j + 32 <= n {
-            let e0 = exp2(_mm512_sub_ps(_mm512_loadu_ps(p.add(j)), mv));
-            let e1 = exp2(_mm512_sub_ps(_mm512_loadu_ps(p.add(j + 16)), mv));
-            _mm512_storeu_ps(p.add(j), e0);
-            _mm512_storeu_ps(p.add(j + 16), e1);
+            let e0 = exp2(shifted::<NATURAL>(_mm512_loadu_ps(src.add(j)), mv));
+            let e1 = exp2(shifted::<NATURAL>(_mm512_loadu_ps(src.add(j + 16)), mv));
+            if STORE {
+                _mm512_storeu_ps(dst.add(j), e0);
+                _mm512_storeu_ps(dst.add(j + 16), e1);
+            }
             s0 = _mm512_add_ps(s0, e0);
             s1 = _mm512_add_ps(s1, e1);
             j += 32;
         }
         while j < n {
             let k = tail_mask((n - j).min(16));
-            let e = exp2(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p.add(j)), mv));
+            let e = exp2(shifted::<NATURAL>(_mm512_maskz_loadu_ps(k, src.add(j)), mv));
             let e = _mm512_maskz_mov_ps(k, e);
-            _mm512_mask_storeu_ps(p.add(j), k, e);
+            if STORE {
+                _mm512_mask_storeu_ps(dst.add(j), k, e);
+            }
             s0 = _mm512_add_ps(s0, e);
             j += 16;
         }
@@ -1038,33 +1103,57 @@ mod avx2 {
         }
     }
 
+    /// See `super::shift_sum`.
+    #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn exp2_shift_sum(x: &mut [f32], m: f32) -> f32 {
-        let n = x.len();
-        let p = x.as_mut_ptr();
+    fn shifted<const NATURAL: bool>(x: __m256, m: __m256) -> __m256 {
+        if NATURAL {
+            let t = _mm256_mul_ps(_mm256_sub_ps(x, m), _mm256_set1_ps(LOG2_E));
+            _mm256_sub_ps(t, _mm256_setzero_ps())
+        } else {
+            _mm256_sub_ps(x, m)
+        }
+    }
+
+    /// See `super::shift_sum`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn shift_sum<const NATURAL: bool, const STORE: bool>(
+        src: *const f32,
+        dst: *mut f32,
+        n: usize,
+        m: f32,
+    ) -> f32 {
         let mv = _mm256_set1_ps(m);
         let mut s0 = _mm256_setzero_ps();
         let mut s1 = _mm256_setzero_ps();
         let mut j = 0;
         while j + 16 <= n {
-            let e0 = exp2(_mm256_sub_ps(_mm256_loadu_ps(p.add(j)), mv));
-            let e1 = exp2(_mm256_sub_ps(_mm256_loadu_ps(p.add(j + 8)), mv));
-            _mm256_storeu_ps(p.add(j), e0);
-            _mm256_storeu_ps(p.add(j + 8), e1);
+            let e0 = exp2(shifted::<NATURAL>(_mm256_loadu_ps(src.add(j)), mv));
+            let e1 = exp2(shifted::<NATURAL>(_mm256_loadu_ps(src.add(j + 8)), mv));
+            if STORE {
+                _mm256_storeu_ps(dst.add(j), e0);
+                _mm256_storeu_ps(dst.add(j + 8), e1);
+            }
             s0 = _mm256_add_ps(s0, e0);
             s1 = _mm256_add_ps(s1, e1);
             j += 16;
         }
         while j + 8 <= n {
-            let e = exp2(_mm256_sub_ps(_mm256_loadu_ps(p.add(j)), mv));
-            _mm256_storeu_ps(p.add(j), e);
+            let e = exp2(shifted::<NATURAL>(_mm256_loadu_ps(src.add(j)), mv));
+            if STORE {
+                _mm256_storeu_ps(dst.add(j), e);
+            }
             s0 = _mm256_add_ps(s0, e);
             j += 8;
         }
         let mut s = hsum(_mm256_add_ps(s0, s1));
-        for v in &mut x[j..] {
-            *v = portable::exp2(*v - m);
-            s += *v;
+        while j < n {
+            let e = portable::exp2(portable::shifted::<NATURAL>(*src.add(j), m));
+            if STORE {
+                *dst.add(j) = e;
+            }
+            s += e;
+            j += 1;
         }
         s
     }
@@ -1292,6 +1381,46 @@ mod tests {
             exp_in_place(isa, &mut ends);
             let big = 2f32.powi(127);
             assert_eq!(ends, [0.0, 0.0, 0.0, 0.0, 0.0, big, big, big], "{isa:?}");
+        }
+    }
+
+    /// `exp_shift_sum` (one pass) gives the bits of the two passes it replaced (`(x - shift)
+    /// log2 e` stored, then `exp2_shift_sum` with shift 0), values and sum, and
+    /// `exp_shift_sum_of` the same sum without writing: every ISA, lengths around the vector
+    /// widths, `-inf`, NaN and arguments past both clamps.
+    #[test]
+    fn exp_shift_sum_is_the_two_pass_softmax_bit_for_bit() {
+        let mut seed = 3;
+        for isa in available() {
+            for n in (0..70).chain([1000, 32003]) {
+                let mut x: Vec<f32> = (0..n).map(|_| lcg(&mut seed) * 40.0).collect();
+                for (at, v) in [
+                    (3, f32::NEG_INFINITY),
+                    (5, f32::NAN),
+                    (17, 300.0),
+                    (33, -300.0),
+                ] {
+                    if at < n {
+                        x[at] = v;
+                    }
+                }
+                let shift = 7.25;
+                let mut two = x.clone();
+                two.iter_mut()
+                    .for_each(|v| *v = (*v - shift) * std::f32::consts::LOG2_E);
+                let s2 = exp2_shift_sum(isa, &mut two, 0.0);
+                let s0 = exp_shift_sum_of(isa, &x, shift);
+                let mut one = x.clone();
+                let s1 = exp_shift_sum(isa, &mut one, shift);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&one), bits(&two), "{isa:?} n={n}: values");
+                assert_eq!(s1.to_bits(), s2.to_bits(), "{isa:?} n={n}: sum");
+                assert_eq!(
+                    s0.to_bits(),
+                    s2.to_bits(),
+                    "{isa:?} n={n}: sum without stores"
+                );
+            }
         }
     }
 
