@@ -228,6 +228,18 @@ mod tests {
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
+    /// Rows of no logits (an empty chunk of a vocabulary): maxima `-inf`, sums 0, no panic.
+    #[test]
+    fn empty_rows_have_max_minus_inf_and_sum_zero() -> Result<()> {
+        let t = Tensor::zeros((3, 0), candle_core::DType::F32, &Device::Cpu)?;
+        let max = max_rows(&t)?;
+        assert_eq!(max.flatten_all()?.to_vec1::<f32>()?, [f32::NEG_INFINITY; 3]);
+        let shift = Tensor::zeros((3, 1), candle_core::DType::F32, &Device::Cpu)?;
+        let sum = sum_exp_rows(&t, &shift, &shift)?;
+        assert_eq!(sum.flatten_all()?.to_vec1::<f32>()?, [0.0; 3]);
+        Ok(())
+    }
+
     /// The row maxima are candle's `max_keepdim(1)`, bit for bit: row lengths off the vector
     /// widths (1, 17, 33, a vocabulary-sized one), every sign, magnitudes up to 1e30, the
     /// maximum anywhere in the row (first, last, a tail element), and a row of `-inf`.

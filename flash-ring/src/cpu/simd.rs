@@ -200,17 +200,18 @@ pub fn row_max<const NAN: bool>(isa: Isa, x: &[f32]) -> f32 {
 /// `x[j] = 2^(x[j] - m)` (0 for `-inf` and NaN; `x[j] - m` above 127 is clamped to 127, so
 /// every result is finite) and returns the sum of the results. `m` must be finite.
 pub fn exp2_shift_sum(isa: Isa, x: &mut [f32], m: f32) -> f32 {
-    let n = x.len();
-    // SAFETY: source and destination are `x`, read before written, element by element.
-    unsafe { shift_sum::<false, true>(isa, x.as_ptr(), x.as_mut_ptr(), n, m) }
+    let (n, p) = (x.len(), x.as_mut_ptr());
+    // SAFETY: source and destination are `x` (one pointer), read before written, element by
+    // element.
+    unsafe { shift_sum::<false, true>(isa, p, p, n, m) }
 }
 
 /// `x[j] = 2^((x[j] - shift) log2 e)`, each `(x[j] - shift) log2 e` rounded to f32 as written
 /// (so `exp2_shift_sum` of those values, bit for bit), and the sum of the results.
 pub fn exp_shift_sum(isa: Isa, x: &mut [f32], shift: f32) -> f32 {
-    let n = x.len();
+    let (n, p) = (x.len(), x.as_mut_ptr());
     // SAFETY: as above.
-    unsafe { shift_sum::<true, true>(isa, x.as_ptr(), x.as_mut_ptr(), n, shift) }
+    unsafe { shift_sum::<true, true>(isa, p, p, n, shift) }
 }
 
 /// The sum of `e^(x[j] - shift)` as [`exp_shift_sum`] computes it (the same bits), `x` unchanged.
