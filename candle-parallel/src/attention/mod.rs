@@ -18,7 +18,7 @@
 //! | `StarTrail`    | [`startrail`]     | concentric rings in teams of `C`                         |
 //!
 //! The grid: the sequence-parallel group is `ulysses × ring` ranks, from the mesh's
-//! [`Dim::Ulysses`](crate::mesh::Dim::Ulysses) and [`Dim::Ring`](crate::mesh::Dim::Ring)
+//! [`crate::mesh::Dim::Ulysses`] and [`crate::mesh::Dim::Ring`]
 //! communicators. The global sequence is first split over the ring ranks by the
 //! [`SeqLayout`] (contiguous, zigzag, striped, or zigzag per document of the call's document
 //! mask), then each ring rank's part is split in contiguous pieces over its ulysses group
@@ -33,8 +33,8 @@
 //! Arithmetic is flash-ring's (f32 accumulation whatever the input dtype); partial results are
 //! merged through their log-sum-exp, so every strategy computes the same function as
 //! single-device flash-ring. Invalid combinations (indivisible sequence or heads, wrong degrees)
-//! return [`Error::InvalidArgument`](crate::Error::InvalidArgument) or
-//! [`Error::Layout`](crate::Error::Layout) on every rank before any communication.
+//! return [`crate::Error::InvalidArgument`] or
+//! [`crate::Error::Layout`] on every rank before any communication.
 //!
 //! ```
 //! use std::sync::Arc;

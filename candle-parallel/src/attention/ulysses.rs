@@ -15,7 +15,7 @@
 //! `(P-1)/P · (2Q + 2K')` (q, k, v in; out back), backward the same (the adjoint all-to-alls of
 //! the output gradient and of dq, dk, dv). `attention_with_lse` adds `(P-1)/P` of the local lse.
 //!
-//! [`HeadParallel`] is the head-parallel wrapping (all-to-alls, replication, forward and
+//! `HeadParallel` is the head-parallel wrapping (all-to-alls, replication, forward and
 //! explicit backward) that Ulysses, [`super::usp`] and [`super::double_ring`] share; they differ
 //! only in what runs on the ring group inside it (nothing, a ring, a double ring).
 

@@ -99,7 +99,7 @@ fn matmul_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// `x @ w^T (+ b)` for `x` `(.., in)` and `w` `(out, in)`, as one 2-D [`matmul_nt`].
+/// `x @ w^T (+ b)` for `x` `(.., in)` and `w` `(out, in)`, as one 2-D `matmul_nt`.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     let (out_f, in_f) = w.dims2()?;

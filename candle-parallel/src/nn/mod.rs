@@ -6,7 +6,7 @@
 //!
 //! | module        | file            | what is split over the tensor-parallel group                    |
 //! |---------------|-----------------|------------------------------------------------------------------|
-//! | [`ColumnParallelLinear`], [`RowParallelLinear`] | [`linear`] | output rows / input columns of the weight (Megatron) |
+//! | [`ColumnParallelLinear`], [`RowParallelLinear`] | [`linear`](mod@linear) | output rows / input columns of the weight (Megatron) |
 //! | [`VocabParallelEmbedding`] | [`embedding`] | vocabulary rows                                        |
 //! | [`LmHead`] and [`vocab_parallel_cross_entropy`] | [`loss`] | vocabulary rows; chunked, fused loss   |
 //! | [`ParallelAttention`] | [`attention`] | heads (q/k/v column-, o row-parallel); tokens over the sequence-parallel group by any [`Strategy`](crate::attention::Strategy) |
@@ -14,8 +14,8 @@
 //! | [`RmsNorm`], [`LayerNorm`] | [`norm`] | nothing: local to each token (under TP-sp each rank normalises its own tokens) |
 //! | LoRA adapters of the linear layers | [`lora`] | with their layer: `B` rows (column-parallel), `A` columns (row-parallel) |
 //!
-//! [`param`] loads parameters (only this rank's slice), [`unit`] groups a module's parameters
-//! into a unit that a [`crate::plan::Plan`] shards (ZeRO-3) or recomputes (activation
+//! [`param`] loads parameters (only this rank's slice), [`unit`](mod@unit) groups a module's parameters
+//! into a unit that a [`crate::plan::MemoryPlan`] shards (ZeRO-3) or recomputes (activation
 //! checkpointing) from outside the model.
 //!
 //! Activations are `(batch, tokens, features)` over this rank's sequence shard; under TP-sp

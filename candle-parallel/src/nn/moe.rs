@@ -938,7 +938,7 @@ pub struct RouterStats {
 ///
 /// The gradient does not flow through a tensor out of the blocks (which a recomputed block
 /// could not return): each block's router logits pass through a node
-/// ([`RouterAux::attach`]) whose backward adds `∂(coef · aux · n) / ∂logits` from the totals,
+/// (`RouterAux::attach`) whose backward adds `∂(coef · aux · n) / ∂logits` from the totals,
 /// scaled by the gradient the summed loss received (recorded by [`RouterAux::add_to_loss`]'s
 /// node, which runs first in the backward pass). It is therefore exact under activation
 /// checkpointing and ZeRO-3. Contract: one micro-batch at a time ([`RouterAux::begin`] before

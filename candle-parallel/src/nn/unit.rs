@@ -4,7 +4,7 @@
 //! A model holds each block (and the parameters at its ends) as a [`Unit`], built through
 //! [`Unit::new`] with the block's own `fn new(cfg, vb, ctx)` constructor: the unit records the
 //! parameters the constructor loaded (a [`ParamBuilder::scope`]), so nothing is found by
-//! parsing parameter names. A [`crate::plan::Plan`] then walks the model's units
+//! parsing parameter names. A [`crate::plan::MemoryPlan`] then walks the model's units
 //! ([`crate::plan::Parallelize`]) and
 //! - shards them (ZeRO-3, [`Unit::shard`]): the unit keeps only this rank's flat chunk of each
 //!   parameter (a `Var` the optimizer trains directly) and rebuilds the module from the
@@ -248,7 +248,7 @@ impl<T: Clone + Send + Sync + 'static> Unit<T> {
 impl<T: Block> Unit<T> {
     /// Runs the block on `x` under the unit's checkpointing mode (a `forward` tracing span
     /// named by the unit, and while tracing records, a `backward` one in the backward pass:
-    /// [`super::backward_span`]); with anomaly detection on, checks its output
+    /// `super::backward_span`); with anomaly detection on, checks its output
     /// ([`super::anomaly`]). Collective as the block is.
     pub fn forward(&self, x: &Tensor, pass: &Pass) -> Result<Tensor> {
         let span = tracing::info_span!("forward", unit = %self.path.join("."));

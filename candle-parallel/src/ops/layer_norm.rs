@@ -36,7 +36,7 @@ use rayon::prelude::*;
 
 /// LayerNorm over the last dimension, as PyTorch's `layer_norm`:
 /// `(x - mean) / sqrt(var + eps) · weight + bias` (biased variance), computed in f32 from x's
-/// values with the statistics in f64 (see the [module docs](self)) and rounded once to x's
+/// values with the statistics in f64 (see the module docs of `ops::layer_norm`) and rounded once to x's
 /// dtype.
 ///
 /// - `x`: `(..., hidden)`, f32, bf16 or f16, any strides.
@@ -68,7 +68,7 @@ pub fn layer_norm_composite(
 
 /// adaLN modulation of a parameter-free LayerNorm (DiT):
 /// `layer_norm(x) · (1 + scale) + shift`, one scale and shift per sample, computed in f32 with
-/// the statistics in f64 (see the [module docs](self)) and rounded once to x's dtype.
+/// the statistics in f64 (see the module docs of `ops::layer_norm`) and rounded once to x's dtype.
 ///
 /// - `x`: `(batch, ..., hidden)`, f32, bf16 or f16, any strides.
 /// - `shift`, `scale`: `(batch, hidden)` in x's dtype (any strides: DiT's are chunks of one

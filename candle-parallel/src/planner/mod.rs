@@ -9,7 +9,7 @@
 //!   rank (weights, optimizer states, gradients, activations, loss chunk, communication buffers).
 //!   The attention traffic comes from [`traffic`], the same per-rank formulas the strategies'
 //!   tests assert against the communicators' counters.
-//! - [`search`]: every layout of a world that the model, the sequence and the memory allow,
+//! - [`search`](fn@search): every layout of a world that the model, the sequence and the memory allow,
 //!   ranked by predicted step time.
 //! - [`kendall_tau`]: how well a predicted ranking agrees with a measured one.
 //!

@@ -10,9 +10,9 @@
 //! smaller at k = 1536). The chunk boundaries and their order depend only on `k`, never on the
 //! thread count, so results are bit-reproducible.
 //!
-//! B is packed once per call into column panels of [`CHUNK`] columns; A is read in place
-//! through its strides. Work is split over rayon tasks of [`MB`] rows by [`NB`] columns of C;
-//! each task runs the register-blocked kernel of [`MatMul`] over its block one depth chunk at a
+//! B is packed once per call into column panels of `CHUNK` columns; A is read in place
+//! through its strides. Work is split over rayon tasks of `MB` rows by `NB` columns of C;
+//! each task runs the register-blocked kernel of `MatMul` over its block one depth chunk at a
 //! time, so its block of C stays in the L2 cache between chunks.
 
 use rayon::prelude::*;

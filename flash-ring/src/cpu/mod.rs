@@ -3,7 +3,7 @@
 //! Inputs are read through strided views (any strides, f32/bf16/f16) and converted to f32 once
 //! while packing, except where bf16 inputs meet the CPU's bf16 dot products (AVX512-BF16 under
 //! the AVX-512 kernels): `Q K^T` and `dO V^T` then multiply the stored bf16 values
-//! ([`panel_product`]: exact products, f32 sums), and P and dS are rounded to bf16 for the
+//! (`panel_product`: exact products, f32 sums), and P and dS are rounded to bf16 for the
 //! products with them (`P V`, `P^T dO`, `dS^T Q`, `dS K`), as FlashAttention-2 and PyTorch do,
 //! with the common part of dS's rounding added back (`bf16_pairs`).
 //!

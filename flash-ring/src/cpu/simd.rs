@@ -22,7 +22,7 @@ pub const ISA_ENV: &str = "FLASH_RING_ISA";
 
 /// The instruction set the kernels use by default: `FLASH_RING_ISA` when it names one this CPU
 /// has, otherwise the best of this machine (detected once). An unusable value is ignored here
-/// and reported by [`isa_from_env`], which every kernel call checks
+/// and reported by `isa_from_env`, which every kernel call checks
 /// (`KernelConfig { isa: None, .. }`).
 pub fn detect() -> Isa {
     match isa_from_env() {
