@@ -94,14 +94,20 @@ fn sums_over_leading_dims_are_sequential_bit_for_bit_f32() -> Result<()> {
     Ok(())
 }
 
+/// bf16 sums (patch `sum-f32`): the same sequential order, accumulated in f32 and
+/// rounded once to bf16 at the end, as PyTorch sums half-precision tensors (in bf16, every
+/// addition rounded to 8 bits, a long sum stops growing; see the bias test below).
 #[test]
 fn sums_over_leading_dims_are_sequential_bit_for_bit_bf16() -> Result<()> {
     for (k, &(shape, reduced)) in CASES.iter().enumerate() {
         let t = Tensor::from_vec(mixed(shape, k as u64 + 11), shape, &Device::Cpu)?
             .to_dtype(DType::BF16)?;
-        let values: Vec<half::bf16> = t.flatten_all()?.to_vec1()?;
+        let values: Vec<f32> = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
         let got: Vec<half::bf16> = t.sum_keepdim(reduced)?.flatten_all()?.to_vec1()?;
-        let want = sequential_sum(&values, shape, reduced, half::bf16::ZERO, |a, b| a + b);
+        let want: Vec<half::bf16> = sequential_sum(&values, shape, reduced, 0f32, |a, b| a + b)
+            .into_iter()
+            .map(half::bf16::from_f32)
+            .collect();
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(
                 g.to_bits(),
@@ -134,5 +140,37 @@ fn a_broadcast_bias_gets_the_row_order_column_sum() -> Result<()> {
         want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
     );
     assert!(got.iter().any(|&v| v != 0.0));
+    Ok(())
+}
+
+/// A bf16 bias's gradient over 4096 rows, and a bf16 sum over the trailing dim (the other
+/// code path: a broadcast weight's gradient, e.g. MoE routing weights times expert outputs):
+/// within one bf16 rounding (2^-8 relative) of the float64 sum. Summed in bf16 (candle's
+/// own), the bias's sums stopped near 1024 where they should reach about 2100 (53% off).
+#[test]
+fn bf16_sums_are_within_one_rounding_of_float64() -> Result<()> {
+    let (rows, n) = (4096, 24);
+    // Upstream gradients of mean 0.5 (a loss's usually have a sign).
+    let up: Vec<f32> = mixed(&[rows, n], 77)
+        .iter()
+        .map(|v| 0.5 + (v / 1e4).clamp(-0.4, 0.4))
+        .collect();
+    let t = Tensor::from_vec(up, (rows, n), &Device::Cpu)?.to_dtype(DType::BF16)?;
+    let exact = t.to_dtype(DType::F64)?;
+    for (what, dim) in [("over rows", 0), ("over the trailing dim", 1)] {
+        let got: Vec<f32> = t
+            .sum_keepdim(dim)?
+            .flatten_all()?
+            .to_dtype(DType::F32)?
+            .to_vec1()?;
+        let want: Vec<f64> = exact.sum_keepdim(dim)?.flatten_all()?.to_vec1()?;
+        for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            let rel = (g as f64 - w).abs() / w.abs();
+            assert!(
+                rel <= 2f64.powi(-8),
+                "{what}, element {i}: {g} vs float64 {w} ({rel:e})"
+            );
+        }
+    }
     Ok(())
 }
