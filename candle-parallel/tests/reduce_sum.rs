@@ -115,6 +115,28 @@ fn sums_over_leading_dims_are_sequential_bit_for_bit_bf16() -> Result<()> {
                 "bf16 {shape:?} over {reduced:?}, element {i}: {g} vs sequential {w}"
             );
         }
+        // The same values as a view at an offset of a larger buffer (contiguous) and as a
+        // transposed view (strided): the widening takes each layout as it is, the same sums.
+        let bits = |v: Vec<half::bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let padded = Tensor::cat(&[&t.narrow(0, 0, 1)?, &t], 0)?.narrow(0, 1, shape[0])?;
+        assert!(padded.is_contiguous());
+        let offset: Vec<half::bf16> = padded.sum_keepdim(reduced)?.flatten_all()?.to_vec1()?;
+        assert_eq!(
+            bits(offset),
+            bits(got.clone()),
+            "bf16 {shape:?}: view at an offset"
+        );
+        if shape.len() >= 2 && shape[0] > 1 && shape[shape.len() - 1] > 1 {
+            let last = shape.len() - 1;
+            let tt = t.transpose(0, last)?.contiguous()?.transpose(0, last)?;
+            assert!(!tt.is_contiguous());
+            let strided: Vec<half::bf16> = tt.sum_keepdim(reduced)?.flatten_all()?.to_vec1()?;
+            assert_eq!(
+                bits(strided),
+                bits(got.clone()),
+                "bf16 {shape:?}: strided input"
+            );
+        }
     }
     Ok(())
 }

@@ -56,9 +56,9 @@ use std::borrow::Cow;
 
 /// `x` of one chunk in f32, and `e^{exponent(x)}` of each, by flash-ring's vector exponential
 /// ([`flash_ring::cpu::exp_in_place`]: within 2.5e-7 relative, 2 ulps, at every argument;
-/// libm's `expf`, one ulp but one element at a time, was several times slower). It clamps at `e^88` (2^127), so `e` stays finite (`x / (1 + e)` goes to 0, not
-/// NaN), and NaN gives 0 (NaN still propagates through `x`). The GELU's `e^{-2u}` and the
-/// SiLU's `e^{-x}`.
+/// libm's `expf`, one ulp but one element at a time, was several times slower). It clamps at
+/// `e^88` (2^127), so `e` stays finite (`x / (1 + e)` goes to 0, not NaN), and NaN gives 0 (NaN
+/// still propagates through `x`). The GELU's `e^{-2u}` and the SiLU's `e^{-x}`.
 pub(crate) fn chunk_exp<T: Elem>(x: &[T], exponent: impl Fn(f32) -> f32) -> (Vec<f32>, Vec<f32>) {
     let xs: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
     let mut e: Vec<f32> = xs.iter().map(|&x| exponent(x)).collect();

@@ -56,7 +56,8 @@ pub(crate) fn env_choice<T: Clone>(
 /// exponent's rounding (libm's `expf` is within 1 ulp, one element at a time); elements below
 /// `shift - 87` (and NaN) give 0, elements above `shift + 88` give `2^127` (about 1.7e38, never
 /// inf), on every instruction set. Deterministic: the sum's order depends only on `x.len()`.
-/// For the softmax of a loss over a large vocabulary, and a GELU's `e^{-2u}`.
+/// For the softmax of a loss over a large vocabulary, whose far terms are negligible against
+/// the sum (activations, where every element is a result, take [`exp_in_place`]).
 pub fn exp_shifted(x: &mut [f32], shift: f32) -> f32 {
     simd::exp_shift_sum(simd::detect(), x, shift)
 }

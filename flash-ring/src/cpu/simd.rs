@@ -475,12 +475,12 @@ mod portable {
         x.iter().copied().fold(f32::NEG_INFINITY, f32::max)
     }
 
-    /// The exponent of `shift_sum` in log2 units: `x - m`, or with `NATURAL`
-    /// `(x - m) log2 e - 0` (as `exp_shifted` computed it in two passes).
+    /// The exponent of `shift_sum` in log2 units: `x - m`, or with `NATURAL` `(x - m) log2 e`
+    /// (`exp_shifted`'s two passes subtracted a shift of 0 there, which changes no bit).
     #[inline(always)]
     pub fn shifted<const NATURAL: bool>(x: f32, m: f32) -> f32 {
         if NATURAL {
-            (x - m) * LOG2_E - 0.0
+            (x - m) * LOG2_E
         } else {
             x - m
         }
@@ -767,8 +767,7 @@ pub(crate) mod avx512 {
     #[target_feature(enable = "avx512f")]
     fn shifted<const NATURAL: bool>(x: __m512, m: __m512) -> __m512 {
         if NATURAL {
-            let t = _mm512_mul_ps(_mm512_sub_ps(x, m), _mm512_set1_ps(LOG2_E));
-            _mm512_sub_ps(t, _mm512_setzero_ps())
+            _mm512_mul_ps(_mm512_sub_ps(x, m), _mm512_set1_ps(LOG2_E))
         } else {
             _mm512_sub_ps(x, m)
         }
@@ -1109,8 +1108,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     fn shifted<const NATURAL: bool>(x: __m256, m: __m256) -> __m256 {
         if NATURAL {
-            let t = _mm256_mul_ps(_mm256_sub_ps(x, m), _mm256_set1_ps(LOG2_E));
-            _mm256_sub_ps(t, _mm256_setzero_ps())
+            _mm256_mul_ps(_mm256_sub_ps(x, m), _mm256_set1_ps(LOG2_E))
         } else {
             _mm256_sub_ps(x, m)
         }

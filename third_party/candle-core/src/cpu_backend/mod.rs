@@ -403,12 +403,15 @@ impl Map1 for ReduceSum<'_> {
         // once, as PyTorch's do. Summed in the dtype, every addition rounded to 8 (or 11) bits:
         // a bias's gradient over 4096 tokens stopped growing at 1024 where it should reach 2115.
         if matches!(T::DTYPE, DType::BF16 | DType::F16) {
-            let (lo, hi) = src_l.contiguous_offsets().unwrap_or((0, src.len()));
-            let mut wide = vec![0f32; src.len()];
-            for (w, v) in wide[lo..hi].iter_mut().zip(&src[lo..hi]) {
-                *w = v.to_f64() as f32;
-            }
-            let sums = self.fold_impl(&wide, src_l, 0f32)?;
+            let widen = |v: &[T]| v.iter().map(|x| x.to_f64() as f32).collect::<Vec<f32>>();
+            // A contiguous view: only its elements, laid out from 0.
+            let sums = match src_l.contiguous_offsets() {
+                Some((lo, hi)) => {
+                    let view = Layout::contiguous(src_l.shape());
+                    self.fold_impl(&widen(&src[lo..hi]), &view, 0f32)?
+                }
+                None => self.fold_impl(&widen(src), src_l, 0f32)?,
+            };
             return Ok(sums.into_iter().map(|v| T::from_f64(v as f64)).collect());
         }
         self.fold_impl(src, src_l, T::zero())
