@@ -8,7 +8,8 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_parallel::optim::{
-    clip_grad_norm, decays, global_grad_norm, AdamW, AdamWConfig, Decay, LrSchedule, OptimParam,
+    clip_coefficient, clip_grad_norm, decays, global_grad_norm, AdamW, AdamWConfig, Decay,
+    LrSchedule, OptimParam,
 };
 use candle_parallel::{Comm, LocalWorld};
 
@@ -650,6 +651,98 @@ fn clipping_scales_every_dtype_and_layout_as_candle_affine() -> Res<()> {
         assert_eq!(got.dtype(), g.dtype(), "{name}");
         assert_eq!(got.dims(), g.dims(), "{name}");
         assert_eq!(bits(got)?, bits(&want)?, "{name}");
+    }
+    Ok(())
+}
+
+/// `step_clipped` (the trainer's path: the clipping applied as the optimizer reads the
+/// gradients, in one pass with the update and the parameter's write) gives the bits of
+/// `clip_grad_norm` followed by `step`, for f32, bf16 and f16 parameters and gradients, clipped
+/// and not, with negative zeros in the gradients, over several of the update's parallel chunks
+/// with a ragged end, and on a transposed gradient (which takes the unfused path): the
+/// parameter, its master weights and both moments after 3 steps.
+#[test]
+fn clipped_step_in_one_pass_equals_clip_then_step_bit_for_bit() -> Res<()> {
+    let (rows, cols) = (3 * (1 << 14) / 8 + 11, 8);
+    let n = rows * cols;
+    let wave = |phase: f32, scale: f32| -> Res<Tensor> {
+        let v: Vec<f32> = (0..n)
+            .map(|i| match i % 13 {
+                0 => -0.0,
+                _ => ((i as f32) * 0.377 + phase).sin() * scale,
+            })
+            .collect();
+        Ok(Tensor::from_vec(v, (rows, cols), &Device::Cpu)?)
+    };
+    let init = wave(0.3, 0.5)?;
+    let dtypes = [DType::F32, DType::BF16, DType::F16];
+    for p_dtype in dtypes {
+        for g_dtype in dtypes {
+            for transposed in [false, true] {
+                for max_norm in [Some(1.0), Some(1e9), None] {
+                    let what = format!(
+                        "param {p_dtype:?}, grad {g_dtype:?}, transposed {transposed}, \
+                         max_norm {max_norm:?}"
+                    );
+                    let make = || -> Res<(Var, AdamW)> {
+                        let var = Var::from_tensor(&init.to_dtype(p_dtype)?)?;
+                        let param = OptimParam::new("w.weight", var.clone());
+                        Ok((var, AdamW::new(vec![param], AdamWConfig::default())?))
+                    };
+                    let (var_a, mut fused) = make()?;
+                    let (var_b, mut reference) = make()?;
+                    for step in 0..3 {
+                        let g = wave(1.0 + step as f32, 40.0)?.to_dtype(g_dtype)?;
+                        let g = if transposed {
+                            g.t()?.contiguous()?.t()?
+                        } else {
+                            g
+                        };
+                        let mut grads = vec![("w.weight".to_string(), g)];
+                        let norm = global_grad_norm(&grads, &no_shard)?;
+                        let clip = match max_norm {
+                            Some(max) => clip_coefficient(norm, max)?,
+                            None => None,
+                        };
+                        assert_eq!(
+                            clip.is_some(),
+                            max_norm == Some(1.0),
+                            "{what}: the norm {norm} is clipped at 1 only"
+                        );
+                        fused.step_clipped(&grads, 1e-2, clip)?;
+                        if let Some(max) = max_norm {
+                            clip_grad_norm(&mut grads, max, &no_shard)?;
+                        }
+                        reference.step(&grads, 1e-2)?;
+                    }
+                    assert_eq!(var_a.dtype(), p_dtype, "{what}");
+                    assert_eq!(bits(var_a.as_tensor())?, bits(var_b.as_tensor())?, "{what}");
+                    assert_ne!(
+                        bits(var_a.as_tensor())?,
+                        bits(&init.to_dtype(p_dtype)?)?,
+                        "{what}: the steps moved the weights"
+                    );
+                    let (sa, sb) = (fused.state_tensors()?, reference.state_tensors()?);
+                    assert_eq!(sa.len(), 3, "{what}");
+                    for ((name, a), (_, b)) in sa.iter().zip(&sb) {
+                        assert_eq!(bits(a)?, bits(b)?, "{what}: {name}");
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn clip_coefficient_is_none_unless_clipping_and_rejects_bad_max_norms() -> Res<()> {
+    assert_eq!(clip_coefficient(4.0, 1.0)?, Some(1.0 / (4.0 + 1e-6)));
+    assert_eq!(clip_coefficient(0.5, 1.0)?, None);
+    assert_eq!(clip_coefficient(f64::NAN, 1.0)?, None);
+    assert_eq!(clip_coefficient(f64::INFINITY, 1.0)?, None);
+    for bad in [-1.0, f64::NAN, f64::INFINITY] {
+        let err = clip_coefficient(2.0, bad).expect_err("a bad max_norm");
+        assert!(err.to_string().contains("max_norm"), "{err}");
     }
     Ok(())
 }

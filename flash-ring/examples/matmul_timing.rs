@@ -11,6 +11,10 @@
 //!
 //! With `--bf16`: both operands in bf16 (flash-ring's bf16 products as `FLASH_RING_BF16`
 //! chooses; candle widens to f32).
+//!
+//! With `--cold`: 256 MiB are written before each timed product, so that its operands come
+//! from memory, as they do in a training step (where the products read activations written
+//! long before), not from the caches the previous repeat warmed.
 
 use std::time::Instant;
 
@@ -26,9 +30,17 @@ fn arg(i: usize, default: usize) -> usize {
 }
 
 fn best(repeats: usize, mut f: impl FnMut() -> Tensor) -> (f64, Tensor) {
+    let cold = std::env::args().any(|a| a == "--cold");
+    let mut evict = if cold {
+        vec![0u8; 256 << 20]
+    } else {
+        Vec::new()
+    };
     let mut out = f();
     let mut best = f64::MAX;
-    for _ in 0..repeats {
+    for i in 0..repeats {
+        evict.iter_mut().for_each(|b| *b = i as u8);
+        std::hint::black_box(&evict);
         let t0 = Instant::now();
         out = f();
         best = best.min(t0.elapsed().as_secs_f64());

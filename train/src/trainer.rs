@@ -32,7 +32,7 @@ use candle_parallel::comm::{Comm, ReduceOp};
 use candle_parallel::mesh::{DeviceMesh, Dim};
 use candle_parallel::nn::{Batch, CrossEntropyOptions, ParallelCtx, Param, Shard, IGNORE_INDEX};
 use candle_parallel::optim::{
-    clip_grad_norm_staged, decays, global_grad_norm_staged, AdamW, AdamWConfig, Decay, FlatShard,
+    clip_coefficient, decays, global_grad_norm_staged, AdamW, AdamWConfig, Decay, FlatShard,
     LrSchedule, OptimParam, StageNorm, ZeroGroups, ZeroStage,
 };
 use candle_parallel::pipeline::{
@@ -1314,9 +1314,11 @@ impl<M: TrainModel> Trainer<M> {
             counted: &counted,
         };
         let stages = (self.pp.size() > 1).then_some(&staged);
-        let grad_norm = match self.cfg.max_grad_norm {
-            Some(max) => clip_grad_norm_staged(&mut grads, max, &group_of, stages)?,
-            None => global_grad_norm_staged(&grads, &group_of, stages)?,
+        let grad_norm = global_grad_norm_staged(&grads, &group_of, stages)?;
+        // Clipping is applied by the optimizer as it reads the gradients (`step_clipped`).
+        let clip = match self.cfg.max_grad_norm {
+            Some(max) => clip_coefficient(grad_norm, max)?,
+            None => None,
         };
         let lr = self.cfg.schedule.lr(step);
         if !grad_norm.is_finite() {
@@ -1326,7 +1328,7 @@ impl<M: TrainModel> Trainer<M> {
                 what: format!("the gradient norm is {grad_norm}"),
             });
         }
-        self.optimizer.step(&grads, lr)?;
+        self.optimizer.step_clipped(&grads, lr, clip)?;
         self.gather_updated()?;
         Ok((grad_norm, lr))
     }

@@ -206,18 +206,9 @@ pub fn clip_grad_norm_staged(
     sharded: &dyn Fn(&str) -> Option<Comm>,
     stages: Option<&StageNorm>,
 ) -> Result<f64> {
-    if !(max_norm.is_finite() && max_norm >= 0.0) {
-        return Err(Error::invalid(
-            "clip_grad_norm",
-            format!("max_norm must be finite and >= 0, got {max_norm}"),
-        ));
-    }
+    check_max_norm(max_norm)?;
     let norm = global_grad_norm_staged(grads, sharded, stages)?;
-    if !norm.is_finite() {
-        return Ok(norm);
-    }
-    let coef = max_norm / (norm + 1e-6);
-    if coef < 1.0 {
+    if let Some(coef) = clip_coefficient(norm, max_norm)? {
         for (_, g) in grads.iter_mut() {
             *g = scaled(g, coef)?;
         }
@@ -225,11 +216,32 @@ pub fn clip_grad_norm_staged(
     Ok(norm)
 }
 
+/// The factor [`clip_grad_norm`] multiplies the gradients by for a global norm `norm`:
+/// `max_norm / (norm + 1e-6)` where that is below 1, `None` where the gradients stay as they are
+/// (that factor at least 1, or a norm that is not finite). Hand it to [`AdamW::step_clipped`] to
+/// clip and step without writing the scaled gradients. An error when `max_norm` is negative
+/// or not finite.
+pub fn clip_coefficient(norm: f64, max_norm: f64) -> Result<Option<f64>> {
+    check_max_norm(max_norm)?;
+    let coef = max_norm / (norm + 1e-6);
+    Ok((norm.is_finite() && coef < 1.0).then_some(coef))
+}
+
+fn check_max_norm(max_norm: f64) -> Result<()> {
+    if !(max_norm.is_finite() && max_norm >= 0.0) {
+        return Err(Error::invalid(
+            "clip_grad_norm",
+            format!("max_norm must be finite and >= 0, got {max_norm}"),
+        ));
+    }
+    Ok(())
+}
+
 /// `g * coef` as a new tensor: f32 gradients as candle's `affine(coef, 0.0)` computes them,
 /// bf16/f16 ones the same in f32 then rounded to their dtype. A contiguous CPU gradient is
 /// scaled in parallel blocks (candle's element-wise ops run on the calling thread), with the
 /// same bits.
-fn scaled(g: &Tensor, coef: f64) -> Result<Tensor> {
+pub(crate) fn scaled(g: &Tensor, coef: f64) -> Result<Tensor> {
     fn scale<T: Elem>(
         s: &candle_core::CpuStorage,
         (a, b): (usize, usize),
