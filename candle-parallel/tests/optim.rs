@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_parallel::optim::{
-    clip_coefficient, clip_grad_norm, decays, global_grad_norm, AdamW, AdamWConfig, Decay,
+    clip_coefficient, clip_grad_norm, decays, global_grad_norm, to_f32, AdamW, AdamWConfig, Decay,
     LrSchedule, OptimParam,
 };
 use candle_parallel::{Comm, LocalWorld};
@@ -743,6 +743,41 @@ fn clip_coefficient_is_none_unless_clipping_and_rejects_bad_max_norms() -> Res<(
     for bad in [-1.0, f64::NAN, f64::INFINITY] {
         let err = clip_coefficient(2.0, bad).expect_err("a bad max_norm");
         assert!(err.to_string().contains("max_norm"), "{err}");
+    }
+    Ok(())
+}
+
+/// `to_f32` (the trainer's widening of each micro-batch's gradients) gives candle's
+/// `to_dtype(F32)` bit for bit: bf16 and f16 over several parallel blocks, with NaN,
+/// infinities, negative zero and subnormals; a narrowed view (read in place at its offset); a
+/// transposed view (candle's path); and f32 as it is.
+#[test]
+fn to_f32_widens_every_float_dtype_and_layout_as_candle() -> Res<()> {
+    let n = 17 * 5800; // three parallel blocks and a ragged end
+    let v: Vec<f32> = (0..n)
+        .map(|i| match i % 101 {
+            0 => f32::NAN,
+            1 => f32::INFINITY,
+            2 => f32::NEG_INFINITY,
+            3 => -0.0,
+            4 => 1e-40,
+            _ => ((i as f32) * 0.61).sin() * 1e3,
+        })
+        .collect();
+    let base = Tensor::from_vec(v, (n, 1), &Device::Cpu)?;
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        let t = base.to_dtype(dtype)?;
+        let views = [
+            ("whole", t.clone()),
+            ("narrowed", t.narrow(0, 7, n - 20)?),
+            ("transposed", t.reshape((n / 17, 17))?.t()?),
+        ];
+        for (what, x) in views {
+            let (got, want) = (to_f32(&x)?, x.to_dtype(DType::F32)?);
+            assert_eq!(got.dtype(), DType::F32, "{dtype:?} {what}");
+            assert_eq!(got.dims(), x.dims(), "{dtype:?} {what}");
+            assert_eq!(bits(&got)?, bits(&want)?, "{dtype:?} {what}");
+        }
     }
     Ok(())
 }

@@ -445,7 +445,7 @@ impl TrainParam {
                 reduce_scatter: true,
                 ..
             } => Ok(chunk.flat.reduce_scatter(g, &chunk.group)?),
-            _ => Ok(g.to_dtype(DType::F32)?),
+            _ => Ok(candle_parallel::optim::to_f32(g)?),
         }
     }
 

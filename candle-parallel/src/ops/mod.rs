@@ -104,12 +104,17 @@ impl Elem for half::bf16 {
     #[inline(always)]
     fn from_f32(v: f32) -> Self {
         let x = v.to_bits();
+        // Round to nearest, ties to even: adding 0x7FFF and the lowest kept bit carries into
+        // the kept bits exactly when the dropped half is above a tie, or a tie after an odd
+        // kept part. Both candidates are computed and one selected (no branch), so that the
+        // loops calling this compile to vector code.
+        let rounded = x.wrapping_add(0x7FFF + ((x >> 16) & 1)) >> 16;
+        // NaN: keep it quiet.
+        let quiet_nan = (x >> 16) | 0x0040;
         let bits = if x & 0x7FFF_FFFF > 0x7F80_0000 {
-            // NaN: keep it quiet.
-            (x >> 16) | 0x0040
+            quiet_nan
         } else {
-            // Round to nearest, ties to even.
-            (x >> 16) + ((x >> 15) & 1 & ((x & 0x7FFF != 0) as u32 | (x >> 16) & 1))
+            rounded
         };
         half::bf16::from_bits(bits as u16)
     }
@@ -215,7 +220,9 @@ mod tests {
             0x7FC0_0001,
             0x7F7F_FFFF,
         ];
-        let ties = (0..1 << 16).map(|i: u32| (i << 16) | 0x8000);
+        // Every tie, and the patterns just below and above it, for every kept part.
+        let ties =
+            (0..1 << 16).flat_map(|i: u32| [0x7FFF, 0x8000, 0x8001].map(|low| (i << 16) | low));
         let sweep = (0..u32::MAX / 1021).map(|i| i * 1021);
         for bits in special.into_iter().chain(ties).chain(sweep) {
             let v = f32::from_bits(bits);

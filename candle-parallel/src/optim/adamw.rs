@@ -7,9 +7,9 @@ use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Shape, Storage,
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use super::{cpu_floats, OptimParam, BLOCK};
+use super::{widened_in_parallel, OptimParam};
 use crate::error::{Error, Result};
-use crate::ops::{dispatch_float, Elem};
+use crate::ops::Elem;
 
 /// Elements per parallel work item of the update (the update is element-wise, so how the work is
 /// split does not change any result).
@@ -127,15 +127,7 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
             return Ok(f(&v[start..end]));
         }
     }
-    // bf16 and f16 widen exactly, in parallel (candle's conversion runs on the calling thread).
-    fn widened<T: Elem>(s: &CpuStorage, (a, b): (usize, usize)) -> candle_core::Result<Vec<f32>> {
-        Ok(T::cpu_storage_as_slice(s)?[a..b]
-            .par_iter()
-            .with_min_len(BLOCK)
-            .map(|&x| x.to_f32())
-            .collect())
-    }
-    match cpu_floats(t, |s, range| dispatch_float!("AdamW", s, widened(s, range)))? {
+    match widened_in_parallel(t)? {
         Some(v) => Ok(f(&v)),
         None => Ok(f(&f32_vec(t)?)),
     }

@@ -1,0 +1,48 @@
+//! Times the fused elementwise ops of a training step (SwiGLU forward and backward, GELU,
+//! RMSNorm) on an expert-sized activation: `rows x width` elements (default 4096 x 1536,
+//! the benchmark models' MLP), f32 or bf16, best of `repeats`.
+//!
+//! `cargo run -p candle-parallel --release --example elementwise_timing -- [f32|bf16] [rows] [width] [repeats]`
+
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_parallel::ops::{gelu_tanh, rms_norm, swiglu};
+
+type Res<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+fn best(repeats: usize, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
+    f()?;
+    let mut t = f64::MAX;
+    for _ in 0..repeats {
+        let t0 = Instant::now();
+        f()?;
+        t = t.min(t0.elapsed().as_secs_f64());
+    }
+    Ok(t * 1e3)
+}
+
+fn main() -> Res<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let dtype = match args.get(1).map(String::as_str) {
+        Some("bf16") => DType::BF16,
+        _ => DType::F32,
+    };
+    let arg = |i: usize, d: usize| args.get(i).and_then(|s| s.parse().ok()).unwrap_or(d);
+    let (rows, width, repeats) = (arg(2, 4096), arg(3, 1536), arg(4, 10));
+    let dev = Device::Cpu;
+    let gate = Var::from_tensor(&Tensor::randn(0f32, 3.0, (rows, width), &dev)?.to_dtype(dtype)?)?;
+    let up = Var::from_tensor(&Tensor::randn(0f32, 1.0, (rows, width), &dev)?.to_dtype(dtype)?)?;
+    let fwd = best(repeats, || Ok(drop(swiglu(&gate, &up)?)))?;
+    let y = swiglu(&gate, &up)?;
+    let bwd = best(repeats, || Ok(drop((&y * 1.0)?.sum_all()?.backward()?)))?;
+    let gelu = best(repeats, || Ok(drop(gelu_tanh(gate.as_tensor())?)))?;
+    let x = Tensor::randn(0f32, 1.0, (rows, 512), &dev)?.to_dtype(dtype)?;
+    let w = Tensor::ones(512, dtype, &dev)?;
+    let norm = best(repeats, || Ok(drop(rms_norm(&x, &w, 1e-5)?)))?;
+    println!(
+        "{dtype:?} {rows} x {width}: swiglu forward {fwd:.2} ms, forward + backward (with a \
+         scale and a sum) {bwd:.2} ms, gelu {gelu:.2} ms; rms_norm {rows} x 512 {norm:.2} ms"
+    );
+    Ok(())
+}
