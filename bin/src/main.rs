@@ -21,6 +21,7 @@ mod layout;
 mod llava_cmd;
 mod model_arg;
 mod plan_auto;
+mod threads;
 mod trace_cmd;
 mod train_cmd;
 
@@ -146,6 +147,7 @@ fn args_with_config(raw: Vec<String>) -> Result<Vec<String>> {
 fn main() {
     default_sigpipe();
     alloc::keep_freed_memory();
+    threads::shorter_candle_spin();
     let raw: Vec<String> = std::env::args().collect();
     let raw = match args_with_config(raw) {
         Ok(r) => r,
