@@ -610,3 +610,62 @@ impl AdamW {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Var;
+
+    /// The one-pass update is taken where it can be: a contiguous CPU gradient of any float
+    /// dtype for a CPU parameter of any float dtype (and it writes the parameter); not for a
+    /// strided gradient, one sharing the parameter's storage, or an integer one (those take
+    /// the unfused path; the same bits either way: `tests/optim.rs`).
+    #[test]
+    fn the_one_pass_is_taken_where_it_can_be() -> Result<()> {
+        let dev = Device::Cpu;
+        let coefs = Coefs {
+            decay_mul: 1.0,
+            beta1_weight: 0.1,
+            beta2: 0.999,
+            one_minus_beta2: 0.001,
+            step_size: 0.5,
+            bc2_sqrt: 1.0,
+            eps: 1e-8,
+        };
+        let floats = [DType::F32, DType::BF16, DType::F16];
+        for p_dtype in floats {
+            for g_dtype in floats {
+                let what = format!("param {p_dtype:?}, grad {g_dtype:?}");
+                let w = Tensor::arange(0f32, 12.0, &dev)?
+                    .reshape((3, 4))?
+                    .to_dtype(p_dtype)?;
+                let var = Var::from_tensor(&w)?;
+                let param = OptimParam::new("w.weight", var.clone());
+                let mut opt = AdamW::new(vec![param], AdamWConfig::default())?;
+                let slot = &mut opt.slots[0];
+                let g = Tensor::ones((3, 4), g_dtype, &dev)?;
+                assert!(FusedUpdate::run(slot, &g, &coefs, None)?, "{what}");
+                let moved = (var.as_tensor().to_dtype(DType::F32)? - w.to_dtype(DType::F32)?)?
+                    .abs()?
+                    .min_all()?
+                    .to_scalar::<f32>()?;
+                assert!(
+                    moved > 0.1,
+                    "{what}: the pass wrote every element ({moved})"
+                );
+                let strided = g.t()?.contiguous()?.t()?;
+                assert!(
+                    !FusedUpdate::run(slot, &strided, &coefs, Some(0.5))?,
+                    "{what}"
+                );
+                if p_dtype == g_dtype {
+                    let alias = var.as_tensor().clone();
+                    assert!(!FusedUpdate::run(slot, &alias, &coefs, None)?, "{what}");
+                }
+                let ints = Tensor::ones((3, 4), DType::U32, &dev)?;
+                assert!(!FusedUpdate::run(slot, &ints, &coefs, None)?, "{what}");
+            }
+        }
+        Ok(())
+    }
+}
