@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 use candle_parallel::ops::{gelu_tanh, rms_norm, swiglu};
 
 type Res<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -31,10 +31,10 @@ fn main() -> Res<()> {
     let arg = |i: usize, d: usize| args.get(i).and_then(|s| s.parse().ok()).unwrap_or(d);
     let (rows, width, repeats) = (arg(2, 4096), arg(3, 1536), arg(4, 10));
     let dev = Device::Cpu;
-    let gate = Var::from_tensor(&Tensor::randn(0f32, 3.0, (rows, width), &dev)?.to_dtype(dtype)?)?;
-    let up = Var::from_tensor(&Tensor::randn(0f32, 1.0, (rows, width), &dev)?.to_dtype(dtype)?)?;
+    let gate = Tensor::randn(0f32, 3.0, (rows, width), &dev)?.to_dtype(dtype)?;
+    let up = Tensor::randn(0f32, 1.0, (rows, width), &dev)?.to_dtype(dtype)?;
     let fwd = best(repeats, || Ok(swiglu(&gate, &up)?))?;
-    let gelu = best(repeats, || Ok(gelu_tanh(gate.as_tensor())?))?;
+    let gelu = best(repeats, || Ok(gelu_tanh(&gate)?))?;
     let x = Tensor::randn(0f32, 1.0, (rows, 512), &dev)?.to_dtype(dtype)?;
     let w = Tensor::ones(512, dtype, &dev)?;
     let norm = best(repeats, || Ok(rms_norm(&x, &w, 1e-5)?))?;

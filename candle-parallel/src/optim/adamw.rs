@@ -160,15 +160,37 @@ impl InplaceOp1 for CopyMaster<'_> {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            candle_core::bail!("adamw-copy-master: not a contiguous parameter");
-        };
-        match storage {
-            CpuStorage::F32(v) => self.copy_into(&mut v[start..end]),
-            CpuStorage::BF16(v) => self.copy_into(&mut v[start..end]),
-            CpuStorage::F16(v) => self.copy_into(&mut v[start..end]),
-            _ => candle_core::bail!("adamw-copy-master: not an f32, bf16 or f16 parameter"),
-        }
+        on_float_param(self, "adamw-copy-master", storage, layout)
+    }
+}
+
+impl ParamWrite for CopyMaster<'_> {
+    fn write<T: Elem>(&self, dst: &mut [T]) -> candle_core::Result<()> {
+        self.copy_into(dst)
+    }
+}
+
+/// An in-place op on a parameter's elements, whatever its float dtype.
+trait ParamWrite {
+    fn write<T: Elem>(&self, dst: &mut [T]) -> candle_core::Result<()>;
+}
+
+/// Runs `op` on the elements of a contiguous f32, bf16 or f16 parameter (the `cpu_fwd` of the
+/// optimizer's in-place ops); an error naming `name` for any other.
+fn on_float_param(
+    op: &impl ParamWrite,
+    name: &str,
+    storage: &mut CpuStorage,
+    layout: &Layout,
+) -> candle_core::Result<()> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("{name}: not a contiguous parameter");
+    };
+    match storage {
+        CpuStorage::F32(v) => op.write(&mut v[start..end]),
+        CpuStorage::BF16(v) => op.write(&mut v[start..end]),
+        CpuStorage::F16(v) => op.write(&mut v[start..end]),
+        _ => candle_core::bail!("{name}: not an f32, bf16 or f16 parameter"),
     }
 }
 
@@ -348,15 +370,13 @@ impl InplaceOp1 for FusedUpdate<'_> {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            candle_core::bail!("{FUSED}: not a contiguous parameter");
-        };
-        match storage {
-            CpuStorage::F32(v) => self.update(&mut v[start..end]),
-            CpuStorage::BF16(v) => self.update(&mut v[start..end]),
-            CpuStorage::F16(v) => self.update(&mut v[start..end]),
-            _ => candle_core::bail!("{FUSED}: not an f32, bf16 or f16 parameter"),
-        }
+        on_float_param(self, FUSED, storage, layout)
+    }
+}
+
+impl ParamWrite for FusedUpdate<'_> {
+    fn write<T: Elem>(&self, dst: &mut [T]) -> candle_core::Result<()> {
+        self.update(dst)
     }
 }
 
