@@ -12,8 +12,11 @@
 //!
 //! B is packed once per call into column panels of `CHUNK` columns; A is read in place
 //! through its strides. Work is split over rayon tasks of `MB` rows by `NB` columns of C;
-//! each task runs the register-blocked kernel of `MatMul` over its block one depth chunk at a
-//! time, so its block of C stays in the L2 cache between chunks.
+//! each task runs the register-blocked kernel of `MatMul` over its block one super-chunk of
+//! depth at a time, so its block of C stays in the L2 cache between them. On AVX-512 the
+//! kernel sums a super-chunk's chains and their running sum in registers
+//! ([`MatMul::run_chained`]); the other kernels take one chain per call and add it to C. Both
+//! give the same bits.
 
 use rayon::prelude::*;
 
@@ -196,6 +199,13 @@ pub(crate) trait PanelKernel: Sync {
     fn chain(&self) -> usize {
         KC
     }
+    /// Whether [`PanelKernel::chunk`] takes a whole super-chunk at once (`depth` up to
+    /// [`SUPER`], never with `accumulate`), summing its chains of [`PanelKernel::chain`]
+    /// products and adding their sums in depth order itself; otherwise it is handed one
+    /// chain at a time, the first without `accumulate`.
+    fn chains_per_call(&self) -> bool {
+        false
+    }
 }
 
 /// One depth chunk of one block of C, as [`blocked`] hands it to a [`PanelKernel`]: rows
@@ -239,7 +249,7 @@ impl PanelKernel for F32Panels<'_> {
 
     fn chunk(&self, at: Chunk, panels: &[f32], dst: &mut [f32]) {
         let k = self.a.cols;
-        MatMul {
+        let mm = MatMul {
             m: at.rows,
             n: at.cols,
             k: at.depth,
@@ -249,13 +259,14 @@ impl PanelKernel for F32Panels<'_> {
             b_cs: k * CHUNK,
             c_rs: at.dst_rs,
             accumulate: at.accumulate,
-        }
-        .run(
-            self.isa,
-            &self.a.data[at.r0 * self.a.rs + at.k0 * self.a.cs..],
-            &panels[at.k0 * CHUNK..],
-            dst,
-        );
+        };
+        let a = &self.a.data[at.r0 * self.a.rs + at.k0 * self.a.cs..];
+        let b = &panels[at.k0 * CHUNK..];
+        mm.run_chained(self.isa, KC, a, b, dst);
+    }
+
+    fn chains_per_call(&self) -> bool {
+        true
     }
 }
 
@@ -354,7 +365,11 @@ fn sum_block<K: PanelKernel>(
     k: usize,
 ) {
     let chunks = |s0: usize, dst: &mut [f32], dst_rs: usize| {
-        let kc = kern.chain();
+        let kc = if kern.chains_per_call() {
+            SUPER
+        } else {
+            kern.chain()
+        };
         for k0 in (s0..k.min(s0 + SUPER)).step_by(kc) {
             let at = Chunk {
                 r0,
