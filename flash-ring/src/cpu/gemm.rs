@@ -199,12 +199,11 @@ pub(crate) trait PanelKernel: Sync {
     fn chain(&self) -> usize {
         KC
     }
-    /// Whether [`PanelKernel::chunk`] takes a whole super-chunk at once (`depth` up to
-    /// [`SUPER`], never with `accumulate`), summing its chains of [`PanelKernel::chain`]
-    /// products and adding their sums in depth order itself; otherwise it is handed one
-    /// chain at a time, the first without `accumulate`.
-    fn chains_per_call(&self) -> bool {
-        false
+    /// Depth handed to [`PanelKernel::chunk`] per call: a multiple of [`PanelKernel::chain`]
+    /// dividing [`SUPER`]. Above one chain the kernel sums the call's chains and adds their
+    /// sums in depth order itself (to C with `accumulate`), as one call per chain would.
+    fn call_depth(&self) -> usize {
+        self.chain()
     }
 }
 
@@ -265,8 +264,8 @@ impl PanelKernel for F32Panels<'_> {
         mm.run_chained(self.isa, KC, a, b, dst);
     }
 
-    fn chains_per_call(&self) -> bool {
-        true
+    fn call_depth(&self) -> usize {
+        SUPER
     }
 }
 
@@ -365,11 +364,7 @@ fn sum_block<K: PanelKernel>(
     k: usize,
 ) {
     let chunks = |s0: usize, dst: &mut [f32], dst_rs: usize| {
-        let kc = if kern.chains_per_call() {
-            SUPER
-        } else {
-            kern.chain()
-        };
+        let kc = kern.call_depth();
         for k0 in (s0..k.min(s0 + SUPER)).step_by(kc) {
             let at = Chunk {
                 r0,
