@@ -93,7 +93,7 @@ fn gelu_fwd<T: Elem>(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> 
         .zip(x.par_chunks(CHUNK))
         .for_each(|(o, x)| {
             let (xs, e) = chunk_exp(x, minus_two_u);
-            for ((o, &x), &e) in o.iter_mut().zip(&xs).zip(&e) {
+            for ((o, &x), &e) in o.iter_mut().zip(xs.iter()).zip(&e) {
                 *o = T::from_f32(gelu(x, e));
             }
         });
@@ -137,7 +137,7 @@ fn gelu_bwd<T: Elem>(
         .zip(x.par_chunks(CHUNK).zip(d.par_chunks(CHUNK)))
         .for_each(|(o, (x, d))| {
             let (xs, e) = chunk_exp(x, minus_two_u);
-            for (((o, &x), &e), &d) in o.iter_mut().zip(&xs).zip(&e).zip(d) {
+            for (((o, &x), &e), &d) in o.iter_mut().zip(xs.iter()).zip(&e).zip(d) {
                 *o = T::from_f32(d.to_f32() * gelu_grad(x, e));
             }
         });

@@ -58,9 +58,16 @@ use std::borrow::Cow;
 /// ([`flash_ring::cpu::exp_in_place`]: within 2.5e-7 relative, 2 ulps, at every argument;
 /// libm's `expf`, one ulp but one element at a time, was several times slower). It clamps at
 /// `e^88` (2^127), so `e` stays finite (`x / (1 + e)` goes to 0, not NaN), and NaN gives 0 (NaN
-/// still propagates through `x`). The GELU's `e^{-2u}` and the SiLU's `e^{-x}`.
-pub(crate) fn chunk_exp<T: Elem>(x: &[T], exponent: impl Fn(f32) -> f32) -> (Vec<f32>, Vec<f32>) {
-    let xs: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+/// still propagates through `x`). The GELU's `e^{-2u}` and the SiLU's `e^{-x}`. An f32 chunk
+/// is borrowed, not copied.
+pub(crate) fn chunk_exp<T: Elem>(
+    x: &[T],
+    exponent: impl Fn(f32) -> f32,
+) -> (Cow<'_, [f32]>, Vec<f32>) {
+    let xs: Cow<[f32]> = match T::as_f32s(x) {
+        Some(x) => Cow::Borrowed(x),
+        None => Cow::Owned(x.iter().map(|v| v.to_f32()).collect()),
+    };
     let mut e: Vec<f32> = xs.iter().map(|&x| exponent(x)).collect();
     flash_ring::cpu::exp_in_place(&mut e);
     (xs, e)
@@ -71,6 +78,11 @@ pub(crate) fn chunk_exp<T: Elem>(x: &[T], exponent: impl Fn(f32) -> f32) -> (Vec
 pub(crate) trait Elem: WithDType {
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
+    /// The slice itself when the type is f32 (no widening needed).
+    #[inline(always)]
+    fn as_f32s(_x: &[Self]) -> Option<&[f32]> {
+        None
+    }
     /// Rounds an f32 to this type's precision (round to nearest even), returned as f32.
     /// The identity for f32.
     #[inline(always)]
@@ -83,6 +95,10 @@ impl Elem for f32 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
+    }
+    #[inline(always)]
+    fn as_f32s(x: &[Self]) -> Option<&[f32]> {
+        Some(x)
     }
     #[inline(always)]
     fn from_f32(v: f32) -> Self {

@@ -96,7 +96,7 @@ fn swiglu_fwd<T: Elem>(
         .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
         .for_each(|(o, (g, u))| {
             let (gs, e) = chunk_exp(g, minus);
-            for (((o, &g), &e), &u) in o.iter_mut().zip(&gs).zip(&e).zip(u) {
+            for (((o, &g), &e), &u) in o.iter_mut().zip(gs.iter()).zip(&e).zip(u) {
                 *o = T::from_f32(T::round(silu(g, e)) * u.to_f32());
             }
         });
