@@ -202,9 +202,7 @@ pub(crate) trait PanelKernel: Sync {
     /// Depth handed to [`PanelKernel::chunk`] per call: a multiple of [`PanelKernel::chain`]
     /// dividing [`SUPER`]. Above one chain the kernel sums the call's chains and adds their
     /// sums in depth order itself (to C with `accumulate`), as one call per chain would.
-    fn call_depth(&self) -> usize {
-        self.chain()
-    }
+    fn call_depth(&self) -> usize;
 }
 
 /// One depth chunk of one block of C, as [`blocked`] hands it to a [`PanelKernel`]: rows
