@@ -190,9 +190,10 @@ pub(crate) trait PanelKernel: Sync {
     fn panel_len(&self) -> usize;
     /// Columns `j0..j0 + CHUNK` of B (zeros past its last column) into the zeroed `panel`.
     fn pack_panel(&self, j0: usize, panel: &mut [Self::Packed]);
-    /// `dst (+)= A[rows, depth] B[depth, panels]` for one [`Chunk`], summing the `depth <= KC`
-    /// products of every element in one register chain; `panels` starts at depth 0 of the
-    /// first panel of the block's columns.
+    /// `dst (+)= A[rows, depth] B[depth, panels]` for one [`Chunk`] of `depth <=
+    /// call_depth()`, summing every element's products in register chains of
+    /// [`PanelKernel::chain`] and the chains' sums in depth order; `panels` starts at depth 0
+    /// of the first panel of the block's columns.
     fn chunk(&self, at: Chunk, panels: &[Self::Packed], dst: &mut [f32]);
     /// Products per register chain: [`KC`] unless the kernel says otherwise (a divisor of
     /// [`SUPER`] and a multiple of [`KC`]).
@@ -259,7 +260,7 @@ impl PanelKernel for F32Panels<'_> {
         };
         let a = &self.a.data[at.r0 * self.a.rs + at.k0 * self.a.cs..];
         let b = &panels[at.k0 * CHUNK..];
-        mm.run_chained(self.isa, KC, a, b, dst);
+        mm.run_chained(self.isa, self.chain(), a, b, dst);
     }
 
     fn call_depth(&self) -> usize {

@@ -542,7 +542,7 @@ impl PanelKernel for Bf16Panels<'_> {
             &panels[at.k0 * CHUNK..],
             dst,
             at.accumulate,
-            CHAIN / 2,
+            self.chain() / 2,
         );
     }
 
