@@ -183,7 +183,9 @@ impl MatMul {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the extents were checked above and `Isa::Avx512` is only produced by
             // `detect()` on a CPU with AVX-512F.
-            Isa::Avx512 => unsafe { avx512::matmul(&s, a.as_ptr(), b.as_ptr(), c.as_mut_ptr()) },
+            Isa::Avx512 => unsafe {
+                avx512::matmul(&s, s.k.max(1), a.as_ptr(), b.as_ptr(), c.as_mut_ptr())
+            },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above; `Isa::Avx2` is only used on a CPU with AVX2 and FMA.
             Isa::Avx2 => unsafe { avx2::matmul(&s, a.as_ptr(), b.as_ptr(), c.as_mut_ptr()) },
@@ -191,24 +193,24 @@ impl MatMul {
         }
     }
 
-    /// `C = A B` (`accumulate` must be false) with the depth summed in chains of `chain`
-    /// products: each chain sums from zero, and the chains' sums are added in depth order, the
-    /// first overwriting C. The same bits as [`MatMul::run`] over each chain in turn, the first
-    /// without `accumulate` and the others with it (which is what the other instruction sets
-    /// do). On AVX-512 the running sum of the chains stays in registers beside the chain's own
-    /// (6 rows by 32 columns, 24 accumulators): C is written once per block instead of once
-    /// per chain, and each kernel call sums the whole depth (Zen 4, 2048 x 384 x 1536 and
-    /// similar: 3-6% faster than a call per chain of 64).
+    /// `C (+)= A B` with the depth summed in chains of `chain` products: each chain sums from
+    /// zero, and the chains' sums are added in depth order to C (with `accumulate`) or to the
+    /// first one's. The same bits as [`MatMul::run`] over each chain in turn, the first with
+    /// this call's `accumulate` and the others with it set (which is what the other instruction
+    /// sets do). On AVX-512 the running sum of the chains stays in registers beside the
+    /// chain's own (8 rows by 32 columns, 16 accumulators each): C is written once per block
+    /// instead of once per chain (Zen 4, 2048 x 384 x 1536 and similar: 2-6% faster than a
+    /// call per chain of 64). [`MatMul::run`] is this with one chain.
     pub fn run_chained(&self, isa: Isa, chain: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
         assert!(chain > 0, "matmul: empty chain");
         if !self.check(a, b, c) {
             return;
         }
         #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx512 && self.k > chain {
+        if isa == Isa::Avx512 {
             // SAFETY: the extents were checked above and `Isa::Avx512` is only produced by
             // `detect()` on a CPU with AVX-512F.
-            unsafe { avx512::matmul_chained(self, chain, a.as_ptr(), b.as_ptr(), c.as_mut_ptr()) };
+            unsafe { avx512::matmul(self, chain, a.as_ptr(), b.as_ptr(), c.as_mut_ptr()) };
             return;
         }
         let mut t0 = 0;
@@ -602,12 +604,18 @@ pub(crate) mod avx512 {
     use std::arch::x86_64::*;
     use std::f32::consts::{LN_2, LOG2_E};
 
-    /// Register block: `MR` rows x `NV` 16-lane vectors of C, accumulated over `k`.
+    /// Register block: `MR` rows x `NV` 16-lane vectors of C over a depth `k` summed in
+    /// chains of `chain` products. `r` sums one chain from zero; a single chain is stored (or,
+    /// with `accumulate`, added) to C as it is; over several, `total` takes the first chain's
+    /// sum (added to C's block with `accumulate`) and then each further one in depth order, and
+    /// is stored once. `MR <= 8` with `NV = 2` is 16 accumulators per set: while a later chain
+    /// runs, `total` lives beside `r` (the compiler keeps the chain's loop in registers).
     #[inline]
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
     unsafe fn kernel<const MR: usize, const NV: usize>(
         k: usize,
+        chain: usize,
         a: *const f32,
         a_rs: usize,
         a_ks: usize,
@@ -617,26 +625,56 @@ pub(crate) mod avx512 {
         c_rs: usize,
         accumulate: bool,
     ) {
-        let mut r = [[_mm512_setzero_ps(); NV]; MR];
         // Independent row pointers with a shared offset: no serial address chain across rows.
         let rows: [*const f32; MR] = std::array::from_fn(|i| a.add(i * a_rs));
         let mut off = 0usize;
         let mut bp = b;
-        for _ in 0..k {
-            let mut bv = [_mm512_setzero_ps(); NV];
-            for (v, x) in bv.iter_mut().enumerate() {
-                *x = _mm512_loadu_ps(bp.add(v * 16));
+        let mut total = [[_mm512_setzero_ps(); NV]; MR];
+        let mut t0 = 0;
+        loop {
+            let len = chain.min(k - t0);
+            let mut r = [[_mm512_setzero_ps(); NV]; MR];
+            for _ in 0..len {
+                let mut bv = [_mm512_setzero_ps(); NV];
+                for (v, x) in bv.iter_mut().enumerate() {
+                    *x = _mm512_loadu_ps(bp.add(v * 16));
+                }
+                for (i, ri) in r.iter_mut().enumerate() {
+                    let av = _mm512_set1_ps(*rows[i].add(off));
+                    for v in 0..NV {
+                        ri[v] = _mm512_fmadd_ps(av, bv[v], ri[v]);
+                    }
+                }
+                off += a_ks;
+                bp = bp.add(b_rs);
             }
-            for (i, ri) in r.iter_mut().enumerate() {
-                let av = _mm512_set1_ps(*rows[i].add(off));
-                for v in 0..NV {
-                    ri[v] = _mm512_fmadd_ps(av, bv[v], ri[v]);
+            let last = t0 + len >= k;
+            if t0 == 0 && last {
+                store_block(&r, c, c_rs, accumulate);
+                return;
+            }
+            if t0 == 0 {
+                total = r;
+                if accumulate {
+                    for (i, ti) in total.iter_mut().enumerate() {
+                        for (v, x) in ti.iter_mut().enumerate() {
+                            *x = _mm512_add_ps(_mm512_loadu_ps(c.add(i * c_rs + v * 16)), *x);
+                        }
+                    }
+                }
+            } else {
+                for (ti, ri) in total.iter_mut().zip(&r) {
+                    for v in 0..NV {
+                        ti[v] = _mm512_add_ps(ti[v], ri[v]);
+                    }
                 }
             }
-            off += a_ks;
-            bp = bp.add(b_rs);
+            t0 += len;
+            if last {
+                break;
+            }
         }
-        store_block(&r, c, c_rs, accumulate);
+        store_block(&total, c, c_rs, false);
     }
 
     /// Writes (or, with `accumulate`, adds) a register block to C: row `i`, vector `v` at
@@ -668,95 +706,6 @@ pub(crate) mod avx512 {
     unsafe fn kernel_rows<const NV: usize>(
         rows: usize,
         k: usize,
-        a: *const f32,
-        a_rs: usize,
-        a_ks: usize,
-        b: *const f32,
-        b_rs: usize,
-        c: *mut f32,
-        c_rs: usize,
-        acc: bool,
-    ) {
-        match rows {
-            1 => kernel::<1, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
-            2 => kernel::<2, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
-            3 => kernel::<3, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
-            4 => kernel::<4, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
-            5 => kernel::<5, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
-            6 => kernel::<6, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
-            7 => kernel::<7, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
-            _ => kernel::<8, NV>(k, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
-        }
-    }
-
-    /// Register block as [`kernel`], over a depth `k` summed in chains of `chain` products:
-    /// `r` sums one chain from zero, `total` the chains' sums in depth order (the first one's
-    /// is taken as it is). `MR <= 6` with `NV = 2`: 24 accumulators, two vectors of B and a
-    /// broadcast of A in the 32 registers.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn kernel_chained<const MR: usize, const NV: usize>(
-        k: usize,
-        chain: usize,
-        a: *const f32,
-        a_rs: usize,
-        a_ks: usize,
-        b: *const f32,
-        b_rs: usize,
-        c: *mut f32,
-        c_rs: usize,
-        accumulate: bool,
-    ) {
-        let mut total = [[_mm512_setzero_ps(); NV]; MR];
-        if accumulate {
-            for (i, ti) in total.iter_mut().enumerate() {
-                for (v, x) in ti.iter_mut().enumerate() {
-                    *x = _mm512_loadu_ps(c.add(i * c_rs + v * 16));
-                }
-            }
-        }
-        let rows: [*const f32; MR] = std::array::from_fn(|i| a.add(i * a_rs));
-        let mut off = 0usize;
-        let mut bp = b;
-        let mut t0 = 0;
-        while t0 < k {
-            let len = chain.min(k - t0);
-            let mut r = [[_mm512_setzero_ps(); NV]; MR];
-            for _ in 0..len {
-                let mut bv = [_mm512_setzero_ps(); NV];
-                for (v, x) in bv.iter_mut().enumerate() {
-                    *x = _mm512_loadu_ps(bp.add(v * 16));
-                }
-                for (i, ri) in r.iter_mut().enumerate() {
-                    let av = _mm512_set1_ps(*rows[i].add(off));
-                    for v in 0..NV {
-                        ri[v] = _mm512_fmadd_ps(av, bv[v], ri[v]);
-                    }
-                }
-                off += a_ks;
-                bp = bp.add(b_rs);
-            }
-            if t0 == 0 && !accumulate {
-                total = r;
-            } else {
-                for (ti, ri) in total.iter_mut().zip(&r) {
-                    for v in 0..NV {
-                        ti[v] = _mm512_add_ps(ti[v], ri[v]);
-                    }
-                }
-            }
-            t0 += len;
-        }
-        store_block(&total, c, c_rs, false);
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn kernel_rows_chained<const NV: usize>(
-        rows: usize,
-        k: usize,
         chain: usize,
         a: *const f32,
         a_rs: usize,
@@ -768,48 +717,21 @@ pub(crate) mod avx512 {
         acc: bool,
     ) {
         match rows {
-            1 => kernel_chained::<1, NV>(k, chain, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
-            2 => kernel_chained::<2, NV>(k, chain, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
-            3 => kernel_chained::<3, NV>(k, chain, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
-            4 => kernel_chained::<4, NV>(k, chain, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
-            5 => kernel_chained::<5, NV>(k, chain, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
-            6 => kernel_chained::<6, NV>(k, chain, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
-            7 => kernel_chained::<7, NV>(k, chain, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
-            _ => kernel_chained::<8, NV>(k, chain, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+            1 => kernel::<1, NV>(k, chain, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+            2 => kernel::<2, NV>(k, chain, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+            3 => kernel::<3, NV>(k, chain, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+            4 => kernel::<4, NV>(k, chain, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+            5 => kernel::<5, NV>(k, chain, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+            6 => kernel::<6, NV>(k, chain, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+            7 => kernel::<7, NV>(k, chain, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
+            _ => kernel::<8, NV>(k, chain, a, a_rs, a_ks, b, b_rs, c, c_rs, acc),
         }
     }
 
-    /// See [`MatMul::run_chained`]; the caller has checked the extents.
+    /// See [`MatMul::run_chained`] (a `chain` of at least `k` is [`MatMul::run`]); the caller
+    /// has checked the extents.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn matmul_chained(
-        s: &MatMul,
-        chain: usize,
-        a: *const f32,
-        b: *const f32,
-        c: *mut f32,
-    ) {
-        let full = s.n / CHUNK;
-        for_each_block(s, CHAINED_ROWS, |ch, i, rows| {
-            let (ap, bp, cp) = (
-                a.add(i * s.a_rs),
-                b.add(ch * s.b_cs),
-                c.add(i * s.c_rs + ch * CHUNK),
-            );
-            let (k, ars, aks, brs, crs, acc) = (s.k, s.a_rs, s.a_ks, s.b_rs, s.c_rs, s.accumulate);
-            if ch < full {
-                kernel_rows_chained::<2>(rows, k, chain, ap, ars, aks, bp, brs, cp, crs, acc);
-            } else {
-                kernel_rows_chained::<1>(rows, k, chain, ap, ars, aks, bp, brs, cp, crs, acc);
-            }
-        });
-    }
-
-    /// Rows of C per register block of [`matmul_chained`].
-    const CHAINED_ROWS: usize = 8;
-
-    /// See [`MatMul`]; the caller has checked the extents.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn matmul(s: &MatMul, a: *const f32, b: *const f32, c: *mut f32) {
+    pub unsafe fn matmul(s: &MatMul, chain: usize, a: *const f32, b: *const f32, c: *mut f32) {
         let full = s.n / CHUNK;
         for_each_block(s, 8, |ch, i, rows| {
             let (ap, bp, cp) = (
@@ -819,10 +741,10 @@ pub(crate) mod avx512 {
             );
             let (k, ars, aks, brs, crs, acc) = (s.k, s.a_rs, s.a_ks, s.b_rs, s.c_rs, s.accumulate);
             if ch < full {
-                kernel_rows::<2>(rows, k, ap, ars, aks, bp, brs, cp, crs, acc);
+                kernel_rows::<2>(rows, k, chain, ap, ars, aks, bp, brs, cp, crs, acc);
             } else {
                 // `n` is a multiple of 16: the last, partial chunk is one vector wide.
-                kernel_rows::<1>(rows, k, ap, ars, aks, bp, brs, cp, crs, acc);
+                kernel_rows::<1>(rows, k, chain, ap, ars, aks, bp, brs, cp, crs, acc);
             }
         });
     }
