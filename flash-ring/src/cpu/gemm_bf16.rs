@@ -610,29 +610,7 @@ impl TileProduct {
 
     /// Runs it. Panics (internal bug) when [`available`] is false or a slice is too short.
     pub fn run(&self, a: &[bf16], b: &[bf16], c: &mut [f32], accumulate: bool) {
-        if !self.check(a, b, c) {
-            return;
-        }
-        let s = *self;
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the CPU has AVX-512F/BW/VL and AVX512-BF16 (`available`); the extents were
-        // checked above.
-        unsafe {
-            avx512bf16::matmul(
-                s.rows,
-                s.cols,
-                s.pairs,
-                a.as_ptr(),
-                s.a,
-                b.as_ptr(),
-                s.b_cs,
-                c.as_mut_ptr(),
-                s.c_rs,
-                accumulate,
-            )
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!("bf16 tile product without AVX512-BF16: {accumulate}")
+        self.run_chained(a, b, c, accumulate, self.pairs.max(1));
     }
 
     /// Runs it with the depth summed in chains of `chain_pairs` depth pairs: each chain sums
@@ -640,6 +618,7 @@ impl TileProduct {
     /// the first chain's. The same bits as [`TileProduct::run`] over each chain in turn, the
     /// first with `accumulate` and the others with it set; the running sum of the chains stays
     /// in registers (as `MatMul::run_chained` does for f32), so C is written once.
+    /// [`TileProduct::run`] is this with one chain.
     pub fn run_chained(
         &self,
         a: &[bf16],
@@ -656,7 +635,7 @@ impl TileProduct {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `run`.
         unsafe {
-            avx512bf16::matmul_chained(
+            avx512bf16::matmul(
                 s.rows,
                 s.cols,
                 s.pairs,
@@ -768,75 +747,14 @@ mod avx512bf16 {
         }
     }
 
-    /// Register block: `MR` rows x `NV` 16-lane vectors of C over `pairs` depth pairs.
+    /// Register block: `MR` rows x `NV` 16-lane vectors of C over `pairs` depth pairs summed in
+    /// chains of `chain` pairs, as the f32 kernel (`simd::avx512`): a single chain is stored
+    /// (or added) to C as it is; over several, `total` takes the first chain's sum (added to C
+    /// with `accumulate`), then each further one in depth order, and is stored once.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bf16")]
     #[allow(clippy::too_many_arguments)]
     unsafe fn kernel<const MR: usize, const NV: usize>(
-        pairs: usize,
-        a: *const bf16,
-        a_rs: usize,
-        a_ps: usize,
-        b: *const bf16,
-        c: *mut f32,
-        c_rs: usize,
-        accumulate: bool,
-    ) {
-        let mut r = [[_mm512_setzero_ps(); NV]; MR];
-        let rows: [*const bf16; MR] = std::array::from_fn(|i| a.add(i * a_rs));
-        let mut bp = b;
-        for p in 0..pairs {
-            let mut bv = [_mm512_castsi512_ps(_mm512_setzero_si512()); NV];
-            for (v, x) in bv.iter_mut().enumerate() {
-                *x = _mm512_loadu_ps(bp.add(v * 32) as *const f32);
-            }
-            for (i, ri) in r.iter_mut().enumerate() {
-                // The pair (2p, 2p + 1) of row i, broadcast to every lane.
-                let pair = (rows[i].add(p * a_ps) as *const i32).read_unaligned();
-                let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
-                for v in 0..NV {
-                    let bh: __m512bh = std::mem::transmute(bv[v]);
-                    ri[v] = _mm512_dpbf16_ps(ri[v], av, bh);
-                }
-            }
-            bp = bp.add(2 * CHUNK);
-        }
-        store_block(&r, c, c_rs, accumulate);
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn kernel_rows<const NV: usize>(
-        rows: usize,
-        pairs: usize,
-        a: *const bf16,
-        a_rs: usize,
-        a_ps: usize,
-        b: *const bf16,
-        c: *mut f32,
-        c_rs: usize,
-        acc: bool,
-    ) {
-        match rows {
-            1 => kernel::<1, NV>(pairs, a, a_rs, a_ps, b, c, c_rs, acc),
-            2 => kernel::<2, NV>(pairs, a, a_rs, a_ps, b, c, c_rs, acc),
-            3 => kernel::<3, NV>(pairs, a, a_rs, a_ps, b, c, c_rs, acc),
-            4 => kernel::<4, NV>(pairs, a, a_rs, a_ps, b, c, c_rs, acc),
-            5 => kernel::<5, NV>(pairs, a, a_rs, a_ps, b, c, c_rs, acc),
-            6 => kernel::<6, NV>(pairs, a, a_rs, a_ps, b, c, c_rs, acc),
-            7 => kernel::<7, NV>(pairs, a, a_rs, a_ps, b, c, c_rs, acc),
-            _ => kernel::<8, NV>(pairs, a, a_rs, a_ps, b, c, c_rs, acc),
-        }
-    }
-
-    /// Register block as [`kernel`], over `pairs` depth pairs summed in chains of `chain`
-    /// pairs: `r` sums one chain from zero, `total` C (with `accumulate`) and the chains'
-    /// sums in depth order (else the first one's as it is).
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn kernel_chained<const MR: usize, const NV: usize>(
         pairs: usize,
         chain: usize,
         a: *const bf16,
@@ -847,18 +765,11 @@ mod avx512bf16 {
         c_rs: usize,
         accumulate: bool,
     ) {
-        let mut total = [[_mm512_setzero_ps(); NV]; MR];
-        if accumulate {
-            for (i, ti) in total.iter_mut().enumerate() {
-                for (v, x) in ti.iter_mut().enumerate() {
-                    *x = _mm512_loadu_ps(c.add(i * c_rs + v * 16));
-                }
-            }
-        }
         let rows: [*const bf16; MR] = std::array::from_fn(|i| a.add(i * a_rs));
         let mut bp = b;
+        let mut total = [[_mm512_setzero_ps(); NV]; MR];
         let mut p0 = 0;
-        while p0 < pairs {
+        loop {
             let len = chain.min(pairs - p0);
             let mut r = [[_mm512_setzero_ps(); NV]; MR];
             for p in p0..p0 + len {
@@ -867,6 +778,7 @@ mod avx512bf16 {
                     *x = _mm512_loadu_ps(bp.add(v * 32) as *const f32);
                 }
                 for (i, ri) in r.iter_mut().enumerate() {
+                    // The pair (2p, 2p + 1) of row i, broadcast to every lane.
                     let pair = (rows[i].add(p * a_ps) as *const i32).read_unaligned();
                     let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
                     for v in 0..NV {
@@ -876,8 +788,20 @@ mod avx512bf16 {
                 }
                 bp = bp.add(2 * CHUNK);
             }
-            if p0 == 0 && !accumulate {
+            let last = p0 + len >= pairs;
+            if p0 == 0 && last {
+                store_block(&r, c, c_rs, accumulate);
+                return;
+            }
+            if p0 == 0 {
                 total = r;
+                if accumulate {
+                    for (i, ti) in total.iter_mut().enumerate() {
+                        for (v, x) in ti.iter_mut().enumerate() {
+                            *x = _mm512_add_ps(_mm512_loadu_ps(c.add(i * c_rs + v * 16)), *x);
+                        }
+                    }
+                }
             } else {
                 for (ti, ri) in total.iter_mut().zip(&r) {
                     for v in 0..NV {
@@ -886,6 +810,9 @@ mod avx512bf16 {
                 }
             }
             p0 += len;
+            if last {
+                break;
+            }
         }
         store_block(&total, c, c_rs, false);
     }
@@ -893,7 +820,7 @@ mod avx512bf16 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bf16")]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn kernel_rows_chained<const NV: usize>(
+    unsafe fn kernel_rows<const NV: usize>(
         rows: usize,
         pairs: usize,
         chain: usize,
@@ -906,50 +833,14 @@ mod avx512bf16 {
         acc: bool,
     ) {
         match rows {
-            1 => kernel_chained::<1, NV>(pairs, chain, a, a_rs, a_ps, b, c, c_rs, acc),
-            2 => kernel_chained::<2, NV>(pairs, chain, a, a_rs, a_ps, b, c, c_rs, acc),
-            3 => kernel_chained::<3, NV>(pairs, chain, a, a_rs, a_ps, b, c, c_rs, acc),
-            4 => kernel_chained::<4, NV>(pairs, chain, a, a_rs, a_ps, b, c, c_rs, acc),
-            5 => kernel_chained::<5, NV>(pairs, chain, a, a_rs, a_ps, b, c, c_rs, acc),
-            6 => kernel_chained::<6, NV>(pairs, chain, a, a_rs, a_ps, b, c, c_rs, acc),
-            7 => kernel_chained::<7, NV>(pairs, chain, a, a_rs, a_ps, b, c, c_rs, acc),
-            _ => kernel_chained::<8, NV>(pairs, chain, a, a_rs, a_ps, b, c, c_rs, acc),
-        }
-    }
-
-    /// [`matmul`] with the depth summed in chains of `chain` pairs (see
-    /// `TileProduct::run_chained`); the caller checked the extents.
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn matmul_chained(
-        rows: usize,
-        cols: usize,
-        pairs: usize,
-        chain: usize,
-        a: *const bf16,
-        a_layout: PairLayout,
-        b: *const bf16,
-        b_cs: usize,
-        c: *mut f32,
-        c_rs: usize,
-        accumulate: bool,
-    ) {
-        const MR: usize = super::GROUP;
-        let PairLayout { gs, rs, ps } = a_layout;
-        let full = cols / CHUNK;
-        for ch in 0..cols.div_ceil(CHUNK) {
-            let bp = b.add(ch * b_cs);
-            let mut i = 0;
-            while i < rows {
-                let n = (rows - i).min(MR);
-                let (ap, cp) = (a.add(i / MR * gs), c.add(i * c_rs + ch * CHUNK));
-                if ch < full {
-                    kernel_rows_chained::<2>(n, pairs, chain, ap, rs, ps, bp, cp, c_rs, accumulate);
-                } else {
-                    kernel_rows_chained::<1>(n, pairs, chain, ap, rs, ps, bp, cp, c_rs, accumulate);
-                }
-                i += n;
-            }
+            1 => kernel::<1, NV>(pairs, chain, a, a_rs, a_ps, b, c, c_rs, acc),
+            2 => kernel::<2, NV>(pairs, chain, a, a_rs, a_ps, b, c, c_rs, acc),
+            3 => kernel::<3, NV>(pairs, chain, a, a_rs, a_ps, b, c, c_rs, acc),
+            4 => kernel::<4, NV>(pairs, chain, a, a_rs, a_ps, b, c, c_rs, acc),
+            5 => kernel::<5, NV>(pairs, chain, a, a_rs, a_ps, b, c, c_rs, acc),
+            6 => kernel::<6, NV>(pairs, chain, a, a_rs, a_ps, b, c, c_rs, acc),
+            7 => kernel::<7, NV>(pairs, chain, a, a_rs, a_ps, b, c, c_rs, acc),
+            _ => kernel::<8, NV>(pairs, chain, a, a_rs, a_ps, b, c, c_rs, acc),
         }
     }
 
@@ -963,6 +854,7 @@ mod avx512bf16 {
         rows: usize,
         cols: usize,
         pairs: usize,
+        chain: usize,
         a: *const bf16,
         a_layout: PairLayout,
         b: *const bf16,
@@ -981,10 +873,10 @@ mod avx512bf16 {
                 let n = (rows - i).min(MR);
                 let (ap, cp) = (a.add(i / MR * gs), c.add(i * c_rs + ch * CHUNK));
                 if ch < full {
-                    kernel_rows::<2>(n, pairs, ap, rs, ps, bp, cp, c_rs, accumulate);
+                    kernel_rows::<2>(n, pairs, chain, ap, rs, ps, bp, cp, c_rs, accumulate);
                 } else {
                     // The last, partial chunk is one vector (16 columns) wide.
-                    kernel_rows::<1>(n, pairs, ap, rs, ps, bp, cp, c_rs, accumulate);
+                    kernel_rows::<1>(n, pairs, chain, ap, rs, ps, bp, cp, c_rs, accumulate);
                 }
                 i += n;
             }
