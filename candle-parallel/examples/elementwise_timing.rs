@@ -1,13 +1,14 @@
 //! Times the fused elementwise ops of a training step's forward (SwiGLU, GELU, RMSNorm) on an
 //! MLP-sized activation: `rows x width` elements (default 4096 x 1536,
-//! the benchmark models' MLP), f32 or bf16, best of `repeats`.
+//! the benchmark models' MLP), f32 or bf16, best of `repeats`; and `bias_add` forward and
+//! backward against candle's broadcast addition on the same shape.
 //!
 //! `cargo run -p candle-parallel --release --example elementwise_timing -- [f32|bf16] [rows] [width] [repeats]`
 
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
-use candle_parallel::ops::{gelu_tanh, rms_norm, swiglu};
+use candle_core::{DType, Device, Tensor, Var};
+use candle_parallel::ops::{bias_add, gelu_tanh, rms_norm, swiglu};
 
 type Res<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
@@ -41,6 +42,36 @@ fn main() -> Res<()> {
     println!(
         "{dtype:?} {rows} x {width}: swiglu {fwd:.2} ms, gelu {gelu:.2} ms; rms_norm {rows} x 512 \
          {norm:.2} ms"
+    );
+    let b = Var::from_tensor(&Tensor::randn(0f32, 1.0, width, &dev)?.to_dtype(dtype)?)?;
+    let y = Var::from_tensor(&up)?;
+    let step = |fused: bool| -> Res<()> {
+        let out = if fused {
+            bias_add(y.as_tensor(), b.as_tensor())?
+        } else {
+            y.as_tensor().broadcast_add(b.as_tensor())?
+        };
+        let grads = (out * &gate)?.sum_all()?.backward()?;
+        std::hint::black_box(grads.get(b.as_tensor()));
+        Ok(())
+    };
+    let add_fwd = [true, false].map(|fused| {
+        best(repeats, || {
+            Ok(if fused {
+                bias_add(&up, b.as_tensor())?
+            } else {
+                up.broadcast_add(b.as_tensor())?
+            })
+        })
+    });
+    let add_step = [true, false].map(|fused| best(repeats, || step(fused)));
+    println!(
+        "bias add {rows} x {width}: forward {:.2} ms (candle {:.2}); forward, times a gradient, \
+         backward {:.2} ms (candle {:.2})",
+        add_fwd[0].as_ref().map_err(|e| e.to_string())?,
+        add_fwd[1].as_ref().map_err(|e| e.to_string())?,
+        add_step[0].as_ref().map_err(|e| e.to_string())?,
+        add_step[1].as_ref().map_err(|e| e.to_string())?,
     );
     Ok(())
 }

@@ -461,6 +461,165 @@ fn embedding_matches_single_rank() {
     }
 }
 
+/// The ids of [`embedding_bf16_gradient_sums_in_f32`]: 4096 tokens, row 3 of a 16-row table
+/// looked up 3000 times (a frequent token), the others at random.
+fn frequent_ids(rng: &mut StdRng, v: usize) -> Vec<u32> {
+    (0..4096)
+        .map(|i| {
+            if i % 4 != 0 {
+                3
+            } else {
+                rng.random_range(0..v as u32)
+            }
+        })
+        .collect()
+}
+
+/// Each row's gradient through the (vocab-parallel) embedding, on `p` ranks: `(shard rows,
+/// hidden)` per rank, in the table's dtype.
+fn embedding_grads(table: &Tensor, ids: &Tensor, g: &Tensor, p: usize) -> Vec<Tensor> {
+    let v = table.dim(0).unwrap();
+    world(p, |comm| {
+        let wr = Var::from_tensor(&shard(table, p, comm.rank())?)?;
+        let emb = VocabParallelEmbedding::from_weight(wr.as_tensor().clone(), v, tp(&comm))
+            .map_err(candle_core::Error::wrap)?;
+        let out = emb.forward(ids).map_err(candle_core::Error::wrap)?;
+        let grads = (&out * g)?.sum_all()?.backward()?;
+        grad(&grads, &wr, "weight shard")
+    })
+}
+
+/// A bf16 table's gradient is each row's token gradients summed in f32 in token order and
+/// rounded once, on 1, 2 and 4 ranks: bit for bit, and within half a bf16 ulp of the float64
+/// sum. Candle's `index_select` backward (as PyTorch's CPU embedding) sums in bf16: a token seen
+/// 3000 times with gradient 0.5 got 128 instead of 1500.
+#[test]
+fn embedding_bf16_gradient_sums_in_f32() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let (v, h) = (16, 8);
+    let flat = frequent_ids(&mut rng, v);
+    let n = flat.len();
+    let ids = Tensor::from_vec(flat.clone(), (2, n / 2), &Device::Cpu).unwrap();
+    let table = rand_t(&mut rng, &[v, h]).to_dtype(DType::BF16).unwrap();
+    let halves = Tensor::full(0.5f32, (2, n / 2, h), &Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let random = rand_t(&mut rng, &[2, n / 2, h])
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let count3 = flat.iter().filter(|&&id| id == 3).count();
+    for (g, name) in [(&halves, "halves"), (&random, "random")] {
+        let gf: Vec<f32> = g
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        // Reference: f32 sums in token order (and float64 sums), rounded once to bf16.
+        let mut sum32 = vec![0f32; v * h];
+        let mut sum64 = vec![0f64; v * h];
+        for (p, &id) in flat.iter().enumerate() {
+            for j in 0..h {
+                sum32[id as usize * h + j] += gf[p * h + j];
+                sum64[id as usize * h + j] += gf[p * h + j] as f64;
+            }
+        }
+        if name == "halves" {
+            assert_eq!(sum32[3 * h], 0.5 * count3 as f32, "the frequent row's sum");
+        }
+        let want: Vec<half::bf16> = sum32.iter().map(|&x| half::bf16::from_f32(x)).collect();
+        for (x, y) in want.iter().zip(&sum64) {
+            // bf16 keeps 8 significant bits: the spacing at y is 2^(exponent of y - 7).
+            let ulp = 2f64.powi(y.abs().max(1e-30).log2().floor() as i32 - 7);
+            assert!(
+                (x.to_f64() - y).abs() <= 0.5 * ulp + 1e-6 * y.abs(),
+                "{name}: the f32 sum rounded once ({x}) is not the float64 sum {y} rounded"
+            );
+        }
+        for p in WORLDS {
+            for (r, got) in embedding_grads(&table, &ids, g, p).iter().enumerate() {
+                let got: Vec<half::bf16> = got.flatten_all().unwrap().to_vec1().unwrap();
+                let c = v / p;
+                let want = &want[r * c * h..(r + 1) * c * h];
+                let bad = got
+                    .iter()
+                    .zip(want)
+                    .position(|(a, b)| a.to_bits() != b.to_bits());
+                assert!(
+                    bad.is_none(),
+                    "{name}, P={p} rank {r}: element {bad:?} of the gradient differs from the \
+                     f32 sum rounded once: {:?} vs {:?}",
+                    bad.map(|i| got[i]),
+                    bad.map(|i| want[i])
+                );
+            }
+        }
+    }
+}
+
+/// In f32 the lookup's gradient is bit for bit candle's `index_select` backward (the same sums
+/// in the same order), repeated ids included, on 1, 2 and 4 ranks.
+#[test]
+fn embedding_f32_gradient_is_candles_bit_for_bit() {
+    let mut rng = StdRng::seed_from_u64(6);
+    let (v, h) = (16, 8);
+    let flat = frequent_ids(&mut rng, v);
+    let n = flat.len();
+    let ids = Tensor::from_vec(flat, (2, n / 2), &Device::Cpu).unwrap();
+    let table = rand_t(&mut rng, &[v, h]);
+    let g = rand_t(&mut rng, &[2, n / 2, h]);
+    let wv = Var::from_tensor(&table).unwrap();
+    let out = wv
+        .as_tensor()
+        .index_select(&ids.flatten_all().unwrap(), 0)
+        .unwrap()
+        .reshape((2, n / 2, h))
+        .unwrap();
+    let grads = (&out * &g).unwrap().sum_all().unwrap().backward().unwrap();
+    let want: Vec<f32> = grad(&grads, &wv, "reference")
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    for p in WORLDS {
+        for (r, got) in embedding_grads(&table, &ids, &g, p).iter().enumerate() {
+            let got: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
+            let c = v / p;
+            let want = &want[r * c * h..(r + 1) * c * h];
+            assert!(
+                got.iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "P={p} rank {r}: the f32 gradient differs from candle's index_select backward"
+            );
+        }
+    }
+}
+
+/// Under tp, an infinite output gradient at a token of rank 1's shard reaches rank 1's row (as
+/// an infinity) and nothing of rank 0's: rank 0's gradient stays finite (through a 0/1 mask it
+/// became `inf * 0 = NaN` in rank 0's first row).
+#[test]
+fn embedding_gradient_of_another_shards_token_stays_there() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let (v, h) = (8, 4);
+    let ids = Tensor::from_vec(vec![1u32, 6, 2, 6], (1, 4), &Device::Cpu).unwrap();
+    let table = rand_t(&mut rng, &[v, h]);
+    let mut g = vec![1f32; 4 * h];
+    g[h] = f32::INFINITY; // position 1, id 6: rank 1's row 2
+    let g = Tensor::from_vec(g, (1, 4, h), &Device::Cpu).unwrap();
+    let grads = embedding_grads(&table, &ids, &g, 2);
+    let r0: Vec<f32> = grads[0].flatten_all().unwrap().to_vec1().unwrap();
+    assert!(r0.iter().all(|x| x.is_finite()), "rank 0: {r0:?}");
+    assert_eq!(&r0[h..2 * h], &[1.0; 4], "rank 0's row 1");
+    let r1: Vec<f32> = grads[1].flatten_all().unwrap().to_vec1().unwrap();
+    assert_eq!(r1[2 * h], f32::INFINITY, "rank 1's row 2 (id 6)");
+    assert_eq!(&r1[2 * h + 1..3 * h], &[2.0; 3], "rank 1's row 2 (id 6)");
+}
+
 #[test]
 fn embedding_rejects_bad_input() {
     let weight = Tensor::zeros((8, 4), DType::F32, &Device::Cpu).unwrap();

@@ -5,7 +5,8 @@
 //! contribute zeros) and the partial results are summed over the group with
 //! [`reduce_from_parallel_region`] (all-reduce in forward, identity in backward), so every rank
 //! obtains the full embedding and its shard receives the gradient of its own rows. Under TP-sp
-//! each rank then keeps its own part of the tokens.
+//! each rank then keeps its own part of the tokens. The lookup is [`embedding_lookup`]: a row's
+//! gradient sums its tokens in f32 (candle's `index_select` sums them in the table's dtype).
 
 use std::ops::Range;
 
@@ -14,6 +15,7 @@ use candle_core::{DType, Tensor};
 use super::{ParallelCtx, ParamBuilder, Shard, TpGroup};
 use crate::collectives::reduce_from_parallel_region;
 use crate::error::{Error, Result};
+use crate::ops::embedding_lookup;
 
 const OP: &str = "VocabParallelEmbedding";
 
@@ -132,29 +134,23 @@ impl VocabParallelEmbedding {
                 ),
             ));
         }
-        let device = self.weight.device();
-        let n = flat.len();
         if self.tp.size() == 1 {
-            let idx = Tensor::from_vec(flat, n, device)?;
-            return Ok(self.weight.index_select(&idx, 0)?.reshape(out_dims)?);
+            let rows: Vec<Option<u32>> = flat.into_iter().map(Some).collect();
+            return Ok(embedding_lookup(&self.weight, &rows)?.reshape(out_dims)?);
         }
 
+        // Ids of other ranks' shards look up zeros here and send this shard no gradient; the
+        // shard's gradient is the sum of the output gradient's rows whose ids it holds.
         let range = self.vocab_range();
-        let (local, mask): (Vec<u32>, Vec<f32>) = flat
+        let rows: Vec<Option<u32>> = flat
             .iter()
             .map(|&id| {
-                if range.contains(&(id as usize)) {
-                    (id - range.start as u32, 1.0)
-                } else {
-                    (0, 0.0)
-                }
+                range
+                    .contains(&(id as usize))
+                    .then(|| id - range.start as u32)
             })
-            .unzip();
-        let idx = Tensor::from_vec(local, n, device)?;
-        let mask = Tensor::from_vec(mask, (n, 1), device)?.to_dtype(self.weight.dtype())?;
-        // index_select and the mask product are differentiable: the shard's gradient is the
-        // index-add of the output gradient's rows whose ids fall in this rank's range.
-        let partial = self.weight.index_select(&idx, 0)?.broadcast_mul(&mask)?;
+            .collect();
+        let partial = embedding_lookup(&self.weight, &rows)?;
         let full = reduce_from_parallel_region(&partial, self.tp.comm())?;
         Ok(full.reshape(out_dims)?)
     }

@@ -17,6 +17,7 @@ use super::lora::LoraWeights;
 use super::{token_dim, ParallelCtx, ParamBuilder, Shard, TpGroup};
 use crate::collectives::{gather, reduce_from_parallel_region, reduce_scatter, scatter};
 use crate::error::{Error, Result};
+use crate::ops::bias_add;
 
 /// The shape of a linear layer as the checkpoint stores it: `weight` `(out_features,
 /// in_features)` and, with `bias`, `bias` `(out_features)`.
@@ -99,7 +100,8 @@ fn matmul_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// `x @ w^T (+ b)` for `x` `(.., in)` and `w` `(out, in)`, as one 2-D `matmul_nt`.
+/// `x @ w^T (+ b)` for `x` `(.., in)` and `w` `(out, in)`, as one 2-D `matmul_nt`; the bias by
+/// [`bias_add`] (its gradient summed in f32 with any candle-core).
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     let (out_f, in_f) = w.dims2()?;
@@ -118,7 +120,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let rows: usize = dims[..dims.len() - 1].iter().product();
     let y = matmul_nt(&x.reshape((rows, in_f))?, w)?;
     let y = match b {
-        Some(b) => y.broadcast_add(b)?,
+        Some(b) => bias_add(&y, b)?,
         None => y,
     };
     let mut out_dims = dims;
@@ -379,7 +381,7 @@ impl RowParallelLinear {
             y = (y + l.up(&reduce(&l.down(&x)?)?)?)?;
         }
         match &self.bias {
-            Some(b) => Ok(y.broadcast_add(b)?),
+            Some(b) => Ok(bias_add(&y, b)?),
             None => Ok(y),
         }
     }

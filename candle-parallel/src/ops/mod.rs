@@ -1,6 +1,7 @@
 //! Differentiable fused ops that candle lacks (its own fused versions drop gradients silently):
 //! RMSNorm, LayerNorm (plain and with DiT's adaLN modulation), DiT's gated residual, rotary
-//! embeddings, SwiGLU and GELU-tanh.
+//! embeddings, SwiGLU and GELU-tanh; and two ops whose gradients sum in f32 where candle sums in
+//! bf16: an embedding lookup (repeated tokens) and a bias addition (crates.io's candle-core).
 //!
 //! # Devices
 //! Each op dispatches on the device of its inputs:
@@ -23,6 +24,8 @@
 //! [`swiglu_composite`], [`gelu_tanh_composite`], [`RotaryEmbedding::apply_composite`]): tests
 //! call it on CPU tensors to compare it with the kernel. It runs on any device.
 
+mod bias;
+mod embedding;
 mod gated_residual;
 mod gelu;
 mod layer_norm;
@@ -31,6 +34,8 @@ mod rope;
 pub(crate) mod softmax_rows;
 mod swiglu;
 
+pub use bias::bias_add;
+pub use embedding::embedding_lookup;
 pub use gated_residual::gated_residual;
 #[doc(hidden)]
 pub use gated_residual::gated_residual_composite;

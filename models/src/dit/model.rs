@@ -21,7 +21,7 @@ use candle_parallel::nn::{
     linear, Activation, AttentionConfig, Block, LayerNorm, Mlp, MlpConfig, NormConfig,
     ParallelAttention, ParallelCtx, ParamBuilder, Pass, Track, Unit, UnitOps,
 };
-use candle_parallel::ops::gated_residual;
+use candle_parallel::ops::{embedding_lookup, gated_residual};
 use candle_parallel::plan::Parallelize;
 
 use super::config::{DitConfig, TIMESTEP_CHANNELS};
@@ -103,7 +103,8 @@ impl ConditionEmbedding {
         let labels = cond.narrow(1, 1, 1)?.squeeze(1)?.to_dtype(DType::U32)?;
         let t = timestep_features(&t)?.to_dtype(self.table.dtype())?;
         let t = self.linear_2.forward(&self.linear_1.forward(&t)?.silu()?)?;
-        Ok((t + self.table.embedding(&labels)?)?)
+        let labels: Vec<Option<u32>> = labels.to_vec1::<u32>()?.into_iter().map(Some).collect();
+        Ok((t + embedding_lookup(&self.table, &labels)?)?)
     }
 }
 
