@@ -14,7 +14,7 @@
 //! of it as above. f32 tensors take candle's broadcast addition itself: every candle-core sums
 //! f32 in row order, the same bits, and its addition is faster.
 
-use super::{all_cpu, check_float, dispatch_float, strided, Elem};
+use super::{all_cpu, check_float, dispatch_float, strided, widened, Elem};
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
@@ -55,10 +55,7 @@ fn fwd<T: Elem>(
     (s2, l2): (&CpuStorage, &Layout),
 ) -> Result<(CpuStorage, Shape)> {
     let y = strided(T::cpu_storage_as_slice(s1)?, l1);
-    let b: Vec<f32> = strided(T::cpu_storage_as_slice(s2)?, l2)
-        .iter()
-        .map(|v| v.to_f32())
-        .collect();
+    let b = widened::<T>(s2, l2)?;
     let n = b.len();
     let len = y.len();
     let mut out: Vec<T> = Vec::with_capacity(len);

@@ -13,7 +13,7 @@
 //! f32; `dgate = Σ g · y` over each sample's rows in f64 (blocks of rows whose bounds depend
 //! only on the shape), each rounded once to the dtype.
 
-use super::{all_cpu, check_float, dispatch_float, strided, Elem};
+use super::{all_cpu, check_float, dispatch_float, strided, widened, Elem};
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
@@ -101,10 +101,7 @@ fn fwd<T: Elem>(
 ) -> Result<(CpuStorage, Shape)> {
     let x = strided(T::cpu_storage_as_slice(s1)?, l1);
     let y = strided(T::cpu_storage_as_slice(s2)?, l2);
-    let gate: Vec<f32> = strided(T::cpu_storage_as_slice(s3)?, l3)
-        .iter()
-        .map(|v| v.to_f32())
-        .collect();
+    let gate = widened::<T>(s3, l3)?;
     let (hidden, rps) = geometry(l1, gate.len())?;
     let mut out = vec![T::from_f32(0.0); x.len()];
     if rps > 0 {
@@ -172,10 +169,7 @@ fn bwd<T: Elem>(
     (s3, l3): (&CpuStorage, &Layout),
 ) -> Result<(CpuStorage, Shape)> {
     let y = strided(T::cpu_storage_as_slice(s1)?, l1);
-    let gate: Vec<f32> = strided(T::cpu_storage_as_slice(s2)?, l2)
-        .iter()
-        .map(|v| v.to_f32())
-        .collect();
+    let gate = widened::<T>(s2, l2)?;
     let g = strided(T::cpu_storage_as_slice(s3)?, l3);
     let n = y.len();
     if g.len() != n {

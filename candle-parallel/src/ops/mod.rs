@@ -185,6 +185,15 @@ fn strided<'a, T: Copy>(data: &'a [T], l: &Layout) -> Cow<'a, [T]> {
     Cow::Owned(out)
 }
 
+/// The elements of a (small) tensor with layout `l`, widened to f32 in row-major order (a gate,
+/// a bias).
+fn widened<T: Elem>(s: &candle_core::CpuStorage, l: &Layout) -> Result<Vec<f32>> {
+    Ok(strided(T::cpu_storage_as_slice(s)?, l)
+        .iter()
+        .map(|v| v.to_f32())
+        .collect())
+}
+
 /// Errors unless `dtype` is one the fused kernels support.
 fn check_float(op: &str, what: &str, dtype: DType) -> Result<()> {
     match dtype {
