@@ -1023,7 +1023,8 @@ fn rope_rejects_bad_inputs() -> Result<()> {
 }
 
 /// `bias_add` is candle's broadcast addition bit for bit, values and both gradients, in bf16 and
-/// f16 (f32 is candle's addition itself), on 2-D, 3-D and transposed inputs: this workspace's
+/// f16 (f32 is candle's addition itself), on 2-D, 3-D and transposed inputs, small and large
+/// (serial and parallel passes): this workspace's
 /// candle-core (patched to sum half precision in f32) sums the bias's gradient exactly as the op
 /// does. The op's point is that it does so with crates.io's candle-core too, which sums bf16 in
 /// bf16 (`scripts/outside_examples.sh` runs a bf16 model with biases against both); the next
@@ -1036,6 +1037,8 @@ fn bias_add_is_the_broadcast_addition_bit_for_bit() -> Result<()> {
             (vec![300, 40], false),
             (vec![3, 70, 24], false),
             (vec![24, 50], true),
+            // Above the op's parallel threshold (4M elements), with a partial last column strip.
+            (vec![4096, 1100], false),
         ] {
             let n = *shape.last().unwrap_or(&1);
             let y0 = rand_tensor(&mut rng, &shape, dtype)?;

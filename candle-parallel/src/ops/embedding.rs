@@ -79,16 +79,29 @@ fn lookup<T: Elem>(
 ) -> Result<(CpuStorage, Shape)> {
     let table = strided(T::cpu_storage_as_slice(s)?, l);
     let h = l.dims()[1];
-    let mut out = vec![T::from_f32(0.0); rows.len() * h];
+    let len = rows.len() * h;
+    // Every row written once (a copy, or zeros): no zero-fill of the whole output first.
+    let mut out: Vec<T> = Vec::with_capacity(len);
     if h > 0 {
-        out.par_chunks_mut(h)
+        let zero = T::from_f32(0.0);
+        out.spare_capacity_mut()[..len]
+            .par_chunks_mut(h)
             .zip(rows.par_iter())
             .with_min_len((16384 / h).max(1))
-            .for_each(|(o, r)| {
-                if let Some(r) = r {
-                    o.copy_from_slice(&table[*r as usize * h..][..h]);
+            .for_each(|(o, r)| match r {
+                Some(r) => {
+                    let src = &table[*r as usize * h..][..h];
+                    o.iter_mut().zip(src).for_each(|(o, x)| {
+                        o.write(*x);
+                    });
                 }
+                None => o.iter_mut().for_each(|o| {
+                    o.write(zero);
+                }),
             });
+        // SAFETY: the chunks above cover all `len` elements (`rows.len()` rows of `h`), and
+        // each was written.
+        unsafe { out.set_len(len) };
     }
     Ok((T::to_cpu_storage_owned(out), Shape::from((rows.len(), h))))
 }
