@@ -17,6 +17,7 @@ use candle_parallel::nn::{
     vocab_parallel_cross_entropy, CrossEntropyOptions, TpActivations, TpGroup,
     VocabParallelEmbedding, IGNORE_INDEX,
 };
+use candle_parallel::ops::{embedding_lookup, embedding_lookup_composite};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -461,8 +462,8 @@ fn embedding_matches_single_rank() {
     }
 }
 
-/// The ids of [`embedding_bf16_gradient_sums_in_f32`]: 4096 tokens, row 3 of a 16-row table
-/// looked up 3000 times (a frequent token), the others at random.
+/// The ids of the embedding gradient tests: 4096 tokens, row 3 of a 16-row table looked up at
+/// least 3072 times (a frequent token), the others at random.
 fn frequent_ids(rng: &mut StdRng, v: usize) -> Vec<u32> {
     (0..4096)
         .map(|i| {
@@ -489,10 +490,36 @@ fn embedding_grads(table: &Tensor, ids: &Tensor, g: &Tensor, p: usize) -> Vec<Te
     })
 }
 
+/// Each rank's gradient `grads[r]` equals rows `[r·V/P, (r+1)·V/P)` of `want` (the whole
+/// table's gradient) bit for bit (compared as f32 bits: widening bf16 keeps them).
+fn assert_shards_bitwise(grads: &[Tensor], want: &Tensor, what: &str) {
+    let p = grads.len();
+    let bits = |t: &Tensor| -> Vec<u32> {
+        let v: Vec<f32> = t
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    };
+    for (r, got) in grads.iter().enumerate() {
+        let (got, want) = (bits(got), bits(&shard(want, p, r).unwrap()));
+        let bad = got.iter().zip(&want).position(|(a, b)| a != b);
+        assert!(
+            bad.is_none(),
+            "{what}, rank {r}: element {bad:?} differs: {:?} vs {:?}",
+            bad.map(|i| f32::from_bits(got[i])),
+            bad.map(|i| f32::from_bits(want[i]))
+        );
+    }
+}
+
 /// A bf16 table's gradient is each row's token gradients summed in f32 in token order and
 /// rounded once, on 1, 2 and 4 ranks: bit for bit, and within half a bf16 ulp of the float64
-/// sum. Candle's `index_select` backward (as PyTorch's CPU embedding) sums in bf16: a token seen
-/// 3000 times with gradient 0.5 got 128 instead of 1500.
+/// sum. Candle's `index_select` backward (as PyTorch's CPU embedding) sums in bf16: the frequent
+/// token (3136 lookups here) with gradient 0.5 got 128 instead of 1568.
 #[test]
 fn embedding_bf16_gradient_sums_in_f32() {
     let mut rng = StdRng::seed_from_u64(5);
@@ -538,23 +565,10 @@ fn embedding_bf16_gradient_sums_in_f32() {
                 "{name}: the f32 sum rounded once ({x}) is not the float64 sum {y} rounded"
             );
         }
+        let want = Tensor::from_vec(want, (v, h), &Device::Cpu).unwrap();
         for p in WORLDS {
-            for (r, got) in embedding_grads(&table, &ids, g, p).iter().enumerate() {
-                let got: Vec<half::bf16> = got.flatten_all().unwrap().to_vec1().unwrap();
-                let c = v / p;
-                let want = &want[r * c * h..(r + 1) * c * h];
-                let bad = got
-                    .iter()
-                    .zip(want)
-                    .position(|(a, b)| a.to_bits() != b.to_bits());
-                assert!(
-                    bad.is_none(),
-                    "{name}, P={p} rank {r}: element {bad:?} of the gradient differs from the \
-                     f32 sum rounded once: {:?} vs {:?}",
-                    bad.map(|i| got[i]),
-                    bad.map(|i| want[i])
-                );
-            }
+            let what = format!("{name}, P={p}: against the f32 sums rounded once");
+            assert_shards_bitwise(&embedding_grads(&table, &ids, g, p), &want, &what);
         }
     }
 }
@@ -578,22 +592,47 @@ fn embedding_f32_gradient_is_candles_bit_for_bit() {
         .reshape((2, n / 2, h))
         .unwrap();
     let grads = (&out * &g).unwrap().sum_all().unwrap().backward().unwrap();
-    let want: Vec<f32> = grad(&grads, &wv, "reference")
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let want = grad(&grads, &wv, "reference").unwrap();
     for p in WORLDS {
-        for (r, got) in embedding_grads(&table, &ids, &g, p).iter().enumerate() {
-            let got: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
-            let c = v / p;
-            let want = &want[r * c * h..(r + 1) * c * h];
+        let what = format!("P={p}: against candle's index_select backward");
+        assert_shards_bitwise(&embedding_grads(&table, &ids, &g, p), &want, &what);
+    }
+}
+
+/// The composite that runs off the CPU (`index_select` with a 0/1 mask for other shards' ids)
+/// against the kernel on the CPU, f32, with rows of another shard (`None`) and repeated rows:
+/// the same values, and the same table gradient (equal as numbers: only a zero's sign may
+/// differ, where the mask adds `0 · g`).
+#[test]
+fn embedding_lookup_composite_matches_the_kernel() {
+    let mut rng = StdRng::seed_from_u64(8);
+    let (r, h, n) = (6, 5, 40);
+    let rows: Vec<Option<u32>> = (0..n)
+        .map(|i| (i % 5 != 0).then(|| rng.random_range(0..r as u32)))
+        .collect();
+    let table = rand_t(&mut rng, &[r, h]);
+    let g = rand_t(&mut rng, &[n, h]);
+    let run = |composite: bool| -> (Vec<f32>, Vec<f32>) {
+        let tv = Var::from_tensor(&table).unwrap();
+        let out = if composite {
+            embedding_lookup_composite(tv.as_tensor(), &rows)
+        } else {
+            embedding_lookup(tv.as_tensor(), &rows)
+        }
+        .unwrap();
+        let grads = (&out * &g).unwrap().sum_all().unwrap().backward().unwrap();
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        (flat(&out), flat(&grad(&grads, &tv, "table").unwrap()))
+    };
+    let (kernel, composite) = (run(false), run(true));
+    assert_eq!(kernel.0, composite.0, "values");
+    assert_eq!(kernel.1, composite.1, "table gradient");
+    // The masked rows are zeros, and a row no position looks up gets a zero gradient.
+    for (i, row) in rows.iter().enumerate() {
+        if row.is_none() {
             assert!(
-                got.iter()
-                    .zip(want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "P={p} rank {r}: the f32 gradient differs from candle's index_select backward"
+                kernel.0[i * h..(i + 1) * h].iter().all(|&x| x == 0.0),
+                "row {i}"
             );
         }
     }

@@ -29,6 +29,26 @@ const OP: &str = "embedding_lookup";
 /// the sum, in f32 and in order, of the output gradients of the positions that looked it up,
 /// rounded once to the dtype (see the module docs). An id `>= R` is an error naming it.
 pub fn embedding_lookup(table: &Tensor, rows: &[Option<u32>]) -> Result<Tensor> {
+    check(table, rows)?;
+    if table.device().is_cpu() {
+        table.apply_op1(Lookup {
+            rows: Arc::new(rows.to_vec()),
+        })
+    } else {
+        composite(table, rows)
+    }
+}
+
+/// [`embedding_lookup`] from differentiable candle ops, on any device (public so that tests can
+/// run it on the CPU): the same values; its gradient sums as the device's `index_add` does (in
+/// f32 the kernel's sums, up to the sign of a zero), and other shards' rows pass a 0/1 mask.
+#[doc(hidden)]
+pub fn embedding_lookup_composite(table: &Tensor, rows: &[Option<u32>]) -> Result<Tensor> {
+    check(table, rows)?;
+    composite(table, rows)
+}
+
+fn check(table: &Tensor, rows: &[Option<u32>]) -> Result<()> {
     check_float(OP, "table", table.dtype())?;
     let (r, _) = table.dims2().map_err(|_| {
         candle_core::Error::Msg(format!(
@@ -43,13 +63,7 @@ pub fn embedding_lookup(table: &Tensor, rows: &[Option<u32>]) -> Result<Tensor> 
     {
         bail!("{OP}: id {id} at position {pos} is out of range for a table of {r} rows");
     }
-    if table.device().is_cpu() {
-        table.apply_op1(Lookup {
-            rows: Arc::new(rows.to_vec()),
-        })
-    } else {
-        composite(table, rows)
-    }
+    Ok(())
 }
 
 fn composite(table: &Tensor, rows: &[Option<u32>]) -> Result<Tensor> {

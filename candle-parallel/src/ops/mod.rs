@@ -21,7 +21,8 @@
 //!
 //! Each composite is also public and `#[doc(hidden)]` ([`rms_norm_composite`],
 //! [`layer_norm_composite`], [`layer_norm_modulate_composite`], [`gated_residual_composite`],
-//! [`swiglu_composite`], [`gelu_tanh_composite`], [`RotaryEmbedding::apply_composite`]): tests
+//! [`swiglu_composite`], [`gelu_tanh_composite`], [`RotaryEmbedding::apply_composite`],
+//! [`embedding_lookup_composite`]; `bias_add`'s is candle's broadcast addition): tests
 //! call it on CPU tensors to compare it with the kernel. It runs on any device.
 
 mod bias;
@@ -36,6 +37,8 @@ mod swiglu;
 
 pub use bias::bias_add;
 pub use embedding::embedding_lookup;
+#[doc(hidden)]
+pub use embedding::embedding_lookup_composite;
 pub use gated_residual::gated_residual;
 #[doc(hidden)]
 pub use gated_residual::gated_residual_composite;
