@@ -1049,7 +1049,7 @@ fn bias_add_is_the_broadcast_addition_bit_for_bit() -> Result<()> {
             };
             let b0 = rand_tensor(&mut rng, &[n], dtype)?;
             let g = rand_tensor(&mut rng, y0.dims(), dtype)?;
-            let run = |fused: bool| -> Result<Vec<Vec<u32>>> {
+            let run = |fused: bool| -> Result<Vec<Tensor>> {
                 let (y, b) = (Var::from_tensor(&y0)?, Var::from_tensor(&b0)?);
                 let out = if fused {
                     bias_add(y.as_tensor(), b.as_tensor())?
@@ -1067,21 +1067,17 @@ fn bias_add_is_the_broadcast_addition_bit_for_bit() -> Result<()> {
                     })?;
                     res.push(gv.clone());
                 }
-                res.iter()
-                    .map(|t| {
-                        t.to_dtype(DType::F32)?
-                            .flatten_all()?
-                            .to_vec1::<f32>()
-                            .map(|v| v.iter().map(|x| x.to_bits()).collect())
-                    })
-                    .collect()
+                Ok(res)
             };
             let (got, want) = (run(true)?, run(false)?);
             for (what, (a, b)) in ["value", "dy", "db"].iter().zip(got.iter().zip(&want)) {
-                assert!(
-                    a == b,
-                    "bias_add {dtype:?} {shape:?} (transposed {transposed}): {what} differs from \
-                     candle's broadcast addition"
+                testkit::assert_identical(
+                    a,
+                    b,
+                    &format!(
+                        "bias_add {dtype:?} {shape:?} (transposed {transposed}): {what} against \
+                         candle's broadcast addition"
+                    ),
                 );
             }
         }
@@ -1103,15 +1099,13 @@ fn bias_add_sums_the_bias_gradient_in_f32() -> Result<()> {
     let b = Var::from_tensor(&rand_tensor(&mut rng, &[n], DType::BF16)?)?;
     let out = bias_add(y.as_tensor(), b.as_tensor())?;
     let grads = (&out * &g)?.to_dtype(DType::F32)?.sum_all()?.backward()?;
-    let db: Vec<f32> = grads
+    let db = grads
         .get(b.as_tensor())
-        .ok_or_else(|| candle_core::Error::Msg("no bias gradient".into()))?
-        .to_dtype(DType::F32)?
-        .to_vec1()?;
-    let gf: Vec<f32> = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        .ok_or_else(|| candle_core::Error::Msg("no bias gradient".into()))?;
+    let (db, gf) = (testkit::values(db), testkit::values(&g));
     for (j, got) in db.iter().enumerate() {
-        let want: f64 = (0..rows).map(|r| gf[r * n + j] as f64).sum();
-        let rel = (*got as f64 - want).abs() / want;
+        let want: f64 = (0..rows).map(|r| gf[r * n + j]).sum();
+        let rel = (got - want).abs() / want;
         assert!(
             rel <= 2f64.powi(-8),
             "column {j}: bias gradient {got} against float64 {want} ({rel:.2e} relative)"

@@ -491,28 +491,11 @@ fn embedding_grads(table: &Tensor, ids: &Tensor, g: &Tensor, p: usize) -> Vec<Te
 }
 
 /// Each rank's gradient `grads[r]` equals rows `[r·V/P, (r+1)·V/P)` of `want` (the whole
-/// table's gradient) bit for bit (compared as f32 bits: widening bf16 keeps them).
-fn assert_shards_bitwise(grads: &[Tensor], want: &Tensor, what: &str) {
-    let p = grads.len();
-    let bits = |t: &Tensor| -> Vec<u32> {
-        let v: Vec<f32> = t
-            .to_dtype(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        v.iter().map(|x| x.to_bits()).collect()
-    };
+/// table's gradient) bit for bit.
+fn assert_shards_identical(grads: &[Tensor], want: &Tensor, what: &str) {
     for (r, got) in grads.iter().enumerate() {
-        let (got, want) = (bits(got), bits(&shard(want, p, r).unwrap()));
-        let bad = got.iter().zip(&want).position(|(a, b)| a != b);
-        assert!(
-            bad.is_none(),
-            "{what}, rank {r}: element {bad:?} differs: {:?} vs {:?}",
-            bad.map(|i| f32::from_bits(got[i])),
-            bad.map(|i| f32::from_bits(want[i]))
-        );
+        let want = shard(want, grads.len(), r).unwrap();
+        testkit::assert_identical(got, &want, &format!("{what}, rank {r}"));
     }
 }
 
@@ -537,20 +520,14 @@ fn embedding_bf16_gradient_sums_in_f32() {
         .unwrap();
     let count3 = flat.iter().filter(|&&id| id == 3).count();
     for (g, name) in [(&halves, "halves"), (&random, "random")] {
-        let gf: Vec<f32> = g
-            .to_dtype(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let gf = testkit::values(g);
         // Reference: f32 sums in token order (and float64 sums), rounded once to bf16.
         let mut sum32 = vec![0f32; v * h];
         let mut sum64 = vec![0f64; v * h];
         for (p, &id) in flat.iter().enumerate() {
             for j in 0..h {
-                sum32[id as usize * h + j] += gf[p * h + j];
-                sum64[id as usize * h + j] += gf[p * h + j] as f64;
+                sum32[id as usize * h + j] += gf[p * h + j] as f32;
+                sum64[id as usize * h + j] += gf[p * h + j];
             }
         }
         if name == "halves" {
@@ -568,7 +545,7 @@ fn embedding_bf16_gradient_sums_in_f32() {
         let want = Tensor::from_vec(want, (v, h), &Device::Cpu).unwrap();
         for p in WORLDS {
             let what = format!("{name}, P={p}: against the f32 sums rounded once");
-            assert_shards_bitwise(&embedding_grads(&table, &ids, g, p), &want, &what);
+            assert_shards_identical(&embedding_grads(&table, &ids, g, p), &want, &what);
         }
     }
 }
@@ -595,7 +572,7 @@ fn embedding_f32_gradient_is_candles_bit_for_bit() {
     let want = grad(&grads, &wv, "reference").unwrap();
     for p in WORLDS {
         let what = format!("P={p}: against candle's index_select backward");
-        assert_shards_bitwise(&embedding_grads(&table, &ids, &g, p), &want, &what);
+        assert_shards_identical(&embedding_grads(&table, &ids, &g, p), &want, &what);
     }
 }
 
@@ -612,7 +589,7 @@ fn embedding_lookup_composite_matches_the_kernel() {
         .collect();
     let table = rand_t(&mut rng, &[r, h]);
     let g = rand_t(&mut rng, &[n, h]);
-    let run = |composite: bool| -> (Vec<f32>, Vec<f32>) {
+    let run = |composite: bool| -> (Vec<f64>, Vec<f64>) {
         let tv = Var::from_tensor(&table).unwrap();
         let out = if composite {
             embedding_lookup_composite(tv.as_tensor(), &rows)
@@ -621,8 +598,8 @@ fn embedding_lookup_composite_matches_the_kernel() {
         }
         .unwrap();
         let grads = (&out * &g).unwrap().sum_all().unwrap().backward().unwrap();
-        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        (flat(&out), flat(&grad(&grads, &tv, "table").unwrap()))
+        let dt = grad(&grads, &tv, "table").unwrap();
+        (testkit::values(&out), testkit::values(&dt))
     };
     let (kernel, composite) = (run(false), run(true));
     assert_eq!(kernel.0, composite.0, "values");
