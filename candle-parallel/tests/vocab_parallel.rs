@@ -636,6 +636,26 @@ fn embedding_gradient_of_another_shards_token_stays_there() {
     assert_eq!(&r1[2 * h + 1..3 * h], &[2.0; 3], "rank 1's row 2 (id 6)");
 }
 
+/// `embedding_lookup` (and its composite) name what is wrong: an id past the table (with its
+/// position and the table's rows), a table that is not `(rows, hidden)`, a non-float table.
+#[test]
+fn embedding_lookup_rejects_bad_input() {
+    let table = Tensor::zeros((4, 3), DType::F32, &Device::Cpu).unwrap();
+    let msg = |r: Result<Tensor>| r.err().map(|e| e.to_string()).unwrap_or_default();
+    for lookup in [embedding_lookup, embedding_lookup_composite] {
+        let m = msg(lookup(&table, &[Some(1), None, Some(4)]));
+        assert!(
+            m.contains("id 4 at position 2") && m.contains("4 rows"),
+            "{m}"
+        );
+        let m = msg(lookup(&table.flatten_all().unwrap(), &[Some(0)]));
+        assert!(m.contains("(rows, hidden)"), "{m}");
+        let m = msg(lookup(&table.to_dtype(DType::U32).unwrap(), &[Some(0)]));
+        assert!(m.contains("embedding_lookup") && m.contains("U32"), "{m}");
+        assert_eq!(lookup(&table, &[None, Some(3)]).unwrap().dims(), &[2, 3]);
+    }
+}
+
 #[test]
 fn embedding_rejects_bad_input() {
     let weight = Tensor::zeros((8, 4), DType::F32, &Device::Cpu).unwrap();
