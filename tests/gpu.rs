@@ -11,6 +11,7 @@
 //!   and 128, in f32 (relative max-norm error 1e-5: both are f32 arithmetic, cuBLAS may use a
 //!   different summation order; TF32 is off by candle's default) and bf16 (2e-2: bf16 inputs
 //!   and outputs, f32 arithmetic on both sides);
+//! - a NaN key: the CUDA kernels' out and lse NaN exactly where the CPU kernels' are;
 //! - the LSE merge on CUDA against the CPU merge (1e-6);
 //! - with `nccl` and 2+ GPUs, the NCCL communicator's collectives against the local backend's
 //!   results on the same inputs (bit-identical: both reduce in rank order in f32), in f32 and
@@ -36,16 +37,18 @@ fn cuda() -> Device {
     cuda_at(0)
 }
 
+/// The values of `t` (on any device) as f64 on the host.
+fn host_f64(t: &Tensor) -> Vec<f64> {
+    t.to_device(&Device::Cpu)
+        .and_then(|t| t.to_dtype(DType::F64))
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1())
+        .expect("to host")
+}
+
 /// Max-norm relative error of `a` against `r` (`-inf` entries must match and are left out).
 fn rel(a: &Tensor, r: &Tensor) -> f64 {
-    let f = |t: &Tensor| -> Vec<f64> {
-        t.to_device(&Device::Cpu)
-            .and_then(|t| t.to_dtype(DType::F64))
-            .and_then(|t| t.flatten_all())
-            .and_then(|t| t.to_vec1())
-            .expect("to host")
-    };
-    testkit::rel_err_floor(&f(a), &f(r), 1e-30)
+    testkit::rel_err_floor(&host_f64(a), &host_f64(r), 1e-30)
 }
 
 fn random(shape: (usize, usize, usize, usize), seed: u64, dtype: DType) -> Tensor {
@@ -409,6 +412,60 @@ fn nvrtc_compiles_every_kernel_variant() {
     assert!(flash_ring::cuda::compile(KernelSet::Simt, DType::F32, 257, "compute_80").is_err());
     assert!(flash_ring::cuda::compile(KernelSet::Simt, DType::F64, 64, "compute_80").is_err());
     assert!(!flash_ring::cuda::supports(DType::F32, 0));
+}
+
+/// A NaN key poisons exactly the rows that may attend it, on the CUDA kernels as on the CPU's:
+/// out and lse are NaN at the same places, the other entries within the kernels' tolerance.
+#[test]
+fn cuda_kernels_propagate_nan_scores_as_the_cpu() {
+    use flash_ring::cuda::KernelSet;
+    let dev = cuda();
+    let (sq, d) = (200, 64);
+    let mut failures = Vec::new();
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+        for mask in [MaskKind::Causal, MaskKind::Full] {
+            let spec = AttnSpec::dense(0.125, mask, sq, sq);
+            let q = random((1, sq, 4, d), 31, dtype);
+            let mut kv: Vec<f32> = random((1, sq, 2, d), 32, DType::F32)
+                .flatten_all()
+                .and_then(|t| t.to_vec1())
+                .expect("k");
+            kv[(130 * 2) * d + 3] = f32::NAN; // key 130, kv head 0
+            let k = Tensor::from_vec(kv, (1, sq, 2, d), &Device::Cpu)
+                .and_then(|t| t.to_dtype(dtype))
+                .expect("k");
+            let v = random((1, sq, 2, d), 33, dtype);
+            let (o, l) = flash_ring::flash_fwd(&q, &k, &v, &spec).expect("cpu fwd");
+            let on = |t: &Tensor| t.to_device(&dev).expect("to cuda");
+            for set in [KernelSet::Simt, KernelSet::TensorCore] {
+                if !set.serves(dtype, d) {
+                    continue;
+                }
+                let (oc, lc) =
+                    flash_ring::cuda::forward_with(set, &on(&q), &on(&k), &on(&v), &spec)
+                        .expect("cuda fwd");
+                for (what, a, b) in [("out", &oc, &o), ("lse", &lc, &l)] {
+                    let (a, b) = (host_f64(a), host_f64(b));
+                    let nan_a: Vec<bool> = a.iter().map(|x| x.is_nan()).collect();
+                    let nan_b: Vec<bool> = b.iter().map(|x| x.is_nan()).collect();
+                    if !nan_b.iter().any(|&x| x) || nan_a != nan_b {
+                        failures.push(format!("{set:?} {dtype:?} {mask:?}: {what}'s NaNs differ"));
+                        continue;
+                    }
+                    let keep = |v: &[f64]| -> Vec<f64> {
+                        v.iter().copied().filter(|x| !x.is_nan()).collect()
+                    };
+                    let e = testkit::rel_err_floor(&keep(&a), &keep(&b), 1e-30);
+                    if e.is_nan() || e > tol {
+                        failures.push(format!(
+                            "{set:?} {dtype:?} {mask:?}: {what} rel err {e:.3e}"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]

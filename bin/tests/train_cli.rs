@@ -1571,6 +1571,56 @@ fn a_non_finite_step_stops_the_run_without_saving_or_is_skipped() {
 /// metrics.jsonl and eval.jsonl (as f32, TensorBoard's scalar type) at their steps, and the
 /// command line as text; a resumed run adds a file that starts with a restart marker at the
 /// resume step, so TensorBoard drops the first run's later events.
+/// A NaN in one element of a key projection's weight stops the run at its first step with a NaN
+/// loss, on one rank and under ring attention and Ulysses, in f32 and bf16: attention keeps a NaN
+/// score in its row's softmax, as PyTorch does. It used to drop the key from the softmax, so the
+/// loss stayed finite and the run trained on with the poisoned weight.
+#[test]
+fn a_nan_in_a_key_projection_stops_the_run_at_its_first_step() {
+    let dir = tmpdir("nan-key");
+    let tokens = docs_file(&dir);
+    let model = dir.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    for entry in std::fs::read_dir(fixture()).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), model.join(entry.file_name())).unwrap();
+    }
+    let weights = model.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu).unwrap();
+    let key = "model.layers.0.self_attn.k_proj.weight";
+    let w = &tensors[key];
+    let mut v: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+    v[7] = f32::NAN;
+    let poisoned = candle_core::Tensor::from_vec(v, w.shape(), &candle_core::Device::Cpu).unwrap();
+    tensors.insert(key.to_string(), poisoned);
+    candle_core::safetensors::save(&tensors, &weights).unwrap();
+    for (layout, dtype) in [
+        (&["--ranks", "1", "--ring", "1"][..], "f32"),
+        (&["--ranks", "2", "--ring", "2"][..], "f32"),
+        (
+            &["--ranks", "2", "--ring", "1", "--ulysses", "2"][..],
+            "f32",
+        ),
+        (&["--ranks", "1", "--ring", "1"][..], "bf16"),
+    ] {
+        let out = dir.join(format!("out-{}-{dtype}", layout.join("")));
+        let mut args = set_flags(base_args(&tokens, &out, 3), layout);
+        args[2] = model.to_str().unwrap().to_string();
+        let args = set_flags(args, &["--dtype", dtype]);
+        let o = cpl(&args);
+        let err = stderr(&o);
+        assert!(
+            !o.status.success(),
+            "{layout:?} {dtype}: a NaN weight must stop the run"
+        );
+        assert!(
+            err.contains("step 0: the loss is NaN; the update was not applied"),
+            "{layout:?} {dtype}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
 #[test]
 fn tensorboard_events_hold_the_metrics() {
     use train::driver::tensorboard::{read_events, What};

@@ -833,6 +833,102 @@ fn bf16_runs_every_strategy() {
     run_all(&cases);
 }
 
+/// A NaN in one key poisons exactly the rows that may attend it under every strategy, as on one
+/// device (and as PyTorch's softmax): out and lse NaN at the same places as the single-device
+/// result, which has them where the mask says (every row of the key's q heads in its batch
+/// without a mask, the rows at or after it with the causal one), every other entry within 1e-5,
+/// the query gradient of every poisoned row NaN, and the other batch's gradients within 1e-5.
+/// Before the kernels kept NaN scores, a NaN key dropped out of its rows' softmax and the
+/// rows stayed finite: a NaN in a key projection gave a finite loss.
+#[test]
+fn a_nan_key_poisons_the_same_rows_under_every_strategy() {
+    const AT: usize = 40;
+    let mut failures = Vec::new();
+    let cfgs = [
+        SpConfig::new(Strategy::Ring, 1, 4),
+        SpConfig::new(Strategy::Ring, 1, 4).with_layout(SeqLayout::Contiguous),
+        SpConfig::new(Strategy::Ring, 1, 4).with_layout(SeqLayout::Striped),
+        SpConfig::new(Strategy::Ulysses, 4, 1),
+        SpConfig::new(Strategy::Usp, 2, 2),
+        SpConfig::new(Strategy::DoubleRing, 1, 4).with_inner_ring(2),
+        SpConfig::new(Strategy::StarTrail, 1, 4).with_team(2),
+        SpConfig::new(Strategy::AllGather, 1, 4),
+    ];
+    for cfg in cfgs {
+        for mask in [M::Causal, M::Full] {
+            let c = Case::new(cfg.clone(), 4, 2, mask).batch(2);
+            let mut x = inputs(&c, 77);
+            let mut k: Vec<f32> = x.k.flatten_all().and_then(|t| t.to_vec1()).unwrap();
+            k[(AT * c.hkv) * c.d + 3] = f32::NAN; // batch 0, key AT, kv head 0
+            x.k = Tensor::from_vec(k, x.k.shape(), &Device::Cpu).unwrap();
+            let refs = reference(&c, &x);
+            let name = format!("{} {:?} {:?}", cfg.strategy, cfg.layout, mask);
+            let got = match run_ranks(&c, &x) {
+                Ok(r) => r,
+                Err(e) => {
+                    failures.push(format!("{name}: {e}"));
+                    continue;
+                }
+            };
+            let plan = c.cfg.plan_for(c.s, &c.attn_mask()).unwrap();
+            let mut ordered: Vec<Option<&RankOut>> = vec![None; got.len()];
+            for ro in &got {
+                ordered[plan.shard_index(ro.coords.0, ro.coords.1)] = Some(ro);
+            }
+            let global = |i: usize| -> Vec<f64> {
+                let dim = if i == 1 { 2 } else { 1 };
+                let parts: Vec<Tensor> = ordered.iter().map(|r| r.unwrap().t[i].clone()).collect();
+                testkit::values(&plan.unshard(&parts, dim).unwrap())
+            };
+            let want_nan =
+                |b: usize, s: usize, h: usize| b == 0 && h < 2 && (mask == M::Full || s >= AT);
+            // The reference has its NaNs where the mask says.
+            let (rl, ro) = (testkit::values(&refs[1]), testkit::values(&refs[0]));
+            let lse_at = |b: usize, h: usize, s: usize| (b * c.hq + h) * c.s + s;
+            let row_at = |b: usize, s: usize, h: usize| ((b * c.s + s) * c.hq + h) * c.d;
+            for b in 0..2 {
+                for h in 0..c.hq {
+                    for s in 0..c.s {
+                        let (l, o) = (rl[lse_at(b, h, s)], ro[row_at(b, s, h)]);
+                        assert_eq!(l.is_nan(), want_nan(b, s, h), "reference lse {b} {h} {s}");
+                        assert_eq!(o.is_nan(), want_nan(b, s, h), "reference out {b} {s} {h}");
+                    }
+                }
+            }
+            for (i, what) in [(0, "out"), (1, "lse")] {
+                let (g, r) = (global(i), testkit::values(&refs[i]));
+                let same_nans = g.iter().zip(&r).all(|(a, b)| a.is_nan() == b.is_nan());
+                let finite =
+                    |v: &[f64]| -> Vec<f64> { v.iter().copied().filter(|x| !x.is_nan()).collect() };
+                let err = testkit::rel_err_floor(&finite(&g), &finite(&r), 1e-30);
+                if !same_nans || err.is_nan() || err > TOL {
+                    failures.push(format!(
+                        "{name}: {what} NaNs same {same_nans}, error {err:e}"
+                    ));
+                }
+            }
+            let dq = global(2);
+            let poisoned_dq = (0..c.s).filter(|&s| want_nan(0, s, 0)).all(|s| {
+                dq[row_at(0, s, 0)..row_at(0, s, 0) + c.d]
+                    .iter()
+                    .all(|x| x.is_nan())
+            });
+            if !poisoned_dq {
+                failures.push(format!("{name}: a poisoned row's dq is not NaN"));
+            }
+            for (i, what, h) in [(2, "dq", c.hq), (3, "dk", c.hkv), (4, "dv", c.hkv)] {
+                let (g, r) = (global(i), testkit::values(&refs[i]));
+                let half = c.s * h * c.d;
+                let err = testkit::rel_err_floor(&g[half..], &r[half..], 1e-30);
+                if err.is_nan() || err > TOL {
+                    failures.push(format!("{name}: {what} of the clean batch, error {err:e}"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// Every rank fails with the same clear error, and nothing was sent.
 fn expect_error(
     cfg: &SpConfig,

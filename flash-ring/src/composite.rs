@@ -13,15 +13,17 @@
 //!   so one matmul per tile serves every q head of a group, and the backward's `dk`/`dv` products
 //!   sum over the group by themselves.
 //! - The mask is evaluated on the host from the spec ([`AttnSpec::allowed`]) one tile at a time
-//!   and uploaded as an additive bias; a tile with no allowed pair is skipped and a fully allowed
-//!   tile gets no bias. Rows with no allowed key get `out = 0`, `lse = -inf` and zero gradients.
+//!   and uploaded as a u8 tensor of allowed pairs; a tile with no allowed pair is skipped and a
+//!   fully allowed tile gets no mask. Rows with no allowed key get `out = 0`, `lse = -inf` and
+//!   zero gradients. A NaN score makes its row's out and lse NaN (candle's exponential keeps
+//!   NaN), as in the CPU kernels; a masked NaN is replaced and stays out of the row.
 //! - A logit soft-cap ([`AttnSpec::softcap`]) is applied to each score tile right after the
-//!   product, before the mask bias: `c * tanh(s / c)`; the backward multiplies dS by
+//!   product, before the mask: `c * tanh(s / c)`; the backward multiplies dS by
 //!   `1 - tanh^2(s / c)` (its own backward, not candle's autograd, see [`backward`]).
 //! - Arithmetic in f32 whatever the input dtype (as the CPU kernel), outputs in q's dtype
 //!   (gradients optionally in f32).
 //!
-//! Masked scores get the finite bias [`MASKED`] rather than `-inf`, so no `-inf - -inf` appears
+//! Masked scores become the finite [`MASKED`] rather than `-inf`, so no `-inf - -inf` appears
 //! in the online softmax: a row's masked scores are weighted `e^(MASKED - m)`, which is exactly 0
 //! once the row has seen any allowed key (scores are many orders of magnitude above `MASKED`),
 //! and a row that never sees one is set to `out = 0`, `lse = -inf` at the end from the host mask.
@@ -31,7 +33,7 @@ use candle_core::{DType, Device, Tensor, D};
 use crate::error::{Error, Result};
 use crate::spec::AttnSpec;
 
-/// The additive bias of a masked score (finite, see the module doc).
+/// The value a masked score is replaced with (finite, see the module doc).
 pub const MASKED: f32 = -1.0e30;
 
 /// Tile sizes of the composite path.
@@ -173,10 +175,10 @@ pub(crate) fn backward_dims(
 enum TileMask {
     /// No pair allowed: the tile is skipped.
     Empty,
-    /// Every pair allowed: no bias.
+    /// Every pair allowed: no mask.
     Full,
-    /// A `(q rows, k rows)` f32 bias on the device: 0 where allowed, [`MASKED`] elsewhere.
-    Bias(Tensor),
+    /// A `(q rows, k rows)` u8 tensor on the device: 1 where allowed, 0 elsewhere.
+    Allowed(Tensor),
 }
 
 /// The host-side mask of a spec, evaluated tile by tile.
@@ -196,7 +198,7 @@ impl HostMask<'_> {
         kn: usize,
         alive: &mut [bool],
     ) -> Result<TileMask> {
-        let mut bias = vec![0f32; qn * kn];
+        let mut allowed_pairs = vec![0u8; qn * kn];
         let mut allowed = 0usize;
         for (i, alive) in alive.iter_mut().enumerate().take(qn) {
             let pq = self.spec.q_pos.get(q0 + i);
@@ -204,8 +206,7 @@ impl HostMask<'_> {
                 if self.spec.allowed(pq, self.spec.k_pos.get(k0 + j)) {
                     allowed += 1;
                     *alive = true;
-                } else {
-                    bias[i * kn + j] = MASKED;
+                    allowed_pairs[i * kn + j] = 1;
                 }
             }
         }
@@ -214,7 +215,7 @@ impl HostMask<'_> {
         } else if allowed == qn * kn {
             TileMask::Full
         } else {
-            TileMask::Bias(Tensor::from_vec(bias, (qn, kn), &self.dev)?)
+            TileMask::Allowed(Tensor::from_vec(allowed_pairs, (qn, kn), &self.dev)?)
         })
     }
 }
@@ -241,10 +242,10 @@ impl HostMask<'_> {
         (k0, kn): (usize, usize),
         alive: &mut [bool],
     ) -> Result<Option<Scores>> {
-        let bias = match self.tile(q0, qn, k0, kn, alive)? {
+        let allowed = match self.tile(q0, qn, k0, kn, alive)? {
             TileMask::Empty => return Ok(None),
             TileMask::Full => None,
-            TileMask::Bias(b) => Some(b),
+            TileMask::Allowed(a) => Some(a),
         };
         let s = qs.matmul(&kt.t()?)?;
         let (s, tanh) = match self.spec.softcap {
@@ -254,8 +255,8 @@ impl HostMask<'_> {
                 ((&t * c as f64)?, Some(t))
             }
         };
-        let s = match bias {
-            Some(bias) => add_bias(&s, &bias, dm, qn, kn)?,
+        let s = match allowed {
+            Some(allowed) => mask_scores(&s, &allowed, dm, qn, kn)?,
             None => s,
         };
         Ok(Some(Scores { s, tanh }))
@@ -282,12 +283,17 @@ fn ungrouped(x: &Tensor, n: usize, dm: &Dims) -> Result<Tensor> {
         .contiguous()?)
 }
 
-/// Adds a `(qn, kn)` bias to `(b, hkv, g * qn, kn)` scores.
-fn add_bias(s: &Tensor, bias: &Tensor, dm: &Dims, qn: usize, kn: usize) -> Result<Tensor> {
-    let g = dm.group();
-    Ok(s.reshape((dm.b, dm.hkv, g, qn, kn))?
-        .broadcast_add(bias)?
-        .reshape((dm.b, dm.hkv, g * qn, kn))?)
+/// `(b, hkv, g * qn, kn)` scores with the pairs that `allowed` (`(qn, kn)` u8) forbids set to
+/// [`MASKED`]: replaced, not offset, so that a NaN score there (a NaN key the row cannot see)
+/// stays out of the row, as in the CPU kernels.
+fn mask_scores(s: &Tensor, allowed: &Tensor, dm: &Dims, qn: usize, kn: usize) -> Result<Tensor> {
+    let shape = (dm.b, dm.hkv, dm.group(), qn, kn);
+    let s = s.reshape(shape)?;
+    let masked = Tensor::full(MASKED, (), s.device())?.broadcast_as(shape)?;
+    Ok(allowed
+        .broadcast_as(shape)?
+        .where_cond(&s, &masked)?
+        .reshape((dm.b, dm.hkv, dm.group() * qn, kn))?)
 }
 
 /// `(qn)` flags as a `(b, hkv, g * qn, 1)`-broadcastable f32 tensor of `yes`/`no` values.

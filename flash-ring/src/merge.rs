@@ -4,7 +4,8 @@
 //! `out = w_a * out_a + w_b * out_b` with `w_x = e^(lse_x - lse)`. No exponential of a positive
 //! number is taken, so nothing overflows; a partial with `lse = -inf` has weight exactly 0 (its
 //! `out` is ignored, even if it is not finite), and two `-inf` partials give `lse = -inf`,
-//! `out = 0`.
+//! `out = 0`. A NaN `lse` (a partial whose softmax saw a NaN score) makes the merged row's `lse`
+//! and `out` NaN, as one softmax over all the keys would be.
 
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
@@ -76,8 +77,12 @@ fn check(out_a: &Tensor, lse_a: &Tensor, out_b: &Tensor, lse_b: &Tensor) -> Resu
 /// Weights `(w_a, w_b)` and merged lse of one row, -inf safe.
 #[inline]
 pub(crate) fn merge_weights(la: f32, lb: f32) -> (f32, f32, f32) {
+    if la.is_nan() || lb.is_nan() {
+        // A partial whose softmax saw a NaN score: the merged row is NaN.
+        return (f32::NAN, f32::NAN, f32::NAN);
+    }
     let m = la.max(lb);
-    if m == f32::NEG_INFINITY || m.is_nan() {
+    if m == f32::NEG_INFINITY {
         return (0.0, 0.0, f32::NEG_INFINITY);
     }
     let ea = (la - m).exp();
@@ -216,5 +221,27 @@ mod tests {
         assert_eq!(v(&l1)[2], f32::NEG_INFINITY);
         // Row (b 0, h 0, s 2) has both partials -inf: its out is 0.
         assert!(v(&o1)[2 * h * d..2 * h * d + d].iter().all(|&x| x == 0.0));
+    }
+
+    /// A NaN lse on either side (or both, or against -inf) makes the merged row NaN on both
+    /// paths; the other rows keep their values.
+    #[test]
+    fn a_nan_partial_makes_the_merged_row_nan_on_both_paths() {
+        let dev = Device::Cpu;
+        let ones = Tensor::ones((1, 5, 1, 2), DType::F32, &dev).unwrap();
+        let n = f32::NAN;
+        let ninf = f32::NEG_INFINITY;
+        let la = Tensor::new(&[[[n, 0.0, n, n, 0.0]]], &dev).unwrap();
+        let lb = Tensor::new(&[[[0.0, n, n, ninf, 1.0]]], &dev).unwrap();
+        for (o, l) in [
+            merge(&ones, &la, &ones, &lb).unwrap(),
+            merge_tensor_ops(&ones, &la, &ones, &lb).unwrap(),
+        ] {
+            let o: Vec<f32> = o.flatten_all().unwrap().to_vec1().unwrap();
+            let l: Vec<f32> = l.flatten_all().unwrap().to_vec1().unwrap();
+            assert!(l[..4].iter().all(|x| x.is_nan()) && o[..8].iter().all(|x| x.is_nan()));
+            assert!((l[4] - (1.0 + (1.0 + (-1.0f32).exp()).ln())).abs() < 1e-6);
+            assert!(o[8..].iter().all(|&x| (x - 1.0).abs() < 1e-6));
+        }
     }
 }

@@ -371,6 +371,13 @@ pub(crate) fn backward(
                         let row = &mut s[i * bk..i * bk + kn];
                         let grow = &mut g[i * bk + c0..i * bk + c1];
                         let l = qs.lse[q0 + i];
+                        if l.is_nan() {
+                            // The forward saw a NaN score in this row: its P and dS are NaN
+                            // (as PyTorch's softmax gradient), so every gradient it reaches is.
+                            row[c0..c1].fill(f32::NAN);
+                            grow.fill(f32::NAN);
+                            continue;
+                        }
                         if !l.is_finite() {
                             // Row with no allowed key anywhere (lse = -inf): P = dS = 0.
                             row[c0..c1].fill(0.0);

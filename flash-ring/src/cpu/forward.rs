@@ -143,13 +143,16 @@ pub(crate) fn forward(
                 work: &work,
             };
             t.run(kv, sc);
-            // Finalise: out = o / l, lse = m + log(l) (natural log).
+            // Finalise: out = o / l, lse = m + log(l) (natural log); NaN rows stay NaN.
             for i in 0..qn {
                 let row = &mut sc.o[i * dp..i * dp + d];
                 let l = sc.l[i];
                 let lse_i = if l > 0.0 {
                     simd::scale_row(isa, row, 1.0 / l);
                     (sc.m[i] + l.log2()) * LN_2
+                } else if l.is_nan() {
+                    row.fill(f32::NAN);
+                    f32::NAN
                 } else {
                     row.fill(0.0);
                     f32::NEG_INFINITY
@@ -310,8 +313,17 @@ impl TileTask<'_> {
                     .mask_row(self.qb, q0 + i, self.kb, kt, full, f32::NEG_INFINITY);
             }
             let row = &mut full[c0..c1];
+            let m_row = simd::row_max::<true>(isa, row);
+            if m_row.is_nan() {
+                // A NaN score (a NaN in q or in an allowed key): the row's softmax is NaN, as
+                // PyTorch's. `l` stays NaN over the later tiles and makes the row's output and
+                // lse NaN; this tile adds nothing to `o`.
+                sc.l[i] = f32::NAN;
+                row.fill(0.0);
+                continue;
+            }
             let m_old = sc.m[i];
-            let m_new = m_old.max(simd::row_max::<false>(isa, row));
+            let m_new = m_old.max(m_row);
             if m_new == f32::NEG_INFINITY {
                 // Nothing allowed so far: P = 0, the output row stays 0.
                 row.fill(0.0);

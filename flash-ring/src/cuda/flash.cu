@@ -112,13 +112,14 @@ extern "C" __global__ void __launch_bounds__(NT) flash_fwd(
     }
     if (!valid) return;
     const long ooff = (((long)b * sq + i) * hq + h) * HEAD_DIM;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    // A NaN score leaves l NaN: the row's out and lse are NaN (as on the CPU).
+    const float inv = l > 0.f ? 1.f / l : (isnan(l) ? l : 0.f);
 #pragma unroll
     for (int t = 0; t < DL; ++t) {
         int d = t * G + lane;
         if (d < HEAD_DIM) out[ooff + d] = acc[t] * inv;
     }
-    if (lane == 0) lse[((long)b * hq + h) * sq + i] = l > 0.f ? mx + logf(l) : NEG_INF;
+    if (lane == 0) lse[((long)b * hq + h) * sq + i] = l > 0.f ? mx + logf(l) : (isnan(l) ? l : NEG_INF);
 }
 
 // dq: grid (ceil(sq / ROWS), hq, b). dout f32 (b, sq, hq, D); lse, delta (b, hq, sq) f32 with

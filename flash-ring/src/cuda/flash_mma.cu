@@ -296,14 +296,15 @@ extern "C" __global__ void __launch_bounds__(NT) flash_fwd(
     for (int t = 0; t < 2; ++t) {
         const int row = w0 + lane / 4 + t * 8;
         const float lt = row_sum4(l[t]);
-        const float inv = lt > 0.f ? 1.f / lt : 0.f;
+        // A NaN score leaves lt NaN: the row's out and lse are NaN (as on the CPU).
+        const float inv = lt > 0.f ? 1.f / lt : (isnan(lt) ? lt : 0.f);
         if (row < sq) {
             float* orow = out + (((long)b * sq + row) * hq + h) * HEAD_DIM;
 #pragma unroll
             for (int j = 0; j < DBLK; ++j) {
                 *(float2*)(orow + j * 8 + c0) = make_float2(o[j][2 * t] * inv, o[j][2 * t + 1] * inv);
             }
-            if (lane % 4 == 0) lse[((long)b * hq + h) * sq + row] = lt > 0.f ? mx[t] + logf(lt) : NEG_INF;
+            if (lane % 4 == 0) lse[((long)b * hq + h) * sq + row] = lt > 0.f ? mx[t] + logf(lt) : (isnan(lt) ? lt : NEG_INF);
         }
     }
 }
