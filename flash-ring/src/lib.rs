@@ -5,9 +5,10 @@
 //! `(batch, seq_k, kv_heads, head_dim)` with `q_heads % kv_heads == 0` (GQA/MQA); lse is f32
 //! `(batch, q_heads, seq_q)` in natural log. Inputs may be f32, bf16 or f16 (all three the same)
 //! and any strides; arithmetic is f32. A query row with no allowed key gets `out = 0` and
-//! `lse = -inf`, and contributes zero gradients. A NaN score (a NaN in q or in a key the row may
-//! attend) makes the row's out, lse and query gradient NaN, as PyTorch's softmax does; a key the
-//! row may not attend never reaches it.
+//! `lse = -inf`, and contributes zero gradients. A NaN or `+inf` score (a NaN or an overflow in
+//! q or in a key the row may attend) makes the row's out, lse and query gradient NaN, as
+//! PyTorch's softmax does (a `-inf` score is a key of weight 0); a key the row may not attend
+//! never reaches its out.
 //!
 //! The mask is given by global token positions ([`Positions`]) of the q and k rows, so the same
 //! call serves any (q block, kv block) pair of a ring, zigzag or striped layout. See

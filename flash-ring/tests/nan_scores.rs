@@ -4,6 +4,9 @@
 //! rows' softmax: a NaN in a key projection's weight gave every row `out = 0` and a finite loss,
 //! and training went on with a poisoned weight that the non-finite-loss stop never saw.
 //!
+//! A `+inf` score (an overflow) makes its row NaN too, where the exponential would have made the
+//! row look empty.
+//!
 //! Every path: the CPU kernels (f32; bf16 on the dot products and widened), with a soft-cap,
 //! the composite path, and keys split into blocks whose partials are merged (a ring's steps).
 //! Rows that cannot see the NaN key (causal rows before it, the other kv head's q heads, the
@@ -23,15 +26,15 @@ const HKV: usize = 2;
 const D: usize = 32;
 const NAN_AT: usize = 130;
 
-fn inputs(dtype: DType, poisoned: bool) -> [Tensor; 4] {
+/// q, k, v, dout; with `poison`, element 5 of key `NAN_AT` in batch 0, kv head 0 is that value.
+fn inputs_with(dtype: DType, poison: Option<f32>) -> [Tensor; 4] {
     let mut r = common::rng(7);
     let q = common::randv(&mut r, B * S * HQ * D);
     let mut k = common::randv(&mut r, B * S * HKV * D);
     let v = common::randv(&mut r, B * S * HKV * D);
     let dout = common::randv(&mut r, B * S * HQ * D);
-    if poisoned {
-        // Batch 0, position NAN_AT, kv head 0, element 5.
-        k[(NAN_AT * HKV) * D + 5] = f32::NAN;
+    if let Some(x) = poison {
+        k[(NAN_AT * HKV) * D + 5] = x;
     }
     let dev = Device::Cpu;
     let t = |x: Vec<f32>, h: usize| {
@@ -40,6 +43,10 @@ fn inputs(dtype: DType, poisoned: bool) -> [Tensor; 4] {
             .expect("tensor")
     };
     [t(q, HQ), t(k, HKV), t(v, HKV), t(dout, HQ)]
+}
+
+fn inputs(dtype: DType, poisoned: bool) -> [Tensor; 4] {
+    inputs_with(dtype, poisoned.then_some(f32::NAN))
 }
 
 /// Whether query row `s` of q head `h` in batch `b` sees the NaN key.
@@ -252,6 +259,61 @@ fn a_nan_key_poisons_the_merged_rows_of_a_ring() {
                 DType::F32,
                 mask,
                 None,
+            );
+        }
+    }
+}
+
+/// An infinite key element: the rows whose score is `+inf` (their query's element 5 positive)
+/// are NaN, as PyTorch's softmax (`e^(inf - inf)`); the vector exponential alone would have made
+/// them look empty (out 0, lse `-inf`). Rows whose score is `-inf` give that key weight 0 and
+/// stay finite; rows that cannot see it keep their values bit for bit.
+#[test]
+fn an_infinite_score_makes_its_row_nan() {
+    let widened = KernelConfig {
+        bf16: Bf16Products::Widen,
+        ..KernelConfig::default()
+    };
+    let runs = [
+        ("f32", Run::Kernel(kernels()), DType::F32),
+        ("bf16", Run::Kernel(kernels()), DType::BF16),
+        ("bf16 widened", Run::Kernel(widened), DType::BF16),
+        ("composite", Run::Composite, DType::F32),
+        ("3 blocks", Run::Blocks(3), DType::F32),
+    ];
+    for (name, how, dtype) in &runs {
+        for mask in [MaskKind::Causal, MaskKind::Full] {
+            let spec = AttnSpec::dense(0.3, mask, S, S);
+            let clean = run(how, &spec, &inputs_with(*dtype, None));
+            let x = inputs_with(*dtype, Some(f32::INFINITY));
+            let q = to_f64(&x[0]);
+            let got = run(how, &spec, &x);
+            let (mut nan_rows, mut finite_rows) = (0, 0);
+            for b in 0..B {
+                for h in 0..HQ {
+                    for s in 0..S {
+                        let l = got[1][(b * HQ + h) * S + s];
+                        let o = &got[0][row(b, s, h, HQ)];
+                        let at = format!("{name} {mask:?}: batch {b} head {h} row {s}");
+                        if !sees_nan(mask, b, s, h) {
+                            let c = &clean[0][row(b, s, h, HQ)];
+                            assert!(
+                                o.iter().zip(c).all(|(x, y)| x.to_bits() == y.to_bits()),
+                                "{at}: out moved"
+                            );
+                        } else if q[row(b, s, h, HQ).start + 5] >= 0.0 {
+                            nan_rows += 1;
+                            assert!(l.is_nan() && o.iter().all(|x| x.is_nan()), "{at}: {l}");
+                        } else {
+                            finite_rows += 1;
+                            assert!(l.is_finite() && o.iter().all(|x| x.is_finite()), "{at}");
+                        }
+                    }
+                }
+            }
+            assert!(
+                nan_rows > 10 && finite_rows > 10,
+                "{name}: {nan_rows} {finite_rows}"
             );
         }
     }

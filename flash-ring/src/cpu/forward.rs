@@ -314,10 +314,11 @@ impl TileTask<'_> {
             }
             let row = &mut full[c0..c1];
             let m_row = simd::row_max::<true>(isa, row);
-            if m_row.is_nan() {
-                // A NaN score (a NaN in q or in an allowed key): the row's softmax is NaN, as
-                // PyTorch's. `l` stays NaN over the later tiles and makes the row's output and
-                // lse NaN; this tile adds nothing to `o`.
+            if m_row.is_nan() || m_row == f32::INFINITY {
+                // A NaN or +inf score (a NaN or an overflow in q or in an allowed key): the row's
+                // softmax is NaN, as PyTorch's (`e^(inf - inf)`); the vector exponential would
+                // give 0 for it and the row would look empty. `l` stays NaN over the later tiles
+                // and makes the row's output and lse NaN; this tile adds nothing to `o`.
                 sc.l[i] = f32::NAN;
                 row.fill(0.0);
                 continue;
