@@ -158,6 +158,7 @@ impl CheckpointReader {
             ));
         }
         if !shard.is_split() {
+            self.check_finite(name, data, dtype, "")?;
             return Ok(Tensor::from_raw_buffer(data, dtype, &shape, dev)?);
         }
         if shard.dim >= shape.len() || shard.rank >= shard.world {
@@ -181,9 +182,78 @@ impl CheckpointReader {
             let start = (o * size + shard.rank * block) * inner;
             bytes.extend_from_slice(&data[start..start + block * inner]);
         }
+        let block_of = format!(
+            " of block {} of {} along dim {}",
+            shard.rank, shard.world, shard.dim
+        );
+        self.check_finite(name, &bytes, dtype, &block_of)?;
         let mut local = shape;
         local[shard.dim] = block;
         Ok(Tensor::from_raw_buffer(&bytes, dtype, &local, dev)?)
+    }
+
+    /// An error naming `name` when `bytes` (elements of `dtype`; `block` says which part of the
+    /// tensor, for the message) hold a NaN or an infinity: a weight that makes every loss NaN
+    /// is bad input, refused where it is read rather than met as a NaN loss at the first step.
+    fn check_finite(&self, name: &str, bytes: &[u8], dtype: DType, block: &str) -> Result<()> {
+        match first_non_finite(bytes, dtype) {
+            None => Ok(()),
+            Some((i, v)) => Err(self.err(
+                name,
+                format!(
+                    "element {i}{block} is {v}: the checkpoint holds a non-finite value (NaN or \
+                     infinity), which would make every loss computed from it NaN"
+                ),
+            )),
+        }
+    }
+}
+
+/// The first element of `bytes` (little-endian elements of `dtype`) that is NaN or infinite,
+/// with its value; `None` when all are finite or `dtype` is an integer type. Scanned in blocks
+/// whose exponent test vectorizes; only a block that holds one is searched element by element.
+fn first_non_finite(bytes: &[u8], dtype: DType) -> Option<(usize, f64)> {
+    fn scan<const N: usize>(
+        bytes: &[u8],
+        bad: impl Fn([u8; N]) -> bool,
+        value: impl Fn([u8; N]) -> f64,
+    ) -> Option<(usize, f64)> {
+        const BLOCK: usize = 4096;
+        let el = |c: &[u8]| -> [u8; N] { std::array::from_fn(|j| c[j]) };
+        for (b, block) in bytes.chunks(BLOCK * N).enumerate() {
+            if block.chunks_exact(N).fold(false, |acc, c| acc | bad(el(c))) {
+                let (i, c) = block
+                    .chunks_exact(N)
+                    .enumerate()
+                    .find(|(_, c)| bad(el(c)))?;
+                return Some((b * BLOCK + i, value(el(c))));
+            }
+        }
+        None
+    }
+    // Non-finite: every exponent bit set.
+    match dtype {
+        DType::F32 => scan::<4>(
+            bytes,
+            |c| u32::from_le_bytes(c) & 0x7f80_0000 == 0x7f80_0000,
+            |c| f32::from_le_bytes(c).into(),
+        ),
+        DType::BF16 => scan::<2>(
+            bytes,
+            |c| u16::from_le_bytes(c) & 0x7f80 == 0x7f80,
+            |c| half::bf16::from_le_bytes(c).to_f64(),
+        ),
+        DType::F16 => scan::<2>(
+            bytes,
+            |c| u16::from_le_bytes(c) & 0x7c00 == 0x7c00,
+            |c| half::f16::from_le_bytes(c).to_f64(),
+        ),
+        DType::F64 => scan::<8>(
+            bytes,
+            |c| u64::from_le_bytes(c) & 0x7ff0_0000_0000_0000 == 0x7ff0_0000_0000_0000,
+            f64::from_le_bytes,
+        ),
+        _ => None,
     }
 }
 
@@ -489,5 +559,90 @@ impl safetensors::View for TensorBytes {
     }
     fn data_len(&self) -> usize {
         self.data.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every float dtype: NaN, +inf and -inf found at their index with their value, also past
+    /// the first scan block; finite values (the largest, subnormals, -0) and integers pass.
+    #[test]
+    fn non_finite_elements_are_found_in_every_float_dtype() {
+        for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+            let n = 10_000;
+            let mut v: Vec<f64> = (0..n).map(|i| (i as f64 * 0.37).sin() * 1e3).collect();
+            v[1] = -0.0;
+            v[2] = 1e-40; // subnormal in f32, flushed in the half types' rounding: still finite
+            let t = |v: &[f64]| Tensor::new(v, &Device::Cpu).and_then(|t| t.to_dtype(dtype));
+            let bytes = |t: &Tensor| -> Vec<u8> { TensorBytes::new(t).expect("bytes").data };
+            let clean = t(&v).expect("tensor");
+            assert_eq!(first_non_finite(&bytes(&clean), dtype), None, "{dtype:?}");
+            for (at, bad) in [
+                (0, f64::NAN),
+                (4095, f64::INFINITY),
+                (9_999, f64::NEG_INFINITY),
+            ] {
+                let mut w = v.clone();
+                w[at] = bad;
+                let found = first_non_finite(&bytes(&t(&w).expect("tensor")), dtype);
+                let (i, x) = found.unwrap_or_else(|| panic!("{dtype:?}: {bad} at {at} missed"));
+                assert_eq!(i, at, "{dtype:?}");
+                assert!(
+                    x.is_nan() == bad.is_nan() && (bad.is_nan() || x == bad),
+                    "{dtype:?}"
+                );
+            }
+        }
+        assert_eq!(first_non_finite(&[0xff; 64], DType::U8), None);
+    }
+
+    /// Reading a tensor with a NaN, whole or one rank's block, fails naming the tensor, the
+    /// checkpoint and the element; the clean tensors of the same file still read, and a block
+    /// without the NaN reads too.
+    #[test]
+    fn a_non_finite_weight_is_refused_naming_the_tensor() {
+        let dir = std::env::temp_dir().join(format!("cpl-nonfinite-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("model.safetensors");
+        let mut w = vec![0.5f32; 4 * 6];
+        w[3 * 6 + 2] = f32::NAN; // row 3, column 2
+        let tensors = vec![
+            (
+                "bad.weight".to_string(),
+                Tensor::from_vec(w, (4, 6), &Device::Cpu).expect("t"),
+            ),
+            (
+                "good.weight".to_string(),
+                Tensor::ones((4, 6), DType::F32, &Device::Cpu).expect("t"),
+            ),
+        ];
+        write_atomic(&path, &safetensors_bytes(&tensors).expect("bytes")).expect("write");
+        let reader = CheckpointReader::open(std::slice::from_ref(&path)).expect("open");
+        let dev = Device::Cpu;
+        let err = reader
+            .read("bad.weight", Shard::replicated(), &dev)
+            .expect_err("a NaN weight must be refused")
+            .to_string();
+        assert!(
+            err.contains("`bad.weight`") && err.contains("element 20 is NaN"),
+            "{err}"
+        );
+        assert!(err.contains(&dir.display().to_string()), "{err}");
+        assert!(reader
+            .read("good.weight", Shard::replicated(), &dev)
+            .is_ok());
+        // Rows split in two: the NaN is in rank 1's block (row 3 = its row 1), element 8.
+        let err = reader
+            .read("bad.weight", Shard::new(0, 1, 2), &dev)
+            .expect_err("the block holding the NaN")
+            .to_string();
+        assert!(
+            err.contains("element 8 of block 1 of 2 along dim 0 is NaN"),
+            "{err}"
+        );
+        assert!(reader.read("bad.weight", Shard::new(0, 0, 2), &dev).is_ok());
+        std::fs::remove_dir_all(&dir).ok();
     }
 }
