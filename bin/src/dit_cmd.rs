@@ -436,5 +436,5 @@ pub fn inspect(dir: &Path) -> Result<()> {
         expected.len(),
         files.weights.len()
     );
-    Ok(())
+    crate::inspect::print_values(&reader)
 }

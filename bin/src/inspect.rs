@@ -1,4 +1,5 @@
-//! `cpl inspect`: a model's architecture, parameter count, dtypes and checkpoint files.
+//! `cpl inspect`: a model's architecture, parameter count, dtypes, checkpoint files, and
+//! whether every stored value is finite.
 
 use std::collections::BTreeMap;
 
@@ -79,6 +80,29 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     match &files.tokenizer {
         Some(t) => println!("tokenizer    {}", t.display()),
         None => println!("tokenizer    none"),
+    }
+    print_values(&reader)
+}
+
+/// The `values` line of `cpl inspect` (every family): every tensor scanned for NaN and
+/// infinity. Loading refuses such a checkpoint at the first one it reads; this lists them all.
+pub fn print_values(reader: &CheckpointReader) -> Result<()> {
+    let mut bad = Vec::new();
+    for name in reader.names() {
+        let n = reader.non_finite_count(&name)?;
+        if n > 0 {
+            let numel: usize = reader.meta(&name)?.shape.iter().product();
+            bad.push(format!("`{name}` ({n} of {numel})"));
+        }
+    }
+    if bad.is_empty() {
+        println!("values       all finite");
+    } else {
+        println!(
+            "values       {} tensor(s) hold NaN or infinity, which loading refuses: {}",
+            bad.len(),
+            bad.join(", ")
+        );
     }
     Ok(())
 }

@@ -570,5 +570,5 @@ pub fn inspect(dir: &Path) -> Result<()> {
         t.vocab_size,
         count(lp) + count("lm_head.")
     );
-    Ok(())
+    crate::inspect::print_values(&reader)
 }

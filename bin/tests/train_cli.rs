@@ -1622,6 +1622,27 @@ fn a_checkpoint_with_a_nan_weight_is_refused_naming_the_tensor() {
         &needle,
     ));
     assert_clear_errors(&cases);
+    // `cpl inspect` lists every such tensor (and says when all values are finite).
+    let values = |dir: &str| -> String {
+        let o = cpl(&words(&format!("inspect --model {dir}")));
+        assert!(o.status.success(), "{}", stderr(&o));
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        out.lines()
+            .find(|l| l.starts_with("values"))
+            .unwrap_or_else(|| panic!("no values line: {out}"))
+            .to_string()
+    };
+    let w = tensors[key].elem_count();
+    assert_eq!(
+        values(&m),
+        format!(
+            "values       1 tensor(s) hold NaN or infinity, which loading refuses: `{key}` (1 of {w})"
+        )
+    );
+    assert_eq!(
+        values(fixture().to_str().unwrap()),
+        "values       all finite"
+    );
 }
 
 #[test]

@@ -133,9 +133,21 @@ impl CheckpointReader {
         })
     }
 
-    /// Reads `shard`'s block of `name` (the whole tensor when not split) in the stored dtype.
-    /// Only the bytes of the block are read from the map.
-    pub fn read(&self, name: &str, shard: Shard, dev: &Device) -> Result<Tensor> {
+    /// How many elements of `name` are NaN or infinite (0 for an integer dtype): what `read`
+    /// refuses, counted over the whole tensor (`cpl inspect`).
+    pub fn non_finite_count(&self, name: &str) -> Result<usize> {
+        let (data, dtype, _) = self.bytes(name)?;
+        let el = dtype.size_in_bytes();
+        let (mut count, mut at) = (0, 0);
+        while let Some((i, _)) = first_non_finite(&data[at * el..], dtype) {
+            count += 1;
+            at += i + 1;
+        }
+        Ok(count)
+    }
+
+    /// The stored bytes of `name`, its dtype and shape, the length checked against the shape.
+    fn bytes(&self, name: &str) -> Result<(&[u8], DType, Vec<usize>)> {
         let (file, info) = self.info(name)?;
         let dtype = DType::try_from(info.dtype)
             .map_err(|e| self.err(name, format!("unsupported dtype: {e}")))?;
@@ -157,6 +169,14 @@ impl CheckpointReader {
                 ),
             ));
         }
+        Ok((data, dtype, shape))
+    }
+
+    /// Reads `shard`'s block of `name` (the whole tensor when not split) in the stored dtype.
+    /// Only the bytes of the block are read from the map.
+    pub fn read(&self, name: &str, shard: Shard, dev: &Device) -> Result<Tensor> {
+        let (data, dtype, shape) = self.bytes(name)?;
+        let el = dtype.size_in_bytes();
         if !shard.is_split() {
             self.check_finite(name, data, dtype, "")?;
             return Ok(Tensor::from_raw_buffer(data, dtype, &shape, dev)?);
@@ -643,6 +663,8 @@ mod tests {
             "{err}"
         );
         assert!(reader.read("bad.weight", Shard::new(0, 0, 2), &dev).is_ok());
+        assert_eq!(reader.non_finite_count("bad.weight").expect("count"), 1);
+        assert_eq!(reader.non_finite_count("good.weight").expect("count"), 0);
         std::fs::remove_dir_all(&dir).ok();
     }
 }
