@@ -68,7 +68,7 @@ enum Command {
     /// `--tokens` file.
     #[command(subcommand)]
     Data(data_cmd::DataCommand),
-    /// Show a model's architecture, parameter count, dtypes and checkpoint files.
+    /// Show a model's architecture, parameter count, dtypes and checkpoint files, and list any tensor holding NaN or infinity (which loading refuses).
     Inspect(inspect::InspectArgs),
     /// Measure this machine: `cpl bench attention|comm|train|eval|matmul` (a table, or one JSON
     /// object with --json); `cpl bench calibrate` writes its hardware description for `cpl plan

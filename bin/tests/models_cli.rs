@@ -10,20 +10,14 @@
 use std::path::{Path, PathBuf};
 
 mod common;
-use common::{assert_clear_errors, cpl, cpl_env, next_token_loss, stderr, stdout, tmpdir, words};
+use common::{
+    assert_clear_errors, copy_dir, cpl, cpl_env, next_token_loss, stderr, stdout, tmpdir, words,
+};
 
 use candle_core::{DType, Device, Tensor};
 
 fn fixtures() -> PathBuf {
     common::fixtures("llama")
-}
-
-fn copy_dir(src: &Path, dst: &Path) {
-    std::fs::create_dir_all(dst).unwrap();
-    for e in std::fs::read_dir(src).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
-    }
 }
 
 /// The fixture's input ids as a `--tokens` file.

@@ -10,7 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{assert_clear_errors, cpl, cpl_env, stderr, tmpdir, words};
+use common::{assert_clear_errors, copy_dir, cpl, cpl_env, stderr, stdout, tmpdir, words};
 
 fn fixture() -> PathBuf {
     common::fixtures("llama/mha")
@@ -1567,10 +1567,6 @@ fn a_non_finite_step_stops_the_run_without_saving_or_is_skipped() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `--tensorboard` (no value: OUT/tb) writes an event file that holds the numbers of
-/// metrics.jsonl and eval.jsonl (as f32, TensorBoard's scalar type) at their steps, and the
-/// command line as text; a resumed run adds a file that starts with a restart marker at the
-/// resume step, so TensorBoard drops the first run's later events.
 /// A checkpoint with a NaN weight (one element of a key projection) is refused where it is
 /// read, naming the tensor, the checkpoint and the element, by `cpl train` (one rank, ring 2,
 /// Ulysses 2, bf16), `eval` and `generate`: exit 1, no panic. Such a checkpoint made the loss
@@ -1582,11 +1578,7 @@ fn a_checkpoint_with_a_nan_weight_is_refused_naming_the_tensor() {
     let dir = tmpdir("nan-key");
     let tokens = docs_file(&dir);
     let model = dir.join("model");
-    std::fs::create_dir_all(&model).unwrap();
-    for entry in std::fs::read_dir(fixture()).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), model.join(entry.file_name())).unwrap();
-    }
+    copy_dir(&fixture(), &model);
     let weights = model.join("model.safetensors");
     let mut tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu).unwrap();
     let key = "model.layers.0.self_attn.k_proj.weight";
@@ -1626,7 +1618,7 @@ fn a_checkpoint_with_a_nan_weight_is_refused_naming_the_tensor() {
     let values = |dir: &str| -> String {
         let o = cpl(&words(&format!("inspect --model {dir}")));
         assert!(o.status.success(), "{}", stderr(&o));
-        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let out = stdout(&o);
         out.lines()
             .find(|l| l.starts_with("values"))
             .unwrap_or_else(|| panic!("no values line: {out}"))
@@ -1645,6 +1637,10 @@ fn a_checkpoint_with_a_nan_weight_is_refused_naming_the_tensor() {
     );
 }
 
+/// `--tensorboard` (no value: OUT/tb) writes an event file that holds the numbers of
+/// metrics.jsonl and eval.jsonl (as f32, TensorBoard's scalar type) at their steps, and the
+/// command line as text; a resumed run adds a file that starts with a restart marker at the
+/// resume step, so TensorBoard drops the first run's later events.
 #[test]
 fn tensorboard_events_hold_the_metrics() {
     use train::driver::tensorboard::{read_events, What};

@@ -587,7 +587,7 @@ mod tests {
     use super::*;
 
     /// Every float dtype: NaN, +inf and -inf found at their index with their value, also past
-    /// the first scan block; finite values (the largest, subnormals, -0) and integers pass.
+    /// the first scan block; finite values (large ones, a subnormal, -0) and integers pass.
     #[test]
     fn non_finite_elements_are_found_in_every_float_dtype() {
         for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
@@ -595,6 +595,7 @@ mod tests {
             let mut v: Vec<f64> = (0..n).map(|i| (i as f64 * 0.37).sin() * 1e3).collect();
             v[1] = -0.0;
             v[2] = 1e-40; // subnormal in f32, flushed in the half types' rounding: still finite
+            v[3] = 6.0e4; // near f16's largest (65504)
             let t = |v: &[f64]| Tensor::new(v, &Device::Cpu).and_then(|t| t.to_dtype(dtype));
             let bytes = |t: &Tensor| -> Vec<u8> { TensorBytes::new(t).expect("bytes").data };
             let clean = t(&v).expect("tensor");
@@ -628,6 +629,7 @@ mod tests {
         let path = dir.join("model.safetensors");
         let mut w = vec![0.5f32; 4 * 6];
         w[3 * 6 + 2] = f32::NAN; // row 3, column 2
+        w[3 * 6 + 5] = f32::INFINITY; // row 3, column 5: counted, never the first reported
         let tensors = vec![
             (
                 "bad.weight".to_string(),
@@ -663,7 +665,7 @@ mod tests {
             "{err}"
         );
         assert!(reader.read("bad.weight", Shard::new(0, 0, 2), &dev).is_ok());
-        assert_eq!(reader.non_finite_count("bad.weight").expect("count"), 1);
+        assert_eq!(reader.non_finite_count("bad.weight").expect("count"), 2);
         assert_eq!(reader.non_finite_count("good.weight").expect("count"), 0);
         std::fs::remove_dir_all(&dir).ok();
     }
