@@ -619,6 +619,42 @@ mod tests {
         assert_eq!(first_non_finite(&[0xff; 64], DType::U8), None);
     }
 
+    /// `non_finite_count` over whole tensors (f32, bf16) with dozens of NaNs and infinities at
+    /// scattered positions, runs of them included, against a plain count of their values.
+    #[test]
+    fn non_finite_count_matches_a_plain_count() {
+        let dir = std::env::temp_dir().join(format!("cpl-nonfinite-count-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("model.safetensors");
+        let n = 9_000;
+        let mut v: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+        let mut seed = 7u64;
+        for k in 0..60 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let at = (seed >> 33) as usize % n;
+            v[at] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][k % 3];
+        }
+        v[100..104].fill(f32::NAN); // a run
+        let want = v.iter().filter(|x| !x.is_finite()).count();
+        let t = Tensor::from_vec(v, n, &Device::Cpu).expect("t");
+        let tensors = vec![
+            ("f32".to_string(), t.clone()),
+            ("bf16".to_string(), t.to_dtype(DType::BF16).expect("bf16")),
+        ];
+        write_atomic(&path, &safetensors_bytes(&tensors).expect("bytes")).expect("write");
+        let reader = CheckpointReader::open(std::slice::from_ref(&path)).expect("open");
+        for name in ["f32", "bf16"] {
+            assert_eq!(
+                reader.non_finite_count(name).expect("count"),
+                want,
+                "{name}"
+            );
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
     /// Reading a tensor with a NaN, whole or one rank's block, fails naming the tensor, the
     /// checkpoint and the element; the clean tensors of the same file still read, and a block
     /// without the NaN reads too.
