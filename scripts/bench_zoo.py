@@ -3,7 +3,7 @@
 
 Run through scripts/bench_zoo.sh (which builds cpl first), from the repository root:
 
-    scripts/bench_zoo.sh [--families llama,qwen2,qwen3,mistral,gemma2,gemma3,mixtral,qwen3_moe]
+    scripts/bench_zoo.sh [--families llama,qwen2,qwen3,mistral,gemma2,gemma3,phi3,mixtral,qwen3_moe]
                          [--dtypes f32,bf16]
                          [--seq-len 4096] [--repeats 3] [--rounds 1] [--json FILE]
 
@@ -70,6 +70,9 @@ def family_overrides(family, window):
         # Gemma 3 (text): the same scaling; q/k norms, per-layer-type RoPE, no soft-caps.
         "gemma3": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=window,
                        tie_word_embeddings=True),
+        # Phi-3: fused qkv_proj and gate_up_proj, untied; its default pad (32000) and eos
+        # (32000) ids lie outside a 32000-token vocabulary, so they are moved inside it.
+        "phi3": dict(tie_word_embeddings=False, pad_token_id=0, eos_token_id=2, sliding_window=None),
         # Mixtral-shaped (issue 34): 8 experts of 1536 units, top-2, no window.
         "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
                         tie_word_embeddings=False),
@@ -129,7 +132,7 @@ def lscpu():
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--families", default="llama,qwen2,qwen3,mistral,gemma2,gemma3")
+    p.add_argument("--families", default="llama,qwen2,qwen3,mistral,gemma2,gemma3,phi3")
     p.add_argument("--dtypes", default="f32,bf16")
     p.add_argument("--works", default="eval,train")
     p.add_argument("--seq-len", type=int, default=4096)

@@ -125,6 +125,153 @@ fn every_zoo_fixture_is_tested_and_detected() {
     }
 }
 
+/// A copy of fixture `name`'s `config.json` edited by `edit`, in a fresh directory.
+fn edited_config(
+    name: &str,
+    tag: &str,
+    edit: impl FnOnce(&mut serde_json::Value),
+) -> std::path::PathBuf {
+    let src = fixture_files(name).config;
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&src).unwrap()).unwrap();
+    edit(&mut v);
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("zoo-config-{}-{tag}", name.replace('/', "-")));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("config.json");
+    std::fs::write(&path, v.to_string()).unwrap();
+    path
+}
+
+/// Fields no family implements are errors naming the field and the file, in every family
+/// (LLaMA's and the mixtures of experts' included): attention dropout (training runs without
+/// dropout) and a quantized checkpoint's `quantization_config`; 0 and `null` load.
+#[test]
+fn unsupported_config_fields_are_named_in_every_family() {
+    let names = FAMILIES.iter().copied().chain([
+        "llama/gqa",
+        "moe/mixtral",
+        "moe/qwen2_moe",
+        "moe/qwen3_moe",
+    ]);
+    for name in names {
+        let family = models::family::detect(&fixture_files(name).config).unwrap();
+        let describe = |path: &std::path::Path| (family.describe)(path).map(|_| ());
+        for (tag, key, value, wanted) in [
+            (
+                "dropout",
+                "attention_dropout",
+                serde_json::json!(0.1),
+                "`attention_dropout` 0.1",
+            ),
+            (
+                "gptq",
+                "quantization_config",
+                serde_json::json!({"quant_method": "gptq", "bits": 4}),
+                "`quantization_config` (gptq)",
+            ),
+        ] {
+            let path = edited_config(name, tag, |v| v[key] = value.clone());
+            let e = describe(&path).unwrap_err().to_string();
+            assert!(
+                e.contains(wanted) && e.contains(&path.display().to_string()),
+                "{name} {key}: {e}"
+            );
+        }
+        let path = edited_config(name, "zero", |v| {
+            v["attention_dropout"] = serde_json::json!(0.0);
+            v["quantization_config"] = serde_json::Value::Null;
+        });
+        describe(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+}
+
+/// Fields a config leaves out take transformers' defaults, and `null` means none: Mistral's
+/// window 4096; Gemma 2's caps 50 (attention) and 30 (final logits); Gemma 3 has no cap by
+/// default and soft-caps the final logits when its config sets the cap (transformers applies
+/// it), while an attention cap, which transformers' Gemma 3 reads but never applies, is an
+/// error naming the field.
+#[test]
+fn absent_config_fields_take_transformers_defaults() {
+    use models::decoder::ToDecoderSpec;
+    use models::zoo::gemma::{GemmaConfig, Generation};
+    let spec_of = |name: &str, tag: &str, edit: &dyn Fn(&mut serde_json::Value)| {
+        let path = edited_config(name, tag, |v| edit(v));
+        let text = std::fs::read_to_string(&path).unwrap();
+        match name {
+            "zoo/mistral" => {
+                <models::zoo::MistralConfig as models::decoder::DecoderConfig>::from_json(
+                    &text, &path,
+                )
+                .and_then(|c| c.decoder_spec())
+            }
+            "zoo/gemma2" => GemmaConfig::from_json(&text, &path, Generation::Gemma2)
+                .and_then(|c| c.decoder_spec()),
+            _ => GemmaConfig::from_json(&text, &path, Generation::Gemma3)
+                .and_then(|c| c.decoder_spec()),
+        }
+    };
+    let windows = |s: &models::decoder::DecoderSpec| -> Vec<Option<usize>> {
+        s.layers.iter().map(|l| l.window).collect()
+    };
+    let mistral = spec_of("zoo/mistral", "absent", &|v| {
+        v.as_object_mut().unwrap().remove("sliding_window");
+    })
+    .unwrap();
+    assert!(
+        windows(&mistral).iter().all(|w| *w == Some(4096)),
+        "{:?}",
+        windows(&mistral)
+    );
+    let mistral = spec_of("zoo/mistral", "null", &|v| {
+        v["sliding_window"] = serde_json::Value::Null
+    })
+    .unwrap();
+    assert!(windows(&mistral).iter().all(Option::is_none));
+
+    let gemma2 = spec_of("zoo/gemma2", "absent", &|v| {
+        let o = v.as_object_mut().unwrap();
+        o.remove("attn_logit_softcapping");
+        o.remove("final_logit_softcapping");
+    })
+    .unwrap();
+    assert_eq!(
+        (gemma2.attn_softcap, gemma2.final_softcap),
+        (Some(50.0), Some(30.0))
+    );
+    let gemma2 = spec_of("zoo/gemma2", "null", &|v| {
+        v["attn_logit_softcapping"] = serde_json::Value::Null;
+        v["final_logit_softcapping"] = serde_json::Value::Null;
+    })
+    .unwrap();
+    assert_eq!((gemma2.attn_softcap, gemma2.final_softcap), (None, None));
+
+    let gemma3 = spec_of("zoo/gemma3", "absent", &|v| {
+        let o = v.as_object_mut().unwrap();
+        o.remove("attn_logit_softcapping");
+        o.remove("final_logit_softcapping");
+    })
+    .unwrap();
+    assert_eq!((gemma3.attn_softcap, gemma3.final_softcap), (None, None));
+    let gemma3 = spec_of("zoo/gemma3", "final", &|v| {
+        v["final_logit_softcapping"] = serde_json::json!(30.0)
+    })
+    .unwrap();
+    assert_eq!(
+        (gemma3.attn_softcap, gemma3.final_softcap),
+        (None, Some(30.0))
+    );
+    let e = spec_of("zoo/gemma3", "attn", &|v| {
+        v["attn_logit_softcapping"] = serde_json::json!(50.0)
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("attn_logit_softcapping") && e.contains("config.json"),
+        "{e}"
+    );
+}
+
 fn layouts() -> Vec<(Layout, StepPlan)> {
     let plain = StepPlan::default();
     vec![

@@ -147,13 +147,6 @@ pub fn evaluate(args: &EvalArgs) -> Result<Option<(EvalReport, Vec<Tensor>)>> {
             &args.layout,
             adapter.as_ref(),
         )?;
-        if args.layout.ep > 1 && !loaded.model.has_routers() {
-            anyhow::bail!(
-                "--ep {}: {} is not a mixture of experts",
-                args.layout.ep,
-                args.model
-            );
-        }
         let act = activation_dtype(&loaded.params);
         score(
             &rank.mesh,

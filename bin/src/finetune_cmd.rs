@@ -93,10 +93,12 @@ pub struct FinetuneArgs {
     /// LoRA dropout. Only 0 is supported (the default of PEFT and LLaMA-Factory).
     #[arg(long, default_value_t = 0.0, help_heading = "Fine-tuning")]
     pub lora_dropout: f64,
-    /// Layers that get adapters: all-linear, or module names (q_proj,v_proj; Phi-3 has qkv_proj,
-    /// o_proj, gate_up_proj, down_proj).
-    #[arg(long, default_value = "all-linear", help_heading = "Fine-tuning")]
-    pub lora_targets: String,
+    /// Layers that get adapters: all-linear (PEFT's: on a mixture of experts also the router),
+    /// or module names (q_proj,v_proj; Phi-3 has qkv_proj, o_proj, gate_up_proj, down_proj; a
+    /// mixture of experts' router is `gate`). Default: every linear layer of the blocks but a
+    /// mixture of experts' router, which stays frozen unless named.
+    #[arg(long, help_heading = "Fine-tuning")]
+    pub lora_targets: Option<String>,
     /// rsLoRA scaling alpha / sqrt(r).
     #[arg(long, help_heading = "Fine-tuning")]
     pub use_rslora: bool,
@@ -416,7 +418,8 @@ fn lora_settings(a: &FinetuneArgs) -> Result<(LoraConfig, Option<Arc<dyn TensorS
     let cfg = LoraConfig {
         rank: a.lora_rank,
         alpha: a.lora_alpha.unwrap_or(2.0 * a.lora_rank as f64),
-        targets: LoraTargets::parse(&a.lora_targets).context("--lora-targets")?,
+        targets: LoraTargets::parse(a.lora_targets.as_deref().unwrap_or("all-linear"))
+            .context("--lora-targets")?,
         use_rslora: a.use_rslora,
         seed: a.train.seed,
         target_parameters: Vec::new(),
@@ -598,6 +601,13 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
             } else {
                 "--lora-targets"
             })?;
+            // Unless asked for (`all-linear` or `gate` named), the router stays frozen.
+            let fresh_default = a.adapter.is_none() && a.lora_targets.is_none();
+            let c = if fresh_default {
+                models::peft::without_router(&c)
+            } else {
+                c
+            };
             Some((c, src))
         }
         FinetuningType::Full => {
@@ -716,7 +726,14 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
         },
         model_id,
         lora.as_ref()
-            .map(|(c, _)| format!("r {} alpha {} {:?}", c.rank, c.alpha, c.targets))
+            .map(|(c, _)| {
+                let params = if c.target_parameters.is_empty() {
+                    String::new()
+                } else {
+                    format!(" + parameters {:?}", c.target_parameters)
+                };
+                format!("r {} alpha {} {:?}{params}", c.rank, c.alpha, c.targets)
+            })
             .unwrap_or_else(|| "all weights".into()),
         cfg.seq_len,
         global,

@@ -340,7 +340,8 @@ where
 /// The causal LM of `files` (the registry's family of its `config.json`) for `rank`'s
 /// layout: the decoder layers of its chunks of `ranges` (every virtual stage's layers) and the
 /// two ends on the first and last stage, with the LoRA `adapter` when given. Errors name the
-/// model, the family and the layout flags.
+/// model, the family and the layout flags; `--ep` above 1 on a model without sparse blocks is
+/// one (every command that builds a causal LM loads it here).
 pub fn load_causal_lm(
     files: &ModelFiles,
     rank: &Rank,
@@ -381,7 +382,17 @@ pub fn load_causal_lm_adapted(
         ends,
         adapters,
     };
-    load(files, &spec).with_context(|| format!("loading {} with {}", files.source, layout.flags()))
+    let loaded = load(files, &spec)
+        .with_context(|| format!("loading {} with {}", files.source, layout.flags()))?;
+    if layout.ep > 1 && !loaded.model.has_routers() {
+        bail!(
+            "--ep {}: {} is not a mixture of experts (expert parallelism divides the experts of \
+             its sparse blocks)",
+            layout.ep,
+            files.source
+        );
+    }
+    Ok(loaded)
 }
 
 /// The adapters of a PEFT `adapter` for building a model with them.

@@ -274,13 +274,6 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             None,
         )?
         .model;
-        if args.layout.ep > 1 && !model.has_routers() {
-            bail!(
-                "--ep {}: {model_id} is not a mixture of experts (expert parallelism divides the \
-                 experts of its sparse blocks)",
-                args.layout.ep
-            );
-        }
         let mut trainer = Trainer::new(model, &rank.mesh, &rank.ctx, cfg.clone())?;
         if let Some(r) = &resume {
             r.restore(&mut trainer)?;

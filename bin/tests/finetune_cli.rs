@@ -5,7 +5,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{assert_clear_errors, cpl, fixtures, stderr, tmpdir, words};
+use common::{assert_clear_errors, cpl, fixtures, stderr, stdout, tmpdir, words};
 
 fn s(p: &Path) -> String {
     p.display().to_string()
@@ -460,6 +460,10 @@ fn bad_finetuning_input_fails_with_a_clear_error() {
         ),
         (base(&["--adapter", "/nonexistent/adapter"]), "--adapter"),
         (
+            base(&["--ranks", "2", "--ep", "2"]),
+            "is not a mixture of experts",
+        ),
+        (
             base(&["--pp", "2", "--ranks", "2", "--pp-layers", "1,1"]),
             "--pp-layers",
         ),
@@ -755,6 +759,38 @@ fn lora_on_a_mixture_of_experts_writes_peft_adapters() {
         }
         assert_eq!(norm(&cfg[k]), norm(&peft[k]), "adapter_config.json {k}");
     }
+    // Without --lora-targets the router stays frozen: the same adapter less the routers'
+    // tensors and `gate.weight`, and the start line says what is adapted.
+    let default = d.join("default-targets");
+    let mut a = args(&default, &[]);
+    let at = a.iter().position(|x| x == "--lora-targets").unwrap();
+    a.drain(at..at + 2);
+    let o = cpl(&a);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let said = format!("{}{}", stdout(&o), stderr(&o));
+    assert!(
+        said.contains("+ parameters [\"down_proj\", \"gate_up_proj\"]"),
+        "{said}"
+    );
+    let routers = |n: &str| n.contains(".mlp.gate.");
+    let want: Vec<_> = adapter_shapes(&step)
+        .into_iter()
+        .filter(|(n, _)| !routers(n))
+        .collect();
+    let got = adapter_shapes(&default.join("step-2"));
+    assert!(
+        want.len() < adapter_shapes(&step).len(),
+        "the fixture adapts no router"
+    );
+    assert_eq!(got, want, "default targets: every adapter but the routers'");
+    let cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(default.join("step-2/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        !cfg["target_parameters"].to_string().contains("gate.weight"),
+        "{cfg}"
+    );
     // cpl reloads it.
     let tokens = d.join("ids.json");
     let ids: Vec<Vec<u32>> = testkit::random_docs(5, 2, 24..25, 256);

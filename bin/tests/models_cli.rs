@@ -686,6 +686,18 @@ fn bad_input_fails_with_a_clear_error() {
             words(&format!("eval --model {good} --tokens {t} --dtype f8")),
             "--dtype",
         ),
+        (
+            words(&format!(
+                "eval --model {good} --tokens {t} --ranks 2 --ep 2"
+            )),
+            "--ep 2: ",
+        ),
+        (
+            words(&format!(
+                "generate --model {good} --prompt hi --max-new-tokens 2 --ranks 2 --ep 2"
+            )),
+            "is not a mixture of experts",
+        ),
     ];
     assert_clear_errors(&cases);
     for d in [base, missing, wrong_shape] {

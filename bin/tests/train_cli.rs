@@ -2345,7 +2345,7 @@ fn moe_capacity_factor_drops_tokens_and_reports_them() {
 /// losses by position and the logits of 4 ranks with `--ep 2` and `--ep 4`, and of `--pp 2` over
 /// 2 data ranks with `--ep 2`, equal the same ranks without `--ep` (1e-5; the sequences do not
 /// split evenly over the data ranks, so the ranks with fewer pad their forwards); `--ep` on a
-/// dense model and with `--passkey` are clear errors naming the flag.
+/// dense model is a clear error naming the flag.
 #[test]
 fn eval_under_expert_parallelism_equals_data_parallelism() {
     let dir = common::tmpdir("eval-ep");

@@ -233,7 +233,7 @@ pub fn for_transformers5(cfg: &LoraConfig, family: &str) -> candle_parallel::Res
     let (mut has_gate, mut has_up) = (false, false);
     for t in names {
         if ends(&t, router) {
-            params.insert("gate.weight".into());
+            params.insert(ROUTER_PARAMETER.into());
         } else if ends(&t, gate) || ends(&t, up) {
             has_gate |= ends(&t, gate);
             has_up |= ends(&t, up);
@@ -264,6 +264,20 @@ pub fn for_transformers5(cfg: &LoraConfig, family: &str) -> candle_parallel::Res
     out.targets = LoraTargets::Names(modules);
     out.target_parameters = params.into_iter().collect();
     Ok(out)
+}
+
+/// The router's weight of a mixture of experts as PEFT targets it under transformers 5 (a
+/// parameter, in `target_parameters`).
+pub const ROUTER_PARAMETER: &str = "gate.weight";
+
+/// `cfg` (converted by [`for_transformers5`]) without the router: what `cpl finetune` adapts
+/// when no targets are named, since a router trained by LoRA changes which experts every token
+/// reaches (PEFT's `all-linear` includes it; naming `gate` or `all-linear` asks for it).
+/// Configurations that do not target the router are returned as they are.
+pub fn without_router(cfg: &LoraConfig) -> LoraConfig {
+    let mut out = cfg.clone();
+    out.target_parameters.retain(|p| p != ROUTER_PARAMETER);
+    out
 }
 
 /// [`for_transformers5`] for the model whose `config.json` is `config` (its `model_type`).

@@ -16,9 +16,12 @@
 //! first word, is trained). `trained[i] == true` means token `i` is a target: the loss predicts
 //! it from the tokens before it (the caller shifts to labels).
 //!
-//! A template for which the longer rendering does not start with the shorter one (one that
+//! A template that closes a conversation with `eos_token` (Phi-3's, when there is no generation
+//! prompt) writes it after the last turn only: an earlier turn's span ends before it. A template
+//! for which the longer rendering does not start with the shorter one otherwise (one that
 //! rewrites earlier turns, e.g. drops reasoning from past replies) is rejected for that
-//! conversation: the spans would not be the text that is trained.
+//! conversation: the spans would not be the text that is trained (`--mask-history`, the last
+//! reply alone, still works).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -812,6 +815,23 @@ impl ChatTemplate {
             })
     }
 
+    /// Where the rendering `full` of a conversation's first turns ends inside the rendering
+    /// `text` of the whole conversation: `full.len()` when `text` starts with `full`, or the
+    /// length of `full` without a closing `eos_token` (and whitespace after it) that the
+    /// template writes only at a conversation's end (Phi-3's templates close with
+    /// `{{ eos_token }}` when there is no generation prompt). `None`: `full` is not a prefix.
+    fn turn_end(&self, full: &str, text: &str) -> Option<usize> {
+        if text.starts_with(full) {
+            return Some(full.len());
+        }
+        let eos = self
+            .special_tokens
+            .get("eos_token")
+            .filter(|e| !e.is_empty())?;
+        let body = full.trim_end().strip_suffix(eos.as_str())?;
+        text.starts_with(body).then_some(body.len())
+    }
+
     fn render_inner(&self, messages: &[Message], add_generation_prompt: bool) -> Msg<String> {
         let tpl = self
             .env
@@ -1242,14 +1262,15 @@ fn assistant_spans(
                  reply of message {i} cannot be located"
             )));
         }
-        if !text.starts_with(&full) {
+        let Some(end) = tpl.turn_end(&full, text) else {
             return Err(err(format!(
                 "the template is not prefix-stable: the rendering of the whole conversation does \
                  not start with the rendering of messages 0..={i}, so the reply of message {i} \
-                 cannot be located"
+                 cannot be located (--mask-history trains the last reply alone, which needs no \
+                 earlier turn located)"
             )));
-        }
-        spans.push(prefix.len()..full.len());
+        };
+        spans.push(prefix.len()..end);
     }
     Ok(spans)
 }

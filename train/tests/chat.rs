@@ -504,6 +504,46 @@ fn trained_tokens_are_the_replies_and_their_end_of_turn() {
     );
 }
 
+/// Phi-3's template (microsoft/Phi-3-mini-4k-instruct, also Phi-3.5-mini) closes a
+/// conversation with `eos_token` when there is no generation prompt: every reply and its
+/// `<|end|>` line are trained, the closing eos with the last reply only (it ends the whole
+/// conversation), and the ids are those of the whole rendering.
+#[test]
+fn a_template_closing_with_eos_trains_every_reply() {
+    let phi3 = ChatTemplate::from_source(
+        "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + \
+         message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + \
+         message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}\
+         {{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}\
+         {% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}",
+        "phi3.jinja",
+        &special_tokens(),
+    )
+    .unwrap();
+    let eos = special_tokens()["eos_token"].clone();
+    let conv = Conversation {
+        messages: msgs(&[
+            ("user", "What is 2+2?"),
+            ("assistant", "4"),
+            ("user", "And 3+3?"),
+            ("assistant", "6"),
+        ]),
+        source: "hand line 1".into(),
+    };
+    assert_eq!(
+        runs(&phi3, &conv, SFT),
+        ["4<|end|>\n".to_string(), format!("6<|end|>\n{eos}")]
+    );
+    let last = TrainOn {
+        prompt: false,
+        mask_history: true,
+    };
+    assert_eq!(runs(&phi3, &conv, last), [format!("6<|end|>\n{eos}")]);
+    let ex = tokenize_conversation(&phi3, &tokenizer(), &conv, SFT).unwrap();
+    let whole = phi3.render(&conv.messages, false).unwrap();
+    assert_eq!(ex.ids, tokenizer().encode_with_offsets(&whole).unwrap().0);
+}
+
 #[test]
 fn masks_of_each_file_format() {
     let dir = fresh_dir("masks");

@@ -40,13 +40,6 @@ pub fn run(args: &EvalBenchArgs) -> Result<()> {
             .map(|i| random_tokens(a.seq_len, vocab, a.seed + i))
             .collect();
         let loaded = model.load(rank, dtype, ParamMode::Frozen, &a.layout)?;
-        if a.layout.ep > 1 && !loaded.model.has_routers() {
-            anyhow::bail!(
-                "--ep {}: the {} model is not a mixture of experts",
-                a.layout.ep,
-                model.name
-            );
-        }
         let act = activation_dtype(&loaded.params);
         let reports = (0..=args.repeats)
             .map(|_| {

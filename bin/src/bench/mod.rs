@@ -472,7 +472,8 @@ impl BenchModel {
         }
     }
 
-    /// This rank's part of the model under `layout` (no pipeline: every layer and both ends).
+    /// This rank's part of the model under `layout` (no pipeline: every layer and both ends);
+    /// `--ep` on a model without sparse blocks is an error.
     pub fn load(
         &self,
         rank: &Rank,
@@ -487,6 +488,13 @@ impl BenchModel {
                 load_causal_lm(files, rank, ranges, dtype, mode, layout, None)
             }
             Weights::Memory(config, map) => {
+                if layout.ep > 1 {
+                    bail!(
+                        "--ep {}: the {} model is not a mixture of experts",
+                        layout.ep,
+                        self.name
+                    );
+                }
                 let dtype = dtype.unwrap_or(DType::F32);
                 let l = llama::build(config, map.clone(), &rank.ctx, dtype, mode).with_context(
                     || format!("building the random model with {}", layout.flags()),

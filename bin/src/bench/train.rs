@@ -105,13 +105,6 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     )?;
     let measured = launch(&a.layout, |rank| {
         let loaded = model.load(rank, dtype, ParamMode::Trainable, &a.layout)?;
-        if a.layout.ep > 1 && !loaded.model.has_routers() {
-            bail!(
-                "--ep {}: the {} model is not a mixture of experts",
-                a.layout.ep,
-                model.name
-            );
-        }
         let dtype = train::evaluation::activation_dtype(&loaded.params);
         let mut trainer = Trainer::new(loaded.model, &rank.mesh, &rank.ctx, cfg.clone())?;
         let world = rank.world();

@@ -66,6 +66,13 @@ pub struct LlamaConfig {
     /// v5 name of the stored dtype.
     #[serde(default)]
     pub dtype: Option<String>,
+    /// Dropout on the attention probabilities: only 0 is supported (training runs without
+    /// dropout; every family's configs read it).
+    #[serde(default)]
+    pub attention_dropout: Option<f64>,
+    /// A quantized checkpoint's settings (bitsandbytes, GPTQ, AWQ, ...): not supported.
+    #[serde(default)]
+    pub quantization_config: Option<serde_json::Value>,
     #[serde(default)]
     pub bos_token_id: Option<serde_json::Value>,
     #[serde(default)]
@@ -137,7 +144,8 @@ impl LlamaConfig {
     }
 
     /// The checks every family sharing these fields needs: positive sizes, heads that divide,
-    /// an even head_dim, a positive eps and a dtype this crate reads (the RoPE keys are
+    /// an even head_dim, a positive eps, no attention dropout, no quantization and a dtype
+    /// this crate reads (the RoPE keys are
     /// checked when the family builds its spec: some read them per layer type).
     pub fn validate_common(&self, path: &Path) -> Result<()> {
         let nonzero = [
@@ -184,6 +192,30 @@ impl LlamaConfig {
         }
         if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
             return Err(Error::config(path, "`rms_norm_eps` must be positive"));
+        }
+        if let Some(p) = self.attention_dropout.filter(|&p| p != 0.0) {
+            return Err(Error::config(
+                path,
+                format!("`attention_dropout` {p} is not supported (training runs without dropout)"),
+            ));
+        }
+        if let Some(q) = self.quantization_config.as_ref().filter(|q| !q.is_null()) {
+            let method = q
+                .get("quant_method")
+                .and_then(|m| m.as_str())
+                .unwrap_or("?");
+            // transformers dequantizes a GGUF file when it loads it: a directory it saved from
+            // one holds plain tensors under this note.
+            if method == "gguf" {
+                return self.stored_dtype(path).map(|_| ());
+            }
+            return Err(Error::config(
+                path,
+                format!(
+                    "`quantization_config` ({method}): quantized checkpoints are not supported; \
+                     load the unquantized (or dequantized) weights"
+                ),
+            ));
         }
         self.stored_dtype(path)?;
         Ok(())

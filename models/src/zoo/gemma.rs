@@ -6,8 +6,9 @@
 //! with global ones (`layer_types`; by default every other layer in Gemma 2, five of every six
 //! in Gemma 3, `sliding_window_pattern`).
 //!
-//! Gemma 2 soft-caps the attention logits (`attn_logit_softcapping`) and the final logits
-//! (`final_logit_softcapping`); Gemma 3 norms q and k per head instead.
+//! Gemma 2 soft-caps the attention logits (`attn_logit_softcapping`, 50 when absent) and the
+//! final logits (`final_logit_softcapping`, 30 when absent); Gemma 3 norms q and k per head
+//! instead, and soft-caps the final logits only when its config sets the cap.
 
 use std::path::Path;
 
@@ -46,10 +47,12 @@ pub struct GemmaConfig {
     /// Gemma 3 configs on the Hub (before `layer_types`): one global layer every this many.
     #[serde(default)]
     pub sliding_window_pattern: Option<usize>,
-    #[serde(default)]
-    pub final_logit_softcapping: Option<f64>,
-    #[serde(default)]
-    pub attn_logit_softcapping: Option<f64>,
+    /// Absent: the generation's default (Gemma 2: 30, Gemma 3: none); `null`: none.
+    #[serde(default, deserialize_with = "present")]
+    pub final_logit_softcapping: Option<Option<f64>>,
+    /// Absent: the generation's default (Gemma 2: 50, Gemma 3: none); `null`: none.
+    #[serde(default, deserialize_with = "present")]
+    pub attn_logit_softcapping: Option<Option<f64>>,
     #[serde(default)]
     pub use_bidirectional_attention: Option<bool>,
     /// Gemma 3's RoPE base of sliding layers in the Hub's (v4) spelling.
@@ -65,6 +68,15 @@ fn default_query_pre_attn_scalar() -> f64 {
 
 fn default_sliding_window() -> Option<usize> {
     Some(4096)
+}
+
+/// A field that is present (`Some`, holding `None` for `null`), as opposed to absent (`None`
+/// through `#[serde(default)]`), so that an absent field takes transformers' default and
+/// `null` does not.
+fn present<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<Option<f64>>, D::Error> {
+    Option::<f64>::deserialize(d).map(Some)
 }
 
 impl GemmaConfig {
@@ -102,8 +114,8 @@ impl GemmaConfig {
             ));
         }
         for (name, cap) in [
-            ("attn_logit_softcapping", cfg.attn_logit_softcapping),
-            ("final_logit_softcapping", cfg.final_logit_softcapping),
+            ("attn_logit_softcapping", cfg.attn_cap()),
+            ("final_logit_softcapping", cfg.final_cap()),
         ] {
             if cap.is_some_and(|c| !(c.is_finite() && c > 0.0)) {
                 return Err(Error::config(path, format!("`{name}` must be positive")));
@@ -122,6 +134,24 @@ impl GemmaConfig {
 
     fn generation(&self) -> Generation {
         self.generation.unwrap_or(Generation::Gemma2)
+    }
+
+    /// The attention-logit soft-cap: the config's, else transformers' default (Gemma 2: 50).
+    fn attn_cap(&self) -> Option<f64> {
+        self.attn_logit_softcapping
+            .unwrap_or(match self.generation() {
+                Generation::Gemma2 => Some(50.0),
+                Generation::Gemma3 => None,
+            })
+    }
+
+    /// The final-logit soft-cap: the config's, else transformers' default (Gemma 2: 30).
+    fn final_cap(&self) -> Option<f64> {
+        self.final_logit_softcapping
+            .unwrap_or(match self.generation() {
+                Generation::Gemma2 => Some(30.0),
+                Generation::Gemma3 => None,
+            })
     }
 
     fn spec(&self, path: &Path) -> Result<DecoderSpec> {
@@ -158,18 +188,17 @@ impl GemmaConfig {
                 layer.rope = self.layer_rope(kind, path)?;
             }
         }
+        spec.final_softcap = self.final_cap().map(|c| c as f32);
         match generation {
-            Generation::Gemma2 => {
-                spec.attn_softcap = self.attn_logit_softcapping.map(|c| c as f32);
-                spec.final_softcap = self.final_logit_softcapping.map(|c| c as f32);
-            }
+            Generation::Gemma2 => spec.attn_softcap = self.attn_cap().map(|c| c as f32),
             Generation::Gemma3 => {
                 spec.qk_norm = true;
-                if self.attn_logit_softcapping.is_some() || self.final_logit_softcapping.is_some() {
+                if self.attn_cap().is_some() {
                     return Err(Error::config(
                         path,
-                        "Gemma 3 with `attn_logit_softcapping` or `final_logit_softcapping` set \
-                         is not supported (transformers' Gemma 3 ignores the attention cap)",
+                        "Gemma 3 with `attn_logit_softcapping` set is not supported: \
+                         transformers' Gemma 3 reads the field but never applies it, so a \
+                         checkpoint trained with it is ambiguous; set it to null",
                     ));
                 }
             }

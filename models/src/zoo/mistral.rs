@@ -1,5 +1,6 @@
 //! Mistral (`MistralForCausalLM`): LLaMA's decoder with every layer's attention windowed to
-//! `sliding_window` tokens (`null`: global attention, as in Mistral 7B v0.2 and later).
+//! `sliding_window` tokens (`null`: global attention, as in Mistral 7B v0.2 and later; absent:
+//! 4096, transformers' default).
 
 use std::path::Path;
 
@@ -15,8 +16,13 @@ use crate::llama::LlamaConfig;
 pub struct MistralConfig {
     #[serde(flatten)]
     pub base: LlamaConfig,
-    #[serde(default)]
+    /// Absent: transformers' default, 4096; `null`: no window.
+    #[serde(default = "default_sliding_window")]
     pub sliding_window: Option<usize>,
+}
+
+fn default_sliding_window() -> Option<usize> {
+    Some(4096)
 }
 
 impl MistralConfig {

@@ -29,8 +29,6 @@ pub struct Phi3Config {
     pub resid_pdrop: Option<f64>,
     #[serde(default)]
     pub embd_pdrop: Option<f64>,
-    #[serde(default)]
-    pub attention_dropout: Option<f64>,
 }
 
 /// The RoPE type names Phi-3 configs used before `longrope` (transformers' `Phi3Config` reads
@@ -78,7 +76,6 @@ impl Phi3Config {
         for (name, p) in [
             ("resid_pdrop", cfg.resid_pdrop),
             ("embd_pdrop", cfg.embd_pdrop),
-            ("attention_dropout", cfg.attention_dropout),
         ] {
             if let Some(p) = p.filter(|&p| p != 0.0) {
                 return Err(Error::config(
