@@ -6,7 +6,7 @@ Run from the repository root (after scripts/make_moe_fixtures.py, whose checkpoi
     python3 -m venv .venv && .venv/bin/pip install -r scripts/requirements-finetune.txt \\
         && .venv/bin/python scripts/make_moe_lora_fixtures.py
 
-For the tiny Qwen3-MoE and Mixtral of tests/fixtures/moe/ (8 experts, top-2), what PEFT 0.21.2 does under
+For the tiny Qwen3-MoE, Mixtral and Qwen2-MoE of tests/fixtures/moe/ (8 experts, top-2), what PEFT 0.21.2 does under
 transformers 5.23, where the experts are two 3-D parameters per block (`mlp.experts.gate_up_proj` (E, 2I, H),
 `mlp.experts.down_proj` (E, H, I)) and the router `mlp.gate` is no `nn.Linear`:
 
@@ -14,7 +14,8 @@ transformers 5.23, where the experts are two 3-D parameters per block (`mlp.expe
   saved with ``save_pretrained``. PEFT converts the config (``convert_peft_config_for_transformers``):
   ``target_modules`` becomes the attention's q/k/v/o, ``target_parameters`` ``gate.weight`` (the router),
   ``gate_up_proj`` and ``down_proj``, and ``rank_pattern`` / ``alpha_pattern`` give ``.*\\.gate_up_proj``
-  twice the rank and alpha (gate and up fused). Every lora_A / lora_B is redrawn from normal(0, 0.1) (PEFT
+  twice the rank and alpha (gate and up fused); for Qwen2-MoE, which PEFT does not convert, ``all-linear``
+  plus ``target_parameters=["gate_up_proj", "down_proj"]`` (rank r each). Every lora_A / lora_B is redrawn from normal(0, 0.1) (PEFT
   starts B at zero). The script asserts the saved key names and shapes and the delta rule
   ``W_e + s B_e A_e`` with ``A_e = A[e R:(e+1) R]`` and ``B_e = B.reshape(out, R, E)[:, :, e]``.
 * ``<family>/reference.safetensors``: with the adapter, in float64 (eager attention and experts): the
@@ -52,7 +53,12 @@ PREFIX = "base_model.model."
 R, ALPHA, STD, SEED = 2, 3, 0.1, 777
 EXPERTS, TOP_K = 8, 2
 SHORT = [[17, 201, 5, 99]]
-FAMILIES = ["qwen3_moe", "mixtral"]
+FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe"]
+# PEFT 0.21 converts the `all-linear` of Qwen3-MoE and Mixtral to the experts' parameters and the
+# router; Qwen2-MoE it leaves as it is (`all-linear`: the attention, the shared expert, its gate and
+# the dense layers' MLPs), so its experts are named directly (what `cpl finetune
+# --lora-target-parameters gate_up_proj,down_proj` writes).
+TARGET_PARAMETERS = {"qwen2_moe": ["gate_up_proj", "down_proj"]}
 
 
 def load_base(name, dtype):
@@ -74,25 +80,34 @@ def lora_params(model):
 
 def check_format(name, model, cfg):
     """The facts docs/moe.md states, asserted."""
-    assert sorted(cfg["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"], cfg["target_modules"]
-    assert sorted(cfg["target_parameters"]) == ["down_proj", "gate.weight", "gate_up_proj"], cfg
-    assert cfg["rank_pattern"] == {".*\\.gate_up_proj": 2 * R} and cfg["alpha_pattern"] == {
-        ".*\\.gate_up_proj": 2 * ALPHA}, cfg
     base = model.base_model.model
     h = base.config.hidden_size
     i = base.config.moe_intermediate_size if hasattr(base.config, "moe_intermediate_size") else base.config.intermediate_size
     params = lora_params(model)
-    want = {"mlp.gate.lora_A.weight": (R, h), "mlp.gate.lora_B.weight": (EXPERTS, R),
-            "mlp.experts.base_layer.lora_A.weight": (2 * R * EXPERTS, h),
-            "mlp.experts.base_layer.lora_B.weight": (2 * i, 2 * R * EXPERTS),
+    # The experts' gate_up_proj rank and alpha: doubled by PEFT's conversion, as given when named.
+    gu = 1 if name in TARGET_PARAMETERS else 2
+    want = {"mlp.experts.base_layer.lora_A.weight": (gu * R * EXPERTS, h),
+            "mlp.experts.base_layer.lora_B.weight": (2 * i, gu * R * EXPERTS),
             "mlp.experts.lora_A.weight": (R * EXPERTS, i), "mlp.experts.lora_B.weight": (h, R * EXPERTS)}
+    if name in TARGET_PARAMETERS:
+        assert sorted(cfg["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj",
+                                                 "shared_expert_gate", "up_proj", "v_proj"], cfg["target_modules"]
+        assert cfg["target_parameters"] == sorted(TARGET_PARAMETERS[name]), cfg
+        assert not cfg["rank_pattern"] and not cfg["alpha_pattern"], cfg
+        assert not any(".mlp.gate." in k for k in params), "the router is adapted"
+    else:
+        assert sorted(cfg["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"], cfg["target_modules"]
+        assert sorted(cfg["target_parameters"]) == ["down_proj", "gate.weight", "gate_up_proj"], cfg
+        assert cfg["rank_pattern"] == {".*\\.gate_up_proj": 2 * R} and cfg["alpha_pattern"] == {
+            ".*\\.gate_up_proj": 2 * ALPHA}, cfg
+        want |= {"mlp.gate.lora_A.weight": (R, h), "mlp.gate.lora_B.weight": (EXPERTS, R)}
     for k, shape in want.items():
         got = tuple(params[f"model.layers.0.{k}"].shape)
         assert got == shape, (name, k, got, shape)
     # The delta rule, on layer 0's experts (float64 model).
     ex = base.model.layers[0].mlp.experts
     assert ex.parameter_name == "down_proj" and ex.base_layer.parameter_name == "gate_up_proj"
-    for wrapper, rank, alpha in [(ex.base_layer, 2 * R, 2 * ALPHA), (ex, R, ALPHA)]:
+    for wrapper, rank, alpha in [(ex.base_layer, gu * R, gu * ALPHA), (ex, R, ALPHA)]:
         a = wrapper.lora_A["default"].weight
         b = wrapper.lora_B["default"].weight
         assert wrapper.scaling["default"] == alpha / rank
@@ -109,6 +124,7 @@ def check_format(name, model, cfg):
 def build_adapter(name, adapter_dir):
     model = get_peft_model(load_base(name, torch.float32),
                            LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, target_modules="all-linear",
+                                      target_parameters=TARGET_PARAMETERS.get(name),
                                       bias="none", task_type="CAUSAL_LM"))
     gen = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
@@ -205,7 +221,9 @@ def main():
         "Generated by `scripts/make_moe_lora_fixtures.py` (do not edit by hand; rerun the script) with torch",
         f"{torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__} (CPU, offline,",
         "fixed seeds). Bases: `tests/fixtures/moe/<family>`. Adapters: PEFT's `all-linear` under transformers 5",
-        f"(r {R}, lora_alpha {ALPHA}; the experts' `gate_up_proj` r {2 * R}, alpha {2 * ALPHA}), every factor",
+        f"(r {R}, lora_alpha {ALPHA}; Qwen3-MoE and Mixtral as PEFT converts it: the router and the experts'",
+        f"`gate_up_proj` r {2 * R}, alpha {2 * ALPHA}, and `down_proj`; Qwen2-MoE's experts named in",
+        f"`target_parameters` {TARGET_PARAMETERS['qwen2_moe']}, r {R} each), every factor",
         f"redrawn from normal(0, {STD}). References in float64; `f32`: PEFT in float32 against them.",
         "",
         "| fixture | adapter tensors | loss | adapter effect on logits | f32 logits / loss / worst grad |"

@@ -1,6 +1,8 @@
 //! LoRA on a mixture of experts' router and experts, in PEFT's format under transformers 5
 //! (`tests/fixtures/moe_lora`, made by `scripts/make_moe_lora_fixtures.py`: PEFT 0.21.2's
-//! `all-linear` on the tiny Qwen3-MoE and Mixtral of `tests/fixtures/moe`, every factor random).
+//! `all-linear` on the tiny Qwen3-MoE and Mixtral of `tests/fixtures/moe`, and on Qwen2-MoE,
+//! which PEFT does not convert, `all-linear` (attention, shared expert and its gate, the dense
+//! layer's MLP) with the experts named in `target_parameters`; every factor random).
 //!
 //! - PEFT's adapter loads, and the model gives PEFT's logits and loss (transformers' training
 //!   loss with the balancing loss) within 1e-5 relative and PEFT's gradient of every LoRA tensor
@@ -32,7 +34,7 @@ use cpl_integration_tests::{
 };
 
 const TOL: f64 = 1e-5;
-const FAMILIES: [&str; 2] = ["qwen3_moe", "mixtral"];
+const FAMILIES: [&str; 3] = ["qwen3_moe", "mixtral", "qwen2_moe"];
 const EXPERTS: usize = 8;
 
 fn fixtures() -> PathBuf {
@@ -162,6 +164,25 @@ fn experts_without_tokens_get_exact_zero_gradients() {
         let loss = r["short.loss"].to_scalar::<f32>().unwrap() as f64;
         testkit::assert_close_scalar(got.loss as f64, loss, TOL, &format!("{family}: loss"));
         let (mut empty, mut busy) = (0, 0);
+        let layer_of = |k: &str| -> usize {
+            k.strip_prefix("model.layers.")
+                .and_then(|s| s.split('.').next())
+                .and_then(|s| s.parse().ok())
+                .unwrap()
+        };
+        // The counts have a row per sparse layer (Qwen2-MoE's layer 1 is dense).
+        let mut sparse: Vec<usize> = lora_keys(&r, "short.grad.")
+            .iter()
+            .filter(|k| k.contains(".mlp.experts."))
+            .map(|k| layer_of(k))
+            .collect();
+        sparse.sort_unstable();
+        sparse.dedup();
+        assert_eq!(
+            sparse.len(),
+            counts.len(),
+            "{family}: sparse layers {sparse:?}"
+        );
         for k in lora_keys(&r, "short.grad.") {
             let g = &got.grads[&k];
             let e = rel_err(g, &r[&format!("short.grad.{k}")]);
@@ -169,17 +190,13 @@ fn experts_without_tokens_get_exact_zero_gradients() {
             if !k.contains(".mlp.experts.") {
                 continue;
             }
-            let layer: usize = k
-                .strip_prefix("model.layers.")
-                .and_then(|s| s.split('.').next())
-                .and_then(|s| s.parse().ok())
-                .unwrap();
-            for (x, &n) in counts[layer].iter().enumerate() {
+            let row = sparse.iter().position(|&l| l == layer_of(&k)).unwrap();
+            for (x, &n) in counts[row].iter().enumerate() {
                 let m = testkit::max_abs(&expert_block(&k, g, x));
                 if n == 0 {
                     assert_eq!(m, 0.0, "{family}: {k}: expert {x} received no token");
                     empty += 1;
-                } else if scored[layer][x] > 0 {
+                } else if scored[row][x] > 0 {
                     assert!(m > 0.0, "{family}: {k}: expert {x} received {n} slots");
                     busy += 1;
                 }

@@ -99,6 +99,11 @@ pub struct FinetuneArgs {
     /// mixture of experts' router, which stays frozen unless named.
     #[arg(long, help_heading = "Fine-tuning")]
     pub lora_targets: Option<String>,
+    /// Parameters adapted directly (PEFT's `target_parameters`), comma-separated: a mixture of
+    /// experts' stacked experts, `gate_up_proj,down_proj` (Qwen2-MoE's, which `all-linear`
+    /// leaves out; Mixtral's and Qwen3-MoE's come with `all-linear` or their module names).
+    #[arg(long, value_delimiter = ',', help_heading = "Fine-tuning")]
+    pub lora_target_parameters: Vec<String>,
     /// rsLoRA scaling alpha / sqrt(r).
     #[arg(long, help_heading = "Fine-tuning")]
     pub use_rslora: bool,
@@ -422,7 +427,7 @@ fn lora_settings(a: &FinetuneArgs) -> Result<(LoraConfig, Option<Arc<dyn TensorS
             .context("--lora-targets")?,
         use_rslora: a.use_rslora,
         seed: a.train.seed,
-        target_parameters: Vec::new(),
+        target_parameters: a.lora_target_parameters.clone(),
         rank_pattern: Default::default(),
         alpha_pattern: Default::default(),
     };

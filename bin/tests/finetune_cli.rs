@@ -523,6 +523,82 @@ fn adapter_shapes(dir: &Path) -> Vec<(String, Vec<usize>)> {
     v
 }
 
+/// Qwen2-MoE's experts, which PEFT's `all-linear` leaves out, are adapted with
+/// `--lora-target-parameters gate_up_proj,down_proj`: the adapter has exactly the tensor names
+/// and shapes of PEFT's (the fixture PEFT saved with `all-linear` and those target parameters,
+/// same rank) and its `adapter_config.json` fields; `--ranks 2 --ep 2` gives the losses of 2
+/// ranks without it; a target parameter the model does not have, and one on a dense model, are
+/// errors naming the flag.
+#[test]
+fn lora_target_parameters_adapt_qwen2_moe_experts() {
+    let d = tmpdir("ft-qwen2moe-lora");
+    let model = common::moe_with_tokenizer(&d, "qwen2_moe");
+    let data = fixtures("chat/chat.jsonl");
+    let args = |out: &Path, extra: &[&str]| -> Vec<String> {
+        let mut a = words(&format!(
+            "finetune --model {} --data {} --template plain --seq-len 64 --steps 2 --lr 1e-2 \
+             --lora-rank 2 --lora-alpha 3 --log-every 1 --out {}",
+            model.display(),
+            data.display(),
+            out.display()
+        ));
+        a.extend(extra.iter().map(|x| x.to_string()));
+        a
+    };
+    let experts = ["--lora-target-parameters", "gate_up_proj,down_proj"];
+    let dp = d.join("dp2");
+    run_ok(&args(&dp, &[&["--ranks", "2"][..], &experts].concat()));
+    let ep = d.join("ep2");
+    run_ok(&args(
+        &ep,
+        &[&["--ranks", "2", "--ep", "2"][..], &experts].concat(),
+    ));
+    assert_close_losses(&metrics(&ep), &metrics(&dp), "--ep 2 vs dp2");
+    let step = dp.join("step-2");
+    let peft = fixtures("moe_lora/qwen2_moe/adapter");
+    assert_eq!(
+        adapter_shapes(&step),
+        adapter_shapes(&peft),
+        "tensor names and shapes differ from PEFT's"
+    );
+    let json = |p: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(p.join("adapter_config.json")).unwrap())
+            .unwrap()
+    };
+    let (ours, theirs) = (json(&step), json(&peft));
+    // PEFT writes a set (the fixture sorts it); the wrappers nest by the experts' module.
+    let sorted = |v: &serde_json::Value| -> Vec<String> {
+        let mut v: Vec<String> = serde_json::from_value(v.clone()).unwrap();
+        v.sort();
+        v
+    };
+    assert_eq!(
+        sorted(&ours["target_parameters"]),
+        sorted(&theirs["target_parameters"])
+    );
+    assert_eq!(ours["target_modules"], "all-linear", "{ours}");
+    for k in ["r", "lora_alpha"] {
+        assert_eq!(ours[k].as_f64(), theirs[k].as_f64(), "{k}");
+    }
+    let bad = d.join("bad");
+    assert_clear_errors(&[
+        (
+            args(&bad, &["--lora-target-parameters", "experts.w9"]),
+            "--lora-target-parameters",
+        ),
+        (
+            words(&format!(
+                "finetune --data {} --template plain --steps 1 --lora-target-parameters \
+                 gate_up_proj --out {}",
+                data.display(),
+                bad.display()
+            )),
+            "has no mixture of experts",
+        ),
+    ]);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// LoRA SFT of a Qwen3-MoE with `--lora-targets all-linear`: the adapter has exactly the tensor
 /// names and shapes PEFT's `all-linear` gives the same model (the fixture PEFT saved, same rank:
 /// the routers, the experts' stacked `gate_up_proj` at twice the rank and `down_proj`, the
@@ -533,7 +609,7 @@ fn adapter_shapes(dir: &Path) -> Vec<(String, Vec<usize>)> {
 #[test]
 fn lora_on_a_mixture_of_experts_writes_peft_adapters() {
     let d = tmpdir("ft-moe-lora");
-    let model = common::moe_with_tokenizer(&d);
+    let model = common::moe_with_tokenizer(&d, "qwen3_moe");
     let data = fixtures("chat/chat.jsonl");
     let args = |out: &Path, extra: &[&str]| -> Vec<String> {
         let mut a = vec![
@@ -829,7 +905,7 @@ fn lora_on_a_mixture_of_experts_writes_peft_adapters() {
 #[test]
 fn moe_capacity_factor_in_finetune_drops_tokens_in_policy_and_reference() {
     let d = tmpdir("ft-moe-capacity");
-    let model = common::moe_with_tokenizer(&d);
+    let model = common::moe_with_tokenizer(&d, "qwen3_moe");
     let data = fixtures("chat/chat.jsonl");
     let pairs = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../assets/chat/dialogue-dpo.jsonl");
     let sft = |out: &Path, extra: &[&str]| -> Vec<String> {

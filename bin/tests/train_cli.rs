@@ -2425,7 +2425,7 @@ fn eval_under_expert_parallelism_equals_data_parallelism() {
 #[test]
 fn training_evaluations_under_expert_parallelism_equal_data_parallelism() {
     let dir = common::tmpdir("train-eval-ep");
-    let moe = common::moe_with_tokenizer(&dir);
+    let moe = common::moe_with_tokenizer(&dir, "qwen3_moe");
     let tokens = dir.join("docs.json");
     let docs = testkit::random_docs(5, 40, 20..120, 256);
     std::fs::write(&tokens, serde_json::to_string(&docs).unwrap()).unwrap();
@@ -2517,7 +2517,7 @@ fn assert_rows_close(
 #[test]
 fn generation_under_expert_parallelism_equals_one_rank() {
     let dir = common::tmpdir("generate-ep");
-    let moe = common::moe_with_tokenizer(&dir);
+    let moe = common::moe_with_tokenizer(&dir, "qwen3_moe");
     let run = |extra: &[&str]| -> String {
         let mut a = words(&format!(
             "generate --model {} --prompt hello --max-new-tokens 24",
@@ -2554,7 +2554,7 @@ fn generation_under_expert_parallelism_equals_one_rank() {
 #[test]
 fn passkey_under_expert_parallelism_equals_data_parallelism() {
     let dir = common::tmpdir("passkey-ep");
-    let moe = common::moe_with_tokenizer(&dir);
+    let moe = common::moe_with_tokenizer(&dir, "qwen3_moe");
     let run = |extra: &[&str]| -> Vec<serde_json::Value> {
         let mut a = words(&format!(
             "eval --model {} --passkey --passkey-lengths 96,128 --passkey-depths 0,0.5,1 \

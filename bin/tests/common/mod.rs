@@ -15,14 +15,14 @@ pub fn fixtures(rel: &str) -> PathBuf {
         .join(rel)
 }
 
-/// A copy of the tiny Qwen3-MoE fixture (`moe/qwen3_moe`, 8 experts, top-2) in `dir` with the
-/// chat fixtures' tokenizer (256 ids, as the model's vocabulary), so that chat data and passkey
-/// prompts can be rendered for it.
-pub fn moe_with_tokenizer(dir: &std::path::Path) -> PathBuf {
-    let m = dir.join("qwen3-moe");
+/// A copy of a tiny mixture-of-experts fixture (`moe/<family>`: `qwen3_moe`, `qwen2_moe`,
+/// `mixtral`; 8 experts, top-2) in `dir/<family>` with the chat fixtures' tokenizer (256 ids, as
+/// the model's vocabulary), so that chat data and passkey prompts can be rendered for it.
+pub fn moe_with_tokenizer(dir: &std::path::Path, family: &str) -> PathBuf {
+    let m = dir.join(family);
     std::fs::create_dir_all(&m).unwrap();
     for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(fixtures("moe/qwen3_moe").join(f), m.join(f)).unwrap();
+        std::fs::copy(fixtures(&format!("moe/{family}")).join(f), m.join(f)).unwrap();
     }
     for f in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(fixtures("chat/tokenizer").join(f), m.join(f)).unwrap();

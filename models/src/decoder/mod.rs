@@ -171,6 +171,38 @@ fn check_adapters_used(
     params: &ParamList,
     layers: &[Range<usize>],
 ) -> Result<()> {
+    // Each target parameter names one a model of this family has (a mixture of experts' router
+    // weight, or its experts' stacked projections).
+    let targetable: &[&str] = if spec.moe.is_some() {
+        &[
+            "model.layers.0.mlp.gate.weight",
+            "model.layers.0.mlp.experts.gate_up_proj",
+            "model.layers.0.mlp.experts.down_proj",
+        ]
+    } else {
+        &[]
+    };
+    for t in &adapters.cfg.target_parameters {
+        let one = candle_parallel::nn::LoraConfig {
+            target_parameters: vec![t.clone()],
+            ..adapters.cfg.clone()
+        };
+        if !targetable.iter().any(|p| one.targets_parameter(p)) {
+            return Err(crate::Error::Invalid(format!(
+                "the LoRA target parameter `{t}` (--lora-target-parameters, PEFT's \
+                 target_parameters) names no parameter of this {} model ({})",
+                spec.family,
+                if targetable.is_empty() {
+                    "it has no mixture of experts; adapt its linear layers with --lora-targets"
+                        .to_string()
+                } else {
+                    "its parameters are gate.weight (the routers), gate_up_proj and down_proj \
+                     (the experts)"
+                        .to_string()
+                }
+            )));
+        }
+    }
     let loaded: std::collections::HashSet<String> =
         params.sorted().into_iter().map(|p| p.name).collect();
     if !loaded
