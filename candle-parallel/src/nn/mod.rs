@@ -35,6 +35,7 @@ pub mod mlp;
 pub mod moe;
 pub mod norm;
 pub mod param;
+mod topk;
 pub mod unit;
 
 use std::sync::Arc;

@@ -14,8 +14,8 @@
 //! reports the share dropped. The tokens are sorted by expert
 //! and each expert multiplies all of its rows in one product (a loop over experts, never over
 //! tokens); the weighted outputs are added back in expert order, as transformers'
-//! `index_add_` does. Top-k ties break towards the lower expert index, as `torch.topk` does on
-//! the CPU.
+//! `index_add_` does. Top-k ties break as `torch.topk` breaks them on the CPU (no index rule:
+//! the order libstdc++'s selection leaves, [`super::topk`]).
 //!
 //! Parallel layout: the router is a replicated weight applied to this rank's tokens outside
 //! the tensor-parallel region, like a norm. Each expert's MLP is split over tp as Megatron
@@ -45,6 +45,7 @@ use crate::collectives::{
 use crate::comm::{Comm, ReduceOp};
 use crate::error::{Error, Result};
 use crate::nn::linear::linear;
+use crate::nn::topk::torch_top_k;
 use crate::ops::swiglu;
 
 /// The shape and checkpoint names of a [`SparseMoe`].
@@ -456,7 +457,7 @@ impl SparseMoe {
         }
         let probs = router_softmax(&logits)?;
         let host = probs.to_vec2::<f32>()?;
-        let mut chosen: Vec<u32> = host.iter().flat_map(|row| top_k(row, k)).collect();
+        let mut chosen: Vec<u32> = host.iter().flat_map(|row| torch_top_k(row, k)).collect();
         let kept = self.within_capacity(&host, &chosen, s, positions, x.device())?;
         if let Some((aux, layer)) = &self.aux {
             aux.record(*layer, &host, &chosen, kept.as_deref(), routed.as_deref());
@@ -758,14 +759,6 @@ fn router_softmax(logits: &Tensor) -> Result<Tensor> {
     let max = logits.max_keepdim(1)?.detach();
     let ex = logits.broadcast_sub(&max)?.exp()?;
     Ok(ex.broadcast_div(&ex.sum_keepdim(1)?)?)
-}
-
-/// The indices of the `k` largest of `row`, largest first; ties go to the lower index.
-fn top_k(row: &[f32], k: usize) -> Vec<u32> {
-    let mut order: Vec<u32> = (0..row.len() as u32).collect();
-    order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
-    order.truncate(k);
-    order
 }
 
 /// One block's router statistics over this rank's tokens of a micro-batch.
