@@ -1056,7 +1056,8 @@ pub fn small_train_config(
 }
 /// Generation with the KV cache of fixture `name`, a prompt of `prompt` tokens then one token
 /// at a time over the fixture's sequence: each token's logits equal transformers' reference
-/// logits of the full sequence (`tol` relative), on one rank and under tp2.
+/// logits of the full sequence (`tol` relative), on one rank and under tp2; a layer with a
+/// sliding window keeps only the `w - 1` tokens later ones can see.
 pub fn check_kv_cache(name: &str, prompt: usize, tol: f64) {
     use candle_core::{Device, Tensor};
     use candle_parallel::comm::LocalWorld;
@@ -1066,6 +1067,14 @@ pub fn check_kv_cache(name: &str, prompt: usize, tol: f64) {
         let r = reference(name);
         let ids = r.input_ids[0].clone();
         let want = r.logits.narrow(0, 0, 1).unwrap().squeeze(0).unwrap();
+        let config = fixture_files(name).config;
+        let family = models::family::detect(&config).unwrap();
+        let windows: Vec<usize> = (family.describe)(&config)
+            .unwrap()
+            .windowed
+            .iter()
+            .map(|&(_, w)| w)
+            .collect();
         for layout in [
             Layout::single(),
             Layout::new("tp2", 2, 1, 1, Strategy::Ring),
@@ -1096,6 +1105,18 @@ pub fn check_kv_cache(name: &str, prompt: usize, tol: f64) {
                         layout.name,
                         at - 1
                     );
+                    // A windowed layer keeps the w - 1 tokens later ones can see, others all:
+                    // as many trimmed layers as the family describes windowed ones.
+                    let mut kept: Vec<usize> =
+                        (0..m.num_layers()).map(|i| cache.layer_len(i)).collect();
+                    kept.sort_unstable();
+                    let mut want: Vec<usize> = windows
+                        .iter()
+                        .map(|&w| at.min(w - 1))
+                        .chain(std::iter::repeat_n(at, m.num_layers() - windows.len()))
+                        .collect();
+                    want.sort_unstable();
+                    assert_eq!(kept, want, "{name}: cached tokens per layer at {at}");
                 }
                 Ok(())
             })

@@ -233,11 +233,16 @@ impl KvCache {
         self.len += n;
     }
 
+    /// The tokens layer `i` keeps (all of them, or those its sliding window can still reach).
+    pub fn layer_len(&self, i: usize) -> usize {
+        self.layers.get(i).map_or(0, LayerKv::len)
+    }
+
     /// Layer `i`'s keys and values of a model of `num_layers` layers. Errors when `i` is out
     /// of range.
     pub fn layer(&mut self, i: usize, num_layers: usize) -> Result<&mut LayerKv> {
         if self.layers.len() != num_layers {
-            self.layers = vec![None; num_layers];
+            self.layers = vec![LayerKv::default(); num_layers];
         }
         self.layers.get_mut(i).ok_or_else(|| {
             crate::Error::Invalid(format!("layer {i} of a model with {num_layers} layers"))

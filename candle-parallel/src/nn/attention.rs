@@ -134,8 +134,31 @@ impl AttentionConfig {
     }
 }
 
-/// The keys and values one attention layer has seen, for incremental generation.
-pub type LayerKv = Option<(Tensor, Tensor)>;
+/// The keys and values one attention layer keeps for incremental generation: `(batch, tokens,
+/// kv_heads, head_dim)` each, of the positions `start..start + tokens`. A layer with a sliding
+/// window of `w` keeps only the last `w - 1` (all that later tokens can see), so its cache stays
+/// bounded however long the generation.
+#[derive(Debug, Clone, Default)]
+pub struct LayerKv {
+    kv: Option<(Tensor, Tensor)>,
+    start: usize,
+}
+
+impl LayerKv {
+    /// The position of the first cached token.
+    pub fn start(&self) -> usize {
+        self.start
+    }
+
+    /// The number of cached tokens.
+    pub fn len(&self) -> usize {
+        self.kv.as_ref().map_or(0, |(k, _)| k.dim(1).unwrap_or(0))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
 
 /// Attention over any parallel layout; see the [module docs](self).
 #[derive(Debug, Clone)]
@@ -296,8 +319,9 @@ impl ParallelAttention {
     }
 
     /// Incremental causal attention for generation (no sequence parallelism): `x` `(b, n,
-    /// hidden)` new tokens at positions `pos`, appended to `cache` (keys and values of the earlier
-    /// tokens, at positions `0..`). Collective over tp.
+    /// hidden)` new tokens at positions `pos` (the ones after the cache's), appended to `cache`
+    /// (keys and values of the earlier tokens); with a sliding window, the keys no later token
+    /// can see are dropped from it. Collective over tp.
     ///
     /// RoPE as in transformers' `generate`: the new tokens rotated with the frequencies of the
     /// sequence so far (`max(pos) + 1` tokens, which matters for dynamic and longrope), the
@@ -306,16 +330,16 @@ impl ParallelAttention {
         let seq_len = pos.iter().max().map_or(0, |&p| p as usize + 1);
         let (q, k, v) = self.qkv(x, pos, seq_len)?;
         let (b, n) = (q.dim(0)?, q.dim(1)?);
-        let (k, v) = match cache.take() {
+        let (k, v) = match cache.kv.take() {
             Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 1)?, Tensor::cat(&[&pv, &v], 1)?),
             None => (k, v),
         };
-        *cache = Some((k.clone(), v.clone()));
+        let (start, len) = (cache.start, k.dim(1)?);
         let spec = flash_ring::AttnSpec::new(
             self.scale,
             flash_ring::MaskKind::Causal,
             flash_ring::Positions::list(pos.to_vec()),
-            flash_ring::Positions::range(0, k.dim(1)?),
+            flash_ring::Positions::range(start, len),
         );
         let spec = match self.window {
             Some(w) => spec.with_window(w),
@@ -327,6 +351,20 @@ impl ParallelAttention {
         };
         let (o, _) = flash_ring::flash_fwd(&q, &k, &v, &spec)
             .map_err(crate::attention::block::kernel_err)?;
+        // A later token at position p >= start + len sees keys at p - w < j: none before
+        // start + len + 1 - w.
+        let keep_from = match self.window {
+            Some(w) => (start + len + 1).saturating_sub(w).max(start),
+            None => start,
+        };
+        let drop = keep_from - start;
+        *cache = LayerKv {
+            kv: Some((
+                k.narrow(1, drop, len - drop)?,
+                v.narrow(1, drop, len - drop)?,
+            )),
+            start: keep_from,
+        };
         self.o_proj
             .forward(&o.reshape((b, n, self.q_heads * self.head_dim))?)
     }
