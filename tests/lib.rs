@@ -721,6 +721,57 @@ pub fn assert_same_registry_run_weights(
     }
 }
 
+/// Final weights of two AdamW runs that saw the same gradients up to rounding: every tensor
+/// within `tol` relative, once the entries AdamW may legitimately move apart are set aside.
+/// AdamW's update `lr m / (sqrt(v) + eps)` turns the absolute rounding error of a gradient entry
+/// that cancels to about `eps` into a change of up to `lr` per step (here: a factor lr / eps =
+/// 5e5), so such entries can differ by up to `2 lr` per step and nothing else. They are
+/// isolated: at most `1e-3` of all entries (a different routing or dropping decision would move
+/// whole rows and expert matrices, hundreds of entries at once), each within `2 lr steps`.
+pub fn assert_weights_close_up_to_adam(
+    case: &str,
+    got: &RegistryRun,
+    want: &RegistryRun,
+    lr: f64,
+    tol: f64,
+) {
+    let steps = want.losses.len() as f64;
+    let (mut total, mut apart) = (0usize, 0usize);
+    assert_eq!(got.weights.len(), want.weights.len(), "{case}");
+    for (n, w) in &want.weights {
+        let a = got.weights[n]
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let b = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let scale = b
+            .iter()
+            .fold(0.0, |m, x| testkit::max_or_nan(m, x.abs() as f64));
+        let (mut kept_a, mut kept_b) = (Vec::new(), Vec::new());
+        for (x, y) in a.iter().zip(&b) {
+            let d = (*x as f64 - *y as f64).abs();
+            assert!(
+                d <= 2.0 * lr * steps,
+                "{case}: {n}: an entry moved {d:e} apart, more than AdamW's 2 lr per step allow"
+            );
+            if d > tol * scale {
+                apart += 1;
+            } else {
+                kept_a.push(*x as f64);
+                kept_b.push(*y as f64);
+            }
+        }
+        total += b.len();
+        let e = testkit::rel_err_values(&kept_a, &kept_b);
+        assert!(e <= tol, "{case}: final weight {n}: rel err {e:e}");
+    }
+    assert!(
+        apart as f64 <= 1e-3 * total as f64,
+        "{case}: {apart} of {total} weight entries apart"
+    );
+}
+
 /// Trains the model of `files`, loaded through the family registry, for `cfg.steps` steps of
 /// `data` under `layout` (f32), through the run driver (see [`drive_through_registry`]); the
 /// run's directory is removed afterwards.

@@ -861,63 +861,13 @@ fn dropped_fractions(out: &std::path::Path) -> Vec<f64> {
         .collect()
 }
 
-/// Final weights of two AdamW runs that saw the same gradients up to rounding: every tensor
-/// within `tol` relative, once the entries AdamW may legitimately move apart are set aside.
-/// AdamW's update `lr m / (sqrt(v) + eps)` turns the absolute rounding error of a gradient entry
-/// that cancels to about `eps` into a change of up to `lr` per step (here: a factor lr / eps =
-/// 5e5), so such entries can differ by up to `2 lr` per step and nothing else. They are
-/// isolated: at most `1e-3` of all entries (a different routing or dropping decision would move
-/// whole rows and expert matrices, hundreds of entries at once), each within `2 lr steps`.
-fn assert_weights_close_up_to_adam(
-    case: &str,
-    got: &cpl_integration_tests::RegistryRun,
-    want: &cpl_integration_tests::RegistryRun,
-    lr: f64,
-) {
-    let steps = want.losses.len() as f64;
-    let (mut total, mut apart) = (0usize, 0usize);
-    assert_eq!(got.weights.len(), want.weights.len(), "{case}");
-    for (n, w) in &want.weights {
-        let a = got.weights[n]
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let b = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let scale = b
-            .iter()
-            .fold(0.0, |m, x| testkit::max_or_nan(m, x.abs() as f64));
-        let (mut kept_a, mut kept_b) = (Vec::new(), Vec::new());
-        for (x, y) in a.iter().zip(&b) {
-            let d = (*x as f64 - *y as f64).abs();
-            assert!(
-                d <= 2.0 * lr * steps,
-                "{case}: {n}: an entry moved {d:e} apart, more than AdamW's 2 lr per step allow"
-            );
-            if d > TOL * scale {
-                apart += 1;
-            } else {
-                kept_a.push(*x as f64);
-                kept_b.push(*y as f64);
-            }
-        }
-        total += b.len();
-        let e = testkit::rel_err_values(&kept_a, &kept_b);
-        assert!(e <= TOL, "{case}: final weight {n}: rel err {e:e}");
-    }
-    assert!(
-        apart as f64 <= 1e-3 * total as f64,
-        "{case}: {apart} of {total} weight entries apart"
-    );
-}
-
 /// Token dropping (`moe_capacity_factor` 0.75, what `cpl train --moe-capacity-factor 0.75`
 /// writes): each expert keeps its most probable assignments of the micro-batch, decided over
 /// every rank that holds the micro-batch's tokens, so a zigzag ring of 4, USP 2x2, TP-sp x
 /// ring2, expert parallelism over a ring of 2 (ep2) and pp2 drop what one rank drops: the same share
 /// dropped at every step, losses, gradient norms and the held-out loss equal one rank (1e-5),
 /// and so do the final weights apart from isolated entries AdamW may move apart
-/// ([`assert_weights_close_up_to_adam`]; measured: one entry of Qwen3-MoE's embedding and one
+/// ([`cpl_integration_tests::assert_weights_close_up_to_adam`]; measured: one entry of Qwen3-MoE's embedding and one
 /// of Mixtral's layer-1 expert 4, the others within 1e-6). Assignments are dropped (5% to 60%
 /// on every step) and dropping changes training (the dropless run differs).
 #[test]
@@ -961,7 +911,13 @@ fn token_dropping_drops_the_same_assignments_under_every_layout() {
             }
             // Losses, norms and the held-out loss at 1e-5; the weights below.
             assert_same_registry_run_weights(&case, &got, &want, TOL, f64::INFINITY);
-            assert_weights_close_up_to_adam(&case, &got, &want, cfg.adamw.lr);
+            cpl_integration_tests::assert_weights_close_up_to_adam(
+                &case,
+                &got,
+                &want,
+                cfg.adamw.lr,
+                TOL,
+            );
         }
         std::fs::remove_dir_all(dir).unwrap();
     }
