@@ -1,10 +1,12 @@
-//! Every command on every zoo family (Qwen2 with sliding windows, Qwen3, Mistral, Phi-3) through
+//! Every command on every zoo family (Qwen2 with sliding windows, Qwen3, Mistral, Phi-3, Gemma 2
+//! with its soft-caps, Gemma 3 with its local and global layers) through
 //! the command line, one layout per command: `inspect` names the architecture and its features,
 //! `eval` gives transformers' loss (1e-5) on one rank and under a ring, `generate` is the same
 //! greedy text under tp2 as on one rank (prompt and reply longer than the window), `train`
 //! under pp2 writes a checkpoint (Phi-3's in its fused layout) that `eval` reloads, and
 //! `finetune` (LoRA SFT) under pp2 writes a PEFT adapter with PEFT's names and shapes (on
-//! Phi-3's fused `qkv_proj` and `gate_up_proj`), which `eval --adapter` reads back under tp2.
+//! Phi-3's fused `qkv_proj` and `gate_up_proj`), which `eval --adapter` reads back under tp2;
+//! LoRA DPO under a ring of 2 starts at ln 2 and writes the same layout.
 
 mod common;
 
@@ -94,6 +96,16 @@ fn every_command_runs_every_zoo_family() {
             "sliding window 8 on 2 of 2 layers",
         ),
         ("phi3", "Phi3ForCausalLM", "fused qkv / gate-up projections"),
+        (
+            "gemma2",
+            "Gemma2ForCausalLM",
+            "attention logit soft-cap, final logit soft-cap",
+        ),
+        (
+            "gemma3",
+            "Gemma3ForCausalLM",
+            "q/k norms, GeGLU (tanh), (1 + w) RMSNorm, pre/post norms",
+        ),
     ] {
         let model = zoo_model(name, &dir);
         let m = model.to_str().unwrap();
@@ -214,6 +226,58 @@ fn every_command_runs_every_zoo_family() {
             (a - b).abs() / a <= 1e-5 && a != one,
             "{name}: adapter eval {a} (tp2 {b}, base {one})"
         );
+
+        // LoRA DPO under a ring of 2: the first step's loss is ln 2 (the policy is its
+        // reference, the base with the adapters off), the second has moved.
+        let dpo = dir.join(format!("{name}-dpo"));
+        let pairs =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../assets/chat/dialogue-dpo.jsonl");
+        run_ok(&[
+            "finetune",
+            "--model",
+            m,
+            "--stage",
+            "dpo",
+            "--data",
+            pairs.to_str().unwrap(),
+            "--template",
+            "plain",
+            "--seq-len",
+            "64",
+            "--steps",
+            "2",
+            "--max-examples",
+            "8",
+            "--lr",
+            "1e-2",
+            "--warmup",
+            "0",
+            "--log-every",
+            "1",
+            "--ranks",
+            "2",
+            "--ring",
+            "2",
+            "--out",
+            dpo.to_str().unwrap(),
+        ]);
+        let losses: Vec<f64> = std::fs::read_to_string(dpo.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| v["loss"].as_f64())
+            .collect();
+        assert_eq!(losses.len(), 2, "{name}: DPO losses {losses:?}");
+        assert!(
+            (losses[0] - std::f64::consts::LN_2).abs() <= 1e-6,
+            "{name}: first DPO loss {}",
+            losses[0]
+        );
+        assert!(
+            losses[1].is_finite() && (losses[1] - losses[0]).abs() > 1e-6,
+            "{name}: DPO step 2 {losses:?}"
+        );
+        assert_peft_layout(&dpo.join("step-2"), &model, 8);
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
