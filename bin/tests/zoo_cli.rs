@@ -1,6 +1,7 @@
 //! Every command on every zoo family (Qwen2 with sliding windows, Qwen3, Mistral, Phi-3, Gemma 2
 //! with its soft-caps, Gemma 3 with its local and global layers) through
-//! the command line, one layout per command: `inspect` names the architecture and its features,
+//! the command line, one layout per command: `inspect` names the architecture and its features
+//! (the RoPE type, base and context too),
 //! `eval` gives transformers' loss (1e-5) on one rank and under a ring, `generate` is the same
 //! greedy text under tp2 as on one rank (prompt and reply longer than the window), `train`
 //! under pp2 writes a checkpoint (Phi-3's in its fused layout) that `eval` reloads, and
@@ -104,7 +105,8 @@ fn every_command_runs_every_zoo_family() {
         (
             "gemma3",
             "Gemma3ForCausalLM",
-            "q/k norms, GeGLU (tanh), (1 + w) RMSNorm, pre/post norms",
+            "sliding window 8 on 2 of 3 layers, RoPE linear θ 1000000, factor 2 on global \
+             layers, default θ 10000 on windowed layers",
         ),
     ] {
         let model = zoo_model(name, &dir);
@@ -278,6 +280,24 @@ fn every_command_runs_every_zoo_family() {
             "{name}: DPO step 2 {losses:?}"
         );
         assert_peft_layout(&dpo.join("step-2"), &model, 8);
+    }
+    // The RoPE of a partially rotated LongRoPE model, and of a Llama 3 one.
+    for (name, rope) in [
+        (
+            "zoo/phi3_longrope",
+            ", RoPE longrope θ 10000, long factors beyond 16 tokens, rotary 4 of 8 dims",
+        ),
+        (
+            "llama/llama3_rope",
+            ", RoPE llama3 θ 500000, factor 8 of 64 tokens",
+        ),
+    ] {
+        let out = run_ok(&["inspect", "--model", fixtures(name).to_str().unwrap()]);
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with("architecture ") && l.ends_with(rope)),
+            "{name}: {out}"
+        );
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

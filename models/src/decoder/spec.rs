@@ -481,8 +481,69 @@ impl DecoderSpec {
                 self.num_layers()
             ));
         }
+        // The rotary embedding: one for every layer, or one for the global and one for the
+        // windowed layers (Gemma 3).
+        let of = |windowed: bool| -> Vec<String> {
+            let mut v: Vec<String> = self
+                .layers
+                .iter()
+                .filter(|l| l.window.is_some() == windowed)
+                .map(|l| rope_summary(&l.rope))
+                .collect();
+            v.dedup();
+            v
+        };
+        let (global, local) = (of(false), of(true));
+        if global.len() <= 1 && local.len() <= 1 {
+            match (global.first(), local.first()) {
+                (Some(g), Some(l)) if g != l => s.push_str(&format!(
+                    ", RoPE {g} on global layers, {l} on windowed layers"
+                )),
+                (Some(r), _) | (None, Some(r)) => s.push_str(&format!(", RoPE {r}")),
+                (None, None) => {}
+            }
+        } else {
+            s.push_str(", RoPE per layer");
+        }
         s
     }
+}
+
+/// `yarn θ 10000, factor 4 of 4096 tokens, rotary 32 of 64 dims`: a rotary embedding's type,
+/// base and what sets its context, as `cpl inspect` prints it.
+fn rope_summary(r: &candle_parallel::ops::RotaryEmbedding) -> String {
+    use candle_parallel::ops::RopeScaling as S;
+    let mut t = format!("{} θ {}", r.scaling().name(), r.theta());
+    match r.scaling() {
+        S::Default => {}
+        S::Linear { factor } => t.push_str(&format!(", factor {factor}")),
+        S::Dynamic {
+            factor,
+            max_position_embeddings: n,
+        } => t.push_str(&format!(", factor {factor} beyond {n} tokens")),
+        S::Llama3 {
+            factor,
+            original_max_position_embeddings: n,
+            ..
+        }
+        | S::Yarn {
+            factor,
+            original_max_position_embeddings: n,
+            ..
+        } => t.push_str(&format!(", factor {factor} of {n} tokens")),
+        S::LongRope {
+            original_max_position_embeddings: n,
+            ..
+        } => t.push_str(&format!(", long factors beyond {n} tokens")),
+    }
+    if r.rotated_dims() < r.head_dim() {
+        t.push_str(&format!(
+            ", rotary {} of {} dims",
+            r.rotated_dims(),
+            r.head_dim()
+        ));
+    }
+    t
 }
 
 /// transformers' name of a layer with global attention in `layer_types`.
