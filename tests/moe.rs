@@ -114,6 +114,18 @@ fn every_moe_family_under_every_layout_matches_one_rank() {
     }
 }
 
+/// bf16 end to end for each mixture of experts: a tp2 x ring2 step follows the one-rank bf16
+/// step ([`cpl_integration_tests::check_bf16_follows_one_rank`]: loss, logits, and every
+/// gradient, the routers' and each expert's, finite, non-zero and no further from one bf16 rank
+/// than that run is from f32). Expert parallelism in bf16: `bin/tests/train_cli.rs`.
+#[test]
+fn every_moe_family_in_bf16_follows_its_one_rank_run() {
+    for name in FAMILIES {
+        let layout = Layout::new("tp2 x ring2", 2, 1, 2, Strategy::Ring);
+        cpl_integration_tests::check_bf16_follows_one_rank(name, &layout);
+    }
+}
+
 /// A right-padded batch (row 1's last 15 of 32 tokens, as TRL pads fine-tuning batches): the
 /// padding is left out of the balancing loss as transformers leaves it out given an
 /// `attention_mask`, so the training loss and every gradient equal transformers' (1e-5 relative;

@@ -2588,7 +2588,8 @@ fn passkey_under_expert_parallelism_equals_data_parallelism() {
 /// held-out losses (5 held-out windows: the data ranks score 2, 1, 1, 1, expert parallelism
 /// pads the others' forwards) and saved checkpoints of --ep 2, --ep 4, and --ep 2 with ZeRO-2
 /// equal the same run without expert parallelism, and --ep 2 with --ring 2, --tp 2 or --pp 2
-/// equals the same layout without it (1e-5); a checkpoint of step 2 written under --ep 2 resumes
+/// equals the same layout without it (1e-5), and in bf16 --ep 2 follows the run without it; a
+/// checkpoint of step 2 written under --ep 2 resumes
 /// under --ep 4 and --ep 1 to the uninterrupted run's losses; bad uses name the flag.
 #[test]
 fn expert_parallelism_trains_like_data_parallelism_and_resumes_under_another_ep() {
@@ -2652,6 +2653,22 @@ fn expert_parallelism_trains_like_data_parallelism_and_resumes_under_another_ep(
     let dp2 = run("dp2", &["--ranks", "2"]);
     let pp2 = run("pp2", &["--pp", "2"]);
     same(&pp2, &dp2, "pp2");
+    // bf16: --ep 2 follows the same run without it within bf16's rounding (each expert's
+    // gradient summed in one product over both data ranks' tokens instead of two sums
+    // all-reduced: 1e-2 relative on the losses, 5e-2 on the norms; the first step's forward
+    // is the same computation).
+    let (bf, ep_bf) = (
+        run("dp4-bf16", &["--dtype", "bf16"]),
+        run("ep2-bf16", &["--ep", "2", "--dtype", "bf16"]),
+    );
+    let (g, w) = (losses_and_norms(&ep_bf), losses_and_norms(&bf));
+    assert_eq!(g.len(), w.len(), "bf16");
+    testkit::assert_close_scalar(g[0].0, w[0].0, 1e-6, "bf16 --ep 2: first loss");
+    for (i, ((gl, gn), (wl, wn))) in g.iter().zip(&w).enumerate() {
+        assert!(gl.is_finite() && gn.is_finite(), "bf16 --ep 2: step {i}");
+        testkit::assert_close_scalar(*gl, *wl, 1e-2, &format!("bf16 --ep 2: step {i} loss"));
+        testkit::assert_close_scalar(*gn, *wn, 5e-2, &format!("bf16 --ep 2: step {i} norm"));
+    }
     for (a, b) in evals(&pp2).iter().zip(evals(&dp2)) {
         testkit::assert_close_scalar(*a, b, 1e-5, "pp2: held-out loss");
     }
