@@ -22,8 +22,8 @@ use candle_parallel::nn::{Adapters, LoraConfig, LoraTargets, TensorMap};
 use cpl_integration_tests::{
     assert_same_registry_run, assert_same_registry_run_weights, assert_same_step,
     assert_weights_close_up_to_adam, check_bf16_follows_one_rank, check_kv_cache, check_reference,
-    check_saved_under_tp2_reloads, fixture_dir, fixture_files, max_abs, random_matrix, rel_err,
-    run_layout, run_layout_lora, run_layout_with, train_through_registry, Layout, StepPlan,
+    check_saved_under_tp2_reloads, fixture_dir, fixture_files, random_matrix, rel_err, run_layout,
+    run_layout_lora, run_layout_with, train_through_registry, Layout, StepPlan,
 };
 use train::data::PackedDataset;
 
