@@ -63,6 +63,8 @@ struct Case {
     dtype: DType,
     /// A sliding window of this many tokens on top of the mask.
     window: Option<usize>,
+    /// Logit soft-capping `tanh(s / c) · c` of the scores.
+    softcap: Option<f32>,
 }
 
 impl Case {
@@ -78,6 +80,7 @@ impl Case {
             with_lse: true,
             dtype: DType::F32,
             window: None,
+            softcap: None,
         }
     }
 
@@ -86,8 +89,15 @@ impl Case {
         self
     }
 
+    fn softcap(mut self, c: f32) -> Self {
+        self.softcap = Some(c);
+        self
+    }
+
     fn call(&self) -> AttnCall {
-        AttnCall::new(self.attn_mask(), self.scale()).with_window(self.window)
+        AttnCall::new(self.attn_mask(), self.scale())
+            .with_window(self.window)
+            .with_softcap(self.softcap)
     }
 
     fn batch(mut self, b: usize) -> Self {
@@ -170,6 +180,9 @@ fn whole_sequence_spec(c: &Case, scale: f32) -> AttnSpec {
     }
     if let Some(w) = c.window {
         spec = spec.with_window(w);
+    }
+    if let Some(cap) = c.softcap {
+        spec = spec.with_softcap(cap);
     }
     spec
 }
@@ -698,6 +711,41 @@ fn sliding_windows_match_single_device_under_every_strategy() {
     .batch(2);
     doc_zigzag.with_lse = false;
     cases.push(doc_zigzag);
+    run_all(&cases);
+}
+
+/// Logit soft-capping (Gemma 2's `tanh(s / c) · c`) under every strategy, with and without a
+/// sliding window, every mask kind (documents included), GQA: out, lse and the gradients (the
+/// backward's `1 - tanh²` factor) equal one device within 1e-5, and the traffic is the uncapped
+/// run's. The cap (0.7) changes the scores of these inputs: the capped reference differs from
+/// the uncapped one by more than 1e-2.
+#[test]
+fn soft_capped_scores_match_single_device_under_every_strategy() {
+    let probe = Case::new(SpConfig::new(Strategy::Ring, 1, 4), 4, 2, M::Causal);
+    let x = inputs(&probe, 3);
+    let (plain, capped) = (
+        reference(&probe, &x),
+        reference(&probe.clone().softcap(0.7), &x),
+    );
+    assert!(
+        rel_err(&capped[0], &plain[0]) > 1e-2,
+        "the cap changes nothing"
+    );
+    let mut cases = Vec::new();
+    for cfg in [
+        SpConfig::new(Strategy::Ring, 1, 4),
+        SpConfig::new(Strategy::Ring, 1, 4).with_layout(SeqLayout::Contiguous),
+        SpConfig::new(Strategy::Ring, 1, 4).with_layout(SeqLayout::Striped),
+        SpConfig::new(Strategy::Ulysses, 2, 1),
+        SpConfig::new(Strategy::Usp, 2, 2),
+        SpConfig::new(Strategy::DoubleRing, 1, 4).with_inner_ring(2),
+        SpConfig::new(Strategy::AllGather, 1, 4),
+    ] {
+        for mask in [M::Causal, M::Docs, M::Full, M::DocsFull] {
+            cases.push(Case::new(cfg.clone(), 4, 2, mask).softcap(0.7));
+            cases.push(Case::new(cfg.clone(), 4, 2, mask).softcap(0.7).window(9));
+        }
+    }
     run_all(&cases);
 }
 

@@ -1,7 +1,8 @@
 //! StarTrail / WallFacer concentric rings (`Strategy::StarTrail`): numerics against
 //! single-device flash-ring (out, lse, dq, dk, dv within 1e-5 relative, f32) and the exact
 //! bytes every rank sends, for team sizes C in {1, 2} on P in {4, 8} ranks, full / causal /
-//! document masks, MHA and GQA; C = 1 against ring attention.
+//! document masks, MHA and GQA, with sliding windows and logit soft-caps; C = 1 against ring
+//! attention.
 
 mod multi_ring_common;
 
@@ -182,6 +183,29 @@ fn startrail_matches_single_device() {
             for (hq, hkv) in [(4, 4), (8, 2)] {
                 seed += 1;
                 run_case(&Case::new(config(p, c), mask, hq, hkv), seed);
+            }
+        }
+    }
+}
+
+/// Sliding windows (of 1 key, shorter than a rank's tokens, spanning teams) and Gemma 2's logit
+/// soft-cap, alone and together, every mask, GQA, teams of 1 and 2: out, lse and the gradients
+/// equal one device (1e-5) and the bytes are the formula's (a window skips compute, not
+/// StarTrail's transfers).
+#[test]
+fn startrail_with_windows_and_softcaps_matches_single_device() {
+    let mut seed = 400;
+    for (p, c) in [(4, 2), (8, 2), (8, 1)] {
+        for mask in MaskSel::ALL {
+            for (w, cap) in [
+                (Some(1), None),
+                (Some(6), None),
+                (Some(20), Some(0.7)),
+                (None, Some(0.7)),
+            ] {
+                seed += 1;
+                let case = Case::new(config(p, c), mask, 8, 2).with_window_and_softcap(w, cap);
+                run_case(&case, seed);
             }
         }
     }

@@ -77,6 +77,10 @@ pub struct Case {
     pub hkv: usize,
     pub d: usize,
     pub dtype: DType,
+    /// A sliding window of this many tokens on top of the mask.
+    pub window: Option<usize>,
+    /// Logit soft-capping `tanh(s / c) · c` of the scores.
+    pub softcap: Option<f32>,
 }
 
 impl Case {
@@ -90,7 +94,22 @@ impl Case {
             hkv,
             d: 32,
             dtype: DType::F32,
+            window: None,
+            softcap: None,
         }
+    }
+
+    /// With a sliding window of `w` tokens and soft-cap `c`.
+    pub fn with_window_and_softcap(mut self, w: Option<usize>, c: Option<f32>) -> Self {
+        (self.window, self.softcap) = (w, c);
+        self
+    }
+
+    /// The attention call of every rank: the mask, the scale, the window and the cap.
+    pub fn call(&self) -> AttnCall {
+        AttnCall::new(self.mask.mask(self.s), self.scale())
+            .with_window(self.window)
+            .with_softcap(self.softcap)
     }
 
     pub fn with_batch(mut self, b: usize) -> Self {
@@ -180,7 +199,6 @@ pub fn inputs(case: &Case, seed: u64) -> Inputs {
 /// backpropagates `sum(out * dout)`, and returns its results and traffic.
 pub fn run(case: &Case, x: &Inputs) -> Vec<RankOut> {
     let mask = case.mask.mask(case.s);
-    let scale = case.scale();
     LocalWorld::run(case.world(), |world| -> candle_parallel::Result<RankOut> {
         let mesh = DeviceMesh::new(&case.cfg.mesh_config(), world.clone())?;
         let sp = SpAttention::new(&case.cfg, &mesh)?;
@@ -191,12 +209,8 @@ pub fn run(case: &Case, x: &Inputs) -> Vec<RankOut> {
         let dout = shard(&x.dout)?;
         let traffic = world.traffic();
         traffic.reset();
-        let (out, lse) = sp.attention_with_lse(
-            q.as_tensor(),
-            k.as_tensor(),
-            v.as_tensor(),
-            &AttnCall::new(mask.clone(), scale),
-        )?;
+        let (out, lse) =
+            sp.attention_with_lse(q.as_tensor(), k.as_tensor(), v.as_tensor(), &case.call())?;
         let fwd = traffic.snapshot();
         traffic.reset();
         let grads = (&out * &dout)?.sum_all()?.backward()?;
@@ -233,11 +247,17 @@ pub fn reference(case: &Case, x: &Inputs) -> [Tensor; 5] {
         v: f(&x.v),
         dout: f(&x.dout),
     };
-    let spec: AttnSpec = case.mask.mask(case.s).spec(
+    let mut spec: AttnSpec = case.mask.mask(case.s).spec(
         case.scale(),
         flash_ring::Positions::range(0, case.s),
         flash_ring::Positions::range(0, case.s),
     );
+    if let Some(w) = case.window {
+        spec = spec.with_window(w);
+    }
+    if let Some(c) = case.softcap {
+        spec = spec.with_softcap(c);
+    }
     let (out, lse) = flash_ring::flash_fwd(&x.q, &x.k, &x.v, &spec).unwrap();
     let (dq, dk, dv) = flash_ring::flash_bwd(&x.q, &x.k, &x.v, &out, &lse, &x.dout, &spec).unwrap();
     [out, lse, dq, dk, dv]
