@@ -544,13 +544,19 @@ impl SparseMoe {
         dummy: u32,
     ) -> Result<Tensor> {
         let dev = xs.device();
-        let mut out = xs.zeros_like()?;
+        // Every expert's weighted rows, in expert order, then one scatter-add: a token's rows are
+        // added in expert order (as one addition per expert would add them, bit for bit), and
+        // the graph keeps one `(Σ rows, hidden)` tensor instead of an `(n, hidden)` sum per
+        // expert (128 of them per layer for Qwen3-MoE's experts).
+        let mut all_tokens: Vec<u32> = Vec::new();
+        let mut parts: Vec<Tensor> = Vec::with_capacity(self.experts.len());
         for (expert, (mut tokens, mut slots)) in self.experts.iter().zip(rows) {
             let mut mask = vec![1f32; tokens.len()];
             if tokens.is_empty() {
                 (tokens, slots, mask) = (vec![dummy], vec![0], vec![0.0]);
             }
             let m = tokens.len();
+            all_tokens.extend_from_slice(&tokens);
             let tokens = Tensor::from_vec(tokens, m, dev)?;
             let mask = Tensor::from_vec(mask, (m, 1), dev)?.to_dtype(xs.dtype())?;
             let w = match weights {
@@ -561,9 +567,13 @@ impl SparseMoe {
                 None => mask,
             };
             let y = expert.forward(&xs.index_select(&tokens, 0)?)?;
-            out = out.index_add(&tokens, &y.broadcast_mul(&w)?, 0)?;
+            parts.push(y.broadcast_mul(&w)?);
         }
-        Ok(out)
+        let m = all_tokens.len();
+        let rows = Tensor::cat(&parts, 0)?;
+        Ok(xs
+            .zeros_like()?
+            .index_add(&Tensor::from_vec(all_tokens, m, dev)?, &rows, 0)?)
     }
 
     /// Expert parallelism on this rank's tokens `xs` `(n, hidden)` with their routing `weights`
