@@ -428,11 +428,9 @@ fn formats_read_to_the_same_conversations() {
     }
 }
 
-#[test]
-fn trained_tokens_are_the_replies_and_their_end_of_turn() {
-    let tok = tokenizer();
-    let chatml = template("chatml");
-    let conv = Conversation {
+/// Two questions, each answered (`hand line 1`).
+fn two_turns() -> Conversation {
+    Conversation {
         messages: msgs(&[
             ("user", "What is 2+2?"),
             ("assistant", "4"),
@@ -440,7 +438,14 @@ fn trained_tokens_are_the_replies_and_their_end_of_turn() {
             ("assistant", "6"),
         ]),
         source: "hand line 1".into(),
-    };
+    }
+}
+
+#[test]
+fn trained_tokens_are_the_replies_and_their_end_of_turn() {
+    let tok = tokenizer();
+    let chatml = template("chatml");
+    let conv = two_turns();
     // Exact booleans: prompt tokens false, reply + <|im_end|> + newline true.
     let ex = tokenize_conversation(&chatml, &tok, &conv, SFT).unwrap();
     let enc = |s: &str| tok.encode_with_offsets(s).unwrap().0;
@@ -521,15 +526,7 @@ fn a_template_closing_with_eos_trains_every_reply() {
     )
     .unwrap();
     let eos = special_tokens()["eos_token"].clone();
-    let conv = Conversation {
-        messages: msgs(&[
-            ("user", "What is 2+2?"),
-            ("assistant", "4"),
-            ("user", "And 3+3?"),
-            ("assistant", "6"),
-        ]),
-        source: "hand line 1".into(),
-    };
+    let conv = two_turns();
     assert_eq!(
         runs(&phi3, &conv, SFT),
         ["4<|end|>\n".to_string(), format!("6<|end|>\n{eos}")]
