@@ -11,8 +11,8 @@
 //! bf16 logits often do. This file reproduces those algorithms step for step (introselect with
 //! the median-of-three pivot, heap select, introsort with its final insertion sort), so it is
 //! hand-written on purpose: no crate sorts in libstdc++'s order. Checked against `torch.topk` on
-//! 968 tie-heavy rows, NaN included, both paths (`tests/fixtures/moe/topk.json`,
-//! `scripts/make_topk_fixture.py`).
+//! 968 tie-heavy rows, NaN included, both paths, and on organ-pipe rows that exhaust
+//! introselect's depth limit (`tests/fixtures/moe/topk.json`, `scripts/make_topk_fixture.py`).
 
 /// A value and its index in the row.
 type Item = (f32, u32);
@@ -280,10 +280,29 @@ mod tests {
             by_index += usize::from(plain != want);
         }
         assert!(partial > 20 && nth > 500, "{partial} / {nth}");
+        // Rows on which introselect reaches its depth limit (heap select) are among them.
+        let organ = cases.iter().filter(|c| c["organ"] == true).count();
+        assert!(organ >= 10, "{organ} organ-pipe rows");
         assert!(
             by_index > 100,
             "only {by_index} rows differ from the lower-index rule"
         );
+    }
+
+    #[test]
+    fn lg_is_the_floor_of_log2() {
+        for (n, want) in [
+            (1, 0),
+            (2, 1),
+            (3, 1),
+            (4, 2),
+            (7, 2),
+            (8, 3),
+            (9, 3),
+            (1 << 40, 40),
+        ] {
+            assert_eq!(lg(n), want, "{n}");
+        }
     }
 
     #[test]
