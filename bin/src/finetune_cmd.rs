@@ -606,8 +606,14 @@ fn finetune(a: &FinetuneArgs) -> Result<()> {
             } else {
                 "--lora-targets"
             })?;
-            // Unless asked for (`all-linear` or `gate` named), the router stays frozen.
-            let fresh_default = a.adapter.is_none() && a.lora_targets.is_none();
+            // Unless asked for (`all-linear` or `gate` named, or its parameter given), the
+            // router stays frozen.
+            let fresh_default = a.adapter.is_none()
+                && a.lora_targets.is_none()
+                && !a
+                    .lora_target_parameters
+                    .iter()
+                    .any(|p| p == models::peft::ROUTER_PARAMETER);
             let c = if fresh_default {
                 models::peft::without_router(&c)
             } else {

@@ -867,6 +867,18 @@ fn lora_on_a_mixture_of_experts_writes_peft_adapters() {
         !cfg["target_parameters"].to_string().contains("gate.weight"),
         "{cfg}"
     );
+    // Naming the router's parameter asks for it: PEFT's all-linear adapter again.
+    let asked = d.join("router-asked");
+    let mut a = args(&asked, &["--lora-target-parameters", "gate.weight"]);
+    let at = a.iter().position(|x| x == "--lora-targets").unwrap();
+    a.drain(at..at + 2);
+    let o = cpl(&a);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        adapter_shapes(&asked.join("step-2")),
+        adapter_shapes(&step),
+        "--lora-target-parameters gate.weight: the routers adapted"
+    );
     // cpl reloads it.
     let tokens = d.join("ids.json");
     let ids: Vec<Vec<u32>> = testkit::random_docs(5, 2, 24..25, 256);

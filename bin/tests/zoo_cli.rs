@@ -69,6 +69,30 @@ fn eval_loss(model: &Path, tokens: &Path, layout: &[&str]) -> f64 {
     v["loss"].as_f64().unwrap()
 }
 
+/// `cpl finetune` of `model` (LoRA, the plain template, 2 steps of 8 examples of 64 tokens, no
+/// warm-up) into `out`, with `extra` flags.
+fn finetune(model: &str, out: &Path, extra: &[&str]) {
+    let mut a = vec![
+        "finetune",
+        "--model",
+        model,
+        "--template",
+        "plain",
+        "--seq-len",
+        "64",
+        "--steps",
+        "2",
+        "--max-examples",
+        "8",
+        "--warmup",
+        "0",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    a.extend_from_slice(extra);
+    run_ok(&a);
+}
+
 fn generate(model: &Path, layout: &[&str]) -> String {
     let mut a = vec![
         "generate",
@@ -179,27 +203,7 @@ fn every_command_runs_every_zoo_family() {
         );
 
         let ft = dir.join(format!("{name}-lora"));
-        run_ok(&[
-            "finetune",
-            "--model",
-            m,
-            "--template",
-            "plain",
-            "--seq-len",
-            "64",
-            "--steps",
-            "2",
-            "--max-examples",
-            "8",
-            "--warmup",
-            "0",
-            "--ranks",
-            "2",
-            "--pp",
-            "2",
-            "--out",
-            ft.to_str().unwrap(),
-        ]);
+        finetune(m, &ft, &["--ranks", "2", "--pp", "2"]);
         let adapter: serde_json::Value =
             serde_json::from_slice(&std::fs::read(ft.join("step-2/adapter_config.json")).unwrap())
                 .unwrap();
@@ -234,35 +238,25 @@ fn every_command_runs_every_zoo_family() {
         let dpo = dir.join(format!("{name}-dpo"));
         let pairs =
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../assets/chat/dialogue-dpo.jsonl");
-        run_ok(&[
-            "finetune",
-            "--model",
+        let pairs = pairs.to_str().unwrap();
+        finetune(
             m,
-            "--stage",
-            "dpo",
-            "--data",
-            pairs.to_str().unwrap(),
-            "--template",
-            "plain",
-            "--seq-len",
-            "64",
-            "--steps",
-            "2",
-            "--max-examples",
-            "8",
-            "--lr",
-            "1e-2",
-            "--warmup",
-            "0",
-            "--log-every",
-            "1",
-            "--ranks",
-            "2",
-            "--ring",
-            "2",
-            "--out",
-            dpo.to_str().unwrap(),
-        ]);
+            &dpo,
+            &[
+                "--stage",
+                "dpo",
+                "--data",
+                pairs,
+                "--lr",
+                "1e-2",
+                "--log-every",
+                "1",
+                "--ranks",
+                "2",
+                "--ring",
+                "2",
+            ],
+        );
         let losses: Vec<f64> = std::fs::read_to_string(dpo.join("metrics.jsonl"))
             .unwrap()
             .lines()

@@ -145,11 +145,6 @@ pub struct LayerKv {
 }
 
 impl LayerKv {
-    /// The position of the first cached token.
-    pub fn start(&self) -> usize {
-        self.start
-    }
-
     /// The number of cached tokens.
     pub fn len(&self) -> usize {
         self.kv.as_ref().map_or(0, |(k, _)| k.dim(1).unwrap_or(0))

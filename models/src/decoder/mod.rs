@@ -173,14 +173,15 @@ fn check_adapters_used(
 ) -> Result<()> {
     // Each target parameter names one a model of this family has (a mixture of experts' router
     // weight, or its experts' stacked projections).
-    let targetable: &[&str] = if spec.moe.is_some() {
-        &[
-            "model.layers.0.mlp.gate.weight",
-            "model.layers.0.mlp.experts.gate_up_proj",
-            "model.layers.0.mlp.experts.down_proj",
-        ]
-    } else {
-        &[]
+    use crate::peft::ROUTER_PARAMETER;
+    use candle_parallel::nn::moe::{EXPERT_DOWN, EXPERT_GATE_UP};
+    let targetable: Vec<String> = match spec.moe {
+        Some(_) => vec![
+            format!("model.layers.0.mlp.{ROUTER_PARAMETER}"),
+            format!("model.layers.0.mlp.experts.{EXPERT_GATE_UP}"),
+            format!("model.layers.0.mlp.experts.{EXPERT_DOWN}"),
+        ],
+        None => Vec::new(),
     };
     for t in &adapters.cfg.target_parameters {
         let one = candle_parallel::nn::LoraConfig {
@@ -196,9 +197,10 @@ fn check_adapters_used(
                     "it has no mixture of experts; adapt its linear layers with --lora-targets"
                         .to_string()
                 } else {
-                    "its parameters are gate.weight (the routers), gate_up_proj and down_proj \
-                     (the experts)"
-                        .to_string()
+                    format!(
+                        "its parameters are {ROUTER_PARAMETER} (the routers), {EXPERT_GATE_UP} \
+                         and {EXPERT_DOWN} (the experts)"
+                    )
                 }
             )));
         }

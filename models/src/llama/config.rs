@@ -206,16 +206,15 @@ impl LlamaConfig {
                 .unwrap_or("?");
             // transformers dequantizes a GGUF file when it loads it: a directory it saved from
             // one holds plain tensors under this note.
-            if method == "gguf" {
-                return self.stored_dtype(path).map(|_| ());
-            }
-            return Err(Error::config(
-                path,
-                format!(
+            if method != "gguf" {
+                return Err(Error::config(
+                    path,
+                    format!(
                     "`quantization_config` ({method}): quantized checkpoints are not supported; \
                      load the unquantized (or dequantized) weights"
                 ),
-            ));
+                ));
+            }
         }
         self.stored_dtype(path)?;
         Ok(())
